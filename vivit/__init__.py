@@ -1,0 +1,40 @@
+"""vivit: exact, cheap curvature of neural networks from the GGN's low-rank structure.
+
+Front doors:
+
+- :class:`LowRankGGN`: one call outside a training loop.
+- :class:`EigvalshComputation`, :class:`EighComputation`,
+  :class:`DirectionalDerivativesComputation`,
+  :class:`DirectionalDampedNewtonComputation`: the ViViT-compatible BackPACK
+  extension + hook API for use inside a training loop.
+"""
+
+from vivit.errors import (
+    BatchNormTrainingError,
+    GramTooLargeError,
+    InvalidSubsamplingError,
+    ParamGroupError,
+    ResultNotReadyError,
+    UnsupportedLayerError,
+)
+from vivit.linalg.eigh import EighComputation
+from vivit.linalg.eigvalsh import EigvalshComputation
+from vivit.lowrank import LowRankGGN
+from vivit.optim.directional_damped_newton import DirectionalDampedNewtonComputation
+from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+from vivit.optim.noise import DirectionalDerivatives
+
+__all__ = [
+    "BatchNormTrainingError",
+    "DirectionalDampedNewtonComputation",
+    "DirectionalDerivatives",
+    "DirectionalDerivativesComputation",
+    "EighComputation",
+    "EigvalshComputation",
+    "GramTooLargeError",
+    "InvalidSubsamplingError",
+    "LowRankGGN",
+    "ParamGroupError",
+    "ResultNotReadyError",
+    "UnsupportedLayerError",
+]

@@ -1,0 +1,229 @@
+"""Module extensions of layers with parameters: save factors, not ``V``.
+
+Every parameter receives a :class:`~vivit.engines.base.ParamContribution`. Linear and
+convolution weights keep the layer input and the backpropagated vectors
+(:class:`~vivit.gram.OuterProductFactors`); every other parameter (biases,
+BatchNorm, transposed convolutions, embeddings) gets its columns of ``V`` from
+BackPACK's ``param_mjp`` (:class:`~vivit.gram.DenseFactors`), which are small or have
+no cheaper form.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from backpack.core.derivatives.basederivatives import BaseDerivatives
+from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
+from backpack.core.derivatives.conv1d import Conv1DDerivatives
+from backpack.core.derivatives.conv2d import Conv2DDerivatives
+from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.core.derivatives.linear import LinearDerivatives
+from backpack.extensions.mat_to_mat_jac_base import MatToJacMat
+from backpack.utils.conv import unfold_input
+from backpack.utils.subsampling import subsample
+from torch import Tensor
+from torch.nn import Module
+
+from vivit.engines.base import ParamContribution
+from vivit.errors import BatchNormTrainingError
+from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
+
+if TYPE_CHECKING:
+    from vivit.engines.backpack.extension import GramGGN
+
+
+class GramParamsExtension(MatToJacMat):
+    """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
+
+    Sub-classes override :meth:`factors` for parameters with a factor form.
+
+    Args:
+        derivatives: BackPACK derivatives of the layer.
+        params: Names of the layer's parameters.
+    """
+
+    def __init__(self, derivatives: BaseDerivatives, params: list[str]):
+        for name in params:
+            setattr(self, name, partial(self._contribution, name))
+        super().__init__(derivatives, params=params)
+
+    def _contribution(
+        self,
+        param_str: str,
+        ext: GramGGN,
+        module: Module,
+        g_inp: tuple[Tensor, ...],
+        g_out: tuple[Tensor, ...],
+        backproped: Tensor,
+    ) -> ParamContribution:
+        batch = ext.current_batch(module)
+        ggn, grad = self.factors(param_str, ext, module, g_inp, g_out, backproped)
+        return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+
+    def factors(
+        self,
+        param_str: str,
+        ext: GramGGN,
+        module: Module,
+        g_inp: tuple[Tensor, ...],
+        g_out: tuple[Tensor, ...],
+        backproped: Tensor,
+    ) -> tuple[ParamFactors, ParamFactors | None]:
+        """Columns of ``V`` and (if the extension asks) per-sample gradients.
+
+        Args:
+            param_str: Name of the parameter in the module.
+            ext: The running extension.
+            module: The layer.
+            g_inp: Gradients w.r.t. the layer inputs.
+            g_out: Gradients w.r.t. the layer output.
+            backproped: ``√R · J_outᵀ s`` at the layer output, ``[C, |S|, *out]``.
+
+        Returns:
+            Factors of ``V`` (active samples) and of the per-sample gradients (all
+            samples, one column each), or ``None`` for the latter.
+        """
+        columns = self.derivatives.param_mjp(
+            param_str,
+            module,
+            g_inp,
+            g_out,
+            backproped,
+            sum_batch=False,
+            subsampling=ext.get_subsampling(),
+        )
+        ggn = DenseFactors(columns.transpose(0, 1))
+        if not ext.compute_gradients:
+            return ggn, None
+        grads = self.derivatives.param_mjp(
+            param_str, module, g_inp, g_out, g_out[0].unsqueeze(0), sum_batch=False
+        )
+        scale = ext.current_batch(module).per_sample_gradient_scale
+        return ggn, DenseFactors(grads.transpose(0, 1) * scale)
+
+
+class GramLinear(GramParamsExtension):
+    """``torch.nn.Linear``, also on inputs with extra axes ``[N, *T, I]``."""
+
+    def __init__(self):
+        super().__init__(LinearDerivatives(), ["weight", "bias"])
+
+    def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
+        if param_str != "weight":
+            return super().factors(param_str, ext, module, g_inp, g_out, backproped)
+        inputs = module.input0.reshape(
+            module.input0.shape[0], 1, -1, module.in_features
+        )
+        return _outer_factors(ext, module, inputs, backproped, g_out, _linear_positions)
+
+
+class GramConvNd(GramParamsExtension):
+    """``torch.nn.Conv{1,2,3}d`` with zero padding, any stride, dilation and groups.
+
+    Args:
+        derivatives: BackPACK derivatives of the convolution.
+    """
+
+    def __init__(self, derivatives: BaseDerivatives):
+        super().__init__(derivatives, ["weight", "bias"])
+
+    def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
+        has_factor_form = module.padding_mode == "zeros" and not isinstance(
+            module.padding, str
+        )
+        if param_str != "weight" or not has_factor_form:
+            return super().factors(param_str, ext, module, g_inp, g_out, backproped)
+        unfolded = unfold_input(module, module.input0)  # [N, I·k, T]
+        groups = module.groups
+        inputs = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
+        inputs = inputs.transpose(2, 3)  # [N, G, T, P]
+        return _outer_factors(
+            ext,
+            module,
+            inputs,
+            backproped,
+            g_out,
+            partial(_conv_positions, groups=groups),
+        )
+
+
+class GramBatchNormNd(GramParamsExtension):
+    """``torch.nn.BatchNorm{1,2,3}d`` in evaluation mode."""
+
+    def __init__(self):
+        super().__init__(BatchNormNdDerivatives(), ["weight", "bias"])
+
+    def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
+        if module.training:
+            raise BatchNormTrainingError(
+                f"{module} is in training mode: its output mixes the samples of the "
+                "mini-batch, so the GGN has no per-sample structure. Call "
+                "model.eval() before computing curvature (BatchNorm then uses its "
+                "running statistics)."
+            )
+
+
+def _linear_positions(outputs: Tensor, num_vectors: int, num_samples: int) -> Tensor:
+    """Reshape ``[V, N, *T, O]`` to ``[V, N, 1, T, O]``."""
+    return outputs.reshape(num_vectors, num_samples, 1, -1, outputs.shape[-1])
+
+
+def _conv_positions(
+    outputs: Tensor, num_vectors: int, num_samples: int, groups: int
+) -> Tensor:
+    """Reshape ``[V, N, G·O, *spatial]`` to ``[V, N, G, T, O]``."""
+    outputs = outputs.reshape(
+        num_vectors, num_samples, groups, -1, outputs[0, 0, 0].numel()
+    )
+    return outputs.transpose(3, 4)
+
+
+def _outer_factors(
+    ext: GramGGN,
+    module: Module,
+    inputs: Tensor,
+    backproped: Tensor,
+    g_out: tuple[Tensor, ...],
+    positions,
+) -> tuple[ParamFactors, ParamFactors | None]:
+    """Build weight factors from inputs ``[N, G, T, P]`` and output-side vectors.
+
+    Args:
+        ext: The running extension.
+        module: The layer.
+        inputs: Layer inputs of every sample in the mini-batch, ``[N, G, T, P]``.
+        backproped: Backpropagated vectors of the active samples, ``[C, |S|, *out]``.
+        g_out: Gradients w.r.t. the layer output.
+        positions: Reshapes ``[V, N, *out]`` to ``[V, N, G, T, O]``.
+
+    Returns:
+        Factors of ``V`` and, if requested, of the per-sample gradients.
+    """
+    shape = module.weight.shape
+    num_columns, num_active = backproped.shape[:2]
+    active = subsample(inputs, subsampling=ext.get_subsampling())
+    ggn = OuterProductFactors(
+        active, positions(backproped, num_columns, num_active), shape
+    )
+    if not ext.compute_gradients:
+        return ggn, None
+    scale = ext.current_batch(module).per_sample_gradient_scale
+    grad_out = g_out[0].unsqueeze(0) * scale
+    grad = OuterProductFactors(inputs, positions(grad_out, 1, inputs.shape[0]), shape)
+    return ggn, grad
+
+
+def conv_extensions() -> dict[type[Module], GramParamsExtension]:
+    """Module extensions of the convolutions, keyed by layer class.
+
+    Returns:
+        Mapping from ``Conv{1,2,3}d`` to their module extensions.
+    """
+    from torch.nn import Conv1d, Conv2d, Conv3d
+
+    return {
+        Conv1d: GramConvNd(Conv1DDerivatives()),
+        Conv2d: GramConvNd(Conv2DDerivatives()),
+        Conv3d: GramConvNd(Conv3DDerivatives()),
+    }

@@ -1,0 +1,14 @@
+"""Gram algebra: products of the GGN square root ``V`` computed from layer factors.
+
+Every parameter contributes columns to ``V``. A :class:`ParamFactors` object holds
+them in the cheapest form its layer allows and answers the products the
+computations need: Gram blocks ``V₁ᵀ V₂``, ``V u`` and ``Vᵀ w``. Rows and columns of
+every Gram-space quantity are ordered sample-major: entry ``n * C + c`` is column
+``c`` of sample ``n``.
+"""
+
+from vivit.gram.dense import DenseFactors
+from vivit.gram.factors import ParamFactors
+from vivit.gram.outer import OuterProductFactors
+
+__all__ = ["DenseFactors", "OuterProductFactors", "ParamFactors"]

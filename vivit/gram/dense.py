@@ -1,0 +1,46 @@
+"""Columns of ``V`` held explicitly, for layers without a cheaper factor form."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from vivit.gram.factors import ParamFactors
+
+
+class DenseFactors(ParamFactors):
+    """A parameter's columns of ``V`` stored as a matrix.
+
+    Used for parameters whose ``V`` is small (biases, normalization layers) or whose
+    layer has no factor form.
+
+    Args:
+        columns: ``Vᵀ`` restricted to the parameter, shape ``[N, C, *param_shape]``.
+    """
+
+    def __init__(self, columns: Tensor):
+        self.num_samples, self.num_columns = columns.shape[:2]
+        self.param_shape = columns.shape[2:]
+        self._vt = columns.reshape(self.num_samples * self.num_columns, -1)
+
+    def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
+        other_vt = self._vt if other is None else other.materialize()
+        return self._vt @ other_vt.T
+
+    def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
+        return (u @ self._vt).reshape(u.shape[0], *self.param_shape)
+
+    def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
+        return w.reshape(w.shape[0], -1) @ self._vt.T
+
+    def select(self, samples: Sequence[int]) -> DenseFactors:  # noqa: D102
+        columns = self._vt.reshape(self.num_samples, self.num_columns, -1)
+        index = torch.as_tensor(samples, dtype=torch.long, device=self._vt.device)
+        return DenseFactors(
+            columns[index].reshape(len(index), self.num_columns, *self.param_shape)
+        )
+
+    def materialize(self) -> Tensor:  # noqa: D102
+        return self._vt

@@ -1,0 +1,85 @@
+"""The interface shared by every representation of a parameter's columns of ``V``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class ParamFactors(ABC):
+    """The columns of the GGN square root ``V`` that belong to one parameter.
+
+    ``V`` restricted to a parameter ``p`` is a ``[p.numel(), N * C]`` matrix whose
+    column ``n * C + c`` is ``√R · J_nᵀ s_nc`` (``../MATH.md``). Sub-classes keep it
+    in whatever form is cheapest for the layer and implement the products on it.
+
+    Attributes:
+        num_samples: Number of samples ``N`` whose columns are held.
+        num_columns: Columns per sample ``C`` (``M`` with Monte-Carlo sampling).
+        param_shape: Shape of the parameter.
+    """
+
+    num_samples: int
+    num_columns: int
+    param_shape: torch.Size
+
+    @property
+    def num_rows(self) -> int:
+        """Number of Gram-space entries, ``N * C``."""
+        return self.num_samples * self.num_columns
+
+    @abstractmethod
+    def gram(self, other: ParamFactors | None = None) -> Tensor:
+        """Gram block ``Vᵀ V_other`` (``Vᵀ V`` if ``other`` is ``None``).
+
+        Args:
+            other: Factors of the same parameter, possibly of other samples or other
+                backpropagated vectors (e.g. per-sample gradients).
+
+        Returns:
+            Tensor of shape ``[self.num_rows, other.num_rows]``.
+        """
+
+    @abstractmethod
+    def vmp(self, u: Tensor) -> Tensor:
+        """Multiply ``V`` onto vectors in Gram space.
+
+        Args:
+            u: Stacked vectors, shape ``[K, N * C]``.
+
+        Returns:
+            ``V u`` in parameter shape, ``[K, *param_shape]``.
+        """
+
+    @abstractmethod
+    def vtmp(self, w: Tensor) -> Tensor:
+        """Multiply ``Vᵀ`` onto vectors in parameter space.
+
+        Args:
+            w: Stacked vectors in parameter shape, ``[K, *param_shape]``.
+
+        Returns:
+            ``Vᵀ w``, shape ``[K, N * C]``.
+        """
+
+    @abstractmethod
+    def select(self, samples: Sequence[int]) -> ParamFactors:
+        """Restrict to a block of samples.
+
+        Args:
+            samples: Positions (into this object's samples) to keep, in order.
+
+        Returns:
+            Factors holding only the columns of the selected samples.
+        """
+
+    @abstractmethod
+    def materialize(self) -> Tensor:
+        """Form the columns of ``V`` explicitly.
+
+        Returns:
+            ``Vᵀ`` as a ``[N * C, p.numel()]`` matrix.
+        """

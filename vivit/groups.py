@@ -1,0 +1,169 @@
+"""Gather parameter contributions into per-group curvature during the backward pass.
+
+A :class:`GroupCollector` is a BackPACK extension hook. After each layer it takes the
+:class:`~vivit.engines.base.ParamContribution` off the layer's parameters, adds its
+Gram block to the group's Gram matrix and drops it, unless the computation needs the
+factors later (to map Gram-space vectors back to parameter space). When the last
+parameter of a group has been seen, the group's :class:`GroupCurvature` is handed to
+a callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from vivit._validation import check_subsampling
+from vivit.engines.backpack import SAVEFIELD
+from vivit.engines.base import BatchInfo, ParamContribution
+from vivit.gram import ParamFactors
+
+
+@dataclass
+class GroupCurvature:
+    """What a backward pass leaves for one parameter group.
+
+    Attributes:
+        params: The group's parameters, in the group's order.
+        batch: Batch context (reduction, samples, columns per sample).
+        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major.
+        vt_grads: ``Vᵀ ∇ℓ_n`` for the requested gradient samples, ``[N·C, N_grad]``,
+            or ``None``.
+        ggn_factors: Per-parameter factors of ``V``, if kept.
+        grad_factors: Per-parameter per-sample-gradient factors (all samples), if
+            kept and computed.
+    """
+
+    params: list[Parameter]
+    batch: BatchInfo
+    gram: Tensor
+    vt_grads: Tensor | None = None
+    ggn_factors: list[ParamFactors] | None = None
+    grad_factors: list[ParamFactors] | None = None
+
+
+@dataclass
+class _Partial:
+    batch: BatchInfo | None = None
+    gram: Tensor | None = None
+    vt_grads: Tensor | None = None
+    ggn: dict[int, ParamFactors] = field(default_factory=dict)
+    grad: dict[int, ParamFactors] = field(default_factory=dict)
+
+
+class GroupCollector:
+    """Extension hook that sums Gram blocks per parameter group.
+
+    Args:
+        groups: Parameter groups (disjoint lists of parameters).
+        on_complete: Called with ``(group_index, curvature)`` once all of a group's
+            parameters have contributed.
+        keep_factors: Keep every parameter's factors of ``V`` for later products.
+        keep_gradient_factors: Keep every parameter's per-sample-gradient factors.
+        vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
+        gradient_samples: Samples (positions in the mini-batch) whose gradients
+            enter ``vt_grads``; ``None`` for all.
+
+    The collector resets a group once it is complete, so one hook serves any number
+    of backward passes.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[Parameter]],
+        on_complete: Callable[[int, GroupCurvature], None],
+        keep_factors: bool = False,
+        keep_gradient_factors: bool = False,
+        vt_grads: bool = False,
+        gradient_samples: Sequence[int] | None = None,
+    ):
+        self._groups = [list(group) for group in groups]
+        self._group_of = {
+            id(p): g for g, group in enumerate(self._groups) for p in group
+        }
+        self._on_complete = on_complete
+        self._keep_factors = keep_factors
+        self._keep_gradient_factors = keep_gradient_factors
+        self._vt_grads = vt_grads
+        self._gradient_samples = gradient_samples
+        self._missing = {g: self._param_ids(g) for g in range(len(self._groups))}
+        self._partial = {g: _Partial() for g in range(len(self._groups))}
+
+    def _param_ids(self, group: int) -> set[int]:
+        return {id(p) for p in self._groups[group]}
+
+    def __call__(self, module: Module) -> None:
+        """Consume the contributions of a layer's parameters.
+
+        Args:
+            module: The layer BackPACK just processed.
+        """
+        for param in module.parameters(recurse=False):
+            contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
+            if contribution is None:
+                continue
+            delattr(param, SAVEFIELD)
+            group = self._group_of.get(id(param))
+            if group is None or id(param) not in self._missing[group]:
+                continue
+            self._add(group, param, contribution)
+
+    def _add(
+        self, group: int, param: Parameter, contribution: ParamContribution
+    ) -> None:
+        partial = self._partial[group]
+        ggn = contribution.ggn
+        gram = ggn.gram()
+        partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
+        partial.batch = contribution.batch
+        if self._vt_grads:
+            grad = contribution.grad
+            if self._gradient_samples is not None:
+                samples = check_subsampling(
+                    self._gradient_samples, partial.batch.batch_size, "subsampling_grad"
+                )
+                grad = grad.select(samples)
+            vt_grads = ggn.gram(grad)
+            partial.vt_grads = (
+                vt_grads
+                if partial.vt_grads is None
+                else partial.vt_grads.add_(vt_grads)
+            )
+        if self._keep_factors:
+            partial.ggn[id(param)] = ggn
+        if self._keep_gradient_factors:
+            partial.grad[id(param)] = contribution.grad
+        self._missing[group].discard(id(param))
+        if not self._missing[group]:
+            self._complete(group)
+
+    def _complete(self, group: int) -> None:
+        partial = self._partial[group]
+        self._partial[group] = _Partial()
+        self._missing[group] = self._param_ids(group)
+        params = self._groups[group]
+        curvature = GroupCurvature(
+            params=params,
+            batch=partial.batch,
+            gram=partial.gram,
+            vt_grads=partial.vt_grads,
+        )
+        if self._keep_factors:
+            curvature.ggn_factors = [partial.ggn[id(p)] for p in params]
+        if self._keep_gradient_factors:
+            curvature.grad_factors = [partial.grad[id(p)] for p in params]
+        self._on_complete(group, curvature)
+
+    def num_missing(self, group: int) -> int:
+        """Number of the group's parameters that have not contributed yet.
+
+        Args:
+            group: Index of the group.
+
+        Returns:
+            How many parameters are still missing.
+        """
+        return len(self._missing[group])

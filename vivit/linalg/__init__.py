@@ -1,0 +1,1 @@
+"""Linear algebra of the GGN through ``G = V Vᵀ`` (ViViT-compatible import path)."""

@@ -1,0 +1,65 @@
+"""GGN eigenvalues during backpropagation (ViViT-compatible)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from vivit.computation import GroupComputation
+from vivit.groups import GroupCurvature
+
+
+class EigvalshComputation(GroupComputation):
+    """Provide a BackPACK extension and hook to compute GGN eigenvalues.
+
+    Usage::
+
+        computation = EigvalshComputation()
+        groups = [{"params": list(model.parameters())}]
+        with backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ):
+            loss.backward()
+        evals = computation.get_result(groups[0])
+
+    Args:
+        subsampling: Indices of the samples whose curvature is used. ``None`` uses
+            the whole mini-batch. The GGN is then that of the same loss on those
+            samples alone (mean over them for ``reduction="mean"``).
+        mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its unbiased
+            Monte-Carlo estimate with ``M`` samples per datum.
+        verbose: Print what happens during backpropagation.
+    """
+
+    def __init__(
+        self,
+        subsampling: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        verbose: bool = False,
+    ):
+        super().__init__(
+            subsampling=subsampling, mc_samples=mc_samples, verbose=verbose
+        )
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
+        """Compute the group's result from its curvature (see ``get_result``)."""
+        from torch.linalg import eigvalsh
+
+        return eigvalsh(curvature.gram)
+
+    def get_result(self, group: dict) -> Tensor:
+        """Eigenvalues of the group's GGN block after the backward pass.
+
+        Args:
+            group: The parameter group.
+
+        Returns:
+            All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending.
+            They are the GGN's non-zero eigenvalues plus numerical zeros.
+
+        Raises:
+            ResultNotReadyError: If the backward pass has not run for this group.
+        """
+        return self._result(group)

@@ -1,0 +1,105 @@
+"""Eigendecomposition of the Gram matrix and the map back to parameter space.
+
+``G = V Vᵀ`` and ``G̃ = Vᵀ V`` share their non-zero eigenvalues; an eigenvector
+``ẽ_k`` of ``G̃`` with eigenvalue ``λ_k > 0`` gives ``e_k = V ẽ_k / √λ_k`` (``MATH.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from vivit.gram import ParamFactors
+
+
+def gram_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenpairs of a symmetric Gram matrix.
+
+    Args:
+        gram: ``[R, R]`` symmetric positive semi-definite matrix.
+
+    Returns:
+        Eigenvalues ``[R]`` in ascending order and orthonormal eigenvectors as the
+        columns of an ``[R, R]`` matrix.
+    """
+    return torch.linalg.eigh(gram)
+
+
+def numerical_zero_tolerance(evals: Tensor) -> float:
+    """Eigenvalues at or below this value are numerically zero.
+
+    Uses the convention of ``torch.linalg.matrix_rank``: the largest eigenvalue
+    magnitude times the matrix size times the machine epsilon of the dtype, the
+    size of the rounding error a backward-stable eigensolver makes.
+
+    Args:
+        evals: All eigenvalues of the Gram matrix.
+
+    Returns:
+        The tolerance.
+    """
+    if evals.numel() == 0:
+        return 0.0
+    eps = torch.finfo(evals.dtype).eps
+    return evals.abs().max().item() * evals.numel() * eps
+
+
+def top_k_indices(evals: Tensor, top_k: int | None) -> list[int]:
+    """Indices of the ``top_k`` largest numerically non-zero eigenvalues.
+
+    Args:
+        evals: Ascending eigenvalues of the Gram matrix.
+        top_k: How many to keep; ``None`` keeps every eigenvalue above the
+            numerical-zero tolerance.
+
+    Returns:
+        Indices into ``evals``, ascending.
+
+    Raises:
+        ValueError: If ``top_k`` is not a positive integer.
+    """
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+    ):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+    tolerance = numerical_zero_tolerance(evals)
+    nonzero = [i for i, value in enumerate(evals.tolist()) if value > tolerance]
+    return nonzero if top_k is None else nonzero[-top_k:]
+
+
+def check_positive(evals: Tensor) -> None:
+    """Refuse eigenvalues that cannot carry an eigenvector (``λ ≤ tolerance``).
+
+    Args:
+        evals: Eigenvalues whose eigenvectors are about to be formed.
+
+    Raises:
+        ValueError: If one of them is not positive.
+    """
+    if (evals <= 0).any():
+        raise ValueError(
+            f"Eigenvectors were requested for non-positive eigenvalues "
+            f"{evals[evals <= 0].tolist()}: they are numerically zero and carry no "
+            "direction. Select only positive eigenvalues (e.g. a criterion that "
+            "keeps evals above a threshold)."
+        )
+
+
+def gram_to_param(
+    factors: Sequence[ParamFactors], gram_evecs: Tensor, evals: Tensor
+) -> list[Tensor]:
+    """Map Gram-space eigenvectors to normalized GGN eigenvectors, ``V ẽ_k / √λ_k``.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
+        evals: Their eigenvalues, ``[K]``, all positive.
+
+    Returns:
+        One tensor ``[K, *p.shape]`` per parameter.
+    """
+    check_positive(evals)
+    coefficients = (gram_evecs / evals.sqrt()).T
+    return [f.vmp(coefficients) for f in factors]

@@ -1,0 +1,284 @@
+"""One-call access to the GGN's low-rank structure of a mini-batch."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from functools import cached_property
+
+import torch
+from backpack import backpack, extend
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from vivit._validation import check_param_groups, check_subsampling
+from vivit.engines.backpack import GramGGN
+from vivit.errors import ResultNotReadyError
+from vivit.groups import GroupCollector, GroupCurvature
+from vivit.linalg.solvers import gram_eigh, gram_to_param, top_k_indices
+from vivit.optim.gram_space import (
+    batch_directional_gradient,
+    directional_curvatures,
+    directional_gradients,
+    newton_coefficients,
+)
+from vivit.optim.noise import DirectionalDerivatives
+
+#: A damping: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
+#: lambdas [N_ggn, K]) → [K]``.
+Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class LowRankGGN:
+    """The GGN of a mini-batch through its Gram matrix, from one backward pass.
+
+    Runs the forward and backward pass at construction (extending ``model`` and
+    ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
+    parameter group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map
+    Gram-space vectors to parameter space. The parameters' ``.grad`` are left as
+    they were.
+
+    Example::
+
+        ggn = LowRankGGN(model, CrossEntropyLoss(), (X, y))
+        evals, evecs = ggn.eigh(top_k=10)
+
+    Args:
+        model: The network. BatchNorm layers must be in eval mode. Models with a
+            custom forward (residual blocks) must be extended by the caller with
+            ``backpack.extend(model, use_converter=True)``.
+        loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
+            BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
+        data: ``(inputs, targets)`` of the mini-batch.
+        param_groups: Lists of parameters, one GGN block each (block-diagonal
+            approximation); ``None`` uses one group with every trainable parameter.
+        mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
+            Monte-Carlo estimate with ``M`` samples per datum (``N·M`` instead of
+            ``N·C`` Gram rows).
+        subsampling: Indices of the samples whose curvature is used (``None``:
+            all). The GGN is then that of the same loss on those samples alone.
+        generator: Random generator that makes MC sampling reproducible.
+
+    Attributes:
+        loss: The mini-batch loss (detached).
+        param_groups: The parameter groups, as lists of parameters.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: tuple[Tensor, Tensor],
+        *,
+        param_groups: Sequence[Sequence[Parameter]] | None = None,
+        mc_samples: int = 0,
+        subsampling: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        inputs, targets = data
+        if param_groups is None:
+            param_groups = [[p for p in model.parameters() if p.requires_grad]]
+        self.param_groups = [list(group) for group in param_groups]
+        check_param_groups([{"params": g} for g in self.param_groups], ("params",))
+        check_subsampling(subsampling, inputs.shape[0])
+        extension = GramGGN(
+            mc_samples=mc_samples,
+            subsampling=subsampling,
+            compute_gradients=True,
+            num_grams=len(self.param_groups),
+        )
+        self._curvature: dict[int, GroupCurvature] = {}
+        collector = GroupCollector(
+            self.param_groups,
+            self._curvature.__setitem__,
+            keep_factors=True,
+            keep_gradient_factors=True,
+        )
+        _extend_if_needed(model)
+        _extend_if_needed(loss_func)
+
+        grads = [p.grad for group in self.param_groups for p in group]
+        seed = None
+        if mc_samples and generator is not None:
+            seed = int(torch.randint(2**62, (), generator=generator))
+        devices = [inputs.device] if inputs.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            loss = loss_func(model(inputs), targets)
+            with (
+                backpack(extension, extension_hook=collector),
+                warnings.catch_warnings(),
+            ):
+                # BackPACK's hooks fire on the first layer, whose input needs no grad.
+                warnings.filterwarnings(
+                    "ignore", message="Full backward hook is firing"
+                )
+                loss.backward()
+        for param, grad in zip(
+            (p for group in self.param_groups for p in group), grads, strict=True
+        ):
+            param.grad = grad
+        self.loss = loss.detach()
+
+        missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
+        if missing:
+            raise RuntimeError(
+                f"Parameter group(s) {missing} received no curvature from the backward "
+                f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
+                f"{missing[0]} missing): their layers are not part of the loss's "
+                "computation graph."
+            )
+
+    # Gram space ---------------------------------------------------------------
+    def _group(self, group: int) -> GroupCurvature:
+        if not isinstance(group, int) or not 0 <= group < len(self.param_groups):
+            raise IndexError(
+                f"group must be an index in [0, {len(self.param_groups)}), "
+                f"got {group!r}."
+            )
+        return self._curvature[group]
+
+    def gram(self, group: int = 0) -> Tensor:
+        """The Gram matrix ``Vᵀ V`` of a group.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
+            entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
+        """
+        return self._group(group).gram
+
+    @cached_property
+    def _decompositions(self) -> dict[int, tuple[Tensor, Tensor]]:
+        return {}
+
+    def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
+        if group not in self._decompositions:
+            self._decompositions[group] = gram_eigh(self.gram(group))
+        return self._decompositions[group]
+
+    def eigvalsh(self, group: int = 0) -> Tensor:
+        """All eigenvalues of the Gram matrix: the GGN's non-zero spectrum.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
+            tolerance are zeros of the GGN).
+        """
+        return self._gram_eigh(group)[0]
+
+    def _directions(self, top_k: int | None, group: int) -> tuple[Tensor, Tensor]:
+        evals, evecs = self._gram_eigh(group)
+        keep = top_k_indices(evals, top_k)
+        return evals[keep], evecs[:, keep]
+
+    def eigh(
+        self, top_k: int | None = None, group: int = 0
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Leading eigenpairs of the GGN.
+
+        Args:
+            top_k: Number of leading eigenpairs; ``None`` keeps every eigenvalue
+                above the numerical-zero tolerance. Fewer are returned if fewer
+                are non-zero; no eigenvector is formed for a numerically zero one.
+            group: Index of the parameter group.
+
+        Returns:
+            Eigenvalues ``[K]`` ascending, and eigenvectors as one tensor
+            ``[K, *p.shape]`` per parameter of the group (unit norm over the group).
+        """
+        evals, gram_evecs = self._directions(top_k, group)
+        return evals, gram_to_param(self._group(group).ggn_factors, gram_evecs, evals)
+
+    # Directional derivatives ---------------------------------------------------
+    def _vt_grads(self, group: int, subsampling_grad: Sequence[int] | None) -> Tensor:
+        curvature = self._group(group)
+        samples = check_subsampling(
+            subsampling_grad, curvature.batch.batch_size, "subsampling_grad"
+        )
+        vt_grads = 0
+        for ggn, grad in zip(
+            curvature.ggn_factors, curvature.grad_factors, strict=True
+        ):
+            vt_grads = vt_grads + ggn.gram(
+                grad if samples is None else grad.select(samples)
+            )
+        return vt_grads
+
+    def _directional(
+        self, top_k: int | None, group: int, subsampling_grad: Sequence[int] | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        evals, gram_evecs = self._directions(top_k, group)
+        gammas = directional_gradients(
+            self._vt_grads(group, subsampling_grad), gram_evecs, evals
+        )
+        lambdas = directional_curvatures(gram_evecs, evals, self._group(group).batch)
+        return evals, gram_evecs, gammas, lambdas
+
+    def directional_derivatives(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        subsampling_grad: Sequence[int] | None = None,
+    ) -> DirectionalDerivatives:
+        """Per-sample first and second derivatives along the leading eigenvectors.
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+
+        Returns:
+            ``γ [N_grad, K]``, ``λ [N_ggn, K]`` and their per-direction statistics.
+        """
+        evals, _, gammas, lambdas = self._directional(top_k, group, subsampling_grad)
+        return DirectionalDerivatives(evals=evals, gammas=gammas, lambdas=lambdas)
+
+    def newton_step(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        damping: float | Damping = 1.0,
+        subsampling_grad: Sequence[int] | None = None,
+    ) -> list[Tensor]:
+        """The directionally damped Newton step on the leading eigenspace.
+
+        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` with ``γ̄_k`` the directional gradient
+        of the loss on the gradient samples.
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
+                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+
+        Returns:
+            The step, one tensor per parameter of the group, shaped like it.
+        """
+        evals, gram_evecs, gammas, lambdas = self._directional(
+            top_k, group, subsampling_grad
+        )
+        if callable(damping):
+            dampings = damping(evals, gram_evecs, gammas, lambdas)
+        else:
+            dampings = torch.full_like(evals, float(damping))
+        gamma_bar = batch_directional_gradient(gammas, self._group(group).batch)
+        u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings)
+        return [
+            f.vmp(u.unsqueeze(0)).squeeze(0) for f in self._group(group).ggn_factors
+        ]
+
+
+def _extend_if_needed(module: Module) -> None:
+    """Extend a module with BackPACK unless it (or a sub-module) already is."""
+    if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
+        extend(module)
+
+
+__all__ = ["LowRankGGN", "ResultNotReadyError"]

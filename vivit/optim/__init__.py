@@ -1,0 +1,12 @@
+"""Directional derivatives, damped Newton steps and dampings (ViViT-compatible path)."""
+
+from vivit.optim.damping import BootstrapDamping, ConstantDamping
+from vivit.optim.directional_damped_newton import DirectionalDampedNewtonComputation
+from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+
+__all__ = [
+    "BootstrapDamping",
+    "ConstantDamping",
+    "DirectionalDampedNewtonComputation",
+    "DirectionalDerivativesComputation",
+]

@@ -1,0 +1,48 @@
+"""Directionally damped Newton steps during backpropagation (ViViT-compatible)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vivit.groups import GroupCurvature
+from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+from vivit.optim.gram_space import batch_directional_gradient, newton_coefficients
+
+
+class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
+    """Provide a BackPACK extension and hook for directionally damped Newton steps.
+
+    ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the eigenvectors each group's
+    ``"criterion"`` selects, with ``γ̄_k`` the directional gradient of the loss on
+    the gradient samples and ``δ_k`` from the group's ``"damping"``, a callable
+    ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K], lambdas [N_ggn, K]) →
+    [K]`` (see :mod:`vivit.optim.damping`). The step is formed with one product
+    with ``V``. Gram-space vectors are ordered sample-major (``n·C + c``).
+
+    Arguments are those of :class:`DirectionalDerivativesComputation`.
+    """
+
+    required_keys = ("params", "criterion", "damping")
+    keep_factors = True
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
+        """Compute the group's result from its curvature (see ``get_result``)."""
+        evals, gram_evecs, gammas, lambdas = self._directional(group, curvature)
+        dampings = group["damping"](evals, gram_evecs, gammas, lambdas)
+        gamma_bar = batch_directional_gradient(gammas, curvature.batch)
+        u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings)
+        return [f.vmp(u.unsqueeze(0)).squeeze(0) for f in curvature.ggn_factors]
+
+    def get_result(self, group: dict) -> list[Tensor]:
+        """The damped Newton step of a group after the backward pass.
+
+        Args:
+            group: The parameter group.
+
+        Returns:
+            The step, one tensor per parameter, shaped like the parameter.
+
+        Raises:
+            ResultNotReadyError: If the backward pass has not run for this group.
+        """
+        return self._result(group)

@@ -1,0 +1,100 @@
+"""Directional derivatives along GGN eigenvectors during backprop (ViViT-compatible)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from vivit._validation import check_subsampling
+from vivit.computation import GroupComputation
+from vivit.engines.backpack import GramGGN
+from vivit.groups import GroupCurvature
+from vivit.optim.gram_space import directional_curvatures, directional_gradients
+
+
+class DirectionalDerivativesComputation(GroupComputation):
+    """Provide a BackPACK extension and hook for 1ˢᵗ/2ⁿᵈ directional derivatives.
+
+    The directions are GGN eigenvectors ``e_k`` selected by each group's
+    ``"criterion"``; ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k`` (``MATH.md``).
+    Neither per-sample gradients nor ``V`` are formed where a layer has a factor
+    form. Both loss reductions and any number of MC samples are supported.
+
+    Usage::
+
+        computation = DirectionalDerivativesComputation()
+        groups = [{"params": list(model.parameters()), "criterion": top_3}]
+        with backpack(
+            *computation.get_extensions(),
+            extension_hook=computation.get_extension_hook(groups),
+        ):
+            loss.backward()
+        gammas, lambdas = computation.get_result(groups[0])
+
+    Args:
+        subsampling_grad: Samples whose directional gradients ``γ`` are computed
+            (``None``: all).
+        subsampling_ggn: Samples whose GGN defines the directions and whose
+            directional curvatures ``λ`` are computed (``None``: all).
+        mc_samples_ggn: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        verbose: Print what happens during backpropagation.
+        warn_small_eigvals: Warn when a selected eigenvalue is smaller in magnitude.
+    """
+
+    required_keys = ("params", "criterion")
+    compute_gradients = True
+
+    def __init__(
+        self,
+        subsampling_grad: Sequence[int] | None = None,
+        subsampling_ggn: Sequence[int] | None = None,
+        mc_samples_ggn: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+    ):
+        self._subsampling_grad = check_subsampling(
+            subsampling_grad, name="subsampling_grad"
+        )
+        self._warn_small_eigvals = warn_small_eigvals
+        super().__init__(
+            subsampling=subsampling_ggn, mc_samples=mc_samples_ggn, verbose=verbose
+        )
+
+    def get_extensions(self) -> list[GramGGN]:
+        """Instantiate the BackPACK extensions for this computation.
+
+        Returns:
+            Extensions to unpack into ``with backpack(...)``.
+        """
+        return [self.get_extension()]
+
+    def gradient_samples(self) -> list[int] | None:  # noqa: D102
+        return self._subsampling_grad
+
+    def _directional(self, group: dict, curvature: GroupCurvature):
+        evals, gram_evecs = self._select(group, curvature, self._warn_small_eigvals)
+        gammas = directional_gradients(curvature.vt_grads, gram_evecs, evals)
+        lambdas = directional_curvatures(gram_evecs, evals, curvature.batch)
+        return evals, gram_evecs, gammas, lambdas
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
+        """Compute the group's result from its curvature (see ``get_result``)."""
+        _, _, gammas, lambdas = self._directional(group, curvature)
+        return gammas, lambdas
+
+    def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
+        """Directional derivatives of a group after the backward pass.
+
+        Args:
+            group: The parameter group.
+
+        Returns:
+            ``γ`` of shape ``[N_grad, K]`` (``γ[n, k]``: sample ``n`` of the gradient
+            samples, direction ``k``) and ``λ`` of shape ``[N_ggn, K]``; directions
+            ordered as the selected eigenvalues (ascending).
+
+        Raises:
+            ResultNotReadyError: If the backward pass has not run for this group.
+        """
+        return self._result(group)

@@ -1,0 +1,96 @@
+"""Directional derivatives and Newton steps from Gram-space quantities.
+
+Every formula here is one of ``MATH.md`` ("Directional derivatives", "Damped Newton
+step"); none of them forms a per-sample gradient or a column of ``V`` in parameter
+space.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vivit.engines.base import BatchInfo
+
+
+def directional_gradients(
+    vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor
+) -> Tensor:
+    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``.
+
+    Args:
+        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        evals: Their eigenvalues, ``[K]``.
+
+    Returns:
+        ``γ``, shape ``[N_grad, K]``.
+    """
+    return (vt_grads.T @ gram_evecs) / evals.sqrt()
+
+
+def directional_curvatures(
+    gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
+) -> Tensor:
+    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²`` for the samples of the Gram matrix.
+
+    Args:
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        evals: Their eigenvalues, ``[K]``.
+        batch: Batch context; gives ``R`` of the GGN samples and ``C``.
+
+    Returns:
+        ``λ``, shape ``[N_ggn, K]``.
+    """
+    num_samples = len(batch.ggn_samples)
+    per_sample = gram_evecs.reshape(num_samples, batch.columns_per_sample, -1)
+    return per_sample.pow(2).sum(1) * evals / batch.ggn_reduction_factor
+
+
+def batch_directional_gradient(gammas: Tensor, batch: BatchInfo) -> Tensor:
+    """``γ̄_k = R Σ_n γ_nk``: directional gradient of the loss on the gradient samples.
+
+    Args:
+        gammas: Per-sample directional gradients, ``[N_grad, K]``.
+        batch: Batch context (gives the reduction).
+
+    Returns:
+        ``γ̄``, shape ``[K]``.
+    """
+    return batch.reduction_factor(gammas.shape[0]) * gammas.sum(0)
+
+
+def newton_coefficients(
+    gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
+) -> Tensor:
+    """Gram-space vector ``u`` with ``Δθ = V u`` the damped Newton step.
+
+    ``u = −Σ_k γ̄_k / ((λ_k + δ_k) √λ_k) ẽ_k``; a direction with ``δ_k = ∞`` gets no
+    step.
+
+    Args:
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        evals: Their eigenvalues ``λ_k > 0``, ``[K]``.
+        gamma_bar: Batch directional gradients, ``[K]``.
+        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+
+    Returns:
+        ``u``, shape ``[N·C]``.
+
+    Raises:
+        ValueError: If a damping is negative or NaN, or has the wrong shape.
+    """
+    dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
+    if dampings.shape != evals.shape:
+        raise ValueError(
+            f"The damping returned shape {tuple(dampings.shape)}, expected one value "
+            f"per direction, {tuple(evals.shape)}."
+        )
+    if torch.isnan(dampings).any() or (dampings < 0).any():
+        raise ValueError(
+            f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
+        )
+    step_sizes = torch.where(
+        torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
+    )
+    return gram_evecs @ (step_sizes / evals.sqrt())

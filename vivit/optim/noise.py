@@ -1,0 +1,70 @@
+"""Per-direction curvature noise: statistics of directional derivatives over samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _variance(samples: Tensor, name: str) -> Tensor:
+    if samples.shape[0] < 2:
+        raise ValueError(
+            f"The variance of {name} needs at least two samples, "
+            f"got {samples.shape[0]}."
+        )
+    return samples.var(0, correction=1)
+
+
+def _snr(mean: Tensor, variance: Tensor) -> Tensor:
+    """``mean² / variance``; ``inf`` if the variance is 0, ``0`` if the mean is too."""
+    snr = mean.pow(2) / variance
+    return torch.where(variance == 0, torch.where(mean == 0, 0.0, torch.inf), snr)
+
+
+@dataclass(frozen=True)
+class DirectionalDerivatives:
+    """First and second directional derivatives along GGN eigenvectors.
+
+    Directions ``k`` are ordered like the eigenvalues, ascending.
+
+    Attributes:
+        evals: GGN eigenvalues ``λ_k`` of the directions, ``[K]``.
+        gammas: ``γ_nk = e_kᵀ ∇ℓ_n`` of the gradient samples, ``[N_grad, K]``.
+        lambdas: ``λ_nk = e_kᵀ G_n e_k`` of the GGN samples, ``[N_ggn, K]``.
+    """
+
+    evals: Tensor
+    gammas: Tensor
+    lambdas: Tensor
+
+    @property
+    def gamma_mean(self) -> Tensor:
+        """Sample mean of ``γ_·k``, ``[K]``."""
+        return self.gammas.mean(0)
+
+    @property
+    def gamma_var(self) -> Tensor:
+        """Unbiased sample variance (``ddof=1``) of ``γ_·k``, ``[K]``."""
+        return _variance(self.gammas, "gammas")
+
+    @property
+    def gamma_snr(self) -> Tensor:
+        """Signal-to-noise ratio ``mean² / variance`` of ``γ_·k``, ``[K]``."""
+        return _snr(self.gamma_mean, self.gamma_var)
+
+    @property
+    def lambda_mean(self) -> Tensor:
+        """Sample mean of ``λ_·k``, ``[K]``."""
+        return self.lambdas.mean(0)
+
+    @property
+    def lambda_var(self) -> Tensor:
+        """Unbiased sample variance (``ddof=1``) of ``λ_·k``, ``[K]``."""
+        return _variance(self.lambdas, "lambdas")
+
+    @property
+    def lambda_snr(self) -> Tensor:
+        """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``."""
+        return _snr(self.lambda_mean, self.lambda_var)
