@@ -9,6 +9,7 @@ Front doors:
   extension + hook API for use inside a training loop.
 """
 
+from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
     GramTooLargeError,
@@ -22,7 +23,6 @@ from vivit.linalg.eigvalsh import EigvalshComputation
 from vivit.lowrank import LowRankGGN
 from vivit.optim.directional_damped_newton import DirectionalDampedNewtonComputation
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
-from vivit.optim.noise import DirectionalDerivatives
 
 __all__ = [
     "BatchNormTrainingError",

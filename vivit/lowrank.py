@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from functools import cached_property
 
 import torch
 from backpack import backpack, extend
@@ -12,21 +11,18 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_param_groups, check_subsampling
-from vivit.engines.backpack import GramGGN
-from vivit.errors import ResultNotReadyError
-from vivit.groups import GroupCollector, GroupCurvature
-from vivit.linalg.solvers import gram_eigh, gram_to_param, top_k_indices
-from vivit.optim.gram_space import (
+from vivit.directional.gram_space import (
+    Damping,
     batch_directional_gradient,
     directional_curvatures,
     directional_gradients,
     newton_coefficients,
 )
-from vivit.optim.noise import DirectionalDerivatives
-
-#: A damping: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
-#: lambdas [N_ggn, K]) → [K]``.
-Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.engines.backpack import GramGGN
+from vivit.errors import ResultNotReadyError
+from vivit.groups import GroupCollector, GroupCurvature
+from vivit.linalg.solvers import gram_eigh, gram_to_param, top_k_indices
 
 
 class LowRankGGN:
@@ -78,9 +74,64 @@ class LowRankGGN:
         inputs, targets = data
         if param_groups is None:
             param_groups = [[p for p in model.parameters() if p.requires_grad]]
+        check_subsampling(subsampling, inputs.shape[0])
+        _extend_if_needed(model)
+        _extend_if_needed(loss_func)
+        self._backward(
+            lambda: loss_func(model(inputs), targets),
+            param_groups,
+            mc_samples,
+            subsampling,
+            generator,
+        )
+
+    @classmethod
+    def from_loss(
+        cls,
+        loss: Tensor | Callable[[], Tensor],
+        param_groups: Sequence[Sequence[Parameter]],
+        *,
+        mc_samples: int = 0,
+        subsampling: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> LowRankGGN:
+        """Build from a loss computed by BackPACK-extended model and loss modules.
+
+        For use where the forward pass happens elsewhere (e.g. an optimizer's
+        closure). The caller must have extended the model and the loss function
+        with ``backpack.extend``.
+
+        Args:
+            loss: The mini-batch loss, or a function that computes it.
+            param_groups: Lists of parameters, one GGN block each.
+            mc_samples: As for the constructor.
+            subsampling: As for the constructor.
+            generator: As for the constructor.
+
+        Returns:
+            The low-rank GGN of that loss.
+        """
+        ggn = cls.__new__(cls)
+        ggn._backward(
+            loss if callable(loss) else lambda: loss,
+            param_groups,
+            mc_samples,
+            subsampling,
+            generator,
+        )
+        return ggn
+
+    def _backward(
+        self,
+        compute_loss: Callable[[], Tensor],
+        param_groups: Sequence[Sequence[Parameter]],
+        mc_samples: int,
+        subsampling: Sequence[int] | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Run the backward pass and keep each group's curvature."""
         self.param_groups = [list(group) for group in param_groups]
         check_param_groups([{"params": g} for g in self.param_groups], ("params",))
-        check_subsampling(subsampling, inputs.shape[0])
         extension = GramGGN(
             mc_samples=mc_samples,
             subsampling=subsampling,
@@ -88,24 +139,23 @@ class LowRankGGN:
             num_grams=len(self.param_groups),
         )
         self._curvature: dict[int, GroupCurvature] = {}
+        self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         collector = GroupCollector(
             self.param_groups,
             self._curvature.__setitem__,
             keep_factors=True,
             keep_gradient_factors=True,
         )
-        _extend_if_needed(model)
-        _extend_if_needed(loss_func)
-
-        grads = [p.grad for group in self.param_groups for p in group]
+        params = [p for group in self.param_groups for p in group]
+        grads = [p.grad for p in params]
         seed = None
         if mc_samples and generator is not None:
             seed = int(torch.randint(2**62, (), generator=generator))
-        devices = [inputs.device] if inputs.device.type == "cuda" else []
+        devices = [params[0].device] if params[0].device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            loss = loss_func(model(inputs), targets)
+            loss = compute_loss()
             with (
                 backpack(extension, extension_hook=collector),
                 warnings.catch_warnings(),
@@ -115,9 +165,7 @@ class LowRankGGN:
                     "ignore", message="Full backward hook is firing"
                 )
                 loss.backward()
-        for param, grad in zip(
-            (p for group in self.param_groups for p in group), grads, strict=True
-        ):
+        for param, grad in zip(params, grads, strict=True):
             param.grad = grad
         self.loss = loss.detach()
 
@@ -127,7 +175,7 @@ class LowRankGGN:
                 f"Parameter group(s) {missing} received no curvature from the backward "
                 f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
                 f"{missing[0]} missing): their layers are not part of the loss's "
-                "computation graph."
+                "computation graph, or not extended with backpack.extend."
             )
 
     # Gram space ---------------------------------------------------------------
@@ -150,10 +198,6 @@ class LowRankGGN:
             entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
         """
         return self._group(group).gram
-
-    @cached_property
-    def _decompositions(self) -> dict[int, tuple[Tensor, Tensor]]:
-        return {}
 
     def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
         if group not in self._decompositions:
@@ -239,17 +283,18 @@ class LowRankGGN:
         evals, _, gammas, lambdas = self._directional(top_k, group, subsampling_grad)
         return DirectionalDerivatives(evals=evals, gammas=gammas, lambdas=lambdas)
 
-    def newton_step(
+    def newton(
         self,
         top_k: int | None = None,
         group: int = 0,
         damping: float | Damping = 1.0,
         subsampling_grad: Sequence[int] | None = None,
-    ) -> list[Tensor]:
-        """The directionally damped Newton step on the leading eigenspace.
+    ) -> NewtonStep:
+        """The directionally damped Newton step with its ingredients.
 
-        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` with ``γ̄_k`` the directional gradient
-        of the loss on the gradient samples.
+        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the leading eigenvectors, with
+        ``γ̄_k`` the directional gradient of the loss on the gradient samples. The
+        step is one product of ``V`` with a Gram-space vector.
 
         Args:
             top_k: Number of leading directions (``None``: all non-zero).
@@ -259,7 +304,7 @@ class LowRankGGN:
             subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
 
         Returns:
-            The step, one tensor per parameter of the group, shaped like it.
+            The step, the directional derivatives, ``γ̄`` and the dampings.
         """
         evals, gram_evecs, gammas, lambdas = self._directional(
             top_k, group, subsampling_grad
@@ -268,11 +313,36 @@ class LowRankGGN:
             dampings = damping(evals, gram_evecs, gammas, lambdas)
         else:
             dampings = torch.full_like(evals, float(damping))
-        gamma_bar = batch_directional_gradient(gammas, self._group(group).batch)
+        curvature = self._group(group)
+        gamma_bar = batch_directional_gradient(gammas, curvature.batch)
         u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings)
-        return [
-            f.vmp(u.unsqueeze(0)).squeeze(0) for f in self._group(group).ggn_factors
-        ]
+        return NewtonStep(
+            directional=DirectionalDerivatives(evals, gammas, lambdas),
+            gamma_bar=gamma_bar,
+            dampings=torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device),
+            step=[f.vmp(u.unsqueeze(0)).squeeze(0) for f in curvature.ggn_factors],
+        )
+
+    def newton_step(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        damping: float | Damping = 1.0,
+        subsampling_grad: Sequence[int] | None = None,
+    ) -> list[Tensor]:
+        """The directionally damped Newton step on the leading eigenspace.
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
+                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+
+        Returns:
+            The step (see :meth:`newton`), one tensor per parameter, shaped like it.
+        """
+        return self.newton(top_k, group, damping, subsampling_grad).step
 
 
 def _extend_if_needed(module: Module) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from vivit.directional.gram_space import batch_directional_gradient, newton_coefficients
 from vivit.groups import GroupCurvature
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
-from vivit.optim.gram_space import batch_directional_gradient, newton_coefficients
 
 
 class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):

@@ -8,9 +8,9 @@ from torch import Tensor
 
 from vivit._validation import check_subsampling
 from vivit.computation import GroupComputation
+from vivit.directional.gram_space import directional_curvatures, directional_gradients
 from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCurvature
-from vivit.optim.gram_space import directional_curvatures, directional_gradients
 
 
 class DirectionalDerivativesComputation(GroupComputation):

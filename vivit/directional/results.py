@@ -1,4 +1,4 @@
-"""Per-direction curvature noise: statistics of directional derivatives over samples."""
+"""Results along GGN eigendirections: derivatives, their noise, Newton steps."""
 
 from __future__ import annotations
 
@@ -68,3 +68,20 @@ class DirectionalDerivatives:
     def lambda_snr(self) -> Tensor:
         """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``."""
         return _snr(self.lambda_mean, self.lambda_var)
+
+
+@dataclass(frozen=True)
+class NewtonStep:
+    """A directionally damped Newton step ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k``.
+
+    Attributes:
+        directional: Eigenvalues and per-sample ``γ``, ``λ`` of the directions.
+        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
+        dampings: ``δ_k`` per direction (``inf``: skipped), ``[K]``.
+        step: The step, one tensor per parameter, shaped like it.
+    """
+
+    directional: DirectionalDerivatives
+    gamma_bar: Tensor
+    dampings: Tensor
+    step: list[Tensor]

@@ -7,10 +7,16 @@ space.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from vivit.engines.base import BatchInfo
+
+#: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
+#: lambdas [N_ggn, K]) → δ [K]`` (``inf`` skips a direction).
+Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def directional_gradients(
