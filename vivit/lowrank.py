@@ -156,6 +156,11 @@ class LowRankGGN:
             if seed is not None:
                 torch.manual_seed(seed)
             loss = compute_loss()
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
+                    "scalar loss: use reduction='mean' or 'sum'."
+                )
             with (
                 backpack(extension, extension_hook=collector),
                 warnings.catch_warnings(),

@@ -1,0 +1,127 @@
+"""The Gram algebra on random factors, against explicitly formed ``V``.
+
+Every route of every product is forced once, so a wrong contraction in a route the
+planner rarely picks cannot hide behind the route it usually picks.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from vivit.gram import DenseFactors, OuterProductFactors, planner
+
+SHAPES = [  # (N, C, G, T, O, P)
+    (3, 2, 1, 1, 4, 5),  # Linear
+    (2, 3, 1, 4, 3, 2),  # Linear on sequences
+    (3, 2, 2, 5, 2, 3),  # grouped convolution
+]
+ROUTES = {"gram": ["through_v", "pairs"], "vmp": ["through_v", "factored"]}
+
+
+def random_factors(N, C, G, T, O, P, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(N, G, T, P, generator=gen, dtype=torch.float64)
+    s = torch.randn(C, N, G, T, O, generator=gen, dtype=torch.float64)
+    return OuterProductFactors(a, s, torch.Size([G * O, P])), a, s
+
+
+def explicit_vt(a, s):
+    """``Vᵀ`` row by row: row ``n·C + c`` is ``Σ_t s_nc[t] ⊗ a_n[t]`` per group."""
+    C, N, G, T, O = s.shape
+    rows = []
+    for n, c in itertools.product(range(N), range(C)):
+        row = torch.zeros(G, O, a.shape[-1], dtype=a.dtype)
+        for g, t in itertools.product(range(G), range(T)):
+            row[g] += torch.outer(s[c, n, g, t], a[n, g, t])
+        rows.append(row.flatten())
+    return torch.stack(rows)
+
+
+@pytest.fixture(params=SHAPES, ids=lambda s: "N{}C{}G{}T{}O{}P{}".format(*s))
+def shape(request):
+    return request.param
+
+
+def force(monkeypatch, name):
+    monkeypatch.setattr(planner, "choose", lambda *routes, **kw: name)
+
+
+def test_materialize_matches_explicit(shape):
+    factors, a, s = random_factors(*shape)
+    torch.testing.assert_close(
+        factors.materialize(), explicit_vt(a, s), rtol=1e-12, atol=0
+    )
+
+
+@pytest.mark.parametrize("route", ROUTES["gram"])
+def test_gram_and_cross_gram(shape, route, monkeypatch):
+    N, C, G, T, O, P = shape
+    factors, a, s = random_factors(*shape)
+    other, a2, s2 = random_factors(N + 1, 1, G, T, O, P, seed=1)
+    force(monkeypatch, route)
+    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
+    torch.testing.assert_close(factors.gram(), vt @ vt.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(factors.gram(other), vt @ vt2.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("route", ROUTES["vmp"])
+def test_vmp_and_vtmp(shape, route, monkeypatch):
+    factors, a, s = random_factors(*shape)
+    vt = explicit_vt(a, s)
+    u = torch.randn(4, vt.shape[0], dtype=torch.float64)
+    w = torch.randn(4, *factors.param_shape, dtype=torch.float64)
+    force(monkeypatch, route)
+    torch.testing.assert_close(
+        factors.vmp(u), (u @ vt).reshape(4, *factors.param_shape)
+    )
+    torch.testing.assert_close(factors.vtmp(w), w.flatten(1) @ vt.T)
+
+
+def test_select_keeps_sample_rows(shape):
+    factors, a, s = random_factors(*shape)
+    C = shape[1]
+    samples = [shape[0] - 1, 0]
+    rows = [n * C + c for n in samples for c in range(C)]
+    torch.testing.assert_close(
+        factors.select(samples).materialize(), factors.materialize()[rows]
+    )
+
+
+def test_dense_factors_products():
+    columns = torch.randn(3, 2, 4, 5, dtype=torch.float64)  # [N, C, *p]
+    dense = DenseFactors(columns)
+    vt = columns.reshape(6, 20)
+    other = DenseFactors(torch.randn(2, 1, 4, 5, dtype=torch.float64))
+    u = torch.randn(3, 6, dtype=torch.float64)
+    w = torch.randn(3, 4, 5, dtype=torch.float64)
+    torch.testing.assert_close(dense.gram(), vt @ vt.T)
+    torch.testing.assert_close(dense.gram(other), vt @ other.materialize().T)
+    torch.testing.assert_close(dense.vmp(u), (u @ vt).reshape(3, 4, 5))
+    torch.testing.assert_close(dense.vtmp(w), w.flatten(1) @ vt.T)
+    torch.testing.assert_close(dense.select([2]).materialize(), vt[4:6])
+
+
+def test_planner_prefers_cheap_route_within_budget():
+    cheap_big = planner.Route("cheap_big", flops=1, memory=100)
+    costly_small = planner.Route("costly_small", flops=10, memory=1)
+    assert planner.choose(cheap_big, costly_small, budget=1000) == "cheap_big"
+    assert planner.choose(cheap_big, costly_small, budget=10) == "costly_small"
+    assert planner.choose(cheap_big, costly_small, budget=0) == "costly_small"
+
+
+def test_planner_picks_pairs_for_plain_linear_and_v_for_large_images():
+    linear, _, _ = random_factors(32, 10, 1, 1, 64, 128)
+    conv, _, _ = random_factors(8, 10, 1, 1024, 16, 27)
+    chosen = []
+    original = planner.choose
+
+    def spy(*routes, **kwargs):
+        chosen.append(original(*routes, **kwargs))
+        return chosen[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner, "choose", spy)
+        linear.gram()
+        conv.gram()
+    assert chosen == ["pairs", "through_v"]

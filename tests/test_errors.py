@@ -1,0 +1,205 @@
+"""Bad input gets a clear exception that says what is wrong and what to do."""
+
+import pytest
+import torch
+from backpack import backpack, extend
+from torch import nn
+
+import vivit._memory
+from vivit import (
+    BatchNormTrainingError,
+    EighComputation,
+    EigvalshComputation,
+    GramTooLargeError,
+    InvalidSubsamplingError,
+    LowRankGGN,
+    ParamGroupError,
+    ResultNotReadyError,
+    UnsupportedLayerError,
+)
+from vivit.optim import DampedNewton
+
+
+def mlp_problem(N=4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    return model, nn.CrossEntropyLoss(), (torch.randn(N, 3), torch.randint(0, 2, (N,)))
+
+
+def test_parameter_in_two_groups():
+    model, loss_func, data = mlp_problem()
+    weight = model[0].weight
+    with pytest.raises(ParamGroupError, match="more than one group"):
+        LowRankGGN(model, loss_func, data, param_groups=[[weight], [weight]])
+    with pytest.raises(ParamGroupError, match="more than one group"):
+        EigvalshComputation().get_extension_hook(
+            [{"params": [weight]}, {"params": [weight]}]
+        )
+
+
+def test_group_without_criterion():
+    model, _, _ = mlp_problem()
+    with pytest.raises(ParamGroupError, match="criterion"):
+        EighComputation().get_extension_hook([{"params": list(model.parameters())}])
+
+
+def test_frozen_parameter_in_group():
+    model, loss_func, data = mlp_problem()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ParamGroupError, match="does not require gradients"):
+        LowRankGGN(model, loss_func, data, param_groups=[[model[0].weight]])
+
+
+def test_batchnorm_in_training_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(BatchNormTrainingError, match=r"model\.eval\(\)"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), data)
+
+
+@pytest.mark.parametrize(
+    "layer, hint",
+    [(nn.LayerNorm(4), "LayerNorm"), (nn.GELU(), "GELU")],
+    ids=["LayerNorm", "GELU"],
+)
+def test_unsupported_layer_is_named(layer, hint):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), layer, nn.Linear(4, 2))
+    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(UnsupportedLayerError, match=hint) as info:
+        LowRankGGN(model, nn.CrossEntropyLoss(), data)
+    assert "Supported layers: " in str(info.value) and "Linear" in str(info.value)
+
+
+def test_custom_forward_suggests_converter():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return x + self.inner(x)
+
+    model = nn.Sequential(Residual(), nn.Linear(3, 2))
+    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(UnsupportedLayerError, match="use_converter=True"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), data)
+
+
+def test_result_before_backward():
+    model, _, _ = mlp_problem()
+    group = {"params": list(model.parameters()), "criterion": lambda evals: [0]}
+    computation = EighComputation()
+    computation.get_extension_hook([group])
+    with pytest.raises(ResultNotReadyError, match=r"backward\(\)"):
+        computation.get_result(group)
+    with pytest.raises(KeyError):  # ViViT raised KeyError; scripts may catch it
+        EigvalshComputation().get_result(group)
+
+
+@pytest.mark.parametrize(
+    "subsampling, match",
+    [
+        ([0, 0, 1], r"repeats the sample indices \[0\]"),
+        ([1, 4], "outside the mini-batch"),
+    ],
+    ids=["repeated", "out-of-range"],
+)
+def test_bad_subsampling(subsampling, match):
+    model, loss_func, data = mlp_problem(N=4)
+    with pytest.raises(InvalidSubsamplingError, match=match):
+        LowRankGGN(model, loss_func, data, subsampling=subsampling)
+    ggn = LowRankGGN(model, loss_func, data)
+    with pytest.raises(InvalidSubsamplingError, match=match):
+        ggn.directional_derivatives(subsampling_grad=subsampling)
+
+
+def test_out_of_range_subsampling_in_training_loop():
+    model, loss_func, (X, y) = mlp_problem(N=4)
+    model, loss_func = extend(model), extend(loss_func)
+    computation = EigvalshComputation(subsampling=[0, 7])
+    groups = [{"params": list(model.parameters())}]
+    with (
+        pytest.raises(InvalidSubsamplingError, match="outside the mini-batch"),
+        backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ),
+    ):
+        loss_func(model(X), y).backward()
+
+
+def test_gram_too_large_is_refused_with_options(monkeypatch):
+    # 16 x 16 float32 Gram: 3 squares of 1 KiB do not fit into 1000 bytes.
+    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1000)
+    model, loss_func, data = mlp_problem(N=8)
+    with pytest.raises(GramTooLargeError) as info:
+        LowRankGGN(model, loss_func, data)
+    message = str(info.value)
+    for option in ("GiB", "mc_samples=1", "subsampling", "top-k solver"):
+        assert option in message
+
+
+def test_gram_that_fits_is_accepted(monkeypatch):
+    # 8 x 8 float32 Gram: 3 squares of 256 bytes fit into 1000 bytes.
+    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1000)
+    model, loss_func, data = mlp_problem(N=4)
+    assert LowRankGGN(model, loss_func, data).gram().shape == (8, 8)
+
+
+@pytest.mark.parametrize("mc_samples", [-1, 1.5, True])
+def test_bad_mc_samples(mc_samples):
+    with pytest.raises(ValueError, match="mc_samples"):
+        EigvalshComputation(mc_samples=mc_samples)
+
+
+def test_bad_top_k_and_group_index():
+    ggn = LowRankGGN(*mlp_problem())
+    with pytest.raises(ValueError, match="top_k"):
+        ggn.eigh(top_k=0)
+    with pytest.raises(IndexError, match="group"):
+        ggn.eigvalsh(group=1)
+
+
+def test_unreduced_loss():
+    model, _, data = mlp_problem()
+    with pytest.raises(ValueError, match="reduction"):
+        LowRankGGN(model, nn.CrossEntropyLoss(reduction="none"), data)
+
+
+def test_negative_damping():
+    ggn = LowRankGGN(*mlp_problem())
+    with pytest.raises(ValueError, match="Dampings must be >= 0"):
+        ggn.newton_step(damping=-1.0)
+
+
+def test_criterion_selecting_zero_eigenvalue():
+    model, loss_func, (X, y) = mlp_problem(N=4)
+    model, loss_func = extend(model), extend(loss_func)
+    computation = EighComputation(warn_small_eigvals=0)
+    # cross-entropy with 2 classes: rank ≤ N·(C−1), the smallest Gram eigenvalue is 0
+    groups = [{"params": list(model.parameters()), "criterion": lambda evals: [0]}]
+    with (
+        pytest.raises(ValueError, match="numerically zero"),
+        backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ),
+    ):
+        loss_func(model(X), y).backward()
+
+
+def test_damped_newton_needs_closure_and_positive_lr():
+    model, _, _ = mlp_problem()
+    with pytest.raises(ValueError, match="lr"):
+        DampedNewton(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="closure"):
+        DampedNewton(model.parameters()).step(None)
+
+
+def test_damped_newton_without_extension():
+    model, loss_func, (X, y) = mlp_problem()
+    optimizer = DampedNewton(model.parameters())
+    with pytest.raises(RuntimeError, match="backpack.extend"):
+        optimizer.step(lambda: loss_func(model(X), y))
