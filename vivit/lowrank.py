@@ -148,6 +148,8 @@ class LowRankGGN:
         )
         params = [p for group in self.param_groups for p in group]
         grads = [p.grad for p in params]
+        for param in params:  # autograd would accumulate into them in place
+            param.grad = None
         seed = None
         if mc_samples and generator is not None:
             seed = int(torch.randint(2**62, (), generator=generator))

@@ -1,0 +1,88 @@
+"""LowRankGGN against the dense float64 torch.func GGN, on every registry problem."""
+
+import pytest
+import torch
+from checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals, layer_groups
+from problems import PROBLEMS, prepare, problem_ids
+from reference import dense_ggn
+
+from vivit import LowRankGGN
+from vivit.linalg.solvers import numerical_zero_tolerance
+
+
+@pytest.fixture(params=PROBLEMS, ids=problem_ids(PROBLEMS))
+def problem(request):
+    return request.param
+
+
+@pytest.mark.parametrize("subsampling", [None, [0, 2, 3]], ids=["full", "subsampled"])
+def test_eigenpairs_float64(problem, subsampling):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
+    ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
+    num_samples = problem.batch_size if subsampling is None else len(subsampling)
+    rows = num_samples * problem.num_outputs
+    assert ggn.gram().shape == (rows, rows)
+    reference = torch.linalg.eigvalsh(G)
+    evals = ggn.eigvalsh()
+    assert evals.shape == (rows,) and (evals.diff() >= 0).all()
+    assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float64])
+
+    evals, evecs = ggn.eigh()
+    assert [e.shape[1:] for e in evecs] == [p.shape for p in model.parameters()]
+    assert (evals > numerical_zero_tolerance(ggn.eigvalsh())).all()
+    assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float64])
+    assert_eigenpairs(evals, evecs, G)
+    # numerically zero eigenvalues carry no direction: CE has rank ≤ N·(C−1)
+    if problem.loss == "ce":
+        assert evals.numel() <= num_samples * (problem.num_outputs - 1)
+
+
+def test_top_k(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    all_evals, _ = ggn.eigh()
+    evals, evecs = ggn.eigh(top_k=2)
+    torch.testing.assert_close(evals, all_evals[-2:], rtol=0, atol=0)
+    assert all(e.shape[0] == 2 for e in evecs)
+    assert ggn.eigh(top_k=10_000)[0].numel() == all_evals.numel()
+
+
+def test_per_layer_groups(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    groups = layer_groups(model)
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=groups)
+    for index, group in enumerate(groups):
+        G = dense_ggn(model, loss_func, X, y, params=group)
+        assert_top_eigvals(ggn.eigvalsh(index), torch.linalg.eigvalsh(G), 1e-10)
+        evals, evecs = ggn.eigh(group=index)
+        assert [e.shape[1:] for e in evecs] == [p.shape for p in group]
+        assert_eigenpairs(evals, evecs, G)
+
+
+def test_float32(problem):
+    model, loss_func, X, y = prepare(problem, torch.float32)
+    model64, loss64, X64, y64 = prepare(problem, torch.float64)
+    reference = torch.linalg.eigvalsh(dense_ggn(model64, loss64, X64, y64))
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    assert ggn.gram().dtype == torch.float32
+    assert_top_eigvals(ggn.eigvalsh(), reference, EIGVAL_RTOL[torch.float32])
+    evals, evecs = ggn.eigh(top_k=3)
+    assert all(e.dtype == torch.float32 for e in evecs)
+    assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float32])
+
+
+def test_leaves_gradients_untouched():
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64)
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    LowRankGGN(model, loss_func, (X, y))
+    assert (model[0].weight.grad == 1).all()
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+
+
+def test_extends_plain_modules():
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64, extend=False)
+    reference = torch.linalg.eigvalsh(dense_ggn(model, loss_func, X, y))
+    assert_top_eigvals(
+        LowRankGGN(model, loss_func, (X, y)).eigvalsh(), reference, 1e-10
+    )
