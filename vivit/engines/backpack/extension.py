@@ -7,26 +7,17 @@ from collections.abc import Sequence
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
 from torch import Tensor
-from torch.nn import (
-    BatchNorm1d,
-    BatchNorm2d,
-    BatchNorm3d,
-    BCEWithLogitsLoss,
-    CrossEntropyLoss,
-    Linear,
-    Module,
-    MSELoss,
-)
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 
 from vivit._memory import check_gram_fits
 from vivit._validation import check_subsampling
-from vivit.engines.backpack.layers import GramBatchNormNd, GramLinear, conv_extensions
+from vivit.engines.backpack.dtype import avg_pool_extensions
+from vivit.engines.backpack.layers import param_layer_extensions
 from vivit.engines.backpack.losses import (
     GramBCEWithLogitsLoss,
     GramCrossEntropyLoss,
     GramMSELoss,
 )
-from vivit.engines.backpack.pooling import avg_pool_extensions
 from vivit.engines.base import BatchInfo
 from vivit.errors import UnsupportedLayerError
 
@@ -80,10 +71,8 @@ class GramGGN(SqrtGGN):
         super().__init__(strategy, SAVEFIELD, check_subsampling(subsampling))
 
         own = {
-            Linear: GramLinear(),
-            **conv_extensions(),
+            **param_layer_extensions(),
             **avg_pool_extensions(),
-            **dict.fromkeys((BatchNorm1d, BatchNorm2d, BatchNorm3d), GramBatchNormNd()),
             MSELoss: GramMSELoss(),
             CrossEntropyLoss: GramCrossEntropyLoss(),
             BCEWithLogitsLoss: GramBCEWithLogitsLoss(),

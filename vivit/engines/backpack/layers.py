@@ -5,7 +5,8 @@ convolution weights keep the layer input and the backpropagated vectors
 (:class:`~vivit.gram.OuterProductFactors`); every other parameter (biases,
 BatchNorm, transposed convolutions, embeddings) gets its columns of ``V`` from
 BackPACK's ``param_mjp`` (:class:`~vivit.gram.DenseFactors`), which are small or have
-no cheaper form.
+no cheaper form. No layer with parameters keeps BackPACK's own SqrtGGN extension,
+which would leave a raw ``V`` where a contribution is expected.
 """
 
 from __future__ import annotations
@@ -18,19 +19,40 @@ from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
 from backpack.core.derivatives.conv1d import Conv1DDerivatives
 from backpack.core.derivatives.conv2d import Conv2DDerivatives
 from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
+from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
+from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
+from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.core.derivatives.linear import LinearDerivatives
 from backpack.extensions.mat_to_mat_jac_base import MatToJacMat
 from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    Embedding,
+    Linear,
+    Module,
+)
 
+from vivit.engines.backpack.dtype import dtype_safe
 from vivit.engines.base import ParamContribution
 from vivit.errors import BatchNormTrainingError
 from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
 
 if TYPE_CHECKING:
     from vivit.engines.backpack.extension import GramGGN
+
+#: Parameter names of layers with a weight and a bias.
+PARAMS = ["weight", "bias"]
 
 
 class GramParamsExtension(MatToJacMat):
@@ -107,7 +129,7 @@ class GramLinear(GramParamsExtension):
     """``torch.nn.Linear``, also on inputs with extra axes ``[N, *T, I]``."""
 
     def __init__(self):
-        super().__init__(LinearDerivatives(), ["weight", "bias"])
+        super().__init__(LinearDerivatives(), PARAMS)
 
     def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
         if param_str != "weight":
@@ -126,7 +148,7 @@ class GramConvNd(GramParamsExtension):
     """
 
     def __init__(self, derivatives: BaseDerivatives):
-        super().__init__(derivatives, ["weight", "bias"])
+        super().__init__(derivatives, PARAMS)
 
     def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
         has_factor_form = module.padding_mode == "zeros" and not isinstance(
@@ -152,7 +174,7 @@ class GramBatchNormNd(GramParamsExtension):
     """``torch.nn.BatchNorm{1,2,3}d`` in evaluation mode."""
 
     def __init__(self):
-        super().__init__(BatchNormNdDerivatives(), ["weight", "bias"])
+        super().__init__(BatchNormNdDerivatives(), PARAMS)
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
         if module.training:
@@ -214,16 +236,23 @@ def _outer_factors(
     return ggn, grad
 
 
-def conv_extensions() -> dict[type[Module], GramParamsExtension]:
-    """Module extensions of the convolutions, keyed by layer class.
+def param_layer_extensions() -> dict[type[Module], GramParamsExtension]:
+    """Module extensions of every supported layer with parameters.
 
     Returns:
-        Mapping from ``Conv{1,2,3}d`` to their module extensions.
+        Mapping from layer class to its module extension.
     """
-    from torch.nn import Conv1d, Conv2d, Conv3d
-
+    batch_norm = GramBatchNormNd()
     return {
+        Linear: GramLinear(),
         Conv1d: GramConvNd(Conv1DDerivatives()),
         Conv2d: GramConvNd(Conv2DDerivatives()),
         Conv3d: GramConvNd(Conv3DDerivatives()),
+        BatchNorm1d: batch_norm,
+        BatchNorm2d: batch_norm,
+        BatchNorm3d: batch_norm,
+        ConvTranspose1d: GramParamsExtension(ConvTranspose1DDerivatives(), PARAMS),
+        ConvTranspose2d: GramParamsExtension(ConvTranspose2DDerivatives(), PARAMS),
+        ConvTranspose3d: GramParamsExtension(ConvTranspose3DDerivatives(), PARAMS),
+        Embedding: GramParamsExtension(dtype_safe(EmbeddingDerivatives)(), ["weight"]),
     }
