@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor
+from torch.linalg import eigvalsh
 
 from vivit.computation import GroupComputation
 from vivit.groups import GroupCurvature
@@ -45,8 +46,6 @@ class EigvalshComputation(GroupComputation):
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        from torch.linalg import eigvalsh
-
         return eigvalsh(curvature.gram)
 
     def get_result(self, group: dict) -> Tensor:
