@@ -8,6 +8,7 @@ from torch import nn
 import vivit._memory
 from vivit import (
     BatchNormTrainingError,
+    DirectionalDampedNewtonComputation,
     EighComputation,
     EigvalshComputation,
     GramTooLargeError,
@@ -170,8 +171,10 @@ def test_unreduced_loss():
 
 def test_negative_damping():
     ggn = LowRankGGN(*mlp_problem())
-    with pytest.raises(ValueError, match="Dampings must be >= 0"):
+    with pytest.raises(ValueError, match="damping must be a number >= 0"):
         ggn.newton_step(damping=-1.0)
+    with pytest.raises(ValueError, match="Dampings must be >= 0"):
+        ggn.newton_step(damping=lambda evals, *_: -evals)
 
 
 def test_criterion_selecting_zero_eigenvalue():
@@ -203,3 +206,35 @@ def test_damped_newton_without_extension():
     optimizer = DampedNewton(model.parameters())
     with pytest.raises(RuntimeError, match="backpack.extend"):
         optimizer.step(lambda: loss_func(model(X), y))
+
+
+@pytest.mark.parametrize("damping", ["1", None, True])
+def test_damping_neither_number_nor_callable(damping):
+    model, loss_func, (X, y) = mlp_problem()
+    with pytest.raises(ValueError, match="damping must be a number"):
+        LowRankGGN(model, loss_func, (X, y)).newton_step(damping=damping)
+    with pytest.raises(ValueError, match="damping must be a number"):
+        DampedNewton(model.parameters(), damping=damping)
+    group = {"params": list(model.parameters()), "criterion": list, "damping": damping}
+    with pytest.raises(ValueError, match='group\\["damping"\\] must be a number'):
+        DirectionalDampedNewtonComputation().get_extension_hook([group])
+
+
+def test_constant_damping_in_hook_api():
+    model, loss_func, (X, y) = mlp_problem()
+    model, loss_func = extend(model), extend(loss_func)
+    group = {
+        "params": list(model.parameters()),
+        "criterion": lambda evals: [len(evals) - 1],
+        "damping": 0.5,
+    }
+    computation = DirectionalDampedNewtonComputation()
+    with backpack(
+        *computation.get_extensions(),
+        extension_hook=computation.get_extension_hook([group]),
+    ):
+        loss_func(model(X), y).backward()
+    step = computation.get_result(group)
+    expected = LowRankGGN(model, loss_func, (X, y)).newton_step(top_k=1, damping=0.5)
+    for s, e in zip(step, expected, strict=True):
+        torch.testing.assert_close(s, e)

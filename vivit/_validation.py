@@ -94,3 +94,27 @@ def check_param_groups(
                     "no curvature."
                 )
             seen.add(id(param))
+
+
+def check_damping(damping: object, name: str = "damping") -> None:
+    """Check that a damping is a number ``≥ 0`` or a callable rule.
+
+    Args:
+        damping: The damping.
+        name: Argument name used in error messages.
+
+    Raises:
+        ValueError: If it is neither.
+    """
+    if callable(damping):
+        return
+    if (
+        isinstance(damping, int | float)
+        and not isinstance(damping, bool)
+        and damping >= 0
+    ):
+        return
+    raise ValueError(
+        f"{name} must be a number >= 0 or a callable (evals, gram_evecs, gammas, "
+        f"lambdas) -> [K] such as vivit.optim.BootstrapDamping, got {damping!r}."
+    )

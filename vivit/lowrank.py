@@ -13,14 +13,12 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_param_groups, check_subsampling
 from vivit.directional.gram_space import (
     Damping,
-    batch_directional_gradient,
+    damped_newton_step,
     directional_curvatures,
     directional_gradients,
-    newton_coefficients,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
-from vivit.errors import ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.solvers import gram_eigh, gram_to_param, top_k_indices
 
@@ -316,18 +314,15 @@ class LowRankGGN:
         evals, gram_evecs, gammas, lambdas = self._directional(
             top_k, group, subsampling_grad
         )
-        if callable(damping):
-            dampings = damping(evals, gram_evecs, gammas, lambdas)
-        else:
-            dampings = torch.full_like(evals, float(damping))
         curvature = self._group(group)
-        gamma_bar = batch_directional_gradient(gammas, curvature.batch)
-        u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings)
-        return NewtonStep(
-            directional=DirectionalDerivatives(evals, gammas, lambdas),
-            gamma_bar=gamma_bar,
-            dampings=torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device),
-            step=[f.vmp(u.unsqueeze(0)).squeeze(0) for f in curvature.ggn_factors],
+        return damped_newton_step(
+            curvature.ggn_factors,
+            curvature.batch,
+            evals,
+            gram_evecs,
+            gammas,
+            lambdas,
+            damping,
         )
 
     def newton_step(
@@ -356,6 +351,3 @@ def _extend_if_needed(module: Module) -> None:
     """Extend a module with BackPACK unless it (or a sub-module) already is."""
     if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
         extend(module)
-
-
-__all__ = ["LowRankGGN", "ResultNotReadyError"]

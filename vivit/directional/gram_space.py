@@ -7,12 +7,15 @@ space.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from vivit._validation import check_damping
+from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
+from vivit.gram import ParamFactors
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
 #: lambdas [N_ggn, K]) → δ [K]`` (``inf`` skips a direction).
@@ -86,7 +89,6 @@ def newton_coefficients(
     Raises:
         ValueError: If a damping is negative or NaN, or has the wrong shape.
     """
-    dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
     if dampings.shape != evals.shape:
         raise ValueError(
             f"The damping returned shape {tuple(dampings.shape)}, expected one value "
@@ -100,3 +102,42 @@ def newton_coefficients(
         torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
     )
     return gram_evecs @ (step_sizes / evals.sqrt())
+
+
+def damped_newton_step(
+    factors: Sequence[ParamFactors],
+    batch: BatchInfo,
+    evals: Tensor,
+    gram_evecs: Tensor,
+    gammas: Tensor,
+    lambdas: Tensor,
+    damping: float | Damping,
+) -> NewtonStep:
+    """The damped Newton step in parameter space, with one product with ``V``.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        batch: Batch context (reduction of the gradient samples).
+        evals: Eigenvalues of the directions, ``[K]``.
+        gram_evecs: Their Gram eigenvectors, ``[N·C, K]``.
+        gammas: Per-sample directional gradients, ``[N_grad, K]``.
+        lambdas: Per-sample directional curvatures, ``[N_ggn, K]``.
+        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
+
+    Returns:
+        The step with the quantities that define it.
+    """
+    check_damping(damping)
+    if callable(damping):
+        dampings = damping(evals, gram_evecs, gammas, lambdas)
+    else:
+        dampings = torch.full_like(evals, float(damping))
+    dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
+    gamma_bar = batch_directional_gradient(gammas, batch)
+    u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings).unsqueeze(0)
+    return NewtonStep(
+        directional=DirectionalDerivatives(evals, gammas, lambdas),
+        gamma_bar=gamma_bar,
+        dampings=dampings,
+        step=[f.vmp(u).squeeze(0) for f in factors],
+    )

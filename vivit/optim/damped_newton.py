@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from vivit._validation import check_damping
 from vivit.directional.gram_space import Damping
 from vivit.directional.results import NewtonStep
 from vivit.lowrank import LowRankGGN
@@ -71,6 +72,7 @@ class DampedNewton(Optimizer):
     ):
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr!r}.")
+        check_damping(damping)
         defaults = {
             "lr": lr,
             "damping": damping,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from vivit.directional.gram_space import batch_directional_gradient, newton_coefficients
+from vivit._validation import check_damping
+from vivit.directional.gram_space import damped_newton_step
 from vivit.groups import GroupCurvature
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
 
@@ -16,8 +17,9 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     ``"criterion"`` selects, with ``γ̄_k`` the directional gradient of the loss on
     the gradient samples and ``δ_k`` from the group's ``"damping"``, a callable
     ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K], lambdas [N_ggn, K]) →
-    [K]`` (see :mod:`vivit.optim.damping`). The step is formed with one product
-    with ``V``. Gram-space vectors are ordered sample-major (``n·C + c``).
+    [K]`` (see :mod:`vivit.optim.damping`) or, beyond ViViT, a constant ``δ ≥ 0``.
+    The step is formed with one product with ``V``. Gram-space vectors are ordered
+    sample-major (``n·C + c``).
 
     Arguments are those of :class:`DirectionalDerivativesComputation`.
     """
@@ -25,13 +27,23 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     required_keys = ("params", "criterion", "damping")
     keep_factors = True
 
+    def get_extension_hook(self, param_groups: list[dict]):  # noqa: D102
+        for group in param_groups:
+            check_damping(group.get("damping"), name='group["damping"]')
+        return super().get_extension_hook(param_groups)
+
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
         """Compute the group's result from its curvature (see ``get_result``)."""
         evals, gram_evecs, gammas, lambdas = self._directional(group, curvature)
-        dampings = group["damping"](evals, gram_evecs, gammas, lambdas)
-        gamma_bar = batch_directional_gradient(gammas, curvature.batch)
-        u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings)
-        return [f.vmp(u.unsqueeze(0)).squeeze(0) for f in curvature.ggn_factors]
+        return damped_newton_step(
+            curvature.ggn_factors,
+            curvature.batch,
+            evals,
+            gram_evecs,
+            gammas,
+            lambdas,
+            group["damping"],
+        ).step
 
     def get_result(self, group: dict) -> list[Tensor]:
         """The damped Newton step of a group after the backward pass.

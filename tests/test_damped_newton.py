@@ -1,0 +1,172 @@
+"""The ``DampedNewton`` optimizer: exact Newton on least squares, training, groups."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from vivit import LowRankGGN
+from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
+
+DTYPE = torch.float64
+
+
+def least_squares_problem(reduction: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(20, 3, generator=gen, dtype=DTYPE)
+    y = X @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=DTYPE) + 0.3
+    y = y + 0.5 * torch.randn(20, 1, generator=gen, dtype=DTYPE)  # not interpolable
+    model = extend(nn.Linear(3, 1).to(DTYPE))
+    return model, extend(nn.MSELoss(reduction=reduction)), X, y
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_undamped_step_solves_least_squares(reduction):
+    """GGN = Hessian for a linear model: one full Newton step is the minimiser."""
+    model, loss_func, X, y = least_squares_problem(reduction)
+    A = torch.cat([X, torch.ones(20, 1, dtype=DTYPE)], dim=1)
+    solution = torch.linalg.lstsq(A, y).solution.squeeze(1)  # [w, b]
+    initial = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+    assert (initial - solution).norm() > 0.5  # the step has work to do
+
+    optimizer = DampedNewton(model.parameters(), lr=1.0, damping=0.0, top_k=None)
+    loss_before = optimizer.step(lambda: loss_func(model(X), y))
+    assert loss_before.requires_grad is False
+
+    reached = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+    assert (reached - solution).norm() <= 1e-8 * solution.norm()
+    (newton,) = optimizer.last_steps
+    assert newton.directional.evals.numel() == 4  # rank of [X, 1]
+    # The minimiser's gradient vanishes.
+    model.zero_grad()
+    loss_func(model(X), y).backward()
+    assert model.weight.grad.norm() + model.bias.grad.norm() < 1e-10
+
+
+def classification_problem(seed: int = 0):
+    """Three Gaussian blobs in 2d, an MLP with a hidden layer of 8."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]], dtype=DTYPE)
+    y = torch.arange(3).repeat(10)
+    X = centers[y] + 0.8 * torch.randn(30, 2, generator=gen, dtype=DTYPE)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = model.to(DTYPE)
+    return extend(model), extend(nn.CrossEntropyLoss()), X, y
+
+
+@pytest.mark.parametrize(
+    "damping",
+    [0.1, BootstrapDamping(generator=torch.Generator().manual_seed(0))],
+    ids=["constant", "bootstrap"],
+)
+def test_training_loss_decreases(damping):
+    model, loss_func, X, y = classification_problem()
+    optimizer = DampedNewton(model.parameters(), lr=1.0, damping=damping, top_k=10)
+
+    def closure():
+        return loss_func(model(X), y)
+
+    losses = [optimizer.step(closure).item() for _ in range(5)]
+    with torch.no_grad():
+        final = closure().item()
+    losses.append(final)
+    # Every step decreases the full-batch loss, and by a lot overall.
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert final < 0.5 * losses[0], losses
+    # The parameters' .grad are left alone (the closure calls no backward).
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_param_groups_with_own_lr_and_top_k():
+    model, loss_func, X, y = classification_problem(seed=1)
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    groups = [
+        {"params": first, "lr": 0.5, "top_k": 2},
+        {"params": second, "top_k": 4, "damping": 0.3},
+    ]
+    optimizer = DampedNewton(
+        groups, lr=0.8, damping=0.1, subsampling_grad=list(range(0, 30, 2))
+    )
+    assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.8]
+    assert [g["damping"] for g in optimizer.param_groups] == [0.1, 0.3]
+
+    # Expected steps: the block-diagonal GGN at the current parameters.
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=[first, second])
+    expected = [
+        ggn.newton(top_k=2, group=0, damping=0.1, subsampling_grad=range(0, 30, 2)),
+        ggn.newton(top_k=4, group=1, damping=0.3, subsampling_grad=range(0, 30, 2)),
+    ]
+    before = [[p.detach().clone() for p in ps] for ps in (first, second)]
+
+    optimizer.step(lambda: loss_func(model(X), y))
+
+    assert len(optimizer.last_steps) == 2
+    for index, (params, lr, K) in enumerate([(first, 0.5, 2), (second, 0.8, 4)]):
+        newton = optimizer.last_steps[index]
+        assert isinstance(newton, NewtonStep)
+        assert newton.directional.evals.shape == (K,)
+        assert newton.directional.gammas.shape == (15, K)
+        assert newton.directional.lambdas.shape == (30, K)
+        for p, old, step, exp in zip(
+            params, before[index], newton.step, expected[index].step, strict=True
+        ):
+            torch.testing.assert_close(step, exp, rtol=1e-10, atol=1e-14)
+            torch.testing.assert_close(p.detach(), old + lr * step, rtol=0, atol=1e-14)
+
+
+def test_last_steps_and_directions_shapes():
+    model, loss_func, X, y = classification_problem()
+    params = list(model.parameters())
+    optimizer = DampedNewton(params, damping=0.1, top_k=5, keep_directions=True)
+    assert optimizer.last_steps == [] and optimizer.last_directions == []
+    optimizer.step(lambda: loss_func(model(X), y))
+
+    (newton,) = optimizer.last_steps
+    assert newton.directional.evals.shape == (5,)
+    assert newton.directional.gammas.shape == (30, 5)
+    assert newton.directional.lambdas.shape == (30, 5)
+    assert newton.gamma_bar.shape == newton.dampings.shape == (5,)
+    torch.testing.assert_close(newton.dampings, torch.full((5,), 0.1, dtype=DTYPE))
+    assert [s.shape for s in newton.step] == [p.shape for p in params]
+
+    ((evals, evecs),) = optimizer.last_directions
+    torch.testing.assert_close(evals, newton.directional.evals, rtol=0, atol=0)
+    assert [e.shape for e in evecs] == [(5, *p.shape) for p in params]
+    E = torch.cat([e.flatten(1) for e in evecs], dim=1)
+    torch.testing.assert_close(E @ E.T, torch.eye(5, dtype=DTYPE), rtol=0, atol=1e-10)
+    # The step lies in the span of the kept directions.
+    step = torch.cat([s.flatten() for s in newton.step])
+    torch.testing.assert_close(E.T @ (E @ step), step, rtol=0, atol=1e-12)
+
+    without = DampedNewton(model.parameters(), damping=0.1, top_k=5)
+    without.step(lambda: loss_func(model(X), y))
+    assert without.last_directions == [] and len(without.last_steps) == 1
+
+
+def _train_mc(seed: int, model, loss_func, X, y, steps: int = 2):
+    model = copy.deepcopy(model)
+    optimizer = DampedNewton(
+        model.parameters(),
+        damping=0.1,
+        top_k=4,
+        mc_samples=1,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    for _ in range(steps):
+        optimizer.step(lambda: loss_func(model(X), y))
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_mc_reproducible_with_generator():
+    model, loss_func, X, y = classification_problem()
+    first = _train_mc(0, model, loss_func, X, y)
+    again = _train_mc(0, model, loss_func, X, y)
+    other = _train_mc(1, model, loss_func, X, y)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.allclose(first, other, rtol=0, atol=1e-8)
