@@ -86,3 +86,32 @@ def test_extends_plain_modules():
     assert_top_eigvals(
         LowRankGGN(model, loss_func, (X, y)).eigvalsh(), reference, 1e-10
     )
+
+
+def test_results_do_not_track_gradients():
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64)
+    X.requires_grad_(True)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    _, evecs = ggn.eigh(top_k=2)
+    newton = ggn.newton(top_k=2)
+    directional = newton.directional
+    results = [ggn.gram(), *evecs, *newton.step, newton.gamma_bar]
+    results += [directional.gammas, directional.lambdas]
+    assert not any(t.requires_grad for t in results)
+
+
+def test_float32_decomposition_falls_back_to_float64(monkeypatch):
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float32)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    expected = torch.linalg.eigvalsh(ggn.gram().double()).float()
+    eigh = torch.linalg.eigh
+
+    def fails_in_float32(matrix):
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("failed to converge")
+        return eigh(matrix)
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails_in_float32)
+    evals = ggn.eigvalsh()
+    assert evals.dtype == torch.float32
+    torch.testing.assert_close(evals, expected)

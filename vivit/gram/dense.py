@@ -17,13 +17,14 @@ class DenseFactors(ParamFactors):
     layer has no factor form.
 
     Args:
-        columns: ``Vᵀ`` restricted to the parameter, shape ``[N, C, *param_shape]``.
+        columns: ``Vᵀ`` restricted to the parameter, shape ``[N, C, *param_shape]``;
+            stored detached, so products never track gradients.
     """
 
     def __init__(self, columns: Tensor):
         self.num_samples, self.num_columns = columns.shape[:2]
         self.param_shape = columns.shape[2:]
-        self._vt = columns.reshape(self.num_samples * self.num_columns, -1)
+        self._vt = columns.detach().reshape(self.num_samples * self.num_columns, -1)
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         other_vt = self._vt if other is None else other.materialize()

@@ -26,6 +26,8 @@ class OuterProductFactors(ParamFactors):
             ``T``, input features per group ``P``).
         outputs: Backpropagated vectors ``s̃`` at the layer output, shape
             ``[C, N, G, T, O]`` (output features per group ``O``).
+
+    Both are detached: products never track gradients.
         param_shape: Shape of the weight; it must hold ``G * O * P`` entries laid out
             as ``[G, O, P]``.
     """
@@ -40,8 +42,9 @@ class OuterProductFactors(ParamFactors):
                 "disagree in samples, groups or positions."
             )
         self.param_shape = torch.Size(param_shape)
-        self._a = inputs
-        self._s = outputs
+        # Factors are data: products with them must not extend the autograd graph.
+        self._a = inputs.detach()
+        self._s = outputs.detach()
         self._G, self._T, self._O, self._P = (
             groups,
             positions,

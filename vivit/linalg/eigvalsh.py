@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor
-from torch.linalg import eigvalsh
 
 from vivit.computation import GroupComputation
 from vivit.groups import GroupCurvature
+from vivit.linalg.solvers import gram_eigvalsh
 
 
 class EigvalshComputation(GroupComputation):
@@ -46,7 +46,7 @@ class EigvalshComputation(GroupComputation):
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        return eigvalsh(curvature.gram)
+        return gram_eigvalsh(curvature.gram)
 
     def get_result(self, group: dict) -> Tensor:
         """Eigenvalues of the group's GGN block after the backward pass.

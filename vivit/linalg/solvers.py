@@ -6,12 +6,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from vivit.gram import ParamFactors
+
+
+def _with_float64_fallback(decompose: Callable, gram: Tensor):
+    """Run a LAPACK decomposition; retry in float64 if float32 fails to converge.
+
+    LAPACK's float32 solver can fail on Gram matrices with large clusters of
+    (numerically) zero eigenvalues; the float64 result is cast back.
+    """
+    try:
+        return decompose(gram)
+    except torch.linalg.LinAlgError:
+        if gram.dtype == torch.float64:
+            raise
+        result = decompose(gram.to(torch.float64))
+        if isinstance(result, Tensor):
+            return result.to(gram.dtype)
+        return tuple(t.to(gram.dtype) for t in result)
 
 
 def gram_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
@@ -24,7 +41,19 @@ def gram_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
         Eigenvalues ``[R]`` in ascending order and orthonormal eigenvectors as the
         columns of an ``[R, R]`` matrix.
     """
-    return torch.linalg.eigh(gram)
+    return _with_float64_fallback(torch.linalg.eigh, gram)
+
+
+def gram_eigvalsh(gram: Tensor) -> Tensor:
+    """Eigenvalues of a symmetric Gram matrix.
+
+    Args:
+        gram: ``[R, R]`` symmetric positive semi-definite matrix.
+
+    Returns:
+        Eigenvalues ``[R]`` in ascending order.
+    """
+    return _with_float64_fallback(torch.linalg.eigvalsh, gram)
 
 
 def numerical_zero_tolerance(evals: Tensor) -> float:

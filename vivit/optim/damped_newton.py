@@ -31,6 +31,10 @@ class DampedNewton(Optimizer):
         for inputs, targets in loader:
             optimizer.step(lambda: loss_func(model(inputs), targets))
 
+    The curvature needs BatchNorm layers in eval mode, so the step never updates
+    their running statistics; refresh them yourself (e.g. a no-grad forward pass
+    in train mode) if they should follow the data.
+
     ``lr``, ``damping``, ``top_k`` and ``subsampling_grad`` can differ between
     parameter groups (as in ``torch.optim``); each group is one block of a
     block-diagonal GGN. ``mc_samples`` and ``subsampling`` shape the single

@@ -101,13 +101,20 @@ class GramGGN(SqrtGGN):
             g_out: Gradients w.r.t. its output.
 
         Raises:
-            UnsupportedLayerError: If the layer type has no module extension.
+            UnsupportedLayerError: If the layer type has no module extension, or if
+                the backward pass reaches it through an operation outside of
+                ``torch.nn`` layers (e.g. a residual sum in a custom forward).
         """
         if type(module) not in self._supported:
             raise UnsupportedLayerError(
                 unsupported_layer_message(module, self._supported)
             )
-        super().__call__(module, g_inp, g_out)
+        try:
+            super().__call__(module, g_inp, g_out)
+        except AssertionError as error:
+            if "expects a backpropagation quantity" not in str(error):
+                raise
+            raise UnsupportedLayerError(lost_quantity_message(module)) from error
 
     def start_batch(self, loss_module: Module) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss.
@@ -187,4 +194,23 @@ def unsupported_layer_message(module: Module, supported: Sequence[type]) -> str:
         "extend (attention, LayerNorm, weight sharing) need a matrix-free GGN for "
         "now (e.g. curvlinops' GGNLinearOperator with scipy.sparse.linalg.eigsh); a "
         "torch.func engine for them is planned."
+    )
+
+
+def lost_quantity_message(module: Module) -> str:
+    """Explain that the backward pass reached a layer through an untracked operation.
+
+    Args:
+        module: The layer that received nothing to backpropagate.
+
+    Returns:
+        The error message.
+    """
+    return (
+        f"The backward pass reached {module} without the square root of the GGN: "
+        "between this layer and the loss, the model combines tensors outside of "
+        "torch.nn layers (e.g. a residual sum x + block(x) or a concatenation in a "
+        "custom forward), which BackPACK cannot follow. Convert the model with "
+        "backpack.extend(model, use_converter=True), which turns such operations "
+        "into layers BackPACK supports."
     )

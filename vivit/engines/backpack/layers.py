@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
+import torch
 from backpack.core.derivatives.basederivatives import BaseDerivatives
 from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
 from backpack.core.derivatives.conv1d import Conv1DDerivatives
@@ -80,7 +81,8 @@ class GramParamsExtension(MatToJacMat):
         backproped: Tensor,
     ) -> ParamContribution:
         batch = ext.current_batch(module)
-        ggn, grad = self.factors(param_str, ext, module, g_inp, g_out, backproped)
+        with torch.no_grad():  # the layer input is part of the forward graph
+            ggn, grad = self.factors(param_str, ext, module, g_inp, g_out, backproped)
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)
 
     def factors(
