@@ -1,0 +1,17 @@
+"""Curvature studies with vivit: one command each, JSON results and figures.
+
+Three studies share one command-line interface (:mod:`studies.cli`), data and model
+loading (:mod:`studies.data`, :mod:`studies.models`) and output handling
+(:mod:`studies.report`):
+
+- :mod:`studies.spectrum`: the exact GGN spectrum of a mini-batch against its cheap
+  approximations (Monte-Carlo, subsampling, block-diagonal).
+- :mod:`studies.noise`: top eigenvalues and the noise of the directional
+  derivatives along the top eigenvectors during SGD training.
+- :mod:`studies.newton`: DampedNewton (constant and bootstrap damping) against SGD
+  and Adam from the same initialisation on the same batches.
+
+Run them from the repository root, e.g. ``python exp/spectrum.py --help``.
+"""
+
+STUDIES = ("spectrum", "noise", "newton")

@@ -1,0 +1,303 @@
+"""Models for the studies: the built-in MLP and CNN, user factories, checkpoints."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import Parameter
+
+from studies.errors import StudyError
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """A multi-layer perceptron with two hidden layers of 32 ReLU units.
+
+    Args:
+        input_shape: Shape of one input sample (flattened by the first layer).
+        num_classes: Number of outputs ``C``.
+
+    Returns:
+        The model (about 3,500 parameters on the digits).
+    """
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(math.prod(input_shape), 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, num_classes),
+    )
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """A small convolutional network with BatchNorm and max-pooling.
+
+    ``conv(8) → BatchNorm → ReLU → maxpool → conv(16) → ReLU → maxpool → linear``.
+
+    Args:
+        input_shape: ``(channels, height, width)`` of one image, height and width
+            at least 4.
+        num_classes: Number of outputs ``C``.
+
+    Returns:
+        The model (about 1,900 parameters on the digits).
+
+    Raises:
+        StudyError: If the inputs are not images of at least 4x4 pixels.
+    """
+    if len(input_shape) != 3 or min(input_shape[1:]) < 4:
+        raise StudyError(
+            f"--model cnn needs image inputs [channels, height, width] with height "
+            f"and width >= 4, but one input has shape {list(input_shape)}; use "
+            "--model mlp or your own --model MODULE:FACTORY."
+        )
+    channels, height, width = input_shape
+    features = 16 * (height // 4) * (width // 4)
+    return nn.Sequential(
+        nn.Conv2d(channels, 8, kernel_size=3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(features, num_classes),
+    )
+
+
+BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+}
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """Resolve ``MODULE:FACTORY`` (module name or ``.py`` path) to the callable.
+
+    Args:
+        spec: The ``--model`` value.
+
+    Returns:
+        The factory.
+
+    Raises:
+        StudyError: If the module or the callable cannot be found.
+    """
+    module_name, sep, attribute = spec.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise StudyError(
+            f"--model {spec!r}: use 'mlp', 'cnn' or 'MODULE:FACTORY' (e.g. "
+            "'my_models:make_net' or 'path/to/models.py:make_net')."
+        )
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise StudyError(f"--model {spec!r}: no such file {path}.")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.append(str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except StudyError:
+        raise
+    except Exception as error:
+        raise StudyError(
+            f"--model {spec!r}: importing {module_name} failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise StudyError(
+            f"--model {spec!r}: {module_name} has no callable {attribute}."
+        )
+    return factory
+
+
+def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Create the model of ``--model`` (initialised from torch's global RNG).
+
+    Args:
+        spec: ``mlp``, ``cnn`` or ``MODULE:FACTORY``.
+        input_shape: Shape of one input sample (for the built-in models).
+        num_classes: Number of classes (for the built-in models).
+
+    Returns:
+        The model.
+
+    Raises:
+        StudyError: If the factory fails or does not return a module.
+    """
+    if spec in BUILTIN:
+        return BUILTIN[spec](input_shape, num_classes)
+    factory = load_factory(spec)
+    try:
+        model = factory()
+    except Exception as error:
+        raise StudyError(
+            f"--model {spec!r}: calling the factory failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise StudyError(
+            f"--model {spec!r}: the factory returned {type(model).__name__}, not a "
+            "torch.nn.Module."
+        )
+    return model
+
+
+def load_checkpoint(model: nn.Module, path: Path, spec: str) -> None:
+    """Load a ``state_dict`` into the model, explaining any mismatch.
+
+    Args:
+        model: The model of ``--model``.
+        path: The checkpoint file.
+        spec: The ``--model`` value, for messages.
+
+    Raises:
+        StudyError: If the file is missing, not a state_dict, or does not match.
+    """
+    if not path.is_file():
+        raise StudyError(f"--checkpoint {path}: no such file.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise StudyError(
+            f"--checkpoint {path} cannot be read with torch.load: {error}"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(
+        isinstance(value, torch.Tensor) for value in state.values()
+    ):
+        raise StudyError(
+            f"--checkpoint {path} is not a state_dict; save one with "
+            "torch.save(model.state_dict(), FILE)."
+        )
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        details = str(error).replace("\n\t", "\n  ").strip()
+        raise StudyError(
+            f"--checkpoint {path} does not match --model {spec}: {details}\nPass the "
+            "--model (and --data, which sets the built-in models' input and output "
+            "sizes) the checkpoint was trained with."
+        ) from None
+
+
+def check_model_fits(model: nn.Module, sample: torch.Tensor, num_classes: int) -> int:
+    """Check that the model maps the inputs to logits that fit the labels.
+
+    Args:
+        model: The model (on the device of ``sample``).
+        sample: A few inputs ``[n, *shape]``.
+        num_classes: Largest label + 1.
+
+    Returns:
+        The number of model outputs ``C``.
+
+    Raises:
+        StudyError: If the forward pass fails or the output has the wrong shape.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(sample)
+    except Exception as error:
+        raise StudyError(
+            f"The model cannot process inputs of shape {list(sample.shape[1:])} per "
+            f"sample: {type(error).__name__}: {error}. Check --data against --model."
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(output, torch.Tensor) or output.shape[:1] != sample.shape[:1]:
+        raise StudyError(
+            "The model must return one row of logits per sample, [N, C]; got "
+            f"{getattr(output, 'shape', type(output).__name__)} for N={len(sample)}."
+        )
+    if output.ndim != 2:
+        raise StudyError(
+            f"The model must return logits of shape [N, C], got {list(output.shape)}."
+        )
+    num_outputs = output.shape[1]
+    if num_classes > num_outputs:
+        raise StudyError(
+            f"The labels go up to {num_classes - 1}, but the model has only "
+            f"{num_outputs} outputs: labels must be class indices in [0, "
+            f"{num_outputs})."
+        )
+    return num_outputs
+
+
+def layer_groups(model: nn.Module) -> list[tuple[str, list[Parameter]]]:
+    """The trainable parameters, grouped by the layer that owns them.
+
+    Args:
+        model: The model.
+
+    Returns:
+        ``("name (Type)", parameters)`` pairs in the order of ``model.modules()``.
+    """
+    groups = []
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            kind = type(module).__name__
+            groups.append((f"{name} ({kind})" if name else kind, params))
+    return groups
+
+
+def trainable_parameters(model: nn.Module) -> list[Parameter]:
+    """The trainable parameters in ``model.parameters()`` order.
+
+    Args:
+        model: The model.
+
+    Returns:
+        The parameters that require gradients.
+    """
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether the model has BatchNorm layers (whose train mode couples samples).
+
+    Args:
+        model: The model.
+
+    Returns:
+        ``True`` if it has one.
+    """
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def describe(model: nn.Module, spec: str) -> dict:
+    """Facts about the model for ``results.json``.
+
+    Args:
+        model: The model.
+        spec: The ``--model`` value.
+
+    Returns:
+        Name, parameter count, layers with parameters, BatchNorm presence.
+    """
+    return {
+        "name": spec,
+        "num_parameters": sum(p.numel() for p in trainable_parameters(model)),
+        "layers": [
+            {"name": name, "num_parameters": sum(p.numel() for p in params)}
+            for name, params in layer_groups(model)
+        ],
+        "batchnorm": has_batchnorm(model),
+    }

@@ -1,0 +1,43 @@
+"""Shared constants and helpers of the study tests (imported by name, not conftest)."""
+
+import importlib
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXP = ROOT / "exp"
+FACTORIES = Path(__file__).resolve().parent / "factories.py"
+
+#: Options of a run that takes seconds.
+TINY = {
+    "spectrum": ["--train-steps", "5", "--batch-size", "12", "--top-k", "3"],
+    "noise": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
+    "newton": ["--steps", "6", "--eval-every", "3", "--batch-size", "16"],
+}
+
+
+def run_tiny(study, output, *options):
+    """Run a study in-process on the tiny configuration; return its exit status."""
+    module = importlib.import_module(f"studies.{study}")
+    argv = [*TINY[study], "--no-progress", "--output", str(output), *options]
+    return module.main(argv)
+
+
+def read_results(output):
+    """The ``results.json`` a run wrote."""
+    return json.loads((Path(output) / "results.json").read_text())
+
+
+class Runner:
+    """Run a study in-process and capture what it printed."""
+
+    def __init__(self, capsys):
+        self.capsys = capsys
+
+    def __call__(self, study, output, *options):
+        """Run ``study`` with ``options``; return (exit status, stdout, stderr)."""
+        status = run_tiny(study, output, *options)
+        captured = self.capsys.readouterr()
+        return status, captured.out, captured.err
+
+    results = staticmethod(read_results)

@@ -1,0 +1,125 @@
+"""The spectrum study end to end on a tiny configuration."""
+
+import math
+
+import pytest
+import torch
+from study_helpers import read_results, run_tiny
+
+METHODS = ("exact", "mc", "subsample", "block_diagonal")
+N, C, K = 12, 10, 3
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spectrum") / "run"
+    assert run_tiny("spectrum", path) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(output):
+    return read_results(output)
+
+
+def test_documented_keys(results):
+    assert results["study"] == "spectrum"
+    for key in ("config", "seed", "device", "dtype", "versions", "data", "model"):
+        assert key in results
+    for key in ("results", "timings", "figures", "summary", "checkpoints"):
+        assert key in results
+    assert results["versions"]["vivit"] != "not installed"
+    assert results["config"]["batch_size"] == N
+    assert set(results["results"]["methods"]) == set(METHODS)
+    assert results["data"]["num_classes"] == C
+
+
+def test_exact_eigenvalues_positive_and_sorted(results):
+    exact = results["results"]["methods"]["exact"]
+    evals = exact["eigenvalues"]
+    assert len(evals) == N * C == exact["gram_sizes"][0]
+    assert evals == sorted(evals, reverse=True)
+    top = exact["top_eigenvalues"]
+    assert len(top) == K and all(v > 0 for v in top)
+    assert top == evals[:K] or all(
+        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(top, evals[:K], strict=True)
+    )
+    assert 0 < exact["num_nonzero"] <= N * (C - 1)
+    assert exact["max_relative_error"] == 0
+    assert exact["subspace_overlap"] == pytest.approx(1, abs=1e-4)
+
+
+def test_approximations(results):
+    methods = results["results"]["methods"]
+    assert methods["mc"]["gram_sizes"] == [N]  # one MC sample per datum
+    assert methods["subsample"]["gram_sizes"] == [N // 2 * C]
+    blocks = methods["block_diagonal"]
+    assert blocks["gram_sizes"] == [N * C] * len(blocks["blocks"]) == [N * C] * 4
+    for name in METHODS:
+        method = methods[name]
+        assert len(method["relative_errors"]) == K
+        assert math.isfinite(method["max_relative_error"])
+        assert 0 <= method["mean_relative_error"] <= method["max_relative_error"]
+        assert -1e-6 <= method["subspace_overlap"] <= 1 + 1e-4
+        assert method["time_s"]["total"] > 0
+        evals = method["eigenvalues"]
+        assert evals == sorted(evals, reverse=True)
+
+
+def test_block_diagonal_keeps_the_trace(results):
+    """The block-diagonal approximation keeps the diagonal blocks, so the trace."""
+    methods = results["results"]["methods"]
+    exact = sum(methods["exact"]["eigenvalues"])
+    blocks = sum(methods["block_diagonal"]["eigenvalues"])
+    assert blocks == pytest.approx(exact, rel=1e-3)
+
+
+def test_figure_and_model_written(output, results):
+    assert results["figures"] == ["spectrum.png"]
+    png = (output / "spectrum.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    state = torch.load(output / "model.pt", weights_only=True)
+    assert set(state) == {f"{i}.{p}" for i in (0, 4, 8) for p in ("weight", "bias")} | {
+        f"1.{p}"
+        for p in (
+            "weight",
+            "bias",
+            "running_mean",
+            "running_var",
+            "num_batches_tracked",
+        )
+    }
+
+
+def test_checkpoint_round_trip(output, run, tmp_path):
+    status, out, _ = run(
+        "spectrum", tmp_path / "again", "--checkpoint", str(output / "model.pt")
+    )
+    assert status == 0
+    again = run.results(tmp_path / "again")
+    assert again["results"]["training"] is None
+    assert "from --checkpoint" in out
+
+
+def test_reproducible(results, run, tmp_path):
+    assert run("spectrum", tmp_path / "same")[0] == 0
+    same = run.results(tmp_path / "same")
+    for name in METHODS:
+        first, second = (
+            results["results"]["methods"][name],
+            same["results"]["methods"][name],
+        )
+        assert first["eigenvalues"] == second["eigenvalues"]
+        assert first["subspace_overlap"] == second["subspace_overlap"]
+    assert (
+        results["results"]["training"]["batch_losses"]
+        == (same["results"]["training"]["batch_losses"])
+    )
+
+
+def test_blocks_per_parameter(run, tmp_path):
+    status, out, err = run("spectrum", tmp_path / "o", "--blocks", "parameter")
+    assert status == 0, err
+    blocks = run.results(tmp_path / "o")["results"]["methods"]["block_diagonal"]
+    assert len(blocks["gram_sizes"]) == 8  # weight and bias of 4 layers
+    assert "block-diagonal (8 parameters)" in out
