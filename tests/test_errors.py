@@ -73,6 +73,24 @@ def test_unsupported_layer_is_named(layer, hint):
     assert "Supported layers: " in str(info.value) and "Linear" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(1, 2, 3, padding="same"),
+        nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"),
+        nn.Conv2d(1, 2, 3, padding=1, padding_mode="circular"),
+    ],
+    ids=["same", "reflect", "circular"],
+)
+def test_convolution_padding_backpack_gets_wrong(conv):
+    # BackPACK's derivatives silently give wrong columns for these: refuse them.
+    model = nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(2))
+    X = torch.randn(3, 1, 4, 4)
+    model(X)
+    with pytest.raises(UnsupportedLayerError, match="padding_mode='zeros'"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), (X, torch.randint(0, 2, (3,))))
+
+
 def test_custom_forward_suggests_converter():
     class Residual(nn.Module):
         def __init__(self):
@@ -147,8 +165,8 @@ def test_out_of_range_subsampling_in_training_loop():
 
 
 def test_gram_too_large_is_refused_with_options(monkeypatch):
-    # 16 x 16 float32 Gram: 3 squares of 1 KiB do not fit into 1000 bytes.
-    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1000)
+    # 16 x 16 float32 Gram: 4 squares of 1 KiB do not fit into 1024 bytes.
+    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1024)
     model, loss_func, data = mlp_problem(N=8)
     with pytest.raises(GramTooLargeError) as info:
         LowRankGGN(model, loss_func, data)
@@ -158,8 +176,8 @@ def test_gram_too_large_is_refused_with_options(monkeypatch):
 
 
 def test_gram_that_fits_is_accepted(monkeypatch):
-    # 8 x 8 float32 Gram: 3 squares of 256 bytes fit into 1000 bytes.
-    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1000)
+    # 8 x 8 float32 Gram: 4 squares of 256 bytes fit into 1024 bytes.
+    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1024)
     model, loss_func, data = mlp_problem(N=4)
     assert LowRankGGN(model, loss_func, data).gram().shape == (8, 8)
 

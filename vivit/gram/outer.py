@@ -71,7 +71,7 @@ class OuterProductFactors(ParamFactors):
             flops=self._form_v_flops()
             + (0 if other is self else other._form_v_flops())
             + r1 * r2 * G * O * P,
-            memory=(r1 + r2) * G * O * P,
+            memory=(r1 if other is self else r1 + r2) * G * O * P,
         )
         pairs = planner.Route(
             "pairs",

@@ -46,7 +46,7 @@ from torch.nn import (
 
 from vivit.engines.backpack.dtype import dtype_safe
 from vivit.engines.base import ParamContribution
-from vivit.errors import BatchNormTrainingError
+from vivit.errors import BatchNormTrainingError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class GramLinear(GramParamsExtension):
 
 
 class GramConvNd(GramParamsExtension):
-    """``torch.nn.Conv{1,2,3}d`` with zero padding, any stride, dilation and groups.
+    """``torch.nn.Conv{1,2,3}d``: integer zero padding, any stride, dilation, groups.
 
     Args:
         derivatives: BackPACK derivatives of the convolution.
@@ -152,11 +152,19 @@ class GramConvNd(GramParamsExtension):
     def __init__(self, derivatives: BaseDerivatives):
         super().__init__(derivatives, PARAMS)
 
+    def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            raise UnsupportedLayerError(
+                f"{module} is not supported: BackPACK's convolution derivatives "
+                "assume explicit zero padding and give wrong results or fail for "
+                f"padding={module.padding!r}, padding_mode={module.padding_mode!r}. "
+                "Use integer padding with padding_mode='zeros' (padding='same' is "
+                "padding=kernel_size // 2 for odd kernels and stride 1; 'valid' is "
+                "padding=0), or pad explicitly before the convolution."
+            )
+
     def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        has_factor_form = module.padding_mode == "zeros" and not isinstance(
-            module.padding, str
-        )
-        if param_str != "weight" or not has_factor_form:
+        if param_str != "weight":
             return super().factors(param_str, ext, module, g_inp, g_out, backproped)
         unfolded = unfold_input(module, module.input0)  # [N, I·k, T]
         groups = module.groups
