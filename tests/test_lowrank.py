@@ -115,3 +115,23 @@ def test_float32_decomposition_falls_back_to_float64(monkeypatch):
     evals = ggn.eigvalsh()
     assert evals.dtype == torch.float32
     torch.testing.assert_close(evals, expected)
+
+
+def test_leading_eigenpairs_alone(monkeypatch):
+    """``eigh(top_k)`` on a fresh object computes only the leading eigenpairs."""
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    full_eigh = torch.linalg.eigh
+
+    def no_full_decomposition(matrix):
+        raise AssertionError("the full decomposition was computed")
+
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    monkeypatch.setattr(torch.linalg, "eigh", no_full_decomposition)
+    evals, evecs = ggn.eigh(top_k=3)
+    assert evals.shape == (3,)
+    assert_top_eigvals(evals, full_eigh(G)[0], 1e-10)
+    assert_eigenpairs(evals, evecs, G)
+    ggn.newton_step(top_k=2)  # served by the cached leading eigenpairs
+    monkeypatch.undo()
+    torch.testing.assert_close(ggn.eigh(top_k=3)[0], evals)

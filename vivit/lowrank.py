@@ -20,7 +20,13 @@ from vivit.directional.gram_space import (
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCollector, GroupCurvature
-from vivit.linalg.solvers import gram_eigh, gram_to_param, top_k_indices
+from vivit.linalg.solvers import (
+    check_top_k,
+    gram_eigh,
+    gram_eigh_top,
+    gram_to_param,
+    top_k_indices,
+)
 
 
 class LowRankGGN:
@@ -138,6 +144,7 @@ class LowRankGGN:
         )
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
+        self._leading: dict[int, tuple[Tensor, Tensor]] = {}
         collector = GroupCollector(
             self.param_groups,
             self._curvature.__setitem__,
@@ -222,8 +229,22 @@ class LowRankGGN:
         return self._gram_eigh(group)[0]
 
     def _directions(self, top_k: int | None, group: int) -> tuple[Tensor, Tensor]:
-        evals, evecs = self._gram_eigh(group)
-        keep = top_k_indices(evals, top_k)
+        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
+
+        Uses the full decomposition if it exists or is needed; otherwise computes
+        (and caches) only the leading eigenpairs.
+        """
+        check_top_k(top_k)
+        size = self.gram(group).shape[0]
+        if top_k is None or group in self._decompositions:
+            evals, evecs = self._gram_eigh(group)
+        else:
+            leading = self._leading.get(group)
+            if leading is None or leading[0].numel() < min(top_k, size):
+                leading = gram_eigh_top(self.gram(group), top_k)
+                self._leading[group] = leading
+            evals, evecs = leading
+        keep = top_k_indices(evals, top_k, size)
         return evals[keep], evecs[:, keep]
 
     def eigh(
