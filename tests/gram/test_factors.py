@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vivit.gram import DenseFactors, OuterProductFactors, planner
+from vivit.gram.symmetric import self_gram
 
 SHAPES = [  # (N, C, G, T, O, P)
     (3, 2, 1, 1, 4, 5),  # Linear
@@ -125,3 +126,12 @@ def test_planner_picks_pairs_for_plain_linear_and_v_for_large_images():
         linear.gram()
         conv.gram()
     assert chosen == ["pairs", "through_v"]
+
+
+@pytest.mark.parametrize("rows", [5, 512, 1001])
+def test_self_gram_mirrors_lower_triangle(rows):
+    vt = torch.randn(rows, 7, dtype=torch.float64)
+    gram = self_gram(vt)
+    torch.testing.assert_close(gram, vt @ vt.T, rtol=1e-12, atol=1e-12)
+    if rows >= 512:  # the blocked path mirrors, so it is exactly symmetric
+        assert torch.equal(gram, gram.T)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from vivit.gram.factors import ParamFactors
+from vivit.gram.symmetric import self_gram
 
 
 class DenseFactors(ParamFactors):
@@ -27,8 +28,9 @@ class DenseFactors(ParamFactors):
         self._vt = columns.detach().reshape(self.num_samples * self.num_columns, -1)
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
-        other_vt = self._vt if other is None else other.materialize()
-        return self._vt @ other_vt.T
+        if other is None:
+            return self_gram(self._vt)
+        return self._vt @ other.materialize().T
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         return (u @ self._vt).reshape(u.shape[0], *self.param_shape)

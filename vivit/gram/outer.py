@@ -16,6 +16,7 @@ from torch import Tensor, einsum
 
 from vivit.gram import planner
 from vivit.gram.factors import ParamFactors
+from vivit.gram.symmetric import self_gram
 
 
 class OuterProductFactors(ParamFactors):
@@ -81,8 +82,9 @@ class OuterProductFactors(ParamFactors):
             memory=r1 * r2 * G * T * T + n1 * n2 * G * T * T,
         )
         if planner.choose(through_v, pairs) == "through_v":
-            vt = self.materialize()
-            return vt @ (vt if other is self else other.materialize()).T
+            if other is self:
+                return self_gram(self.materialize())
+            return self.materialize() @ other.materialize().T
         return self._gram_pairs(other)
 
     def _gram_pairs(self, other: OuterProductFactors) -> Tensor:
