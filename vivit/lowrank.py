@@ -36,7 +36,8 @@ class LowRankGGN:
     ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
     parameter group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map
     Gram-space vectors to parameter space. The parameters' ``.grad`` are left as
-    they were.
+    they were. Extending is permanent: BackPACK's forward hooks then keep each
+    layer's input until the next forward pass.
 
     Example::
 
