@@ -313,7 +313,9 @@ def test_snr_edge_cases():
     """Zero variance: snr = inf, or 0 if the mean is 0 as well."""
     evals = torch.tensor([1.0, 2.0, 3.0], dtype=DTYPE)
     gammas = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 3.0]], dtype=DTYPE)
-    dd = DirectionalDerivatives(evals=evals, gammas=gammas, lambdas=gammas.abs())
+    dd = DirectionalDerivatives(
+        evals=evals, gammas=gammas, lambdas=gammas.abs(), gamma_bar=gammas.mean(0)
+    )
     expected = torch.tensor([0.0, math.inf, 2.0**2 / 2.0], dtype=DTYPE)
     torch.testing.assert_close(dd.gamma_snr, expected, rtol=1e-15, atol=0)
     torch.testing.assert_close(dd.lambda_snr, expected, rtol=1e-15, atol=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals, layer_groups
 from problems import PROBLEMS, prepare, problem_ids
-from reference import dense_ggn
+from reference import dense_ggn, dense_gradient
 
 from vivit import LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
@@ -135,3 +135,17 @@ def test_leading_eigenpairs_alone(monkeypatch):
     ggn.newton_step(top_k=2)  # served by the cached leading eigenpairs
     monkeypatch.undo()
     torch.testing.assert_close(ggn.eigh(top_k=3)[0], evals)
+
+
+@pytest.mark.parametrize("subsampling", [None, [0, 2, 3]], ids=["full", "subsampled"])
+def test_gradient_and_batch_directional_gradient(problem, subsampling):
+    """``gradient()`` is ∇L of the whole batch; ``gamma_bar`` is ``E ∇L``."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    grad = dense_gradient(model, loss_func, X, y)
+    ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
+    flat = torch.cat([g.flatten() for g in ggn.gradient()])
+    torch.testing.assert_close(flat, grad, rtol=1e-10, atol=1e-12)
+    _, evecs = ggn.eigh(top_k=3)
+    E = torch.cat([e.flatten(start_dim=1) for e in evecs], dim=1)
+    gamma_bar = ggn.directional_derivatives(top_k=3).gamma_bar
+    torch.testing.assert_close(gamma_bar, E @ grad, rtol=1e-10, atol=1e-12)

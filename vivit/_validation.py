@@ -54,6 +54,27 @@ def check_subsampling(
     return indices
 
 
+def check_mc_samples(mc_samples: object) -> int:
+    """Check the number of Monte-Carlo samples of the loss Hessian.
+
+    Args:
+        mc_samples: ``0`` for the exact loss Hessian, else ``M``.
+
+    Returns:
+        The number, unchanged.
+
+    Raises:
+        ValueError: If it is not an integer ``>= 0``.
+    """
+    if (
+        isinstance(mc_samples, bool)
+        or not isinstance(mc_samples, int)
+        or mc_samples < 0
+    ):
+        raise ValueError(f"mc_samples must be an integer >= 0, got {mc_samples!r}.")
+    return mc_samples
+
+
 def check_param_groups(
     param_groups: Iterable[dict], required_keys: Sequence[str]
 ) -> None:

@@ -14,7 +14,7 @@ from warnings import warn
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._validation import check_param_groups, check_subsampling
+from vivit._validation import check_mc_samples, check_param_groups, check_subsampling
 from vivit.engines.backpack import GramGGN
 from vivit.errors import ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
@@ -44,10 +44,9 @@ class GroupComputation:
         verbose: bool = False,
     ):
         self._subsampling = check_subsampling(subsampling)
-        self._mc_samples = mc_samples
+        self._mc_samples = check_mc_samples(mc_samples)
         self._verbose = verbose
         self._results: dict[int, Any] = {}
-        self.get_extension()  # validate the arguments now rather than in backward
 
     def get_extension(self) -> GramGGN:
         """Instantiate the BackPACK extension for this computation.

@@ -45,6 +45,22 @@ class GroupCurvature:
     grad_factors: list[ParamFactors] | None = None
 
 
+def gradient_cross_gram(
+    ggn: ParamFactors, grad: ParamFactors, samples: Sequence[int] | None
+) -> Tensor:
+    """``Vᵀ∇ℓ_n`` of one parameter: a cross-Gram block with its gradient factors.
+
+    Args:
+        ggn: The parameter's factors of ``V``.
+        grad: Its per-sample-gradient factors (every sample of the mini-batch).
+        samples: Gradient samples to use (``None``: all).
+
+    Returns:
+        ``[N·C, N_grad]``.
+    """
+    return ggn.gram(grad if samples is None else grad.select(samples))
+
+
 @dataclass
 class _Partial:
     batch: BatchInfo | None = None
@@ -120,13 +136,10 @@ class GroupCollector:
         partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
         partial.batch = contribution.batch
         if self._vt_grads:
-            grad = contribution.grad
-            if self._gradient_samples is not None:
-                samples = check_subsampling(
-                    self._gradient_samples, partial.batch.batch_size, "subsampling_grad"
-                )
-                grad = grad.select(samples)
-            vt_grads = ggn.gram(grad)
+            samples = check_subsampling(
+                self._gradient_samples, partial.batch.batch_size, "subsampling_grad"
+            )
+            vt_grads = gradient_cross_gram(ggn, contribution.grad, samples)
             partial.vt_grads = (
                 vt_grads
                 if partial.vt_grads is None

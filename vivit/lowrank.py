@@ -11,15 +11,14 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_param_groups, check_subsampling
+from vivit.directional import gram_space
 from vivit.directional.gram_space import (
     Damping,
     damped_newton_step,
-    directional_curvatures,
-    directional_gradients,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
-from vivit.groups import GroupCollector, GroupCurvature
+from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.solvers import (
     check_top_k,
     gram_eigh,
@@ -146,6 +145,7 @@ class LowRankGGN:
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[int, tuple[Tensor, Tensor]] = {}
+        self._vt_grads_cache: dict[tuple, Tensor] = {}
         collector = GroupCollector(
             self.param_groups,
             self._curvature.__setitem__,
@@ -178,6 +178,10 @@ class LowRankGGN:
                     "ignore", message="Full backward hook is firing"
                 )
                 loss.backward()
+        self._gradients = [
+            [torch.zeros_like(p) if p.grad is None else p.grad for p in group]
+            for group in self.param_groups
+        ]
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad
         self.loss = loss.detach()
@@ -266,30 +270,46 @@ class LowRankGGN:
         evals, gram_evecs = self._directions(top_k, group)
         return evals, gram_to_param(self._group(group).ggn_factors, gram_evecs, evals)
 
-    # Directional derivatives ---------------------------------------------------
+    # Gradient and directional derivatives -----------------------------------
+    def gradient(self, group: int = 0) -> list[Tensor]:
+        """The mini-batch gradient ``∇L`` from the same backward pass.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            One tensor per parameter of the group, shaped like it (gradient of the
+            loss on the whole mini-batch, whatever the curvature subsampling).
+        """
+        self._group(group)
+        return self._gradients[group]
+
     def _vt_grads(self, group: int, subsampling_grad: Sequence[int] | None) -> Tensor:
+        """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples."""
         curvature = self._group(group)
         samples = check_subsampling(
             subsampling_grad, curvature.batch.batch_size, "subsampling_grad"
         )
-        vt_grads = 0
-        for ggn, grad in zip(
-            curvature.ggn_factors, curvature.grad_factors, strict=True
-        ):
-            vt_grads = vt_grads + ggn.gram(
-                grad if samples is None else grad.select(samples)
+        key = (group, None if samples is None else tuple(samples))
+        if key not in self._vt_grads_cache:
+            self._vt_grads_cache[key] = sum(
+                gradient_cross_gram(ggn, grad, samples)
+                for ggn, grad in zip(
+                    curvature.ggn_factors, curvature.grad_factors, strict=True
+                )
             )
-        return vt_grads
+        return self._vt_grads_cache[key]
 
     def _directional(
         self, top_k: int | None, group: int, subsampling_grad: Sequence[int] | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, DirectionalDerivatives]:
         evals, gram_evecs = self._directions(top_k, group)
-        gammas = directional_gradients(
-            self._vt_grads(group, subsampling_grad), gram_evecs, evals
+        vt_grads = self._vt_grads(group, subsampling_grad)
+        batch = self._group(group).batch
+        directional = gram_space.directional_derivatives(
+            vt_grads, gram_evecs, evals, batch
         )
-        lambdas = directional_curvatures(gram_evecs, evals, self._group(group).batch)
-        return evals, gram_evecs, gammas, lambdas
+        return gram_evecs, directional
 
     def directional_derivatives(
         self,
@@ -307,8 +327,7 @@ class LowRankGGN:
         Returns:
             ``γ [N_grad, K]``, ``λ [N_ggn, K]`` and their per-direction statistics.
         """
-        evals, _, gammas, lambdas = self._directional(top_k, group, subsampling_grad)
-        return DirectionalDerivatives(evals=evals, gammas=gammas, lambdas=lambdas)
+        return self._directional(top_k, group, subsampling_grad)[1]
 
     def newton(
         self,
@@ -333,19 +352,9 @@ class LowRankGGN:
         Returns:
             The step, the directional derivatives, ``γ̄`` and the dampings.
         """
-        evals, gram_evecs, gammas, lambdas = self._directional(
-            top_k, group, subsampling_grad
-        )
-        curvature = self._group(group)
-        return damped_newton_step(
-            curvature.ggn_factors,
-            curvature.batch,
-            evals,
-            gram_evecs,
-            gammas,
-            lambdas,
-            damping,
-        )
+        gram_evecs, directional = self._directional(top_k, group, subsampling_grad)
+        factors = self._group(group).ggn_factors
+        return damped_newton_step(factors, gram_evecs, directional, damping)
 
     def newton_step(
         self,

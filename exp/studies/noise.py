@@ -23,10 +23,9 @@ from tqdm.auto import tqdm
 from studies.cli import base_parser, momentum, positive_float, positive_int
 from studies.cli import run_study as _run_study
 from studies.context import Setup, prepare
-from studies.curvature import engine_errors, eval_mode, low_rank_ggn
+from studies.curvature import engine_errors, low_rank_ggn
 from studies.data import BatchStream
 from studies.errors import StudyError
-from studies.models import trainable_parameters
 from studies.plots import noise_figure
 from studies.report import write
 from studies.training import evaluate_splits, gradient_step
@@ -115,12 +114,9 @@ def probe(
         record[name] = getattr(derivatives, name)[order].detach()
     elapsed = time.perf_counter() - start
 
-    # γ̄_k = mean_n γ_nk = e_kᵀ∇L (mean reduction): the gradient's top-k part.
-    with eval_mode(model):
-        loss = setup.loss_func(model(inputs), targets)
-        grads = torch.autograd.grad(loss, trainable_parameters(model))
-    grad_norm2 = float(sum(g.pow(2).sum() for g in grads))
-    in_span = float(record["gamma_mean"].pow(2).sum())
+    # γ̄_k = e_kᵀ∇L: the gradient's component along direction k (any reduction).
+    grad_norm2 = float(sum(g.pow(2).sum() for g in ggn.gradient()))
+    in_span = float(derivatives.gamma_bar.pow(2).sum())
     record["gradient_fraction_in_top_k"] = in_span / grad_norm2 if grad_norm2 else None
     record["probe_loss"] = float(ggn.loss)
     record["time_s"] = elapsed

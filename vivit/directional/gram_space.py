@@ -69,6 +69,29 @@ def batch_directional_gradient(gammas: Tensor, batch: BatchInfo) -> Tensor:
     return batch.reduction_factor(gammas.shape[0]) * gammas.sum(0)
 
 
+def directional_derivatives(
+    vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
+) -> DirectionalDerivatives:
+    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs.
+
+    Args:
+        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        evals: Their eigenvalues, ``[K]``.
+        batch: Batch context of the Gram matrix.
+
+    Returns:
+        The directional derivatives.
+    """
+    gammas = directional_gradients(vt_grads, gram_evecs, evals)
+    return DirectionalDerivatives(
+        evals=evals,
+        gammas=gammas,
+        lambdas=directional_curvatures(gram_evecs, evals, batch),
+        gamma_bar=batch_directional_gradient(gammas, batch),
+    )
+
+
 def newton_coefficients(
     gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
 ) -> Tensor:
@@ -106,38 +129,31 @@ def newton_coefficients(
 
 def damped_newton_step(
     factors: Sequence[ParamFactors],
-    batch: BatchInfo,
-    evals: Tensor,
     gram_evecs: Tensor,
-    gammas: Tensor,
-    lambdas: Tensor,
+    directional: DirectionalDerivatives,
     damping: float | Damping,
 ) -> NewtonStep:
     """The damped Newton step in parameter space, with one product with ``V``.
 
     Args:
         factors: Factors of ``V``, one per parameter of the group.
-        batch: Batch context (reduction of the gradient samples).
-        evals: Eigenvalues of the directions, ``[K]``.
-        gram_evecs: Their Gram eigenvectors, ``[N·C, K]``.
-        gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        lambdas: Per-sample directional curvatures, ``[N_ggn, K]``.
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
         damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
 
     Returns:
         The step with the quantities that define it.
     """
     check_damping(damping)
+    evals = directional.evals
     if callable(damping):
-        dampings = damping(evals, gram_evecs, gammas, lambdas)
+        dampings = damping(evals, gram_evecs, directional.gammas, directional.lambdas)
     else:
         dampings = torch.full_like(evals, float(damping))
     dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
-    gamma_bar = batch_directional_gradient(gammas, batch)
-    u = newton_coefficients(gram_evecs, evals, gamma_bar, dampings).unsqueeze(0)
+    u = newton_coefficients(gram_evecs, evals, directional.gamma_bar, dampings)
     return NewtonStep(
-        directional=DirectionalDerivatives(evals, gammas, lambdas),
-        gamma_bar=gamma_bar,
+        directional=directional,
         dampings=dampings,
-        step=[f.vmp(u).squeeze(0) for f in factors],
+        step=[f.vmp(u.unsqueeze(0)).squeeze(0) for f in factors],
     )

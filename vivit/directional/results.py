@@ -33,11 +33,15 @@ class DirectionalDerivatives:
         evals: GGN eigenvalues ``λ_k`` of the directions, ``[K]``.
         gammas: ``γ_nk = e_kᵀ ∇ℓ_n`` of the gradient samples, ``[N_grad, K]``.
         lambdas: ``λ_nk = e_kᵀ G_n e_k`` of the GGN samples, ``[N_ggn, K]``.
+        gamma_bar: ``γ̄_k = R Σ_n γ_nk``, the directional gradient of the loss on
+            the gradient samples (``R`` of their number and the loss's reduction),
+            ``[K]``.
     """
 
     evals: Tensor
     gammas: Tensor
     lambdas: Tensor
+    gamma_bar: Tensor
 
     @property
     def gamma_mean(self) -> Tensor:
@@ -75,13 +79,16 @@ class NewtonStep:
     """A directionally damped Newton step ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k``.
 
     Attributes:
-        directional: Eigenvalues and per-sample ``γ``, ``λ`` of the directions.
-        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
+        directional: Eigenvalues, per-sample ``γ``, ``λ`` and ``γ̄`` of the directions.
         dampings: ``δ_k`` per direction (``inf``: skipped), ``[K]``.
         step: The step, one tensor per parameter, shaped like it.
     """
 
     directional: DirectionalDerivatives
-    gamma_bar: Tensor
     dampings: Tensor
     step: list[Tensor]
+
+    @property
+    def gamma_bar(self) -> Tensor:
+        """Batch directional gradients ``γ̄_k``, ``[K]``."""
+        return self.directional.gamma_bar

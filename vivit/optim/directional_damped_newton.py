@@ -34,15 +34,9 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
 
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        evals, gram_evecs, gammas, lambdas = self._directional(group, curvature)
+        gram_evecs, directional = self._directional(group, curvature)
         return damped_newton_step(
-            curvature.ggn_factors,
-            curvature.batch,
-            evals,
-            gram_evecs,
-            gammas,
-            lambdas,
-            group["damping"],
+            curvature.ggn_factors, gram_evecs, directional, group["damping"]
         ).step
 
     def get_result(self, group: dict) -> list[Tensor]:

@@ -8,7 +8,8 @@ from torch import Tensor
 
 from vivit._validation import check_subsampling
 from vivit.computation import GroupComputation
-from vivit.directional.gram_space import directional_curvatures, directional_gradients
+from vivit.directional.gram_space import directional_derivatives
+from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCurvature
 
@@ -72,16 +73,18 @@ class DirectionalDerivativesComputation(GroupComputation):
     def gradient_samples(self) -> list[int] | None:  # noqa: D102
         return self._subsampling_grad
 
-    def _directional(self, group: dict, curvature: GroupCurvature):
+    def _directional(
+        self, group: dict, curvature: GroupCurvature
+    ) -> tuple[Tensor, DirectionalDerivatives]:
         evals, gram_evecs = self._select(group, curvature, self._warn_small_eigvals)
-        gammas = directional_gradients(curvature.vt_grads, gram_evecs, evals)
-        lambdas = directional_curvatures(gram_evecs, evals, curvature.batch)
-        return evals, gram_evecs, gammas, lambdas
+        return gram_evecs, directional_derivatives(
+            curvature.vt_grads, gram_evecs, evals, curvature.batch
+        )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        _, _, gammas, lambdas = self._directional(group, curvature)
-        return gammas, lambdas
+        _, directional = self._directional(group, curvature)
+        return directional.gammas, directional.lambdas
 
     def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
         """Directional derivatives of a group after the backward pass.

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 
 from vivit._memory import check_gram_fits
-from vivit._validation import check_subsampling
+from vivit._validation import check_mc_samples, check_subsampling
 from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
 from vivit.engines.backpack.losses import (
@@ -53,13 +53,7 @@ class GramGGN(SqrtGGN):
         compute_gradients: bool = False,
         num_grams: int = 1,
     ):
-        if (
-            isinstance(mc_samples, bool)
-            or not isinstance(mc_samples, int)
-            or mc_samples < 0
-        ):
-            raise ValueError(f"mc_samples must be an integer >= 0, got {mc_samples!r}.")
-        self._mc_samples = mc_samples
+        self._mc_samples = check_mc_samples(mc_samples)
         self.compute_gradients = compute_gradients
         self.num_grams = num_grams
         self._batch: BatchInfo | None = None
