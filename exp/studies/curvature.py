@@ -19,15 +19,6 @@ from vivit import (
     UnsupportedLayerError,
 )
 
-#: What BackPACK says when a module with a custom forward breaks the chain.
-_BACKPACK_CHAIN_BROKEN = "expects a backpropagation quantity but it is None"
-
-CUSTOM_FORWARD_HINT = (
-    "Models with a custom forward (residual blocks, functional calls between "
-    "layers) must be converted: let your factory return "
-    "backpack.extend(model, use_converter=True)."
-)
-
 
 def loss_function() -> nn.Module:
     """The studies' loss: mean-reduced cross-entropy, extended for BackPACK.
@@ -84,13 +75,6 @@ def engine_errors(what: str) -> Iterator[None]:
         raise StudyError(
             f"{what}: {error} In the studies: lower --batch-size (or use the "
             "Monte-Carlo approximation)."
-        ) from None
-    except AssertionError as error:
-        if _BACKPACK_CHAIN_BROKEN not in str(error):
-            raise
-        raise StudyError(
-            f"{what}: BackPACK could not backpropagate through the model ({error}). "
-            f"{CUSTOM_FORWARD_HINT}"
         ) from None
     except torch.linalg.LinAlgError as error:
         raise StudyError(

@@ -51,6 +51,7 @@ from studies.plots import spectrum_figure
 from studies.report import write
 from studies.training import evaluate_splits, train_sgd
 from vivit import LowRankGGN
+from vivit.linalg.solvers import numerical_zero_tolerance
 
 STUDY = "spectrum"
 
@@ -181,38 +182,21 @@ def compute(
     )
 
 
-def zero_tolerance(eigenvalues: Sequence[float], eps: float) -> float:
-    """Numerical-zero tolerance ``max|λ| · n · eps`` of a set of eigenvalues.
-
-    The convention of ``torch.linalg.matrix_rank`` (and of vivit): eigenvalues at
-    or below it are within the eigensolver's rounding error of zero.
-
-    Args:
-        eigenvalues: All eigenvalues of one or more Gram matrices.
-        eps: Machine epsilon of their dtype.
-
-    Returns:
-        The tolerance.
-    """
-    if not eigenvalues:
-        return 0.0
-    return max(abs(v) for v in eigenvalues) * len(eigenvalues) * eps
-
-
-def compare(method: Method, exact: Method, eps: float) -> dict:
+def compare(method: Method, exact: Method, dtype: torch.dtype) -> dict:
     """A method's results and its agreement with the exact top-k.
 
     Args:
         method: The method.
         exact: The exact method.
-        eps: Machine epsilon of the computation's dtype.
+        dtype: Data type of the computation (sets the numerical-zero tolerance).
 
     Returns:
         The entry of ``results.json``.
     """
     errors = relative_errors(exact.top_values, method.top_values)
     finite = [e for e in errors if math.isfinite(e)]
-    tolerance = zero_tolerance(method.eigenvalues, eps)
+    # vivit's convention, applied to the eigenvalues of all of a method's blocks
+    tolerance = numerical_zero_tolerance(torch.tensor(method.eigenvalues, dtype=dtype))
     return {
         "label": method.label,
         "num_blocks": len(method.groups),
@@ -342,8 +326,9 @@ def run(args: argparse.Namespace) -> dict:
             top_k,
         ),
     }
-    eps = torch.finfo(setup.dtype).eps
-    entries = {name: compare(method, exact, eps) for name, method in methods.items()}
+    entries = {
+        name: compare(method, exact, setup.dtype) for name, method in methods.items()
+    }
     entries["block_diagonal"]["blocks"] = [name for name, _ in blocks]
     results = {
         "batch_size": args.batch_size,
