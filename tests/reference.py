@@ -1,6 +1,6 @@
 """Dense float64 ground truth for the GGN, computed without BackPACK.
 
-Everything here follows /work/shared/MATH.md (``docs`` of the project):
+Everything here follows ``docs/math.rst``:
 
     L(θ) = R · Σ_n ℓ_n(θ),   R = 1/N ("mean") or 1 ("sum"),
     G = R · Σ_n J_nᵀ H_n J_n,   G_n = J_nᵀ H_n J_n,

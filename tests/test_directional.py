@@ -1,6 +1,6 @@
 """Directional derivatives γ_nk, λ_nk along GGN eigenvectors against dense references.
 
-``MATH.md``: γ_nk = e_kᵀ∇ℓ_n, λ_nk = e_kᵀ G_n e_k with L = R Σ_n ℓ_n and
+``docs/math.rst``: γ_nk = e_kᵀ∇ℓ_n, λ_nk = e_kᵀ G_n e_k with L = R Σ_n ℓ_n and
 G_n = J_nᵀ H_n J_n; batch relations R Σ_n γ_nk = e_kᵀ∇L (all samples) and
 R Σ_n λ_nk = λ_k (the GGN's samples).
 

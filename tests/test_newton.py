@@ -1,4 +1,4 @@
-"""Directionally damped Newton steps against the dense formula of ``MATH.md``.
+"""Directionally damped Newton steps against the dense formula of ``docs/math.rst``.
 
     Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k,   γ̄_k = R_grad Σ_{n ∈ grad samples} e_kᵀ∇ℓ_n
 

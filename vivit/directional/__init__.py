@@ -1,7 +1,8 @@
 """Directional derivatives and Newton steps along GGN eigenvectors, in Gram space.
 
 Engine-independent computations used by every front door: the formulas of
-``MATH.md`` ("Directional derivatives", "Damped Newton step") and their result types.
+``docs/math.rst`` ("Directional derivatives", "Damped Newton step") and their
+result types.
 """
 
 from vivit.directional.results import DirectionalDerivatives, NewtonStep

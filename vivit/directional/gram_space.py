@@ -1,8 +1,8 @@
 """Directional derivatives and Newton steps from Gram-space quantities.
 
-Every formula here is one of ``MATH.md`` ("Directional derivatives", "Damped Newton
-step"); none of them forms a per-sample gradient or a column of ``V`` in parameter
-space.
+Every formula here is one of ``docs/math.rst`` ("Directional derivatives",
+"Damped Newton step"); none of them forms a per-sample gradient or a column of
+``V`` in parameter space.
 """
 
 from __future__ import annotations

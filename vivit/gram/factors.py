@@ -13,7 +13,7 @@ class ParamFactors(ABC):
     """The columns of the GGN square root ``V`` that belong to one parameter.
 
     ``V`` restricted to a parameter ``p`` is a ``[p.numel(), N * C]`` matrix whose
-    column ``n * C + c`` is ``√R · J_nᵀ s_nc`` (``../MATH.md``). Sub-classes keep it
+    column ``n * C + c`` is ``√R · J_nᵀ s_nc`` (``docs/math.rst``). Sub-classes keep it
     in whatever form is cheapest for the layer and implement the products on it.
 
     Attributes:

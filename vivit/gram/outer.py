@@ -4,7 +4,7 @@ For a Linear layer ``z = W a + b`` the column ``(n, c)`` of ``V_W`` is
 ``Σ_t s̃_nc[t] a_n[t]ᵀ``: the backpropagated vector at the layer output times the
 layer input, summed over positions ``t`` (sequence entries; the patches of an
 unfolded convolution input). Convolutions with channel groups are a stack of such
-products, one per group. ``../MATH.md`` ("Layer structure") gives the formulas.
+products, one per group. ``docs/math.rst`` ("Layer structure") gives the formulas.
 """
 
 from __future__ import annotations

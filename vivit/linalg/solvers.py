@@ -1,7 +1,8 @@
 """Eigendecomposition of the Gram matrix and the map back to parameter space.
 
 ``G = V Vᵀ`` and ``G̃ = Vᵀ V`` share their non-zero eigenvalues; an eigenvector
-``ẽ_k`` of ``G̃`` with eigenvalue ``λ_k > 0`` gives ``e_k = V ẽ_k / √λ_k`` (``MATH.md``).
+``ẽ_k`` of ``G̃`` with eigenvalue ``λ_k > 0`` gives ``e_k = V ẽ_k / √λ_k``
+(``docs/math.rst``).
 """
 
 from __future__ import annotations

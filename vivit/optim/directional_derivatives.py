@@ -18,7 +18,8 @@ class DirectionalDerivativesComputation(GroupComputation):
     """Provide a BackPACK extension and hook for 1ˢᵗ/2ⁿᵈ directional derivatives.
 
     The directions are GGN eigenvectors ``e_k`` selected by each group's
-    ``"criterion"``; ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k`` (``MATH.md``).
+    ``"criterion"``; ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k``
+    (``docs/math.rst``).
     Neither per-sample gradients nor ``V`` are formed where a layer has a factor
     form. Both loss reductions and any number of MC samples are supported.
 
