@@ -158,7 +158,9 @@ class LowRankGGN:
             param.grad = None
         seed = None
         if mc_samples and generator is not None:
-            seed = int(torch.randint(2**62, (), generator=generator))
+            seed = int(
+                torch.randint(2**62, (), generator=generator, device=generator.device)
+            )
         devices = [params[0].device] if params[0].device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
