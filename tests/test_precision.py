@@ -142,3 +142,27 @@ def test_unsupported_gram_dtype_is_refused(gram_dtype):
         LowRankGGN(model, loss_func, (X, y), gram_dtype=gram_dtype)
     with pytest.raises(ValueError, match="gram_dtype must be"):
         EigvalshComputation(gram_dtype=gram_dtype)
+
+
+def test_factors_to_converts_every_product():
+    """``ParamFactors.to``: a converted copy whose products run in the new type."""
+    from vivit.gram import DenseFactors, OuterProductFactors
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 1, 2, 4, generator=gen)
+    s = torch.randn(2, 3, 1, 2, 5, generator=gen)
+    for factors, wide in (
+        (
+            OuterProductFactors(a, s, torch.Size([5, 4])),
+            OuterProductFactors(a.double(), s.double(), torch.Size([5, 4])),
+        ),
+        (DenseFactors(torch.randn(3, 2, 7)), None),
+    ):
+        assert factors.to(torch.float32) is factors
+        converted = factors.to(torch.float64)
+        assert factors.dtype == torch.float32 and converted.dtype == torch.float64
+        assert converted.gram().dtype == torch.float64
+        u = torch.randn(1, 6, dtype=torch.float64, generator=gen)
+        assert converted.vmp(u).dtype == torch.float64
+        if wide is not None:  # float32 numbers, float64 arithmetic: same results
+            torch.testing.assert_close(converted.gram(), wide.gram(), rtol=0, atol=0)

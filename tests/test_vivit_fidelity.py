@@ -229,3 +229,30 @@ def test_to_class_major_moves_entry_nc_to_cn():
     for n in range(N):
         for c in range(C):
             assert class_major[c * N + n] == n * C + c
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [None, 3, [0.5], [[0, 1]], [100], [-100], "top", torch.ones(2, dtype=torch.bool)],
+    ids=["none", "int", "float", "nested", "too_large", "too_small", "str", "mask"],
+)
+def test_malformed_criterion_is_refused(returned):
+    problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    groups = [{"params": list(model.parameters()), "criterion": lambda e: returned}]
+    with pytest.raises(ValueError, match="criterion"):
+        run(EighComputation(), groups, model, loss_func, X, y)
+
+
+def test_criterion_may_return_a_mask_or_negative_indices():
+    problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    results = []
+    for criterion in (lambda e: e > 1e-4, lambda e: [-2, -1], lambda e: [13, 14]):
+        groups = [{"params": list(model.parameters()), "criterion": criterion}]
+        eigh = EighComputation()
+        run(eigh, groups, model, loss_func, X, y)
+        results.append(eigh.get_result(groups[0])[0])
+    mask, negative, positive = results
+    assert torch.equal(negative, positive)
+    assert torch.equal(mask[-2:], positive)

@@ -54,6 +54,55 @@ def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
     )
 
 
+def criterion_indices(keep: object, num_evals: int) -> Tensor:
+    """Turn what a criterion returned into indices of the eigenvalues it keeps.
+
+    Accepts what indexing the eigenvalues accepted in ViViT 1.0: a sequence or
+    1-d tensor of integer indices (negative ones count from the end), or a boolean
+    mask over all eigenvalues.
+
+    Args:
+        keep: The criterion's return value.
+        num_evals: Number of eigenvalues the criterion received.
+
+    Returns:
+        Indices, ``[K]`` (long).
+
+    Raises:
+        ValueError: If ``keep`` is none of these, or an index is out of range.
+    """
+    try:
+        indices = torch.as_tensor(keep)
+    except (TypeError, ValueError, RuntimeError):
+        indices = None
+    if indices is not None and indices.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if indices is not None and indices.dtype == torch.bool:
+        if indices.shape == (num_evals,):
+            return indices.nonzero().flatten().cpu()
+        indices = None
+    if (
+        indices is None
+        or indices.dim() != 1
+        or indices.is_floating_point()
+        or indices.is_complex()
+    ):
+        raise ValueError(
+            'A group\'s "criterion" must return the indices of the eigenvalues to '
+            "keep (a list or 1-d tensor of ints, e.g. [evals.numel() - 1] for the "
+            f"largest) or a boolean mask over all {num_evals} of them; got {keep!r}."
+        )
+    indices = indices.to(torch.long).cpu()
+    outside = indices[(indices < -num_evals) | (indices >= num_evals)]
+    if outside.numel():
+        raise ValueError(
+            f'The "criterion" returned indices {outside.tolist()} outside the '
+            f"{num_evals} eigenvalues it received (valid: 0 to {num_evals - 1}, or "
+            "negative from the end)."
+        )
+    return indices
+
+
 @dataclass(frozen=True)
 class Selection:
     """The Gram eigenpairs a group's criterion selected.
@@ -240,7 +289,8 @@ class GroupComputation:
         """
         evals, evecs = gram_eigh(curvature.gram)
         tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
-        keep = group["criterion"](evals)
+        keep = criterion_indices(group["criterion"](evals), evals.numel())
+        keep = keep.to(evals.device)
         evals, evecs = evals[keep], evecs[:, keep]
         if (evals.abs() < warn_small_eigvals).any():
             warn(
