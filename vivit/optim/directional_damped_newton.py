@@ -28,7 +28,7 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     the Gram eigenvectors ordered class-major (row ``c·N + n`` is output ``c`` of
     sample ``n`` of the GGN samples). A direction whose eigenvalue is at or below
     the numerical-zero tolerance is the zero vector: its ``γ`` and ``λ`` are zero
-    and it contributes no step, whatever its damping.
+    and it contributes no step.
 
     Arguments are those of :class:`DirectionalDerivativesComputation`.
     """
