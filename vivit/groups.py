@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
@@ -29,7 +30,10 @@ class GroupCurvature:
     Attributes:
         params: The group's parameters, in the group's order.
         batch: Batch context (reduction, samples, columns per sample).
-        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major.
+        factor_dtype: Floating-point type the engine computed the factors of
+            ``V`` in (the model's); products may run in a wider type.
+        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major, in the
+            collector's ``gram_dtype``.
         vt_grads: ``Vᵀ ∇ℓ_n`` for the requested gradient samples, ``[N·C, N_grad]``,
             or ``None``.
         ggn_factors: Per-parameter factors of ``V``, if kept.
@@ -39,10 +43,23 @@ class GroupCurvature:
 
     params: list[Parameter]
     batch: BatchInfo
+    factor_dtype: torch.dtype
     gram: Tensor
     vt_grads: Tensor | None = None
     ggn_factors: list[ParamFactors] | None = None
     grad_factors: list[ParamFactors] | None = None
+
+    def in_param_dtypes(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Cast parameter-space results to the dtypes of the group's parameters.
+
+        Args:
+            tensors: One tensor per parameter (eigenvectors, a step), possibly
+                computed in a wider ``gram_dtype``.
+
+        Returns:
+            The tensors, each in its parameter's dtype.
+        """
+        return [t.to(p.dtype) for t, p in zip(tensors, self.params, strict=True)]
 
 
 def gradient_cross_gram(
@@ -64,6 +81,7 @@ def gradient_cross_gram(
 @dataclass
 class _Partial:
     batch: BatchInfo | None = None
+    factor_dtype: torch.dtype | None = None
     gram: Tensor | None = None
     vt_grads: Tensor | None = None
     ggn: dict[int, ParamFactors] = field(default_factory=dict)
@@ -82,6 +100,11 @@ class GroupCollector:
         vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
         gradient_samples: Samples (positions in the mini-batch) whose gradients
             enter ``vt_grads``; ``None`` for all.
+        gram_dtype: Floating-point type in which the Gram matrix, ``Vᵀ∇ℓ_n`` and
+            every later product with the kept factors are computed; ``None`` keeps
+            the factors' type. ``torch.float64`` with float32 factors resolves the
+            spectrum far below float32 rounding (``docs/math.rst``, "Precision and
+            the numerical zero").
 
     The collector resets a group once it is complete, so one hook serves any number
     of backward passes.
@@ -95,6 +118,7 @@ class GroupCollector:
         keep_gradient_factors: bool = False,
         vt_grads: bool = False,
         gradient_samples: Sequence[int] | None = None,
+        gram_dtype: torch.dtype | None = None,
     ):
         self._groups = [list(group) for group in groups]
         self._group_of = {
@@ -105,6 +129,7 @@ class GroupCollector:
         self._keep_gradient_factors = keep_gradient_factors
         self._vt_grads = vt_grads
         self._gradient_samples = gradient_samples
+        self._gram_dtype = gram_dtype
         self._missing = {g: self._param_ids(g) for g in range(len(self._groups))}
         self._partial = {g: _Partial() for g in range(len(self._groups))}
 
@@ -131,7 +156,11 @@ class GroupCollector:
         self, group: int, param: Parameter, contribution: ParamContribution
     ) -> None:
         partial = self._partial[group]
-        ggn = contribution.ggn
+        ggn, grad = contribution.ggn, contribution.grad
+        partial.factor_dtype = ggn.dtype
+        if self._gram_dtype is not None:
+            ggn = ggn.to(self._gram_dtype)
+            grad = None if grad is None else grad.to(self._gram_dtype)
         gram = ggn.gram()
         partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
         partial.batch = contribution.batch
@@ -139,7 +168,7 @@ class GroupCollector:
             samples = check_subsampling(
                 self._gradient_samples, partial.batch.batch_size, "subsampling_grad"
             )
-            vt_grads = gradient_cross_gram(ggn, contribution.grad, samples)
+            vt_grads = gradient_cross_gram(ggn, grad, samples)
             partial.vt_grads = (
                 vt_grads
                 if partial.vt_grads is None
@@ -148,7 +177,7 @@ class GroupCollector:
         if self._keep_factors:
             partial.ggn[id(param)] = ggn
         if self._keep_gradient_factors:
-            partial.grad[id(param)] = contribution.grad
+            partial.grad[id(param)] = grad
         self._missing[group].discard(id(param))
         if not self._missing[group]:
             self._complete(group)
@@ -161,6 +190,7 @@ class GroupCollector:
         curvature = GroupCurvature(
             params=params,
             batch=partial.batch,
+            factor_dtype=partial.factor_dtype,
             gram=partial.gram,
             vt_grads=partial.vt_grads,
         )

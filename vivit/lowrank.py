@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -20,10 +21,12 @@ from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.solvers import (
+    check_gram_dtype,
     check_top_k,
     gram_eigh,
     gram_eigh_top,
     gram_to_param,
+    numerical_zero_tolerance,
     top_k_indices,
 )
 
@@ -58,6 +61,19 @@ class LowRankGGN:
         subsampling: Indices of the samples whose curvature is used (``None``:
             all). The GGN is then that of the same loss on those samples alone.
         generator: Random generator that makes MC sampling reproducible.
+        gram_dtype: Floating-point type in which the Gram matrix and every
+            product that feeds the eigensolver or the directional derivatives
+            (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
+            model's. ``torch.float64`` for a float32 model accumulates the float32
+            factors in float64: the resolvable spectrum then reaches down to
+            float64 rounding (``N·C·ε₆₄·λ_max``) instead of ``N·C·ε₃₂·λ_max``,
+            each eigenvalue carrying a relative error of at most about
+            ``ε₃₂·√(λ_max/λ)`` from the float32 factors (``docs/math.rst``,
+            "Precision and the numerical zero"), for twice the memory of the
+            Gram matrix and the kept factors. Gram-space results
+            (Gram matrix, eigenvalues, ``γ``, ``λ``) come in ``gram_dtype``;
+            parameter-space results (eigenvectors, steps, the gradient) in the
+            parameters' dtype.
 
     Attributes:
         loss: The mini-batch loss (detached).
@@ -74,11 +90,13 @@ class LowRankGGN:
         mc_samples: int = 0,
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
+        gram_dtype: torch.dtype | None = None,
     ):
         inputs, targets = data
         if param_groups is None:
             param_groups = [[p for p in model.parameters() if p.requires_grad]]
         check_subsampling(subsampling, inputs.shape[0])
+        check_gram_dtype(gram_dtype)
         _extend_if_needed(model)
         _extend_if_needed(loss_func)
         self._backward(
@@ -87,6 +105,7 @@ class LowRankGGN:
             mc_samples,
             subsampling,
             generator,
+            gram_dtype,
         )
 
     @classmethod
@@ -98,6 +117,7 @@ class LowRankGGN:
         mc_samples: int = 0,
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
+        gram_dtype: torch.dtype | None = None,
     ) -> LowRankGGN:
         """Build from a loss computed by BackPACK-extended model and loss modules.
 
@@ -111,10 +131,12 @@ class LowRankGGN:
             mc_samples: As for the constructor.
             subsampling: As for the constructor.
             generator: As for the constructor.
+            gram_dtype: As for the constructor.
 
         Returns:
             The low-rank GGN of that loss.
         """
+        check_gram_dtype(gram_dtype)
         ggn = cls.__new__(cls)
         ggn._backward(
             loss if callable(loss) else lambda: loss,
@@ -122,6 +144,7 @@ class LowRankGGN:
             mc_samples,
             subsampling,
             generator,
+            gram_dtype,
         )
         return ggn
 
@@ -132,6 +155,7 @@ class LowRankGGN:
         mc_samples: int,
         subsampling: Sequence[int] | None,
         generator: torch.Generator | None,
+        gram_dtype: torch.dtype | None,
     ) -> None:
         """Run the backward pass and keep each group's curvature."""
         self.param_groups = [list(group) for group in param_groups]
@@ -141,6 +165,7 @@ class LowRankGGN:
             subsampling=subsampling,
             compute_gradients=True,
             num_grams=len(self.param_groups),
+            gram_dtype=gram_dtype,
         )
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -151,6 +176,7 @@ class LowRankGGN:
             self._curvature.__setitem__,
             keep_factors=True,
             keep_gradient_factors=True,
+            gram_dtype=gram_dtype,
         )
         params = [p for group in self.param_groups for p in group]
         grads = [p.grad for p in params]
@@ -235,6 +261,22 @@ class LowRankGGN:
         """
         return self._gram_eigh(group)[0]
 
+    def zero_tolerance(self, group: int = 0) -> float:
+        """Eigenvalues at or below this value are numerically zero.
+
+        ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
+        (``docs/math.rst``, "Precision and the numerical zero").
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The tolerance of the group's Gram matrix.
+        """
+        return numerical_zero_tolerance(
+            self.eigvalsh(group), factor_dtype=self._group(group).factor_dtype
+        )
+
     def _directions(self, top_k: int | None, group: int) -> tuple[Tensor, Tensor]:
         """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
 
@@ -251,7 +293,14 @@ class LowRankGGN:
                 leading = gram_eigh_top(self.gram(group), top_k)
                 self._leading[group] = leading
             evals, evecs = leading
-        keep = top_k_indices(evals, top_k, size)
+        curvature = self._group(group)
+        keep = top_k_indices(
+            evals,
+            top_k,
+            size,
+            curvature.factor_dtype,
+            curvature.gram.diagonal().sum().item(),
+        )
         return evals[keep], evecs[:, keep]
 
     def eigh(
@@ -270,7 +319,9 @@ class LowRankGGN:
             ``[K, *p.shape]`` per parameter of the group (unit norm over the group).
         """
         evals, gram_evecs = self._directions(top_k, group)
-        return evals, gram_to_param(self._group(group).ggn_factors, gram_evecs, evals)
+        curvature = self._group(group)
+        evecs = gram_to_param(curvature.ggn_factors, gram_evecs, evals)
+        return evals, curvature.in_param_dtypes(evecs)
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:
@@ -355,8 +406,11 @@ class LowRankGGN:
             The step, the directional derivatives, ``γ̄`` and the dampings.
         """
         gram_evecs, directional = self._directional(top_k, group, subsampling_grad)
-        factors = self._group(group).ggn_factors
-        return damped_newton_step(factors, gram_evecs, directional, damping)
+        curvature = self._group(group)
+        newton = damped_newton_step(
+            curvature.ggn_factors, gram_evecs, directional, damping
+        )
+        return dataclasses.replace(newton, step=curvature.in_param_dtypes(newton.step))
 
     def newton_step(
         self,

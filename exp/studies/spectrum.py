@@ -8,10 +8,16 @@ and computes, with :class:`vivit.LowRankGGN`:
 - ``subsample``: the GGN of the first ``--subsample-size`` samples of the batch;
 - ``block_diagonal``: one GGN block per layer, eigenvalues of all blocks merged.
 
-It reports every eigenvalue, how well each approximation recovers the top-k
+It reports every eigenvalue, how many of them are resolved (above the
+numerical-zero tolerance), how well each approximation recovers the top-k
 eigenvalues (relative errors) and eigenspace (overlap ``‖Q Pᵀ‖_F² / k`` of the
 flattened eigenvectors, block eigenvectors embedded with zeros), and the time
 each method took.
+
+By default (``--gram-dtype auto``) a float32 model's Gram matrices are accumulated
+in float64 whenever they fit into memory: the float32 Gram matrix cannot resolve
+eigenvalues below about ``N·C·ε₃₂·λ_max`` (``docs/math.rst``, "Precision and the
+numerical zero").
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from studies.models import layer_groups, trainable_parameters
 from studies.plots import spectrum_figure
 from studies.report import write
 from studies.training import evaluate_splits, train_sgd
-from vivit import LowRankGGN
+from vivit import GramTooLargeError, LowRankGGN
+from vivit._memory import check_gram_fits
 from vivit.linalg.solvers import numerical_zero_tolerance
 
 STUDY = "spectrum"
@@ -103,7 +110,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="Blocks of the block-diagonal approximation: one per layer (weight and "
         "bias together) or one per parameter tensor.",
     )
+    study.add_argument(
+        "--gram-dtype",
+        choices=("auto", "model", "float64"),
+        default="auto",
+        help="Type the Gram matrices are accumulated and decomposed in: 'model' (the "
+        "--dtype), 'float64', or 'auto' (float64 if the Gram matrices fit into "
+        "memory in float64, else the model's). A float32 Gram matrix resolves no "
+        "eigenvalue below about N*C*1.2e-7 times the largest.",
+    )
     return parser
+
+
+def choose_gram_dtype(
+    choice: str, model_dtype: torch.dtype, num_rows: int, num_grams: int, device
+) -> torch.dtype:
+    """The type the study accumulates its Gram matrices in.
+
+    Args:
+        choice: ``--gram-dtype``.
+        model_dtype: Type of the model and the data.
+        num_rows: Side length of the largest Gram matrix.
+        num_grams: Most Gram matrices held at once (blocks).
+        device: Device of the computation.
+
+    Returns:
+        ``float64`` if chosen, or if ``auto`` and it fits into memory; else the
+        model's type.
+    """
+    if choice == "model":
+        return model_dtype
+    if choice == "float64":
+        return torch.float64
+    try:
+        check_gram_fits(num_rows, num_grams, torch.float64, device)
+    except GramTooLargeError:
+        return model_dtype
+    return torch.float64
 
 
 @dataclass
@@ -182,13 +225,16 @@ def compute(
     )
 
 
-def compare(method: Method, exact: Method, dtype: torch.dtype) -> dict:
+def compare(
+    method: Method, exact: Method, gram_dtype: torch.dtype, model_dtype: torch.dtype
+) -> dict:
     """A method's results and its agreement with the exact top-k.
 
     Args:
         method: The method.
         exact: The exact method.
-        dtype: Data type of the computation (sets the numerical-zero tolerance).
+        gram_dtype: Type the Gram matrices were accumulated in.
+        model_dtype: Type of the model (of the factors of ``V``).
 
     Returns:
         The entry of ``results.json``.
@@ -196,7 +242,9 @@ def compare(method: Method, exact: Method, dtype: torch.dtype) -> dict:
     errors = relative_errors(exact.top_values, method.top_values)
     finite = [e for e in errors if math.isfinite(e)]
     # vivit's convention, applied to the eigenvalues of all of a method's blocks
-    tolerance = numerical_zero_tolerance(torch.tensor(method.eigenvalues, dtype=dtype))
+    tolerance = numerical_zero_tolerance(
+        torch.tensor(method.eigenvalues, dtype=gram_dtype), factor_dtype=model_dtype
+    )
     return {
         "label": method.label,
         "num_blocks": len(method.groups),
@@ -298,11 +346,20 @@ def run(args: argparse.Namespace) -> dict:
         )
     params = trainable_parameters(model)
     blocks = block_groups(model, args.blocks)
+    gram_dtype = choose_gram_dtype(
+        args.gram_dtype,
+        setup.dtype,
+        args.batch_size * data.num_classes,
+        len(blocks),
+        setup.device,
+    )
 
     def ggn(**kwargs) -> Callable[[], LowRankGGN]:
-        return lambda: low_rank_ggn(model, loss_func, inputs, targets, **kwargs)
+        return lambda: low_rank_ggn(
+            model, loss_func, inputs, targets, gram_dtype=gram_dtype, **kwargs
+        )
 
-    low_rank_ggn(model, loss_func, inputs, targets)  # warm-up, not timed
+    ggn()()  # warm-up, not timed
     top_k = args.top_k
     exact = compute("exact", ggn(), params, top_k)
     methods = {
@@ -327,13 +384,15 @@ def run(args: argparse.Namespace) -> dict:
         ),
     }
     entries = {
-        name: compare(method, exact, setup.dtype) for name, method in methods.items()
+        name: compare(method, exact, gram_dtype, setup.dtype)
+        for name, method in methods.items()
     }
     entries["block_diagonal"]["blocks"] = [name for name, _ in blocks]
     results = {
         "batch_size": args.batch_size,
         "num_classes": data.num_classes,
         "num_parameters": sum(p.numel() for p in params),
+        "gram_dtype": str(gram_dtype).removeprefix("torch."),
         "top_k": top_k,
         "training": training,
         "metrics": metrics,
@@ -378,8 +437,10 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         f"{metrics['train_loss']:.3f}, test accuracy "
         f"{100 * metrics['test_accuracy']:.1f} %.",
         f"Exact GGN of a mini-batch of {results['batch_size']}: Gram matrix "
-        f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]}, "
-        f"{exact['num_nonzero']} non-zero eigenvalues.",
+        f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]} in "
+        f"{results['gram_dtype']}, {exact['num_nonzero']} of "
+        f"{len(exact['eigenvalues'])} eigenvalues resolved (above the "
+        f"numerical-zero tolerance {exact['zero_tolerance']:.2g}).",
         f"Top-{results['top_k']} eigenvalues: {top}",
         f"{'method':<28} {'time [s]':>9} {'max rel. err':>13} {'mean rel. err':>14} "
         f"{'overlap':>8}",

@@ -123,3 +123,46 @@ def test_blocks_per_parameter(run, tmp_path):
     blocks = run.results(tmp_path / "o")["results"]["methods"]["block_diagonal"]
     assert len(blocks["gram_sizes"]) == 8  # weight and bias of 4 layers
     assert "block-diagonal (8 parameters)" in out
+
+
+def test_float32_model_accumulates_its_gram_in_float64(results, run, tmp_path):
+    """``--gram-dtype auto`` (default): float64 Gram of the float32 model."""
+    assert results["dtype"] == "float32"
+    assert results["results"]["gram_dtype"] == "float64"
+    exact = results["results"]["methods"]["exact"]
+    status, out, err = run("spectrum", tmp_path / "f32", "--gram-dtype", "model")
+    assert status == 0, err
+    assert "in float32" in out and "eigenvalues resolved" in out
+    f32 = run.results(tmp_path / "f32")["results"]
+    assert f32["gram_dtype"] == "float32"
+    exact32 = f32["methods"]["exact"]
+    # the float32 Gram's tolerance is ε₃₂/ε₆₄ ≈ 5e8 times larger: fewer resolved
+    assert exact32["zero_tolerance"] > 1e6 * exact["zero_tolerance"]
+    assert exact32["num_nonzero"] <= exact["num_nonzero"]
+    # the leading eigenvalues agree to float32 rounding of the Gram matrix
+    for a, b in zip(exact32["top_eigenvalues"], exact["top_eigenvalues"], strict=True):
+        assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_auto_gram_dtype_falls_back_when_float64_does_not_fit(monkeypatch):
+    from studies import spectrum
+
+    from vivit import GramTooLargeError
+
+    def refuse(*args):
+        raise GramTooLargeError("too large")
+
+    cpu = torch.device("cpu")
+    assert spectrum.choose_gram_dtype("auto", torch.float32, 10, 1, cpu) == (
+        torch.float64
+    )
+    assert spectrum.choose_gram_dtype("model", torch.float32, 10, 1, cpu) == (
+        torch.float32
+    )
+    monkeypatch.setattr(spectrum, "check_gram_fits", refuse)
+    assert spectrum.choose_gram_dtype("auto", torch.float32, 10, 1, cpu) == (
+        torch.float32
+    )
+    assert spectrum.choose_gram_dtype("float64", torch.float32, 10, 1, cpu) == (
+        torch.float64
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -30,6 +31,39 @@ class ParamFactors(ABC):
     def num_rows(self) -> int:
         """Number of Gram-space entries, ``N * C``."""
         return self.num_samples * self.num_columns
+
+    def _tensors(self) -> dict[str, Tensor]:
+        """The floating-point tensors that hold the factors (instance attributes)."""
+        return {
+            name: value
+            for name, value in vars(self).items()
+            if isinstance(value, Tensor) and value.is_floating_point()
+        }
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating-point type of the factors."""
+        return next(iter(self._tensors().values())).dtype
+
+    def to(self, dtype: torch.dtype) -> ParamFactors:
+        """The same factors in another floating-point type.
+
+        Every product of the result runs in ``dtype``: float32 factors cast to
+        float64 give the Gram matrix of the float32 ``V`` to float64 rounding
+        (``docs/math.rst``, "Precision and the numerical zero").
+
+        Args:
+            dtype: Target floating-point type.
+
+        Returns:
+            ``self`` if it already has that type, else a converted copy.
+        """
+        if dtype == self.dtype:
+            return self
+        converted = copy.copy(self)
+        for name, value in self._tensors().items():
+            setattr(converted, name, value.to(dtype))
+        return converted
 
     @abstractmethod
     def gram(self, other: ParamFactors | None = None) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from vivit.computation import GroupComputation
@@ -17,7 +18,13 @@ class EighComputation(GroupComputation):
     Each parameter group carries ``"params"`` and ``"criterion"``, a function that
     receives the Gram matrix's eigenvalues (ascending) and returns the indices of
     those whose eigenvectors are computed, e.g. ``lambda evals: [evals.numel() - 1]``
-    for the leading one.
+    for the leading one, or ``lambda evals: list(range(evals.numel()))`` for all.
+
+    As in ViViT 1.0 any selection works: the selected eigenvalues are returned as
+    computed, including numerically zero or (through rounding) negative ones.
+    An eigenvalue at or below the numerical-zero tolerance
+    (:func:`~vivit.linalg.solvers.numerical_zero_tolerance`) has no resolvable
+    direction; its eigenvector is the zero vector (finite, never NaN).
 
     Usage::
 
@@ -35,9 +42,13 @@ class EighComputation(GroupComputation):
         mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its Monte-Carlo
             estimate with ``M`` samples per datum.
         verbose: Print what happens during backpropagation.
-        warn_small_eigvals: Warn when a selected eigenvalue is smaller in magnitude
-            (its eigenvector divides by ``√λ``). ``0`` disables the warning.
-            Non-positive selected eigenvalues are an error.
+        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
+            smaller in magnitude (its eigenvector divides by ``√λ``). ``0``
+            disables the warning.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's); ``torch.float64`` resolves the small eigenvalues of a
+            float32 model (see :class:`vivit.LowRankGGN`). Eigenvectors are
+            returned in the parameters' dtype.
     """
 
     required_keys = ("params", "criterion")
@@ -49,9 +60,14 @@ class EighComputation(GroupComputation):
         mc_samples: int = 0,
         verbose: bool = False,
         warn_small_eigvals: float = 1e-4,
+        *,
+        gram_dtype: torch.dtype | None = None,
     ):
         super().__init__(
-            subsampling=subsampling, mc_samples=mc_samples, verbose=verbose
+            subsampling=subsampling,
+            mc_samples=mc_samples,
+            verbose=verbose,
+            gram_dtype=gram_dtype,
         )
         self._warn_small_eigvals = warn_small_eigvals
 
@@ -59,8 +75,14 @@ class EighComputation(GroupComputation):
         self, group: dict, curvature: GroupCurvature
     ) -> tuple[Tensor, list[Tensor]]:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        evals, gram_evecs = self._select(group, curvature, self._warn_small_eigvals)
-        return evals, gram_to_param(curvature.ggn_factors, gram_evecs, evals)
+        selection = self._select(group, curvature, self._warn_small_eigvals)
+        evecs = gram_to_param(
+            curvature.ggn_factors,
+            selection.gram_evecs,
+            selection.evals,
+            selection.tolerance,
+        )
+        return selection.evals, curvature.in_param_dtypes(evecs)
 
     def get_result(self, group: dict) -> tuple[Tensor, list[Tensor]]:
         """Eigenvalues and eigenvectors of the group's GGN block.
@@ -69,9 +91,11 @@ class EighComputation(GroupComputation):
             group: The parameter group.
 
         Returns:
-            Selected eigenvalues ``[K]`` (ascending) and the eigenvectors, one tensor
+            Selected eigenvalues ``[K]`` (in the order the criterion selected
+            them; ascending for ascending indices) and the eigenvectors, one tensor
             ``[K, *p.shape]`` per parameter of the group: eigenvector ``k`` is
-            ``[evecs_p[k] for evecs_p in evecs]``.
+            ``[evecs_p[k] for evecs_p in evecs]``, of unit norm, or zero if
+            ``evals[k]`` is numerically zero or negative.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from vivit.computation import GroupComputation
@@ -32,6 +33,9 @@ class EigvalshComputation(GroupComputation):
         mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its unbiased
             Monte-Carlo estimate with ``M`` samples per datum.
         verbose: Print what happens during backpropagation.
+        gram_dtype: Type of the Gram matrix and its eigenvalues (``None``: the
+            model's); ``torch.float64`` resolves the small eigenvalues of a
+            float32 model (see :class:`vivit.LowRankGGN`).
     """
 
     def __init__(
@@ -39,9 +43,14 @@ class EigvalshComputation(GroupComputation):
         subsampling: Sequence[int] | None = None,
         mc_samples: int = 0,
         verbose: bool = False,
+        *,
+        gram_dtype: torch.dtype | None = None,
     ):
         super().__init__(
-            subsampling=subsampling, mc_samples=mc_samples, verbose=verbose
+            subsampling=subsampling,
+            mc_samples=mc_samples,
+            verbose=verbose,
+            gram_dtype=gram_dtype,
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
@@ -55,8 +64,9 @@ class EigvalshComputation(GroupComputation):
             group: The parameter group.
 
         Returns:
-            All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending.
-            They are the GGN's non-zero eigenvalues plus numerical zeros.
+            All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending,
+            as computed: the GGN's non-zero eigenvalues plus numerical zeros
+            (possibly slightly negative through rounding), in ``gram_dtype``.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.

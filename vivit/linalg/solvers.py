@@ -95,17 +95,32 @@ def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     return _with_float64_fallback(leading, gram)
 
 
-def numerical_zero_tolerance(evals: Tensor, size: int | None = None) -> float:
+def numerical_zero_tolerance(
+    evals: Tensor,
+    size: int | None = None,
+    factor_dtype: torch.dtype | None = None,
+    trace: float | None = None,
+) -> float:
     """Eigenvalues at or below this value are numerically zero.
 
-    Uses the convention of ``torch.linalg.matrix_rank``: the largest eigenvalue
-    magnitude times the matrix size times the machine epsilon of the dtype, the
-    size of the rounding error a backward-stable eigensolver makes.
+    ``N·C · ε_gram · λ_max + ε_factors² · tr(G̃)``. The first term is the
+    convention of ``torch.linalg.matrix_rank`` (largest eigenvalue times matrix
+    size times the machine epsilon of the Gram matrix's dtype): the rounding error
+    of accumulating and decomposing the Gram matrix. The second bounds the
+    eigenvalue that rounding the factors of ``V`` to ``ε_factors`` can fake where
+    the exact one is zero, ``‖δV‖₂² ≤ ε_factors² ‖V‖_F²``; it matters only when the
+    Gram matrix is accumulated in a wider type than the factors
+    (``docs/math.rst``, "Precision and the numerical zero").
 
     Args:
-        evals: Eigenvalues of the Gram matrix, the largest among them.
+        evals: Eigenvalues of the Gram matrix, the largest among them; their
+            dtype is the Gram matrix's.
         size: Side length of the Gram matrix (default: ``evals.numel()``, for
             when ``evals`` holds all eigenvalues).
+        factor_dtype: Type the factors of ``V`` were computed in (default: that
+            of ``evals``).
+        trace: ``tr(G̃)`` (default: ``Σ|λ|`` if ``evals`` holds all eigenvalues,
+            else its upper bound ``size · λ_max``).
 
     Returns:
         The tolerance.
@@ -113,12 +128,19 @@ def numerical_zero_tolerance(evals: Tensor, size: int | None = None) -> float:
     if evals.numel() == 0:
         return 0.0
     size = evals.numel() if size is None else size
-    eps = torch.finfo(evals.dtype).eps
-    return evals.abs().max().item() * size * eps
+    largest = evals.abs().max().item()
+    if trace is None:
+        trace = evals.abs().sum().item() if evals.numel() == size else size * largest
+    factor_eps = torch.finfo(factor_dtype or evals.dtype).eps
+    return largest * size * torch.finfo(evals.dtype).eps + factor_eps**2 * trace
 
 
 def top_k_indices(
-    evals: Tensor, top_k: int | None, size: int | None = None
+    evals: Tensor,
+    top_k: int | None,
+    size: int | None = None,
+    factor_dtype: torch.dtype | None = None,
+    trace: float | None = None,
 ) -> list[int]:
     """Indices of the ``top_k`` largest numerically non-zero eigenvalues.
 
@@ -127,6 +149,9 @@ def top_k_indices(
         top_k: How many to keep; ``None`` keeps every eigenvalue above the
             numerical-zero tolerance.
         size: Side length of the Gram matrix (default: ``evals.numel()``).
+        factor_dtype: Type the factors of ``V`` were computed in (see
+            :func:`numerical_zero_tolerance`).
+        trace: ``tr(G̃)`` (see :func:`numerical_zero_tolerance`).
 
     Returns:
         Indices into ``evals``, ascending.
@@ -135,7 +160,7 @@ def top_k_indices(
         ValueError: If ``top_k`` is not a positive integer.
     """
     check_top_k(top_k)
-    tolerance = numerical_zero_tolerance(evals, size)
+    tolerance = numerical_zero_tolerance(evals, size, factor_dtype, trace)
     nonzero = [i for i, value in enumerate(evals.tolist()) if value > tolerance]
     return nonzero if top_k is None else nonzero[-top_k:]
 
@@ -155,37 +180,69 @@ def check_top_k(top_k: int | None) -> None:
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
 
 
-def check_positive(evals: Tensor) -> None:
-    """Refuse eigenvalues that cannot carry an eigenvector (``λ ≤ tolerance``).
+#: Types the Gram matrix may be accumulated in (LAPACK's real symmetric solvers).
+GRAM_DTYPES = (torch.float32, torch.float64)
+
+
+def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
+    """Check that ``gram_dtype`` is ``None``, ``torch.float32`` or ``torch.float64``.
 
     Args:
-        evals: Eigenvalues whose eigenvectors are about to be formed.
+        gram_dtype: Requested type of the Gram matrix and its products.
 
     Raises:
-        ValueError: If one of them is not positive.
+        ValueError: If it is anything else.
     """
-    if (evals <= 0).any():
+    if gram_dtype is not None and gram_dtype not in GRAM_DTYPES:
         raise ValueError(
-            f"Eigenvectors were requested for non-positive eigenvalues "
-            f"{evals[evals <= 0].tolist()}: they are numerically zero and carry no "
-            "direction. Select only positive eigenvalues (e.g. a criterion that "
-            "keeps evals above a threshold)."
+            f"gram_dtype must be None (the model's dtype), torch.float32 or "
+            f"torch.float64, got {gram_dtype!r}. Use torch.float64 to resolve the "
+            "small eigenvalues of a float32 model."
         )
 
 
+def direction_coefficients(
+    gram_evecs: Tensor, evals: Tensor, tolerance: float = 0.0
+) -> Tensor:
+    """Gram-space coefficients ``ẽ_k / √λ_k`` of the directions ``e_k = V ẽ_k / √λ_k``.
+
+    A direction whose eigenvalue is at or below ``tolerance`` (numerically zero,
+    or negative through rounding) is not resolvable: ``V ẽ_k`` is rounding noise
+    and dividing it by ``√λ_k`` amplifies that noise without bound. It gets
+    coefficients zero, i.e. the zero vector as its direction (``docs/math.rst``,
+    "The Gram matrix and exact eigenpairs").
+
+    Args:
+        gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
+        evals: Their eigenvalues, ``[K]``, as computed.
+        tolerance: Eigenvalues at or below it give zero coefficients (at least
+            ``0``; usually :func:`numerical_zero_tolerance`).
+
+    Returns:
+        ``[N·C, K]``, finite.
+    """
+    resolved = evals > max(tolerance, 0.0)
+    inverse_roots = torch.where(resolved, evals, 1.0).rsqrt() * resolved
+    return gram_evecs * inverse_roots
+
+
 def gram_to_param(
-    factors: Sequence[ParamFactors], gram_evecs: Tensor, evals: Tensor
+    factors: Sequence[ParamFactors],
+    gram_evecs: Tensor,
+    evals: Tensor,
+    tolerance: float = 0.0,
 ) -> list[Tensor]:
     """Map Gram-space eigenvectors to normalized GGN eigenvectors, ``V ẽ_k / √λ_k``.
 
     Args:
         factors: Factors of ``V``, one per parameter of the group.
         gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``, all positive.
+        evals: Their eigenvalues, ``[K]``.
+        tolerance: Eigenvalues at or below it are numerically zero; their
+            eigenvectors are zero vectors (see :func:`direction_coefficients`).
 
     Returns:
-        One tensor ``[K, *p.shape]`` per parameter.
+        One tensor ``[K, *p.shape]`` per parameter, in the factors' dtype.
     """
-    check_positive(evals)
-    coefficients = (gram_evecs / evals.sqrt()).T
+    coefficients = direction_coefficients(gram_evecs, evals, tolerance).T
     return [f.vmp(coefficients) for f in factors]

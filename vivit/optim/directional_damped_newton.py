@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import Tensor
 
 from vivit._validation import check_damping
+from vivit.computation import to_class_major
 from vivit.directional.gram_space import damped_newton_step
 from vivit.groups import GroupCurvature
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
@@ -18,8 +22,13 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     the gradient samples and ``δ_k`` from the group's ``"damping"``, a callable
     ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K], lambdas [N_ggn, K]) →
     [K]`` (see :mod:`vivit.optim.damping`) or, beyond ViViT, a constant ``δ ≥ 0``.
-    The step is formed with one product with ``V``. Gram-space vectors are ordered
-    sample-major (``n·C + c``).
+    The step is formed with one product with ``V``.
+
+    As in ViViT 1.0, the damping receives the selected eigenvalues as computed and
+    the Gram eigenvectors ordered class-major (row ``c·N + n`` is output ``c`` of
+    sample ``n`` of the GGN samples). A direction whose eigenvalue is at or below
+    the numerical-zero tolerance is the zero vector: its ``γ`` and ``λ`` are zero
+    and it contributes no step.
 
     Arguments are those of :class:`DirectionalDerivativesComputation`.
     """
@@ -34,10 +43,31 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
 
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
         """Compute the group's result from its curvature (see ``get_result``)."""
-        gram_evecs, directional = self._directional(group, curvature)
-        return damped_newton_step(
-            curvature.ggn_factors, gram_evecs, directional, group["damping"]
+        selection, directional = self._directional(group, curvature)
+        damping, evals = group["damping"], selection.evals
+        if callable(damping):
+            class_major = to_class_major(
+                selection.gram_evecs, curvature.batch.columns_per_sample
+            )
+            dampings = (
+                damping(evals, class_major, directional.gammas, directional.lambdas)
+                if evals.numel()
+                else evals.new_zeros(0)
+            )
+            damping = lambda *_: dampings  # noqa: E731 (already evaluated)
+        # Zero-vector directions (γ̄ = 0, zero coefficients) get a zero step; a
+        # placeholder eigenvalue 1 keeps the step's division by √λ finite there.
+        resolved = selection.resolved
+        directional = dataclasses.replace(
+            directional, evals=torch.where(resolved, evals, 1.0)
+        )
+        step = damped_newton_step(
+            curvature.ggn_factors,
+            selection.gram_evecs * resolved,
+            directional,
+            damping,
         ).step
+        return curvature.in_param_dtypes(step)
 
     def get_result(self, group: dict) -> list[Tensor]:
         """The damped Newton step of a group after the backward pass.
@@ -46,7 +76,8 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
             group: The parameter group.
 
         Returns:
-            The step, one tensor per parameter, shaped like the parameter.
+            The step, one tensor per parameter, shaped like the parameter and in
+            its dtype.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from vivit._validation import check_subsampling
-from vivit.computation import GroupComputation
-from vivit.directional.gram_space import directional_derivatives
+from vivit.computation import (
+    GroupComputation,
+    Selection,
+    selected_directional_derivatives,
+)
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCurvature
@@ -22,6 +26,10 @@ class DirectionalDerivativesComputation(GroupComputation):
     (``docs/math.rst``).
     Neither per-sample gradients nor ``V`` are formed where a layer has a factor
     form. Both loss reductions and any number of MC samples are supported.
+
+    As in ViViT 1.0 any criterion works. A selected eigenvalue at or below the
+    numerical-zero tolerance has the zero vector as its direction, so its ``γ``
+    and ``λ`` columns are zero (ViViT returned NaN or rounding noise there).
 
     Usage::
 
@@ -41,7 +49,12 @@ class DirectionalDerivativesComputation(GroupComputation):
             directional curvatures ``λ`` are computed (``None``: all).
         mc_samples_ggn: ``0`` for the exact loss Hessian, else ``M`` MC samples.
         verbose: Print what happens during backpropagation.
-        warn_small_eigvals: Warn when a selected eigenvalue is smaller in magnitude.
+        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
+            smaller in magnitude. ``0`` disables the warning.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's); ``torch.float64`` resolves the small eigenvalues of a
+            float32 model (see :class:`vivit.LowRankGGN`). ``γ`` and ``λ`` are
+            returned in it.
     """
 
     required_keys = ("params", "criterion")
@@ -54,13 +67,18 @@ class DirectionalDerivativesComputation(GroupComputation):
         mc_samples_ggn: int = 0,
         verbose: bool = False,
         warn_small_eigvals: float = 1e-4,
+        *,
+        gram_dtype: torch.dtype | None = None,
     ):
         self._subsampling_grad = check_subsampling(
             subsampling_grad, name="subsampling_grad"
         )
         self._warn_small_eigvals = warn_small_eigvals
         super().__init__(
-            subsampling=subsampling_ggn, mc_samples=mc_samples_ggn, verbose=verbose
+            subsampling=subsampling_ggn,
+            mc_samples=mc_samples_ggn,
+            verbose=verbose,
+            gram_dtype=gram_dtype,
         )
 
     def get_extensions(self) -> list[GramGGN]:
@@ -76,10 +94,10 @@ class DirectionalDerivativesComputation(GroupComputation):
 
     def _directional(
         self, group: dict, curvature: GroupCurvature
-    ) -> tuple[Tensor, DirectionalDerivatives]:
-        evals, gram_evecs = self._select(group, curvature, self._warn_small_eigvals)
-        return gram_evecs, directional_derivatives(
-            curvature.vt_grads, gram_evecs, evals, curvature.batch
+    ) -> tuple[Selection, DirectionalDerivatives]:
+        selection = self._select(group, curvature, self._warn_small_eigvals)
+        return selection, selected_directional_derivatives(
+            curvature.vt_grads, selection, curvature.batch
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
@@ -96,7 +114,8 @@ class DirectionalDerivativesComputation(GroupComputation):
         Returns:
             ``γ`` of shape ``[N_grad, K]`` (``γ[n, k]``: sample ``n`` of the gradient
             samples, direction ``k``) and ``λ`` of shape ``[N_ggn, K]``; directions
-            ordered as the selected eigenvalues (ascending).
+            ordered as the criterion selected them (ascending for ascending
+            indices); zero columns for numerically zero or negative eigenvalues.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
 from torch import Tensor
@@ -41,6 +42,8 @@ class GramGGN(SqrtGGN):
             directional derivatives and Newton steps).
         num_grams: How many Gram matrices of side ``N·C`` the caller will hold at
             once (one per parameter group); used to refuse settings that cannot fit.
+        gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
+            the model's); used for the same check.
 
     Raises:
         ValueError: If ``mc_samples`` is negative or not an integer.
@@ -52,10 +55,12 @@ class GramGGN(SqrtGGN):
         subsampling: Sequence[int] | None = None,
         compute_gradients: bool = False,
         num_grams: int = 1,
+        gram_dtype: torch.dtype | None = None,
     ):
         self._mc_samples = check_mc_samples(mc_samples)
         self.compute_gradients = compute_gradients
         self.num_grams = num_grams
+        self.gram_dtype = gram_dtype
         self._batch: BatchInfo | None = None
         strategy = (
             LossHessianStrategy.EXACT
@@ -135,7 +140,10 @@ class GramGGN(SqrtGGN):
         )
         columns = self._mc_samples or inputs[0].numel()
         check_gram_fits(
-            len(samples) * columns, self.num_grams, inputs.dtype, inputs.device
+            len(samples) * columns,
+            self.num_grams,
+            self.gram_dtype or inputs.dtype,
+            inputs.device,
         )
         self._batch = BatchInfo(
             reduction=loss_module.reduction,
