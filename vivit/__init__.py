@@ -17,6 +17,7 @@ from vivit.errors import (
     ParamGroupError,
     ResultNotReadyError,
     UnsupportedLayerError,
+    ZeroStepWarning,
 )
 from vivit.linalg.eigh import EighComputation
 from vivit.linalg.eigvalsh import EigvalshComputation
@@ -37,4 +38,5 @@ __all__ = [
     "ParamGroupError",
     "ResultNotReadyError",
     "UnsupportedLayerError",
+    "ZeroStepWarning",
 ]

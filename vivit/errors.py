@@ -31,3 +31,7 @@ class InvalidSubsamplingError(ValueError):
 
 class ParamGroupError(ValueError):
     """Parameter groups that are malformed or overlap."""
+
+
+class ZeroStepWarning(UserWarning):
+    """A Newton step is zero because no direction contributes to it."""

@@ -158,6 +158,8 @@ class BootstrapDamping:
             ValueError: If the shapes do not match or there are no samples.
         """
         (K,) = evals.shape
+        if K == 0:  # no direction: nothing to choose
+            return evals.new_empty(0)
         for name, t in (("gammas", gammas), ("lambdas", lambdas)):
             if t.ndim != 2 or t.shape[1] != K or t.shape[0] == 0:
                 raise ValueError(
