@@ -38,7 +38,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import has_batchnorm, trainable_parameters
 from studies.plots import newton_figure
-from studies.report import write
+from studies.report import number, write
 from studies.training import (
     accuracy,
     evaluate_splits,
@@ -364,10 +364,11 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         initial, final = r["initial"], r["final"]
         per_step = r["time_per_step_s"]
         lines.append(
-            f"{name:<17} {initial['train_loss']:>7.3f} -> {final['train_loss']:<7.3g} "
+            f"{name:<17} {number(initial['train_loss']):>7} -> "
+            f"{number(final['train_loss']):<7} "
             f"{100 * final['train_accuracy']:>9.1f}% "
-            f"{100 * final['test_accuracy']:>8.1f}% {r['wall_time_s']:>9.2f} "
-            f"{'n/a' if per_step is None else f'{1000 * per_step:.1f}':>8}  "
+            f"{100 * final['test_accuracy']:>8.1f}% {number(r['wall_time_s']):>9} "
+            f"{number(None if per_step is None else 1000 * per_step):>8}  "
             f"{r['status']}"
         )
     return lines
