@@ -129,12 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Constant damping δ of newton-constant (mean-reduced loss scale).",
     )
     newton.add_argument(
+        "--trust-fraction",
+        type=positive_float,
+        default=0.25,
+        help="Largest loss decrease the quadratic model may predict per Newton "
+        "step, as a fraction of the mini-batch loss (DampedNewton's default).",
+    )
+    newton.add_argument(
         "--bootstrap-grid",
         type=positive_float,
         nargs=2,
         metavar=("MIN", "MAX"),
-        default=(0.1, 100.0),
-        help="Range of the 13 log-spaced candidate dampings of newton-bootstrap.",
+        default=None,
+        help="Range of 13 log-spaced candidate dampings of newton-bootstrap "
+        "(default: BootstrapDamping's own grid).",
     )
     newton.add_argument(
         "--bootstrap-resamples",
@@ -177,28 +185,38 @@ def make_optimizer(name: str, model: nn.Module, setup: Setup) -> tuple[Optimizer
     if name == "adam":
         hyper = {"lr": args.adam_lr}
         return torch.optim.Adam(params, **hyper), hyper
-    hyper = {"lr": args.newton_lr, "top_k": args.top_k}
+    hyper = {
+        "lr": args.newton_lr,
+        "top_k": args.top_k,
+        "trust_fraction": args.trust_fraction,
+    }
     try:
         if name == "newton-constant":
             damping = ConstantDamping(args.damping)
             hyper["damping"] = args.damping
         else:
-            low, high = sorted(args.bootstrap_grid)
-            grid = torch.logspace(
-                math.log10(low), math.log10(high), 13, dtype=torch.float64
-            )
+            grid = None
+            if args.bootstrap_grid is not None:
+                low, high = sorted(args.bootstrap_grid)
+                grid = torch.logspace(
+                    math.log10(low), math.log10(high), 13, dtype=torch.float64
+                )
             damping = BootstrapDamping(
                 damping_grid=grid,
                 num_resamples=args.bootstrap_resamples,
                 generator=setup.generator(4),
             )
-            hyper["damping_grid"] = grid.tolist()
+            hyper["damping_grid"] = damping.damping_grid.tolist()
             hyper["num_resamples"] = args.bootstrap_resamples
+        optimizer = DampedNewton(
+            params,
+            lr=args.newton_lr,
+            damping=damping,
+            top_k=args.top_k,
+            trust_fraction=args.trust_fraction,
+        )
     except ValueError as error:
         raise StudyError(f"{name}: {error}") from None
-    optimizer = DampedNewton(
-        params, lr=args.newton_lr, damping=damping, top_k=args.top_k
-    )
     return optimizer, hyper
 
 
