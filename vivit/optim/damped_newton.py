@@ -52,9 +52,9 @@ class DampedNewton(Optimizer):
       flattest directions most). This makes any damping rule safe, including
       ``damping=0`` and :class:`~vivit.optim.damping.BootstrapDamping`.
     - ``lr=1.0``: the (damped) Newton step itself. With ``lr > 1`` each damping
-      is raised to at least ``(lr − 1) λ_k``, so that no direction is carried
-      past the minimum of its quadratic model (no direction predicts an
-      increase of the loss).
+      is raised to at least ``(lr − 1) λ_k`` (unless ``trust_fraction=None``),
+      so that no direction is carried past the minimum of its quadratic model
+      (no direction predicts an increase of the loss).
 
     A step to which no direction contributes (no curvature, as with a saturated
     softmax; every direction skipped by the damping; zero gradient) is zero and
