@@ -284,8 +284,8 @@ def warn_if_zero_step(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Non
         )
     elif torch.isinf(dampings).all():
         reason = (
-            f"the damping skipped all {evals.numel()} directions (their predicted "
-            "loss decrease is not reliable)"
+            f"the damping skipped all {evals.numel()} directions (no reliable "
+            "predicted decrease, or a trust region around a loss of 0)"
         )
     elif (gamma_bar[~torch.isinf(dampings)] == 0).all():
         reason = "the gradient has no component along the kept directions"
