@@ -34,9 +34,9 @@ class DampedNewton(Optimizer):
 
     Defaults and why (``docs/guide.rst``, "Damped Newton steps", has the numbers):
 
-    - ``top_k=None``: every numerically non-zero direction. The gradient of a
-      network lies mostly outside the few sharpest directions (on the digits MLP
-      at initialisation, half of it lies outside the top 10), so a step
+    - ``top_k=None``: every numerically non-zero direction. Much of a network's
+      gradient lies outside the few sharpest directions (on the digits MLP at
+      initialisation, half of it lies outside the top 10), so a step
       restricted to ``top_k`` directions leaves most of the descent untouched and
       trains much more slowly.
     - ``damping=1.0`` (on the scale of the eigenvalues; for a mean-reduced loss,
