@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 from backpack import extend
 from torch import nn
 
-from vivit import LowRankGGN, ZeroStepWarning
+from vivit import LowRankGGN, UnboundedStepWarning, ZeroStepWarning
 from vivit.directional.gram_space import predicted_decrease, trust_region_dampings
 from vivit.optim import BootstrapDamping, DampedNewton
 
@@ -229,3 +230,11 @@ def test_invalid_trust_fraction(value):
     model, _, _, _ = blobs()
     with pytest.raises(ValueError, match="trust_fraction"):
         DampedNewton(model.parameters(), trust_fraction=value)
+
+
+def test_exact_newton_on_a_quadratic_does_not_warn():
+    model, loss_func, X, y = least_squares("mean")
+    optimizer = DampedNewton(model.parameters(), damping=0.0, trust_fraction=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnboundedStepWarning)
+        optimizer.step(lambda: loss_func(model(X), y))

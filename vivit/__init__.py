@@ -16,6 +16,7 @@ from vivit.errors import (
     InvalidSubsamplingError,
     ParamGroupError,
     ResultNotReadyError,
+    UnboundedStepWarning,
     UnsupportedLayerError,
     ZeroStepWarning,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "LowRankGGN",
     "ParamGroupError",
     "ResultNotReadyError",
+    "UnboundedStepWarning",
     "UnsupportedLayerError",
     "ZeroStepWarning",
 ]

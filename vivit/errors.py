@@ -35,3 +35,7 @@ class ParamGroupError(ValueError):
 
 class ZeroStepWarning(UserWarning):
     """A Newton step is zero because no direction contributes to it."""
+
+
+class UnboundedStepWarning(UserWarning):
+    """A Newton step whose quadratic model promises more than the loss itself."""

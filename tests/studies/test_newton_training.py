@@ -23,7 +23,7 @@ from studies.models import cnn, mlp
 from studies.training import evaluate, refresh_batchnorm
 from torch import nn
 
-from vivit import LowRankGGN
+from vivit import LowRankGGN, UnboundedStepWarning
 from vivit.optim import BootstrapDamping, DampedNewton
 
 STEPS, BATCH = 20, 32
@@ -137,3 +137,15 @@ def test_documented_usage_trains(usage, model_name, seeds, max_loss, min_accurac
         assert loss < max_loss and accuracy > min_accuracy, (seed, loss, accuracy)
         # About as well as SGD on the same batches, or better.
         assert loss < 1.25 * sgd_loss, (seed, loss, sgd_loss)
+
+
+def test_without_trust_region_an_unbounded_step_warns():
+    """Undamped at initialisation, the model promises 4.2 where the loss is 2.3."""
+    data = digits(0)
+    torch.manual_seed(0)
+    model = extend(mlp(data.input_shape, data.num_classes))
+    loss_func = extend(nn.CrossEntropyLoss())
+    inputs, targets = data.train_inputs[:64], data.train_targets[:64]
+    optimizer = DampedNewton(model.parameters(), damping=0.0, trust_fraction=None)
+    with pytest.warns(UnboundedStepWarning, match="more than the loss"):
+        optimizer.step(lambda: loss_func(model(inputs), targets))

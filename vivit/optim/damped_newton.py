@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -10,8 +11,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from vivit._validation import check_damping
-from vivit.directional.gram_space import Damping
+from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
+from vivit.errors import UnboundedStepWarning
 from vivit.lowrank import LowRankGGN
 
 
@@ -86,7 +88,9 @@ class DampedNewton(Optimizer):
         trust_fraction: Largest decrease of the loss the quadratic model may
             predict for a step, as a fraction of the mini-batch loss (which must
             then be non-negative, as every supported loss is). ``None`` applies
-            the dampings unchanged (no protection against huge steps).
+            the dampings unchanged, with no protection against huge steps; a
+            step whose model promises a decrease beyond a non-negative loss then
+            warns with :class:`~vivit.UnboundedStepWarning`.
         mc_samples: ``0`` for the exact GGN, else ``M`` MC samples per datum.
         subsampling: Samples whose curvature defines the GGN (``None``: all).
         generator: Random generator for reproducible MC sampling.
@@ -178,6 +182,11 @@ class DampedNewton(Optimizer):
             )
             for index, group in enumerate(self.param_groups)
         ]
+        for index, (group, newton) in enumerate(
+            zip(self.param_groups, steps, strict=True)
+        ):
+            if group["trust_fraction"] is None:
+                _warn_if_unbounded(newton, group["lr"], loss, index)
         for index, newton in enumerate(steps):  # refuse before changing anything
             if not all(update.isfinite().all() for update in newton.step):
                 raise FloatingPointError(
@@ -218,6 +227,25 @@ def check_trust_fraction(trust_fraction: object) -> None:
             "trust_fraction must be a positive number (the largest predicted loss "
             f"decrease per step, as a fraction of the loss) or None, got "
             f"{trust_fraction!r}."
+        )
+
+
+def _warn_if_unbounded(newton: NewtonStep, lr: float, loss: float, group: int) -> None:
+    """Warn if a step's quadratic model promises a decrease beyond the loss."""
+    directional = newton.directional
+    decrease = float(
+        predicted_decrease(
+            directional.evals, directional.gamma_bar, newton.dampings, lr
+        ).sum()
+    )
+    if loss >= 0 and decrease > loss:
+        warnings.warn(
+            f"The Newton step of parameter group {group} predicts a loss decrease "
+            f"of {decrease:.3g}, more than the loss {loss:.3g} itself: the quadratic "
+            "model is used far outside where it holds and the step may diverge. "
+            "Increase the damping or set a trust_fraction (default 0.25).",
+            UnboundedStepWarning,
+            stacklevel=3,
         )
 
 
