@@ -33,7 +33,9 @@ def test_undamped_step_solves_least_squares(reduction):
     initial = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
     assert (initial - solution).norm() > 0.5  # the step has work to do
 
-    optimizer = DampedNewton(model.parameters(), lr=1.0, damping=0.0, top_k=None)
+    optimizer = DampedNewton(
+        model.parameters(), lr=1.0, damping=0.0, top_k=None, trust_fraction=None
+    )
     loss_before = optimizer.step(lambda: loss_func(model(X), y))
     assert loss_before.requires_grad is False
 
@@ -91,7 +93,11 @@ def test_param_groups_with_own_lr_and_top_k():
         {"params": second, "top_k": 4, "damping": 0.3},
     ]
     optimizer = DampedNewton(
-        groups, lr=0.8, damping=0.1, subsampling_grad=list(range(0, 30, 2))
+        groups,
+        lr=0.8,
+        damping=0.1,
+        subsampling_grad=list(range(0, 30, 2)),
+        trust_fraction=None,  # the plain damped steps, compared below
     )
     assert [g["lr"] for g in optimizer.param_groups] == [0.5, 0.8]
     assert [g["damping"] for g in optimizer.param_groups] == [0.1, 0.3]
@@ -116,14 +122,17 @@ def test_param_groups_with_own_lr_and_top_k():
         for p, old, step, exp in zip(
             params, before[index], newton.step, expected[index].step, strict=True
         ):
-            torch.testing.assert_close(step, exp, rtol=1e-10, atol=1e-14)
-            torch.testing.assert_close(p.detach(), old + lr * step, rtol=0, atol=1e-14)
+            # ``last_steps`` holds the step as applied, ``lr`` included.
+            torch.testing.assert_close(step, lr * exp, rtol=1e-10, atol=1e-14)
+            torch.testing.assert_close(p.detach(), old + step, rtol=0, atol=1e-14)
 
 
 def test_last_steps_and_directions_shapes():
     model, loss_func, X, y = classification_problem()
     params = list(model.parameters())
-    optimizer = DampedNewton(params, damping=0.1, top_k=5, keep_directions=True)
+    optimizer = DampedNewton(
+        params, damping=0.1, top_k=5, keep_directions=True, trust_fraction=None
+    )
     assert optimizer.last_steps == [] and optimizer.last_directions == []
     optimizer.step(lambda: loss_func(model(X), y))
 

@@ -16,7 +16,9 @@ from vivit.errors import (
     InvalidSubsamplingError,
     ParamGroupError,
     ResultNotReadyError,
+    UnboundedStepWarning,
     UnsupportedLayerError,
+    ZeroStepWarning,
 )
 from vivit.linalg.eigh import EighComputation
 from vivit.linalg.eigvalsh import EigvalshComputation
@@ -36,5 +38,7 @@ __all__ = [
     "LowRankGGN",
     "ParamGroupError",
     "ResultNotReadyError",
+    "UnboundedStepWarning",
     "UnsupportedLayerError",
+    "ZeroStepWarning",
 ]

@@ -31,3 +31,11 @@ class InvalidSubsamplingError(ValueError):
 
 class ParamGroupError(ValueError):
     """Parameter groups that are malformed or overlap."""
+
+
+class ZeroStepWarning(UserWarning):
+    """A Newton step is zero because no direction contributes to it."""
+
+
+class UnboundedStepWarning(UserWarning):
+    """A Newton step whose quadratic model promises more than the loss itself."""

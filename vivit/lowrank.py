@@ -388,12 +388,16 @@ class LowRankGGN:
         group: int = 0,
         damping: float | Damping = 1.0,
         subsampling_grad: Sequence[int] | None = None,
+        *,
+        lr: float = 1.0,
+        max_decrease: float | None = None,
     ) -> NewtonStep:
         """The directionally damped Newton step with its ingredients.
 
         ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the leading eigenvectors, with
         ``γ̄_k`` the directional gradient of the loss on the gradient samples. The
-        step is one product of ``V`` with a Gram-space vector.
+        step is one product of ``V`` with a Gram-space vector. A step to which no
+        direction contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
 
         Args:
             top_k: Number of leading directions (``None``: all non-zero).
@@ -401,14 +405,24 @@ class LowRankGGN:
             damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
                 gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
             subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            lr: Scale of the returned step, ``lr · Δθ``.
+            max_decrease: Largest loss decrease the GGN's quadratic model may
+                predict for ``lr · Δθ``; the dampings are raised to meet it as
+                ``docs/math.rst`` derives ("Trust region of a Newton step").
+                ``None``: the dampings as the rule gives them.
 
         Returns:
-            The step, the directional derivatives, ``γ̄`` and the dampings.
+            The step, the directional derivatives, ``γ̄`` and the dampings used.
         """
         gram_evecs, directional = self._directional(top_k, group, subsampling_grad)
         curvature = self._group(group)
         newton = damped_newton_step(
-            curvature.ggn_factors, gram_evecs, directional, damping
+            curvature.ggn_factors,
+            gram_evecs,
+            directional,
+            damping,
+            lr=lr,
+            max_decrease=max_decrease,
         )
         return dataclasses.replace(newton, step=curvature.in_param_dtypes(newton.step))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import pickle
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -171,9 +173,24 @@ def load_checkpoint(model: nn.Module, path: Path, spec: str) -> None:
         raise StudyError(f"--checkpoint {path}: no such file.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # weights_only refuses pickled classes: a whole model, an optimizer, ...
+        pickled = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if pickled:
+            raise StudyError(
+                f"--checkpoint {path} holds a pickled {pickled.group(1)} (a whole "
+                "model saved with torch.save(model)?), not a state_dict: save "
+                "`model.state_dict()` instead, torch.save(model.state_dict(), FILE), "
+                "and pass that file."
+            ) from None
+        raise StudyError(
+            f"--checkpoint {path} is damaged or not a PyTorch checkpoint; save one "
+            "with torch.save(model.state_dict(), FILE)."
+        ) from None
     except Exception as error:
         raise StudyError(
-            f"--checkpoint {path} cannot be read with torch.load: {error}"
+            f"--checkpoint {path} cannot be read with torch.load: "
+            f"{plain_text(str(error))}"
         ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
@@ -193,6 +210,18 @@ def load_checkpoint(model: nn.Module, path: Path, spec: str) -> None:
             "--model (and --data, which sets the built-in models' input and output "
             "sizes) the checkpoint was trained with."
         ) from None
+
+
+def plain_text(message: str) -> str:
+    """A message without terminal escape codes (colours, bold) and spare lines.
+
+    Args:
+        message: The message.
+
+    Returns:
+        The cleaned message.
+    """
+    return re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
 
 
 def check_model_fits(model: nn.Module, sample: torch.Tensor, num_classes: int) -> int:

@@ -38,7 +38,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import has_batchnorm, trainable_parameters
 from studies.plots import newton_figure
-from studies.report import write
+from studies.report import number, write
 from studies.training import (
     accuracy,
     evaluate_splits,
@@ -129,12 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Constant damping δ of newton-constant (mean-reduced loss scale).",
     )
     newton.add_argument(
+        "--trust-fraction",
+        type=positive_float,
+        default=0.25,
+        help="Largest loss decrease the quadratic model may predict per Newton "
+        "step, as a fraction of the mini-batch loss (DampedNewton's default).",
+    )
+    newton.add_argument(
         "--bootstrap-grid",
         type=positive_float,
         nargs=2,
         metavar=("MIN", "MAX"),
-        default=(0.1, 100.0),
-        help="Range of the 13 log-spaced candidate dampings of newton-bootstrap.",
+        default=None,
+        help="Range of 13 log-spaced candidate dampings of newton-bootstrap "
+        "(default: BootstrapDamping's own grid).",
     )
     newton.add_argument(
         "--bootstrap-resamples",
@@ -177,28 +185,38 @@ def make_optimizer(name: str, model: nn.Module, setup: Setup) -> tuple[Optimizer
     if name == "adam":
         hyper = {"lr": args.adam_lr}
         return torch.optim.Adam(params, **hyper), hyper
-    hyper = {"lr": args.newton_lr, "top_k": args.top_k}
+    hyper = {
+        "lr": args.newton_lr,
+        "top_k": args.top_k,
+        "trust_fraction": args.trust_fraction,
+    }
     try:
         if name == "newton-constant":
             damping = ConstantDamping(args.damping)
             hyper["damping"] = args.damping
         else:
-            low, high = sorted(args.bootstrap_grid)
-            grid = torch.logspace(
-                math.log10(low), math.log10(high), 13, dtype=torch.float64
-            )
+            grid = None
+            if args.bootstrap_grid is not None:
+                low, high = sorted(args.bootstrap_grid)
+                grid = torch.logspace(
+                    math.log10(low), math.log10(high), 13, dtype=torch.float64
+                )
             damping = BootstrapDamping(
                 damping_grid=grid,
                 num_resamples=args.bootstrap_resamples,
                 generator=setup.generator(4),
             )
-            hyper["damping_grid"] = grid.tolist()
+            hyper["damping_grid"] = damping.damping_grid.tolist()
             hyper["num_resamples"] = args.bootstrap_resamples
+        optimizer = DampedNewton(
+            params,
+            lr=args.newton_lr,
+            damping=damping,
+            top_k=args.top_k,
+            trust_fraction=args.trust_fraction,
+        )
     except ValueError as error:
         raise StudyError(f"{name}: {error}") from None
-    optimizer = DampedNewton(
-        params, lr=args.newton_lr, damping=damping, top_k=args.top_k
-    )
     return optimizer, hyper
 
 
@@ -364,10 +382,11 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         initial, final = r["initial"], r["final"]
         per_step = r["time_per_step_s"]
         lines.append(
-            f"{name:<17} {initial['train_loss']:>7.3f} -> {final['train_loss']:<7.3g} "
+            f"{name:<17} {number(initial['train_loss']):>7} -> "
+            f"{number(final['train_loss']):<7} "
             f"{100 * final['train_accuracy']:>9.1f}% "
-            f"{100 * final['test_accuracy']:>8.1f}% {r['wall_time_s']:>9.2f} "
-            f"{'n/a' if per_step is None else f'{1000 * per_step:.1f}':>8}  "
+            f"{100 * final['test_accuracy']:>8.1f}% {number(r['wall_time_s']):>9} "
+            f"{number(None if per_step is None else 1000 * per_step):>8}  "
             f"{r['status']}"
         )
     return lines

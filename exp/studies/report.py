@@ -30,6 +30,38 @@ _DISTRIBUTIONS = (
 )
 
 
+def number(value: float | None, digits: int = 3) -> str:
+    """A number for the summaries, readable at any magnitude (``1.2e-05``, ``0.31``).
+
+    Args:
+        value: The number.
+        digits: Significant digits.
+
+    Returns:
+        The number with ``digits`` significant digits, or ``n/a`` for ``None``,
+        NaN and infinities.
+    """
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    return f"{value:.{digits}g}"
+
+
+def wrapped_values(values: list[float], per_line: int = 10) -> list[str]:
+    """Numbers as indented lines of at most ``per_line`` values.
+
+    Args:
+        values: The numbers.
+        per_line: Values per line.
+
+    Returns:
+        The lines (none for no values).
+    """
+    return [
+        "  " + ", ".join(number(v) for v in values[start : start + per_line])
+        for start in range(0, len(values), per_line)
+    ]
+
+
 def default_output(study: str) -> Path:
     """``runs/<study>-<timestamp>`` relative to the working directory.
 

@@ -12,7 +12,8 @@ It reports every eigenvalue, how many of them are resolved (above the
 numerical-zero tolerance), how well each approximation recovers the top-k
 eigenvalues (relative errors) and eigenspace (overlap ``‖Q Pᵀ‖_F² / k`` of the
 flattened eigenvectors, block eigenvectors embedded with zeros), and the time
-each method took.
+each method took: the median of ``--timing-repeats`` runs (the first run of a
+method pays one-off costs such as memory allocation and library loading).
 
 By default (``--gram-dtype auto``) a float32 model's Gram matrices are accumulated
 in float64 whenever they fit into memory: the float32 Gram matrix cannot resolve
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import layer_groups, trainable_parameters
 from studies.plots import spectrum_figure
-from studies.report import write
+from studies.report import number, wrapped_values, write
 from studies.training import evaluate_splits, train_sgd
 from vivit import GramTooLargeError, LowRankGGN
 from vivit._memory import check_gram_fits
@@ -102,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Samples of the mini-batch whose GGN is the subsampling approximation "
         "(default: half the batch).",
+    )
+    study.add_argument(
+        "--timing-repeats",
+        type=positive_int,
+        default=5,
+        help="Runs of every method; its times are the medians over the runs.",
     )
     study.add_argument(
         "--blocks",
@@ -161,7 +169,7 @@ class Method:
         top_vectors: Their eigenvectors over all parameters, ``[k, D]``.
         gram_sizes: Side of each block's Gram matrix.
         times: Seconds for the backward pass, the eigendecomposition, the
-            eigenvectors, and in total.
+            eigenvectors, and in total: medians over repeated runs.
     """
 
     label: str
@@ -178,27 +186,42 @@ def compute(
     build: Callable[[], LowRankGGN],
     params: Sequence[Parameter],
     top_k: int,
+    repeats: int = 1,
 ) -> Method:
     """Run one method and collect its eigenvalues, top eigenpairs and times.
 
     Args:
         label: Human-readable name.
-        build: Constructs the ``LowRankGGN`` (the backward pass).
+        build: Constructs the ``LowRankGGN`` (the backward pass); every call must
+            give the same GGN (seed any randomness inside it).
         params: All trainable parameters, in the order of flattened vectors.
         top_k: Number of leading eigenpairs.
+        repeats: Runs of the whole method; the times are their medians, the
+            results those of the last run.
 
     Returns:
         The method's results.
     """
-    start = time.perf_counter()
-    ggn = build()
-    built = time.perf_counter()
-    num_groups = len(ggn.param_groups)
-    with engine_errors(f"{label}: eigendecomposition"):
-        evals = [ggn.eigvalsh(g) for g in range(num_groups)]
-        decomposed = time.perf_counter()
-        pairs = [ggn.eigh(top_k, g) for g in range(num_groups)]
-    done = time.perf_counter()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ggn = build()
+        built = time.perf_counter()
+        num_groups = len(ggn.param_groups)
+        with engine_errors(f"{label}: eigendecomposition"):
+            evals = [ggn.eigvalsh(g) for g in range(num_groups)]
+            decomposed = time.perf_counter()
+            pairs = [ggn.eigh(top_k, g) for g in range(num_groups)]
+        done = time.perf_counter()
+        runs.append(
+            {
+                "backward": built - start,
+                "eigendecomposition": decomposed - built,
+                "eigenvectors": done - decomposed,
+                "total": done - start,
+            }
+        )
+    times = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
     candidates = []  # (value, group, index within the group's top-k)
     for g, (values, _) in enumerate(pairs):
@@ -216,12 +239,7 @@ def compute(
         top_values=[value for value, _, _ in candidates],
         top_vectors=top_vectors,
         gram_sizes=[ggn.gram(g).shape[0] for g in range(num_groups)],
-        times={
-            "backward": built - start,
-            "eigendecomposition": decomposed - built,
-            "eigenvectors": done - decomposed,
-            "total": done - start,
-        },
+        times=times,
     )
 
 
@@ -359,28 +377,42 @@ def run(args: argparse.Namespace) -> dict:
             model, loss_func, inputs, targets, gram_dtype=gram_dtype, **kwargs
         )
 
+    def mc_ggn() -> LowRankGGN:  # the same MC samples in every repeated run
+        return low_rank_ggn(
+            model,
+            loss_func,
+            inputs,
+            targets,
+            mc_samples=args.mc_samples,
+            gram_dtype=gram_dtype,
+            generator=setup.generator(3),
+        )
+
     ggn()()  # warm-up, not timed
-    top_k = args.top_k
-    exact = compute("exact", ggn(), params, top_k)
+    top_k, repeats = args.top_k, args.timing_repeats
+    exact = compute("exact", ggn(), params, top_k, repeats)
     methods = {
         "exact": exact,
         "mc": compute(
             f"MC ({args.mc_samples} sample{'s' * (args.mc_samples > 1)})",
-            ggn(mc_samples=args.mc_samples, generator=setup.generator(3)),
+            mc_ggn,
             params,
             top_k,
+            repeats,
         ),
         "subsample": compute(
             f"subsample ({subsample_size} of {args.batch_size})",
             ggn(subsampling=list(range(subsample_size))),
             params,
             top_k,
+            repeats,
         ),
         "block_diagonal": compute(
             f"block-diagonal ({len(blocks)} {args.blocks}s)",
             ggn(param_groups=[group for _, group in blocks]),
             params,
             top_k,
+            repeats,
         ),
     }
     entries = {
@@ -394,6 +426,7 @@ def run(args: argparse.Namespace) -> dict:
         "num_parameters": sum(p.numel() for p in params),
         "gram_dtype": str(gram_dtype).removeprefix("torch."),
         "top_k": top_k,
+        "timing_repeats": repeats,
         "training": training,
         "metrics": metrics,
         "methods": entries,
@@ -430,33 +463,37 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         if trained
         else ("from --checkpoint" if args.checkpoint else "at initialisation")
     )
-    top = ", ".join(f"{v:.3g}" for v in exact["top_eigenvalues"])
+    top = exact["top_eigenvalues"]
+    if len(top) < results["top_k"]:
+        header = (
+            f"Top {len(top)} eigenvalues (--top-k {results['top_k']}; only "
+            f"{len(top)} are non-zero):"
+        )
+    else:
+        header = f"Top {len(top)} eigenvalues:"
     lines = [
         f"Spectrum study: model {args.model} "
         f"({results['num_parameters']:,} parameters) {state}: train loss "
-        f"{metrics['train_loss']:.3f}, test accuracy "
+        f"{number(metrics['train_loss'])}, test accuracy "
         f"{100 * metrics['test_accuracy']:.1f} %.",
         f"Exact GGN of a mini-batch of {results['batch_size']}: Gram matrix "
         f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]} in "
         f"{results['gram_dtype']}, {exact['num_nonzero']} of "
         f"{len(exact['eigenvalues'])} eigenvalues resolved (above the "
         f"numerical-zero tolerance {exact['zero_tolerance']:.2g}).",
-        f"Top-{results['top_k']} eigenvalues: {top}",
+        header,
+        *wrapped_values(top),
         f"{'method':<28} {'time [s]':>9} {'max rel. err':>13} {'mean rel. err':>14} "
         f"{'overlap':>8}",
     ]
     for entry in results["methods"].values():
         max_err, mean_err = entry["max_relative_error"], entry["mean_relative_error"]
         lines.append(
-            f"{entry['label']:<28} {entry['time_s']['total']:>9.3f} "
-            f"{_number(max_err):>13} {_number(mean_err):>14} "
+            f"{entry['label']:<28} {number(entry['time_s']['total']):>9} "
+            f"{number(max_err):>13} {number(mean_err):>14} "
             f"{entry['subspace_overlap']:>8.3f}"
         )
     return lines
-
-
-def _number(value: float | None) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3g}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

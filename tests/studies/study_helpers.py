@@ -10,7 +10,16 @@ FACTORIES = Path(__file__).resolve().parent / "factories.py"
 
 #: Options of a run that takes seconds.
 TINY = {
-    "spectrum": ["--train-steps", "5", "--batch-size", "12", "--top-k", "3"],
+    "spectrum": [
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "12",
+        "--top-k",
+        "3",
+        "--timing-repeats",
+        "2",
+    ],  # fmt: skip
     "noise": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
     "newton": ["--steps", "6", "--eval-every", "3", "--batch-size", "16"],
 }

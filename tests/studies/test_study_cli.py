@@ -242,3 +242,23 @@ def test_invalid_option_values(run, tmp_path, options):
     with pytest.raises(SystemExit) as exit_info:
         run("newton", tmp_path / "o", *options)
     assert exit_info.value.code == 2
+
+
+def test_whole_model_checkpoint_says_save_the_state_dict(run, tmp_path):
+    torch.save(mlp((1, 8, 8), 10), tmp_path / "whole.pt")  # the model, pickled
+    status, _, err = run(
+        "spectrum", tmp_path / "out", "--model", "mlp", "--checkpoint",
+        str(tmp_path / "whole.pt"),
+    )  # fmt: skip
+    assert status == 2
+    assert "save `model.state_dict()`" in err
+    assert "torch.nn.modules.container.Sequential" in err  # what the file holds
+    assert "Weights only load failed" not in err and "\x1b" not in err
+
+
+def test_damaged_checkpoint_message_is_plain(run, tmp_path):
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(b"\x80\x02not a pickle at all")
+    status, _, err = run("spectrum", tmp_path / "out", "--checkpoint", str(path))
+    assert status == 2
+    assert "model.state_dict()" in err and "\x1b" not in err

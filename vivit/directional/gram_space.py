@@ -7,6 +7,7 @@ Every formula here is one of ``docs/math.rst`` ("Directional derivatives",
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 from vivit._validation import check_damping
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
+from vivit.errors import ZeroStepWarning
 from vivit.gram import ParamFactors
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
@@ -92,6 +94,27 @@ def directional_derivatives(
     )
 
 
+def check_dampings(dampings: Tensor, evals: Tensor) -> None:
+    """Check that a damping rule returned one ``δ_k ≥ 0`` (or ``inf``) per direction.
+
+    Args:
+        dampings: The dampings.
+        evals: Eigenvalues of the directions, ``[K]``.
+
+    Raises:
+        ValueError: If the shape is wrong or a damping is negative or NaN.
+    """
+    if dampings.shape != evals.shape:
+        raise ValueError(
+            f"The damping returned shape {tuple(dampings.shape)}, expected one value "
+            f"per direction, {tuple(evals.shape)}."
+        )
+    if torch.isnan(dampings).any() or (dampings < 0).any():
+        raise ValueError(
+            f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
+        )
+
+
 def newton_coefficients(
     gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
 ) -> Tensor:
@@ -112,19 +135,80 @@ def newton_coefficients(
     Raises:
         ValueError: If a damping is negative or NaN, or has the wrong shape.
     """
-    if dampings.shape != evals.shape:
-        raise ValueError(
-            f"The damping returned shape {tuple(dampings.shape)}, expected one value "
-            f"per direction, {tuple(evals.shape)}."
-        )
-    if torch.isnan(dampings).any() or (dampings < 0).any():
-        raise ValueError(
-            f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
-        )
+    check_dampings(dampings, evals)
     step_sizes = torch.where(
         torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
     )
     return gram_evecs @ (step_sizes / evals.sqrt())
+
+
+def predicted_decrease(
+    evals: Tensor, gamma_bar: Tensor, dampings: Tensor, lr: float = 1.0
+) -> Tensor:
+    """Decrease of the GGN's quadratic model along each direction of ``lr · Δθ``.
+
+    Along direction ``k`` the step moves by ``t_k = −lr γ̄_k / (λ_k + δ_k)`` and
+    changes the model ``m(t) = γ̄_k t + ½ λ_k t²``; the decrease is ``−m(t_k)``
+    (``0`` for a skipped direction, ``δ_k = ∞``).
+
+    Args:
+        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
+        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
+        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+        lr: Scale of the step.
+
+    Returns:
+        The predicted decrease per direction, ``[K]``.
+    """
+    gain = lr / (evals + dampings)
+    decrease = gamma_bar.pow(2) * gain * (1 - 0.5 * evals * gain)
+    return torch.where(torch.isinf(dampings), torch.zeros_like(decrease), decrease)
+
+
+def trust_region_dampings(
+    evals: Tensor, gamma_bar: Tensor, dampings: Tensor, lr: float, max_decrease: float
+) -> Tensor:
+    """Dampings for which the GGN's quadratic model vouches for the step ``lr · Δθ``.
+
+    Two rules, in this order (``docs/math.rst``, "Trust region of a Newton step"):
+
+    1. No overshoot: ``δ_k ≥ (lr − 1) λ_k``, so that ``lr · Δθ`` carries no
+       direction past the minimum of its quadratic model and no direction
+       predicts an increase of the loss (a no-op for ``lr ≤ 1``).
+    2. Trust region: if the predicted decrease of the whole step exceeds
+       ``max_decrease``, the smallest ``μ > 0`` added to every damping brings it
+       down to ``max_decrease`` (a Levenberg-Marquardt damping; it shortens the
+       flat directions most). ``max_decrease ≤ 0`` skips every direction.
+
+    Args:
+        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
+        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
+        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+        lr: Scale ``> 0`` of the step.
+        max_decrease: Largest predicted decrease of the loss the step may have.
+
+    Returns:
+        The dampings after both rules, ``[K]``; ``inf`` stays ``inf``.
+    """
+    dampings = torch.maximum(dampings, (lr - 1.0) * evals)
+
+    def decrease(mu: float) -> float:
+        return float(predicted_decrease(evals, gamma_bar, dampings + mu, lr).sum())
+
+    if decrease(0.0) <= max_decrease:
+        return dampings
+    if max_decrease <= 0:
+        return torch.full_like(dampings, torch.inf)
+    # The decrease is below lr Σ γ̄² / μ, so ``high`` is feasible: bisect [0, high].
+    low, high = 0.0, lr * float(gamma_bar.pow(2).sum()) / max_decrease
+    for _ in range(_BISECTION_STEPS):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if decrease(middle) > max_decrease else (low, middle)
+    return dampings + high
+
+
+#: Bisection steps of :func:`trust_region_dampings` (``2⁻⁶⁰`` relative accuracy).
+_BISECTION_STEPS = 60
 
 
 def damped_newton_step(
@@ -132,28 +216,79 @@ def damped_newton_step(
     gram_evecs: Tensor,
     directional: DirectionalDerivatives,
     damping: float | Damping,
+    *,
+    lr: float = 1.0,
+    max_decrease: float | None = None,
 ) -> NewtonStep:
     """The damped Newton step in parameter space, with one product with ``V``.
+
+    The step is ``lr · Δθ``. With ``max_decrease``, the damping rule's dampings
+    are raised by :func:`trust_region_dampings`; the result holds the dampings
+    actually used. A step to
+    which no direction contributes (no numerically non-zero eigenvalue, every
+    direction skipped, or ``γ̄ = 0``) is zero and warns with
+    :class:`~vivit.errors.ZeroStepWarning`.
 
     Args:
         factors: Factors of ``V``, one per parameter of the group.
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
         damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
+        lr: Scale of the step.
+        max_decrease: Largest decrease of the loss the GGN's quadratic model may
+            predict for the step (``None``: no bound).
 
     Returns:
         The step with the quantities that define it.
+
+    Raises:
+        ValueError: If ``lr`` is not positive or a damping is invalid.
     """
     check_damping(damping)
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, got {lr!r}.")
     evals = directional.evals
-    if callable(damping):
+    if evals.numel() > 0 and callable(damping):
         dampings = damping(evals, gram_evecs, directional.gammas, directional.lambdas)
+    elif callable(damping):  # no direction: nothing for the rule to choose
+        dampings = evals.new_empty(0)
     else:
         dampings = torch.full_like(evals, float(damping))
     dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
-    u = newton_coefficients(gram_evecs, evals, directional.gamma_bar, dampings)
+    check_dampings(dampings, evals)
+    if max_decrease is not None:
+        dampings = trust_region_dampings(
+            evals, directional.gamma_bar, dampings, lr, max_decrease
+        )
+    u = lr * newton_coefficients(gram_evecs, evals, directional.gamma_bar, dampings)
+    warn_if_zero_step(evals, directional.gamma_bar, dampings)
     return NewtonStep(
         directional=directional,
         dampings=dampings,
         step=[f.vmp(u.unsqueeze(0)).squeeze(0) for f in factors],
     )
+
+
+def warn_if_zero_step(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> None:
+    """Warn that a Newton step is zero because no direction contributes to it.
+
+    Args:
+        evals: Eigenvalues of the directions, ``[K]``.
+        gamma_bar: Batch directional gradients, ``[K]``.
+        dampings: Dampings of the step (``inf``: skipped), ``[K]``.
+    """
+    if evals.numel() == 0:
+        reason = (
+            "the GGN has no numerically non-zero eigenvalue (e.g. a saturated "
+            "softmax: the loss has no curvature on this batch)"
+        )
+    elif torch.isinf(dampings).all():
+        reason = (
+            f"the damping skipped all {evals.numel()} directions (no reliable "
+            "predicted decrease, or a trust region around a loss of 0)"
+        )
+    elif (gamma_bar[~torch.isinf(dampings)] == 0).all():
+        reason = "the gradient has no component along the kept directions"
+    else:
+        return
+    warnings.warn(f"The Newton step is zero: {reason}.", ZeroStepWarning, stacklevel=3)

@@ -80,8 +80,10 @@ class NewtonStep:
 
     Attributes:
         directional: Eigenvalues, per-sample ``γ``, ``λ`` and ``γ̄`` of the directions.
-        dampings: ``δ_k`` per direction (``inf``: skipped), ``[K]``.
-        step: The step, one tensor per parameter, shaped like it.
+        dampings: ``δ_k`` per direction as used for the step, after the trust
+            region if one was applied (``inf``: skipped), ``[K]``.
+        step: The step ``lr · Δθ`` (``lr = 1`` unless given), one tensor per
+            parameter, shaped like it.
     """
 
     directional: DirectionalDerivatives

@@ -96,7 +96,15 @@ class BootstrapDamping:
     (``1`` if there are none).
 
     With a single sample (``N_grad = 1`` or ``N_ggn = 1``), resampling reproduces
-    it, so that quantity is treated as exact.
+    it, so that quantity is treated as exact. Without directions (``K = 0``) the
+    result is empty.
+
+    The rule accounts for the sampling noise of ``γ`` and ``λ``, not for how far
+    the quadratic model holds: along a direction with ``λ̄ ≪ δ'_min`` and a
+    reliable gradient sign it picks the smallest grid value, a step of about
+    ``γ̄ / δ'_min``. :class:`~vivit.optim.DampedNewton` bounds such steps by its
+    trust region (``trust_fraction``); with :meth:`vivit.LowRankGGN.newton`,
+    pass ``max_decrease`` for the same protection.
 
     Args:
         damping_grid: Candidate non-negative, finite dampings ``δ'`` on the
@@ -158,6 +166,8 @@ class BootstrapDamping:
             ValueError: If the shapes do not match or there are no samples.
         """
         (K,) = evals.shape
+        if K == 0:  # no direction: nothing to choose
+            return evals.new_empty(0)
         for name, t in (("gammas", gammas), ("lambdas", lambdas)):
             if t.ndim != 2 or t.shape[1] != K or t.shape[0] == 0:
                 raise ValueError(
