@@ -14,7 +14,12 @@ from warnings import warn
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._validation import check_mc_samples, check_param_groups, check_subsampling
+from vivit._validation import (
+    check_mc_samples,
+    check_param_groups,
+    check_params,
+    check_subsampling,
+)
 from vivit.engines.backpack import GramGGN
 from vivit.errors import ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
@@ -72,6 +77,7 @@ class GroupComputation:
             Hook to pass as ``extension_hook`` to ``with backpack(...)``.
         """
         check_param_groups(param_groups, self.required_keys)
+        check_params([p for group in param_groups for p in group["params"]], {})
         for group in param_groups:
             self._results.pop(id(group), None)
 

@@ -8,9 +8,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from vivit._validation import check_damping
+from vivit._validation import (
+    check_damping,
+    check_finite,
+    check_generator,
+    check_grad_mode,
+    check_mc_samples,
+    check_params,
+    check_subsampling,
+    optimizer_param_groups,
+)
 from vivit.directional.gram_space import Damping
 from vivit.directional.results import NewtonStep
+from vivit.errors import InvalidArgumentError
+from vivit.linalg.solvers import check_top_k
 from vivit.lowrank import LowRankGGN
 
 
@@ -58,7 +69,12 @@ class DampedNewton(Optimizer):
         keep_directions: Keep the last step's eigenvectors in parameter space.
 
     Raises:
-        ValueError: If ``lr`` is not positive.
+        InvalidArgumentError: If an argument has the wrong type or value (``lr``
+            not positive, ...).
+        ParamGroupError: If ``params`` is empty or holds something other than
+            parameters or dicts of parameters.
+        UnsupportedDtypeError: For 16-bit parameters.
+        NonFiniteError: For parameters with NaN or infinite entries.
     """
 
     def __init__(
@@ -74,9 +90,20 @@ class DampedNewton(Optimizer):
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
     ):
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr!r}.")
+        check_grad_mode("DampedNewton")
+        if (
+            isinstance(lr, bool)
+            or not isinstance(lr, int | float)
+            or not 0 < lr < float("inf")
+        ):
+            raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}.")
         check_damping(damping)
+        check_top_k(top_k)
+        check_subsampling(subsampling_grad, name="subsampling_grad")
+        check_mc_samples(mc_samples)
+        check_subsampling(subsampling)
+        check_generator(generator)
+        params = optimizer_param_groups(params)
         defaults = {
             "lr": lr,
             "damping": damping,
@@ -84,6 +111,11 @@ class DampedNewton(Optimizer):
             "subsampling_grad": subsampling_grad,
         }
         super().__init__(params, defaults)
+        for group in self.param_groups:
+            check_damping(group["damping"])
+            check_top_k(group["top_k"])
+            check_subsampling(group["subsampling_grad"], name="subsampling_grad")
+            check_params(group["params"], {})
         self.mc_samples = mc_samples
         self.subsampling = subsampling
         self.generator = generator
@@ -102,12 +134,15 @@ class DampedNewton(Optimizer):
             The loss the closure returned (detached).
 
         Raises:
-            ValueError: If no closure is given.
+            InvalidArgumentError: If no closure is given, or it calls
+                ``backward()``.
+            NonFiniteError: If the loss, the curvature or a step is not finite;
+                the parameters are then left unchanged.
         """
-        if closure is None:
-            raise ValueError(
+        if closure is None or not callable(closure):
+            raise InvalidArgumentError(
                 "DampedNewton.step needs a closure that returns the loss of a "
-                "mini-batch (without calling backward)."
+                f"mini-batch (without calling backward), got {closure!r:.60}."
             )
         with torch.enable_grad():
             ggn = LowRankGGN.from_loss(
@@ -117,11 +152,24 @@ class DampedNewton(Optimizer):
                 subsampling=self.subsampling,
                 generator=self.generator,
             )
-        self.last_steps, self.last_directions = [], []
-        for index, group in enumerate(self.param_groups):
-            newton = ggn.newton(
+        steps = [
+            ggn.newton(
                 group["top_k"], index, group["damping"], group["subsampling_grad"]
             )
+            for index, group in enumerate(self.param_groups)
+        ]
+        for index, newton in enumerate(steps):  # refuse before changing anything
+            for position, update in enumerate(newton.step):
+                check_finite(
+                    update,
+                    f"Newton step of parameter {position} of group {index} (the "
+                    "parameters are unchanged; increase the damping)",
+                    batch_axis=False,
+                )
+        self.last_steps, self.last_directions = [], []
+        for index, (group, newton) in enumerate(
+            zip(self.param_groups, steps, strict=True)
+        ):
             with torch.no_grad():
                 for param, update in zip(group["params"], newton.step, strict=True):
                     param.add_(update, alpha=group["lr"])

@@ -10,7 +10,11 @@ from torch import Tensor
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 
 from vivit._memory import check_gram_fits
-from vivit._validation import check_mc_samples, check_subsampling
+from vivit._validation import (
+    check_mc_samples,
+    check_subsampling,
+    warn_random_forward,
+)
 from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
 from vivit.engines.backpack.losses import GramLoss
@@ -100,6 +104,7 @@ class GramGGN(SqrtGGN):
             raise UnsupportedLayerError(
                 unsupported_layer_message(module, self._supported)
             )
+        warn_random_forward(module)
         try:
             super().__call__(module, g_inp, g_out)
         except AssertionError as error:
