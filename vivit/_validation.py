@@ -325,7 +325,8 @@ def check_dtype(tensor: Tensor, what: str) -> None:
     """
     if tensor.is_floating_point() and tensor.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(
-            f"The {what} has dtype {tensor.dtype}; supported: float32 and float64. "
+            f"Unsupported dtype {tensor.dtype} of the {what}; supported: float32 and "
+            "float64. "
             "16-bit types lack the precision and the linear algebra the GGN "
             "needs: compute the curvature on a float32 copy (e.g. "
             "copy.deepcopy(model).float() and inputs.float())."

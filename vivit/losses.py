@@ -170,7 +170,7 @@ class LossCurvature:
         InvalidTargetsError: If the targets do not fit the output or the loss
             (shape, type, class range, negative probabilities, every target
             ignored).
-        NonFiniteError: If a floating target is NaN or infinite.
+        NonFiniteError: If the output or a floating target is NaN or infinite.
     """
 
     def __init__(self, loss_func: Module, output: Tensor, targets: Tensor):
@@ -184,6 +184,7 @@ class LossCurvature:
             raise InvalidTargetsError(
                 f"targets must be a tensor, got {type(targets).__name__}."
             )
+        check_finite(output, "model output")
         self.loss_func = loss_func
         self.output = output.detach()
         self.targets = targets.detach()
