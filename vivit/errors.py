@@ -56,6 +56,10 @@ class ResultNotReadyError(VivitError, RuntimeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class NoCurvatureError(VivitError, RuntimeError):
+    """Parameters without curvature from the backward pass (not extended or used)."""
+
+
 class InvalidSubsamplingError(VivitError, ValueError):
     """Sample indices that are repeated or outside the mini-batch."""
 

@@ -29,7 +29,11 @@ from vivit.directional.gram_space import (
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
-from vivit.errors import GradientContextError, InvalidArgumentError
+from vivit.errors import (
+    GradientContextError,
+    InvalidArgumentError,
+    NoCurvatureError,
+)
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.solvers import (
     check_top_k,
@@ -240,7 +244,7 @@ class LowRankGGN:
 
         missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
         if missing:
-            raise RuntimeError(
+            raise NoCurvatureError(
                 f"Parameter group(s) {missing} received no curvature from the backward "
                 f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
                 f"{missing[0]} missing): their layers are not part of the loss's "
@@ -253,6 +257,15 @@ class LowRankGGN:
                 "rescale the inputs or use float64)",
                 batch_axis=False,
             )
+        for group, gradients in zip(self.param_groups, self._gradients, strict=True):
+            for param, gradient in zip(group, gradients, strict=True):
+                name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+                check_finite(
+                    gradient,
+                    f"backpropagated gradient of the {name} (non-finite inputs, or "
+                    "an overflow in the backward pass)",
+                    batch_axis=False,
+                )
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:

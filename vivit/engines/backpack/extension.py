@@ -8,6 +8,7 @@ from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
 from torch import Tensor
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
+from torch.nn.modules.loss import _Loss
 
 from vivit._memory import check_gram_fits
 from vivit._validation import (
@@ -19,8 +20,8 @@ from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
 from vivit.engines.backpack.losses import GramLoss
 from vivit.engines.base import BatchInfo
-from vivit.errors import UnsupportedLayerError
-from vivit.losses import LossNormalization
+from vivit.errors import UnsupportedLayerError, UnsupportedLossError
+from vivit.losses import LossNormalization, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
@@ -100,6 +101,8 @@ class GramGGN(SqrtGGN):
                 the backward pass reaches it through an operation outside of
                 ``torch.nn`` layers (e.g. a residual sum in a custom forward).
         """
+        if isinstance(module, _Loss):
+            check_loss_function(module)  # names unsupported losses and options
         if type(module) not in self._supported:
             raise UnsupportedLayerError(
                 unsupported_layer_message(module, self._supported)
@@ -110,6 +113,8 @@ class GramGGN(SqrtGGN):
         except AssertionError as error:
             if "expects a backpropagation quantity" not in str(error):
                 raise
+            if self._batch is None:  # the backward pass did not start at a loss
+                self.current_batch(module)
             raise UnsupportedLayerError(lost_quantity_message(module)) from error
 
     def start_batch(
@@ -152,10 +157,11 @@ class GramGGN(SqrtGGN):
             The batch context recorded by the loss.
 
         Raises:
-            RuntimeError: If the backward pass did not start at an extended loss.
+            UnsupportedLossError: If the backward pass did not start at an
+                extended loss module.
         """
         if self._batch is None:
-            raise RuntimeError(
+            raise UnsupportedLossError(
                 f"The backward pass reached {module} without passing through a loss "
                 "module: compute the loss with an extended torch.nn loss module "
                 "(MSELoss, CrossEntropyLoss or BCEWithLogitsLoss, wrapped by "
