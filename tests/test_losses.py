@@ -180,20 +180,23 @@ def test_exact_root_is_the_module_hessian(case, subset):
     assert R > 0 and R_all > 0
 
 
-@pytest.mark.parametrize("case", CASES[:6], ids=[c[0] for c in CASES[:6]])
+MEAN_CASES = [c for c in CASES if c[0].endswith("-mean")]
+
+
+@pytest.mark.parametrize("case", MEAN_CASES, ids=[c[0] for c in MEAN_CASES])
 def test_mc_root_is_unbiased(case):
     """The MC root's mean outer product converges to the exact Hessian (CLT bound)."""
     _, loss_func, shape, make_targets = case
     gen = torch.Generator().manual_seed(2)
     output = torch.randn(shape, generator=gen, dtype=torch.float64)
     curvature = LossCurvature(loss_func, output, make_targets())
-    M = 20_000
+    M = 4_000
     root = curvature.sqrt_hessian(mc_samples=M, generator=gen)
     assert root.shape == (M, *shape)
     exact = _from_root(curvature.sqrt_hessian())
-    # 20 000 draws: relative standard error ≈ 1/√M·(few) ≈ 1e-2; 6 % leaves margin
+    # 4 000 draws: standard error ≈ (few)/√M ≈ 3e-2 of the largest entry; 12 % is 4σ
     torch.testing.assert_close(
-        _from_root(root), exact, atol=0.06 * exact.abs().max(), rtol=0
+        _from_root(root), exact, atol=0.12 * exact.abs().max(), rtol=0
     )
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from vivit._validation import (
+    check_grad_mode,
     check_mc_samples,
     check_param_groups,
     check_params,
@@ -76,6 +77,7 @@ class GroupComputation:
         Returns:
             Hook to pass as ``extension_hook`` to ``with backpack(...)``.
         """
+        check_grad_mode(f"{type(self).__name__}.get_extension_hook")
         check_param_groups(param_groups, self.required_keys)
         check_params([p for group in param_groups for p in group["params"]], {})
         for group in param_groups:
