@@ -79,6 +79,15 @@ class LowRankGGN:
     Attributes:
         loss: The mini-batch loss (detached).
         param_groups: The parameter groups, as lists of parameters.
+
+    Raises:
+        VivitError: Before the forward pass for malformed arguments (see the
+            user guide, "What the library checks"); afterwards for non-finite
+            values (:class:`~vivit.NonFiniteError`, naming where they are),
+            unsupported loss options or targets, and layers the engine cannot
+            handle. Works inside ``torch.no_grad()``; refuses
+            ``torch.inference_mode()``. The ``.grad`` of inputs and parameters
+            and the random number generators are left as they were.
     """
 
     def __init__(
