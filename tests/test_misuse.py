@@ -17,6 +17,7 @@ from reference import dense_ggn
 from torch import nn
 
 from vivit import (
+    EighComputation,
     EigvalshComputation,
     GradientContextError,
     InvalidArgumentError,
@@ -344,6 +345,13 @@ def test_param_groups_as_generators_are_fine():
 def test_hook_api_param_groups_misuse(param_groups, words):
     with raises(ParamGroupError, *words):
         EigvalshComputation().get_extension_hook(param_groups)
+
+
+def test_hook_api_criterion_not_callable():
+    model, *_ = problem()
+    groups = [{"params": list(model.parameters()), "criterion": 3}]
+    with raises(ParamGroupError, "'criterion' of group 0", "int", "function"):
+        EighComputation().get_extension_hook(groups)
 
 
 @pytest.mark.parametrize(

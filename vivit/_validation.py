@@ -132,6 +132,12 @@ def check_param_groups(
         missing = [key for key in required_keys if key not in group]
         if missing:
             raise ParamGroupError(f"Group {index} does not specify {missing}.")
+        if "criterion" in required_keys and not callable(group["criterion"]):
+            raise ParamGroupError(
+                f"The 'criterion' of group {index} is a "
+                f"{type(group['criterion']).__name__}, expected a function "
+                "evals -> indices of the eigenvalues to keep."
+            )
         if not isinstance(group["params"], Sequence | Tensor):
             raise ParamGroupError(
                 f"The 'params' of group {index} are a {type(group['params']).__name__}"
