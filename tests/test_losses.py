@@ -296,6 +296,13 @@ def test_refused_loss_functions(loss_func, words):
         ),
         (
             nn.CrossEntropyLoss(),
+            torch.randn(3, 4),
+            torch.tensor([0, 1, 2], dtype=torch.int32),
+            InvalidTargetsError,
+            ["torch.int32", "targets.long()"],
+        ),
+        (
+            nn.CrossEntropyLoss(),
             torch.randn(4),
             torch.tensor(1),
             InvalidTargetsError,

@@ -300,7 +300,8 @@ def _bce_with_logits(
     return _Structure("bce", scale, _uniform(loss_func.reduction, output.shape[0]))
 
 
-_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+#: Class-index dtypes ``CrossEntropyLoss`` accepts.
+_INDEX_DTYPES = (torch.int64, torch.uint8)
 
 
 def _cross_entropy(
@@ -348,8 +349,9 @@ def _cross_entropy(
 
     if targets.dtype not in _INDEX_DTYPES:
         raise InvalidTargetsError(
-            f"CrossEntropyLoss needs class-index targets (integer dtype) or "
-            f"probability targets (floating dtype), got dtype {targets.dtype}."
+            f"CrossEntropyLoss needs class-index targets (torch.long) or "
+            f"probability targets (floating dtype), got dtype {targets.dtype}: "
+            "convert them with targets.long()."
         )
     expected = (output.shape[0], *output.shape[2:])
     if tuple(targets.shape) != expected:
