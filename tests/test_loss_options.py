@@ -72,10 +72,16 @@ def _setup(name: str, reduction: str, dtype=torch.float64):
         else:
             ignore = 1 if "custom" in name else (-100 if "ignore" in name else None)
             y = _labels(label_shape, gen, ignore)
+    elif name.startswith("mse"):
+        loss_func = nn.MSELoss(**kwargs)
+        y = torch.randn(out_shape, generator=gen).to(dtype)
     else:
         if "weight" in name:
-            kwargs["weight"] = torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=dtype)
-            kwargs["pos_weight"] = torch.tensor([3.0, 0.2, 1.0, 2.0], dtype=dtype)
+            shape = (C, 1) if seq else (C,)  # broadcast over positions
+            weight = torch.tensor([1.0, 0.5, 2.0, 1.5], dtype=dtype)
+            pos_weight = torch.tensor([3.0, 0.2, 1.0, 2.0], dtype=dtype)
+            kwargs["weight"] = weight.reshape(shape)
+            kwargs["pos_weight"] = pos_weight.reshape(shape)
         loss_func = nn.BCEWithLogitsLoss(**kwargs)
         y = torch.rand(out_shape, generator=gen).to(dtype)
     return extend(model), extend(loss_func), X, y
@@ -92,6 +98,8 @@ OPTIONS = [
     "ce-seq-soft-weight-smooth",
     "bce",
     "bce-weight",
+    "bce-seq-weight",
+    "mse-seq",
 ]
 
 

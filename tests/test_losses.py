@@ -295,6 +295,13 @@ def test_refused_loss_functions(loss_func, words):
             ["torch.bool"],
         ),
         (
+            nn.BCEWithLogitsLoss(weight=torch.ones(3)),
+            torch.randn(2, 3, 2),
+            torch.rand(2, 3, 2),
+            UnsupportedLossError,
+            ["weight has shape (3,)", "(2, 3, 2)"],
+        ),
+        (
             nn.CrossEntropyLoss(),
             torch.randn(3, 4),
             torch.tensor([0, 1, 2], dtype=torch.int32),

@@ -276,6 +276,13 @@ def _bce_with_logits(
     loss_func: BCEWithLogitsLoss, output: Tensor, targets: Tensor
 ) -> _Structure:
     _check_same_shape(loss_func, output, targets)
+    for name in ("weight", "pos_weight"):
+        weight = getattr(loss_func, name)
+        if weight is not None and not _broadcasts(weight.shape, output.shape):
+            raise UnsupportedLossError(
+                f"BCEWithLogitsLoss.{name} has shape {tuple(weight.shape)}, which "
+                f"does not broadcast to the output shape {tuple(output.shape)}."
+            )
     scale = torch.full(
         output.shape,
         _kappa(loss_func.reduction, output[0].numel()),
@@ -302,6 +309,13 @@ def _bce_with_logits(
 
 #: Class-index dtypes ``CrossEntropyLoss`` accepts.
 _INDEX_DTYPES = (torch.int64, torch.uint8)
+
+
+def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
 
 
 def _cross_entropy(
