@@ -9,7 +9,10 @@ subsampling, ``mc_samples``, generators and grad contexts (none, ``no_grad``,
 ``inference_mode``). The property: the call either raises a
 :class:`vivit.VivitError` (never another exception), or it returns eigenvalues
 that are finite and, for the exact GGN, equal the dense float64 reference of the
-same numbers (tolerances of ``tests/checks.py``).
+same numbers (tolerances of ``tests/checks.py``); a call that carries a fault never
+returns. A second property calls the methods of a valid ``LowRankGGN`` with
+malformed ``top_k``, ``group``, ``damping`` and ``subsampling_grad``: a finite
+result for valid arguments, a library error otherwise.
 
 Derandomized, no example database: the run is reproducible.
 """
@@ -279,3 +282,75 @@ def test_malformed_calls_give_the_dense_result_or_a_library_error(call):
         assert (evals == 0).all(), call
         return
     assert_top_eigvals(evals, reference, EIGVAL_RTOL[call.dtype])
+
+
+# ----------------------------------------------------------------------------------
+# Methods of a valid LowRankGGN with malformed arguments
+# ----------------------------------------------------------------------------------
+
+TOP_KS = [None, 1, 3, 10_000, 0, -1, 2.0, "2", True]
+GROUP_INDICES = [0, 0, 1, 2, -1, "0", 0.0, None]
+DAMPINGS = [0.0, 1e-3, 1.0, -1.0, float("nan"), "1", None, "rule", "bad-rule"]
+SUBSAMPLINGS = [None, [0, 2], [3, 1], [], [4], [0, 0], "01", [0.5]]
+
+
+def _valid_top_k(top_k):
+    return top_k is None or (type(top_k) is int and top_k >= 1)
+
+
+def _damping(name):
+    if name == "rule":
+        return lambda evals, *_: torch.full_like(evals, 0.1)
+    if name == "bad-rule":
+        return lambda evals, *_: -torch.ones(evals.numel() + 1)
+    return name
+
+
+@settings(SETTINGS, max_examples=60)
+@given(
+    top_k=st.sampled_from(TOP_KS),
+    group=st.sampled_from(GROUP_INDICES),
+    damping=st.sampled_from(DAMPINGS),
+    subsampling_grad=st.sampled_from(SUBSAMPLINGS),
+    method=st.sampled_from(["eigh", "directional_derivatives", "newton_step"]),
+)
+def test_methods_give_finite_results_or_a_library_error(
+    top_k, group, damping, subsampling_grad, method
+):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, C)).double()
+    inputs = torch.randn(4, 2, dtype=torch.float64)
+    targets = torch.tensor([0, 2, -100, 1])
+    ggn = LowRankGGN(
+        model,
+        nn.CrossEntropyLoss(),
+        (inputs, targets),
+        param_groups=[list(model[0].parameters()), list(model[2].parameters())],
+    )
+    kwargs = {"top_k": top_k, "group": group}
+    if method != "eigh":
+        kwargs["subsampling_grad"] = subsampling_grad
+    if method == "newton_step":
+        kwargs["damping"] = _damping(damping)
+    try:
+        result = getattr(ggn, method)(**kwargs)
+    except VivitError as error:
+        event(f"raised {type(error).__name__}")
+        return
+    event("returned")
+    valid = (
+        _valid_top_k(top_k)
+        and type(group) is int
+        and 0 <= group < 2
+        and (method == "eigh" or subsampling_grad in (None, [0, 2], [3, 1]))
+        and (method != "newton_step" or damping in (0.0, 1e-3, 1.0, "rule"))
+    )
+    assert valid, (method, kwargs)
+    tensors = (
+        [result[0], *result[1]]
+        if method == "eigh"
+        else result
+        if method == "newton_step"
+        else [result.gammas, result.lambdas, result.gamma_bar]
+    )
+    assert all(torch.isfinite(t).all() for t in tensors)

@@ -14,6 +14,7 @@ from vivit.errors import (
     BatchNormTrainingError,
     GradientContextError,
     GramTooLargeError,
+    GroupIndexError,
     InvalidArgumentError,
     InvalidSubsamplingError,
     InvalidTargetsError,
@@ -36,6 +37,7 @@ from vivit.optim.directional_derivatives import DirectionalDerivativesComputatio
 __all__ = [
     "BatchNormTrainingError",
     "GradientContextError",
+    "GroupIndexError",
     "InvalidArgumentError",
     "InvalidTargetsError",
     "NoCurvatureError",

@@ -60,6 +60,10 @@ class NoCurvatureError(VivitError, RuntimeError):
     """Parameters without curvature from the backward pass (not extended or used)."""
 
 
+class GroupIndexError(VivitError, IndexError):
+    """A parameter-group index outside the groups of a result."""
+
+
 class InvalidSubsamplingError(VivitError, ValueError):
     """Sample indices that are repeated or outside the mini-batch."""
 

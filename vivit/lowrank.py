@@ -31,6 +31,7 @@ from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
 from vivit.errors import (
     GradientContextError,
+    GroupIndexError,
     InvalidArgumentError,
     NoCurvatureError,
 )
@@ -279,7 +280,7 @@ class LowRankGGN:
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:
         if not isinstance(group, int) or not 0 <= group < len(self.param_groups):
-            raise IndexError(
+            raise GroupIndexError(
                 f"group must be an index in [0, {len(self.param_groups)}), "
                 f"got {group!r}."
             )

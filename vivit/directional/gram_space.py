@@ -15,6 +15,7 @@ from torch import Tensor
 from vivit._validation import check_damping
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
+from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
@@ -118,15 +119,16 @@ def newton_coefficients(
         ``u``, shape ``[N·C]``.
 
     Raises:
-        ValueError: If a damping is negative or NaN, or has the wrong shape.
+        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
+            shape.
     """
     if dampings.shape != evals.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The damping returned shape {tuple(dampings.shape)}, expected one value "
             f"per direction, {tuple(evals.shape)}."
         )
     if torch.isnan(dampings).any() or (dampings < 0).any():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
         )
     step_sizes = torch.where(
