@@ -23,6 +23,7 @@ I/O a pending ``backpack`` backward pass relies on.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -108,6 +109,17 @@ def _hooks_removed(*modules: Module) -> Iterator[None]:
             setattr(module, attr, hooks)
 
 
+def _loss64(loss_func: Module) -> Module:
+    """The loss module with float64 buffers (class weights), hooks not copied.
+
+    Call inside ``_hooks_removed``: the copy then carries no BackPACK hooks.
+    """
+    buffers = [b for b in loss_func.buffers() if b.is_floating_point()]
+    if all(b.dtype == DTYPE for b in buffers):
+        return loss_func
+    return copy.deepcopy(loss_func).to(DTYPE)
+
+
 def _to64(t: Tensor) -> Tensor:
     """Detached float64 copy of floating tensors; other dtypes unchanged."""
     return t.detach().to(DTYPE) if t.is_floating_point() else t.detach()
@@ -177,6 +189,7 @@ def dense_ggn(
         The float64 GGN.
     """
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, params, inputs)
         y = _to64(targets)
         if subsampling is not None:
@@ -207,6 +220,7 @@ def dense_hessian(
     Equals the GGN when the model is linear in its parameters.
     """
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, params, inputs)
         y = _to64(targets)
         return hessian(lambda t: loss_func(output_fn(t), y))(theta)
@@ -221,6 +235,7 @@ def dense_gradient(
 ) -> Tensor:
     """Gradient ∇L of the batch loss w.r.t. the flattened params, shape [D]."""
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, params, inputs)
         y = _to64(targets)
         return jacrev(lambda t: loss_func(output_fn(t), y))(theta)
@@ -236,6 +251,7 @@ def per_sample_losses(
             weights, which make a "mean" loss non-decomposable).
     """
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, None, inputs)
         y = _to64(targets)
         output = output_fn(theta)
@@ -264,6 +280,7 @@ def per_sample_gradients(
     """
     per_sample_losses(model, loss_func, inputs, targets)  # checks L = R Σ_n ℓ_n
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, params, inputs)
         y = _to64(targets)
 
@@ -289,6 +306,7 @@ def per_sample_ggns(
     """
     per_sample_losses(model, loss_func, inputs, targets)  # checks L = R Σ_n ℓ_n
     with _hooks_removed(model, loss_func):
+        loss_func = _loss64(loss_func)
         output_fn, theta = _output_fn(model, params, inputs)
         y = _to64(targets)
         output = output_fn(theta)

@@ -12,12 +12,22 @@ Front doors:
 from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
+    GradientContextError,
     GramTooLargeError,
+    GroupIndexError,
+    InvalidArgumentError,
     InvalidSubsamplingError,
+    InvalidTargetsError,
+    NoCurvatureError,
+    NonFiniteError,
     ParamGroupError,
+    RandomForwardWarning,
     ResultNotReadyError,
     UnboundedStepWarning,
+    UnsupportedDtypeError,
     UnsupportedLayerError,
+    UnsupportedLossError,
+    VivitError,
     ZeroStepWarning,
 )
 from vivit.linalg.eigh import EighComputation
@@ -28,6 +38,16 @@ from vivit.optim.directional_derivatives import DirectionalDerivativesComputatio
 
 __all__ = [
     "BatchNormTrainingError",
+    "GradientContextError",
+    "GroupIndexError",
+    "InvalidArgumentError",
+    "InvalidTargetsError",
+    "NoCurvatureError",
+    "NonFiniteError",
+    "RandomForwardWarning",
+    "UnsupportedDtypeError",
+    "UnsupportedLossError",
+    "VivitError",
     "DirectionalDampedNewtonComputation",
     "DirectionalDerivatives",
     "DirectionalDerivativesComputation",

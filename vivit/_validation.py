@@ -1,12 +1,32 @@
-"""Checks on user input shared by every front door."""
+"""Checks on user input shared by every front door.
+
+Each check raises one of the exceptions of :mod:`vivit.errors` with a message that
+says what was given and what is expected.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.nn.modules.dropout import _DropoutNd
 
-from vivit.errors import InvalidSubsamplingError, ParamGroupError
+from vivit.errors import (
+    GradientContextError,
+    InvalidArgumentError,
+    InvalidSubsamplingError,
+    InvalidTargetsError,
+    NonFiniteError,
+    ParamGroupError,
+    RandomForwardWarning,
+    UnsupportedDtypeError,
+)
+
+#: Floating-point types the computations run in.
+SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
 
 def check_subsampling(
@@ -64,14 +84,16 @@ def check_mc_samples(mc_samples: object) -> int:
         The number, unchanged.
 
     Raises:
-        ValueError: If it is not an integer ``>= 0``.
+        InvalidArgumentError: If it is not an integer ``>= 0``.
     """
     if (
         isinstance(mc_samples, bool)
         or not isinstance(mc_samples, int)
         or mc_samples < 0
     ):
-        raise ValueError(f"mc_samples must be an integer >= 0, got {mc_samples!r}.")
+        raise InvalidArgumentError(
+            f"mc_samples must be an integer >= 0, got {mc_samples!r}."
+        )
     return mc_samples
 
 
@@ -88,18 +110,41 @@ def check_param_groups(
         ParamGroupError: If a key is missing, a group is empty, or a parameter
             occurs in more than one group.
     """
+    if isinstance(param_groups, dict | Tensor) or not isinstance(
+        param_groups, Sequence
+    ):
+        raise ParamGroupError(
+            f"param_groups must be a list of dicts, got {type(param_groups).__name__}"
+            ": pass e.g. [{'params': list(model.parameters()), ...}]."
+        )
+    if not param_groups:
+        raise ParamGroupError(
+            "param_groups is empty: pass at least one group, e.g. "
+            "[{'params': list(model.parameters()), ...}]."
+        )
     seen: set[int] = set()
     for index, group in enumerate(param_groups):
         if not isinstance(group, dict):
             raise ParamGroupError(
-                f"Group {index} is a {type(group).__name__}, expected a dict."
+                f"Group {index} is a {type(group).__name__}, expected a dict with "
+                "the key 'params' (as torch.optim's param_groups)."
             )
         missing = [key for key in required_keys if key not in group]
         if missing:
             raise ParamGroupError(f"Group {index} does not specify {missing}.")
-        params = list(group["params"])
-        if not params:
-            raise ParamGroupError(f"Group {index} has no parameters.")
+        if "criterion" in required_keys and not callable(group["criterion"]):
+            raise ParamGroupError(
+                f"The 'criterion' of group {index} is a "
+                f"{type(group['criterion']).__name__}, expected a function "
+                "evals -> indices of the eigenvalues to keep."
+            )
+        if not isinstance(group["params"], Sequence | Tensor):
+            raise ParamGroupError(
+                f"The 'params' of group {index} are a {type(group['params']).__name__}"
+                ", which can be read only once: pass a list, e.g. "
+                "list(model.parameters())."
+            )
+        params = _group_params(group["params"], index)
         for param in params:
             if id(param) in seen:
                 raise ParamGroupError(
@@ -108,6 +153,7 @@ def check_param_groups(
                     "group (found again in group "
                     f"{index}): each parameter may belong to one group only."
                 )
+            check_dtype(param, f"parameter of shape {tuple(param.shape)}")
             if not param.requires_grad:
                 raise ParamGroupError(
                     f"Group {index} holds a parameter of shape {tuple(param.shape)} "
@@ -125,7 +171,7 @@ def check_damping(damping: object, name: str = "damping") -> None:
         name: Argument name used in error messages.
 
     Raises:
-        ValueError: If it is neither.
+        InvalidArgumentError: If it is neither.
     """
     if callable(damping):
         return
@@ -133,9 +179,382 @@ def check_damping(damping: object, name: str = "damping") -> None:
         isinstance(damping, int | float)
         and not isinstance(damping, bool)
         and damping >= 0
+        and damping == damping  # not NaN
     ):
         return
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{name} must be a number >= 0 or a callable (evals, gram_evecs, gammas, "
         f"lambdas) -> [K] such as vivit.optim.BootstrapDamping, got {damping!r}."
     )
+
+
+def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
+    """Refuse a tensor with NaN or infinite entries, naming where they are.
+
+    Args:
+        tensor: The tensor to check (integer tensors are always finite).
+        what: What the tensor is, for the message (``"inputs"``, a parameter name).
+        batch_axis: Whether the first axis indexes samples (the message then names
+            the first sample with a non-finite entry).
+
+    Raises:
+        NonFiniteError: If an entry is NaN or infinite.
+    """
+    if not tensor.is_floating_point() and not tensor.is_complex():
+        return
+    finite = torch.isfinite(tensor.detach())
+    if bool(finite.all()):
+        return
+    bad = ~finite
+    kinds = []
+    if bool(torch.isnan(tensor.detach()).any()):
+        kinds.append("NaN")
+    if bool(torch.isinf(tensor.detach()).any()):
+        kinds.append("inf")
+    where = ""
+    if batch_axis and tensor.dim() > 0:
+        samples = bad.reshape(tensor.shape[0], -1).any(1).nonzero().flatten().tolist()
+        shown = ", ".join(str(n) for n in samples[:5])
+        more = f" (and {len(samples) - 5} more)" if len(samples) > 5 else ""
+        where = f" at sample(s) {shown}{more}"
+    else:
+        where = f" ({int(bad.sum())} of {tensor.numel()} entries)"
+    raise NonFiniteError(
+        f"Found {' and '.join(kinds)} in the {what}{where}: the curvature would not "
+        "be finite. Remove or fix these values before calling the library."
+    )
+
+
+def _group_params(params: object, index: int) -> list[Tensor]:
+    """A group's parameters as a list, refusing what is not a list of parameters."""
+    if isinstance(params, Tensor):
+        raise ParamGroupError(
+            f"Group {index} is a single tensor of shape {tuple(params.shape)}, "
+            "expected a list of parameters: wrap it as [param]."
+        )
+    if isinstance(params, str | bytes | dict) or not isinstance(params, Iterable):
+        raise ParamGroupError(
+            f"Group {index} is a {type(params).__name__}, expected a list of "
+            "parameters (torch.nn.Parameter)."
+        )
+    params = list(params)
+    if not params:
+        raise ParamGroupError(f"Group {index} has no parameters.")
+    for param in params:
+        if not isinstance(param, Tensor):
+            raise ParamGroupError(
+                f"Group {index} holds a {type(param).__name__} ({param!r:.40}), "
+                "expected parameters (torch.nn.Parameter)."
+            )
+        if not param.is_leaf:
+            raise ParamGroupError(
+                f"Group {index} holds a tensor of shape {tuple(param.shape)} that "
+                "is computed from other tensors, not a parameter: pass the model's "
+                "parameters (e.g. list(model.parameters()))."
+            )
+    return params
+
+
+def param_group_lists(
+    param_groups: object, model: Module | None = None
+) -> list[list[Parameter]]:
+    """Validate ``param_groups`` given as lists of parameters and return them.
+
+    Args:
+        param_groups: A list of lists of parameters, or ``None``.
+        model: The model the parameters must belong to, if known; ``None`` groups
+            then mean one group of all its trainable parameters.
+
+    Returns:
+        The groups as lists.
+
+    Raises:
+        ParamGroupError: If ``param_groups`` is empty, a flat list of parameters,
+            a list of dicts, holds something that is not a parameter, a parameter
+            of another model, a frozen parameter, or one parameter twice.
+    """
+    if param_groups is None:
+        if model is None:
+            raise ParamGroupError("param_groups is required: pass [[param, ...]].")
+        param_groups = [[p for p in model.parameters() if p.requires_grad]]
+        if not param_groups[0]:
+            raise ParamGroupError(
+                "The model has no parameter that requires gradients: there is no "
+                "curvature to compute."
+            )
+    if isinstance(param_groups, Tensor | dict | str) or not isinstance(
+        param_groups, Iterable
+    ):
+        raise ParamGroupError(
+            f"param_groups must be a list of lists of parameters, got "
+            f"{type(param_groups).__name__}: e.g. [list(model.parameters())]."
+        )
+    groups = list(param_groups)
+    if not groups:
+        raise ParamGroupError(
+            "param_groups is empty: pass None for one group of all trainable "
+            "parameters, or a list of lists of parameters."
+        )
+    if any(isinstance(g, Tensor) for g in groups):
+        raise ParamGroupError(
+            "param_groups is a flat list of parameters, expected a list of lists "
+            "(one list per GGN block): wrap it as [params] for one group."
+        )
+    if any(isinstance(g, dict) for g in groups):
+        raise ParamGroupError(
+            "param_groups holds dicts (torch.optim style), expected a list of lists "
+            "of parameters: pass [group['params'] for group in param_groups]."
+        )
+    groups = [_group_params(group, index) for index, group in enumerate(groups)]
+    check_param_groups([{"params": g} for g in groups], ("params",))
+    if model is not None:
+        owned = {id(p) for p in model.parameters()}
+        for index, group in enumerate(groups):
+            for param in group:
+                if id(param) not in owned:
+                    raise ParamGroupError(
+                        f"Group {index} holds a parameter of shape "
+                        f"{tuple(param.shape)} that is not a parameter of the model."
+                    )
+    return groups
+
+
+def check_dtype(tensor: Tensor, what: str) -> None:
+    """Refuse floating-point types the computations do not support.
+
+    Args:
+        tensor: A floating-point tensor (others pass).
+        what: What the tensor is, for the message.
+
+    Raises:
+        UnsupportedDtypeError: For 16-bit (or other unsupported) floating types.
+    """
+    if tensor.is_floating_point() and tensor.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(
+            f"Unsupported dtype {tensor.dtype} of the {what}; supported: float32 and "
+            "float64. "
+            "16-bit types lack the precision and the linear algebra the GGN "
+            "needs: compute the curvature on a float32 copy (e.g. "
+            "copy.deepcopy(model).float() and inputs.float())."
+        )
+
+
+def check_grad_mode(front_door: str) -> None:
+    """Refuse ``torch.inference_mode``, in which no backward pass can run.
+
+    ``torch.no_grad()`` is fine: the library enables gradients for its own
+    forward and backward pass.
+
+    Args:
+        front_door: Name of the calling function, for the message.
+
+    Raises:
+        GradientContextError: Inside ``torch.inference_mode()``.
+    """
+    if torch.is_inference_mode_enabled():
+        raise GradientContextError(
+            f"{front_door} was called inside torch.inference_mode(), where no "
+            "backward pass can run: call it outside (torch.no_grad() is fine)."
+        )
+
+
+def check_batch(data: object) -> tuple[Tensor, Tensor]:
+    """Check a mini-batch ``(inputs, targets)`` before the forward pass.
+
+    Args:
+        data: The mini-batch.
+
+    Returns:
+        ``inputs, targets``.
+
+    Raises:
+        InvalidArgumentError: If it is not a pair of tensors, or the batch is
+            empty.
+        InvalidTargetsError: If inputs and targets differ in batch size.
+        GradientContextError: If a tensor was created in inference mode.
+        UnsupportedDtypeError: For 16-bit inputs.
+        NonFiniteError: If an input is NaN or infinite (names the samples).
+    """
+    if (
+        not isinstance(data, tuple | list)
+        or len(data) != 2
+        or not all(isinstance(t, Tensor) for t in data)
+    ):
+        raise InvalidArgumentError(
+            f"data must be a pair (inputs, targets) of tensors, got "
+            f"{_type_summary(data)}."
+        )
+    inputs, targets = data
+    if inputs.dim() == 0 or inputs.shape[0] == 0:
+        raise InvalidArgumentError(
+            f"The mini-batch is empty (inputs of shape {tuple(inputs.shape)}): pass "
+            "at least one sample, the batch along the first axis."
+        )
+    if targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
+        raise InvalidTargetsError(
+            f"inputs hold {inputs.shape[0]} samples (shape {tuple(inputs.shape)}) "
+            f"but targets have shape {tuple(targets.shape)}: one target per sample "
+            "is expected along the first axis."
+        )
+    for name, tensor in (("inputs", inputs), ("targets", targets)):
+        if tensor.is_inference():
+            raise GradientContextError(
+                f"The {name} were created inside torch.inference_mode() and cannot "
+                f"enter a backward pass: pass {name}.clone() made outside it."
+            )
+    check_dtype(inputs, "inputs")
+    check_finite(inputs, "inputs")
+    return inputs, targets
+
+
+def _type_summary(data: object) -> str:
+    if isinstance(data, tuple | list):
+        inner = ", ".join(type(d).__name__ for d in data)
+        return f"a {type(data).__name__} of {len(data)} ({inner})"
+    return f"a {type(data).__name__}"
+
+
+def check_model(model: object) -> None:
+    """Check that the model is a ``torch.nn.Module``.
+
+    Args:
+        model: The model.
+
+    Raises:
+        InvalidArgumentError: If it is not a module.
+    """
+    if not isinstance(model, Module):
+        raise InvalidArgumentError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}."
+        )
+
+
+def check_params(params: Sequence[Tensor], names: dict[int, str]) -> None:
+    """Check parameters before the forward pass: one dtype, supported, finite.
+
+    Args:
+        params: The parameters whose curvature is computed.
+        names: Names of the parameters by ``id`` (missing ones are described by
+            their shape).
+
+    Raises:
+        GradientContextError: If a parameter was created in inference mode.
+        UnsupportedDtypeError: For 16-bit parameters or mixed dtypes.
+        NonFiniteError: If a parameter is NaN or infinite (names it).
+    """
+    dtypes = set()
+    for param in params:
+        name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+        if param.is_inference():
+            raise GradientContextError(
+                f"The {name} was created inside torch.inference_mode() and cannot "
+                "enter a backward pass: create the model outside it."
+            )
+        check_dtype(param, name)
+        check_finite(param, name, batch_axis=False)
+        dtypes.add(param.dtype)
+    if len(dtypes) > 1:
+        raise UnsupportedDtypeError(
+            f"The parameters have different dtypes {sorted(map(str, dtypes))}: cast "
+            "the model to one of float32 or float64 (model.float() or "
+            "model.double())."
+        )
+
+
+def check_inputs_match(inputs: Tensor, params: Sequence[Tensor]) -> None:
+    """Check that floating inputs have the parameters' dtype and device.
+
+    Args:
+        inputs: The mini-batch inputs.
+        params: The model's parameters.
+
+    Raises:
+        InvalidArgumentError: If the dtype or device differs.
+    """
+    if not params or not inputs.is_floating_point():
+        return
+    param = params[0]
+    if inputs.dtype != param.dtype:
+        raise InvalidArgumentError(
+            f"The inputs have dtype {inputs.dtype}, the parameters {param.dtype}: "
+            f"cast the inputs with inputs.to({param.dtype})."
+        )
+    if inputs.device != param.device:
+        raise InvalidArgumentError(
+            f"The inputs are on {inputs.device}, the parameters on {param.device}: "
+            f"move them with inputs.to('{param.device}')."
+        )
+
+
+def check_generator(generator: object) -> None:
+    """Check that a random generator is ``None`` or a ``torch.Generator``.
+
+    Args:
+        generator: The generator.
+
+    Raises:
+        InvalidArgumentError: If it is something else.
+    """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise InvalidArgumentError(
+            f"generator must be a torch.Generator or None, got "
+            f"{type(generator).__name__}: e.g. torch.Generator().manual_seed(0)."
+        )
+
+
+def warn_random_forward(module: Module) -> None:
+    """Warn if a layer draws random numbers in the forward pass (Dropout).
+
+    Args:
+        module: A layer the backward pass reached.
+    """
+    if isinstance(module, _DropoutNd) and module.training and module.p > 0:
+        warnings.warn(
+            f"{module} is in training mode: the GGN is that of the network with "
+            "the one random mask of this forward pass and differs at every call. "
+            "Call model.eval() for the GGN of the deterministic network.",
+            RandomForwardWarning,
+            stacklevel=2,
+        )
+
+
+def optimizer_param_groups(params: object) -> list:
+    """Check an optimizer's ``params``: parameters, or dicts with ``"params"``.
+
+    Args:
+        params: What is passed to a ``torch.optim.Optimizer``.
+
+    Returns:
+        The parameters or groups as a list (``torch.optim`` takes it from there).
+
+    Raises:
+        ParamGroupError: If it is a single tensor, empty, mixes parameters and
+            dicts, or holds something else.
+    """
+    if isinstance(params, Tensor):
+        raise ParamGroupError(
+            "params is a single tensor, expected an iterable of parameters (e.g. "
+            "model.parameters()) or of dicts with 'params'."
+        )
+    if isinstance(params, dict | str) or not isinstance(params, Iterable):
+        raise ParamGroupError(
+            f"params must be an iterable of parameters or of dicts, got "
+            f"{type(params).__name__}."
+        )
+    items = list(params)
+    if not items:
+        raise ParamGroupError(
+            "params is empty (a model.parameters() generator already consumed, or a "
+            "model without parameters?): pass the parameters to optimize."
+        )
+    if all(isinstance(item, dict) for item in items):
+        groups = []
+        for index, group in enumerate(items):
+            if "params" not in group:
+                raise ParamGroupError(f"Group {index} does not specify ['params'].")
+            params_of_group = group["params"]
+            if isinstance(params_of_group, Tensor):
+                params_of_group = [params_of_group]
+            groups.append({**group, "params": _group_params(params_of_group, index)})
+        return groups
+    return _group_params(items, 0)

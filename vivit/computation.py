@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._validation import check_mc_samples, check_param_groups, check_subsampling
+from vivit._validation import (
+    check_grad_mode,
+    check_mc_samples,
+    check_param_groups,
+    check_params,
+    check_subsampling,
+)
 from vivit.directional.gram_space import directional_derivatives
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import GramGGN
@@ -126,7 +132,10 @@ class Selection:
 
 
 def selected_directional_derivatives(
-    vt_grads: Tensor, selection: Selection, batch: BatchInfo
+    vt_grads: Tensor,
+    selection: Selection,
+    batch: BatchInfo,
+    grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
     """``γ``, ``λ`` and ``γ̄`` along every selected direction.
 
@@ -137,6 +146,7 @@ def selected_directional_derivatives(
         vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
         selection: The selected eigenpairs.
         batch: Batch context of the Gram matrix.
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
 
     Returns:
         The directional derivatives, ``K`` columns.
@@ -147,6 +157,7 @@ def selected_directional_derivatives(
         selection.gram_evecs[:, resolved],
         selection.evals[resolved],
         batch,
+        grad_samples,
     )
 
     def scatter(values: Tensor) -> Tensor:
@@ -218,7 +229,9 @@ class GroupComputation:
         Returns:
             Hook to pass as ``extension_hook`` to ``with backpack(...)``.
         """
+        check_grad_mode(f"{type(self).__name__}.get_extension_hook")
         check_param_groups(param_groups, self.required_keys)
+        check_params([p for group in param_groups for p in group["params"]], {})
         for group in param_groups:
             self._results.pop(id(group), None)
 

@@ -11,7 +11,18 @@ from backpack import backpack, extend
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import check_param_groups, check_subsampling
+from vivit._validation import (
+    check_batch,
+    check_finite,
+    check_generator,
+    check_grad_mode,
+    check_inputs_match,
+    check_mc_samples,
+    check_model,
+    check_params,
+    check_subsampling,
+    param_group_lists,
+)
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
     Damping,
@@ -19,6 +30,12 @@ from vivit.directional.gram_space import (
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.backpack import GramGGN
+from vivit.errors import (
+    GradientContextError,
+    GroupIndexError,
+    InvalidArgumentError,
+    NoCurvatureError,
+)
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.solvers import (
     check_gram_dtype,
@@ -29,6 +46,7 @@ from vivit.linalg.solvers import (
     numerical_zero_tolerance,
     top_k_indices,
 )
+from vivit.losses import LossCurvature, check_loss_function
 
 
 class LowRankGGN:
@@ -78,6 +96,15 @@ class LowRankGGN:
     Attributes:
         loss: The mini-batch loss (detached).
         param_groups: The parameter groups, as lists of parameters.
+
+    Raises:
+        VivitError: Before the forward pass for malformed arguments (see the
+            user guide, "What the library checks"); afterwards for non-finite
+            values (:class:`~vivit.NonFiniteError`, naming where they are),
+            unsupported loss options or targets, and layers the engine cannot
+            handle. Works inside ``torch.no_grad()``; refuses
+            ``torch.inference_mode()``. The ``.grad`` of inputs and parameters
+            and the random number generators are left as they were.
     """
 
     def __init__(
@@ -92,19 +119,34 @@ class LowRankGGN:
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
     ):
-        inputs, targets = data
-        if param_groups is None:
-            param_groups = [[p for p in model.parameters() if p.requires_grad]]
+        check_grad_mode("LowRankGGN")
+        check_model(model)
+        check_loss_function(loss_func)
+        inputs, targets = check_batch(data)
+        param_groups = param_group_lists(param_groups, model)
+        names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
+        check_params([p for group in param_groups for p in group], names)
+        check_inputs_match(inputs, list(model.parameters()))
         check_subsampling(subsampling, inputs.shape[0])
         check_gram_dtype(gram_dtype)
+        check_mc_samples(mc_samples)
+        check_generator(generator)
         _extend_if_needed(model)
         _extend_if_needed(loss_func)
+
+        def compute_loss() -> Tensor:
+            output = model(inputs)
+            check_finite(output, "model output")
+            LossCurvature(loss_func, output, targets)  # names bad targets up front
+            return loss_func(output, targets)
+
         self._backward(
-            lambda: loss_func(model(inputs), targets),
+            compute_loss,
             param_groups,
             mc_samples,
             subsampling,
             generator,
+            names,
             gram_dtype,
         )
 
@@ -135,7 +177,23 @@ class LowRankGGN:
 
         Returns:
             The low-rank GGN of that loss.
+
+        Raises:
+            InvalidArgumentError: If ``loss`` is neither a tensor nor a callable.
+            GradientContextError: If the loss was computed without gradients.
         """
+        check_grad_mode("LowRankGGN.from_loss")
+        if isinstance(loss, Module) or not (isinstance(loss, Tensor) or callable(loss)):
+            raise InvalidArgumentError(
+                f"loss must be the loss tensor or a function that computes it, got "
+                f"{type(loss).__name__}; for a model and a loss module use "
+                "LowRankGGN(model, loss_func, (inputs, targets))."
+            )
+        param_groups = param_group_lists(param_groups)
+        check_params([p for group in param_groups for p in group], {})
+        check_subsampling(subsampling)
+        check_mc_samples(mc_samples)
+        check_generator(generator)
         check_gram_dtype(gram_dtype)
         ggn = cls.__new__(cls)
         ggn._backward(
@@ -144,6 +202,7 @@ class LowRankGGN:
             mc_samples,
             subsampling,
             generator,
+            {},
             gram_dtype,
         )
         return ggn
@@ -151,15 +210,19 @@ class LowRankGGN:
     def _backward(
         self,
         compute_loss: Callable[[], Tensor],
-        param_groups: Sequence[Sequence[Parameter]],
+        param_groups: list[list[Parameter]],
         mc_samples: int,
         subsampling: Sequence[int] | None,
         generator: torch.Generator | None,
+        names: dict[int, str],
         gram_dtype: torch.dtype | None,
     ) -> None:
-        """Run the backward pass and keep each group's curvature."""
-        self.param_groups = [list(group) for group in param_groups]
-        check_param_groups([{"params": g} for g in self.param_groups], ("params",))
+        """Run the backward pass and keep each group's curvature.
+
+        Leaves the caller's state as it was: parameter and input ``.grad``, the
+        random number generators (forked), grad mode.
+        """
+        self.param_groups = param_groups
         extension = GramGGN(
             mc_samples=mc_samples,
             subsampling=subsampling,
@@ -179,54 +242,76 @@ class LowRankGGN:
             gram_dtype=gram_dtype,
         )
         params = [p for group in self.param_groups for p in group]
-        grads = [p.grad for p in params]
+        saved = [(p, p.grad) for p in params]
+        own = {id(p) for p in params}
         for param in params:  # autograd would accumulate into them in place
             param.grad = None
-        seed = None
-        if mc_samples and generator is not None:
-            seed = int(
-                torch.randint(2**62, (), generator=generator, device=generator.device)
-            )
-        devices = [params[0].device] if params[0].device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            loss = compute_loss()
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
-                    "scalar loss: use reduction='mean' or 'sum'."
-                )
-            with (
-                backpack(extension, extension_hook=collector),
-                warnings.catch_warnings(),
-            ):
-                # BackPACK's hooks fire on the first layer, whose input needs no grad.
-                warnings.filterwarnings(
-                    "ignore", message="Full backward hook is firing"
-                )
-                loss.backward()
-        self._gradients = [
-            [torch.zeros_like(p) if p.grad is None else p.grad for p in group]
-            for group in self.param_groups
-        ]
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
+        devices = [p.device for p in params if p.device.type == "cuda"][:1]
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                if mc_samples and generator is not None:
+                    seed = torch.randint(
+                        2**62, (), generator=generator, device=generator.device
+                    )
+                    torch.manual_seed(int(seed))
+                loss = compute_loss()
+                loss = _check_loss(loss, params)
+                # every leaf the backward pass reaches (inputs with requires_grad,
+                # parameters outside the groups) gets its .grad back afterwards
+                for leaf in _graph_leaves(loss):
+                    if id(leaf) not in own:
+                        own.add(id(leaf))
+                        saved.append((leaf, leaf.grad))
+                        leaf.grad = None  # autograd may accumulate in place
+                with (
+                    backpack(extension, extension_hook=collector),
+                    warnings.catch_warnings(),
+                ):
+                    # BackPACK's hooks fire on the first layer, whose input needs
+                    # no grad.
+                    warnings.filterwarnings(
+                        "ignore", message="Full backward hook is firing"
+                    )
+                    loss.backward()
+            check_finite(loss.detach(), "loss", batch_axis=False)
+            self._gradients = [
+                [torch.zeros_like(p) if p.grad is None else p.grad for p in group]
+                for group in self.param_groups
+            ]
+        finally:
+            for tensor, grad in saved:
+                tensor.grad = grad
         self.loss = loss.detach()
 
         missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
         if missing:
-            raise RuntimeError(
+            raise NoCurvatureError(
                 f"Parameter group(s) {missing} received no curvature from the backward "
                 f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
                 f"{missing[0]} missing): their layers are not part of the loss's "
                 "computation graph, or not extended with backpack.extend."
             )
+        for index, curvature in self._curvature.items():
+            check_finite(
+                curvature.gram,
+                f"Gram matrix of group {index} (backpropagated factors overflowed; "
+                "rescale the inputs or use float64)",
+                batch_axis=False,
+            )
+        for group, gradients in zip(self.param_groups, self._gradients, strict=True):
+            for param, gradient in zip(group, gradients, strict=True):
+                name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+                check_finite(
+                    gradient,
+                    f"backpropagated gradient of the {name} (non-finite inputs, or "
+                    "an overflow in the backward pass)",
+                    batch_axis=False,
+                )
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:
         if not isinstance(group, int) or not 0 <= group < len(self.param_groups):
-            raise IndexError(
+            raise GroupIndexError(
                 f"group must be an index in [0, {len(self.param_groups)}), "
                 f"got {group!r}."
             )
@@ -360,7 +445,7 @@ class LowRankGGN:
         vt_grads = self._vt_grads(group, subsampling_grad)
         batch = self._group(group).batch
         directional = gram_space.directional_derivatives(
-            vt_grads, gram_evecs, evals, batch
+            vt_grads, gram_evecs, evals, batch, subsampling_grad
         )
         return gram_evecs, directional
 
@@ -446,6 +531,56 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad).step
+
+
+def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
+    """Check what the forward pass returned before the backward pass runs on it.
+
+    Raises:
+        InvalidArgumentError: If it is not a scalar tensor, or the closure called
+            ``backward()`` itself.
+        GradientContextError: If the loss does not depend on parameters through
+            autograd (computed under ``torch.no_grad()``).
+    """
+    if not isinstance(loss, Tensor):
+        raise InvalidArgumentError(
+            f"The loss must be a tensor, got {type(loss).__name__}: the closure must "
+            "return the loss, e.g. lambda: loss_func(model(inputs), targets)."
+        )
+    if loss.numel() != 1:
+        raise InvalidArgumentError(
+            f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
+            "scalar loss: use reduction='mean' or 'sum'."
+        )
+    if any(p.grad is not None for p in params):
+        raise InvalidArgumentError(
+            "The closure called backward() (the parameters received gradients "
+            "while it ran): return the loss without calling backward; the library "
+            "runs its own backward pass."
+        )
+    if not loss.requires_grad:
+        raise GradientContextError(
+            "The loss does not require gradients: it was computed inside "
+            "torch.no_grad() (or from detached tensors). Pass a function that "
+            "computes the loss instead of the tensor; the library enables "
+            "gradients for it."
+        )
+    return loss
+
+
+def _graph_leaves(loss: Tensor) -> list[Tensor]:
+    """The leaf tensors into whose ``.grad`` ``loss.backward()`` accumulates."""
+    leaves, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def _extend_if_needed(module: Module) -> None:

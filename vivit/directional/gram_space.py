@@ -16,7 +16,7 @@ from torch import Tensor
 from vivit._validation import check_damping
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
-from vivit.errors import ZeroStepWarning
+from vivit.errors import InvalidArgumentError, ZeroStepWarning
 from vivit.gram import ParamFactors
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
@@ -58,21 +58,28 @@ def directional_curvatures(
     return per_sample.pow(2).sum(1) * evals / batch.ggn_reduction_factor
 
 
-def batch_directional_gradient(gammas: Tensor, batch: BatchInfo) -> Tensor:
+def batch_directional_gradient(
+    gammas: Tensor, batch: BatchInfo, grad_samples: Sequence[int] | None = None
+) -> Tensor:
     """``γ̄_k = R Σ_n γ_nk``: directional gradient of the loss on the gradient samples.
 
     Args:
         gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        batch: Batch context (gives the reduction).
+        batch: Batch context (gives ``R`` of the loss on the gradient samples).
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
 
     Returns:
         ``γ̄``, shape ``[K]``.
     """
-    return batch.reduction_factor(gammas.shape[0]) * gammas.sum(0)
+    return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
 
 def directional_derivatives(
-    vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
+    vt_grads: Tensor,
+    gram_evecs: Tensor,
+    evals: Tensor,
+    batch: BatchInfo,
+    grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
     """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs.
 
@@ -81,6 +88,7 @@ def directional_derivatives(
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         evals: Their eigenvalues, ``[K]``.
         batch: Batch context of the Gram matrix.
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
 
     Returns:
         The directional derivatives.
@@ -90,7 +98,7 @@ def directional_derivatives(
         evals=evals,
         gammas=gammas,
         lambdas=directional_curvatures(gram_evecs, evals, batch),
-        gamma_bar=batch_directional_gradient(gammas, batch),
+        gamma_bar=batch_directional_gradient(gammas, batch, grad_samples),
     )
 
 
@@ -102,15 +110,15 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
         evals: Eigenvalues of the directions, ``[K]``.
 
     Raises:
-        ValueError: If the shape is wrong or a damping is negative or NaN.
+        InvalidArgumentError: If the shape is wrong or a damping is negative or NaN.
     """
     if dampings.shape != evals.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The damping returned shape {tuple(dampings.shape)}, expected one value "
             f"per direction, {tuple(evals.shape)}."
         )
     if torch.isnan(dampings).any() or (dampings < 0).any():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
         )
 
@@ -133,7 +141,8 @@ def newton_coefficients(
         ``u``, shape ``[N·C]``.
 
     Raises:
-        ValueError: If a damping is negative or NaN, or has the wrong shape.
+        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
+            shape.
     """
     check_dampings(dampings, evals)
     step_sizes = torch.where(

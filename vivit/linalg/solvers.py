@@ -14,6 +14,7 @@ import scipy.linalg
 import torch
 from torch import Tensor
 
+from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 
 
@@ -172,12 +173,14 @@ def check_top_k(top_k: int | None) -> None:
         top_k: Number of leading eigenpairs.
 
     Raises:
-        ValueError: If it is neither.
+        InvalidArgumentError: If it is neither.
     """
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
     ):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+        raise InvalidArgumentError(
+            f"top_k must be a positive integer or None, got {top_k!r}."
+        )
 
 
 #: Types the Gram matrix may be accumulated in (LAPACK's real symmetric solvers).

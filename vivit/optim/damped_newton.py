@@ -10,10 +10,19 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from vivit._validation import check_damping
+from vivit._validation import (
+    check_damping,
+    check_generator,
+    check_grad_mode,
+    check_mc_samples,
+    check_params,
+    check_subsampling,
+    optimizer_param_groups,
+)
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
-from vivit.errors import UnboundedStepWarning
+from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
+from vivit.linalg.solvers import check_top_k
 from vivit.lowrank import LowRankGGN
 
 
@@ -97,8 +106,12 @@ class DampedNewton(Optimizer):
         keep_directions: Keep the last step's eigenvectors in parameter space.
 
     Raises:
-        ValueError: If ``lr`` is not positive or ``trust_fraction`` is not
-            positive and finite.
+        InvalidArgumentError: If an argument has the wrong type or value (``lr``
+            not positive, ``trust_fraction`` not positive and finite, ...).
+        ParamGroupError: If ``params`` is empty or holds something other than
+            parameters or dicts of parameters.
+        UnsupportedDtypeError: For 16-bit parameters.
+        NonFiniteError: For parameters with NaN or infinite entries.
     """
 
     def __init__(
@@ -115,10 +128,21 @@ class DampedNewton(Optimizer):
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
     ):
-        if not lr > 0:
-            raise ValueError(f"lr must be positive, got {lr!r}.")
+        check_grad_mode("DampedNewton")
+        if (
+            isinstance(lr, bool)
+            or not isinstance(lr, int | float)
+            or not 0 < lr < float("inf")
+        ):
+            raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}.")
         check_damping(damping)
         check_trust_fraction(trust_fraction)
+        check_top_k(top_k)
+        check_subsampling(subsampling_grad, name="subsampling_grad")
+        check_mc_samples(mc_samples)
+        check_subsampling(subsampling)
+        check_generator(generator)
+        params = optimizer_param_groups(params)
         defaults = {
             "lr": lr,
             "damping": damping,
@@ -129,6 +153,10 @@ class DampedNewton(Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             check_trust_fraction(group["trust_fraction"])
+            check_damping(group["damping"])
+            check_top_k(group["top_k"])
+            check_subsampling(group["subsampling_grad"], name="subsampling_grad")
+            check_params(group["params"], {})
         self.mc_samples = mc_samples
         self.subsampling = subsampling
         self.generator = generator
@@ -147,15 +175,16 @@ class DampedNewton(Optimizer):
             The loss the closure returned (detached).
 
         Raises:
-            ValueError: If no closure is given, or the loss is negative while a
-                group has a ``trust_fraction``.
-            FloatingPointError: If the loss or a step is not finite; the
-                parameters are then unchanged.
+            InvalidArgumentError: If no closure is given, or it calls
+                ``backward()``, or the loss is negative while a group has a
+                ``trust_fraction``.
+            NonFiniteError: If the loss, the curvature or a step is not finite;
+                the parameters are then left unchanged.
         """
-        if closure is None:
-            raise ValueError(
+        if closure is None or not callable(closure):
+            raise InvalidArgumentError(
                 "DampedNewton.step needs a closure that returns the loss of a "
-                "mini-batch (without calling backward)."
+                f"mini-batch (without calling backward), got {closure!r:.60}."
             )
         with torch.enable_grad():
             ggn = LowRankGGN.from_loss(
@@ -166,11 +195,6 @@ class DampedNewton(Optimizer):
                 generator=self.generator,
             )
         loss = float(ggn.loss)
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"The closure's loss is {loss}: no step was taken (the parameters "
-                "are unchanged). Check the inputs, targets and parameters."
-            )
         steps = [
             ggn.newton(
                 group["top_k"],
@@ -189,7 +213,7 @@ class DampedNewton(Optimizer):
                 _warn_if_unbounded(newton, group["lr"], loss, index)
         for index, newton in enumerate(steps):  # refuse before changing anything
             if not all(update.isfinite().all() for update in newton.step):
-                raise FloatingPointError(
+                raise NonFiniteError(
                     f"The Newton step of parameter group {index} is not finite: no "
                     "step was taken (the parameters are unchanged). Increase the "
                     "damping or use a trust_fraction."
@@ -214,7 +238,7 @@ def check_trust_fraction(trust_fraction: object) -> None:
         trust_fraction: The value of ``DampedNewton(trust_fraction=...)``.
 
     Raises:
-        ValueError: If it is neither.
+        InvalidArgumentError: If it is neither.
     """
     if trust_fraction is None:
         return
@@ -223,7 +247,7 @@ def check_trust_fraction(trust_fraction: object) -> None:
         or not isinstance(trust_fraction, int | float)
         or not 0 < trust_fraction < math.inf
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             "trust_fraction must be a positive number (the largest predicted loss "
             f"decrease per step, as a fraction of the loss) or None, got "
             f"{trust_fraction!r}."
@@ -254,7 +278,7 @@ def _max_decrease(trust_fraction: float | None, loss: float) -> float | None:
     if trust_fraction is None:
         return None
     if loss < 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"The loss is negative ({loss:.6g}), but the trust region bounds the "
             "predicted decrease by a fraction of a non-negative loss: pass "
             "trust_fraction=None for this loss."

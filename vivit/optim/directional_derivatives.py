@@ -97,7 +97,7 @@ class DirectionalDerivativesComputation(GroupComputation):
     ) -> tuple[Selection, DirectionalDerivatives]:
         selection = self._select(group, curvature, self._warn_small_eigvals)
         return selection, selected_directional_derivatives(
-            curvature.vt_grads, selection, curvature.batch
+            curvature.vt_grads, selection, curvature.batch, self.gradient_samples()
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:

@@ -9,18 +9,20 @@ from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
 from torch import Tensor
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
+from torch.nn.modules.loss import _Loss
 
 from vivit._memory import check_gram_fits
-from vivit._validation import check_mc_samples, check_subsampling
+from vivit._validation import (
+    check_mc_samples,
+    check_subsampling,
+    warn_random_forward,
+)
 from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
-from vivit.engines.backpack.losses import (
-    GramBCEWithLogitsLoss,
-    GramCrossEntropyLoss,
-    GramMSELoss,
-)
+from vivit.engines.backpack.losses import GramLoss
 from vivit.engines.base import BatchInfo
-from vivit.errors import UnsupportedLayerError
+from vivit.errors import UnsupportedLayerError, UnsupportedLossError
+from vivit.losses import LossNormalization, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
@@ -72,9 +74,9 @@ class GramGGN(SqrtGGN):
         own = {
             **param_layer_extensions(),
             **avg_pool_extensions(),
-            MSELoss: GramMSELoss(),
-            CrossEntropyLoss: GramCrossEntropyLoss(),
-            BCEWithLogitsLoss: GramBCEWithLogitsLoss(),
+            MSELoss: GramLoss(),
+            CrossEntropyLoss: GramLoss(),
+            BCEWithLogitsLoss: GramLoss(),
         }
         for layer, module_extension in own.items():
             self.set_module_extension(layer, module_extension, overwrite=True)
@@ -104,34 +106,34 @@ class GramGGN(SqrtGGN):
                 the backward pass reaches it through an operation outside of
                 ``torch.nn`` layers (e.g. a residual sum in a custom forward).
         """
+        if isinstance(module, _Loss):
+            check_loss_function(module)  # names unsupported losses and options
         if type(module) not in self._supported:
             raise UnsupportedLayerError(
                 unsupported_layer_message(module, self._supported)
             )
+        warn_random_forward(module)
         try:
             super().__call__(module, g_inp, g_out)
         except AssertionError as error:
             if "expects a backpropagation quantity" not in str(error):
                 raise
+            if self._batch is None:  # the backward pass did not start at a loss
+                self.current_batch(module)
             raise UnsupportedLayerError(lost_quantity_message(module)) from error
 
-    def start_batch(self, loss_module: Module) -> BatchInfo:
+    def start_batch(
+        self, loss_module: Module, normalization: LossNormalization
+    ) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss.
 
         Args:
             loss_module: The extended loss module.
+            normalization: The loss's reduction and sample weights.
 
         Returns:
             The batch context of this backward pass.
-
-        Raises:
-            ValueError: If the loss does not reduce by ``"mean"`` or ``"sum"``.
         """
-        if loss_module.reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"{loss_module} has reduction={loss_module.reduction!r}; the GGN is "
-                "defined for a scalar loss: use reduction='mean' or 'sum'."
-            )
         inputs = loss_module.input0
         batch_size = inputs.shape[0]
         subsampling = check_subsampling(self.get_subsampling(), batch_size)
@@ -146,8 +148,7 @@ class GramGGN(SqrtGGN):
             inputs.device,
         )
         self._batch = BatchInfo(
-            reduction=loss_module.reduction,
-            batch_size=batch_size,
+            normalization=normalization,
             ggn_samples=samples,
             columns_per_sample=columns,
             mc_samples=self._mc_samples,
@@ -164,10 +165,11 @@ class GramGGN(SqrtGGN):
             The batch context recorded by the loss.
 
         Raises:
-            RuntimeError: If the backward pass did not start at an extended loss.
+            UnsupportedLossError: If the backward pass did not start at an
+                extended loss module.
         """
         if self._batch is None:
-            raise RuntimeError(
+            raise UnsupportedLossError(
                 f"The backward pass reached {module} without passing through a loss "
                 "module: compute the loss with an extended torch.nn loss module "
                 "(MSELoss, CrossEntropyLoss or BCEWithLogitsLoss, wrapped by "
