@@ -90,10 +90,9 @@ def test_float64_accumulation_resolves_the_small_end(reduction):
     rank = N * (C - 1)
     assert (reference > tolerance).sum() == rank
     assert (evals[-rank:] > tolerance).all()
-    # The N exact zeros: the float32 loss-Hessian root of a saturated softmax has
-    # absolute rounding ε₃₂, which lifts a few of them to about (ε₃₂·‖J_n‖)²
-    # (docs/math.rst); on this problem up to 2.2e-12·λ_max.
-    assert (evals[:-rank].abs() < 1e-11 * lam_max).all()
+    # The N exact zeros stay below it: the softmax root is computed in float64 and
+    # rounded once (docs/math.rst); from a float32 root they reached 2.2e-12·λ_max.
+    assert (evals[:-rank].abs() <= tolerance).all()
 
     # the float32 Gram matrix of the same factors fails the same bound
     ggn32 = LowRankGGN(model, loss_func, (X, y))

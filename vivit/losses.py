@@ -422,9 +422,18 @@ def _diagonal_roots(values: Tensor) -> Tensor:
 
 
 def _exact_unit_roots(kind: str, output: Tensor) -> Tensor:
-    """Exact unit roots in BackPACK's layout ``[K, N, *out]``."""
+    """Exact unit roots in BackPACK's layout ``[K, N, *out]``.
+
+    Computed in float64 and rounded once to the output's dtype: a float32 softmax
+    root has absolute errors of about ``ε₃₂``, which break its exact null space
+    (``S_nᵀ 1 = 0``) and appear as spurious eigenvalues near ``ε₃₂²`` once the
+    Gram matrix is accumulated in float64 (``docs/math.rst``, "Precision and the
+    numerical zero").
+    """
     if kind == "mse":
         return _diagonal_roots(torch.ones_like(output))
+    if output.dtype == torch.float32:
+        return _exact_unit_roots(kind, output.double()).to(output.dtype)
     if kind == "bce":
         sigma = output.sigmoid()
         return _diagonal_roots((sigma * (1 - sigma)).sqrt())
