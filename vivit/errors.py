@@ -31,3 +31,7 @@ class InvalidSubsamplingError(ValueError):
 
 class ParamGroupError(ValueError):
     """Parameter groups that are malformed or overlap."""
+
+
+class SolverNotConvergedError(RuntimeError):
+    """An iterative eigensolver did not reach the requested residual."""

@@ -29,7 +29,8 @@ class GroupCurvature:
     Attributes:
         params: The group's parameters, in the group's order.
         batch: Batch context (reduction, samples, columns per sample).
-        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major.
+        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major, or ``None`` if
+            the collector was told not to form it (``keep_gram=False``).
         vt_grads: ``Vᵀ ∇ℓ_n`` for the requested gradient samples, ``[N·C, N_grad]``,
             or ``None``.
         ggn_factors: Per-parameter factors of ``V``, if kept.
@@ -39,7 +40,7 @@ class GroupCurvature:
 
     params: list[Parameter]
     batch: BatchInfo
-    gram: Tensor
+    gram: Tensor | None
     vt_grads: Tensor | None = None
     ggn_factors: list[ParamFactors] | None = None
     grad_factors: list[ParamFactors] | None = None
@@ -79,6 +80,8 @@ class GroupCollector:
             parameters have contributed.
         keep_factors: Keep every parameter's factors of ``V`` for later products.
         keep_gradient_factors: Keep every parameter's per-sample-gradient factors.
+        keep_gram: Form the group's Gram matrix; without it the caller forms it
+            from the kept factors when (and if) it is needed.
         vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
         gradient_samples: Samples (positions in the mini-batch) whose gradients
             enter ``vt_grads``; ``None`` for all.
@@ -95,6 +98,7 @@ class GroupCollector:
         keep_gradient_factors: bool = False,
         vt_grads: bool = False,
         gradient_samples: Sequence[int] | None = None,
+        keep_gram: bool = True,
     ):
         self._groups = [list(group) for group in groups]
         self._group_of = {
@@ -105,6 +109,7 @@ class GroupCollector:
         self._keep_gradient_factors = keep_gradient_factors
         self._vt_grads = vt_grads
         self._gradient_samples = gradient_samples
+        self._keep_gram = keep_gram
         self._missing = {g: self._param_ids(g) for g in range(len(self._groups))}
         self._partial = {g: _Partial() for g in range(len(self._groups))}
 
@@ -132,8 +137,9 @@ class GroupCollector:
     ) -> None:
         partial = self._partial[group]
         ggn = contribution.ggn
-        gram = ggn.gram()
-        partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
+        if self._keep_gram:
+            gram = ggn.gram()
+            partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
         partial.batch = contribution.batch
         if self._vt_grads:
             samples = check_subsampling(
