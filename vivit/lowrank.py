@@ -22,6 +22,7 @@ from vivit.engines.backpack import GramGGN
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
+from vivit.linalg.operator import GGNOperator
 from vivit.linalg.solvers import (
     gram_eigh,
     gram_to_param,
@@ -71,7 +72,9 @@ class LowRankGGN:
             ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
             on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
             with ``V``; the Gram matrix is never formed). Every method that takes
-            ``top_k`` also takes ``solver`` to override it.
+            ``top_k`` also takes ``solver`` to override it. Requests for all
+            eigenpairs (``top_k=None``, :meth:`eigvalsh`) always decompose the
+            Gram matrix densely.
         solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
             iterative solvers (default ``max(100·ε, 1e-12)`` of the data type).
         solver_seed: Seed of the iterative solvers' random start block; the
@@ -343,7 +346,8 @@ class LowRankGGN:
         ``"auto"``; otherwise computes (and caches per solver) only the leading
         eigenpairs.
         """
-        solver = self._solver if solver is None else solver
+        if solver is None:  # the default applies to requests for a few pairs
+            solver = "auto" if top_k is None else self._solver
         check_solver(solver, top_k)
         self._group(group)
         size = self._size(group)
@@ -400,6 +404,34 @@ class LowRankGGN:
         """
         evals, gram_evecs = self._directions(top_k, group, solver)
         return evals, gram_to_param(self._group(group).ggn_factors, gram_evecs, evals)
+
+    def operator(self, group: int = 0) -> GGNOperator:
+        """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.
+
+        Products go through the factors of ``V``; ``G`` is never formed. See
+        :class:`~vivit.linalg.operator.GGNOperator`.
+
+        Example::
+
+            from scipy.sparse.linalg import eigsh
+
+            op = ggn.operator()
+            Gv = op.matvec(v)                   # v: [D] over the group's parameters
+            step = op.pinv_matvec(g, top_k=10)  # G⁺ on the top-10 eigenspace
+            evals = eigsh(op.to_scipy(), k=3, return_eigenvectors=False)
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
+        """
+        curvature = self._group(group)
+        return GGNOperator(
+            curvature.ggn_factors,
+            self.param_groups[group],
+            lambda top_k, solver: self._directions(top_k, group, solver),
+        )
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:

@@ -41,9 +41,9 @@ MIN_OVERSAMPLING = 8
 DEPTH = 10
 #: Cycles after the first before the solver gives up.
 MAX_RESTARTS = 30
-#: A cycle that reduces the largest residual by less than this factor compared to
-#: the cycle three before it counts as stagnation (rounding floor reached).
-STAGNATION = 0.9
+#: The solver gives up after this many cycles in a row without a new smallest
+#: residual: it fluctuates at the rounding floor of the products.
+STAGNATION_CYCLES = 3
 #: Directions whose norm after orthogonalization is below this fraction of the
 #: block's largest norm are dropped: at the rounding level of float64 the Krylov
 #: space is exhausted (an invariant subspace). Small but larger components are kept:
@@ -171,7 +171,7 @@ def block_krylov_eigh(
                 ritz[:, -top_k:].to(dtype),
                 report,
             )
-        if len(history) > 3 and residual > STAGNATION * history[-4]:
+        if min(history) < min(history[-STAGNATION_CYCLES:], default=0.0):
             break
         block, image = ritz, ritz_images
     raise SolverNotConvergedError(
