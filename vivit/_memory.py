@@ -19,6 +19,9 @@ _SQUARES_PER_DECOMPOSITION = 4
 #: Squares beyond the Gram for LAPACK's MRRR subset solver (scipy's copy of the
 #: matrix and its reduction to tridiagonal form).
 _EXTRA_SQUARES_PER_SUBSET = 2
+#: Squares beyond the Gram while it is formed: one parameter's block and the
+#: contraction's intermediate (measured peak 3 squares for an MLP's Gram).
+_EXTRA_SQUARES_PER_FORMATION = 2
 #: Requests for at most this fraction of all eigenpairs compute only those (on the
 #: CPU, with LAPACK's MRRR subset solver).
 PARTIAL_FRACTION = 0.25
@@ -98,6 +101,26 @@ def dense_workspace_bytes(
     return squares * size**2 * itemsize(dtype)
 
 
+def gram_bytes(
+    size: int, num_grams: int, workspace_bytes: int, dtype: torch.dtype
+) -> int:
+    """Peak memory of forming Gram matrices and running an eigensolver on one.
+
+    Args:
+        size: Side length ``N·C`` of each Gram matrix.
+        num_grams: Gram matrices held at once.
+        workspace_bytes: The eigensolver's memory on top of the Gram matrices.
+        dtype: Data type of the Gram matrices.
+
+    Returns:
+        ``num_grams`` squares plus the larger of the workspace and the formation's
+        temporaries (:data:`_EXTRA_SQUARES_PER_FORMATION` squares).
+    """
+    square = size**2 * itemsize(dtype)
+    formation = _EXTRA_SQUARES_PER_FORMATION * square
+    return num_grams * square + max(workspace_bytes, formation)
+
+
 def check_gram_fits(
     num_rows: int,
     num_groups: int,
@@ -123,7 +146,7 @@ def check_gram_fits(
         return
     if workspace_bytes is None:
         workspace_bytes = dense_workspace_bytes(num_rows, None, dtype, device)
-    needed = num_groups * num_rows**2 * itemsize(dtype) + workspace_bytes
+    needed = gram_bytes(num_rows, num_groups, workspace_bytes, dtype)
     available = available_bytes(device)
     if needed > available:
         raise GramTooLargeError(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
 
-from vivit._memory import dense_workspace_bytes, itemsize
+from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import check_mc_samples
 from vivit.linalg.top_k import check_solver, choose_solver, iterative_workspace_bytes
 
@@ -48,7 +48,8 @@ class MemoryEstimate:
         factors: Factors of ``V`` and of the per-sample gradients kept for products.
         backward: Transient backpropagated quantities of the backward pass.
         grams: Gram matrices the eigensolver forms.
-        solver_workspace: The eigensolver's workspace.
+        solver_workspace: The eigensolver's workspace, or the temporaries of
+            forming a Gram matrix where those are larger.
         solver: The solver the estimate is for (``"auto"`` resolved).
         num_rows: Side length ``N·C`` of the Gram matrix.
     """
@@ -163,12 +164,16 @@ def estimate_memory(
     else:
         products = largest_group if solver == "matrix_free" else None
         workspace = iterative_workspace_bytes(size, top_k, dtype, products)
-    num_grams = 0 if solver == "matrix_free" else len(param_groups)
+    if solver == "matrix_free":
+        grams, workspace = 0, workspace
+    else:
+        grams = len(param_groups) * size**2 * entry
+        workspace = gram_bytes(size, len(param_groups), workspace, dtype) - grams
     return MemoryEstimate(
         activations=batch_size * outputs_per_sample * entry,
         factors=factors * entry,
         backward=backward * entry,
-        grams=num_grams * size**2 * entry,
+        grams=grams,
         solver_workspace=workspace,
         solver=solver,
         num_rows=size,

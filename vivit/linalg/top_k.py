@@ -123,8 +123,9 @@ def iterative_workspace_bytes(
         size: Side length ``R`` of the Gram matrix.
         top_k: Number of leading eigenpairs.
         dtype: Data type of the products.
-        params: ``D`` for the matrix-free solver (one block of ``D``-vectors
-            between the two ``V``-products); ``None`` for products with the Gram.
+        params: ``D`` for the matrix-free solver (a block of ``D``-vectors
+            between the two ``V``-products and the contraction's copy of it,
+            measured); ``None`` for products with the Gram.
 
     Returns:
         Bytes: the float64 basis and its image (``m`` columns each), Ritz vectors
@@ -134,7 +135,7 @@ def iterative_workspace_bytes(
     workspace = (2 * columns + 3 * width) * size * _KRYLOV_ITEMSIZE
     workspace += 2 * width * size * itemsize(dtype)
     if params is not None:
-        workspace += width * params * itemsize(dtype)
+        workspace += 2 * width * params * itemsize(dtype)
     return workspace
 
 
