@@ -190,7 +190,9 @@ class LowRankGGN:
             mc_samples=mc_samples,
             subsampling=subsampling,
             compute_gradients=True,
-            num_grams=0,  # formed on demand, checked then (see _formed_gram)
+            # the dense solver needs every Gram: refuse before the backward pass;
+            # others form them on demand, checked then (see _formed_gram)
+            num_grams=len(self.param_groups) if self._solver == "dense" else 0,
         )
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -289,6 +291,7 @@ class LowRankGGN:
         return self._group(group).ggn_factors[0].num_rows
 
     def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
+        self._group(group)
         if group not in self._decompositions:
             param = self.param_groups[group][0]
             workspace = dense_workspace_bytes(
