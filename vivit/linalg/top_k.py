@@ -59,7 +59,8 @@ from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
 #: The accepted values of ``solver``.
 SOLVERS = ("auto", "dense", "iterative", "matrix_free")
-#: Krylov cycles the cost model expects (GGN spectra decay fast; measured 2–3).
+#: Krylov cycles the cost model expects (GGN spectra decay fast: one cycle on the
+#: MLP and CNN of the benchmarks; three leaves room for slower spectra).
 EXPECTED_CYCLES = 3
 #: The iterative solver is chosen if it is expected to do this many times less work.
 ITERATIVE_ADVANTAGE = 2.0
