@@ -168,11 +168,14 @@ def test_gram_too_large_is_refused_with_options(monkeypatch):
     # 16 x 16 float32 Gram: 4 squares of 1 KiB do not fit into 1024 bytes.
     monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1024)
     model, loss_func, data = mlp_problem(N=8)
-    with pytest.raises(GramTooLargeError) as info:
-        LowRankGGN(model, loss_func, data)
+    with pytest.raises(GramTooLargeError) as info:  # before the backward pass
+        LowRankGGN(model, loss_func, data, solver="dense")
     message = str(info.value)
-    for option in ("GiB", "mc_samples=1", "subsampling", "top-k solver"):
+    for option in ("GiB", "mc_samples=1", "subsampling", "solver='matrix_free'"):
         assert option in message
+    ggn = LowRankGGN(model, loss_func, data)  # "auto" forms the Gram on demand
+    with pytest.raises(GramTooLargeError):
+        ggn.eigvalsh()
 
 
 def test_gram_that_fits_is_accepted(monkeypatch):

@@ -72,6 +72,10 @@ class ParamGroupError(VivitError, ValueError):
     """Parameter groups that are malformed or overlap."""
 
 
+class SolverNotConvergedError(VivitError, RuntimeError):
+    """An iterative eigensolver did not reach the requested residual."""
+
+
 class ZeroStepWarning(UserWarning):
     """A Newton step is zero because no direction contributes to it."""
 

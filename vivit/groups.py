@@ -33,7 +33,8 @@ class GroupCurvature:
         factor_dtype: Floating-point type the engine computed the factors of
             ``V`` in (the model's); products may run in a wider type.
         gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major, in the
-            collector's ``gram_dtype``.
+            collector's ``gram_dtype``, or ``None`` if the collector was told not
+            to form it (``keep_gram=False``).
         vt_grads: ``Vᵀ ∇ℓ_n`` for the requested gradient samples, ``[N·C, N_grad]``,
             or ``None``.
         ggn_factors: Per-parameter factors of ``V``, if kept.
@@ -44,7 +45,7 @@ class GroupCurvature:
     params: list[Parameter]
     batch: BatchInfo
     factor_dtype: torch.dtype
-    gram: Tensor
+    gram: Tensor | None
     vt_grads: Tensor | None = None
     ggn_factors: list[ParamFactors] | None = None
     grad_factors: list[ParamFactors] | None = None
@@ -97,6 +98,8 @@ class GroupCollector:
             parameters have contributed.
         keep_factors: Keep every parameter's factors of ``V`` for later products.
         keep_gradient_factors: Keep every parameter's per-sample-gradient factors.
+        keep_gram: Form the group's Gram matrix; without it the caller forms it
+            from the kept factors when (and if) it is needed.
         vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
         gradient_samples: Samples (positions in the mini-batch) whose gradients
             enter ``vt_grads``; ``None`` for all.
@@ -119,6 +122,7 @@ class GroupCollector:
         vt_grads: bool = False,
         gradient_samples: Sequence[int] | None = None,
         gram_dtype: torch.dtype | None = None,
+        keep_gram: bool = True,
     ):
         self._groups = [list(group) for group in groups]
         self._group_of = {
@@ -130,6 +134,7 @@ class GroupCollector:
         self._vt_grads = vt_grads
         self._gradient_samples = gradient_samples
         self._gram_dtype = gram_dtype
+        self._keep_gram = keep_gram
         self._missing = {g: self._param_ids(g) for g in range(len(self._groups))}
         self._partial = {g: _Partial() for g in range(len(self._groups))}
 
@@ -161,8 +166,9 @@ class GroupCollector:
         if self._gram_dtype is not None:
             ggn = ggn.to(self._gram_dtype)
             grad = None if grad is None else grad.to(self._gram_dtype)
-        gram = ggn.gram()
-        partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
+        if self._keep_gram:
+            gram = ggn.gram()
+            partial.gram = gram if partial.gram is None else partial.gram.add_(gram)
         partial.batch = contribution.batch
         if self._vt_grads:
             samples = check_subsampling(

@@ -11,6 +11,7 @@ from backpack import backpack, extend
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit._memory import check_gram_fits, dense_workspace_bytes
 from vivit._validation import (
     check_batch,
     check_finite,
@@ -37,14 +38,21 @@ from vivit.errors import (
     NoCurvatureError,
 )
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
+from vivit.linalg.group_products import group_gram, num_params
+from vivit.linalg.iterative import SolverReport
+from vivit.linalg.operator import GGNOperator
 from vivit.linalg.solvers import (
     check_gram_dtype,
-    check_top_k,
     gram_eigh,
-    gram_eigh_top,
     gram_to_param,
     numerical_zero_tolerance,
     top_k_indices,
+)
+from vivit.linalg.top_k import (
+    check_solver,
+    choose_solver,
+    iterative_workspace_bytes,
+    leading_eigenpairs,
 )
 from vivit.losses import LossCurvature, check_loss_function
 
@@ -54,8 +62,9 @@ class LowRankGGN:
 
     Runs the forward and backward pass at construction (extending ``model`` and
     ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
-    parameter group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map
-    Gram-space vectors to parameter space. The parameters' ``.grad`` are left as
+    parameter group, the layer factors of ``V``. The Gram matrix ``Vᵀ V`` is formed
+    from them when a computation first needs it (never with the matrix-free
+    solver). The parameters' ``.grad`` are left as
     they were. Extending is permanent: BackPACK's forward hooks then keep each
     layer's input until the next forward pass.
 
@@ -92,6 +101,18 @@ class LowRankGGN:
             (Gram matrix, eigenvalues, ``γ``, ``λ``) come in ``gram_dtype``;
             parameter-space results (eigenvectors, steps, the gradient) in the
             parameters' dtype.
+        solver: Default eigensolver for a few leading eigenpairs (``top_k``):
+            ``"auto"`` (chosen by a cost model, see :mod:`vivit.linalg.top_k`),
+            ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
+            on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
+            with ``V``; the Gram matrix is never formed). Every method that takes
+            ``top_k`` also takes ``solver`` to override it. Requests for all
+            eigenpairs (``top_k=None``, :meth:`eigvalsh`) always decompose the
+            Gram matrix densely.
+        solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
+            iterative solvers (default ``max(100·ε, 1e-12)`` of the data type).
+        solver_seed: Seed of the iterative solvers' random start block; the
+            results are deterministic for a given seed.
 
     Attributes:
         loss: The mini-batch loss (detached).
@@ -118,8 +139,12 @@ class LowRankGGN:
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
+        solver: str = "auto",
+        solver_tol: float | None = None,
+        solver_seed: int = 0,
     ):
         check_grad_mode("LowRankGGN")
+        self._configure_solver(solver, solver_tol, solver_seed)
         check_model(model)
         check_loss_function(loss_func)
         inputs, targets = check_batch(data)
@@ -160,6 +185,9 @@ class LowRankGGN:
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
+        solver: str = "auto",
+        solver_tol: float | None = None,
+        solver_seed: int = 0,
     ) -> LowRankGGN:
         """Build from a loss computed by BackPACK-extended model and loss modules.
 
@@ -174,6 +202,9 @@ class LowRankGGN:
             subsampling: As for the constructor.
             generator: As for the constructor.
             gram_dtype: As for the constructor.
+            solver: As for the constructor.
+            solver_tol: As for the constructor.
+            solver_seed: As for the constructor.
 
         Returns:
             The low-rank GGN of that loss.
@@ -196,6 +227,7 @@ class LowRankGGN:
         check_generator(generator)
         check_gram_dtype(gram_dtype)
         ggn = cls.__new__(cls)
+        ggn._configure_solver(solver, solver_tol, solver_seed)
         ggn._backward(
             loss if callable(loss) else lambda: loss,
             param_groups,
@@ -206,6 +238,24 @@ class LowRankGGN:
             gram_dtype,
         )
         return ggn
+
+    def _configure_solver(
+        self, solver: str, solver_tol: float | None, solver_seed: int
+    ) -> None:
+        check_solver(solver)
+        if solver_tol is not None and (
+            isinstance(solver_tol, bool)
+            or not isinstance(solver_tol, (int, float))
+            or not 0 < solver_tol < 1
+        ):
+            raise ValueError(
+                f"solver_tol must be a number in (0, 1) or None, got {solver_tol!r}."
+            )
+        if isinstance(solver_seed, bool) or not isinstance(solver_seed, int):
+            raise ValueError(f"solver_seed must be an integer, got {solver_seed!r}.")
+        self._solver = solver
+        self._solver_tol = solver_tol
+        self._solver_seed = solver_seed
 
     def _backward(
         self,
@@ -227,12 +277,15 @@ class LowRankGGN:
             mc_samples=mc_samples,
             subsampling=subsampling,
             compute_gradients=True,
-            num_grams=len(self.param_groups),
+            # the dense solver needs every Gram: refuse before the backward pass;
+            # others form them on demand, checked then (see _formed_gram)
+            num_grams=len(self.param_groups) if self._solver == "dense" else 0,
             gram_dtype=gram_dtype,
         )
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
-        self._leading: dict[int, tuple[Tensor, Tensor]] = {}
+        self._leading: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self._reports: dict[int, SolverReport] = {}
         self._vt_grads_cache: dict[tuple, Tensor] = {}
         collector = GroupCollector(
             self.param_groups,
@@ -240,6 +293,7 @@ class LowRankGGN:
             keep_factors=True,
             keep_gradient_factors=True,
             gram_dtype=gram_dtype,
+            keep_gram=False,
         )
         params = [p for group in self.param_groups for p in group]
         saved = [(p, p.grad) for p in params]
@@ -291,13 +345,6 @@ class LowRankGGN:
                 f"{missing[0]} missing): their layers are not part of the loss's "
                 "computation graph, or not extended with backpack.extend."
             )
-        for index, curvature in self._curvature.items():
-            check_finite(
-                curvature.gram,
-                f"Gram matrix of group {index} (backpropagated factors overflowed; "
-                "rescale the inputs or use float64)",
-                batch_axis=False,
-            )
         for group, gradients in zip(self.param_groups, self._gradients, strict=True):
             for param, gradient in zip(group, gradients, strict=True):
                 name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
@@ -318,7 +365,7 @@ class LowRankGGN:
         return self._curvature[group]
 
     def gram(self, group: int = 0) -> Tensor:
-        """The Gram matrix ``Vᵀ V`` of a group.
+        """The Gram matrix ``Vᵀ V`` of a group (formed on the first call).
 
         Args:
             group: Index of the parameter group.
@@ -326,12 +373,46 @@ class LowRankGGN:
         Returns:
             ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
             entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
+
+        Raises:
+            GramTooLargeError: If it would not fit into memory.
         """
-        return self._group(group).gram
+        return self._formed_gram(group, workspace_bytes=0)
+
+    def _formed_gram(self, group: int, workspace_bytes: int) -> Tensor:
+        """The group's Gram matrix, formed from the factors if it does not exist.
+
+        Refuses to form it if it and ``workspace_bytes`` would not fit into memory.
+        """
+        curvature = self._group(group)
+        if curvature.gram is None:
+            dtype, device = self._gram_space(group)
+            check_gram_fits(self._size(group), 1, dtype, device, workspace_bytes)
+            curvature.gram = group_gram(curvature.ggn_factors)
+            check_finite(
+                curvature.gram,
+                f"Gram matrix of group {group} (backpropagated factors overflowed; "
+                "rescale the inputs or use float64)",
+                batch_axis=False,
+            )
+        return curvature.gram
+
+    def _size(self, group: int) -> int:
+        """Side length ``N·C`` of the group's Gram matrix."""
+        return self._group(group).ggn_factors[0].num_rows
+
+    def _gram_space(self, group: int) -> tuple[torch.dtype, torch.device]:
+        """Type (``gram_dtype``) and device of the group's Gram-space products."""
+        dtype = self._group(group).ggn_factors[0].dtype
+        return dtype, self.param_groups[group][0].device
 
     def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
+        self._group(group)
         if group not in self._decompositions:
-            self._decompositions[group] = gram_eigh(self.gram(group))
+            workspace = dense_workspace_bytes(
+                self._size(group), None, *self._gram_space(group)
+            )
+            self._decompositions[group] = gram_eigh(self._formed_gram(group, workspace))
         return self._decompositions[group]
 
     def eigvalsh(self, group: int = 0) -> Tensor:
@@ -362,34 +443,88 @@ class LowRankGGN:
             self.eigvalsh(group), factor_dtype=self._group(group).factor_dtype
         )
 
-    def _directions(self, top_k: int | None, group: int) -> tuple[Tensor, Tensor]:
+    def solver_report(self, group: int = 0) -> SolverReport | None:
+        """How the group's latest leading eigenpairs were computed.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The solver used, its relative residual ``max_k ‖G̃ũ_k − λ_kũ_k‖ /
+            λ_max`` and tolerance, iterations and any fallback; ``None`` before the
+            first request with ``top_k`` (full decompositions are LAPACK's).
+        """
+        self._group(group)
+        return self._reports.get(group)
+
+    def _resolve_solver(self, solver: str, top_k: int, group: int) -> str:
+        """The solver ``"auto"`` stands for (any other name is returned as is)."""
+        if solver != "auto":
+            return solver
+        dtype, device = self._gram_space(group)
+        return choose_solver(
+            self._size(group),
+            top_k,
+            num_params=num_params(self._group(group).ggn_factors),
+            dtype=dtype,
+            device=device,
+            gram_formed=self._group(group).gram is not None,
+        )
+
+    def _directions(
+        self, top_k: int | None, group: int, solver: str | None = None
+    ) -> tuple[Tensor, Tensor]:
         """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
 
-        Uses the full decomposition if it exists or is needed; otherwise computes
-        (and caches) only the leading eigenpairs.
+        Uses the full decomposition if it is needed, or exists and the solver is
+        ``"auto"``; otherwise computes (and caches per solver) only the leading
+        eigenpairs.
         """
-        check_top_k(top_k)
-        size = self.gram(group).shape[0]
-        if top_k is None or group in self._decompositions:
+        if solver is None:  # the default applies to requests for a few pairs
+            solver = "auto" if top_k is None else self._solver
+        check_solver(solver, top_k)
+        self._group(group)
+        size = self._size(group)
+        if top_k is None or (solver == "auto" and group in self._decompositions):
             evals, evecs = self._gram_eigh(group)
         else:
-            leading = self._leading.get(group)
+            resolved = self._resolve_solver(solver, top_k, group)
+            leading = self._leading.get((group, resolved))
             if leading is None or leading[0].numel() < min(top_k, size):
-                leading = gram_eigh_top(self.gram(group), top_k)
-                self._leading[group] = leading
+                leading = self._compute_leading(group, top_k, resolved, solver)
+                self._leading[(group, resolved)] = leading
             evals, evecs = leading
         curvature = self._group(group)
-        keep = top_k_indices(
-            evals,
-            top_k,
-            size,
-            curvature.factor_dtype,
-            curvature.gram.diagonal().sum().item(),
-        )
+        # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
+        trace = None if curvature.gram is None else curvature.gram.trace().item()
+        keep = top_k_indices(evals, top_k, size, curvature.factor_dtype, trace)
         return evals[keep], evecs[:, keep]
 
+    def _compute_leading(
+        self, group: int, top_k: int, solver: str, requested: str
+    ) -> tuple[Tensor, Tensor]:
+        dtype, device = self._gram_space(group)
+        size = self._size(group)
+        if solver == "dense":
+            workspace = dense_workspace_bytes(size, top_k, dtype, device)
+        else:
+            workspace = iterative_workspace_bytes(size, top_k, dtype)
+        evals, evecs, report = leading_eigenpairs(
+            self._group(group).ggn_factors,
+            top_k,
+            solver,
+            lambda: self._formed_gram(group, workspace),
+            requested=requested,
+            dtype=dtype,
+            device=device,
+            tol=self._solver_tol,
+            seed=self._solver_seed,
+        )
+        self._reports[group] = report
+        return evals, evecs
+
     def eigh(
-        self, top_k: int | None = None, group: int = 0
+        self, top_k: int | None = None, group: int = 0, *, solver: str | None = None
     ) -> tuple[Tensor, list[Tensor]]:
         """Leading eigenpairs of the GGN.
 
@@ -398,15 +533,44 @@ class LowRankGGN:
                 above the numerical-zero tolerance. Fewer are returned if fewer
                 are non-zero; no eigenvector is formed for a numerically zero one.
             group: Index of the parameter group.
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
 
         Returns:
             Eigenvalues ``[K]`` ascending, and eigenvectors as one tensor
             ``[K, *p.shape]`` per parameter of the group (unit norm over the group).
         """
-        evals, gram_evecs = self._directions(top_k, group)
+        evals, gram_evecs = self._directions(top_k, group, solver)
         curvature = self._group(group)
         evecs = gram_to_param(curvature.ggn_factors, gram_evecs, evals)
         return evals, curvature.in_param_dtypes(evecs)
+
+    def operator(self, group: int = 0) -> GGNOperator:
+        """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.
+
+        Products go through the factors of ``V``; ``G`` is never formed. See
+        :class:`~vivit.linalg.operator.GGNOperator`.
+
+        Example::
+
+            from scipy.sparse.linalg import eigsh
+
+            op = ggn.operator()
+            Gv = op.matvec(v)                   # v: [D] over the group's parameters
+            step = op.pinv_matvec(g, top_k=10)  # G⁺ on the top-10 eigenspace
+            evals = eigsh(op.to_scipy(), k=3, return_eigenvectors=False)
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
+        """
+        curvature = self._group(group)
+        return GGNOperator(
+            curvature.ggn_factors,
+            self.param_groups[group],
+            lambda top_k, solver: self._directions(top_k, group, solver),
+        )
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:
@@ -439,9 +603,13 @@ class LowRankGGN:
         return self._vt_grads_cache[key]
 
     def _directional(
-        self, top_k: int | None, group: int, subsampling_grad: Sequence[int] | None
+        self,
+        top_k: int | None,
+        group: int,
+        subsampling_grad: Sequence[int] | None,
+        solver: str | None,
     ) -> tuple[Tensor, DirectionalDerivatives]:
-        evals, gram_evecs = self._directions(top_k, group)
+        evals, gram_evecs = self._directions(top_k, group, solver)
         vt_grads = self._vt_grads(group, subsampling_grad)
         batch = self._group(group).batch
         directional = gram_space.directional_derivatives(
@@ -454,6 +622,8 @@ class LowRankGGN:
         top_k: int | None = None,
         group: int = 0,
         subsampling_grad: Sequence[int] | None = None,
+        *,
+        solver: str | None = None,
     ) -> DirectionalDerivatives:
         """Per-sample first and second derivatives along the leading eigenvectors.
 
@@ -461,11 +631,12 @@ class LowRankGGN:
             top_k: Number of leading directions (``None``: all non-zero).
             group: Index of the parameter group.
             subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
 
         Returns:
             ``γ [N_grad, K]``, ``λ [N_ggn, K]`` and their per-direction statistics.
         """
-        return self._directional(top_k, group, subsampling_grad)[1]
+        return self._directional(top_k, group, subsampling_grad, solver)[1]
 
     def newton(
         self,
@@ -476,6 +647,7 @@ class LowRankGGN:
         *,
         lr: float = 1.0,
         max_decrease: float | None = None,
+        solver: str | None = None,
     ) -> NewtonStep:
         """The directionally damped Newton step with its ingredients.
 
@@ -495,11 +667,14 @@ class LowRankGGN:
                 predict for ``lr · Δθ``; the dampings are raised to meet it as
                 ``docs/math.rst`` derives ("Trust region of a Newton step").
                 ``None``: the dampings as the rule gives them.
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
 
         Returns:
             The step, the directional derivatives, ``γ̄`` and the dampings used.
         """
-        gram_evecs, directional = self._directional(top_k, group, subsampling_grad)
+        gram_evecs, directional = self._directional(
+            top_k, group, subsampling_grad, solver
+        )
         curvature = self._group(group)
         newton = damped_newton_step(
             curvature.ggn_factors,
@@ -517,6 +692,8 @@ class LowRankGGN:
         group: int = 0,
         damping: float | Damping = 1.0,
         subsampling_grad: Sequence[int] | None = None,
+        *,
+        solver: str | None = None,
     ) -> list[Tensor]:
         """The directionally damped Newton step on the leading eigenspace.
 
@@ -526,11 +703,12 @@ class LowRankGGN:
             damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
                 gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
             subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
 
         Returns:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
-        return self.newton(top_k, group, damping, subsampling_grad).step
+        return self.newton(top_k, group, damping, subsampling_grad, solver=solver).step
 
 
 def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:

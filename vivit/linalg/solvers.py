@@ -14,6 +14,7 @@ import scipy.linalg
 import torch
 from torch import Tensor
 
+from vivit._memory import uses_subset_solver
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 
@@ -60,10 +61,6 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
     return _with_float64_fallback(torch.linalg.eigvalsh, gram)
 
 
-#: Requests for at most this fraction of all eigenpairs compute only those.
-PARTIAL_FRACTION = 0.25
-
-
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """The ``top_k`` leading eigenpairs of a symmetric Gram matrix, exactly.
 
@@ -83,7 +80,7 @@ def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """
     size = gram.shape[0]
     top_k = min(top_k, size)
-    if gram.device.type != "cpu" or top_k > PARTIAL_FRACTION * size:
+    if not uses_subset_solver(size, top_k, gram.device):
         evals, evecs = gram_eigh(gram)
         return evals[-top_k:], evecs[:, -top_k:]
 

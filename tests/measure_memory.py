@@ -1,0 +1,132 @@
+"""Worker of ``test_memory.py``: measure the peak memory of requests in a fresh process.
+
+Run as ``python tests/measure_memory.py``; prints one JSON line per request with
+the measured increase of resident memory and the estimate.
+
+Measurement: glibc's malloc is told to serve every allocation of at least 128 KiB
+with its own ``mmap`` (``mallopt(M_MMAP_THRESHOLD, 128 KiB)``, which also turns off
+the threshold's dynamic growth), so freed tensors go back to the kernel at once
+and the resident set follows the live allocations. Before each request the
+garbage collector runs, ``malloc_trim(0)`` returns free heap memory, and writing
+``5`` to ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM`` to the
+current ``VmRSS``; the peak increase is ``VmHWM`` after minus ``VmRSS`` before.
+Each request runs once on a few samples before it is measured (libraries paged
+in, thread pools).
+"""
+
+import ctypes
+import gc
+import json
+from functools import partial
+
+import torch
+from torch import nn
+
+from vivit import LowRankGGN
+from vivit.memory import estimate_memory
+
+M_MMAP_THRESHOLD = -3
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_increase(function) -> int:
+    """Bytes the resident set grows at most while ``function()`` runs."""
+    libc = ctypes.CDLL("libc.so.6")
+    gc.collect()
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _status("VmRSS")
+    function()
+    return _status("VmHWM") - before
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 16, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 12 * 12, 10),
+    )
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+#: (name, model, input shape, N, LowRankGGN options, estimate options, solvers)
+REQUESTS = [
+    ("cnn", cnn, (3, 32, 32), 32, {}, {}, ["dense", "matrix_free"]),
+    ("cnn-mc", cnn, (3, 32, 32), 32, {"mc_samples": 1}, {"mc_samples": 1}, ["auto"]),
+    (
+        "cnn-subsampled",
+        cnn,
+        (3, 32, 32),
+        32,
+        {"subsampling": list(range(16))},
+        {"num_curvature_samples": 16},
+        ["matrix_free"],
+    ),
+    ("mlp", mlp, (784,), 128, {}, {}, ["iterative", "matrix_free"]),
+    ("mlp-groups", mlp, (784,), 64, {"groups": True}, {"groups": True}, ["dense"]),
+]
+#: Samples of the warm-up request (same code paths, little memory).
+WARM_UP = 16
+
+
+def run_request(model, loss_func, data, solver, options) -> None:
+    """``LowRankGGN(...)`` and the top-10 eigenpairs of every group."""
+    ggn = LowRankGGN(model, loss_func, data, solver=solver, **options)
+    for group in range(len(ggn.param_groups)):
+        ggn.eigh(top_k=10, group=group)
+
+
+def main() -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    if libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    for name, build, shape, N, options, estimate_options, solvers in REQUESTS:
+        model = build()
+        X, y = torch.randn(N, *shape), torch.randint(0, 10, (N,))
+        loss_func = nn.CrossEntropyLoss()
+        groups = [list(m.parameters()) for m in model if list(m.parameters())]
+        for opts in (options, estimate_options):
+            if opts.pop("groups", False):
+                opts["param_groups"] = groups
+        data, warm_up = (X, y), (X[:WARM_UP], y[:WARM_UP])
+        warm_options = {k: v for k, v in options.items() if k != "subsampling"}
+        for solver in solvers:
+            run_request(model, loss_func, warm_up, solver, warm_options)
+            measured = peak_increase(
+                partial(run_request, model, loss_func, data, solver, options)
+            )
+            estimate = estimate_memory(
+                model, X[:2], N, top_k=10, solver=solver, **estimate_options
+            )
+            print(
+                json.dumps(
+                    {
+                        "request": f"{name}-{solver}",
+                        "measured": measured,
+                        "estimate": estimate.total,
+                    }
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The GGN operator (``G·v``, ``G⁺·v``, scipy) against the dense float64 GGN.
+
+Tolerances (float64): ``G v = V (Vᵀ v)`` is two products with rounding errors of
+order ``ε·‖V‖²·‖v‖·√D``, far below ``1e-10·‖G‖·‖v‖``. The pseudo-inverse on the top
+``K`` eigenspace, ``Σ_k e_k e_kᵀ v / λ_k``, inherits the eigenvector errors
+``ε·λ_max/gap`` divided by ``λ_K``: we compare at ``1e-7`` relative to
+``‖v‖/λ_K``, on eigenvalues well separated by random problems.
+"""
+
+import numpy
+import pytest
+import torch
+from checks import flat_evecs
+from problems import PROBLEMS, prepare, problem_ids, select
+from reference import dense_ggn
+from scipy.sparse.linalg import eigsh
+
+from vivit import LowRankGGN
+
+#: Every architecture with both losses and both reductions (one loss per reduction).
+COVER = [p for p in PROBLEMS if p.loss == ("ce" if p.reduction == "mean" else "mse")]
+TOP_K = 2
+
+
+def top_pinv(G, top_k):
+    evals, evecs = torch.linalg.eigh(G)
+    evals, evecs = evals[-top_k:], evecs[:, -top_k:]
+    return (evecs / evals) @ evecs.T, evals
+
+
+@pytest.mark.parametrize("problem", COVER, ids=problem_ids(COVER))
+def test_against_dense_ggn(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    D = G.shape[0]
+    op = LowRankGGN(model, loss_func, (X, y)).operator()
+    assert op.shape == (D, D) and op.dtype == torch.float64
+    generator = torch.Generator().manual_seed(0)
+    V = torch.randn(D, 3, generator=generator, dtype=torch.float64)
+    scale = G.norm(2)
+
+    # G·v: one vector, several columns, parameter-list formats
+    torch.testing.assert_close(
+        op.matvec(V[:, 0]), G @ V[:, 0], atol=1e-10 * scale, rtol=0
+    )
+    torch.testing.assert_close(op.matvec(V), G @ V, atol=1e-10 * scale, rtol=0)
+    params = list(model.parameters())
+    as_list = [
+        t.reshape(p.shape)
+        for t, p in zip(V[:, 0].split([p.numel() for p in params]), params, strict=True)
+    ]
+    result = op.matvec(as_list)
+    assert [r.shape for r in result] == [p.shape for p in params]
+    torch.testing.assert_close(
+        torch.cat([r.flatten() for r in result]),
+        G @ V[:, 0],
+        atol=1e-10 * scale,
+        rtol=0,
+    )
+    batched = op.matvec([t.unsqueeze(0).expand(2, *t.shape) for t in as_list])
+    assert [r.shape for r in batched] == [(2, *p.shape) for p in params]
+
+    # G⁺·v on the leading eigenspace
+    pinv, evals = top_pinv(G, TOP_K)
+    expected = pinv @ V
+    tolerance = 1e-7 * V.norm() / evals[0]
+    torch.testing.assert_close(
+        op.pinv_matvec(V, top_k=TOP_K), expected, atol=tolerance, rtol=0
+    )
+
+    # scipy
+    linear = op.to_scipy()
+    assert linear.shape == (D, D) and linear.dtype == numpy.float64
+    numpy.testing.assert_allclose(
+        linear @ V.numpy(), (G @ V).numpy(), atol=1e-10 * scale.item()
+    )
+    numpy.testing.assert_allclose(
+        linear.matvec(V[:, 0].numpy()), (G @ V[:, 0]).numpy(), atol=1e-10 * scale.item()
+    )
+    numpy.testing.assert_allclose(
+        linear.rmatvec(V[:, 0].numpy()),
+        (G @ V[:, 0]).numpy(),
+        atol=1e-10 * scale.item(),
+    )
+    top = eigsh(linear, k=TOP_K, return_eigenvectors=False, tol=1e-12)
+    numpy.testing.assert_allclose(
+        numpy.sort(top), evals.numpy(), atol=1e-9 * scale.item()
+    )
+    pinv_linear = op.pinv_to_scipy(top_k=TOP_K)
+    numpy.testing.assert_allclose(
+        pinv_linear @ V.numpy(), expected.numpy(), atol=tolerance.item()
+    )
+
+
+@pytest.mark.parametrize(
+    "problem",
+    select(architecture=["cnn", "residual"]),
+    ids=problem_ids(select(architecture=["cnn", "residual"])),
+)
+@pytest.mark.parametrize(
+    "options", [{"mc_samples": 2}, {"subsampling": [1, 3]}], ids=["mc", "subsampled"]
+)
+def test_mc_and_subsampling(problem, options):
+    """Against the eigendecomposition (dense solver, tested against torch.func)."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    ggn = LowRankGGN(model, loss_func, (X, y), generator=generator, **options)
+    evals, evecs = ggn.eigh()
+    E = flat_evecs(evecs).T  # [D, K]
+    G = (E * evals) @ E.T
+    if "subsampling" in options:
+        G_ref = dense_ggn(model, loss_func, X, y, subsampling=options["subsampling"])
+        torch.testing.assert_close(G, G_ref, atol=1e-10 * G_ref.norm(2), rtol=0)
+    D = E.shape[0]
+    V = torch.randn(
+        D, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    op = ggn.operator()
+    torch.testing.assert_close(op.matvec(V), G @ V, atol=1e-10 * evals.max(), rtol=0)
+    pinv = (E / evals) @ E.T  # every non-zero eigenpair: the pseudo-inverse
+    torch.testing.assert_close(
+        op.pinv_matvec(V), pinv @ V, atol=1e-7 * V.norm() / evals.min(), rtol=0
+    )
+    for solver in ("iterative", "matrix_free"):
+        top = (E[:, -TOP_K:] / evals[-TOP_K:]) @ E[:, -TOP_K:].T
+        torch.testing.assert_close(
+            op.pinv_matvec(V, top_k=TOP_K, solver=solver),
+            top @ V,
+            atol=1e-7 * V.norm() / evals[-TOP_K],
+            rtol=0,
+        )
+
+
+def test_float32_and_misuse():
+    problem = select(architecture="mlp_relu", loss="ce", reduction="sum")[0]
+    model, loss_func, X, y = prepare(problem, torch.float32)
+    op = LowRankGGN(model, loss_func, (X, y)).operator()
+    D = op.shape[0]
+    assert op.matvec(torch.ones(D, dtype=torch.float64)).dtype == torch.float32
+    assert op.to_scipy().dtype == numpy.float32
+    with pytest.raises(ValueError, match=f"flat vector \\[{D}\\]"):
+        op.matvec(torch.ones(D + 1))
+    with pytest.raises(ValueError, match="one tensor per parameter"):
+        op.matvec([torch.ones(3)])
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        op.pinv_matvec(torch.ones(D), top_k=0)

@@ -1,0 +1,328 @@
+"""Iterative and matrix-free top-k solvers against the dense float64 GGN.
+
+Tolerances: the iterative solvers guarantee ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` (default
+``tol = 1e-12`` in float64), so each eigenvalue is within ``tol·λ_max`` of the
+reference (we allow 1e-10·λ_max: the reference's own rounding, ``ε·‖G‖·D``, is
+far below). A parameter-space eigenvector ``e = V ũ / √λ`` then has the residual
+``‖G e − λ e‖ = ‖V r̃‖ / √λ ≤ √(λ_max/λ) · tol · λ_max``; we check it for
+eigenvalues above ``1e-5·λ_max`` at ``1e-8·λ_max`` (``√1e5 · 1e-12 ≈ 3e-10`` plus the
+reference's rounding).
+"""
+
+import pytest
+import torch
+from checks import EIGVAL_RTOL, assert_top_eigvals, flat_evecs
+from problems import PROBLEMS, prepare, problem_ids, select
+from reference import dense_ggn
+
+import vivit.lowrank
+from vivit import LowRankGGN, SolverNotConvergedError
+from vivit.linalg import top_k as top_k_module
+from vivit.linalg.iterative import block_krylov_eigh, default_tolerance
+from vivit.linalg.top_k import choose_solver, leading_eigenpairs
+
+ITERATIVE = ["iterative", "matrix_free"]
+TOP_K = 3
+#: Problems for MC and subsampling (every layer type, both losses and reductions).
+VARIANTS = select(architecture=["mlp_tanh", "cnn", "conv1d", "batchnorm2d", "residual"])
+
+
+def assert_leading_pairs(evals, evecs, G, top_k):
+    """Eigenvalues and eigenvectors against the dense reference (see module doc)."""
+    reference = torch.linalg.eigvalsh(G)
+    assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float64])
+    assert evals.numel() <= top_k
+    E = flat_evecs(evecs)
+    lam_max = reference[-1]
+    residual = (G @ E.T - E.T * evals).norm(dim=0)
+    well_conditioned = evals >= 1e-5 * lam_max
+    assert (residual[well_conditioned] <= 1e-8 * lam_max).all(), residual.max()
+    Ew = E[well_conditioned]
+    torch.testing.assert_close(
+        Ew @ Ew.T, torch.eye(len(Ew), dtype=Ew.dtype), atol=1e-10, rtol=0
+    )
+
+
+# Solvers on the registry ------------------------------------------------------
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=problem_ids(PROBLEMS))
+def test_top_k_against_reference(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    for solver in ITERATIVE:
+        ggn = LowRankGGN(model, loss_func, (X, y), solver=solver)
+        evals, evecs = ggn.eigh(top_k=TOP_K)
+        assert_leading_pairs(evals, evecs, G, TOP_K)
+        report = ggn.solver_report()
+        assert report.solver == report.requested == solver
+        assert report.converged and report.residual <= report.tolerance
+        assert report.tolerance == default_tolerance(torch.float64)
+
+
+@pytest.mark.parametrize("problem", VARIANTS, ids=problem_ids(VARIANTS))
+@pytest.mark.parametrize(
+    "options",
+    [{"mc_samples": 2}, {"subsampling": [0, 2, 3]}],
+    ids=["mc", "subsampled"],
+)
+def test_mc_and_subsampling(problem, options):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    generator = torch.Generator().manual_seed(3)
+    dense = LowRankGGN(model, loss_func, (X, y), generator=generator, **options)
+    # the MC estimate's reference is the dense solver on the same samples (the dense
+    # solver is tested against torch.func in test_lowrank.py); exact subsampling is
+    # compared with the reference GGN of the subset itself
+    G = (
+        dense_ggn(model, loss_func, X, y, subsampling=options["subsampling"])
+        if "subsampling" in options
+        else None
+    )
+    for solver in ITERATIVE:
+        generator = torch.Generator().manual_seed(3)
+        ggn = LowRankGGN(
+            model, loss_func, (X, y), generator=generator, solver=solver, **options
+        )
+        evals, evecs = ggn.eigh(top_k=TOP_K)
+        if G is not None:
+            assert_leading_pairs(evals, evecs, G, TOP_K)
+        reference, reference_evecs = dense.eigh(top_k=TOP_K, solver="dense")
+        scale = dense.eigvalsh().abs().max()
+        assert (evals - reference).abs().max() <= 1e-10 * scale
+        overlap = flat_evecs(evecs) @ flat_evecs(reference_evecs).T
+        torch.testing.assert_close(
+            overlap.abs(), torch.eye(len(evals), dtype=overlap.dtype), atol=1e-8, rtol=0
+        )
+
+
+@pytest.mark.parametrize(
+    "problem",
+    select(architecture=["mlp_relu", "cnn", "residual"]),
+    ids=problem_ids(select(architecture=["mlp_relu", "cnn", "residual"])),
+)
+def test_directional_and_newton_match_dense(problem):
+    """``λ_nk`` and the Newton step do not depend on eigenvector signs; ``γ`` does."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    dense = LowRankGGN(model, loss_func, (X, y), solver="dense")
+    expected = dense.directional_derivatives(top_k=TOP_K)
+    step = dense.newton_step(top_k=TOP_K, damping=0.1)
+    for solver in ITERATIVE:
+        ggn = LowRankGGN(model, loss_func, (X, y))
+        directional = ggn.directional_derivatives(top_k=TOP_K, solver=solver)
+        scale = expected.evals.abs().max()
+        torch.testing.assert_close(
+            directional.evals, expected.evals, atol=1e-10 * scale, rtol=0
+        )
+        torch.testing.assert_close(
+            directional.lambdas, expected.lambdas, atol=1e-9 * scale, rtol=0
+        )
+        torch.testing.assert_close(
+            directional.gammas.abs(), expected.gammas.abs(), atol=1e-8, rtol=1e-8
+        )
+        for ours, theirs in zip(
+            ggn.newton_step(top_k=TOP_K, damping=0.1, solver=solver), step, strict=True
+        ):
+            torch.testing.assert_close(ours, theirs, atol=1e-8, rtol=1e-7)
+
+
+def test_per_layer_groups_matrix_free():
+    problem = select(architecture="cnn", loss="ce", reduction="sum")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    groups = [list(m.parameters(recurse=False)) for m in model.modules()]
+    groups = [g for g in groups if g]
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=groups)
+    for index, group in enumerate(groups):
+        G = dense_ggn(model, loss_func, X, y, params=group)
+        evals, evecs = ggn.eigh(top_k=2, group=index, solver="matrix_free")
+        assert_leading_pairs(evals, evecs, G, 2)
+
+
+def test_float32_within_tolerance():
+    problem = select(architecture="mlp_sigmoid", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float32)
+    model64, loss64, X64, y64 = prepare(problem, torch.float64)
+    reference = torch.linalg.eigvalsh(dense_ggn(model64, loss64, X64, y64))
+    for solver in ITERATIVE:
+        ggn = LowRankGGN(model, loss_func, (X, y), solver=solver)
+        evals, evecs = ggn.eigh(top_k=TOP_K)
+        assert evals.dtype == torch.float32 and evecs[0].dtype == torch.float32
+        assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float32])
+        assert ggn.solver_report().tolerance == default_tolerance(torch.float32)
+
+
+def test_matrix_free_never_forms_the_gram(monkeypatch):
+    def refuse(factors):
+        raise AssertionError("the matrix-free solver formed the Gram matrix")
+
+    monkeypatch.setattr(vivit.lowrank, "group_gram", refuse)
+    problem = select(architecture="conv1d", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    ggn = LowRankGGN(model, loss_func, (X, y), solver="matrix_free")
+    ggn.eigh(top_k=TOP_K)
+    ggn.newton_step(top_k=TOP_K)
+    num_params = sum(p.numel() for p in model.parameters())
+    ggn.operator().pinv_matvec(torch.ones(num_params, dtype=X.dtype), top_k=TOP_K)
+    with pytest.raises(AssertionError, match="formed the Gram"):
+        ggn.eigh()  # all eigenpairs need the Gram matrix
+
+
+def test_restarts_on_the_factors():
+    """Small blocks and depth 1 force several Krylov cycles through ``V``."""
+    problem = select(architecture="sequence_linear", loss="mse", reduction="sum")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    factors = ggn._group(0).ggn_factors
+    size = factors[0].num_rows
+
+    def matmul(vectors):
+        return top_k_module.gram_matmul(factors, vectors)
+
+    evals, _, report = block_krylov_eigh(
+        matmul, size, 2, dtype=torch.float64, block_size=2, depth=2, max_restarts=500
+    )
+    assert report.cycles > 2 and report.products < 500 * 4
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+
+
+# The solver itself --------------------------------------------------------------
+
+
+def psd_matrix(size, evals, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(size, size, generator=generator).double())
+    return (Q * evals) @ Q.T
+
+
+def test_block_krylov_decaying_spectrum():
+    evals = torch.logspace(0, -8, 300, dtype=torch.float64)
+    A = psd_matrix(300, evals)
+    found, vectors, report = block_krylov_eigh(
+        A.__matmul__, 300, 5, dtype=torch.float64
+    )
+    torch.testing.assert_close(found, evals[:5].flip(0), atol=1e-12, rtol=0)
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * evals[0]
+    assert report.cycles >= 1 and report.products > 0
+
+
+def test_block_krylov_deterministic_for_a_seed():
+    A = psd_matrix(120, torch.linspace(1, 0, 120, dtype=torch.float64) ** 4)
+    first = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)
+    second = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)
+    other = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=8)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    torch.testing.assert_close(first[0], other[0], atol=1e-12, rtol=0)
+
+
+def test_block_krylov_rank_deficient():
+    """An invariant Krylov space (rank 4 < block) ends the iteration exactly."""
+    generator = torch.Generator().manual_seed(0)
+    B = torch.randn(40, 4, generator=generator, dtype=torch.float64)
+    A = B @ B.T
+    found, _, report = block_krylov_eigh(A.__matmul__, 40, 6, dtype=torch.float64)
+    reference = torch.linalg.eigvalsh(A)[-6:]
+    torch.testing.assert_close(found, reference, atol=1e-12, rtol=0)
+    assert report.cycles == 1
+
+
+def test_block_krylov_zero_matrix():
+    found, vectors, report = block_krylov_eigh(
+        lambda U: torch.zeros_like(U), 30, 3, dtype=torch.float64
+    )
+    assert (found == 0).all() and vectors.shape == (30, 3)
+    assert report.converged
+
+
+def test_block_krylov_not_converged():
+    A = psd_matrix(200, torch.linspace(1, 0.9, 200, dtype=torch.float64))
+    with pytest.raises(SolverNotConvergedError, match="solver='dense'"):
+        block_krylov_eigh(
+            A.__matmul__,
+            200,
+            3,
+            dtype=torch.float64,
+            block_size=3,
+            depth=1,
+            max_restarts=2,
+        )
+
+
+def test_auto_falls_back_to_dense(monkeypatch):
+    """Under "auto" a solve that does not converge warns and uses the dense one."""
+    monkeypatch.setattr(vivit.lowrank, "choose_solver", lambda *a, **k: "iterative")
+    problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    ggn = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
+    with pytest.warns(RuntimeWarning, match="Falling back to the dense solver"):
+        evals, _ = ggn.eigh(top_k=TOP_K)
+    report = ggn.solver_report()
+    assert report.solver == "dense" and report.requested == "auto"
+    assert "did not reach" in report.fallback
+    assert_top_eigvals(
+        evals,
+        torch.linalg.eigvalsh(dense_ggn(model, loss_func, X, y)),
+        EIGVAL_RTOL[torch.float64],
+    )
+    explicit = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
+    with pytest.raises(SolverNotConvergedError):
+        explicit.eigh(top_k=TOP_K, solver="iterative")
+
+
+# The cost model --------------------------------------------------------------
+
+
+def test_choose_solver_rules(monkeypatch):
+    cpu, f32 = torch.device("cpu"), torch.float32
+    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
+    choose = choose_solver
+    # all or many eigenpairs: dense
+    assert choose(5120, None, num_params=10**6, dtype=f32, device=cpu) == "dense"
+    assert choose(100, 50, num_params=10**6, dtype=f32, device=cpu) == "dense"
+    # few pairs of a large Gram: iterative; of a small one: dense
+    assert choose(5120, 10, num_params=10**6, dtype=f32, device=cpu) == "iterative"
+    assert choose(200, 10, num_params=10**6, dtype=f32, device=cpu) == "dense"
+    # a GGN smaller than its Gram matrix (D < N·C): matrix-free, unless formed
+    assert choose(20000, 5, num_params=1898, dtype=f32, device=cpu) == "matrix_free"
+    formed = choose(20000, 5, num_params=1898, dtype=f32, device=cpu, gram_formed=True)
+    assert formed == "iterative"
+    # a Gram matrix that does not fit: matrix-free
+    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**26)
+    assert choose(5120, 10, num_params=10**6, dtype=f32, device=cpu) == "matrix_free"
+
+
+def test_leading_eigenpairs_reports_dense_residual():
+    A = psd_matrix(50, torch.logspace(0, -3, 50, dtype=torch.float64))
+    evals, _, report = leading_eigenpairs(
+        [],
+        3,
+        "dense",
+        lambda: A,
+        requested="dense",
+        dtype=torch.float64,
+        device=torch.device("cpu"),
+    )
+    assert report.residual < 1e-14 and report.tolerance is None
+    assert evals.numel() == 3
+
+
+# Misuse -----------------------------------------------------------------------
+
+
+def test_bad_solver_arguments():
+    problem = PROBLEMS[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    with pytest.raises(ValueError, match="solver must be one of"):
+        LowRankGGN(model, loss_func, (X, y), solver="lanczos")
+    with pytest.raises(ValueError, match="solver_tol"):
+        LowRankGGN(model, loss_func, (X, y), solver_tol=0)
+    with pytest.raises(ValueError, match="solver_seed"):
+        LowRankGGN(model, loss_func, (X, y), solver_seed=1.5)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    with pytest.raises(ValueError, match="pass top_k"):
+        ggn.eigh(solver="matrix_free")
+    with pytest.raises(ValueError, match="solver must be one of"):
+        ggn.newton_step(top_k=2, solver="cg")
+    assert ggn.solver_report() is None
+    with pytest.raises(IndexError):
+        ggn.solver_report(group=3)

@@ -1,0 +1,88 @@
+"""Products with ``V`` and ``G̃ = Vᵀ V`` of a parameter group, from its factors.
+
+``V`` of a group stacks its parameters' rows, so ``G̃ = Σ_p V_pᵀ V_p`` and
+``G̃ U = Σ_p V_pᵀ (V_p U)`` (``docs/math.rst``, "Layer structure"): neither needs
+``V`` nor ``G̃`` of the whole group at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from vivit.gram import ParamFactors
+
+
+def group_gram(factors: Sequence[ParamFactors]) -> Tensor:
+    """The Gram matrix ``G̃ = Σ_p V_pᵀ V_p`` of a group.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+
+    Returns:
+        ``[N·C, N·C]``.
+    """
+    gram = factors[0].gram()
+    for f in factors[1:]:
+        gram.add_(f.gram())
+    return gram
+
+
+def gram_matmul(factors: Sequence[ParamFactors], vectors: Tensor) -> Tensor:
+    """``G̃ U = Σ_p V_pᵀ (V_p U)`` without forming ``G̃``.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        vectors: ``U``, Gram-space vectors as columns, ``[N·C, K]``.
+
+    Returns:
+        ``G̃ U``, ``[N·C, K]``.
+    """
+    rows = vectors.T.contiguous()
+    result = factors[0].vtmp(factors[0].vmp(rows))
+    for f in factors[1:]:
+        result.add_(f.vtmp(f.vmp(rows)))
+    return result.T
+
+
+def vt_matmul(factors: Sequence[ParamFactors], vectors: Sequence[Tensor]) -> Tensor:
+    """``Vᵀ W`` for parameter-space vectors in parameter-list format.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        vectors: One tensor ``[K, *p.shape]`` per parameter.
+
+    Returns:
+        ``[K, N·C]``.
+    """
+    pairs = list(zip(factors, vectors, strict=True))
+    result = pairs[0][0].vtmp(pairs[0][1])
+    for f, w in pairs[1:]:
+        result.add_(f.vtmp(w))
+    return result
+
+
+def v_matmul(factors: Sequence[ParamFactors], coefficients: Tensor) -> list[Tensor]:
+    """``V u`` for Gram-space vectors, in parameter-list format.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        coefficients: ``[K, N·C]``.
+
+    Returns:
+        One tensor ``[K, *p.shape]`` per parameter.
+    """
+    return [f.vmp(coefficients) for f in factors]
+
+
+def num_params(factors: Sequence[ParamFactors]) -> int:
+    """Number of parameters ``D`` of the group (rows of ``V``).
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+
+    Returns:
+        ``D``.
+    """
+    return sum(f.param_shape.numel() for f in factors)

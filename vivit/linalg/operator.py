@@ -1,0 +1,187 @@
+"""The low-rank GGN of a parameter group as a linear operator.
+
+Every product goes through the factors' ``V``-products (``docs/math.rst``, "Layer
+structure" and "The Gram matrix and exact eigenpairs"); neither ``G`` nor ``V`` of
+the group is formed:
+
+- ``G w = V (Vᵀ w)``;
+- on the leading eigenspace, with Gram eigenpairs ``(λ_k, ũ_k)`` and
+  ``e_k = V ũ_k / √λ_k``, the pseudo-inverse
+  ``G_K⁺ w = Σ_k e_k e_kᵀ w / λ_k = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
+
+Vectors are flat tensors over the group's parameters (each flattened row-major, in
+the group's order), ``[D]`` or ``[D, K]`` for ``K`` of them, or lists of tensors
+shaped like the parameters (``p.shape``, or ``[K, *p.shape]``).
+:meth:`GGNOperator.to_scipy` wraps the products into a
+:class:`scipy.sparse.linalg.LinearOperator` of shape ``(D, D)``, as curvlinops'
+operators are, for ``scipy.sparse.linalg.eigsh``, ``cg`` and friends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy
+import torch
+from scipy.sparse.linalg import LinearOperator
+from torch import Tensor
+from torch.nn import Parameter
+
+from vivit.gram import ParamFactors
+from vivit.linalg.group_products import v_matmul, vt_matmul
+
+#: ``(top_k, solver) → (evals [K], gram_evecs [N·C, K])``: the leading numerically
+#: non-zero eigenpairs of the Gram matrix.
+Eigenpairs = Callable[[int | None, str | None], tuple[Tensor, Tensor]]
+
+
+class GGNOperator:
+    """``G = V Vᵀ`` of one parameter group, applied through its factors.
+
+    Obtained from :meth:`vivit.LowRankGGN.operator`.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        params: The group's parameters (shapes, data type, device).
+        eigenpairs: Leading Gram eigenpairs, for :meth:`pinv_matvec`.
+
+    Attributes:
+        shape: ``(D, D)``.
+        dtype: Data type of the products (the parameters').
+        device: Their device.
+    """
+
+    def __init__(
+        self,
+        factors: Sequence[ParamFactors],
+        params: Sequence[Parameter],
+        eigenpairs: Eigenpairs,
+    ):
+        self._factors = list(factors)
+        self._shapes = [p.shape for p in params]
+        self._eigenpairs = eigenpairs
+        size = sum(p.numel() for p in params)
+        self.shape = (size, size)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+
+    def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
+        """``G v``.
+
+        Args:
+            vectors: ``[D]``, ``[D, K]``, or one tensor per parameter shaped like
+                it (optionally with a leading axis ``K``).
+
+        Returns:
+            ``G v`` in the format of ``vectors``.
+        """
+        rows, restore = self._to_rows(vectors)
+        return restore(v_matmul(self._factors, vt_matmul(self._factors, rows)))
+
+    def pinv_matvec(
+        self,
+        vectors: Tensor | Sequence[Tensor],
+        top_k: int | None = None,
+        solver: str | None = None,
+    ) -> Tensor | list[Tensor]:
+        """``G_K⁺ v``: the pseudo-inverse on the leading eigenspace.
+
+        Args:
+            vectors: As for :meth:`matvec`.
+            top_k: Number ``K`` of leading eigenpairs (``None``: every eigenvalue
+                above the numerical-zero tolerance, the pseudo-inverse of ``G``).
+            solver: Eigensolver for ``top_k`` pairs (``None``: the one of the
+                :class:`~vivit.LowRankGGN`).
+
+        Returns:
+            ``Σ_k e_k e_kᵀ v / λ_k`` in the format of ``vectors``.
+        """
+        evals, gram_evecs = self._eigenpairs(top_k, solver)
+        rows, restore = self._to_rows(vectors)
+        coefficients = vt_matmul(self._factors, rows) @ gram_evecs / evals**2
+        return restore(v_matmul(self._factors, coefficients @ gram_evecs.T))
+
+    def to_scipy(self) -> LinearOperator:
+        """``G`` as a ``scipy.sparse.linalg.LinearOperator`` on flat NumPy vectors.
+
+        Returns:
+            The symmetric operator of shape ``(D, D)``.
+        """
+        return self._scipy(self.matvec)
+
+    def pinv_to_scipy(
+        self, top_k: int | None = None, solver: str | None = None
+    ) -> LinearOperator:
+        """``G_K⁺`` (see :meth:`pinv_matvec`) as a ``LinearOperator``.
+
+        Args:
+            top_k: As for :meth:`pinv_matvec`.
+            solver: As for :meth:`pinv_matvec`.
+
+        Returns:
+            The symmetric operator of shape ``(D, D)``.
+        """
+        self._eigenpairs(top_k, solver)  # compute (and check) the eigenpairs now
+        return self._scipy(lambda v: self.pinv_matvec(v, top_k, solver))
+
+    def _scipy(self, apply: Callable[[Tensor], Tensor]) -> LinearOperator:
+        def matmat(array: numpy.ndarray) -> numpy.ndarray:
+            vectors = torch.as_tensor(numpy.asarray(array), device=self.device)
+            return apply(vectors.to(self.dtype)).cpu().numpy()
+
+        dtype = torch.empty((), dtype=self.dtype).numpy().dtype
+        return LinearOperator(
+            self.shape,
+            matvec=matmat,
+            rmatvec=matmat,
+            matmat=matmat,
+            rmatmat=matmat,
+            dtype=dtype,
+        )
+
+    def _to_rows(
+        self, vectors: Tensor | Sequence[Tensor]
+    ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
+        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
+
+        Raises:
+            ValueError: If the vectors do not match the group's parameters.
+        """
+        size = self.shape[0]
+        if isinstance(vectors, Tensor):
+            if vectors.ndim not in (1, 2) or vectors.shape[0] != size:
+                raise ValueError(
+                    f"Expected a flat vector [{size}] or vectors [{size}, K] over "
+                    f"the group's {size} parameters, got {tuple(vectors.shape)}."
+                )
+            single = vectors.ndim == 1
+            columns = vectors.reshape(size, -1).to(self.dtype)
+            numels = [shape.numel() for shape in self._shapes]
+            rows = [
+                chunk.T.reshape(-1, *shape)
+                for chunk, shape in zip(
+                    columns.split(numels), self._shapes, strict=True
+                )
+            ]
+
+            def to_flat(result: list[Tensor]) -> Tensor:
+                flat = torch.cat([r.reshape(r.shape[0], -1) for r in result], 1).T
+                return flat.squeeze(1) if single else flat
+
+            return rows, to_flat
+        vectors = [torch.as_tensor(v).to(self.dtype) for v in vectors]
+        shapes = [tuple(v.shape) for v in vectors]
+        expected = [tuple(shape) for shape in self._shapes]
+        if shapes == expected:
+            return [v.unsqueeze(0) for v in vectors], lambda r: [t[0] for t in r]
+        if (
+            len(shapes) == len(expected)
+            and all(len(s) == len(e) + 1 for s, e in zip(shapes, expected, strict=True))
+            and all(s[1:] == e for s, e in zip(shapes, expected, strict=True))
+            and len({s[0] for s in shapes}) == 1
+        ):
+            return vectors, list
+        raise ValueError(
+            f"Expected one tensor per parameter of the group with shapes {expected} "
+            f"(optionally with a leading axis K), got {shapes}."
+        )

@@ -1,0 +1,301 @@
+"""Leading eigenpairs of a group's Gram matrix: which solver, and running it.
+
+Three solvers compute the ``k`` leading eigenpairs of ``G̃ = Vᵀ V`` (``N·C = R``
+rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
+
+``"dense"``
+    LAPACK on the Gram matrix: ``O(R³)`` work (``4/3·R³`` multiply-adds for the
+    reduction to tridiagonal form), 2–3 more ``R × R`` matrices of workspace.
+``"iterative"``
+    Restarted block Krylov iteration (:mod:`vivit.linalg.iterative`) on the Gram
+    matrix: ``m = b·(q+1)`` products with ``G̃`` per cycle (``R²`` each, as matrix
+    products of ``b`` columns) and ``O(m²·R)`` orthogonalization.
+``"matrix_free"``
+    The same iteration on ``G̃ U = Σ_p V_pᵀ (V_p U)``: the Gram matrix is never
+    formed; a product costs the factors' two ``V``-products, at most ``2·R·D``.
+
+The cost model behind ``"auto"`` (all quantities known before any work):
+
+1. All eigenpairs, or more than ``PARTIAL_FRACTION·R`` of them: ``"dense"``.
+2. The Gram matrix not formed yet and either too large for the available memory
+   (with the iterative workspace), or larger than the GGN itself (``D < R``, where
+   a ``V``-product pair, ``2·R·D``, is cheaper than a Gram product, ``R²``):
+   ``"matrix_free"``.
+3. ``"iterative"`` if its expected work (:data:`EXPECTED_CYCLES` cycles) is at
+   most ``1 /`` :data:`ITERATIVE_ADVANTAGE` of the dense solver's, or if the dense
+   workspace does not fit but the iterative one does; otherwise ``"dense"``.
+
+An iterative solve that does not converge raises
+:class:`~vivit.errors.SolverNotConvergedError` when it was asked for explicitly;
+under ``"auto"`` it falls back to the dense solver with a warning (and the
+:class:`~vivit.linalg.iterative.SolverReport` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from vivit._memory import (
+    PARTIAL_FRACTION,
+    available_bytes,
+    dense_workspace_bytes,
+    itemsize,
+)
+from vivit.errors import SolverNotConvergedError
+from vivit.gram import ParamFactors
+from vivit.linalg.group_products import gram_matmul
+from vivit.linalg.iterative import (
+    DEPTH,
+    MIN_OVERSAMPLING,
+    SolverReport,
+    block_krylov_eigh,
+)
+from vivit.linalg.solvers import check_top_k, gram_eigh_top
+
+#: The accepted values of ``solver``.
+SOLVERS = ("auto", "dense", "iterative", "matrix_free")
+#: Krylov cycles the cost model expects (GGN spectra decay fast: one cycle on the
+#: MLP and CNN of the benchmarks; three leaves room for slower spectra).
+EXPECTED_CYCLES = 3
+#: The iterative solver is chosen if it is expected to do this many times less work.
+ITERATIVE_ADVANTAGE = 2.0
+#: Bytes per entry of the iterative solvers' Krylov blocks (float64).
+_KRYLOV_ITEMSIZE = 8
+
+
+def check_solver(solver: str, top_k: int | None = 1) -> None:
+    """Check that ``solver`` is one of :data:`SOLVERS` and fits the request.
+
+    Args:
+        solver: The solver name.
+        top_k: Number of leading eigenpairs requested (``None``: all).
+
+    Raises:
+        ValueError: If it is not a solver, if ``top_k`` is invalid, or if an
+            iterative solver is asked for all eigenpairs.
+    """
+    if not isinstance(solver, str) or solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
+    check_top_k(top_k)
+    if top_k is None and solver in ("iterative", "matrix_free"):
+        raise ValueError(
+            f"solver={solver!r} computes a few leading eigenpairs: pass top_k "
+            "(e.g. top_k=10), or use solver='dense' for all of them."
+        )
+
+
+def block_size(top_k: int, size: int) -> int:
+    """Block size ``b = max(2·k, k + 8)`` of the iterative solvers (at most ``R``).
+
+    Args:
+        top_k: Number of leading eigenpairs.
+        size: Side length ``R`` of the Gram matrix.
+
+    Returns:
+        ``b``.
+    """
+    return min(size, max(2 * top_k, top_k + MIN_OVERSAMPLING))
+
+
+def basis_size(top_k: int, size: int) -> int:
+    """Columns ``m = b·(q+1)`` of one cycle's Krylov basis (at most ``R``).
+
+    Args:
+        top_k: Number of leading eigenpairs.
+        size: Side length ``R`` of the Gram matrix.
+
+    Returns:
+        ``m``.
+    """
+    return min(size, block_size(top_k, size) * (DEPTH + 1))
+
+
+def iterative_workspace_bytes(
+    size: int, top_k: int, dtype: torch.dtype, params: int | None = None
+) -> int:
+    """Memory of the iterative solvers besides the Gram matrix.
+
+    Args:
+        size: Side length ``R`` of the Gram matrix.
+        top_k: Number of leading eigenpairs.
+        dtype: Data type of the products.
+        params: ``D`` for the matrix-free solver (a block of ``D``-vectors
+            between the two ``V``-products and the contraction's copy of it,
+            measured); ``None`` for products with the Gram.
+
+    Returns:
+        Bytes: the float64 basis and its image (``m`` columns each), Ritz vectors
+        and their images and the block in the products' dtype (``b`` each).
+    """
+    width, columns = block_size(top_k, size), basis_size(top_k, size)
+    workspace = (2 * columns + 3 * width) * size * _KRYLOV_ITEMSIZE
+    workspace += 2 * width * size * itemsize(dtype)
+    if params is not None:
+        workspace += 2 * width * params * itemsize(dtype)
+    return workspace
+
+
+def dense_work(size: int) -> float:
+    """Multiply-adds of the dense solver, ``4/3·R³``.
+
+    Args:
+        size: Side length ``R`` of the Gram matrix.
+
+    Returns:
+        The work.
+    """
+    return 4 / 3 * size**3
+
+
+def iterative_work(size: int, top_k: int, product: float) -> float:
+    """Expected multiply-adds of an iterative solve.
+
+    Args:
+        size: Side length ``R`` of the Gram matrix.
+        top_k: Number of leading eigenpairs.
+        product: Multiply-adds of one operator-vector product.
+
+    Returns:
+        ``EXPECTED_CYCLES · m · (product + 2·m·R)``.
+    """
+    columns = basis_size(top_k, size)
+    return EXPECTED_CYCLES * columns * (product + 2 * columns * size)
+
+
+def choose_solver(
+    size: int,
+    top_k: int | None,
+    *,
+    num_params: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gram_formed: bool = False,
+    num_grams: int = 1,
+) -> str:
+    """The solver ``"auto"`` uses (see the module docstring for the rules).
+
+    Args:
+        size: Side length ``R = N·C`` of the Gram matrix.
+        top_k: Number of leading eigenpairs (``None``: all).
+        num_params: Parameters ``D`` of the group.
+        dtype: Data type of the Gram matrix.
+        device: Its device.
+        gram_formed: Whether the Gram matrix exists already.
+        num_grams: Gram matrices held at once if it is formed.
+
+    Returns:
+        ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
+    """
+    if top_k is None or top_k > PARTIAL_FRACTION * size:
+        return "dense"
+    available = available_bytes(device)
+    grams = (0 if gram_formed else num_grams) * size**2 * itemsize(dtype)
+    iterative_bytes = grams + iterative_workspace_bytes(size, top_k, dtype)
+    if not gram_formed and (iterative_bytes > available or num_params < size):
+        return "matrix_free"
+    dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
+    cheaper = ITERATIVE_ADVANTAGE * iterative_work(size, top_k, size**2)
+    if cheaper <= dense_work(size) or not dense_fits:
+        return "iterative"
+    return "dense"
+
+
+def leading_eigenpairs(
+    factors: Sequence[ParamFactors],
+    top_k: int,
+    solver: str,
+    gram: Callable[[], Tensor],
+    *,
+    requested: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tol: float | None = None,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, SolverReport]:
+    """The ``top_k`` leading eigenpairs of a group's Gram matrix.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        top_k: Number of leading eigenpairs.
+        solver: ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
+        gram: Returns the Gram matrix, forming it if needed (not called by the
+            matrix-free solver).
+        requested: The solver the caller asked for; under ``"auto"`` an iterative
+            solve that does not converge falls back to ``"dense"``.
+        dtype: Data type of the factors' products.
+        device: Their device.
+        tol: Relative residual bound of the iterative solvers (default:
+            :func:`~vivit.linalg.iterative.default_tolerance`).
+        seed: Seed of their start block.
+
+    Returns:
+        Eigenvalues ``[k]`` ascending, Gram eigenvectors ``[N·C, k]`` as columns,
+        and the report (with the residual for every solver).
+
+    Raises:
+        SolverNotConvergedError: If an explicitly requested iterative solver does
+            not converge.
+    """
+    if solver == "dense":
+        matrix = gram()
+        evals, evecs = gram_eigh_top(matrix, top_k)
+        report = SolverReport(
+            solver="dense",
+            requested=requested,
+            residual=relative_residual(matrix @ evecs, evals, evecs),
+            tolerance=None,
+            converged=True,
+        )
+        return evals, evecs, report
+    size = factors[0].num_rows
+    if solver == "iterative":
+        matmul = gram().__matmul__
+    else:
+
+        def matmul(vectors: Tensor) -> Tensor:
+            return gram_matmul(factors, vectors)
+
+    try:
+        evals, evecs, report = block_krylov_eigh(
+            matmul, size, top_k, dtype=dtype, device=device, tol=tol, seed=seed
+        )
+    except SolverNotConvergedError as error:
+        if requested != "auto":
+            raise
+        warnings.warn(
+            f"{error} Falling back to the dense solver.", RuntimeWarning, stacklevel=3
+        )
+        evals, evecs, report = leading_eigenpairs(
+            factors,
+            top_k,
+            "dense",
+            gram,
+            requested=requested,
+            dtype=dtype,
+            device=device,
+        )
+        return evals, evecs, dataclasses.replace(report, fallback=str(error))
+    return evals, evecs, dataclasses.replace(report, solver=solver, requested=requested)
+
+
+def relative_residual(images: Tensor, evals: Tensor, evecs: Tensor) -> float:
+    """``max_k ‖G̃ ũ_k − λ_k ũ_k‖ / λ_max`` (``0`` for a zero matrix).
+
+    Args:
+        images: ``G̃ U``, ``[N·C, K]``.
+        evals: ``[K]``.
+        evecs: ``U``, ``[N·C, K]``.
+
+    Returns:
+        The largest relative residual.
+    """
+    if evals.numel() == 0:
+        return 0.0
+    scale = evals.abs().max().item()
+    residual = (images - evecs * evals).norm(dim=0).max().item()
+    return residual / scale if scale > 0 else residual
