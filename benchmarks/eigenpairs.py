@@ -131,13 +131,13 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 # Driver -------------------------------------------------------------------------
 
 
-def _worker_env(env: str) -> tuple[str, dict[str, str]]:
+def _worker_env(env: str, peers_python: str | None) -> tuple[str, dict[str, str]]:
     """Interpreter and environment variables of a worker of ``env``."""
     variables = dict(os.environ)
     if env == "peers":
         # ViViT 1.0 imports as `vivit`: keep this repository off the path
         variables.pop("PYTHONPATH", None)
-        return str(peers.python()), variables
+        return peers_python or str(peers.python()), variables
     path = variables.get("PYTHONPATH")
     variables["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
     return sys.executable, variables
@@ -157,7 +157,7 @@ def run_case(
     if env in args.unavailable:
         record["status"] = f"skipped: {args.unavailable[env]}"
         return record
-    interpreter, variables = _worker_env(env)
+    interpreter, variables = _worker_env(env, args.peers_python)
     command = [
         interpreter,
         str(Path(__file__).resolve()),
@@ -286,7 +286,7 @@ def run_driver(args: argparse.Namespace) -> None:
     if any(METHODS[m].env == "peers" for m in methods):
         if args.no_peers:
             args.unavailable["peers"] = "--no-peers"
-        else:
+        elif not args.peers_python:
             problem = peers.ensure_env(log=lambda m: print(m, file=sys.stderr))
             if problem:
                 print(f"Peers skipped: {problem}", file=sys.stderr)
@@ -447,6 +447,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-peers",
         action="store_true",
         help="skip ViViT 1.0 and curvlinops (no side environment)",
+    )
+    parser.add_argument(
+        "--peers-python",
+        help="an interpreter that imports the peers (ViViT 1.0 as vivit, curvlinops) "
+        "and not this library, used instead of creating benchmarks/.venvs/peers",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(

@@ -14,7 +14,7 @@ import torch
 MIN_MONITOR_S = 0.2
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
     """A ``kB`` field of ``/proc/self/status`` (``None`` where unavailable)."""
     try:
         with open("/proc/self/status") as status:
@@ -67,7 +67,7 @@ class PeakMemory:
         if self.prepare:
             _malloc_trim()
             self.hwm_reset = _reset_hwm()
-        rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
+        rss, hwm = status_kib("VmRSS"), status_kib("VmHWM")
         if rss is None or hwm is None:
             self._baseline = None
         else:
@@ -80,7 +80,7 @@ class PeakMemory:
             peak = torch.cuda.max_memory_allocated(self.device)
             self.peak_mib = (peak - self._baseline) / 2**20
             return
-        hwm = _status_kib("VmHWM")
+        hwm = status_kib("VmHWM")
         if self._baseline is not None and hwm is not None:
             self.peak_mib = max(hwm - self._baseline, 0) / 1024
 
