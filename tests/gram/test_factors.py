@@ -153,6 +153,29 @@ def test_through_v_in_feature_blocks(shape, budget, blocks, monkeypatch):
     torch.testing.assert_close(cross, vt @ vt2.T, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(("budget", "blocks"), [(8, 3), (2 * 112 * 8, 2)])
+def test_pairs_in_sample_blocks(budget, blocks, monkeypatch):
+    """The pairwise route works on blocks of samples within the budget."""
+    N, C, G, T, O, P = 3, 2, 1, 2, 3, 2
+    factors, a, s = random_factors(N, C, G, T, O, P)
+    other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)
+    # one sample's pairwise products with `other`: (C·12 + 4)·G·T·T = 112 entries
+    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
+    force(monkeypatch, "pairs")
+    calls = []
+    original = torch.einsum
+
+    def spy(equation, *operands):
+        calls.append(equation)
+        return original(equation, *operands)
+
+    monkeypatch.setattr("vivit.gram.outer.einsum", spy)
+    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
+    torch.testing.assert_close(factors.gram(other), vt @ vt2.T, rtol=1e-12, atol=0)
+    assert calls.count("ngtp,mgup->nmgtu") == blocks
+    torch.testing.assert_close(factors.gram(), vt @ vt.T, rtol=1e-12, atol=1e-12)
+
+
 def test_gram_stays_within_budget_when_no_route_fits(monkeypatch):
     """With a tiny budget the planner takes the route with the smallest block."""
     factors, a, s = random_factors(3, 2, 1, 6, 4, 3)

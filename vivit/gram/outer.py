@@ -69,6 +69,7 @@ class OuterProductFactors(ParamFactors):
         r1, r2 = self.num_rows, other.num_rows
         G, T, O, P = self._G, self._T, self._O, self._P
         chunk = self._features_per_chunk(r1 if other is self else r1 + r2)
+        samples = self._samples_per_chunk(other)
         through_v = planner.Route(
             "through_v",
             flops=self._form_v_flops()
@@ -81,11 +82,26 @@ class OuterProductFactors(ParamFactors):
             flops=r1 * r2 * G * T * T * O
             + n1 * n2 * G * T * T * P
             + r1 * r2 * G * T * T,
-            memory=r1 * r2 * G * T * T + n1 * n2 * G * T * T,
+            memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
         if planner.choose(through_v, pairs, dtype=self._a.dtype) == "through_v":
             return self._gram_through_v(other, chunk)
-        return self._gram_pairs(other)
+        return self._gram_pairs(other, samples)
+
+    def _samples_per_chunk(self, other: OuterProductFactors) -> int:
+        """Samples of ``self`` whose pairwise products with ``other`` fit the budget.
+
+        Args:
+            other: Second set of factors.
+
+        Returns:
+            A number of samples, at least one.
+        """
+        budget = planner.budget_entries(self._a.dtype)
+        per_sample = (self.num_columns * other.num_rows + other.num_samples) * (
+            self._G * self._T * self._T
+        )
+        return max(1, min(self.num_samples, budget // per_sample))
 
     def _features_per_chunk(self, rows: int) -> int:
         """Output features (of all groups) whose columns of ``V`` fit the budget.
@@ -144,19 +160,29 @@ class OuterProductFactors(ParamFactors):
             gram = block if gram is None else gram.add_(block)
         return gram
 
-    def _gram_pairs(self, other: OuterProductFactors) -> Tensor:
+    def _gram_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
         """``G̃[(n,c),(m,d)] = Σ_{g,t,t'} (s̃_nc[g,t]·s̃_md[g,t']) (a_n[g,t]·a_m[g,t'])``.
+
+        Computed for a block of ``samples`` samples ``n`` at a time, so that the
+        pairwise products ``[n, C, r2, G, T, T]`` stay within the budget.
 
         Args:
             other: Second set of factors of the same parameter.
+            samples: Samples of ``self`` per block (see :meth:`_samples_per_chunk`).
 
         Returns:
             Gram block, shape ``[self.num_rows, other.num_rows]``.
         """
-        inputs = einsum("ngtp,mgup->nmgtu", self._a, other._a)
-        outputs = einsum("cngto,dmguo->ncmdgtu", self._s, other._s)
-        gram = einsum("ncmdgtu,nmgtu->ncmd", outputs, inputs)
-        return gram.reshape(self.num_rows, other.num_rows)
+        C = self.num_columns
+        gram = self._a.new_empty(self.num_rows, other.num_rows)
+        for start in range(0, self.num_samples, samples):
+            end = min(start + samples, self.num_samples)
+            a, s = self._a[start:end], self._s[:, start:end]
+            inputs = einsum("ngtp,mgup->nmgtu", a, other._a)
+            outputs = einsum("cngto,dmguo->ncmdgtu", s, other._s)
+            block = einsum("ncmdgtu,nmgtu->ncmd", outputs, inputs)
+            gram[start * C : end * C] = block.reshape((end - start) * C, -1)
+        return gram
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         K = u.shape[0]

@@ -9,7 +9,9 @@ The cost model. A route is described by
   are close calls;
 - ``memory``: the tensor entries of its largest intermediate, counted before it is
   allocated. Routes that work in chunks (``V`` formed a block of output features
-  at a time) report the chunk, not the whole tensor.
+  at a time; pairwise products a block of samples at a time) report the chunk,
+  whose size they pick from the same budget, not the whole tensor. The result
+  (a Gram block ``[N·C, N·C]``) is not counted: every route allocates it.
 
 The planner picks the route with the least work among those whose largest
 intermediate, in bytes of the factors' data type, fits :data:`MEMORY_BUDGET_BYTES`;
@@ -24,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-#: Largest intermediate (in bytes) a route may create before it is avoided or
-#: chunked: 1 GiB, i.e. 2**28 entries in float32, 2**27 in float64.
-MEMORY_BUDGET_BYTES = 2**30
+#: Largest intermediate (in bytes) a route may create: routes work in chunks of at
+#: most this size, and one that cannot is avoided. 256 MiB, i.e. 2**26 entries in
+#: float32, 2**25 in float64: large enough that chunked matrix products run at
+#: full speed, small next to the Gram matrix at large N·C.
+MEMORY_BUDGET_BYTES = 2**28
 
 
 @dataclass(frozen=True)
