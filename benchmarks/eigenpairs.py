@@ -15,7 +15,8 @@ method's environment, which
 2. calls the method once as a warm-up (its time is recorded, not summarised);
 3. calls it ``--repeats`` more times; each call is timed with
    ``time.perf_counter`` (after ``torch.cuda.synchronize`` on CUDA);
-4. calls it once more to measure memory (this call is not timed):
+4. measures the memory of the last timed call (the preparation below happens
+   before its timer starts):
 
    - CPU: the peak resident set size (``VmHWM`` in ``/proc/self/status``) during
      the call minus the resident set size (``VmRSS``) just before it. Before the
@@ -108,10 +109,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     with PeakMemory(device, prepare=False) as warmup_memory:
         evals, warmup_time = call()
     evals = None if evals is None else sorted(evals.detach().cpu().tolist())
-    times = [call()[1] for _ in range(args.repeats)]
+    times = [call()[1] for _ in range(args.repeats - 1)]
     model.zero_grad(set_to_none=True)
-    with PeakMemory(device) as memory:
-        call()
+    with PeakMemory(device) as memory:  # the last timed call also measures memory
+        times.append(call()[1])
     return {
         "status": "ok",
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -431,7 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=None,
-        help="timed calls per process (default 2, quick 1)",
+        help="timed calls per process, at least 1 (default 2, quick 1)",
     )
     parser.add_argument("--output", help="JSON file (default: results/...)")
     parser.add_argument(
@@ -472,6 +473,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     return args
