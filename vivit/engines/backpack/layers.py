@@ -2,7 +2,9 @@
 
 Every parameter receives a :class:`~vivit.engines.base.ParamContribution`. Linear and
 convolution weights keep the layer input and the backpropagated vectors
-(:class:`~vivit.gram.OuterProductFactors`); every other parameter (biases,
+(:class:`~vivit.gram.OuterProductFactors`), or ``V`` where that is smaller (a
+convolution with many output positions, see
+:meth:`~vivit.gram.OuterProductFactors.compact`); every other parameter (biases,
 BatchNorm, transposed convolutions, embeddings) gets its columns of ``V`` from
 BackPACK's ``param_mjp`` (:class:`~vivit.gram.DenseFactors`), which are small or have
 no cheaper form. No layer with parameters keeps BackPACK's own SqrtGGN extension,
