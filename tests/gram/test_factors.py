@@ -186,8 +186,12 @@ def test_gram_stays_within_budget_when_no_route_fits(monkeypatch):
 
 @pytest.mark.parametrize(
     ("shape", "dense"),
-    [((2, 3, 1, 16, 2, 3), True), ((2, 3, 1, 1, 4, 5), False)],
-    ids=["many-positions", "linear"],
+    [
+        ((2, 3, 1, 16, 2, 3), True),  # V: 36 entries, factors 288
+        ((2, 3, 1, 4, 2, 3), False),  # V: 36, factors 72: smaller, not by 4x
+        ((2, 3, 1, 1, 4, 5), False),
+    ],
+    ids=["many-positions", "few-positions", "linear"],
 )
 def test_compact_keeps_the_smaller_form(shape, dense):
     factors, a, s = random_factors(*shape)

@@ -20,6 +20,10 @@ from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
 
 
+#: ``V`` replaces the factors where it has at most this many times fewer entries.
+COMPACT_RATIO = 4
+
+
 class OuterProductFactors(ParamFactors):
     """A weight's columns of ``V`` held as layer inputs and backpropagated vectors.
 
@@ -247,17 +251,20 @@ class OuterProductFactors(ParamFactors):
         return vt.reshape(self.num_rows, -1)
 
     def compact(self) -> ParamFactors:
-        """The smaller of the two forms: these factors, or ``V`` held explicitly.
+        """``V`` held explicitly where it is much smaller than these factors.
 
         For a convolution on large images (many positions ``T``) ``V`` has fewer
         entries than the unfolded input and the backpropagated vectors together;
         holding it instead frees those and makes every later product one matrix
-        product.
+        product. Forming ``V`` costs ``T`` multiply-adds per entry, paid even if no
+        product follows (per-sample gradient factors are used only for
+        directional derivatives), so it is formed only where it has at most
+        ``1 / COMPACT_RATIO`` of the factors' entries.
 
         Returns:
             ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
         """
-        if self._v_size() >= self._a.numel() + self._s.numel():
+        if COMPACT_RATIO * self._v_size() > self._a.numel() + self._s.numel():
             return self
         columns = self.materialize().reshape(
             self.num_samples, self.num_columns, *self.param_shape
