@@ -19,7 +19,6 @@ from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
 
-
 #: ``V`` replaces the factors where it has at most this many times fewer entries.
 COMPACT_RATIO = 4
 
