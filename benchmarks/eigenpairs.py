@@ -14,7 +14,11 @@ method's environment, which
    process may use), seeds torch and builds the model and a random mini-batch;
 2. calls the method once as a warm-up (its time is recorded, not summarised);
 3. calls it ``--repeats`` more times; each call is timed with
-   ``time.perf_counter`` (after ``torch.cuda.synchronize`` on CUDA);
+   ``time.perf_counter`` (after ``torch.cuda.synchronize`` on CUDA), and its CPU
+   time (``time.process_time``, all threads of the process) is recorded: on a
+   machine shared with other processes, CPU time tracks the work done far better
+   than wall time (waiting for a core costs wall time, not CPU time; busy-waiting
+   threads still add some);
 4. measures the memory of the last timed call (the preparation below happens
    before its timer starts):
 
@@ -95,14 +99,18 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     method = METHODS[args.method]
     others: list[float | None] = []
 
+    cpu_times: list[float] = []
+
     def call():
         model.zero_grad(set_to_none=True)
         _sync(device)
         with OtherCpuLoad() as monitor:
+            cpu_start = time.process_time()
             start = time.perf_counter()
             result = method.run(model, loss_func, X, y)
             _sync(device)
             elapsed = time.perf_counter() - start
+            cpu_times.append(time.process_time() - cpu_start)
         others.append(monitor.cores)
         return result, elapsed
 
@@ -121,6 +129,8 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_time_s": warmup_time,
         "times_s": times,
         "median_time_s": statistics.median(times),
+        "cpu_times_s": cpu_times[1:],  # of the timed calls
+        "median_cpu_s": statistics.median(cpu_times[1:]),
         "peak_mib": memory.peak_mib,
         "warmup_peak_mib": warmup_memory.peak_mib,
         "hwm_reset": memory.hwm_reset,

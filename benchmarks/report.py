@@ -56,12 +56,15 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             summaries.append(summary)
             continue
         times = [t for r in ok for t in r["times_s"]]
-        time_ratios, memory_ratios = [], []
+        cpu_times = [t for r in ok for t in r.get("cpu_times_s", [])]
+        time_ratios, cpu_ratios, memory_ratios = [], [], []
         for r in ok:
             base = baseline_by_round.get((problem, batch_size, r["round"]))
             if base is None:
                 continue
             time_ratios.append(r["median_time_s"] / base["median_time_s"])
+            if r.get("median_cpu_s") and base.get("median_cpu_s"):
+                cpu_ratios.append(r["median_cpu_s"] / base["median_cpu_s"])
             if (base["peak_mib"] or 0) > MIN_MEMORY_MIB and r["peak_mib"] is not None:
                 memory_ratios.append(r["peak_mib"] / base["peak_mib"])
         evals = ok[-1].get("top_eigenvalues")
@@ -71,6 +74,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             min_time_s=min(times),
             max_time_s=max(times),
             time_ratio=_median(time_ratios),
+            median_cpu_s=_median(cpu_times),
+            cpu_ratio=_median(cpu_ratios),
             peak_mib=_median([r["peak_mib"] for r in ok]),
             memory_ratio=_median(memory_ratios),
             top_eigenvalue=max(evals) if evals else None,
@@ -88,19 +93,22 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
     """Markdown table: one row per (problem, N, method)."""
     lines = [
         "| problem | N | method | median time [s] | min–max [s] | × f+b "
-        "| peak memory [MiB] | × f+b | top eigenvalue | others' load [cores] |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU time [s] | × f+b | peak memory [MiB] | × f+b | top eigenvalue "
+        "| others' load [cores] |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         head = f"| {s['problem']} | {s['batch_size']} | {s['method']} "
         if s["status"] != "ok":
-            lines.append(head + f"| {s['status']} | | | | | | |")
+            lines.append(head + f"| {s['status']} | | | | | | | | |")
             continue
         lines.append(
             head
             + f"| {s['median_time_s']:.4f} "
             + f"| {s['min_time_s']:.4f}–{s['max_time_s']:.4f} "
             + f"| {_fmt(s['time_ratio'], '.1f')} "
+            + f"| {_fmt(s['median_cpu_s'], '.4f')} "
+            + f"| {_fmt(s['cpu_ratio'], '.1f')} "
             + f"| {_fmt(s['peak_mib'], '.1f')} "
             + f"| {_fmt(s['memory_ratio'], '.1f')} "
             + f"| {_fmt(s['top_eigenvalue'], '.6g')} "
@@ -124,9 +132,10 @@ def format_comparison(
     index = {(s["problem"], s["batch_size"], s["method"]): s for s in summaries}
     lines = [
         f"| problem | N | f+b [s] | {LIBRARY} [s] (× f+b) | {PEER} [s] "
-        f"| time {LIBRARY} / {PEER} | peak {LIBRARY} / {PEER} "
-        "| vivit-mc1 × f+b | curvlinops-eigsh [s] |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| time {LIBRARY} / {PEER} | CPU time {LIBRARY} × f+b | CPU time "
+        f"{LIBRARY} / {PEER} | peak {LIBRARY} / {PEER} | vivit-mc1 × f+b "
+        "(CPU) | curvlinops-eigsh [s] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def cell(method: str, key: str, spec: str) -> str:
@@ -134,12 +143,14 @@ def format_comparison(
         return "–" if s is None or s["status"] != "ok" else _fmt(s[key], spec)
 
     for case in cases:
-        time_ratios, memory_ratios = [], []
+        time_ratios, cpu_ratios, memory_ratios = [], [], []
         for (problem, n, _), methods in by_round.items():
             if (problem, n) != case or LIBRARY not in methods or PEER not in methods:
                 continue
             ours, peer = methods[LIBRARY], methods[PEER]
             time_ratios.append(ours["median_time_s"] / peer["median_time_s"])
+            if ours.get("median_cpu_s") and peer.get("median_cpu_s"):
+                cpu_ratios.append(ours["median_cpu_s"] / peer["median_cpu_s"])
             if peer["peak_mib"] and ours["peak_mib"] is not None:
                 memory_ratios.append(ours["peak_mib"] / peer["peak_mib"])
         lines.append(
@@ -148,8 +159,10 @@ def format_comparison(
             f"({cell(LIBRARY, 'time_ratio', '.1f')}×) "
             f"| {cell(PEER, 'median_time_s', '.3f')} "
             f"| {_fmt(_median(time_ratios), '.2f')} "
+            f"| {cell(LIBRARY, 'cpu_ratio', '.1f')} "
+            f"| {_fmt(_median(cpu_ratios), '.2f')} "
             f"| {_fmt(_median(memory_ratios), '.2f')} "
-            f"| {cell('vivit-mc1', 'time_ratio', '.1f')} "
+            f"| {cell('vivit-mc1', 'cpu_ratio', '.1f')} "
             f"| {cell('curvlinops-eigsh', 'median_time_s', '.3f')} |"
         )
     return "\n".join(lines)
