@@ -1,16 +1,26 @@
-"""Benchmark: top-10 eigenpairs of the exact GGN, against a forward+backward pass.
+"""Benchmark: top-10 GGN eigenpairs, side by side with the peers, in one command.
 
-Run ``python benchmarks/eigenpairs.py`` (``--quick`` for a smoke test, ``--help`` for
-every option). Each (problem, batch size, method) runs in a fresh Python process
-(``--worker``), which
+``python benchmarks/eigenpairs.py`` (``--quick`` for a run of a few minutes,
+``--help`` for every option) runs, for every problem and batch size N, every method
+of :data:`methods.METHODS`: a plain forward+backward pass (the baseline), this
+library (exact, MC-1, subsampled, per-layer groups), power iteration on GGN-vector
+products, ViViT 1.0.0 and curvlinops + scipy ``eigsh``. The peers run in a side
+environment the harness creates on first use (:mod:`peers`).
+
+Each (problem, N, method) runs in a fresh Python process (``--worker``) of its
+method's environment, which
 
 1. sets the number of torch threads (``--threads``, default: the CPU cores this
    process may use), seeds torch and builds the model and a random mini-batch;
 2. calls the method once as a warm-up (its time is recorded, not summarised);
 3. calls it ``--repeats`` more times; each call is timed with
-   ``time.perf_counter`` (after ``torch.cuda.synchronize`` on CUDA). The table shows
-   the median, the JSON file also min, max and every raw time;
-4. calls it once more to measure memory (this call is not timed):
+   ``time.perf_counter`` (after ``torch.cuda.synchronize`` on CUDA), and its CPU
+   time (``time.process_time``, all threads of the process) is recorded: on a
+   machine shared with other processes, CPU time tracks the work done far better
+   than wall time (waiting for a core costs wall time, not CPU time; busy-waiting
+   threads still add some);
+4. measures the memory of the last timed call (the preparation below happens
+   before its timer starts):
 
    - CPU: the peak resident set size (``VmHWM`` in ``/proc/self/status``) during
      the call minus the resident set size (``VmRSS``) just before it. Before the
@@ -23,40 +33,30 @@ every option). Each (problem, batch size, method) runs in a fresh Python process
      ``false`` in the JSON).
    - CUDA (``--device cuda``): ``torch.cuda.max_memory_allocated`` during the call
      minus ``torch.cuda.memory_allocated`` before it (after
-     ``torch.cuda.reset_peak_memory_stats``): tensors only, not the caching
-     allocator's reserve nor the CUDA context.
+     ``torch.cuda.reset_peak_memory_stats``): tensors only.
 
-   The warm-up call is measured the same way (without ``malloc_trim``, HWM reset or
-   ``gc``, it is the first call in the process); the JSON keeps it as
-   ``warmup_peak_mib``: it adds one-time costs such as library code paged in and
-   thread pools started.
-
-Before every call (and before the memory baseline) the parameters' ``.grad`` are set
-to ``None``, outside the timed region, so every method allocates the gradients it
-produces. Model parameters and data exist before the baseline and are not counted.
+Before every call the parameters' ``.grad`` are set to ``None``, outside the timed
+region. The whole set of cases runs ``--rounds`` times, interleaved (round 1 of every
+case, then round 2, ...), so slow drifts of the machine's load hit every method
+alike. Summaries: median time over all timed calls of all rounds; ratios to the
+baseline (and between this library and ViViT 1.0) as the median over rounds of
+same-round ratios; peak memory as the median over rounds.
 
 Other processes on the machine distort the timings (strongly so with several threads
 per process). The column "others' load" is the average number of cores that other
 processes kept busy while the case ran (busy time in ``/proc/stat`` minus the CPU
-time of this benchmark's processes, over the wall time); the JSON also holds it per
-call (``None`` for calls shorter than 0.2 s, the counters tick every 10 ms).
+time of this benchmark's processes, over the wall time).
 
-Methods live in the registry :data:`METHODS`: a name mapped to a function
-``(model, loss_func, X, y) -> eigenvalues or None`` doing all the work (including
-building any curvature object). Returned eigenvalues are stored in the JSON and
-compared across methods. Problems live in :data:`PROBLEMS`.
-
-Output: a Markdown table on stdout and a JSON file (default
-``benchmarks/results/eigenpairs-<hostname or GPU name>.json``) with the
-configuration, library versions, machine information and every raw timing.
+Output, under ``benchmarks/results/`` (``--output`` names the JSON file; the others
+take its stem): ``eigenpairs-<label>.json`` (configuration, versions, machine, every
+raw record and the summaries), ``.md`` (tables) and ``.png`` (time and peak memory
+against N, log-log, one line per method). The label is the host name or GPU name,
+with ``-quick`` for ``--quick``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import importlib.metadata
 import json
 import os
@@ -67,258 +67,19 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import peers
 import torch
-from torch import Tensor, nn
+from measure import OtherCpuLoad, PeakMemory
+from methods import BASELINE, METHODS, TOP_K
+from problems import PROBLEMS, make_problem
 
-from vivit import LowRankGGN
-
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_MARKER = "@@BENCHMARK-RESULT@@"
-BASELINE = "forward+backward"
-TOP_K = 10
-#: Memory ratios are left out below this baseline (MiB): too small to divide by.
-MIN_MEMORY_MIB = 1.0
-#: Blocks shorter than this (s) get no load figure: CPU counters tick every 10 ms.
-MIN_MONITOR_S = 0.2
-NUM_CLASSES = 10
-
-# Methods ------------------------------------------------------------------------
-
-Method = Callable[[nn.Module, nn.Module, Tensor, Tensor], Tensor | None]
-
-
-def forward_backward(
-    model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor
-) -> None:
-    """A plain forward and backward pass (the baseline)."""
-    loss_func(model(X), y).backward()
-
-
-def vivit_eigh(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor) -> Tensor:
-    """Top-k GGN eigenpairs with :class:`vivit.LowRankGGN` (construction included)."""
-    evals, _ = LowRankGGN(model, loss_func, (X, y)).eigh(top_k=TOP_K)
-    return evals
-
-
-#: Benchmarked methods: name -> function(model, loss_func, X, y) doing the work.
-#: It may return the computed eigenvalues (any order) for cross-checks.
-METHODS: dict[str, Method] = {
-    BASELINE: forward_backward,
-    "vivit": vivit_eigh,
-}
-
-# Problems -----------------------------------------------------------------------
-
-
-def mlp(activation: str = "relu") -> nn.Module:
-    """MLP 784-128-64-10 with ReLU or Tanh activations."""
-    act = {"relu": nn.ReLU, "tanh": nn.Tanh}[activation]
-    return nn.Sequential(
-        nn.Linear(784, 128),
-        act(),
-        nn.Linear(128, 64),
-        act(),
-        nn.Linear(64, NUM_CLASSES),
-    )
-
-
-def cnn_3c3d() -> nn.Module:
-    """DeepOBS' CIFAR-10 ``3c3d`` network (895,210 parameters, DeepOBS init).
-
-    Shapes for a 3x32x32 input: conv5x5 → 64x28x28, pool → 64x14x14, conv3x3 →
-    96x12x12, pool → 96x6x6, conv3x3 (same) → 128x6x6, pool → 128x3x3, flatten →
-    1152 → 512 → 256 → 10. Padding is given as integers: BackPACK 1.7.1 cannot
-    backpropagate through a convolution with ``padding="same"``.
-    """
-    model = nn.Sequential(
-        nn.Conv2d(3, 64, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(3, stride=2, padding=1),
-        nn.Conv2d(64, 96, 3),
-        nn.ReLU(),
-        nn.MaxPool2d(3, stride=2, padding=1),
-        nn.Conv2d(96, 128, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(3, stride=2, padding=1),
-        nn.Flatten(),
-        nn.Linear(1152, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
-        nn.Linear(256, NUM_CLASSES),
-    )
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.xavier_normal_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            nn.init.zeros_(module.bias)
-    return model
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A network, its input shape and the batch sizes to benchmark.
-
-    Attributes:
-        build: Creates the network.
-        input_shape: Shape of one input sample.
-        batch_sizes: Batch sizes of the full run.
-        quick_batch_sizes: Batch sizes of ``--quick``.
-    """
-
-    build: Callable[[], nn.Module]
-    input_shape: tuple[int, ...]
-    batch_sizes: tuple[int, ...]
-    quick_batch_sizes: tuple[int, ...]
-
-
-#: Benchmarked problems (cross-entropy loss, random inputs, 10 classes).
-PROBLEMS: dict[str, Problem] = {
-    "mlp-relu": Problem(lambda: mlp("relu"), (784,), (32, 128, 512), (8,)),
-    "mlp-tanh": Problem(lambda: mlp("tanh"), (784,), (32, 128, 512), (8,)),
-    "3c3d": Problem(cnn_3c3d, (3, 32, 32), (16, 32, 64, 128), (4,)),
-}
 DEFAULT_PROBLEMS = ("mlp-relu", "3c3d")
-
-
-def make_problem(
-    name: str, batch_size: int, seed: int, device: torch.device
-) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
-    """Build model, loss function and a random mini-batch, seeded."""
-    problem = PROBLEMS[name]
-    torch.manual_seed(seed)
-    model = problem.build().to(device)
-    X = torch.randn(batch_size, *problem.input_shape, device=device)
-    y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
-    return model, nn.CrossEntropyLoss().to(device), X, y
-
-
-# Measurement ---------------------------------------------------------------------
-
-
-def _status_kib(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``None`` where unavailable)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    """Reset ``VmHWM`` to the current ``VmRSS``; return whether it worked."""
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def _malloc_trim() -> None:
-    """Give the heap's free memory back to the kernel (glibc only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-class PeakMemory:
-    """Peak memory increase of a block of code, in MiB (see the module docstring).
-
-    Args:
-        device: Device the computation runs on.
-        prepare: Collect garbage, trim the heap and reset the high-water mark first.
-    """
-
-    def __init__(self, device: torch.device, prepare: bool = True):
-        self.device = device
-        self.prepare = prepare
-        self.hwm_reset = False
-        self.peak_mib: float | None = None
-
-    def __enter__(self) -> PeakMemory:
-        if self.prepare:
-            gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._baseline = torch.cuda.memory_allocated(self.device)
-            return self
-        if self.prepare:
-            _malloc_trim()
-            self.hwm_reset = _reset_hwm()
-        rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
-        if rss is None or hwm is None:
-            self._baseline = None
-        else:
-            self._baseline = rss if self.hwm_reset else max(rss, hwm)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.peak_mib = (peak - self._baseline) / 2**20
-            return
-        hwm = _status_kib("VmHWM")
-        if self._baseline is not None and hwm is not None:
-            self.peak_mib = max(hwm - self._baseline, 0) / 1024
-
-
-def _busy_cpu_seconds() -> float | None:
-    """CPU seconds all processes have spent busy since boot (``/proc/stat``)."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = sum(fields[:8]) - idle  # user..steal; guest time is part of user
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-class OtherCpuLoad:
-    """Cores kept busy by other processes while a block (and its children) runs.
-
-    Busy CPU time of the whole machine (``/proc/stat``) minus the CPU time of this
-    process and its waited-for children (``os.times``), over the wall time.
-
-    Attributes:
-        cores: Average number of cores used by other processes (``None`` where
-            ``/proc/stat`` cannot be read or the block ran shorter than
-            ``MIN_MONITOR_S``: the counters tick every 10 ms).
-    """
-
-    cores: float | None = None
-
-    @staticmethod
-    def _own_cpu_seconds() -> float:
-        t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
-
-    def __enter__(self) -> OtherCpuLoad:
-        self._busy = _busy_cpu_seconds()
-        self._own = self._own_cpu_seconds()
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        busy = _busy_cpu_seconds()
-        wall = time.perf_counter() - self._start
-        if busy is None or self._busy is None or wall < MIN_MONITOR_S:
-            return
-        other = busy - self._busy - (self._own_cpu_seconds() - self._own)
-        self.cores = max(other, 0.0) / wall
-
 
 # Worker -------------------------------------------------------------------------
 
@@ -336,39 +97,40 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         args.problem, args.batch_size, args.seed, device
     )
     method = METHODS[args.method]
-
     others: list[float | None] = []
 
-    def call() -> tuple[Tensor | None, float]:
+    cpu_times: list[float] = []
+
+    def call():
         model.zero_grad(set_to_none=True)
         _sync(device)
         with OtherCpuLoad() as monitor:
+            cpu_start = time.process_time()
             start = time.perf_counter()
-            result = method(model, loss_func, X, y)
+            result = method.run(model, loss_func, X, y)
             _sync(device)
             elapsed = time.perf_counter() - start
+            cpu_times.append(time.process_time() - cpu_start)
         others.append(monitor.cores)
         return result, elapsed
 
     with PeakMemory(device, prepare=False) as warmup_memory:
         evals, warmup_time = call()
     evals = None if evals is None else sorted(evals.detach().cpu().tolist())
-    times = [call()[1] for _ in range(args.repeats)]
+    times = [call()[1] for _ in range(args.repeats - 1)]
     model.zero_grad(set_to_none=True)
-    with PeakMemory(device) as memory:
-        call()
+    with PeakMemory(device) as memory:  # the last timed call also measures memory
+        times.append(call()[1])
     return {
-        "problem": args.problem,
-        "batch_size": args.batch_size,
-        "method": args.method,
         "status": "ok",
         "num_params": sum(p.numel() for p in model.parameters()),
         "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
         "warmup_time_s": warmup_time,
         "times_s": times,
         "median_time_s": statistics.median(times),
-        "min_time_s": min(times),
-        "max_time_s": max(times),
+        "cpu_times_s": cpu_times[1:],  # of the timed calls
+        "median_cpu_s": statistics.median(cpu_times[1:]),
         "peak_mib": memory.peak_mib,
         "warmup_peak_mib": warmup_memory.peak_mib,
         "hwm_reset": memory.hwm_reset,
@@ -380,12 +142,35 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 # Driver -------------------------------------------------------------------------
 
 
+def _worker_env(env: str, peers_python: str | None) -> tuple[str, dict[str, str]]:
+    """Interpreter and environment variables of a worker of ``env``."""
+    variables = dict(os.environ)
+    if env == "peers":
+        # ViViT 1.0 imports as `vivit`: keep this repository off the path
+        variables.pop("PYTHONPATH", None)
+        return peers_python or str(peers.python()), variables
+    path = variables.get("PYTHONPATH")
+    variables["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
+    return sys.executable, variables
+
+
 def run_case(
-    args: argparse.Namespace, problem: str, batch_size: int, method: str
+    args: argparse.Namespace, problem: str, batch_size: int, method: str, rnd: int
 ) -> dict[str, Any]:
     """Run one case in a fresh subprocess and return its record."""
+    record: dict[str, Any] = {
+        "problem": problem,
+        "batch_size": batch_size,
+        "method": method,
+        "round": rnd,
+    }
+    env = METHODS[method].env
+    if env in args.unavailable:
+        record["status"] = f"skipped: {args.unavailable[env]}"
+        return record
+    interpreter, variables = _worker_env(env, args.peers_python)
     command = [
-        sys.executable,
+        interpreter,
         str(Path(__file__).resolve()),
         "--worker",
         f"--problem={problem}",
@@ -396,20 +181,19 @@ def run_case(
         f"--threads={args.threads}",
         f"--seed={args.seed}",
     ]
-    record: dict[str, Any] = {
-        "problem": problem,
-        "batch_size": batch_size,
-        "method": method,
-    }
     start = time.perf_counter()
     monitor = OtherCpuLoad()
     try:
         with monitor:
             done = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.timeout
+                command,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                env=variables,
             )
     except subprocess.TimeoutExpired:
-        record.update(status=f"timeout after {args.timeout} s")
+        record["status"] = f"timeout after {args.timeout:.0f} s"
         return record
     finally:
         record["process_wall_s"] = time.perf_counter() - start
@@ -424,7 +208,7 @@ def run_case(
         else f"exit code {done.returncode}"
     )
     tail = done.stderr.strip().splitlines()[-1:] or [""]
-    record.update(status=f"failed: {reason}: {tail[0][:200]}")
+    record["status"] = f"failed: {reason}: {tail[0][:200]}"
     return record
 
 
@@ -486,82 +270,22 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def _ratio(value: float | None, reference: float | None, floor: float = 0.0) -> str:
-    if value is None or reference is None or reference <= floor:
-        return "–"
-    return f"{value / reference:.1f}"
-
-
-def _cores(record: dict[str, Any]) -> str:
-    cores = record.get("other_cpu_cores")
-    return "–" if cores is None else f"{cores:.2f}"
-
-
-def format_table(records: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per (problem, batch size, method)."""
-    baselines = {
-        (r["problem"], r["batch_size"]): r
-        for r in records
-        if r["method"] == BASELINE and r.get("status") == "ok"
-    }
-    lines = [
-        "| problem | N | method | median time [s] | min–max [s] | × f+b "
-        "| peak memory [MiB] | × f+b | others' load [cores] |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in records:
-        base = baselines.get((r["problem"], r["batch_size"]), {})
-        if r.get("status") != "ok":
-            lines.append(
-                f"| {r['problem']} | {r['batch_size']} | {r['method']} "
-                f"| {r['status']} | | | | | {_cores(r)} |"
-            )
-            continue
-        peak = r["peak_mib"]
-        lines.append(
-            f"| {r['problem']} | {r['batch_size']} | {r['method']} "
-            f"| {r['median_time_s']:.4f} "
-            f"| {r['min_time_s']:.4f}–{r['max_time_s']:.4f} "
-            f"| {_ratio(r['median_time_s'], base.get('median_time_s'))} "
-            f"| {'–' if peak is None else f'{peak:.1f}'} "
-            f"| {_ratio(peak, base.get('peak_mib'), MIN_MEMORY_MIB)} | {_cores(r)} |"
-        )
-    return "\n".join(lines)
-
-
-def eigenvalue_agreement(records: list[dict[str, Any]]) -> list[str]:
-    """Largest relative deviation of each method's eigenvalues from the first's."""
-    lines = []
-    by_case: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in records:
-        if r.get("status") == "ok" and r.get("top_eigenvalues"):
-            by_case.setdefault((r["problem"], r["batch_size"]), []).append(r)
-    for (problem, batch_size), rs in by_case.items():
-        reference = rs[0]["top_eigenvalues"][-TOP_K:]
-        for r in rs[1:]:
-            other = r["top_eigenvalues"][-TOP_K:]
-            deviation = max(
-                abs(a - b) / abs(a) for a, b in zip(reference, other, strict=False)
-            )
-            lines.append(
-                f"{problem} N={batch_size}: {r['method']} vs {rs[0]['method']}: "
-                f"max relative deviation of the top eigenvalues {deviation:.1e}"
-            )
-    return lines
-
-
-def default_output(device: torch.device, quick: bool) -> Path:
-    """``results/eigenpairs-<hostname or GPU name>[-quick].json``."""
+def output_paths(args: argparse.Namespace, device: torch.device) -> Path:
+    """The JSON file; the table and figure take its stem."""
+    if args.output:
+        return Path(args.output)
     if device.type == "cuda":
         label = torch.cuda.get_device_name(device)
     else:
         label = socket.gethostname()
     label = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-").lower() or "cpu"
-    return RESULTS_DIR / f"eigenpairs-{label}{'-quick' if quick else ''}.json"
+    return RESULTS_DIR / f"eigenpairs-{label}{'-quick' if args.quick else ''}.json"
 
 
 def run_driver(args: argparse.Namespace) -> None:
-    """Run every case in its own process, print the table and write the JSON."""
+    """Run every case in its own process, interleaved; write JSON, tables, figure."""
+    import report
+
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested, but CUDA is not available.")
@@ -569,6 +293,15 @@ def run_driver(args: argparse.Namespace) -> None:
     methods = args.methods or list(METHODS)
     if BASELINE not in methods:
         methods.insert(0, BASELINE)
+    args.unavailable = {}
+    if any(METHODS[m].env == "peers" for m in methods):
+        if args.no_peers:
+            args.unavailable["peers"] = "--no-peers"
+        elif not args.peers_python:
+            problem = peers.ensure_env(log=lambda m: print(m, file=sys.stderr))
+            if problem:
+                print(f"Peers skipped: {problem}", file=sys.stderr)
+                args.unavailable["peers"] = problem
     cases = []
     for problem in problems:
         spec = PROBLEMS[problem]
@@ -586,86 +319,130 @@ def run_driver(args: argparse.Namespace) -> None:
         )
     records = []
     start = time.perf_counter()
-    for problem, batch_size, method in cases:
-        record = run_case(args, problem, batch_size, method)
-        records.append(record)
-        summary = (
-            f"median {record['median_time_s']:.4f} s, "
-            f"peak {record['peak_mib'] or 0:.1f} MiB"
-            if record.get("status") == "ok"
-            else record["status"]
-        )
-        summary += f", others' load {_cores(record)} cores"
-        print(
-            f"[{time.perf_counter() - start:7.1f} s] {problem} N={batch_size} "
-            f"{method}: {summary}",
-            file=sys.stderr,
-            flush=True,
-        )
+    for rnd in range(args.rounds):
+        for problem, batch_size, method in cases:
+            record = run_case(args, problem, batch_size, method, rnd)
+            records.append(record)
+            summary = (
+                f"median {record['median_time_s']:.4f} s, "
+                f"peak {record['peak_mib'] or 0:.1f} MiB"
+                if record.get("status") == "ok"
+                else record["status"]
+            )
+            cores = record.get("other_cpu_cores")
+            summary += f", others' load {'–' if cores is None else f'{cores:.2f}'}"
+            print(
+                f"[{time.perf_counter() - start:7.1f} s] round {rnd + 1}/"
+                f"{args.rounds} {problem} N={batch_size} {method}: {summary}",
+                file=sys.stderr,
+                flush=True,
+            )
     total = time.perf_counter() - start
 
-    table = format_table(records)
-    print(table)
-    agreement = eigenvalue_agreement(records)
-    for line in agreement:
-        print(line)
-    print(f"\nTotal wall time: {total:.0f} s")
+    summaries = report.summarize(records)
+    table = report.format_table(summaries)
+    comparison = report.format_comparison(summaries, records)
+    agreement = report.eigenvalue_agreement(summaries)
     busy = [r["other_cpu_cores"] for r in records if r.get("other_cpu_cores")]
+    notes = [f"Total wall time: {total:.0f} s, {args.rounds} interleaved round(s)."]
     if busy and max(busy) > 0.1:
-        print(
-            f"Other processes kept up to {max(busy):.2f} cores busy during a case: "
-            'those timings are inflated (column "others\' load").'
+        notes.append(
+            f"Other processes kept up to {max(busy):.2f} cores busy during a case "
+            f"(median {statistics.median(busy):.2f}): absolute timings are "
+            "inflated; the same-round ratios are the more robust numbers."
         )
 
-    output = Path(args.output) if args.output else default_output(device, args.quick)
+    output = output_paths(args, device)
     output.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "benchmark": "top-10 eigenpairs of the exact GGN (cross-entropy)",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {
-            "problems": problems,
-            "methods": methods,
-            "repeats": args.repeats,
-            "warmup": 1,
-            "top_k": TOP_K,
-            "device": args.device,
-            "threads": args.threads,
-            "seed": args.seed,
-            "quick": args.quick,
-            "timeout_s": args.timeout,
-            "memory": (
-                "peak RSS (VmHWM) increase during one extra call over VmRSS just "
-                "before it, after gc, malloc_trim and an HWM reset"
-                if device.type == "cpu"
-                else "torch.cuda.max_memory_allocated - memory_allocated before"
-            ),
-        },
-        "versions": {
-            "torch": torch.__version__,
-            "backpack-for-pytorch": _version("backpack-for-pytorch"),
-            "vivit": _version("vivit"),
-            "vivit_git_commit": _git_commit(),
-            "numpy": _version("numpy"),
-            "scipy": _version("scipy"),
-        },
-        "machine": machine_info(device),
-        "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
-        "total_wall_s": total,
-        "results": records,
-        "eigenvalue_agreement": agreement,
-        "table_markdown": table,
+    versions = {
+        "torch": torch.__version__,
+        "backpack-for-pytorch": _version("backpack-for-pytorch"),
+        "vivit": _version("vivit"),
+        "vivit_git_commit": _git_commit(),
+        "numpy": _version("numpy"),
+        "scipy": _version("scipy"),
+        "peers": None if "peers" in args.unavailable else list(peers.PACKAGES),
     }
-    output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"Results written to {output}")
+    command = " ".join(["python", *sys.argv])
+    markdown = "\n\n".join(
+        [
+            f"# Top-{TOP_K} GGN eigenpairs: `{command}`",
+            f"{time.strftime('%Y-%m-%d %H:%M %Z')}, "
+            f"{machine_info(device)['cpu_model']}, {args.threads} thread(s), "
+            f"torch {torch.__version__}, vivit commit {versions['vivit_git_commit']}.",
+            "## This library against ViViT 1.0 (same-round ratios)",
+            comparison,
+            "## Every method",
+            table,
+            "## Agreement of the top eigenvalue\n\n"
+            + "\n".join(f"- {line}" for line in agreement),
+            "## Methods\n\n" + report.legend(),
+            "\n".join(notes),
+        ]
+    )
+    print(markdown)
+    output.with_suffix(".md").write_text(markdown + "\n")
+    figure = output.with_suffix(".png")
+    if report.plot(summaries, figure, f"top-{TOP_K} GGN eigenpairs, {command}"):
+        print(f"Figure written to {figure}")
+    output.write_text(
+        json.dumps(
+            {
+                "benchmark": f"top-{TOP_K} eigenpairs of the GGN (cross-entropy)",
+                "command": command,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "config": {
+                    "problems": problems,
+                    "methods": {m: METHODS[m].description for m in methods},
+                    "rounds": args.rounds,
+                    "repeats": args.repeats,
+                    "warmup": 1,
+                    "top_k": TOP_K,
+                    "device": args.device,
+                    "threads": args.threads,
+                    "seed": args.seed,
+                    "quick": args.quick,
+                    "timeout_s": args.timeout,
+                    "memory": (
+                        "peak RSS (VmHWM) increase during one extra call over VmRSS "
+                        "just before it, after gc, malloc_trim and an HWM reset"
+                        if device.type == "cpu"
+                        else "torch.cuda.max_memory_allocated - memory_allocated"
+                    ),
+                },
+                "versions": versions,
+                "machine": machine_info(device),
+                "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
+                "total_wall_s": total,
+                "summaries": summaries,
+                "eigenvalue_agreement": agreement,
+                "notes": notes,
+                "results": records,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"Results written to {output} (.md, .png beside it)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options of the driver and the worker."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke test")
     parser.add_argument(
-        "--repeats", type=int, default=None, help="timed runs (default 5, quick 2)"
+        "--quick", action="store_true", help="small batches, one round (minutes)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds, each case in a fresh process (default 3, quick 1)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed calls per process, at least 1 (default 2, quick 1)",
     )
     parser.add_argument("--output", help="JSON file (default: results/...)")
     parser.add_argument(
@@ -676,6 +453,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", help="override every problem's N"
+    )
+    parser.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="skip ViViT 1.0 and curvlinops (no side environment)",
+    )
+    parser.add_argument(
+        "--peers-python",
+        help="an interpreter that imports the peers (ViViT 1.0 as vivit, curvlinops) "
+        "and not this library, used instead of creating benchmarks/.venvs/peers",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
@@ -695,7 +482,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     worker.add_argument("--method", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 5
+        args.repeats = 1 if args.quick else 2
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     return args
 
 

@@ -106,9 +106,107 @@ def test_dense_factors_products():
 def test_planner_prefers_cheap_route_within_budget():
     cheap_big = planner.Route("cheap_big", flops=1, memory=100)
     costly_small = planner.Route("costly_small", flops=10, memory=1)
-    assert planner.choose(cheap_big, costly_small, budget=1000) == "cheap_big"
-    assert planner.choose(cheap_big, costly_small, budget=10) == "costly_small"
+    assert planner.choose(cheap_big, costly_small, budget=4000) == "cheap_big"
+    assert planner.choose(cheap_big, costly_small, budget=40) == "costly_small"
     assert planner.choose(cheap_big, costly_small, budget=0) == "costly_small"
+
+
+def test_planner_budget_counts_bytes_of_the_dtype():
+    big = planner.Route("big", flops=1, memory=100)
+    small = planner.Route("small", flops=10, memory=1)
+    # 100 entries are 400 bytes in float32, 800 in float64
+    assert planner.choose(big, small, dtype=torch.float32, budget=400) == "big"
+    assert planner.choose(big, small, dtype=torch.float64, budget=400) == "small"
+    assert planner.budget_entries(torch.float64, 2**30) == 2**27
+    assert planner.budget_entries(torch.float16, 2**30) == 2**29
+
+
+CHUNKED = [  # (N, C, G, T, O, P), budget in bytes, number of feature blocks
+    ((3, 2, 1, 4, 5, 3), 6 * 2 * 3 * 8, 3),  # one group split into 2+2+1 features
+    ((3, 2, 4, 3, 2, 3), 6 * 4 * 3 * 8, 2),  # whole groups, two per block
+    ((3, 2, 3, 3, 2, 3), 6 * 3 * 3 * 8, 3),  # one group per block, O=2 > 1 fits
+    ((3, 2, 2, 3, 2, 3), 1, 4),  # nothing fits: one feature at a time
+]
+
+
+@pytest.mark.parametrize(("shape", "budget", "blocks"), CHUNKED)
+def test_through_v_in_feature_blocks(shape, budget, blocks, monkeypatch):
+    """A budget smaller than ``V`` forms it a block of output features at a time."""
+    N, C, G, T, O, P = shape
+    factors, a, s = random_factors(*shape)
+    other, a2, s2 = random_factors(N + 1, 1, G, T, O, P, seed=1)
+    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
+    formed = []
+    original = OuterProductFactors._materialize
+
+    def spy(self, groups, features):
+        formed.append(original(self, groups, features))
+        return formed[-1]
+
+    monkeypatch.setattr(OuterProductFactors, "_materialize", spy)
+    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
+    gram = factors._gram_through_v(factors, factors._features_per_chunk(N * C))
+    torch.testing.assert_close(gram, vt @ vt.T, rtol=1e-12, atol=1e-12)
+    assert len(formed) == blocks
+    assert sum(block.shape[1] for block in formed) == G * O * P
+    cross = factors._gram_through_v(other, factors._features_per_chunk(2 * N * C + 1))
+    torch.testing.assert_close(cross, vt @ vt2.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("budget", "blocks"), [(8, 3), (2 * 112 * 8, 2)])
+def test_pairs_in_sample_blocks(budget, blocks, monkeypatch):
+    """The pairwise route works on blocks of samples within the budget."""
+    N, C, G, T, O, P = 3, 2, 1, 2, 3, 2
+    factors, a, s = random_factors(N, C, G, T, O, P)
+    other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)
+    # one sample's pairwise products with `other`: (C·12 + 4)·G·T·T = 112 entries
+    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
+    force(monkeypatch, "pairs")
+    calls = []
+    original = torch.einsum
+
+    def spy(equation, *operands):
+        calls.append(equation)
+        return original(equation, *operands)
+
+    monkeypatch.setattr("vivit.gram.outer.einsum", spy)
+    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
+    torch.testing.assert_close(factors.gram(other), vt @ vt2.T, rtol=1e-12, atol=0)
+    assert calls.count("ngtp,mgup->nmgtu") == blocks
+    torch.testing.assert_close(factors.gram(), vt @ vt.T, rtol=1e-12, atol=1e-12)
+
+
+def test_gram_stays_within_budget_when_no_route_fits(monkeypatch):
+    """With a tiny budget the planner takes the route with the smallest block."""
+    factors, a, s = random_factors(3, 2, 1, 6, 4, 3)
+    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", 8)
+    vt = explicit_vt(a, s)
+    torch.testing.assert_close(factors.gram(), vt @ vt.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dense"),
+    [
+        ((2, 3, 1, 16, 2, 3), True),  # V: 36 entries, factors 288
+        ((2, 3, 1, 4, 2, 3), False),  # V: 36, factors 72: smaller, not by 4x
+        ((2, 3, 1, 1, 4, 5), False),
+    ],
+    ids=["many-positions", "few-positions", "linear"],
+)
+def test_compact_keeps_the_smaller_form(shape, dense):
+    factors, a, s = random_factors(*shape)
+    compact = factors.compact()
+    assert isinstance(compact, DenseFactors) == dense
+    assert (compact is factors) != dense
+    vt = explicit_vt(a, s)
+    u = torch.randn(4, vt.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(compact.materialize(), vt, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(compact.gram(), vt @ vt.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        compact.vmp(u), (u @ vt).reshape(4, *factors.param_shape)
+    )
+    torch.testing.assert_close(compact.gram(factors), vt @ vt.T)
+    torch.testing.assert_close(factors.gram(compact), vt @ vt.T)
 
 
 def test_planner_picks_pairs_for_plain_linear_and_v_for_large_images():
@@ -135,3 +233,14 @@ def test_self_gram_mirrors_lower_triangle(rows):
     torch.testing.assert_close(gram, vt @ vt.T, rtol=1e-12, atol=1e-12)
     if rows >= 512:  # the blocked path mirrors, so it is exactly symmetric
         assert torch.equal(gram, gram.T)
+
+
+@pytest.mark.parametrize("rows", [5, 600])
+def test_self_gram_adds_into_out(rows):
+    vt, vt2 = torch.randn(2, rows, 7, dtype=torch.float64)
+    out = self_gram(vt2)
+    result = self_gram(vt, out=out)
+    assert result is out
+    torch.testing.assert_close(out, vt @ vt.T + vt2 @ vt2.T, rtol=1e-12, atol=1e-12)
+    if rows >= 512:
+        assert torch.equal(out, out.T)

@@ -15,8 +15,12 @@ import torch
 from torch import Tensor, einsum
 
 from vivit.gram import planner
+from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
+
+#: ``V`` replaces the factors where it has at most this many times fewer entries.
+COMPACT_RATIO = 4
 
 
 class OuterProductFactors(ParamFactors):
@@ -67,39 +71,121 @@ class OuterProductFactors(ParamFactors):
         n1, n2 = self.num_samples, other.num_samples
         r1, r2 = self.num_rows, other.num_rows
         G, T, O, P = self._G, self._T, self._O, self._P
+        chunk = self._features_per_chunk(r1 if other is self else r1 + r2)
+        samples = self._samples_per_chunk(other)
         through_v = planner.Route(
             "through_v",
             flops=self._form_v_flops()
             + (0 if other is self else other._form_v_flops())
             + r1 * r2 * G * O * P,
-            memory=(r1 if other is self else r1 + r2) * G * O * P,
+            memory=(r1 if other is self else r1 + r2) * chunk * P,
         )
         pairs = planner.Route(
             "pairs",
             flops=r1 * r2 * G * T * T * O
             + n1 * n2 * G * T * T * P
             + r1 * r2 * G * T * T,
-            memory=r1 * r2 * G * T * T + n1 * n2 * G * T * T,
+            memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
-        if planner.choose(through_v, pairs) == "through_v":
-            if other is self:
-                return self_gram(self.materialize())
-            return self.materialize() @ other.materialize().T
-        return self._gram_pairs(other)
+        if planner.choose(through_v, pairs, dtype=self._a.dtype) == "through_v":
+            return self._gram_through_v(other, chunk)
+        return self._gram_pairs(other, samples)
 
-    def _gram_pairs(self, other: OuterProductFactors) -> Tensor:
-        """``G̃[(n,c),(m,d)] = Σ_{g,t,t'} (s̃_nc[g,t]·s̃_md[g,t']) (a_n[g,t]·a_m[g,t'])``.
+    def _samples_per_chunk(self, other: OuterProductFactors) -> int:
+        """Samples of ``self`` whose pairwise products with ``other`` fit the budget.
 
         Args:
-            other: Second set of factors of the same parameter.
+            other: Second set of factors.
+
+        Returns:
+            A number of samples, at least one.
+        """
+        budget = planner.budget_entries(self._a.dtype)
+        per_sample = (self.num_columns * other.num_rows + other.num_samples) * (
+            self._G * self._T * self._T
+        )
+        return max(1, min(self.num_samples, budget // per_sample))
+
+    def _features_per_chunk(self, rows: int) -> int:
+        """Output features (of all groups) whose columns of ``V`` fit the budget.
+
+        Args:
+            rows: Rows of ``Vᵀ`` alive at once (both operands of a cross-Gram).
+
+        Returns:
+            A number of the ``G·O`` output features, at least one.
+        """
+        budget = planner.budget_entries(self._a.dtype)
+        return max(1, min(self._G * self._O, budget // max(1, rows * self._P)))
+
+    def _feature_chunks(self, chunk: int) -> list[tuple[slice, slice]]:
+        """Split the ``G·O`` output features into ``(groups, features)`` blocks.
+
+        Whole groups are taken together while ``chunk`` covers at least one group,
+        otherwise one group is split along its output features.
+
+        Args:
+            chunk: Output features per block.
+
+        Returns:
+            Slices into the group and output-feature axes of the factors.
+        """
+        G, O = self._G, self._O
+        if chunk >= O:
+            per = chunk // O
+            return [(slice(g, min(g + per, G)), slice(None)) for g in range(0, G, per)]
+        return [
+            (slice(g, g + 1), slice(o, min(o + chunk, O)))
+            for g in range(G)
+            for o in range(0, O, chunk)
+        ]
+
+    def _gram_through_v(self, other: OuterProductFactors, chunk: int) -> Tensor:
+        """``Vᵀ V_other`` with ``V`` formed a block of output features at a time.
+
+        The Gram block is a sum over the weight's entries, so it is the sum of the
+        blocks' Gram matrices; only one block of ``V`` (of each operand) is alive.
+
+        Args:
+            other: Second set of factors of the same parameter (or ``self``).
+            chunk: Output features per block (see :meth:`_features_per_chunk`).
 
         Returns:
             Gram block, shape ``[self.num_rows, other.num_rows]``.
         """
-        inputs = einsum("ngtp,mgup->nmgtu", self._a, other._a)
-        outputs = einsum("cngto,dmguo->ncmdgtu", self._s, other._s)
-        gram = einsum("ncmdgtu,nmgtu->ncmd", outputs, inputs)
-        return gram.reshape(self.num_rows, other.num_rows)
+        gram = None
+        for groups, features in self._feature_chunks(chunk):
+            vt = self._materialize(groups, features)
+            if other is self:
+                gram = self_gram(vt, out=gram)
+                continue
+            block = vt @ other._materialize(groups, features).T
+            gram = block if gram is None else gram.add_(block)
+        return gram
+
+    def _gram_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
+        """``G̃[(n,c),(m,d)] = Σ_{g,t,t'} (s̃_nc[g,t]·s̃_md[g,t']) (a_n[g,t]·a_m[g,t'])``.
+
+        Computed for a block of ``samples`` samples ``n`` at a time, so that the
+        pairwise products ``[n, C, r2, G, T, T]`` stay within the budget.
+
+        Args:
+            other: Second set of factors of the same parameter.
+            samples: Samples of ``self`` per block (see :meth:`_samples_per_chunk`).
+
+        Returns:
+            Gram block, shape ``[self.num_rows, other.num_rows]``.
+        """
+        C = self.num_columns
+        gram = self._a.new_empty(self.num_rows, other.num_rows)
+        for start in range(0, self.num_samples, samples):
+            end = min(start + samples, self.num_samples)
+            a, s = self._a[start:end], self._s[:, start:end]
+            inputs = einsum("ngtp,mgup->nmgtu", a, other._a)
+            outputs = einsum("cngto,dmguo->ncmdgtu", s, other._s)
+            block = einsum("ncmdgtu,nmgtu->ncmd", outputs, inputs)
+            gram[start * C : end * C] = block.reshape((end - start) * C, -1)
+        return gram
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         K = u.shape[0]
@@ -115,7 +201,7 @@ class OuterProductFactors(ParamFactors):
             flops=self._form_v_flops() + K * self._v_size(),
             memory=self._v_size(),
         )
-        if planner.choose(factored, through_v) == "through_v":
+        if planner.choose(factored, through_v, dtype=self._a.dtype) == "through_v":
             result = u @ self.materialize()
         else:
             weighted = einsum("knc,cngto->kngto", u.reshape(K, N, C), self._s)
@@ -136,7 +222,7 @@ class OuterProductFactors(ParamFactors):
             flops=self._form_v_flops() + K * self._v_size(),
             memory=self._v_size(),
         )
-        if planner.choose(factored, through_v) == "through_v":
+        if planner.choose(factored, through_v, dtype=self._a.dtype) == "through_v":
             return w.reshape(K, -1) @ self.materialize().T
         w = w.reshape(K, G, O, P)
         projected = einsum("kgop,ngtp->kngto", w, self._a)
@@ -147,5 +233,39 @@ class OuterProductFactors(ParamFactors):
         return OuterProductFactors(self._a[index], self._s[:, index], self.param_shape)
 
     def materialize(self) -> Tensor:  # noqa: D102
-        vt = einsum("cngto,ngtp->ncgop", self._s, self._a)
+        return self._materialize(slice(None), slice(None))
+
+    def _materialize(self, groups: slice, features: slice) -> Tensor:
+        """Rows of ``Vᵀ`` restricted to a block of groups and output features.
+
+        Args:
+            groups: Slice of the groups.
+            features: Slice of the output features per group.
+
+        Returns:
+            ``[N·C, g·o·P]`` for the ``g`` selected groups and ``o`` features.
+        """
+        outputs = self._s[:, :, groups, :, features]
+        vt = einsum("cngto,ngtp->ncgop", outputs, self._a[:, groups])
         return vt.reshape(self.num_rows, -1)
+
+    def compact(self) -> ParamFactors:
+        """``V`` held explicitly where it is much smaller than these factors.
+
+        For a convolution on large images (many positions ``T``) ``V`` has fewer
+        entries than the unfolded input and the backpropagated vectors together;
+        holding it instead frees those and makes every later product one matrix
+        product. Forming ``V`` costs ``T`` multiply-adds per entry, paid even if no
+        product follows (per-sample gradient factors are used only for
+        directional derivatives), so it is formed only where it has at most
+        ``1 / COMPACT_RATIO`` of the factors' entries.
+
+        Returns:
+            ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
+        """
+        if COMPACT_RATIO * self._v_size() > self._a.numel() + self._s.numel():
+            return self
+        columns = self.materialize().reshape(
+            self.num_samples, self.num_columns, *self.param_shape
+        )
+        return DenseFactors(columns)

@@ -10,28 +10,33 @@ NUM_BLOCKS = 8
 MIN_ROWS = 512
 
 
-def self_gram(vt: Tensor) -> Tensor:
+def self_gram(vt: Tensor, out: Tensor | None = None) -> Tensor:
     """``Vᵀ V`` for ``Vᵀ`` given as a ``[R, D]`` matrix.
 
     A matrix product does not know that ``Vᵀ V`` is symmetric (PyTorch exposes no
     symmetric rank-k update), so for large ``R`` the lower triangle is computed in
-    row blocks and mirrored.
+    row blocks, each multiplied into its place, and mirrored.
 
     Args:
         vt: ``Vᵀ``, shape ``[R, D]``.
+        out: A symmetric ``[R, R]`` matrix to add ``Vᵀ V`` to, in place (for
+            summing Gram matrices without a temporary of their size); ``None``
+            returns a new matrix.
 
     Returns:
-        The symmetric ``[R, R]`` Gram matrix.
+        The symmetric ``[R, R]`` Gram matrix (``out`` if given).
     """
     rows = vt.shape[0]
     if rows < MIN_ROWS:
-        return vt @ vt.T
-    gram = vt.new_empty(rows, rows)
+        gram = vt @ vt.T
+        return gram if out is None else out.add_(gram)
+    if out is None:
+        out = vt.new_zeros(rows, rows)
     bounds = [rows * b // NUM_BLOCKS for b in range(NUM_BLOCKS + 1)]
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        block = vt[start:end] @ vt[:end].T  # [end - start, end]
-        gram[start:end, :start] = block[:, :start]
-        gram[:start, start:end] = block[:, :start].T
-        square = block[:, start:]  # mirror its lower triangle: exactly symmetric
-        gram[start:end, start:end] = square.tril() + square.tril(-1).T
-    return gram
+        # rows [start, end) of the lower triangle and the diagonal tile
+        out[start:end, :end].addmm_(vt[start:end], vt[:end].T)
+        out[:start, start:end] = out[start:end, :start].T
+        tile = out[start:end, start:end]  # mirror its lower triangle: exact symmetry
+        tile.copy_(tile.tril() + tile.tril(-1).T)
+    return out

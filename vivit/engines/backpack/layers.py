@@ -2,7 +2,9 @@
 
 Every parameter receives a :class:`~vivit.engines.base.ParamContribution`. Linear and
 convolution weights keep the layer input and the backpropagated vectors
-(:class:`~vivit.gram.OuterProductFactors`); every other parameter (biases,
+(:class:`~vivit.gram.OuterProductFactors`), or ``V`` where that is smaller (a
+convolution with many output positions, see
+:meth:`~vivit.gram.OuterProductFactors.compact`); every other parameter (biases,
 BatchNorm, transposed convolutions, embeddings) gets its columns of ``V`` from
 BackPACK's ``param_mjp`` (:class:`~vivit.gram.DenseFactors`), which are small or have
 no cheaper form. No layer with parameters keeps BackPACK's own SqrtGGN extension,
@@ -230,20 +232,21 @@ def _outer_factors(
         positions: Reshapes ``[V, N, *out]`` to ``[V, N, G, T, O]``.
 
     Returns:
-        Factors of ``V`` and, if requested, of the per-sample gradients.
+        Factors of ``V`` and, if requested, of the per-sample gradients, each in
+        the smaller of its two forms (see :meth:`OuterProductFactors.compact`).
     """
     shape = module.weight.shape
     num_columns, num_active = backproped.shape[:2]
     active = subsample(inputs, subsampling=ext.get_subsampling())
     ggn = OuterProductFactors(
         active, positions(backproped, num_columns, num_active), shape
-    )
+    ).compact()
     if not ext.compute_gradients:
         return ggn, None
     scale = ext.current_batch(module).per_sample_gradient_scale
     grad_out = g_out[0].unsqueeze(0) * scale
     grad = OuterProductFactors(inputs, positions(grad_out, 1, inputs.shape[0]), shape)
-    return ggn, grad
+    return ggn, grad.compact()
 
 
 def param_layer_extensions() -> dict[type[Module], GramParamsExtension]:

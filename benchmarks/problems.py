@@ -1,0 +1,96 @@
+"""The benchmarked problems: networks, input shapes and batch sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+NUM_CLASSES = 10
+
+
+def mlp(activation: str = "relu") -> nn.Module:
+    """MLP 784-128-64-10 with ReLU or Tanh activations."""
+    act = {"relu": nn.ReLU, "tanh": nn.Tanh}[activation]
+    return nn.Sequential(
+        nn.Linear(784, 128),
+        act(),
+        nn.Linear(128, 64),
+        act(),
+        nn.Linear(64, NUM_CLASSES),
+    )
+
+
+def cnn_3c3d() -> nn.Module:
+    """DeepOBS' CIFAR-10 ``3c3d`` network (895,210 parameters, DeepOBS init).
+
+    Shapes for a 3x32x32 input: conv5x5 → 64x28x28, pool → 64x14x14, conv3x3 →
+    96x12x12, pool → 96x6x6, conv3x3 (same) → 128x6x6, pool → 128x3x3, flatten →
+    1152 → 512 → 256 → 10. Padding is given as integers: BackPACK 1.7.1 cannot
+    backpropagate through a convolution with ``padding="same"``.
+    """
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(64, 96, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(1152, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, NUM_CLASSES),
+    )
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.xavier_normal_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+    return model
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A network, its input shape and the batch sizes to benchmark.
+
+    Attributes:
+        build: Creates the network.
+        input_shape: Shape of one input sample.
+        batch_sizes: Batch sizes of the full run.
+        quick_batch_sizes: Batch sizes of ``--quick``.
+    """
+
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    quick_batch_sizes: tuple[int, ...]
+
+
+#: Benchmarked problems (cross-entropy loss, random inputs, 10 classes).
+PROBLEMS: dict[str, Problem] = {
+    "mlp-relu": Problem(lambda: mlp("relu"), (784,), (32, 128, 512), (16, 64)),
+    "mlp-tanh": Problem(lambda: mlp("tanh"), (784,), (32, 128, 512), (16, 64)),
+    "3c3d": Problem(cnn_3c3d, (3, 32, 32), (32, 64, 128), (4, 16)),
+}
+DEFAULT_PROBLEMS = ("mlp-relu", "3c3d")
+
+
+def make_problem(
+    name: str, batch_size: int, seed: int, device: torch.device
+) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    """Build model, loss function and a random mini-batch, seeded."""
+    problem = PROBLEMS[name]
+    torch.manual_seed(seed)
+    model = problem.build().to(device)
+    X = torch.randn(batch_size, *problem.input_shape, device=device)
+    y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
+    return model, nn.CrossEntropyLoss().to(device), X, y
