@@ -214,7 +214,18 @@ METHODS: dict[str, Method] = {
     "forward+backward": Method(
         forward_backward, "loss(model(X), y).backward()", exact=False, baseline=True
     ),
-    "vivit": vivit_method("this library, exact GGN, top-10 eigenpairs"),
+    "vivit": vivit_method("this library, exact GGN, top-10 eigenpairs (solver auto)"),
+    "vivit-dense": vivit_method(
+        "this library, exact GGN, top-10, dense LAPACK solver", solver="dense"
+    ),
+    "vivit-iterative": vivit_method(
+        "this library, exact GGN, top-10, block Krylov on the Gram matrix",
+        solver="iterative",
+    ),
+    "vivit-matrix-free": vivit_method(
+        "this library, exact GGN, top-10, block Krylov on V-products (no Gram)",
+        solver="matrix_free",
+    ),
     "vivit-mc1": vivit_method(
         "this library, Monte-Carlo GGN (1 sample), top-10", exact=False, mc_samples=1
     ),
