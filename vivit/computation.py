@@ -15,10 +15,9 @@ from torch import Tensor
 from torch.nn import Module
 
 from vivit._validation import check_mc_samples, check_param_groups, check_subsampling
-from vivit.engines.backpack import GramGGN
+from vivit.engines.backpack import ContributionHook, GramGGN
 from vivit.errors import ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
-from vivit.linalg.solvers import gram_eigh
 
 
 class GroupComputation:
@@ -81,13 +80,14 @@ class GroupComputation:
                 print(f"Group {id(group)}: all parameters seen, computing the result")
             self._results[id(group)] = self.compute(group, curvature)
 
-        return GroupCollector(
+        collector = GroupCollector(
             [group["params"] for group in param_groups],
             on_complete,
             keep_factors=self.keep_factors,
             vt_grads=self.compute_gradients,
             gradient_samples=self.gradient_samples(),
         )
+        return ContributionHook(collector)
 
     def gradient_samples(self) -> list[int] | None:
         """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all).
@@ -134,9 +134,7 @@ class GroupComputation:
         Returns:
             Kept eigenvalues ``[K]`` and Gram eigenvectors ``[N·C, K]``.
         """
-        evals, evecs = gram_eigh(curvature.gram)
-        keep = group["criterion"](evals)
-        evals, evecs = evals[keep], evecs[:, keep]
+        evals, evecs = curvature.select(group["criterion"])
         if (evals.abs() < warn_small_eigvals).any():
             warn(
                 f"Some selected eigenvalues are smaller than {warn_small_eigvals} in "

@@ -31,3 +31,7 @@ class InvalidSubsamplingError(ValueError):
 
 class ParamGroupError(ValueError):
     """Parameter groups that are malformed or overlap."""
+
+
+class SampleCouplingError(ValueError):
+    """A model whose output for one sample depends on other samples or on chance."""

@@ -1,11 +1,14 @@
-"""Gather parameter contributions into per-group curvature during the backward pass.
+"""The group pipeline: from parameter contributions to each group's curvature.
 
-A :class:`GroupCollector` is a BackPACK extension hook. After each layer it takes the
-:class:`~vivit.engines.base.ParamContribution` off the layer's parameters, adds its
-Gram block to the group's Gram matrix and drops it, unless the computation needs the
-factors later (to map Gram-space vectors back to parameter space). When the last
-parameter of a group has been seen, the group's :class:`GroupCurvature` is handed to
-a callback.
+Engines hand every parameter's :class:`~vivit.engines.base.ParamContribution` to a
+:class:`GroupCollector` (the engines' :class:`~vivit.engines.base.ContributionSink`).
+It adds the contribution's Gram block to its group's Gram matrix and drops the
+factors, unless later products need them (mapping Gram-space vectors to parameter
+space, ``Vᵀ∇ℓ_n``). When the last parameter of a group has contributed, the
+group's :class:`GroupCurvature` is handed to a callback. A :class:`GroupCurvature`
+then answers, with caching, everything the front doors ask of one group: its
+eigendecomposition, the eigenpairs selected by ``top_k`` or by a criterion, and
+``Vᵀ∇ℓ_n``.
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Parameter
 
 from vivit._validation import check_subsampling
-from vivit.engines.backpack import SAVEFIELD
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors
+from vivit.linalg.solvers import check_top_k, gram_eigh, gram_eigh_top, top_k_indices
 
 
 @dataclass
 class GroupCurvature:
-    """What a backward pass leaves for one parameter group.
+    """What a backward pass leaves for one parameter group, and what follows from it.
 
     Attributes:
         params: The group's parameters, in the group's order.
@@ -43,6 +46,76 @@ class GroupCurvature:
     vt_grads: Tensor | None = None
     ggn_factors: list[ParamFactors] | None = None
     grad_factors: list[ParamFactors] | None = None
+    _decomposition: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    _leading: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    _vt_grads: dict = field(default_factory=dict, repr=False)
+
+    def decomposition(self) -> tuple[Tensor, Tensor]:
+        """All eigenpairs of the Gram matrix (computed once).
+
+        Returns:
+            Ascending eigenvalues ``[N·C]`` and eigenvectors as columns.
+        """
+        if self._decomposition is None:
+            self._decomposition = gram_eigh(self.gram)
+        return self._decomposition
+
+    def top_k(self, top_k: int | None) -> tuple[Tensor, Tensor]:
+        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
+
+        Uses the full decomposition if it exists or is needed; otherwise computes
+        (and caches) only the leading eigenpairs.
+
+        Args:
+            top_k: How many; ``None`` for every numerically non-zero one.
+
+        Returns:
+            Eigenvalues ``[K]`` ascending and Gram eigenvectors ``[N·C, K]``.
+        """
+        check_top_k(top_k)
+        size = self.gram.shape[0]
+        if top_k is None or self._decomposition is not None:
+            evals, evecs = self.decomposition()
+        else:
+            if self._leading is None or self._leading[0].numel() < min(top_k, size):
+                self._leading = gram_eigh_top(self.gram, top_k)
+            evals, evecs = self._leading
+        keep = top_k_indices(evals, top_k, size)
+        return evals[keep], evecs[:, keep]
+
+    def select(
+        self, criterion: Callable[[Tensor], Sequence[int]]
+    ) -> tuple[Tensor, Tensor]:
+        """The eigenpairs a ViViT criterion selects from all eigenvalues.
+
+        Args:
+            criterion: Receives all eigenvalues (ascending) and returns the indices
+                to keep.
+
+        Returns:
+            Eigenvalues ``[K]`` and Gram eigenvectors ``[N·C, K]``.
+        """
+        evals, evecs = self.decomposition()
+        keep = criterion(evals)
+        return evals[keep], evecs[:, keep]
+
+    def gradient_products(self, samples: Sequence[int] | None) -> Tensor:
+        """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples.
+
+        Args:
+            samples: Gradient samples (positions in the mini-batch; ``None``: all).
+
+        Returns:
+            The products, from the kept factors.
+        """
+        samples = check_subsampling(samples, self.batch.batch_size, "subsampling_grad")
+        key = None if samples is None else tuple(samples)
+        if key not in self._vt_grads:
+            self._vt_grads[key] = sum(
+                gradient_cross_gram(ggn, grad, samples)
+                for ggn, grad in zip(self.ggn_factors, self.grad_factors, strict=True)
+            )
+        return self._vt_grads[key]
 
 
 def gradient_cross_gram(
@@ -71,7 +144,7 @@ class _Partial:
 
 
 class GroupCollector:
-    """Extension hook that sums Gram blocks per parameter group.
+    """Sums Gram blocks per parameter group: the sink of every engine.
 
     Args:
         groups: Parameter groups (disjoint lists of parameters).
@@ -79,12 +152,13 @@ class GroupCollector:
             parameters have contributed.
         keep_factors: Keep every parameter's factors of ``V`` for later products.
         keep_gradient_factors: Keep every parameter's per-sample-gradient factors.
-        vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
+        vt_grads: Accumulate ``Vᵀ∇ℓ_n`` as contributions arrive.
         gradient_samples: Samples (positions in the mini-batch) whose gradients
             enter ``vt_grads``; ``None`` for all.
 
-    The collector resets a group once it is complete, so one hook serves any number
-    of backward passes.
+    The collector resets a group once it is complete, so one collector serves any
+    number of backward passes. Contributions of parameters outside the groups, or
+    repeated ones, are ignored.
     """
 
     def __init__(
@@ -111,25 +185,16 @@ class GroupCollector:
     def _param_ids(self, group: int) -> set[int]:
         return {id(p) for p in self._groups[group]}
 
-    def __call__(self, module: Module) -> None:
-        """Consume the contributions of a layer's parameters.
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        """Consume one parameter's contribution.
 
         Args:
-            module: The layer BackPACK just processed.
+            param: The parameter.
+            contribution: Its factors and batch context.
         """
-        for param in module.parameters(recurse=False):
-            contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
-            if contribution is None:
-                continue
-            delattr(param, SAVEFIELD)
-            group = self._group_of.get(id(param))
-            if group is None or id(param) not in self._missing[group]:
-                continue
-            self._add(group, param, contribution)
-
-    def _add(
-        self, group: int, param: Parameter, contribution: ParamContribution
-    ) -> None:
+        group = self._group_of.get(id(param))
+        if group is None or id(param) not in self._missing[group]:
+            return
         partial = self._partial[group]
         ggn = contribution.ggn
         gram = ggn.gram()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-from backpack import backpack, extend
 from torch import Tensor
 from torch.nn import Module, Parameter
 
@@ -17,26 +15,26 @@ from vivit.directional.gram_space import (
     damped_newton_step,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.engines.backpack import GramGGN
-from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
-from vivit.linalg.solvers import (
-    check_top_k,
-    gram_eigh,
-    gram_eigh_top,
-    gram_to_param,
-    top_k_indices,
-)
+from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
+from vivit.engines.choice import check_engine, resolve_engine
+from vivit.groups import GroupCollector, GroupCurvature
+from vivit.linalg.solvers import gram_to_param
 
 
 class LowRankGGN:
     """The GGN of a mini-batch through its Gram matrix, from one backward pass.
 
-    Runs the forward and backward pass at construction (extending ``model`` and
-    ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
-    parameter group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map
-    Gram-space vectors to parameter space. The parameters' ``.grad`` are left as
-    they were. Extending is permanent: BackPACK's forward hooks then keep each
-    layer's input until the next forward pass.
+    Runs the forward and backward pass at construction and keeps, per parameter
+    group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map Gram-space
+    vectors to parameter space. The parameters' ``.grad`` are left as they were.
+
+    An engine computes the factors (see :doc:`/architecture`): ``"backpack"``
+    extends ``model`` and ``loss_func`` with BackPACK if they are not extended yet
+    (permanently: BackPACK's forward hooks then keep each layer's input until the
+    next forward pass); ``"func"`` needs no ``extend`` and works for any model
+    whose samples are independent (transformers, LSTMs, shared weights, GroupNorm);
+    ``"auto"`` picks BackPACK when it supports every layer and no weight is shared,
+    else func, and logs the choice (logger ``"vivit"``, level INFO).
 
     Example::
 
@@ -44,8 +42,9 @@ class LowRankGGN:
         evals, evecs = ggn.eigh(top_k=10)
 
     Args:
-        model: The network. BatchNorm layers must be in eval mode. Models with a
-            custom forward (residual blocks) must be extended by the caller with
+        model: The network. BatchNorm and dropout layers must be in eval mode.
+            With ``engine="backpack"``, models with a custom forward (residual
+            blocks) must be extended by the caller with
             ``backpack.extend(model, use_converter=True)``.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
@@ -58,10 +57,13 @@ class LowRankGGN:
         subsampling: Indices of the samples whose curvature is used (``None``:
             all). The GGN is then that of the same loss on those samples alone.
         generator: Random generator that makes MC sampling reproducible.
+        engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
+            (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
 
     Attributes:
         loss: The mini-batch loss (detached).
         param_groups: The parameter groups, as lists of parameters.
+        engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
     """
 
     def __init__(
@@ -74,19 +76,18 @@ class LowRankGGN:
         mc_samples: int = 0,
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
+        engine: str | Engine = "auto",
     ):
         inputs, targets = data
         if param_groups is None:
             param_groups = [[p for p in model.parameters() if p.requires_grad]]
         check_subsampling(subsampling, inputs.shape[0])
-        _extend_if_needed(model)
-        _extend_if_needed(loss_func)
-        self._backward(
-            lambda: loss_func(model(inputs), targets),
-            param_groups,
-            mc_samples,
-            subsampling,
-            generator,
+        check_engine(engine)
+        request = self._request(param_groups, mc_samples, subsampling, generator)
+        chosen = resolve_engine(engine, model, loss_func, inputs)
+        self._run(
+            chosen.name,
+            lambda sink: chosen.run(model, loss_func, data, request, sink),
         )
 
     @classmethod
@@ -102,8 +103,10 @@ class LowRankGGN:
         """Build from a loss computed by BackPACK-extended model and loss modules.
 
         For use where the forward pass happens elsewhere (e.g. an optimizer's
-        closure). The caller must have extended the model and the loss function
-        with ``backpack.extend``.
+        closure); always uses the BackPACK engine, whose backward pass starts from
+        the loss. The caller must have extended the model and the loss function
+        with ``backpack.extend``. Engines that need the model (func) take the
+        constructor's ``(model, loss_func, data)`` instead.
 
         Args:
             loss: The mini-batch loss, or a function that computes it.
@@ -115,77 +118,49 @@ class LowRankGGN:
         Returns:
             The low-rank GGN of that loss.
         """
+        from vivit.engines.backpack import BackpackEngine
+
         ggn = cls.__new__(cls)
-        ggn._backward(
-            loss if callable(loss) else lambda: loss,
-            param_groups,
-            mc_samples,
-            subsampling,
-            generator,
+        request = ggn._request(param_groups, mc_samples, subsampling, generator)
+        compute_loss = loss if callable(loss) else lambda: loss
+        ggn._run(
+            BackpackEngine.name,
+            lambda sink: BackpackEngine().run_loss(compute_loss, request, sink),
         )
         return ggn
 
-    def _backward(
+    def _request(
         self,
-        compute_loss: Callable[[], Tensor],
         param_groups: Sequence[Sequence[Parameter]],
         mc_samples: int,
         subsampling: Sequence[int] | None,
         generator: torch.Generator | None,
-    ) -> None:
-        """Run the backward pass and keep each group's curvature."""
+    ) -> CurvatureRequest:
+        """Validate the groups and describe what the engine must compute."""
         self.param_groups = [list(group) for group in param_groups]
         check_param_groups([{"params": g} for g in self.param_groups], ("params",))
-        extension = GramGGN(
+        return CurvatureRequest(
+            param_groups=self.param_groups,
             mc_samples=mc_samples,
-            subsampling=subsampling,
+            subsampling=check_subsampling(subsampling),
+            generator=generator,
             compute_gradients=True,
-            num_grams=len(self.param_groups),
         )
+
+    def _run(self, engine: str, run: Callable[[GroupCollector], EngineOutput]) -> None:
+        """Run an engine into the group pipeline and keep each group's curvature."""
+        self.engine = engine
         self._curvature: dict[int, GroupCurvature] = {}
-        self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
-        self._leading: dict[int, tuple[Tensor, Tensor]] = {}
-        self._vt_grads_cache: dict[tuple, Tensor] = {}
         collector = GroupCollector(
             self.param_groups,
             self._curvature.__setitem__,
             keep_factors=True,
             keep_gradient_factors=True,
         )
-        params = [p for group in self.param_groups for p in group]
-        grads = [p.grad for p in params]
-        for param in params:  # autograd would accumulate into them in place
-            param.grad = None
-        seed = None
-        if mc_samples and generator is not None:
-            seed = int(torch.randint(2**62, (), generator=generator))
-        devices = [params[0].device] if params[0].device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            loss = compute_loss()
-            if loss.numel() != 1:
-                raise ValueError(
-                    f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
-                    "scalar loss: use reduction='mean' or 'sum'."
-                )
-            with (
-                backpack(extension, extension_hook=collector),
-                warnings.catch_warnings(),
-            ):
-                # BackPACK's hooks fire on the first layer, whose input needs no grad.
-                warnings.filterwarnings(
-                    "ignore", message="Full backward hook is firing"
-                )
-                loss.backward()
-        self._gradients = [
-            [torch.zeros_like(p) if p.grad is None else p.grad for p in group]
-            for group in self.param_groups
-        ]
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        self.loss = loss.detach()
-
+        output = run(collector)
+        self.loss = output.loss
+        gradients = iter(output.gradients)
+        self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
         if missing:
             raise RuntimeError(
@@ -216,11 +191,6 @@ class LowRankGGN:
         """
         return self._group(group).gram
 
-    def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
-        if group not in self._decompositions:
-            self._decompositions[group] = gram_eigh(self.gram(group))
-        return self._decompositions[group]
-
     def eigvalsh(self, group: int = 0) -> Tensor:
         """All eigenvalues of the Gram matrix: the GGN's non-zero spectrum.
 
@@ -231,26 +201,11 @@ class LowRankGGN:
             ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
             tolerance are zeros of the GGN).
         """
-        return self._gram_eigh(group)[0]
+        return self._group(group).decomposition()[0]
 
     def _directions(self, top_k: int | None, group: int) -> tuple[Tensor, Tensor]:
-        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
-
-        Uses the full decomposition if it exists or is needed; otherwise computes
-        (and caches) only the leading eigenpairs.
-        """
-        check_top_k(top_k)
-        size = self.gram(group).shape[0]
-        if top_k is None or group in self._decompositions:
-            evals, evecs = self._gram_eigh(group)
-        else:
-            leading = self._leading.get(group)
-            if leading is None or leading[0].numel() < min(top_k, size):
-                leading = gram_eigh_top(self.gram(group), top_k)
-                self._leading[group] = leading
-            evals, evecs = leading
-        keep = top_k_indices(evals, top_k, size)
-        return evals[keep], evecs[:, keep]
+        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix."""
+        return self._group(group).top_k(top_k)
 
     def eigh(
         self, top_k: int | None = None, group: int = 0
@@ -286,19 +241,7 @@ class LowRankGGN:
 
     def _vt_grads(self, group: int, subsampling_grad: Sequence[int] | None) -> Tensor:
         """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples."""
-        curvature = self._group(group)
-        samples = check_subsampling(
-            subsampling_grad, curvature.batch.batch_size, "subsampling_grad"
-        )
-        key = (group, None if samples is None else tuple(samples))
-        if key not in self._vt_grads_cache:
-            self._vt_grads_cache[key] = sum(
-                gradient_cross_gram(ggn, grad, samples)
-                for ggn, grad in zip(
-                    curvature.ggn_factors, curvature.grad_factors, strict=True
-                )
-            )
-        return self._vt_grads_cache[key]
+        return self._group(group).gradient_products(subsampling_grad)
 
     def _directional(
         self, top_k: int | None, group: int, subsampling_grad: Sequence[int] | None
@@ -376,9 +319,3 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad).step
-
-
-def _extend_if_needed(module: Module) -> None:
-    """Extend a module with BackPACK unless it (or a sub-module) already is."""
-    if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
-        extend(module)

@@ -1,0 +1,348 @@
+"""The func engine: curvature factors of any model whose samples are independent.
+
+No ``backpack.extend`` and nothing left on the caller's model: temporary forward
+hooks record the inputs and outputs of Linear and convolution layers, and
+``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``) pushes
+back the columns of the loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN
+and its square root") together with the per-sample output gradients ``∂ℓ_n/∂f_n``:
+
+* Linear and convolution weights keep layer inputs and backpropagated vectors
+  (:class:`~vivit.gram.OuterProductFactors`), their biases the vectors summed over
+  positions; a layer called several times stacks its calls along the positions.
+* Every other parameter (normalization layers, embeddings, attention's in-projection,
+  LSTM weights, parameters used outside such layers) gets its columns of ``V``
+  explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's
+  contributions at a parameter, so each sample's vectors are pushed back in an
+  otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
+
+Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
+MC), ``w`` activation entries per sample (measured in the first forward pass) and
+``D`` entries of the parameters without a factor form, the engine processes ``B``
+samples at a time: one forward pass of the chunk, one backward pass of ``V·B``
+vectors through it for the factor forms (memory ``≈ V·B·w`` entries), and, if
+``D > 0``, one of ``B·V`` one-hot vectors (memory ``≈ B·V·(B·w + D)``, work
+``≈ B·V`` backward passes of ``B`` samples). ``B`` is the largest chunk whose
+memory stays below ``memory_budget`` entries, and vectors are split further if even
+one sample does not fit. In total the engine costs about ``N·V`` single-sample
+backward passes, three forward passes of the batch (the loss and gradient, the
+sample-independence check, the chunks) and, for dense parameters, ``N·V`` rows of
+``D`` entries.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss, Parameter
+
+from vivit._memory import check_gram_fits
+from vivit._validation import check_mc_samples, check_subsampling
+from vivit.engines.base import (
+    BatchInfo,
+    ContributionSink,
+    CurvatureRequest,
+    Engine,
+    EngineOutput,
+    ParamContribution,
+)
+from vivit.engines.func.capture import LayerCall, LayerCapture
+from vivit.engines.func.independence import check_layers, check_samples_independent
+from vivit.engines.func.loss_root import exact_sqrt_hessian
+from vivit.engines.func.vjp import batched_vjp, one_hot_per_sample
+from vivit.gram import DenseFactors, OuterProductFactors
+
+#: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
+DEFAULT_MEMORY_BUDGET = 2**27
+
+#: Loss modules the engine accepts.
+SUPPORTED_LOSSES = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
+
+
+@dataclass
+class _Collected:
+    """What the chunks leave for one parameter."""
+
+    layer_inputs: list[Tensor] = field(default_factory=list)  # [B, G, T, P]
+    vectors: list[Tensor] = field(default_factory=list)  # [V, B, G, T, O]
+    columns: list[Tensor] = field(default_factory=list)  # [B, V, *shape]
+
+
+class FuncEngine(Engine):
+    """Curvature factors from hooks and batched autograd, for any model.
+
+    Args:
+        memory_budget: Entries the intermediates of one chunk may hold (see the
+            module's cost model). Smaller values run more, smaller chunks.
+
+    Raises:
+        ValueError: If the budget is not a positive integer.
+    """
+
+    name = "func"
+
+    def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+            raise ValueError(f"memory_budget must be an int, got {memory_budget!r}.")
+        if memory_budget < 1:
+            raise ValueError(f"memory_budget must be positive, got {memory_budget}.")
+        self.memory_budget = memory_budget
+
+    def run(  # noqa: D102
+        self,
+        model: Module,
+        loss_func: Module,
+        data: tuple[Tensor, Tensor],
+        request: CurvatureRequest,
+        sink: ContributionSink,
+    ) -> EngineOutput:
+        inputs, targets = data
+        check_loss(loss_func)
+        check_layers(model)
+        params = request.params
+        width = _ActivationWidth(model)
+        with width.measuring():
+            output = model(inputs)
+        loss = loss_func(output, targets)
+        if loss.numel() != 1:
+            raise ValueError(
+                f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
+                "scalar loss: use reduction='mean' or 'sum'."
+            )
+        output_grad, *grads = torch.autograd.grad(
+            loss, [output, *params], allow_unused=True
+        )
+        gradients = [
+            torch.zeros_like(p) if g is None else g.detach()
+            for p, g in zip(params, grads, strict=True)
+        ]
+        output = output.detach()
+        batch = _batch_info(loss_func, output, request)
+        check_gram_fits(
+            len(batch.ggn_samples) * batch.columns_per_sample,
+            len(request.param_groups),
+            output.dtype,
+            output.device,
+        )
+        check_samples_independent(model, inputs, output)
+        vectors = self._vectors(loss_func, output, output_grad, targets, batch, request)
+        collected = self._collect(model, inputs, params, vectors, width.per_sample)
+        for param in params:
+            sink.add(param, _contribution(param, collected[id(param)], batch, request))
+        return EngineOutput(loss=loss.detach(), gradients=gradients)
+
+    @staticmethod
+    def _vectors(
+        loss_func: Module,
+        output: Tensor,
+        output_grad: Tensor,
+        targets: Tensor,
+        batch: BatchInfo,
+        request: CurvatureRequest,
+    ) -> Tensor:
+        """Vectors to backpropagate, ``[V, N, *out]``: root columns, then ``∂ℓ_n/∂f_n``.
+
+        Samples outside the curvature subsampling get zero root columns.
+        """
+        if batch.mc_samples:
+            raise NotImplementedError(
+                "Monte-Carlo sampling of the loss Hessian (mc_samples > 0) is not "
+                "available in the func engine yet: use mc_samples=0 (exact), or "
+                "engine='backpack' for models BackPACK supports."
+            )
+        root = exact_sqrt_hessian(loss_func, output, targets, batch)
+        columns = output.new_zeros(root.shape[0], *output.shape)
+        columns[:, list(batch.ggn_samples)] = root
+        if not request.compute_gradients:
+            return columns
+        per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
+        return torch.cat([columns, per_sample_grad.unsqueeze(0)])
+
+    def _chunking(self, num_samples: int, num_vectors: int, width: int, dense: int):
+        """Samples per chunk and vectors per backward pass (see the cost model)."""
+
+        def memory(samples: int) -> int:
+            factor = num_vectors * samples * width
+            one_hot = samples * num_vectors * (samples * width + dense) if dense else 0
+            return max(factor, one_hot)
+
+        samples = num_samples
+        while samples > 1 and memory(samples) > self.memory_budget:
+            samples = (samples + 1) // 2
+        per_vector = samples * width + dense
+        return samples, max(1, self.memory_budget // max(per_vector, 1))
+
+    def _collect(
+        self,
+        model: Module,
+        inputs: Tensor,
+        params: list[Parameter],
+        vectors: Tensor,
+        width: int,
+    ) -> dict[int, _Collected]:
+        collected = {id(p): _Collected() for p in params}
+        capture = LayerCapture(model, params)
+        factor: set[int] | None = None
+        num_samples, num_vectors = inputs.shape[0], vectors.shape[0]
+        start = 0
+        chunk = num_samples
+        while start < num_samples:
+            with capture.recording():
+                output = model(inputs[start : start + chunk])
+            calls_of = capture.factor_params(output)
+            if factor is None:
+                factor = set(calls_of)
+                dense = [p for p in params if id(p) not in factor]
+                chunk, per_pass = self._chunking(
+                    num_samples, num_vectors, width, sum(p.numel() for p in dense)
+                )
+                if chunk < output.shape[0]:  # the probe was too large: redo it
+                    continue
+            elif set(calls_of) != factor:
+                raise RuntimeError(
+                    "The model uses its Linear or convolution layers differently for "
+                    "different chunks of the mini-batch (data-dependent control "
+                    "flow); the func engine needs the same computation for every "
+                    "sample chunk. Pass a larger memory_budget to process the batch "
+                    "at once."
+                )
+            block = vectors[:, start : start + output.shape[0]]
+            self._factor_chunk(output, block, calls_of, params, collected, per_pass)
+            if dense:
+                columns = batched_vjp(
+                    output, dense, one_hot_per_sample(block), per_pass
+                )
+                for param, cols in zip(dense, columns, strict=True):
+                    cols = cols.reshape(output.shape[0], num_vectors, *param.shape)
+                    collected[id(param)].columns.append(cols)
+            start += output.shape[0]
+        return collected
+
+    @staticmethod
+    def _factor_chunk(
+        output: Tensor,
+        block: Tensor,
+        calls_of: dict[int, list[LayerCall]],
+        params: list[Parameter],
+        collected: dict[int, _Collected],
+        per_pass: int,
+    ) -> None:
+        """Backpropagate the chunk's vectors to the recorded layer outputs."""
+        calls = list({id(c): c for cs in calls_of.values() for c in cs}.values())
+        if not calls:
+            return
+        at_outputs = batched_vjp(output, [c.output for c in calls], block, per_pass)
+        index = {id(c): i for i, c in enumerate(calls)}
+        for param in params:
+            uses = calls_of.get(id(param))
+            if uses is None:
+                continue
+            parts = [uses[0].output_vectors(at_outputs[index[id(c)]]) for c in uses]
+            entry = collected[id(param)]
+            entry.vectors.append(torch.cat(parts, dim=3))
+            if param is uses[0].module.weight:
+                layer_inputs = [c.layer_inputs() for c in uses]
+                entry.layer_inputs.append(torch.cat(layer_inputs, dim=2))
+
+
+def check_loss(loss_func: Module) -> None:
+    """Refuse loss modules the engine does not know.
+
+    Args:
+        loss_func: The loss module.
+
+    Raises:
+        ValueError: If it is not a supported ``torch.nn`` loss or does not reduce
+            to a scalar by ``"mean"`` or ``"sum"``.
+    """
+    if not isinstance(loss_func, SUPPORTED_LOSSES):
+        names = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
+        raise ValueError(
+            f"{type(loss_func).__name__} is not supported: the GGN needs the loss's "
+            f"Hessian with respect to the model output. Supported losses: {names}."
+        )
+    if loss_func.reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"{loss_func} has reduction={loss_func.reduction!r}; the GGN is defined "
+            "for a scalar loss: use reduction='mean' or 'sum'."
+        )
+
+
+def _batch_info(
+    loss_func: Module, output: Tensor, request: CurvatureRequest
+) -> BatchInfo:
+    batch_size = output.shape[0]
+    subsampling = check_subsampling(request.subsampling, batch_size)
+    samples = tuple(range(batch_size)) if subsampling is None else tuple(subsampling)
+    mc_samples = check_mc_samples(request.mc_samples)
+    return BatchInfo(
+        reduction=loss_func.reduction,
+        batch_size=batch_size,
+        ggn_samples=samples,
+        columns_per_sample=mc_samples or output[0].numel(),
+        mc_samples=mc_samples,
+    )
+
+
+def _contribution(
+    param: Parameter, entry: _Collected, batch: BatchInfo, request: CurvatureRequest
+) -> ParamContribution:
+    """Assemble a parameter's factors from its chunks."""
+    columns = batch.columns_per_sample
+    samples = list(batch.ggn_samples)
+    if entry.columns:
+        dense = torch.cat(entry.columns)  # [N, V, *shape]
+        ggn = DenseFactors(dense[samples, :columns])
+        grad = DenseFactors(dense[:, columns:]) if request.compute_gradients else None
+        return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+    vectors = torch.cat(entry.vectors, dim=1)  # [V, N, G, T, O]
+    if entry.layer_inputs:  # weight: outer-product factors
+        layer_inputs = torch.cat(entry.layer_inputs)
+        ggn = OuterProductFactors(
+            layer_inputs[samples], vectors[:columns, samples], param.shape
+        )
+        grad = (
+            OuterProductFactors(layer_inputs, vectors[columns:], param.shape)
+            if request.compute_gradients
+            else None
+        )
+        return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+    summed = vectors.sum(3).flatten(start_dim=2)  # bias: [V, N, G·O]
+    ggn = DenseFactors(summed[:columns, samples].transpose(0, 1))
+    grad = (
+        DenseFactors(summed[columns:].transpose(0, 1))
+        if request.compute_gradients
+        else None
+    )
+    return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+
+
+class _ActivationWidth:
+    """Counts tensor entries the leaf layers produce per sample in one forward pass."""
+
+    def __init__(self, model: Module):
+        self._model = model
+        self._entries = 0
+        self._samples = 1
+
+    def measuring(self) -> ExitStack:
+        """Context in which the forward pass is measured (hooks removed on exit)."""
+        stack = ExitStack()
+        for module in self._model.modules():
+            if next(module.children(), None) is None:
+                stack.callback(module.register_forward_hook(self._count).remove)
+        return stack
+
+    def _count(self, module: Module, args: tuple, output) -> None:
+        outputs = output if isinstance(output, tuple) else (output,)
+        for tensor in outputs:
+            if isinstance(tensor, Tensor) and tensor.dim() > 0:
+                self._entries += tensor.numel()
+                self._samples = tensor.shape[0]
+
+    @property
+    def per_sample(self) -> int:
+        """Entries per sample (at least 1)."""
+        return max(1, self._entries // max(self._samples, 1))
