@@ -127,10 +127,18 @@ FUNC_PROBLEMS = [
     FuncProblem("transformer-mse-sum", PreNormBlock, _sequences, "mse", "sum"),
     FuncProblem("lstm-ce-mean", CharLSTM, _tokens, "ce", "mean", batch_size=3),
     FuncProblem("lstm-ce-sum", CharLSTM, _tokens, "ce", "sum", batch_size=3),
-    FuncProblem("twice-mse-mean", TwiceLinear, lambda n: torch.randn(n, 4), "mse", "mean"),
-    FuncProblem("twice-bce-sum", TwiceLinear, lambda n: torch.randn(n, 4), "bce", "sum"),
     FuncProblem(
-        "groupnorm-ce-sum", _group_norm_cnn, lambda n: torch.randn(n, 2, 4, 4), "ce", "sum"
+        "twice-mse-mean", TwiceLinear, lambda n: torch.randn(n, 4), "mse", "mean"
+    ),
+    FuncProblem(
+        "twice-bce-sum", TwiceLinear, lambda n: torch.randn(n, 4), "bce", "sum"
+    ),
+    FuncProblem(
+        "groupnorm-ce-sum",
+        _group_norm_cnn,
+        lambda n: torch.randn(n, 2, 4, 4),
+        "ce",
+        "sum",
     ),
     FuncProblem(
         "groupnorm-bce-mean",

@@ -16,6 +16,7 @@ from vivit.errors import (
     InvalidSubsamplingError,
     ParamGroupError,
     ResultNotReadyError,
+    SampleCouplingError,
     UnsupportedLayerError,
 )
 from vivit.linalg.eigh import EighComputation
@@ -36,5 +37,6 @@ __all__ = [
     "LowRankGGN",
     "ParamGroupError",
     "ResultNotReadyError",
+    "SampleCouplingError",
     "UnsupportedLayerError",
 ]
