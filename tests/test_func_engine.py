@@ -280,3 +280,46 @@ def test_unsupported_loss_and_engine_are_refused():
         LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="jax")
     with pytest.raises(ValueError, match="memory_budget must be positive"):
         FuncEngine(memory_budget=0)
+
+
+# ----------------------------------------------------------------------------------
+# Monte-Carlo GGN
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, mc_samples", [("lstm-ce-mean", 2), ("twice-bce-sum", 1)]
+)
+def test_func_mc_unbiased(name, mc_samples):
+    """tr(VᵀV) = tr(G^MC) is an unbiased estimate of tr(G); γ and R Σ_n λ_nk exact."""
+    ref = func_reference(name)
+    model, loss_func, X, y = ref.setup
+    gen = torch.Generator().manual_seed(0)
+    runs = 150
+    ggns = [
+        LowRankGGN(
+            model,
+            loss_func,
+            (X, y),
+            mc_samples=mc_samples,
+            generator=gen,
+            engine="func",
+        )
+        for _ in range(runs)
+    ]
+    traces = torch.stack([ggn.gram().trace() for ggn in ggns])
+    exact = ggn_of(ref, None).trace()
+    standard_error = traces.std() / runs**0.5
+    # 4 standard errors: a false alarm has p < 1e-4 (and the seed fixes the outcome)
+    assert (traces.mean() - exact).abs() <= 4 * standard_error
+    assert 4 * standard_error < 0.5 * exact  # narrower than a factor-2 error
+    assert not torch.allclose(traces[0], exact, rtol=0, atol=1e-6)
+
+    ggn = ggns[0]
+    assert ggn.gram().shape == (len(X) * mc_samples,) * 2
+    evals, evecs = ggn.eigh()
+    dd = ggn.directional_derivatives()
+    R = reduction_factor(loss_func, len(X))
+    assert_rel(R * dd.lambdas.sum(0), evals)
+    gammas = ref.grads @ flat_evecs(evecs).T
+    assert_rel(align_signs(dd.gammas, gammas), gammas)

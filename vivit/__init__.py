@@ -12,12 +12,20 @@ Front doors:
 from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
+    GradientContextError,
     GramTooLargeError,
+    InvalidArgumentError,
     InvalidSubsamplingError,
+    InvalidTargetsError,
+    NonFiniteError,
     ParamGroupError,
+    RandomForwardWarning,
     ResultNotReadyError,
     SampleCouplingError,
+    UnsupportedDtypeError,
     UnsupportedLayerError,
+    UnsupportedLossError,
+    VivitError,
 )
 from vivit.linalg.eigh import EighComputation
 from vivit.linalg.eigvalsh import EigvalshComputation
@@ -27,6 +35,14 @@ from vivit.optim.directional_derivatives import DirectionalDerivativesComputatio
 
 __all__ = [
     "BatchNormTrainingError",
+    "GradientContextError",
+    "InvalidArgumentError",
+    "InvalidTargetsError",
+    "NonFiniteError",
+    "RandomForwardWarning",
+    "UnsupportedDtypeError",
+    "UnsupportedLossError",
+    "VivitError",
     "DirectionalDampedNewtonComputation",
     "DirectionalDerivatives",
     "DirectionalDerivativesComputation",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import Tensor
 
-from vivit.errors import InvalidSubsamplingError, ParamGroupError
+from vivit.errors import InvalidSubsamplingError, NonFiniteError, ParamGroupError
 
 
 def check_subsampling(
@@ -138,4 +139,41 @@ def check_damping(damping: object, name: str = "damping") -> None:
     raise ValueError(
         f"{name} must be a number >= 0 or a callable (evals, gram_evecs, gammas, "
         f"lambdas) -> [K] such as vivit.optim.BootstrapDamping, got {damping!r}."
+    )
+
+
+def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
+    """Refuse a tensor with NaN or infinite entries, naming where they are.
+
+    Args:
+        tensor: The tensor to check (integer tensors are always finite).
+        what: What the tensor is, for the message (``"inputs"``, a parameter name).
+        batch_axis: Whether the first axis indexes samples (the message then names
+            the first sample with a non-finite entry).
+
+    Raises:
+        NonFiniteError: If an entry is NaN or infinite.
+    """
+    if not tensor.is_floating_point() and not tensor.is_complex():
+        return
+    finite = torch.isfinite(tensor.detach())
+    if bool(finite.all()):
+        return
+    bad = ~finite
+    kinds = []
+    if bool(torch.isnan(tensor.detach()).any()):
+        kinds.append("NaN")
+    if bool(torch.isinf(tensor.detach()).any()):
+        kinds.append("inf")
+    where = ""
+    if batch_axis and tensor.dim() > 0:
+        samples = bad.reshape(tensor.shape[0], -1).any(1).nonzero().flatten().tolist()
+        shown = ", ".join(str(n) for n in samples[:5])
+        more = f" (and {len(samples) - 5} more)" if len(samples) > 5 else ""
+        where = f" at sample(s) {shown}{more}"
+    else:
+        where = f" ({int(bad.sum())} of {tensor.numel()} entries)"
+    raise NonFiniteError(
+        f"The {what} contain {' and '.join(kinds)}{where}: the curvature would not "
+        "be finite. Remove or fix these values before calling the library."
     )

@@ -1,37 +1,72 @@
 """Exceptions raised for input the library cannot work with.
 
-Each says what is wrong and what to do about it.
+Each says what is wrong and what to do about it. Every exception the library raises
+on purpose derives from :class:`VivitError` (and from the built-in exception a caller
+would expect, e.g. ``ValueError``), so ``except vivit.VivitError`` catches misuse
+without catching bugs.
 """
 
 from __future__ import annotations
 
 
-class UnsupportedLayerError(NotImplementedError):
+class VivitError(Exception):
+    """Base class of every exception the library raises on purpose."""
+
+
+class InvalidArgumentError(VivitError, ValueError, TypeError):
+    """An argument of the wrong type or value (says what was given and expected)."""
+
+
+class UnsupportedLayerError(VivitError, NotImplementedError):
     """A layer the engine cannot backpropagate the GGN square root through."""
 
 
-class BatchNormTrainingError(ValueError):
+class UnsupportedLossError(VivitError, ValueError):
+    """A loss function, or an option of it, whose GGN the library does not compute."""
+
+
+class InvalidTargetsError(VivitError, ValueError):
+    """Targets whose shape, type or values the loss function cannot work with."""
+
+
+class NonFiniteError(VivitError, FloatingPointError):
+    """A NaN or infinite value, named where it entered (tensor, sample, parameter)."""
+
+
+class UnsupportedDtypeError(VivitError, TypeError):
+    """A floating-point type the computations do not support (16-bit types)."""
+
+
+class GradientContextError(VivitError, RuntimeError):
+    """A context in which the library cannot run its backward pass."""
+
+
+class BatchNormTrainingError(VivitError, ValueError):
     """A BatchNorm layer in training mode: its output couples the samples."""
 
 
-class GramTooLargeError(MemoryError):
+class GramTooLargeError(VivitError, MemoryError):
     """The Gram matrix of the requested setting would not fit into memory."""
 
 
-class ResultNotReadyError(RuntimeError, KeyError):
+class ResultNotReadyError(VivitError, RuntimeError, KeyError):
     """A result was requested before the backward pass that computes it."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
-class InvalidSubsamplingError(ValueError):
+class InvalidSubsamplingError(VivitError, ValueError):
     """Sample indices that are repeated or outside the mini-batch."""
 
 
-class ParamGroupError(ValueError):
+class ParamGroupError(VivitError, ValueError):
     """Parameter groups that are malformed or overlap."""
 
 
-class SampleCouplingError(ValueError):
+class RandomForwardWarning(UserWarning):
+    """The forward pass draws random numbers (e.g. Dropout in training mode)."""
+
+
+class SampleCouplingError(VivitError, ValueError):
     """A model whose output for one sample depends on other samples or on chance."""

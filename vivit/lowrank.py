@@ -250,7 +250,7 @@ class LowRankGGN:
         vt_grads = self._vt_grads(group, subsampling_grad)
         batch = self._group(group).batch
         directional = gram_space.directional_derivatives(
-            vt_grads, gram_evecs, evals, batch
+            vt_grads, gram_evecs, evals, batch, subsampling_grad
         )
         return gram_evecs, directional
 

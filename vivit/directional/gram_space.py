@@ -56,21 +56,28 @@ def directional_curvatures(
     return per_sample.pow(2).sum(1) * evals / batch.ggn_reduction_factor
 
 
-def batch_directional_gradient(gammas: Tensor, batch: BatchInfo) -> Tensor:
+def batch_directional_gradient(
+    gammas: Tensor, batch: BatchInfo, grad_samples: Sequence[int] | None = None
+) -> Tensor:
     """``γ̄_k = R Σ_n γ_nk``: directional gradient of the loss on the gradient samples.
 
     Args:
         gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        batch: Batch context (gives the reduction).
+        batch: Batch context (gives ``R`` of the loss on the gradient samples).
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
 
     Returns:
         ``γ̄``, shape ``[K]``.
     """
-    return batch.reduction_factor(gammas.shape[0]) * gammas.sum(0)
+    return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
 
 def directional_derivatives(
-    vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
+    vt_grads: Tensor,
+    gram_evecs: Tensor,
+    evals: Tensor,
+    batch: BatchInfo,
+    grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
     """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs.
 
@@ -79,6 +86,7 @@ def directional_derivatives(
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         evals: Their eigenvalues, ``[K]``.
         batch: Batch context of the Gram matrix.
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
 
     Returns:
         The directional derivatives.
@@ -88,7 +96,7 @@ def directional_derivatives(
         evals=evals,
         gammas=gammas,
         lambdas=directional_curvatures(gram_evecs, evals, batch),
-        gamma_bar=batch_directional_gradient(gammas, batch),
+        gamma_bar=batch_directional_gradient(gammas, batch, grad_samples),
     )
 
 

@@ -10,8 +10,8 @@ as soon as it exists, and returns the loss and the mini-batch gradient.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit.gram import ParamFactors
+from vivit.losses import LossNormalization
 
 
 @dataclass(frozen=True)
@@ -27,50 +28,48 @@ class BatchInfo:
     """How the mini-batch and the loss define the scaling of ``V``.
 
     Attributes:
-        reduction: The loss function's reduction, ``"mean"`` or ``"sum"``.
-        batch_size: Number of samples ``N`` in the mini-batch.
+        normalization: The loss's reduction and per-sample weights; gives ``R``
+            of the loss on any set of samples (:mod:`vivit.losses`).
         ggn_samples: Samples whose columns ``V`` holds (all, or the subsampling).
         columns_per_sample: ``C`` (exact) or ``M`` (Monte-Carlo samples).
         mc_samples: ``0`` for the exact loss Hessian, else ``M``.
     """
 
-    reduction: str
-    batch_size: int
+    normalization: LossNormalization
     ggn_samples: tuple[int, ...]
     columns_per_sample: int
     mc_samples: int
 
-    def reduction_factor(self, num_samples: int) -> float:
-        """``R`` of the loss restricted to ``num_samples`` samples.
+    @property
+    def reduction(self) -> str:
+        """The loss function's reduction, ``"mean"`` or ``"sum"``."""
+        return self.normalization.reduction
+
+    @property
+    def batch_size(self) -> int:
+        """Number of samples ``N`` in the mini-batch."""
+        return self.normalization.batch_size
+
+    def reduction_factor(self, samples: Sequence[int] | None = None) -> float:
+        """``R`` of the loss evaluated on ``samples`` alone.
 
         Args:
-            num_samples: Number of samples the loss is evaluated on.
+            samples: Sample indices in the mini-batch; ``None`` for all.
 
         Returns:
-            ``1 / num_samples`` for mean reduction, ``1`` for sum reduction.
+            ``R`` (see :meth:`vivit.losses.LossNormalization.reduction_factor`).
         """
-        return 1.0 / num_samples if self.reduction == "mean" else 1.0
+        return self.normalization.reduction_factor(samples)
 
     @property
     def per_sample_gradient_scale(self) -> float:
         """``1/R`` of the whole batch: turns ``∂L/∂z_n`` into ``∂ℓ_n/∂z_n``."""
-        return 1.0 / self.reduction_factor(self.batch_size)
+        return 1.0 / self.reduction_factor()
 
     @property
     def ggn_reduction_factor(self) -> float:
-        """``R`` of the GGN's samples (``1/|S|`` or ``1``)."""
-        return self.reduction_factor(len(self.ggn_samples))
-
-    @property
-    def subsampling_scale(self) -> float:
-        """``√(R_S / R_N)``: turns ``√R_N·S_n`` of the whole batch into ``√R_S·S_n``.
-
-        The GGN on a subset ``S`` is that of the loss on ``S`` alone
-        (``docs/math.rst``, "The GGN and its square root").
-        """
-        return math.sqrt(
-            self.ggn_reduction_factor / self.reduction_factor(self.batch_size)
-        )
+        """``R`` of the GGN's samples (the loss on them alone)."""
+        return self.reduction_factor(self.ggn_samples)
 
 
 @dataclass

@@ -79,7 +79,11 @@ class DirectionalDerivativesComputation(GroupComputation):
     ) -> tuple[Tensor, DirectionalDerivatives]:
         evals, gram_evecs = self._select(group, curvature, self._warn_small_eigvals)
         return gram_evecs, directional_derivatives(
-            curvature.vt_grads, gram_evecs, evals, curvature.batch
+            curvature.vt_grads,
+            gram_evecs,
+            evals,
+            curvature.batch,
+            self.gradient_samples(),
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:

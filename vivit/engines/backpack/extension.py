@@ -13,13 +13,10 @@ from vivit._memory import check_gram_fits
 from vivit._validation import check_mc_samples, check_subsampling
 from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
-from vivit.engines.backpack.losses import (
-    GramBCEWithLogitsLoss,
-    GramCrossEntropyLoss,
-    GramMSELoss,
-)
+from vivit.engines.backpack.losses import GramLoss
 from vivit.engines.base import BatchInfo
 from vivit.errors import UnsupportedLayerError
+from vivit.losses import LossNormalization
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
@@ -67,9 +64,9 @@ class GramGGN(SqrtGGN):
         own = {
             **param_layer_extensions(),
             **avg_pool_extensions(),
-            MSELoss: GramMSELoss(),
-            CrossEntropyLoss: GramCrossEntropyLoss(),
-            BCEWithLogitsLoss: GramBCEWithLogitsLoss(),
+            MSELoss: GramLoss(),
+            CrossEntropyLoss: GramLoss(),
+            BCEWithLogitsLoss: GramLoss(),
         }
         for layer, module_extension in own.items():
             self.set_module_extension(layer, module_extension, overwrite=True)
@@ -110,23 +107,18 @@ class GramGGN(SqrtGGN):
                 raise
             raise UnsupportedLayerError(lost_quantity_message(module)) from error
 
-    def start_batch(self, loss_module: Module) -> BatchInfo:
+    def start_batch(
+        self, loss_module: Module, normalization: LossNormalization
+    ) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss.
 
         Args:
             loss_module: The extended loss module.
+            normalization: The loss's reduction and sample weights.
 
         Returns:
             The batch context of this backward pass.
-
-        Raises:
-            ValueError: If the loss does not reduce by ``"mean"`` or ``"sum"``.
         """
-        if loss_module.reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"{loss_module} has reduction={loss_module.reduction!r}; the GGN is "
-                "defined for a scalar loss: use reduction='mean' or 'sum'."
-            )
         inputs = loss_module.input0
         batch_size = inputs.shape[0]
         subsampling = check_subsampling(self.get_subsampling(), batch_size)
@@ -138,8 +130,7 @@ class GramGGN(SqrtGGN):
             len(samples) * columns, self.num_grams, inputs.dtype, inputs.device
         )
         self._batch = BatchInfo(
-            reduction=loss_module.reduction,
-            batch_size=batch_size,
+            normalization=normalization,
             ggn_samples=samples,
             columns_per_sample=columns,
             mc_samples=self._mc_samples,

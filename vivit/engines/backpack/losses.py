@@ -1,26 +1,29 @@
-"""Loss module extensions: the start of the backward pass and its scaling.
+"""Loss module extension: the start of the backward pass and its scaling.
 
-BackPACK's loss extensions return ``√R · S_n`` with ``R`` taken from the whole
-mini-batch. With curvature subsampling the GGN is that of the loss on the active
-samples alone, whose ``R`` for mean reduction is ``1/|S|``: the one correction
-``√(N/|S|)`` happens here and nowhere else.
+The loss-Hessian square root comes from :mod:`vivit.losses` (not from BackPACK's
+loss derivatives), which handles every option of the supported loss modules
+exactly (``ignore_index``, class weights, label smoothing, soft targets) and
+scales by ``√R_S`` of the loss on the active samples ``S`` alone, so curvature
+subsampling is exact.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
-from backpack.extensions.secondorder.sqrt_ggn import losses as sqrt_ggn_losses
+from backpack.extensions.module_extension import ModuleExtension
 from torch import Tensor
 from torch.nn import Module
+
+from vivit.errors import InvalidTargetsError
+from vivit.losses import LossCurvature
 
 if TYPE_CHECKING:
     from vivit.engines.backpack.extension import GramGGN
 
 
-class _GramLossMixin:
-    """Record the batch context and rescale the loss-Hessian root for subsampling."""
+class GramLoss(ModuleExtension):
+    """Start the backward pass of a supported ``torch.nn`` loss module."""
 
     def backpropagate(
         self,
@@ -30,35 +33,27 @@ class _GramLossMixin:
         grad_out: tuple[Tensor, ...],
         backproped: None,
     ) -> Tensor:
-        """Return ``√R_S · S_n`` for the active samples, shape ``[C, |S|, *out]``.
+        """Return ``√R_S · S_n`` for the active samples, shape ``[K, |S|, *out]``.
 
         Args:
             ext: The running extension.
-            module: The loss module.
+            module: The loss module (BackPACK stored its inputs on it).
             grad_inp: Gradients w.r.t. the loss inputs.
             grad_out: Gradients w.r.t. the loss output.
             backproped: Nothing is backpropagated into a loss.
 
         Returns:
             The loss-Hessian square root w.r.t. the model output.
+
+        Raises:
+            InvalidTargetsError: If the loss was called without targets as its
+                second positional argument.
         """
-        batch = ext.start_batch(module)
-        sqrt_hessian = super().backpropagate(
-            ext, module, grad_inp, grad_out, backproped
-        )
-        num_active = len(batch.ggn_samples)
-        if batch.reduction == "mean" and num_active != batch.batch_size:
-            sqrt_hessian = sqrt_hessian * math.sqrt(batch.batch_size / num_active)
-        return sqrt_hessian
-
-
-class GramMSELoss(_GramLossMixin, sqrt_ggn_losses.SqrtGGNMSELoss):
-    """``torch.nn.MSELoss``."""
-
-
-class GramCrossEntropyLoss(_GramLossMixin, sqrt_ggn_losses.SqrtGGNCrossEntropyLoss):
-    """``torch.nn.CrossEntropyLoss``."""
-
-
-class GramBCEWithLogitsLoss(_GramLossMixin, sqrt_ggn_losses.SqrtGGNBCEWithLogithsLoss):
-    """``torch.nn.BCEWithLogitsLoss``."""
+        if not hasattr(module, "input1"):
+            raise InvalidTargetsError(
+                f"{type(module).__name__} was called without targets as its second "
+                "positional argument: call loss_func(output, targets)."
+            )
+        curvature = LossCurvature(module, module.input0, module.input1)
+        ext.start_batch(module, curvature.normalization)
+        return curvature.sqrt_hessian(ext.get_subsampling(), ext.get_num_mc_samples())

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss, Parameter
+from torch.nn import Module, Parameter
 
 from vivit._memory import check_gram_fits
 from vivit._validation import check_mc_samples, check_subsampling
@@ -50,15 +50,12 @@ from vivit.engines.base import (
 )
 from vivit.engines.func.capture import LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.loss_root import exact_sqrt_hessian
 from vivit.engines.func.vjp import batched_vjp, one_hot_per_sample
 from vivit.gram import DenseFactors, OuterProductFactors
+from vivit.losses import LossCurvature, check_loss_function
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
 DEFAULT_MEMORY_BUDGET = 2**27
-
-#: Loss modules the engine accepts.
-SUPPORTED_LOSSES = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
 
 
 @dataclass
@@ -99,7 +96,7 @@ class FuncEngine(Engine):
         sink: ContributionSink,
     ) -> EngineOutput:
         inputs, targets = data
-        check_loss(loss_func)
+        check_loss_function(loss_func)
         check_layers(model)
         params = request.params
         width = _ActivationWidth(model)
@@ -119,7 +116,8 @@ class FuncEngine(Engine):
             for p, g in zip(params, grads, strict=True)
         ]
         output = output.detach()
-        batch = _batch_info(loss_func, output, request)
+        loss_curvature = LossCurvature(loss_func, output, targets)
+        batch = _batch_info(loss_curvature, output, request)
         check_gram_fits(
             len(batch.ggn_samples) * batch.columns_per_sample,
             len(request.param_groups),
@@ -127,7 +125,7 @@ class FuncEngine(Engine):
             output.device,
         )
         check_samples_independent(model, inputs, output)
-        vectors = self._vectors(loss_func, output, output_grad, targets, batch, request)
+        vectors = self._vectors(loss_curvature, output_grad, batch, request)
         collected = self._collect(model, inputs, params, vectors, width.per_sample)
         for param in params:
             sink.add(param, _contribution(param, collected[id(param)], batch, request))
@@ -135,10 +133,8 @@ class FuncEngine(Engine):
 
     @staticmethod
     def _vectors(
-        loss_func: Module,
-        output: Tensor,
+        loss_curvature: LossCurvature,
         output_grad: Tensor,
-        targets: Tensor,
         batch: BatchInfo,
         request: CurvatureRequest,
     ) -> Tensor:
@@ -146,15 +142,12 @@ class FuncEngine(Engine):
 
         Samples outside the curvature subsampling get zero root columns.
         """
-        if batch.mc_samples:
-            raise NotImplementedError(
-                "Monte-Carlo sampling of the loss Hessian (mc_samples > 0) is not "
-                "available in the func engine yet: use mc_samples=0 (exact), or "
-                "engine='backpack' for models BackPACK supports."
-            )
-        root = exact_sqrt_hessian(loss_func, output, targets, batch)
-        columns = output.new_zeros(root.shape[0], *output.shape)
-        columns[:, list(batch.ggn_samples)] = root
+        samples = list(batch.ggn_samples)
+        root = loss_curvature.sqrt_hessian(
+            samples, request.mc_samples, request.generator
+        )
+        columns = root.new_zeros(root.shape[0], *output_grad.shape)
+        columns[:, samples] = root
         if not request.compute_gradients:
             return columns
         per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
@@ -247,39 +240,15 @@ class FuncEngine(Engine):
                 entry.layer_inputs.append(torch.cat(layer_inputs, dim=2))
 
 
-def check_loss(loss_func: Module) -> None:
-    """Refuse loss modules the engine does not know.
-
-    Args:
-        loss_func: The loss module.
-
-    Raises:
-        ValueError: If it is not a supported ``torch.nn`` loss or does not reduce
-            to a scalar by ``"mean"`` or ``"sum"``.
-    """
-    if not isinstance(loss_func, SUPPORTED_LOSSES):
-        names = ", ".join(cls.__name__ for cls in SUPPORTED_LOSSES)
-        raise ValueError(
-            f"{type(loss_func).__name__} is not supported: the GGN needs the loss's "
-            f"Hessian with respect to the model output. Supported losses: {names}."
-        )
-    if loss_func.reduction not in ("mean", "sum"):
-        raise ValueError(
-            f"{loss_func} has reduction={loss_func.reduction!r}; the GGN is defined "
-            "for a scalar loss: use reduction='mean' or 'sum'."
-        )
-
-
 def _batch_info(
-    loss_func: Module, output: Tensor, request: CurvatureRequest
+    loss_curvature: LossCurvature, output: Tensor, request: CurvatureRequest
 ) -> BatchInfo:
     batch_size = output.shape[0]
     subsampling = check_subsampling(request.subsampling, batch_size)
     samples = tuple(range(batch_size)) if subsampling is None else tuple(subsampling)
     mc_samples = check_mc_samples(request.mc_samples)
     return BatchInfo(
-        reduction=loss_func.reduction,
-        batch_size=batch_size,
+        normalization=loss_curvature.normalization,
         ggn_samples=samples,
         columns_per_sample=mc_samples or output[0].numel(),
         mc_samples=mc_samples,
