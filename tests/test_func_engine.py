@@ -18,6 +18,7 @@ O(1) error.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import NamedTuple
@@ -40,6 +41,7 @@ from vivit import LowRankGGN, SampleCouplingError
 from vivit.engines.func import FuncEngine
 from vivit.errors import BatchNormTrainingError
 from vivit.gram import OuterProductFactors
+from vivit.optim import DampedNewton
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
@@ -323,3 +325,44 @@ def test_func_mc_unbiased(name, mc_samples):
     assert_rel(R * dd.lambdas.sum(0), evals)
     gammas = ref.grads @ flat_evecs(evecs).T
     assert_rel(align_signs(dd.gammas, gammas), gammas)
+
+
+# ----------------------------------------------------------------------------------
+# DampedNewton with the model and loss function
+# ----------------------------------------------------------------------------------
+
+
+def test_damped_newton_step_with_data():
+    """step(data=...) applies lr·Δθ of the func engine's Newton step (dense-checked
+    in test_func_problem), on an LSTM that needs no extend."""
+    ref = func_reference("lstm-ce-sum")
+    model, loss_func, X, y = ref.setup
+    model = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = LowRankGGN(model, loss_func, (X, y), engine="func").newton_step(
+        top_k=TOP_K, damping=0.5
+    )
+    optimizer = DampedNewton(
+        model.parameters(),
+        lr=0.3,
+        damping=0.5,
+        top_k=TOP_K,
+        model=model,
+        loss_func=loss_func,
+        engine="func",
+    )
+    loss = optimizer.step(data=(X, y))
+    torch.testing.assert_close(loss, loss_func(ref.setup.model(X), y).detach())
+    for p, p0, s in zip(model.parameters(), before, step, strict=True):
+        assert_rel(p.detach() - p0, 0.3 * s)
+
+
+def test_damped_newton_refuses_closure_for_func():
+    model, loss_func, X, y = func_reference("twice-mse-mean").setup
+    optimizer = DampedNewton(model.parameters(), engine="func")
+    with pytest.raises(ValueError, match="model= and loss_func="):
+        optimizer.step(lambda: loss_func(model(X), y))
+    with pytest.raises(ValueError, match="needs the model"):
+        optimizer.step(data=(X, y))
+    with pytest.raises(ValueError, match="both model and loss_func"):
+        DampedNewton(model.parameters(), model=model)

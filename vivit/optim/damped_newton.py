@@ -6,11 +6,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from vivit._validation import check_damping
 from vivit.directional.gram_space import Damping
 from vivit.directional.results import NewtonStep
+from vivit.engines.base import Engine
+from vivit.engines.choice import check_engine
 from vivit.lowrank import LowRankGGN
 
 
@@ -22,9 +25,23 @@ class DampedNewton(Optimizer):
     updates every group by ``lr · Δθ`` with
     ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over its ``top_k`` leading eigenvectors.
 
-    The model and the loss function must be extended with ``backpack.extend``
-    (``use_converter=True`` for models with a custom forward); the closure returns
-    the loss and must **not** call ``backward``::
+    Two ways to hand over a mini-batch:
+
+    * Give the optimizer the model and the loss function, and each step the data;
+      any engine works (``engine="auto"`` picks one per step, ``"func"`` needs no
+      ``extend`` and handles transformers, LSTMs and shared weights)::
+
+        optimizer = DampedNewton(
+            model.parameters(), top_k=10, damping=1e-2, model=model,
+            loss_func=CrossEntropyLoss(),
+        )
+        for inputs, targets in loader:
+            optimizer.step(data=(inputs, targets))
+
+    * A closure (``torch.optim`` style) that returns the loss and does **not**
+      call ``backward``. The backward pass starts from that loss, so this needs
+      the BackPACK engine: the model and the loss function must be extended with
+      ``backpack.extend`` (``use_converter=True`` for a custom forward)::
 
         model, loss_func = extend(model), extend(CrossEntropyLoss())
         optimizer = DampedNewton(model.parameters(), top_k=10, damping=1e-2)
@@ -56,9 +73,14 @@ class DampedNewton(Optimizer):
         subsampling: Samples whose curvature defines the GGN (``None``: all).
         generator: Random generator for reproducible MC sampling.
         keep_directions: Keep the last step's eigenvectors in parameter space.
+        model: The network, for steps given ``data`` instead of a closure.
+        loss_func: The loss module, for steps given ``data``.
+        engine: Engine for steps given ``data`` (see
+            :class:`~vivit.LowRankGGN`); closures always use BackPACK.
 
     Raises:
-        ValueError: If ``lr`` is not positive.
+        ValueError: If ``lr`` is not positive, or only one of ``model`` and
+            ``loss_func`` is given.
     """
 
     def __init__(
@@ -73,9 +95,18 @@ class DampedNewton(Optimizer):
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
+        model: Module | None = None,
+        loss_func: Module | None = None,
+        engine: str | Engine = "auto",
     ):
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr!r}.")
+        if (model is None) != (loss_func is None):
+            raise ValueError(
+                "Pass both model and loss_func (to call step(data=...)) or neither "
+                "(to call step(closure))."
+            )
+        check_engine(engine)
         check_damping(damping)
         defaults = {
             "lr": lr,
@@ -88,35 +119,67 @@ class DampedNewton(Optimizer):
         self.subsampling = subsampling
         self.generator = generator
         self.keep_directions = keep_directions
+        self.model, self.loss_func, self.engine = model, loss_func, engine
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
-    def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
-        """Evaluate the closure, compute the damped Newton step, apply it.
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Tensor] | None = None,
+        *,
+        data: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Compute the damped Newton step of one mini-batch and apply it.
 
         Args:
             closure: Computes and returns the loss of a mini-batch through the
-                extended model and loss function, without calling ``backward``.
+                BackPACK-extended model and loss function, without calling
+                ``backward``.
+            data: ``(inputs, targets)`` of a mini-batch, for an optimizer built
+                with ``model`` and ``loss_func``. Give either this or a closure.
 
         Returns:
-            The loss the closure returned (detached).
+            The mini-batch loss (detached).
 
         Raises:
-            ValueError: If no closure is given.
+            ValueError: If neither or both are given, ``data`` without ``model``,
+                or a closure with an engine other than BackPACK.
         """
-        if closure is None:
+        if (closure is None) == (data is None):
             raise ValueError(
-                "DampedNewton.step needs a closure that returns the loss of a "
-                "mini-batch (without calling backward)."
+                "DampedNewton.step needs either a closure that returns the loss of "
+                "a mini-batch (without calling backward) or data=(inputs, targets) "
+                "for an optimizer built with model= and loss_func=."
             )
+        groups = [group["params"] for group in self.param_groups]
+        options = {
+            "mc_samples": self.mc_samples,
+            "subsampling": self.subsampling,
+            "generator": self.generator,
+        }
         with torch.enable_grad():
-            ggn = LowRankGGN.from_loss(
-                closure,
-                [group["params"] for group in self.param_groups],
-                mc_samples=self.mc_samples,
-                subsampling=self.subsampling,
-                generator=self.generator,
-            )
+            if data is not None:
+                if self.model is None:
+                    raise ValueError(
+                        "step(data=...) needs the model and the loss function: "
+                        "build the optimizer with model= and loss_func=."
+                    )
+                ggn = LowRankGGN(
+                    self.model,
+                    self.loss_func,
+                    data,
+                    param_groups=groups,
+                    engine=self.engine,
+                    **options,
+                )
+            else:
+                if self.engine not in ("auto", "backpack"):
+                    raise ValueError(
+                        f"A closure's loss can only be backpropagated by the BackPACK "
+                        f"engine, not {self.engine!r}: build the optimizer with "
+                        "model= and loss_func= and call step(data=(inputs, targets))."
+                    )
+                ggn = LowRankGGN.from_loss(closure, groups, **options)
         self.last_steps, self.last_directions = [], []
         for index, group in enumerate(self.param_groups):
             newton = ggn.newton(
