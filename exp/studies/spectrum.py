@@ -300,9 +300,11 @@ def run(args: argparse.Namespace) -> dict:
     blocks = block_groups(model, args.blocks)
 
     def ggn(**kwargs) -> Callable[[], LowRankGGN]:
-        return lambda: low_rank_ggn(model, loss_func, inputs, targets, **kwargs)
+        return lambda: low_rank_ggn(
+            model, loss_func, inputs, targets, engine=args.engine, **kwargs
+        )
 
-    low_rank_ggn(model, loss_func, inputs, targets)  # warm-up, not timed
+    ggn()()  # warm-up, not timed
     top_k = args.top_k
     exact = compute("exact", ggn(), params, top_k)
     methods = {

@@ -197,7 +197,12 @@ def test_bad_model_spec(run, tmp_path, factories, spec, expected):
 
 def test_unsupported_layer(run, tmp_path, factories):
     status, _, err = run(
-        "newton", tmp_path / "o", "--model", f"{factories}:layernorm_mlp"
+        "newton",
+        tmp_path / "o",
+        "--model",
+        f"{factories}:layernorm_mlp",
+        "--engine",
+        "backpack",
     )
     assert status == 2
     assert "cannot handle" in err and "LayerNorm" in err
