@@ -366,3 +366,30 @@ def test_damped_newton_refuses_closure_for_func():
         optimizer.step(data=(X, y))
     with pytest.raises(ValueError, match="both model and loss_func"):
         DampedNewton(model.parameters(), model=model)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(2, 3, 2, padding="same"),
+        nn.Conv2d(2, 3, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.Conv1d(2, 4, 3, padding=2, padding_mode="circular", dilation=2, groups=2),
+        nn.Conv3d(2, 2, 2, padding=1, padding_mode="replicate"),
+    ],
+    ids=["same-even-kernel", "reflect-stride", "circular-groups-1d", "replicate-3d"],
+)
+def test_convolution_padding_modes(conv):
+    """Factor forms of convolutions with every padding mode, against dense."""
+    torch.manual_seed(0)
+    spatial = {nn.Conv1d: (5,), nn.Conv2d: (4, 4), nn.Conv3d: (3, 3, 3)}[type(conv)]
+    X = torch.randn(3, 2, *spatial, dtype=torch.float64)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten()).double()
+    model.append(nn.Linear(model(X).shape[1], 2).double())
+    y = torch.tensor([0, 1, 1])
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (X, y))
+    assert ggn.engine == "func"
+    assert isinstance(ggn._group(0).ggn_factors[0], OuterProductFactors)
+    G = dense_ggn(model, nn.CrossEntropyLoss(), X, y)
+    evals, evecs = ggn.eigh()
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
+    assert_eigenpairs(evals, evecs, G)

@@ -209,12 +209,16 @@ def test_unsupported_layer(run, tmp_path, factories):
 
 
 def test_custom_forward_needs_the_converter(run, tmp_path, factories):
-    status, _, err = run("spectrum", tmp_path / "o", "--model", f"{factories}:residual")
+    status, _, err = run(
+        "spectrum", tmp_path / "o", "--model", f"{factories}:residual",
+        "--engine", "backpack",
+    )  # fmt: skip
     assert status == 2
     assert "use_converter=True" in err
     status, _, err = run(
-        "spectrum", tmp_path / "ok", "--model", f"{factories}:residual_converted"
-    )
+        "spectrum", tmp_path / "ok", "--model", f"{factories}:residual_converted",
+        "--engine", "backpack",
+    )  # fmt: skip
     assert status == 0, err
 
 

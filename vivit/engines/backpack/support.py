@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss, Sequential
+from torch.nn.modules.conv import _ConvNd
 
 from vivit.engines.backpack.extension import GramGGN
 
@@ -46,6 +47,10 @@ def unsupported_reason(model: Module, loss_func: Module, inputs: Tensor) -> str 
             return f"custom forward of {name or 'the model'} ({type(module).__name__})"
         if not has_children and type(module) not in supported:
             return f"layer {name or 'the model'} ({type(module).__name__})"
+        if isinstance(module, _ConvNd) and (
+            module.padding_mode != "zeros" or isinstance(module.padding, str)
+        ):
+            return f"the padding of {name or 'the model'} ({module})"
     names = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     if any(count > 1 for count in names.values()):
         return "a parameter shared between layers"
