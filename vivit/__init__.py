@@ -16,6 +16,7 @@ from vivit.errors import (
     InvalidSubsamplingError,
     ParamGroupError,
     ResultNotReadyError,
+    SharedWeightError,
     UnsupportedLayerError,
 )
 from vivit.linalg.eigh import EighComputation
@@ -36,5 +37,6 @@ __all__ = [
     "LowRankGGN",
     "ParamGroupError",
     "ResultNotReadyError",
+    "SharedWeightError",
     "UnsupportedLayerError",
 ]

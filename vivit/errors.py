@@ -31,3 +31,7 @@ class InvalidSubsamplingError(ValueError):
 
 class ParamGroupError(ValueError):
     """Parameter groups that are malformed or overlap."""
+
+
+class SharedWeightError(UnsupportedLayerError):
+    """A weight used more than once in one forward pass, which an engine cannot sum."""

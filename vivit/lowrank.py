@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-from backpack import backpack, extend
+from backpack import backpack
 from torch import Tensor
 from torch.nn import Module, Parameter
 
@@ -17,7 +17,7 @@ from vivit.directional.gram_space import (
     damped_newton_step,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.engines.backpack import GramGGN
+from vivit.engines.backpack import GramGGN, extended
 from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
 from vivit.linalg.solvers import (
     check_top_k,
@@ -79,15 +79,14 @@ class LowRankGGN:
         if param_groups is None:
             param_groups = [[p for p in model.parameters() if p.requires_grad]]
         check_subsampling(subsampling, inputs.shape[0])
-        _extend_if_needed(model)
-        _extend_if_needed(loss_func)
-        self._backward(
-            lambda: loss_func(model(inputs), targets),
-            param_groups,
-            mc_samples,
-            subsampling,
-            generator,
-        )
+        with extended(model, loss_func) as (net, loss_module):
+            self._backward(
+                lambda: loss_module(net(inputs), targets),
+                param_groups,
+                mc_samples,
+                subsampling,
+                generator,
+            )
 
     @classmethod
     def from_loss(
@@ -376,9 +375,3 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad).step
-
-
-def _extend_if_needed(module: Module) -> None:
-    """Extend a module with BackPACK unless it (or a sub-module) already is."""
-    if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
-        extend(module)

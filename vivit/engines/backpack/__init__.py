@@ -9,5 +9,21 @@ materialising ``V``.
 """
 
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
+from vivit.engines.backpack.hooks import extended, is_extended
+from vivit.engines.backpack.support import (
+    analyse,
+    check_supported,
+    runnable_model,
+    unsupported_reason,
+)
 
-__all__ = ["SAVEFIELD", "GramGGN"]
+__all__ = [
+    "SAVEFIELD",
+    "GramGGN",
+    "analyse",
+    "check_supported",
+    "extended",
+    "is_extended",
+    "runnable_model",
+    "unsupported_reason",
+]
