@@ -6,24 +6,15 @@ Hessian; BackPACK's module derivatives push it through every layer; the module
 extensions of layers with parameters save a
 :class:`~vivit.engines.base.ParamContribution` on each parameter instead of
 materialising ``V``.
+
+:func:`unsupported_reason` says, before any computation, why the engine cannot run
+a model (a layer or function it cannot backpropagate through, a weight used twice),
+or ``None`` if it can. :func:`extended` prepares the caller's model and loss for one
+backward pass and leaves them as they were afterwards.
 """
 
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
-from vivit.engines.backpack.hooks import extended, is_extended
-from vivit.engines.backpack.support import (
-    analyse,
-    check_supported,
-    runnable_model,
-    unsupported_reason,
-)
+from vivit.engines.backpack.hooks import extended
+from vivit.engines.backpack.support import unsupported_reason
 
-__all__ = [
-    "SAVEFIELD",
-    "GramGGN",
-    "analyse",
-    "check_supported",
-    "extended",
-    "is_extended",
-    "runnable_model",
-    "unsupported_reason",
-]
+__all__ = ["SAVEFIELD", "GramGGN", "extended", "unsupported_reason"]

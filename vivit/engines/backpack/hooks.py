@@ -29,24 +29,12 @@ from vivit.engines.backpack.support import inplace_flags, runnable_model
 EXTENDED_FLAG = "_backpack_extend"
 
 
-def is_extended(module: Module) -> bool:
-    """Whether the user extended a module (or one of its sub-modules) with BackPACK.
-
-    Args:
-        module: A model or loss module.
-
-    Returns:
-        ``True`` if ``backpack.extend`` has installed its hooks somewhere in it.
-    """
-    return any(getattr(m, EXTENDED_FLAG, False) for m in module.modules())
-
-
 @contextmanager
 def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]]:
     """Model and loss ready for a BackPACK backward pass, unchanged afterwards.
 
-    Checks the model before any computation (:func:`~vivit.engines.backpack.support.
-    check_supported`), converts it if its forward needs that (a new module holding
+    Checks the model before any computation, converts it if its forward needs that
+    (:func:`~vivit.engines.backpack.support.runnable_model`: a new module holding
     the same layers and parameters; the caller's model is not converted), and
     installs BackPACK's forward and backward hooks on the layers that lack them.
     On exit, also after an error, the hooks are removed, the inputs and outputs

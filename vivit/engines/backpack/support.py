@@ -19,8 +19,8 @@ lists every obstacle, naming the innermost layer or function and where it is cal
 - a forward ``torch.fx`` cannot trace (control flow on tensor values).
 
 :func:`unsupported_reason` is what the ``"auto"`` engine choice asks;
-:func:`check_supported` raises it as an error; :func:`runnable_model` returns the
-module BackPACK runs (the model itself, or its conversion).
+:func:`runnable_model` raises it as an error, or returns the module BackPACK runs
+(the model itself, or its conversion).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from backpack.custom_module.graph_utils import (
 from backpack.utils.module_classification import is_no_op
 from torch.fx import Graph, Node
 from torch.fx.node import _get_qualified_name
-from torch.nn import Module, Parameter
+from torch.nn import Module, Parameter, Sequential
 
 from vivit.engines.backpack.table import (
     LOSSES,
@@ -121,7 +121,10 @@ def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
 
 
 def analyse(model: Module) -> Analysis:
-    """Trace the forward and list what the BackPACK engine cannot handle.
+    """List what the BackPACK engine cannot handle in a model.
+
+    A (nested) ``Sequential`` of ``torch.nn`` layers is read from its structure;
+    any other model is traced with ``torch.fx`` as BackPACK's converter traces it.
 
     Args:
         model: The network.
@@ -129,6 +132,9 @@ def analyse(model: Module) -> Analysis:
     Returns:
         The obstacles and whether the model must be converted.
     """
+    chain = _sequential_chain(model)
+    if chain is not None:
+        return _analyse_calls(model, [(name, "") for name in chain])
     try:
         graph = _trace(model)
     except Exception as error:  # torch.fx raises many kinds of errors
@@ -138,14 +144,10 @@ def analyse(model: Module) -> Analysis:
             "to layer"
         )
         return Analysis([Obstacle(UnsupportedLayerError, message)], True)
-    analysis = Analysis(_shared_weights(model, graph))
-    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    calls = [(n.target, _where(n)) for n in graph.nodes if n.op == "call_module"]
+    analysis = _analyse_calls(model, calls)
     for node in graph.nodes:
-        if node.op == "call_module":
-            layer = model.get_submodule(node.target)
-            if type(layer) not in supported_types():
-                analysis.obstacles.append(_unsupported_layer(node, layer))
-        elif node.op in ("call_function", "call_method"):
+        if node.op in ("call_function", "call_method"):
             analysis.needs_conversion = True
             if not _convertible(node):
                 analysis.obstacles.append(_unsupported_function(node))
@@ -153,8 +155,17 @@ def analyse(model: Module) -> Analysis:
             _get_attr(model, node.target), Parameter
         ):
             analysis.obstacles.append(_direct_parameter(node))
-    analysis.needs_conversion |= any(count > 1 for count in calls.values()) or any(
-        not is_no_op(m) and type(m) not in supported_types() for m in model.modules()
+    # BackPACK's hooks would fire on every module whose forward runs: the model
+    # and the modules traced through must be containers or supported layers.
+    traced_through = {
+        name
+        for node in graph.nodes
+        for name, _ in (node.meta.get("nn_module_stack") or {}).values()
+        if name != node.target
+    }
+    analysis.needs_conversion |= any(
+        not is_no_op(m) and type(m) not in supported_types()
+        for m in [model, *map(model.get_submodule, traced_through)]
     )
     return analysis
 
@@ -175,22 +186,6 @@ def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | 
     """
     obstacles = _obstacles(analyse(model), loss_func)
     return str(refusal(obstacles)) if obstacles else None
-
-
-def check_supported(model: Module, loss_func: Module | None = None) -> None:
-    """Raise the error the BackPACK engine would raise for this model, if any.
-
-    Args:
-        model: The network.
-        loss_func: The loss module, if it should be checked too.
-
-    Raises:
-        SharedWeightError: If a weight is used more than once in a forward pass.
-        UnsupportedLayerError: If a layer, function or loss cannot be handled.
-    """
-    obstacles = _obstacles(analyse(model), loss_func)
-    if obstacles:
-        raise refusal(obstacles)
 
 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
@@ -256,6 +251,27 @@ def _trace(model: Module) -> Graph:
     return tracer.trace(model)
 
 
+def _sequential_chain(model: Module) -> list[str] | None:
+    """Names of the layers a (nested) ``Sequential`` calls, in order, or ``None``.
+
+    ``None`` if the model or a part of it has a custom forward. Each layer is named
+    by its first path in the model, as ``torch.fx`` names it.
+    """
+    names = {id(m): name for name, m in model.named_modules()}
+    is_leaf = BackpackTracer().is_leaf_module
+    chain = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if type(module) is Sequential:
+            stack.extend(reversed(list(module)))
+        elif is_leaf(module, names[id(module)]):
+            chain.append(names[id(module)])
+        else:
+            return None
+    return chain
+
+
 def _get_attr(model: Module, target: str):
     owner, _, name = target.rpartition(".")
     return getattr(model.get_submodule(owner), name)
@@ -286,6 +302,19 @@ def _convertible(node: Node) -> bool:
 
 
 # Obstacles -------------------------------------------------------------------------
+def _analyse_calls(model: Module, calls: list[tuple[str, str]]) -> Analysis:
+    """Obstacles among the layer calls ``(name, where)`` of one forward pass."""
+    targets = [target for target, _ in calls]
+    analysis = Analysis(_shared_weights(model, targets))
+    for target, where in calls:
+        layer = model.get_submodule(target)
+        if type(layer) not in supported_types():
+            analysis.obstacles.append(_unsupported_layer(target, layer, where))
+    # BackPACK stores one input per layer: a layer called twice must be copied
+    analysis.needs_conversion = len(set(targets)) < len(targets)
+    return analysis
+
+
 def _obstacles(analysis: Analysis, loss_func: Module | None) -> list[Obstacle]:
     obstacles = list(analysis.obstacles)
     if loss_func is not None and type(loss_func) not in LOSSES:
@@ -328,15 +357,12 @@ def _user_frame(stack_trace: str | None) -> str | None:
     return f"{os.path.basename(path)}:{line}"
 
 
-def _layer_name(node: Node, layer: Module) -> str:
+def _unsupported_layer(target: str, layer: Module, where: str) -> Obstacle:
     cls = type(layer)
-    return f"`{node.target}` ({cls.__module__}.{cls.__qualname__})"
-
-
-def _unsupported_layer(node: Node, layer: Module) -> Obstacle:
+    name = f"`{target}` ({cls.__module__}.{cls.__qualname__})"
     return Obstacle(
         UnsupportedLayerError,
-        f"layer {_layer_name(node, layer)}{_where(node)} has no BackPACK extension",
+        f"layer {name}{where} has no BackPACK extension",
         layer=True,
     )
 
@@ -397,14 +423,13 @@ def _direct_parameter(node: Node) -> Obstacle:
     )
 
 
-def _shared_weights(model: Module, graph: Graph) -> list[Obstacle]:
+def _shared_weights(model: Module, targets: list[str]) -> list[Obstacle]:
     """One obstacle per set of layer calls that share trainable parameters."""
     uses: dict[int, list[str]] = defaultdict(list)
-    for node in graph.nodes:
-        if node.op == "call_module":
-            for param in model.get_submodule(node.target).parameters():
-                if param.requires_grad:
-                    uses[id(param)].append(node.target)
+    for target in targets:
+        for param in model.get_submodule(target).parameters():
+            if param.requires_grad:
+                uses[id(param)].append(target)
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
