@@ -31,12 +31,11 @@ from vivit.linalg.solvers import (
 class LowRankGGN:
     """The GGN of a mini-batch through its Gram matrix, from one backward pass.
 
-    Runs the forward and backward pass at construction (extending ``model`` and
-    ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
-    parameter group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map
-    Gram-space vectors to parameter space. The parameters' ``.grad`` are left as
-    they were. Extending is permanent: BackPACK's forward hooks then keep each
-    layer's input until the next forward pass.
+    Runs the forward and backward pass at construction and keeps, per parameter
+    group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map Gram-space
+    vectors to parameter space. ``model`` and ``loss_func`` are left as they were:
+    the BackPACK hooks the pass needs are removed again (hooks the caller installed
+    with ``backpack.extend`` stay), and the parameters' ``.grad`` are unchanged.
 
     Example::
 
@@ -44,9 +43,12 @@ class LowRankGGN:
         evals, evecs = ggn.eigh(top_k=10)
 
     Args:
-        model: The network. BatchNorm layers must be in eval mode. Models with a
-            custom forward (residual blocks) must be extended by the caller with
-            ``backpack.extend(model, use_converter=True)``.
+        model: The network. BatchNorm layers must be in eval mode. A custom
+            forward (residual blocks) is converted internally by BackPACK's
+            converter; a layer or function BackPACK cannot backpropagate through,
+            or a weight used twice in the forward pass, raises
+            :class:`~vivit.UnsupportedLayerError` (:class:`~vivit.SharedWeightError`)
+            naming it.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
         data: ``(inputs, targets)`` of the mini-batch.
