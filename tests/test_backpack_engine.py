@@ -26,7 +26,7 @@ from vivit import (
     SharedWeightError,
     UnsupportedLayerError,
 )
-from vivit.engines.backpack import unsupported_reason
+from vivit.engines.backpack import support, unsupported_reason
 
 N, D_IN, C = 4, 3, 3
 
@@ -187,6 +187,28 @@ def test_converted_model_is_not_told_to_convert(build, name):
     message = str(info.value)
     assert name in message and "engine='func'" in message
     assert "convert" not in message
+
+
+def test_converter_failure_is_refused_clearly():
+    # a frozen layer called twice: no shared trainable weight, but BackPACK's
+    # converter refuses to copy a layer with parameters
+    torch.manual_seed(0)
+    frozen = nn.Linear(D_IN, D_IN).requires_grad_(False)
+    model = nn.Sequential(frozen, nn.Tanh(), frozen, nn.Linear(D_IN, C))
+    with pytest.raises(UnsupportedLayerError, match="converter failed") as info:
+        LowRankGGN(model, nn.CrossEntropyLoss(), data())
+    assert "engine='func'" in str(info.value)
+    assert_untouched(model)
+
+
+def test_operation_left_by_converter_is_refused(monkeypatch):
+    # should the analysis ever pass an operation the converter cannot convert,
+    # the converter's warning becomes a refusal instead of a wrong result
+    monkeypatch.setattr(support, "_convertible", lambda node: True)
+    torch.manual_seed(0)
+    model = nn.Sequential(Concat(), nn.Linear(2 * D_IN, C))
+    with pytest.raises(UnsupportedLayerError, match="converter failed.*cat"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), data())
 
 
 def test_untraceable_forward_is_refused():

@@ -30,9 +30,8 @@ MODEL_HELP = (
     "with BatchNorm, ReLU, max-pooling and a linear classifier) or 'MODULE:FACTORY' "
     "with MODULE an importable module (from the current directory) or a path to a "
     "'.py' file and FACTORY a callable without arguments that returns a torch.nn."
-    "Module mapping inputs [N, *shape] to logits [N, C]. Models with a custom "
-    "forward (e.g. residual blocks) must be returned as "
-    "backpack.extend(model, use_converter=True)."
+    "Module mapping inputs [N, *shape] to logits [N, C]. A custom forward (e.g. "
+    "residual blocks) needs no backpack.extend: the engine converts it."
 )
 
 

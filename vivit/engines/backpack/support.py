@@ -7,8 +7,9 @@ converter (``backpack.extend(model, use_converter=True)``) rewrites a custom
 ``forward`` into such a chain when the forward combines layers only by ``+`` of
 tensors, multiplication by a float and ``flatten``.
 
-:func:`analyse` traces the forward with ``torch.fx`` (as the converter does) and
-lists every obstacle, naming the innermost layer or function and where it is called:
+:func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any
+other forward with ``torch.fx`` (as the converter does); it lists every obstacle,
+naming the innermost layer or function and where the forward calls it:
 
 - a layer without a module extension (``LayerNorm``, ``MultiheadAttention``, ...),
 - a function or tensor method the converter cannot turn into a layer (``F.relu``,
@@ -215,9 +216,17 @@ def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
     if not analysis.needs_conversion:
         return model
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a warning here means a node was left
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             converted = convert_module_to_backpack(model, debug=False)
+        left = [w for w in caught if str(w.message).startswith(_NODE_LEFT)]
+        for warning in caught:
+            if warning not in left:
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
+        if left:  # the converter could not turn an operation into a layer
+            raise RuntimeError(str(left[0].message))
     except Exception as error:
         message = (
             f"BackPACK's converter failed on its forward ({type(error).__name__}: "
@@ -225,6 +234,10 @@ def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
         )
         raise refusal([Obstacle(UnsupportedLayerError, message)]) from error
     return converted
+
+
+#: How BackPACK's converter warns about an operation it left in the graph.
+_NODE_LEFT = "Encountered node that may break second-order extensions"
 
 
 def inplace_flags(model: Module) -> dict[Module, bool]:
