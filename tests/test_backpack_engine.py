@@ -230,6 +230,22 @@ def test_unsupported_loss_is_named_without_func_hint():
     assert "NLLLoss" in reason and "engine='func'" not in reason
 
 
+def test_hook_api_names_unsupported_loss():
+    model, loss_func = extend(nn.Linear(D_IN, C)), extend(nn.NLLLoss())
+    computation = EigvalshComputation()
+    groups = [{"params": list(model.parameters())}]
+    inputs, targets = data()
+    with (
+        pytest.raises(UnsupportedLayerError, match="loss NLLLoss") as info,
+        backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ),
+    ):
+        loss_func(model(inputs).log_softmax(1), targets).backward()
+    assert "engine='func'" not in str(info.value)
+
+
 def test_supported_models_have_no_reason():
     for problem in select(loss="ce", reduction="mean"):
         model, loss_func, _, _ = problem.build()

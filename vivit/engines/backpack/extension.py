@@ -14,6 +14,7 @@ from vivit._memory import check_gram_fits
 from vivit._validation import check_mc_samples, check_subsampling
 from vivit.engines.backpack.support import FUNC_HINT, analyse, refusal
 from vivit.engines.backpack.table import (
+    LOSSES,
     module_extensions,
     supported_layer_names,
     supported_types,
@@ -187,6 +188,11 @@ def unsupported_layer_error(module: Module) -> UnsupportedLayerError:
         inside is a shared weight).
     """
     name = f"{type(module).__name__} ({type(module).__module__})"
+    if is_loss(module):
+        losses = ", ".join(cls.__name__ for cls in LOSSES)
+        return UnsupportedLayerError(
+            f"The loss {name} has no BackPACK extension. Supported losses: {losses}."
+        )
     if next(module.children(), None) is not None:
         obstacles = analyse(module).obstacles
         if obstacles:
