@@ -96,36 +96,6 @@ def test_convolution_padding_backpack_gets_wrong(conv):
         )
 
 
-def test_custom_forward_suggests_converter():
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return x + self.inner(x)
-
-    model = nn.Sequential(Residual(), nn.Linear(3, 2))
-    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    with pytest.raises(UnsupportedLayerError, match="use_converter=True"):
-        LowRankGGN(model, nn.CrossEntropyLoss(), data, engine="backpack")
-
-
-def test_top_level_custom_forward_suggests_converter():
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(3, 3)
-            self.head = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return self.head(x + self.inner(x))
-
-    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    with pytest.raises(UnsupportedLayerError, match="use_converter=True"):
-        LowRankGGN(Residual(), nn.CrossEntropyLoss(), data, engine="backpack")
-
-
 def test_result_before_backward():
     model, _, _ = mlp_problem()
     group = {"params": list(model.parameters()), "criterion": lambda evals: [0]}

@@ -22,6 +22,7 @@ from vivit.errors import (
     RandomForwardWarning,
     ResultNotReadyError,
     SampleCouplingError,
+    SharedWeightError,
     UnsupportedDtypeError,
     UnsupportedLayerError,
     UnsupportedLossError,
@@ -54,5 +55,6 @@ __all__ = [
     "ParamGroupError",
     "ResultNotReadyError",
     "SampleCouplingError",
+    "SharedWeightError",
     "UnsupportedLayerError",
 ]

@@ -70,3 +70,7 @@ class RandomForwardWarning(UserWarning):
 
 class SampleCouplingError(VivitError, ValueError):
     """A model whose output for one sample depends on other samples or on chance."""
+
+
+class SharedWeightError(UnsupportedLayerError):
+    """A weight used more than once in one forward pass, which an engine cannot sum."""

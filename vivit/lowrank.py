@@ -26,15 +26,16 @@ class LowRankGGN:
 
     Runs the forward and backward pass at construction and keeps, per parameter
     group, the Gram matrix ``Vᵀ V`` and the layer factors needed to map Gram-space
-    vectors to parameter space. The parameters' ``.grad`` are left as they were.
+    vectors to parameter space. ``model`` and ``loss_func`` are left as they were
+    (whatever hooks an engine needs are removed again; hooks the caller installed
+    with ``backpack.extend`` stay), and the parameters' ``.grad`` are unchanged.
 
     An engine computes the factors (see :doc:`/architecture`): ``"backpack"``
-    extends ``model`` and ``loss_func`` with BackPACK if they are not extended yet
-    (permanently: BackPACK's forward hooks then keep each layer's input until the
-    next forward pass); ``"func"`` needs no ``extend`` and works for any model
-    whose samples are independent (transformers, LSTMs, shared weights, GroupNorm);
-    ``"auto"`` picks BackPACK when it supports every layer and no weight is shared,
-    else func, and logs the choice (logger ``"vivit"``, level INFO).
+    (BackPACK's layers, composed by ``nn.Sequential`` or a custom forward its
+    converter handles); ``"func"`` (any model whose samples are independent:
+    transformers, LSTMs, shared weights, GroupNorm); ``"auto"`` picks BackPACK when
+    it supports the model and no weight is shared, else func, and logs the choice
+    (logger ``"vivit"``, level INFO).
 
     Example::
 
@@ -43,9 +44,10 @@ class LowRankGGN:
 
     Args:
         model: The network. BatchNorm and dropout layers must be in eval mode.
-            With ``engine="backpack"``, models with a custom forward (residual
-            blocks) must be extended by the caller with
-            ``backpack.extend(model, use_converter=True)``.
+            With ``engine="backpack"``, a layer or function BackPACK cannot
+            backpropagate through, or a weight used twice in the forward pass,
+            raises :class:`~vivit.UnsupportedLayerError`
+            (:class:`~vivit.SharedWeightError`) naming it.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
         data: ``(inputs, targets)`` of the mini-batch.
@@ -84,7 +86,7 @@ class LowRankGGN:
         check_subsampling(subsampling, inputs.shape[0])
         check_engine(engine)
         request = self._request(param_groups, mc_samples, subsampling, generator)
-        chosen = resolve_engine(engine, model, loss_func, inputs)
+        chosen = resolve_engine(engine, model, loss_func)
         self._run(
             chosen.name,
             lambda sink: chosen.run(model, loss_func, data, request, sink),

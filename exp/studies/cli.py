@@ -36,9 +36,8 @@ MODEL_HELP = (
     "'MODULE:FACTORY' with MODULE an importable module (from the current directory) "
     "or a path to a '.py' file and FACTORY a callable without arguments that returns "
     "a torch.nn.Module mapping inputs [N, *shape] to logits [N, C] (or [N, C, *T] "
-    "for per-position targets). With --engine backpack, models with a custom "
-    "forward (e.g. residual blocks) must be returned as "
-    "backpack.extend(model, use_converter=True)."
+    "for per-position targets). A custom forward (e.g. residual blocks) needs no "
+    "backpack.extend: either engine handles it."
 )
 
 ENGINE_HELP = (

@@ -279,7 +279,9 @@ def train(name: str, setup: Setup, batches: list[Tensor]) -> dict:
         and setup.args.engine == "backpack"
         and not any(getattr(m, "_backpack_extend", False) for m in model.modules())
     ):
-        model = extend(model)
+        # DampedNewton runs on the caller's extended model; the converter makes
+        # custom forwards (residual blocks) work, as LowRankGGN does internally
+        model = extend(model, use_converter=True)
     optimizer, hyper = make_optimizer(name, model, setup)
     evaluations = [
         {"step": 0, "time_s": 0.0, **evaluate_splits(model, loss_func, data)}

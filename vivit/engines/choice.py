@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from torch import Tensor
 from torch.nn import Module
 
 from vivit.engines.base import Engine
@@ -32,21 +31,18 @@ def check_engine(engine: object) -> None:
     )
 
 
-def resolve_engine(
-    engine: str | Engine, model: Module, loss_func: Module, inputs: Tensor
-) -> Engine:
+def resolve_engine(engine: str | Engine, model: Module, loss_func: Module) -> Engine:
     """The engine to run.
 
-    ``"auto"`` picks the BackPACK engine when BackPACK supports every layer of the
-    model and the loss and no weight is shared, else the func engine, and logs the
-    choice (logger ``"vivit"``, level INFO).
+    ``"auto"`` picks the BackPACK engine when it can run the model and the loss
+    (:func:`vivit.engines.backpack.unsupported_reason`: every layer supported, a
+    forward its converter handles, no weight used twice), else the func engine,
+    and logs the choice and the reason (logger ``"vivit"``, level INFO).
 
     Args:
         engine: A name of :data:`ENGINE_NAMES` or an engine instance.
         model: The network.
         loss_func: The loss module.
-        inputs: Mini-batch inputs (``"auto"`` runs one forward pass without
-            gradients to find layers called more than once).
 
     Returns:
         The engine.
@@ -62,11 +58,11 @@ def resolve_engine(
 
     if engine == "backpack":
         return BackpackEngine()
-    from vivit.engines.backpack.support import unsupported_reason
+    from vivit.engines.backpack import unsupported_reason
 
-    reason = unsupported_reason(model, loss_func, inputs)
+    reason = unsupported_reason(model, loss_func)
     if reason is None:
         logger.info("engine='auto': BackPACK supports the model; using 'backpack'.")
         return BackpackEngine()
-    logger.info("engine='auto': BackPACK does not support %s; using 'func'.", reason)
+    logger.info("engine='auto': using 'func'. %s", reason)
     return FuncEngine()

@@ -12,11 +12,12 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from backpack import backpack, extend
+from backpack import backpack
 from torch import Tensor
 from torch.nn import Module
 
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
+from vivit.engines.backpack.hooks import extended
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -53,7 +54,10 @@ class ContributionHook:
 class BackpackEngine(Engine):
     """Curvature factors from BackPACK's second-order backward pass.
 
-    Models and losses are extended with ``backpack.extend`` if they are not yet.
+    :meth:`run` installs BackPACK's hooks for the one backward pass and removes
+    them again (:func:`~vivit.engines.backpack.hooks.extended`), converting a custom
+    forward if needed; :meth:`run_loss` backpropagates a loss computed by modules
+    the caller extended.
     """
 
     name = "backpack"
@@ -67,9 +71,10 @@ class BackpackEngine(Engine):
         sink: ContributionSink,
     ) -> EngineOutput:
         inputs, targets = data
-        extend_if_needed(model)
-        extend_if_needed(loss_func)
-        return self.run_loss(lambda: loss_func(model(inputs), targets), request, sink)
+        with extended(model, loss_func) as (net, loss_module):
+            return self.run_loss(
+                lambda: loss_module(net(inputs), targets), request, sink
+            )
 
     def run_loss(
         self,
@@ -132,9 +137,3 @@ class BackpackEngine(Engine):
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
         return EngineOutput(loss=loss.detach(), gradients=gradients)
-
-
-def extend_if_needed(module: Module) -> None:
-    """Extend a module with BackPACK unless it (or a sub-module) already is."""
-    if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
-        extend(module)
