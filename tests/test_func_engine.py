@@ -280,7 +280,7 @@ def test_unsupported_loss_and_engine_are_refused():
         LowRankGGN(model, nn.NLLLoss(), (X, y), engine="func")
     with pytest.raises(ValueError, match="engine must be one of"):
         LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="jax")
-    with pytest.raises(ValueError, match="memory_budget must be positive"):
+    with pytest.raises(ValueError, match="memory_budget must be a positive int"):
         FuncEngine(memory_budget=0)
 
 

@@ -7,6 +7,7 @@ import logging
 from torch.nn import Module
 
 from vivit.engines.base import Engine
+from vivit.errors import InvalidArgumentError
 
 #: The names an ``engine`` argument accepts.
 ENGINE_NAMES = ("auto", "backpack", "func")
@@ -21,11 +22,11 @@ def check_engine(engine: object) -> None:
         engine: A name of :data:`ENGINE_NAMES` or an :class:`Engine`.
 
     Raises:
-        ValueError: If it is neither.
+        InvalidArgumentError: If it is neither.
     """
     if isinstance(engine, Engine) or engine in ENGINE_NAMES:
         return
-    raise ValueError(
+    raise InvalidArgumentError(
         f"engine must be one of {ENGINE_NAMES} or a vivit.engines.base.Engine, got "
         f"{engine!r}."
     )

@@ -14,6 +14,7 @@ from vivit.directional.gram_space import Damping
 from vivit.directional.results import NewtonStep
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
+from vivit.errors import InvalidArgumentError
 from vivit.lowrank import LowRankGGN
 
 
@@ -102,7 +103,7 @@ class DampedNewton(Optimizer):
         if not lr > 0:
             raise ValueError(f"lr must be positive, got {lr!r}.")
         if (model is None) != (loss_func is None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "Pass both model and loss_func (to call step(data=...)) or neither "
                 "(to call step(closure))."
             )
@@ -146,7 +147,7 @@ class DampedNewton(Optimizer):
                 or a closure with an engine other than BackPACK.
         """
         if (closure is None) == (data is None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "DampedNewton.step needs either a closure that returns the loss of "
                 "a mini-batch (without calling backward) or data=(inputs, targets) "
                 "for an optimizer built with model= and loss_func=."
@@ -160,7 +161,7 @@ class DampedNewton(Optimizer):
         with torch.enable_grad():
             if data is not None:
                 if self.model is None:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         "step(data=...) needs the model and the loss function: "
                         "build the optimizer with model= and loss_func=."
                     )
@@ -174,7 +175,7 @@ class DampedNewton(Optimizer):
                 )
             else:
                 if self.engine not in ("auto", "backpack"):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"A closure's loss can only be backpropagated by the BackPACK "
                         f"engine, not {self.engine!r}: build the optimizer with "
                         "model= and loss_func= and call step(data=(inputs, targets))."

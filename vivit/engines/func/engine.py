@@ -51,6 +51,7 @@ from vivit.engines.base import (
 from vivit.engines.func.capture import LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.engines.func.vjp import batched_vjp, one_hot_per_sample
+from vivit.errors import InvalidArgumentError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.losses import LossCurvature, check_loss_function
 
@@ -75,16 +76,21 @@ class FuncEngine(Engine):
             module's cost model). Smaller values run more, smaller chunks.
 
     Raises:
-        ValueError: If the budget is not a positive integer.
+        InvalidArgumentError: If the budget is not a positive integer.
     """
 
     name = "func"
 
     def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET):
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
-            raise ValueError(f"memory_budget must be an int, got {memory_budget!r}.")
-        if memory_budget < 1:
-            raise ValueError(f"memory_budget must be positive, got {memory_budget}.")
+        if (
+            isinstance(memory_budget, bool)
+            or not isinstance(memory_budget, int)
+            or memory_budget < 1
+        ):
+            raise InvalidArgumentError(
+                "memory_budget must be a positive int (tensor entries), got "
+                f"{memory_budget!r}."
+            )
         self.memory_budget = memory_budget
 
     def run(  # noqa: D102
