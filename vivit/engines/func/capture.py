@@ -143,7 +143,7 @@ class LayerCapture:
                 handle.remove()
 
     def _record(self, module: Module, args: tuple, output: Tensor) -> None:
-        inputs = args[0]
+        inputs = args[0] if args else None  # keyword inputs: no factor form
         if not isinstance(output, Tensor) or not isinstance(inputs, Tensor):
             return
         self.calls.append(

@@ -107,6 +107,17 @@ class FuncEngine(Engine):
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
+        with torch.enable_grad():  # curvature needs the graph, whatever the caller's
+            return self._run(model, loss_func, data, request, sink)
+
+    def _run(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: tuple[Tensor, Tensor],
+        request: CurvatureRequest,
+        sink: ContributionSink,
+    ) -> EngineOutput:
         inputs, targets = data
         check_loss_function(loss_func)
         check_layers(model)
