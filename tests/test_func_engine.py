@@ -46,6 +46,9 @@ from vivit.optim import DampedNewton
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Using padding='same' with even kernel:UserWarning"
+    ),
 ]
 
 REL = 1e-10
