@@ -39,6 +39,7 @@ from torch import nn
 
 from vivit import LowRankGGN, SampleCouplingError
 from vivit.engines.func import FuncEngine
+from vivit.engines.func.vjp import BatchedVJP
 from vivit.errors import BatchNormTrainingError
 from vivit.gram import OuterProductFactors
 from vivit.optim import DampedNewton
@@ -396,3 +397,18 @@ def test_convolution_padding_modes(conv):
     evals, evecs = ggn.eigh()
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
     assert_eigenpairs(evals, evecs, G)
+
+
+def test_looped_and_vmapped_backward_agree():
+    """Both ways BatchedVJP can push vectors back give the same products."""
+    model, loss_func, X, y = func_reference("lstm-ce-sum").setup
+    output = model(X)
+    params = list(model.lstm.parameters())
+    vectors = torch.randn(5, *output.shape, dtype=output.dtype)
+    results = []
+    for batched in (True, False):
+        vjp = BatchedVJP()
+        vjp.batched = batched
+        results.append(vjp(output, params, vectors, chunk_size=2))
+    for vmapped, looped in zip(*results, strict=True):
+        assert_rel(vmapped, looped, 1e-12)

@@ -52,7 +52,7 @@ from vivit.engines.base import (
 )
 from vivit.engines.func.capture import LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.vjp import batched_vjp, one_hot_per_sample
+from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
 from vivit.errors import InvalidArgumentError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.losses import LossCurvature, check_loss_function
@@ -200,6 +200,7 @@ class FuncEngine(Engine):
     ) -> dict[int, _Collected]:
         collected = {id(p): _Collected() for p in params}
         capture = LayerCapture(model, params)
+        to_layers, to_params = BatchedVJP(), BatchedVJP()
         factor: set[int] | None = None
         num_samples, num_vectors = inputs.shape[0], vectors.shape[0]
         start = 0
@@ -225,11 +226,16 @@ class FuncEngine(Engine):
                     "at once."
                 )
             block = vectors[:, start : start + output.shape[0]]
-            self._factor_chunk(output, block, calls_of, params, collected, per_pass)
+            self._factor_chunk(
+                to_layers(
+                    output, [c.output for c in _calls(calls_of)], block, per_pass
+                ),
+                calls_of,
+                params,
+                collected,
+            )
             if dense:
-                columns = batched_vjp(
-                    output, dense, one_hot_per_sample(block), per_pass
-                )
+                columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
                 for param, cols in zip(dense, columns, strict=True):
                     cols = cols.reshape(output.shape[0], num_vectors, *param.shape)
                     collected[id(param)].columns.append(cols)
@@ -238,19 +244,13 @@ class FuncEngine(Engine):
 
     @staticmethod
     def _factor_chunk(
-        output: Tensor,
-        block: Tensor,
+        at_outputs: list[Tensor],
         calls_of: dict[int, list[LayerCall]],
         params: list[Parameter],
         collected: dict[int, _Collected],
-        per_pass: int,
     ) -> None:
-        """Backpropagate the chunk's vectors to the recorded layer outputs."""
-        calls = list({id(c): c for cs in calls_of.values() for c in cs}.values())
-        if not calls:
-            return
-        at_outputs = batched_vjp(output, [c.output for c in calls], block, per_pass)
-        index = {id(c): i for i, c in enumerate(calls)}
+        """Keep the factors of the chunk's vectors at the recorded layer outputs."""
+        index = {id(c): i for i, c in enumerate(_calls(calls_of))}
         for param in params:
             uses = calls_of.get(id(param))
             if uses is None:
@@ -261,6 +261,11 @@ class FuncEngine(Engine):
             if param is uses[0].module.weight:
                 layer_inputs = [c.layer_inputs() for c in uses]
                 entry.layer_inputs.append(torch.cat(layer_inputs, dim=2))
+
+
+def _calls(calls_of: dict[int, list[LayerCall]]) -> list[LayerCall]:
+    """The distinct recorded calls, in a fixed order."""
+    return list({id(c): c for cs in calls_of.values() for c in cs}.values())
 
 
 def _batch_info(
