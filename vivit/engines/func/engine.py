@@ -2,7 +2,8 @@
 
 No ``backpack.extend`` and nothing left on the caller's model: temporary forward
 hooks record the inputs and outputs of Linear and convolution layers, and
-``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``) pushes
+``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in a
+loop where that is faster, see :class:`~vivit.engines.func.vjp.BatchedVJP`) pushes
 back the columns of the loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN
 and its square root") together with the per-sample output gradients ``∂ℓ_n/∂f_n``:
 
