@@ -226,6 +226,9 @@ METHODS: dict[str, Method] = {
         "this library, exact GGN, top-10, block Krylov on V-products (no Gram)",
         solver="matrix_free",
     ),
+    "vivit-func": vivit_method(
+        "this library, exact GGN, top-10, func engine (no BackPACK)", engine="func"
+    ),
     "vivit-mc1": vivit_method(
         "this library, Monte-Carlo GGN (1 sample), top-10", exact=False, mc_samples=1
     ),

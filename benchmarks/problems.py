@@ -58,6 +58,36 @@ def cnn_3c3d() -> nn.Module:
     return model
 
 
+class PreNormBlock(nn.Module):
+    """Pre-norm transformer encoder block (d=32, 4 heads, GELU MLP of 64), mean
+    pooling, 10 classes: inputs ``[N, 16, 32]``."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attention = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return self.head((x + self.mlp(self.norm2(x))).mean(1))
+
+
+class CharLSTM(nn.Module):
+    """Embedding(10, 32) → LSTM(32, 64) → Linear per position: ``[N, 10, 16]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(NUM_CLASSES, 32)
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+        self.head = nn.Linear(64, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lstm(self.embedding(x))[0]).transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class Problem:
     """A network, its input shape and the batch sizes to benchmark.
@@ -67,12 +97,15 @@ class Problem:
         input_shape: Shape of one input sample.
         batch_sizes: Batch sizes of the full run.
         quick_batch_sizes: Batch sizes of ``--quick``.
+        tokens: Inputs are class-index tokens and targets one class per position
+            (character model) instead of random floats and one class per sample.
     """
 
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
     batch_sizes: tuple[int, ...]
     quick_batch_sizes: tuple[int, ...]
+    tokens: bool = False
 
 
 #: Benchmarked problems (cross-entropy loss, random inputs, 10 classes).
@@ -80,6 +113,8 @@ PROBLEMS: dict[str, Problem] = {
     "mlp-relu": Problem(lambda: mlp("relu"), (784,), (32, 128, 512), (16, 64)),
     "mlp-tanh": Problem(lambda: mlp("tanh"), (784,), (32, 128, 512), (16, 64)),
     "3c3d": Problem(cnn_3c3d, (3, 32, 32), (32, 64, 128), (4, 16)),
+    "transformer": Problem(PreNormBlock, (16, 32), (8, 32, 128), (4,)),
+    "char-lstm": Problem(CharLSTM, (16,), (2, 8, 32), (2,), tokens=True),
 }
 DEFAULT_PROBLEMS = ("mlp-relu", "3c3d")
 
@@ -91,6 +126,11 @@ def make_problem(
     problem = PROBLEMS[name]
     torch.manual_seed(seed)
     model = problem.build().to(device)
-    X = torch.randn(batch_size, *problem.input_shape, device=device)
-    y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
+    if problem.tokens:
+        shape = (batch_size, *problem.input_shape)
+        X = torch.randint(0, NUM_CLASSES, shape, device=device)
+        y = torch.randint(0, NUM_CLASSES, shape, device=device)
+    else:
+        X = torch.randn(batch_size, *problem.input_shape, device=device)
+        y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
     return model, nn.CrossEntropyLoss().to(device), X, y

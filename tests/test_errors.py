@@ -69,7 +69,7 @@ def test_unsupported_layer_is_named(layer, hint):
     model = nn.Sequential(nn.Linear(3, 4), layer, nn.Linear(4, 2))
     data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
     with pytest.raises(UnsupportedLayerError, match=hint) as info:
-        LowRankGGN(model, nn.CrossEntropyLoss(), data)
+        LowRankGGN(model, nn.CrossEntropyLoss(), data, engine="backpack")
     assert "Supported layers: " in str(info.value) and "Linear" in str(info.value)
 
 
@@ -88,37 +88,12 @@ def test_convolution_padding_backpack_gets_wrong(conv):
     X = torch.randn(3, 1, 4, 4)
     model(X)
     with pytest.raises(UnsupportedLayerError, match="padding_mode='zeros'"):
-        LowRankGGN(model, nn.CrossEntropyLoss(), (X, torch.randint(0, 2, (3,))))
-
-
-def test_custom_forward_suggests_converter():
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return x + self.inner(x)
-
-    model = nn.Sequential(Residual(), nn.Linear(3, 2))
-    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    with pytest.raises(UnsupportedLayerError, match="use_converter=True"):
-        LowRankGGN(model, nn.CrossEntropyLoss(), data)
-
-
-def test_top_level_custom_forward_suggests_converter():
-    class Residual(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = nn.Linear(3, 3)
-            self.head = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return self.head(x + self.inner(x))
-
-    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    with pytest.raises(UnsupportedLayerError, match="use_converter=True"):
-        LowRankGGN(Residual(), nn.CrossEntropyLoss(), data)
+        LowRankGGN(
+            model,
+            nn.CrossEntropyLoss(),
+            (X, torch.randint(0, 2, (3,))),
+            engine="backpack",
+        )
 
 
 def test_result_before_backward():

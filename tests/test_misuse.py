@@ -227,6 +227,7 @@ def test_no_grad_context_works(reduction):
     expected = LowRankGGN(model, loss_func, (X, y)).eigvalsh()
     with torch.no_grad():
         evals = LowRankGGN(model, loss_func, (X, y)).eigvalsh()
+        model, loss_func = extend(model), extend(loss_func)  # closures need BackPACK
         from_closure = LowRankGGN.from_loss(
             lambda: loss_func(model(X), y), [list(model.parameters())]
         ).eigvalsh()

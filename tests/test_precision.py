@@ -16,11 +16,12 @@ spectrum; the float32 Gram exceeds it by a factor of more than 100 below
 ``1e-4·λ_max``).
 """
 
+import copy
 import functools
 
 import pytest
 import torch
-from backpack import backpack
+from backpack import backpack, extend
 from reference import dense_ggn
 from torch import nn
 
@@ -112,6 +113,7 @@ def test_float64_accumulation_resolves_the_small_end(reduction):
 
 def test_computation_classes_accept_gram_dtype():
     model, loss_func, X, y, reference = trained_problem("mean")
+    model, loss_func = extend(copy.deepcopy(model)), extend(copy.deepcopy(loss_func))
     groups = [{"params": list(model.parameters()), "criterion": lambda e: [len(e) - 1]}]
     eigvalsh = EigvalshComputation(gram_dtype=torch.float64)
     derivatives = DirectionalDerivativesComputation(gram_dtype=torch.float64)

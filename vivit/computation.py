@@ -31,7 +31,7 @@ from vivit._validation import (
 )
 from vivit.directional.gram_space import directional_derivatives
 from vivit.directional.results import DirectionalDerivatives
-from vivit.engines.backpack import GramGGN
+from vivit.engines.backpack import ContributionHook, GramGGN
 from vivit.engines.base import BatchInfo
 from vivit.errors import ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
@@ -241,7 +241,7 @@ class GroupComputation:
                 print(f"Group {id(group)}: all parameters seen, computing the result")
             self._results[id(group)] = self.compute(group, curvature)
 
-        return GroupCollector(
+        collector = GroupCollector(
             [group["params"] for group in param_groups],
             on_complete,
             keep_factors=self.keep_factors,
@@ -249,6 +249,7 @@ class GroupComputation:
             gradient_samples=self.gradient_samples(),
             gram_dtype=self._gram_dtype,
         )
+        return ContributionHook(collector)
 
     def gradient_samples(self) -> list[int] | None:
         """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all).

@@ -86,3 +86,11 @@ class UnboundedStepWarning(UserWarning):
 
 class RandomForwardWarning(UserWarning):
     """The forward pass draws random numbers (e.g. Dropout in training mode)."""
+
+
+class SampleCouplingError(VivitError, ValueError):
+    """A model whose output for one sample depends on other samples or on chance."""
+
+
+class SharedWeightError(UnsupportedLayerError):
+    """A weight used more than once in one forward pass, which an engine cannot sum."""

@@ -1,11 +1,14 @@
-"""Gather parameter contributions into per-group curvature during the backward pass.
+"""The group pipeline: from parameter contributions to each group's curvature.
 
-A :class:`GroupCollector` is a BackPACK extension hook. After each layer it takes the
-:class:`~vivit.engines.base.ParamContribution` off the layer's parameters, adds its
-Gram block to the group's Gram matrix and drops it, unless the computation needs the
-factors later (to map Gram-space vectors back to parameter space). When the last
-parameter of a group has been seen, the group's :class:`GroupCurvature` is handed to
-a callback.
+Engines hand every parameter's :class:`~vivit.engines.base.ParamContribution` to a
+:class:`GroupCollector` (the engines' :class:`~vivit.engines.base.ContributionSink`).
+It adds the contribution's Gram block to its group's Gram matrix and drops the
+factors, unless later products need them (mapping Gram-space vectors to parameter
+space, ``Vᵀ∇ℓ_n``). When the last parameter of a group has contributed, the
+group's :class:`GroupCurvature` is handed to a callback; it holds the group's Gram
+matrix (or the factors to form it on demand) and answers ``Vᵀ∇ℓ_n`` with caching.
+The eigenpairs are selected by the front doors: by ``top_k`` and a solver in
+:class:`~vivit.LowRankGGN`, by a ViViT criterion in :mod:`vivit.computation`.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Parameter
 
 from vivit._validation import check_subsampling
-from vivit.engines.backpack import SAVEFIELD
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors
 
@@ -49,6 +51,25 @@ class GroupCurvature:
     vt_grads: Tensor | None = None
     ggn_factors: list[ParamFactors] | None = None
     grad_factors: list[ParamFactors] | None = None
+    _vt_grads: dict = field(default_factory=dict, repr=False)
+
+    def gradient_products(self, samples: Sequence[int] | None) -> Tensor:
+        """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples.
+
+        Args:
+            samples: Gradient samples (positions in the mini-batch; ``None``: all).
+
+        Returns:
+            The products, from the kept factors.
+        """
+        samples = check_subsampling(samples, self.batch.batch_size, "subsampling_grad")
+        key = None if samples is None else tuple(samples)
+        if key not in self._vt_grads:
+            self._vt_grads[key] = sum(
+                gradient_cross_gram(ggn, grad, samples)
+                for ggn, grad in zip(self.ggn_factors, self.grad_factors, strict=True)
+            )
+        return self._vt_grads[key]
 
     def in_param_dtypes(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Cast parameter-space results to the dtypes of the group's parameters.
@@ -90,7 +111,7 @@ class _Partial:
 
 
 class GroupCollector:
-    """Extension hook that sums Gram blocks per parameter group.
+    """Sums Gram blocks per parameter group: the sink of every engine.
 
     Args:
         groups: Parameter groups (disjoint lists of parameters).
@@ -109,8 +130,9 @@ class GroupCollector:
             spectrum far below float32 rounding (``docs/math.rst``, "Precision and
             the numerical zero").
 
-    The collector resets a group once it is complete, so one hook serves any number
-    of backward passes.
+    The collector resets a group once it is complete, so one collector serves any
+    number of backward passes. Contributions of parameters outside the groups, or
+    repeated ones, are ignored.
     """
 
     def __init__(
@@ -141,25 +163,16 @@ class GroupCollector:
     def _param_ids(self, group: int) -> set[int]:
         return {id(p) for p in self._groups[group]}
 
-    def __call__(self, module: Module) -> None:
-        """Consume the contributions of a layer's parameters.
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        """Consume one parameter's contribution.
 
         Args:
-            module: The layer BackPACK just processed.
+            param: The parameter.
+            contribution: Its factors and batch context.
         """
-        for param in module.parameters(recurse=False):
-            contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
-            if contribution is None:
-                continue
-            delattr(param, SAVEFIELD)
-            group = self._group_of.get(id(param))
-            if group is None or id(param) not in self._missing[group]:
-                continue
-            self._add(group, param, contribution)
-
-    def _add(
-        self, group: int, param: Parameter, contribution: ParamContribution
-    ) -> None:
+        group = self._group_of.get(id(param))
+        if group is None or id(param) not in self._missing[group]:
+            return
         partial = self._partial[group]
         ggn, grad = contribution.ggn, contribution.grad
         partial.factor_dtype = ggn.dtype

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-from backpack import backpack, extend
 from torch import Tensor
 from torch.nn import Module, Parameter
 
@@ -30,14 +28,10 @@ from vivit.directional.gram_space import (
     damped_newton_step,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.engines.backpack import GramGGN
-from vivit.errors import (
-    GradientContextError,
-    GroupIndexError,
-    InvalidArgumentError,
-    NoCurvatureError,
-)
-from vivit.groups import GroupCollector, GroupCurvature, gradient_cross_gram
+from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
+from vivit.engines.choice import check_engine, resolve_engine
+from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
+from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
 from vivit.linalg.operator import GGNOperator
@@ -54,19 +48,25 @@ from vivit.linalg.top_k import (
     iterative_workspace_bytes,
     leading_eigenpairs,
 )
-from vivit.losses import LossCurvature, check_loss_function
+from vivit.losses import check_loss_function
 
 
 class LowRankGGN:
     """The GGN of a mini-batch through its Gram matrix, from one backward pass.
 
-    Runs the forward and backward pass at construction (extending ``model`` and
-    ``loss_func`` with BackPACK if they are not extended yet) and keeps, per
-    parameter group, the layer factors of ``V``. The Gram matrix ``Vᵀ V`` is formed
-    from them when a computation first needs it (never with the matrix-free
-    solver). The parameters' ``.grad`` are left as
-    they were. Extending is permanent: BackPACK's forward hooks then keep each
-    layer's input until the next forward pass.
+    Runs the forward and backward pass at construction and keeps, per parameter
+    group, the layer factors of ``V``. The Gram matrix ``Vᵀ V`` is formed from them
+    when a computation first needs it (never with the matrix-free solver).
+    ``model`` and ``loss_func`` are left as they were (whatever hooks an engine
+    needs are removed again; hooks the caller installed with ``backpack.extend``
+    stay), and so are the ``.grad`` of inputs and parameters.
+
+    An engine computes the factors (see :doc:`/architecture`): ``"backpack"``
+    (BackPACK's layers, composed by ``nn.Sequential`` or a custom forward its
+    converter handles); ``"func"`` (any model whose samples are independent:
+    transformers, LSTMs, shared weights, GroupNorm); ``"auto"`` picks BackPACK when
+    it supports the model and no weight is shared, else func, and logs the choice
+    (logger ``"vivit"``, level INFO).
 
     Example::
 
@@ -74,9 +74,11 @@ class LowRankGGN:
         evals, evecs = ggn.eigh(top_k=10)
 
     Args:
-        model: The network. BatchNorm layers must be in eval mode. Models with a
-            custom forward (residual blocks) must be extended by the caller with
-            ``backpack.extend(model, use_converter=True)``.
+        model: The network. BatchNorm and dropout layers must be in eval mode.
+            With ``engine="backpack"``, a layer or function BackPACK cannot
+            backpropagate through, or a weight used twice in the forward pass,
+            raises :class:`~vivit.UnsupportedLayerError`
+            (:class:`~vivit.SharedWeightError`) naming it.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
         data: ``(inputs, targets)`` of the mini-batch.
@@ -113,10 +115,13 @@ class LowRankGGN:
             iterative solvers (default ``max(100·ε, 1e-12)`` of the data type).
         solver_seed: Seed of the iterative solvers' random start block; the
             results are deterministic for a given seed.
+        engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
+            (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
 
     Attributes:
         loss: The mini-batch loss (detached).
         param_groups: The parameter groups, as lists of parameters.
+        engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -142,6 +147,7 @@ class LowRankGGN:
         solver: str = "auto",
         solver_tol: float | None = None,
         solver_seed: int = 0,
+        engine: str | Engine = "auto",
     ):
         check_grad_mode("LowRankGGN")
         self._configure_solver(solver, solver_tol, solver_seed)
@@ -156,23 +162,15 @@ class LowRankGGN:
         check_gram_dtype(gram_dtype)
         check_mc_samples(mc_samples)
         check_generator(generator)
-        _extend_if_needed(model)
-        _extend_if_needed(loss_func)
-
-        def compute_loss() -> Tensor:
-            output = model(inputs)
-            check_finite(output, "model output")
-            LossCurvature(loss_func, output, targets)  # names bad targets up front
-            return loss_func(output, targets)
-
-        self._backward(
-            compute_loss,
-            param_groups,
-            mc_samples,
-            subsampling,
-            generator,
+        check_engine(engine)
+        request = self._request(
+            param_groups, mc_samples, subsampling, generator, gram_dtype
+        )
+        chosen = resolve_engine(engine, model, loss_func)
+        self._run(
+            chosen.name,
+            lambda sink: chosen.run(model, loss_func, (inputs, targets), request, sink),
             names,
-            gram_dtype,
         )
 
     @classmethod
@@ -192,8 +190,10 @@ class LowRankGGN:
         """Build from a loss computed by BackPACK-extended model and loss modules.
 
         For use where the forward pass happens elsewhere (e.g. an optimizer's
-        closure). The caller must have extended the model and the loss function
-        with ``backpack.extend``.
+        closure); always uses the BackPACK engine, whose backward pass starts from
+        the loss. The caller must have extended the model and the loss function
+        with ``backpack.extend``. Engines that need the model (func) take the
+        constructor's ``(model, loss_func, data)`` instead.
 
         Args:
             loss: The mini-batch loss, or a function that computes it.
@@ -226,16 +226,18 @@ class LowRankGGN:
         check_mc_samples(mc_samples)
         check_generator(generator)
         check_gram_dtype(gram_dtype)
+        from vivit.engines.backpack import BackpackEngine
+
         ggn = cls.__new__(cls)
         ggn._configure_solver(solver, solver_tol, solver_seed)
-        ggn._backward(
-            loss if callable(loss) else lambda: loss,
-            param_groups,
-            mc_samples,
-            subsampling,
-            generator,
+        request = ggn._request(
+            param_groups, mc_samples, subsampling, generator, gram_dtype
+        )
+        compute_loss = loss if callable(loss) else lambda: loss
+        ggn._run(
+            BackpackEngine.name,
+            lambda sink: BackpackEngine().run_loss(compute_loss, request, sink),
             {},
-            gram_dtype,
         )
         return ggn
 
@@ -257,85 +259,61 @@ class LowRankGGN:
         self._solver_tol = solver_tol
         self._solver_seed = solver_seed
 
-    def _backward(
+    def _request(
         self,
-        compute_loss: Callable[[], Tensor],
         param_groups: list[list[Parameter]],
         mc_samples: int,
         subsampling: Sequence[int] | None,
         generator: torch.Generator | None,
-        names: dict[int, str],
         gram_dtype: torch.dtype | None,
-    ) -> None:
-        """Run the backward pass and keep each group's curvature.
-
-        Leaves the caller's state as it was: parameter and input ``.grad``, the
-        random number generators (forked), grad mode.
-        """
+    ) -> CurvatureRequest:
+        """Describe what the engine must compute (the arguments are validated)."""
         self.param_groups = param_groups
-        extension = GramGGN(
+        self._gram_dtype = gram_dtype
+        return CurvatureRequest(
+            param_groups=self.param_groups,
             mc_samples=mc_samples,
-            subsampling=subsampling,
+            subsampling=check_subsampling(subsampling),
+            generator=generator,
             compute_gradients=True,
             # the dense solver needs every Gram: refuse before the backward pass;
             # others form them on demand, checked then (see _formed_gram)
             num_grams=len(self.param_groups) if self._solver == "dense" else 0,
             gram_dtype=gram_dtype,
         )
+
+    def _run(
+        self,
+        engine: str,
+        run: Callable[[GroupCollector], EngineOutput],
+        names: dict[int, str],
+    ) -> None:
+        """Run an engine into the group pipeline and keep each group's curvature.
+
+        The random number generators are forked (the caller's state is left as it
+        was) and gradients are enabled whatever the caller's context.
+        """
+        self.engine = engine
         self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
-        self._vt_grads_cache: dict[tuple, Tensor] = {}
         collector = GroupCollector(
             self.param_groups,
             self._curvature.__setitem__,
             keep_factors=True,
             keep_gradient_factors=True,
-            gram_dtype=gram_dtype,
+            gram_dtype=self._gram_dtype,
             keep_gram=False,
         )
         params = [p for group in self.param_groups for p in group]
-        saved = [(p, p.grad) for p in params]
-        own = {id(p) for p in params}
-        for param in params:  # autograd would accumulate into them in place
-            param.grad = None
         devices = [p.device for p in params if p.device.type == "cuda"][:1]
-        try:
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                if mc_samples and generator is not None:
-                    seed = torch.randint(
-                        2**62, (), generator=generator, device=generator.device
-                    )
-                    torch.manual_seed(int(seed))
-                loss = compute_loss()
-                loss = _check_loss(loss, params)
-                # every leaf the backward pass reaches (inputs with requires_grad,
-                # parameters outside the groups) gets its .grad back afterwards
-                for leaf in _graph_leaves(loss):
-                    if id(leaf) not in own:
-                        own.add(id(leaf))
-                        saved.append((leaf, leaf.grad))
-                        leaf.grad = None  # autograd may accumulate in place
-                with (
-                    backpack(extension, extension_hook=collector),
-                    warnings.catch_warnings(),
-                ):
-                    # BackPACK's hooks fire on the first layer, whose input needs
-                    # no grad.
-                    warnings.filterwarnings(
-                        "ignore", message="Full backward hook is firing"
-                    )
-                    loss.backward()
-            check_finite(loss.detach(), "loss", batch_axis=False)
-            self._gradients = [
-                [torch.zeros_like(p) if p.grad is None else p.grad for p in group]
-                for group in self.param_groups
-            ]
-        finally:
-            for tensor, grad in saved:
-                tensor.grad = grad
-        self.loss = loss.detach()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            output = run(collector)
+        check_finite(output.loss, "loss", batch_axis=False)
+        self.loss = output.loss
+        gradients = iter(output.gradients)
+        self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
 
         missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
         if missing:
@@ -588,19 +566,7 @@ class LowRankGGN:
 
     def _vt_grads(self, group: int, subsampling_grad: Sequence[int] | None) -> Tensor:
         """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples."""
-        curvature = self._group(group)
-        samples = check_subsampling(
-            subsampling_grad, curvature.batch.batch_size, "subsampling_grad"
-        )
-        key = (group, None if samples is None else tuple(samples))
-        if key not in self._vt_grads_cache:
-            self._vt_grads_cache[key] = sum(
-                gradient_cross_gram(ggn, grad, samples)
-                for ggn, grad in zip(
-                    curvature.ggn_factors, curvature.grad_factors, strict=True
-                )
-            )
-        return self._vt_grads_cache[key]
+        return self._group(group).gradient_products(subsampling_grad)
 
     def _directional(
         self,
@@ -709,59 +675,3 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad, solver=solver).step
-
-
-def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
-    """Check what the forward pass returned before the backward pass runs on it.
-
-    Raises:
-        InvalidArgumentError: If it is not a scalar tensor, or the closure called
-            ``backward()`` itself.
-        GradientContextError: If the loss does not depend on parameters through
-            autograd (computed under ``torch.no_grad()``).
-    """
-    if not isinstance(loss, Tensor):
-        raise InvalidArgumentError(
-            f"The loss must be a tensor, got {type(loss).__name__}: the closure must "
-            "return the loss, e.g. lambda: loss_func(model(inputs), targets)."
-        )
-    if loss.numel() != 1:
-        raise InvalidArgumentError(
-            f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
-            "scalar loss: use reduction='mean' or 'sum'."
-        )
-    if any(p.grad is not None for p in params):
-        raise InvalidArgumentError(
-            "The closure called backward() (the parameters received gradients "
-            "while it ran): return the loss without calling backward; the library "
-            "runs its own backward pass."
-        )
-    if not loss.requires_grad:
-        raise GradientContextError(
-            "The loss does not require gradients: it was computed inside "
-            "torch.no_grad() (or from detached tensors). Pass a function that "
-            "computes the loss instead of the tensor; the library enables "
-            "gradients for it."
-        )
-    return loss
-
-
-def _graph_leaves(loss: Tensor) -> list[Tensor]:
-    """The leaf tensors into whose ``.grad`` ``loss.backward()`` accumulates."""
-    leaves, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if isinstance(variable, Tensor):
-            leaves.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
-
-
-def _extend_if_needed(module: Module) -> None:
-    """Extend a module with BackPACK unless it (or a sub-module) already is."""
-    if not any(getattr(m, "_backpack_extend", False) for m in module.modules()):
-        extend(module)

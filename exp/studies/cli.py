@@ -21,18 +21,30 @@ DATA_HELP = (
     "digits, 1797 images, 10 classes): a '.pt' file saved with torch.save holding a "
     "dict {'inputs': float tensor [N, *shape], 'targets': int tensor [N]}, or a "
     "'.npz' file (numpy.savez) with arrays 'inputs' and 'targets'. Targets are class "
-    "indices in [0, C), C the number of model outputs. The built-in models adapt to "
-    "the input shape (cnn needs [channels, height, width] with height, width >= 4)."
+    "indices in [0, C), C the number of model outputs: one per sample [N], or one "
+    "per position [N, *T] for a model with outputs [N, C, *T] (e.g. a char-LSTM on "
+    "integer token inputs [N, T]). The built-in models adapt to the input shape "
+    "(cnn needs [channels, height, width] with height, width >= 4; transformer "
+    "needs sequences [T, features]; char-lstm integer tokens [T] and targets [N, T])."
 )
 
 MODEL_HELP = (
     "The network: 'mlp' (2 hidden layers of 32 ReLU units), 'cnn' (2 convolutions "
-    "with BatchNorm, ReLU, max-pooling and a linear classifier) or 'MODULE:FACTORY' "
-    "with MODULE an importable module (from the current directory) or a path to a "
-    "'.py' file and FACTORY a callable without arguments that returns a torch.nn."
-    "Module mapping inputs [N, *shape] to logits [N, C]. Models with a custom "
-    "forward (e.g. residual blocks) must be returned as "
-    "backpack.extend(model, use_converter=True)."
+    "with BatchNorm, ReLU, max-pooling and a linear classifier), 'transformer' (a "
+    "pre-norm transformer encoder block with mean pooling, for sequences), "
+    "'char-lstm' (Embedding, LSTM, per-position classifier, for token sequences) or "
+    "'MODULE:FACTORY' with MODULE an importable module (from the current directory) "
+    "or a path to a '.py' file and FACTORY a callable without arguments that returns "
+    "a torch.nn.Module mapping inputs [N, *shape] to logits [N, C] (or [N, C, *T] "
+    "for per-position targets). A custom forward (e.g. residual blocks) needs no "
+    "backpack.extend: either engine handles it."
+)
+
+ENGINE_HELP = (
+    "How vivit computes the curvature: 'backpack' (BackPACK's layers only), 'func' "
+    "(any model whose samples are independent: transformers, LSTMs, shared weights, "
+    "GroupNorm; no backpack.extend) or 'auto' (BackPACK when it supports the model, "
+    "else func)."
 )
 
 
@@ -182,6 +194,12 @@ def base_parser(study: str, description: str) -> argparse.ArgumentParser:
         "model before the study; it must match --model exactly.",
     )
     data.add_argument("--data", type=Path, default=None, help=DATA_HELP)
+    data.add_argument(
+        "--engine",
+        choices=("auto", "backpack", "func"),
+        default="auto",
+        help=ENGINE_HELP,
+    )
     data.add_argument(
         "--test-fraction",
         type=fraction,

@@ -113,16 +113,20 @@ def prepare(args: Namespace, study: str) -> Setup:
     torch.manual_seed(args.seed)
     data = load_dataset(args.data, args.test_fraction, args.seed)
     model = models.build_model(args.model, data.input_shape, data.num_classes)
+    if not data.train_inputs.is_floating_point() and not models.takes_tokens(model):
+        data = data.as_float()
     if args.checkpoint is not None:
         models.load_checkpoint(model, args.checkpoint, args.model)
     model = model.to(device, dtype)
     data = data.to(device, dtype)
     num_outputs = models.check_model_fits(
-        model, data.train_inputs[:2], data.num_classes
+        model, data.train_inputs[:2], data.num_classes, data.train_targets.shape[1:]
     )
     data = replace(data, num_classes=num_outputs)
     loss_func = loss_function()
-    check_supported(model, loss_func, data.train_inputs, data.train_targets)
+    check_supported(
+        model, loss_func, data.train_inputs, data.train_targets, args.engine
+    )
     return Setup(
         study=study,
         args=args,

@@ -16,6 +16,7 @@ from vivit import (
     BatchNormTrainingError,
     GramTooLargeError,
     LowRankGGN,
+    SampleCouplingError,
     UnsupportedLayerError,
 )
 
@@ -67,9 +68,10 @@ def engine_errors(what: str) -> Iterator[None]:
         yield
     except UnsupportedLayerError as error:
         raise StudyError(
-            f"{what}: the model contains a layer vivit's engine cannot handle.\n{error}"
+            f"{what}: the model contains a layer vivit's engine cannot handle "
+            f"(--engine func handles any model with independent samples).\n{error}"
         ) from None
-    except BatchNormTrainingError as error:
+    except (BatchNormTrainingError, SampleCouplingError) as error:
         raise StudyError(f"{what}: {error}") from None
     except GramTooLargeError as error:
         raise StudyError(
@@ -90,6 +92,7 @@ def low_rank_ggn(
     inputs: Tensor,
     targets: Tensor,
     what: str = "Computing the GGN",
+    engine: str = "auto",
     **kwargs,
 ) -> LowRankGGN:
     """``LowRankGGN`` of a mini-batch with the model in evaluation mode.
@@ -100,6 +103,7 @@ def low_rank_ggn(
         inputs: ``[N, *shape]`` mini-batch inputs.
         targets: ``[N]`` labels.
         what: What is computed, for error messages.
+        engine: ``--engine``.
         **kwargs: Passed to :class:`vivit.LowRankGGN` (``mc_samples``,
             ``subsampling``, ``param_groups``, ``generator``).
 
@@ -107,11 +111,15 @@ def low_rank_ggn(
         The low-rank GGN.
     """
     with eval_mode(model), engine_errors(what):
-        return LowRankGGN(model, loss_func, (inputs, targets), **kwargs)
+        return LowRankGGN(model, loss_func, (inputs, targets), engine=engine, **kwargs)
 
 
 def check_supported(
-    model: nn.Module, loss_func: nn.Module, inputs: Tensor, targets: Tensor
+    model: nn.Module,
+    loss_func: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    engine: str = "auto",
 ) -> None:
     """Fail early if vivit cannot compute the model's curvature.
 
@@ -123,13 +131,14 @@ def check_supported(
         loss_func: The extended loss function.
         inputs: At least two inputs.
         targets: Their labels.
+        engine: ``--engine``.
 
     Raises:
         StudyError: If the engine cannot handle the model.
     """
     probe = copy.deepcopy(model)
     what = "Checking that vivit supports the model"
-    ggn = low_rank_ggn(probe, loss_func, inputs[:2], targets[:2], what)
+    ggn = low_rank_ggn(probe, loss_func, inputs[:2], targets[:2], what, engine)
     with engine_errors(what):
         ggn.eigvalsh()
         ggn.directional_derivatives(top_k=1)

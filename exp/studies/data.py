@@ -19,8 +19,8 @@ class Dataset:
     """A classification data set split into training and test samples.
 
     Attributes:
-        train_inputs: ``[N_train, *shape]`` floating-point inputs.
-        train_targets: ``[N_train]`` class indices (int64).
+        train_inputs: ``[N_train, *shape]`` inputs: floating point, or int64 tokens.
+        train_targets: ``[N_train]`` or ``[N_train, *T]`` class indices (int64).
         test_inputs: ``[N_test, *shape]`` floating-point inputs.
         test_targets: ``[N_test]`` class indices (int64).
         num_classes: Number of classes ``C`` (largest label + 1).
@@ -44,17 +44,35 @@ class Dataset:
 
         Args:
             device: Target device.
-            dtype: Floating-point type of the inputs.
+            dtype: Floating-point type of floating inputs (tokens stay int64).
 
         Returns:
             The moved data set.
         """
+
+        def move(inputs: Tensor) -> Tensor:
+            if inputs.is_floating_point():
+                return inputs.to(device, dtype)
+            return inputs.to(device)
+
         return replace(
             self,
-            train_inputs=self.train_inputs.to(device, dtype),
+            train_inputs=move(self.train_inputs),
             train_targets=self.train_targets.to(device),
-            test_inputs=self.test_inputs.to(device, dtype),
+            test_inputs=move(self.test_inputs),
             test_targets=self.test_targets.to(device),
+        )
+
+    def as_float(self) -> Dataset:
+        """Integer inputs as float32 (for models without an embedding).
+
+        Returns:
+            The data set with floating-point inputs.
+        """
+        return replace(
+            self,
+            train_inputs=self.train_inputs.to(torch.float32),
+            test_inputs=self.test_inputs.to(torch.float32),
         )
 
     def describe(self) -> dict:
@@ -149,11 +167,11 @@ def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, 
 
     Args:
         inputs: ``[N, *shape]`` inputs.
-        targets: ``[N]`` class indices.
+        targets: ``[N]`` class indices, or ``[N, *T]`` one per position.
         source: Name of the data for the messages.
 
     Returns:
-        Inputs as float32 and targets as int64.
+        Inputs as float32 (integer inputs as int64 tokens) and targets as int64.
 
     Raises:
         StudyError: If the data cannot be used for classification.
@@ -165,10 +183,11 @@ def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, 
         )
     if not (inputs.is_floating_point() or inputs.dtype in _INTEGER_DTYPES):
         raise StudyError(f"{source}: 'inputs' must be numbers, got {inputs.dtype}.")
-    if targets.ndim != 1 or targets.shape[0] != inputs.shape[0]:
+    if targets.ndim < 1 or targets.shape[0] != inputs.shape[0]:
         raise StudyError(
             f"{source}: 'targets' must have shape [N] = [{inputs.shape[0]}] (one class "
-            f"index per input), got shape {list(targets.shape)}."
+            f"index per input) or [N, *T] (one per position), got shape "
+            f"{list(targets.shape)}."
         )
     if targets.dtype not in _INTEGER_DTYPES:
         raise StudyError(
@@ -176,7 +195,10 @@ def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, 
         )
     if inputs.shape[0] < 4:
         raise StudyError(f"{source}: needs at least 4 samples, got {inputs.shape[0]}.")
-    inputs = inputs.to(torch.float32)
+    if inputs.is_floating_point():
+        inputs = inputs.to(torch.float32)
+    else:
+        inputs = inputs.to(torch.int64)
     if not inputs.isfinite().all():
         raise StudyError(f"{source}: 'inputs' contain NaN or infinite values.")
     targets = targets.to(torch.int64)

@@ -75,9 +75,119 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
     )
 
 
+class PreNormTransformer(nn.Module):
+    """A pre-norm transformer encoder block classifying sequences by mean pooling.
+
+    ``x + attention(norm(x))``, then ``x + mlp(norm(x))`` (GELU), mean over the
+    positions, linear classifier.
+
+    Args:
+        features: Features per position.
+        num_classes: Number of outputs ``C``.
+        heads: Attention heads (must divide ``features``; 1 if it does not).
+    """
+
+    def __init__(self, features: int, num_classes: int, heads: int = 2):
+        super().__init__()
+        heads = heads if features % heads == 0 else 1
+        self.norm1 = nn.LayerNorm(features)
+        self.attention = nn.MultiheadAttention(features, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(features)
+        self.mlp = nn.Sequential(
+            nn.Linear(features, 2 * features),
+            nn.GELU(),
+            nn.Linear(2 * features, features),
+        )
+        self.head = nn.Linear(features, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x.mean(1))
+
+
+def transformer(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A pre-norm transformer block for sequences ``[T, features]``.
+
+    Args:
+        input_shape: ``(positions, features)`` of one input.
+        num_classes: Number of outputs ``C``.
+
+    Returns:
+        The model.
+
+    Raises:
+        StudyError: If the inputs are not sequences of feature vectors.
+    """
+    if len(input_shape) != 2:
+        raise StudyError(
+            f"--model transformer needs sequence inputs [positions, features], but "
+            f"one input has shape {list(input_shape)}."
+        )
+    return PreNormTransformer(input_shape[1], num_classes)
+
+
+class CharLSTM(nn.Module):
+    """Embedding → LSTM → per-position classifier; logits ``[N, C, T]``.
+
+    Args:
+        vocabulary: Number of tokens (and of classes).
+        features: Embedding and hidden size.
+    """
+
+    def __init__(self, vocabulary: int, features: int = 16):
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, features)
+        self.lstm = nn.LSTM(features, features, batch_first=True)
+        self.head = nn.Linear(features, vocabulary)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        hidden, _ = self.lstm(self.embedding(x))
+        return self.head(hidden).transpose(1, 2)
+
+
+def char_lstm(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A character-level LSTM for token sequences ``[T]`` and targets ``[N, T]``.
+
+    Args:
+        input_shape: ``(positions,)`` of one input.
+        num_classes: Number of tokens, which are also the classes.
+
+    Returns:
+        The model.
+
+    Raises:
+        StudyError: If the inputs are not token sequences.
+    """
+    if len(input_shape) != 1:
+        raise StudyError(
+            f"--model char-lstm needs integer token inputs [N, positions], but one "
+            f"input has shape {list(input_shape)}."
+        )
+    return CharLSTM(num_classes)
+
+
+def takes_tokens(model: nn.Module) -> bool:
+    """Whether the model's first layer with parameters is an embedding.
+
+    Args:
+        model: The model.
+
+    Returns:
+        ``True`` if it expects integer token inputs.
+    """
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            return isinstance(module, nn.Embedding)
+    return False
+
+
 BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {
     "mlp": mlp,
     "cnn": cnn,
+    "transformer": transformer,
+    "char-lstm": char_lstm,
 }
 
 
@@ -224,13 +334,20 @@ def plain_text(message: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
 
 
-def check_model_fits(model: nn.Module, sample: torch.Tensor, num_classes: int) -> int:
+def check_model_fits(
+    model: nn.Module,
+    sample: torch.Tensor,
+    num_classes: int,
+    positions: tuple[int, ...] = (),
+) -> int:
     """Check that the model maps the inputs to logits that fit the labels.
 
     Args:
         model: The model (on the device of ``sample``).
         sample: A few inputs ``[n, *shape]``.
         num_classes: Largest label + 1.
+        positions: Shape ``T`` of the per-position targets ``[N, *T]`` (``()``
+            for one label per sample).
 
     Returns:
         The number of model outputs ``C``.
@@ -255,9 +372,11 @@ def check_model_fits(model: nn.Module, sample: torch.Tensor, num_classes: int) -
             "The model must return one row of logits per sample, [N, C]; got "
             f"{getattr(output, 'shape', type(output).__name__)} for N={len(sample)}."
         )
-    if output.ndim != 2:
+    if tuple(output.shape[2:]) != tuple(positions) or output.ndim < 2:
+        expected = "[N, C" + "".join(f", {t}" for t in positions) + "]"
         raise StudyError(
-            f"The model must return logits of shape [N, C], got {list(output.shape)}."
+            f"The model must return logits of shape {expected} for targets of shape "
+            f"[N{''.join(f', {t}' for t in positions)}], got {list(output.shape)}."
         )
     num_outputs = output.shape[1]
     if num_classes > num_outputs:

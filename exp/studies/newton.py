@@ -208,12 +208,22 @@ def make_optimizer(name: str, model: nn.Module, setup: Setup) -> tuple[Optimizer
             )
             hyper["damping_grid"] = damping.damping_grid.tolist()
             hyper["num_resamples"] = args.bootstrap_resamples
+        with_data = (
+            {}
+            if args.engine == "backpack"
+            else {
+                "model": model,
+                "loss_func": setup.loss_func,
+                "engine": args.engine,
+            }
+        )
         optimizer = DampedNewton(
             params,
             lr=args.newton_lr,
             damping=damping,
             top_k=args.top_k,
             trust_fraction=args.trust_fraction,
+            **with_data,
         )
     except ValueError as error:
         raise StudyError(f"{name}: {error}") from None
@@ -252,7 +262,12 @@ def newton_step(
         captured["logits"] = model(inputs)
         return loss_func(captured["logits"], targets)
 
-    loss = optimizer.step(closure)
+    if optimizer.model is None:  # --engine backpack: the extended model's loss
+        loss = optimizer.step(closure)
+    else:  # the accuracy before the step
+        with torch.no_grad():
+            captured["logits"] = model(inputs)
+        loss = optimizer.step(data=(inputs, targets))
     dampings = optimizer.last_steps[0].dampings
     info = {
         "directions": int(dampings.numel()),
@@ -278,10 +293,14 @@ def train(name: str, setup: Setup, batches: list[Tensor]) -> dict:
     args, data, loss_func = setup.args, setup.data, setup.loss_func
     model = copy.deepcopy(setup.model)
     is_newton = name.startswith("newton")
-    if is_newton and not any(
-        getattr(m, "_backpack_extend", False) for m in model.modules()
+    if (
+        is_newton
+        and setup.args.engine == "backpack"
+        and not any(getattr(m, "_backpack_extend", False) for m in model.modules())
     ):
-        model = extend(model)
+        # DampedNewton runs on the caller's extended model; the converter makes
+        # custom forwards (residual blocks) work, as LowRankGGN does internally
+        model = extend(model, use_converter=True)
     optimizer, hyper = make_optimizer(name, model, setup)
     evaluations = [
         {"step": 0, "time_s": 0.0, **evaluate_splits(model, loss_func, data)}

@@ -105,7 +105,14 @@ def probe(
         eigenvalue, the gradient fraction in their span, and the time it took.
     """
     start = time.perf_counter()
-    ggn = low_rank_ggn(model, setup.loss_func, inputs, targets, "Probing curvature")
+    ggn = low_rank_ggn(
+        model,
+        setup.loss_func,
+        inputs,
+        targets,
+        "Probing curvature",
+        engine=setup.args.engine,
+    )
     with engine_errors("Directional derivatives"):
         derivatives = ggn.directional_derivatives(top_k=setup.args.top_k)
     order = derivatives.evals.argsort(descending=True)

@@ -374,7 +374,13 @@ def run(args: argparse.Namespace) -> dict:
 
     def ggn(**kwargs) -> Callable[[], LowRankGGN]:
         return lambda: low_rank_ggn(
-            model, loss_func, inputs, targets, gram_dtype=gram_dtype, **kwargs
+            model,
+            loss_func,
+            inputs,
+            targets,
+            gram_dtype=gram_dtype,
+            engine=args.engine,
+            **kwargs,
         )
 
     def mc_ggn() -> LowRankGGN:  # the same MC samples in every repeated run
@@ -385,6 +391,7 @@ def run(args: argparse.Namespace) -> dict:
             targets,
             mc_samples=args.mc_samples,
             gram_dtype=gram_dtype,
+            engine=args.engine,
             generator=setup.generator(3),
         )
 

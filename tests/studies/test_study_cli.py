@@ -197,20 +197,24 @@ def test_bad_model_spec(run, tmp_path, factories, spec, expected):
 
 def test_unsupported_layer(run, tmp_path, factories):
     status, _, err = run(
-        "newton", tmp_path / "o", "--model", f"{factories}:layernorm_mlp"
+        "newton",
+        tmp_path / "o",
+        "--model",
+        f"{factories}:layernorm_mlp",
+        "--engine",
+        "backpack",
     )
     assert status == 2
     assert "cannot handle" in err and "LayerNorm" in err
 
 
-def test_custom_forward_needs_the_converter(run, tmp_path, factories):
-    status, _, err = run("spectrum", tmp_path / "o", "--model", f"{factories}:residual")
-    assert status == 2
-    assert "use_converter=True" in err
-    status, _, err = run(
-        "spectrum", tmp_path / "ok", "--model", f"{factories}:residual_converted"
-    )
-    assert status == 0, err
+@pytest.mark.parametrize("study", ["spectrum", "newton"])
+def test_custom_forward_runs_with_or_without_converter(run, tmp_path, factories, study):
+    # the engine converts a residual model itself; converted by the user works too
+    for factory in ("residual", "residual_converted"):
+        output = tmp_path / factory
+        status, _, err = run(study, output, "--model", f"{factories}:{factory}")
+        assert status == 0, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is available")

@@ -1,9 +1,23 @@
-"""What every engine hands to the computations: factors and their batch context."""
+"""The engine seam: what every engine hands to the group pipeline.
+
+An engine turns "compute the loss" plus named parameter groups into one
+:class:`BatchInfo` (reduction, samples, columns per sample, subsampling) and, per
+parameter, a :class:`ParamContribution` (its columns of ``V`` and per-sample
+gradients as :mod:`vivit.gram` factor objects). It hands each contribution to a
+:class:`ContributionSink` (the group pipeline, :class:`vivit.groups.GroupCollector`)
+as soon as it exists, and returns the loss and the mini-batch gradient.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter
 
 from vivit.gram import ParamFactors
 from vivit.losses import LossNormalization
@@ -72,3 +86,94 @@ class ParamContribution:
     ggn: ParamFactors
     grad: ParamFactors | None
     batch: BatchInfo
+
+
+@dataclass(frozen=True)
+class CurvatureRequest:
+    """What a front door asks an engine for.
+
+    Attributes:
+        param_groups: Disjoint lists of parameters, one GGN block each.
+        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        subsampling: Samples whose curvature is used (``None``: all).
+        generator: Random generator for reproducible MC sampling.
+        compute_gradients: Also hand out per-sample-gradient factors.
+        num_grams: How many Gram matrices of side ``N·C`` the caller forms right
+            after the backward pass (``None``: one per group); a request whose
+            Gram matrices cannot fit is refused before the backward pass.
+        gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
+            the factors').
+    """
+
+    param_groups: list[list[Parameter]]
+    mc_samples: int = 0
+    subsampling: list[int] | None = None
+    generator: torch.Generator | None = None
+    compute_gradients: bool = True
+    num_grams: int | None = None
+    gram_dtype: torch.dtype | None = None
+
+    @property
+    def grams_formed(self) -> int:
+        """Gram matrices formed right after the backward pass (memory check)."""
+        return len(self.param_groups) if self.num_grams is None else self.num_grams
+
+    @property
+    def params(self) -> list[Parameter]:
+        """Every requested parameter, group by group."""
+        return [p for group in self.param_groups for p in group]
+
+
+class ContributionSink(Protocol):
+    """Receives the contributions of an engine (the group pipeline)."""
+
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        """Consume one parameter's contribution."""
+
+
+@dataclass
+class EngineOutput:
+    """What a run leaves besides the contributions.
+
+    Attributes:
+        loss: The mini-batch loss, detached.
+        gradients: ``∇L`` of every requested parameter, in request order (zeros
+            for parameters the loss does not depend on).
+    """
+
+    loss: Tensor
+    gradients: list[Tensor]
+
+
+class Engine(ABC):
+    """Computes the per-parameter factors of ``V`` of one mini-batch.
+
+    Attributes:
+        name: ``"backpack"`` or ``"func"``.
+    """
+
+    name: str
+
+    @abstractmethod
+    def run(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: tuple[Tensor, Tensor],
+        request: CurvatureRequest,
+        sink: ContributionSink,
+    ) -> EngineOutput:
+        """Evaluate ``loss_func(model(inputs), targets)`` and its curvature factors.
+
+        Leaves the parameters' ``.grad`` as they were.
+
+        Args:
+            model: The network.
+            loss_func: The loss module.
+            data: ``(inputs, targets)`` of the mini-batch.
+            request: Parameter groups and curvature options.
+            sink: Receives every requested parameter's contribution.
+
+        Returns:
+            The loss and the mini-batch gradient.
+        """

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from vivit._validation import (
@@ -21,6 +22,8 @@ from vivit._validation import (
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
+from vivit.engines.base import Engine
+from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
 from vivit.linalg.solvers import check_top_k
 from vivit.lowrank import LowRankGGN
@@ -34,9 +37,23 @@ class DampedNewton(Optimizer):
     updates every group by ``lr · Δθ`` with
     ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over its ``top_k`` leading eigenvectors.
 
-    The model and the loss function must be extended with ``backpack.extend``
-    (``use_converter=True`` for models with a custom forward); the closure returns
-    the loss and must **not** call ``backward``::
+    Two ways to hand over a mini-batch:
+
+    * Give the optimizer the model and the loss function, and each step the data;
+      any engine works (``engine="auto"`` picks one per step, ``"func"`` needs no
+      ``extend`` and handles transformers, LSTMs and shared weights)::
+
+        optimizer = DampedNewton(
+            model.parameters(), top_k=10, damping=1e-2, model=model,
+            loss_func=CrossEntropyLoss(),
+        )
+        for inputs, targets in loader:
+            optimizer.step(data=(inputs, targets))
+
+    * A closure (``torch.optim`` style) that returns the loss and does **not**
+      call ``backward``. The backward pass starts from that loss, so this needs
+      the BackPACK engine: the model and the loss function must be extended with
+      ``backpack.extend`` (``use_converter=True`` for a custom forward)::
 
         model, loss_func = extend(model), extend(CrossEntropyLoss())
         optimizer = DampedNewton(model.parameters())
@@ -104,10 +121,15 @@ class DampedNewton(Optimizer):
         subsampling: Samples whose curvature defines the GGN (``None``: all).
         generator: Random generator for reproducible MC sampling.
         keep_directions: Keep the last step's eigenvectors in parameter space.
+        model: The network, for steps given ``data`` instead of a closure.
+        loss_func: The loss module, for steps given ``data``.
+        engine: Engine for steps given ``data`` (see
+            :class:`~vivit.LowRankGGN`); closures always use BackPACK.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
-            not positive, ``trust_fraction`` not positive and finite, ...).
+            not positive, ``trust_fraction`` not positive and finite, only one of
+            ``model`` and ``loss_func`` given, ...).
         ParamGroupError: If ``params`` is empty or holds something other than
             parameters or dicts of parameters.
         UnsupportedDtypeError: For 16-bit parameters.
@@ -127,6 +149,9 @@ class DampedNewton(Optimizer):
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
+        model: Module | None = None,
+        loss_func: Module | None = None,
+        engine: str | Engine = "auto",
     ):
         check_grad_mode("DampedNewton")
         if (
@@ -135,6 +160,12 @@ class DampedNewton(Optimizer):
             or not 0 < lr < float("inf")
         ):
             raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}.")
+        if (model is None) != (loss_func is None):
+            raise InvalidArgumentError(
+                "Pass both model and loss_func (to call step(data=...)) or neither "
+                "(to call step(closure))."
+            )
+        check_engine(engine)
         check_damping(damping)
         check_trust_fraction(trust_fraction)
         check_top_k(top_k)
@@ -161,39 +192,73 @@ class DampedNewton(Optimizer):
         self.subsampling = subsampling
         self.generator = generator
         self.keep_directions = keep_directions
+        self.model, self.loss_func, self.engine = model, loss_func, engine
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
-    def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
-        """Evaluate the closure, compute the damped Newton step, apply it.
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Tensor] | None = None,
+        *,
+        data: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Compute the damped Newton step of one mini-batch and apply it.
 
         Args:
             closure: Computes and returns the loss of a mini-batch through the
-                extended model and loss function, without calling ``backward``.
+                BackPACK-extended model and loss function, without calling
+                ``backward``.
+            data: ``(inputs, targets)`` of a mini-batch, for an optimizer built
+                with ``model`` and ``loss_func``. Give either this or a closure.
 
         Returns:
-            The loss the closure returned (detached).
+            The mini-batch loss (detached).
 
         Raises:
-            InvalidArgumentError: If no closure is given, or it calls
-                ``backward()``, or the loss is negative while a group has a
-                ``trust_fraction``.
+            InvalidArgumentError: If neither or both of ``closure`` and ``data``
+                are given, ``data`` without ``model``, a closure with an engine
+                other than BackPACK, a closure that calls ``backward()``, or a
+                negative loss while a group has a ``trust_fraction``.
             NonFiniteError: If the loss, the curvature or a step is not finite;
                 the parameters are then left unchanged.
         """
-        if closure is None or not callable(closure):
+        if (closure is None) == (data is None) or (
+            closure is not None and not callable(closure)
+        ):
             raise InvalidArgumentError(
-                "DampedNewton.step needs a closure that returns the loss of a "
-                f"mini-batch (without calling backward), got {closure!r:.60}."
+                "DampedNewton.step needs either a closure that returns the loss of "
+                "a mini-batch (without calling backward) or data=(inputs, targets) "
+                "for an optimizer built with model= and loss_func=."
             )
+        groups = [group["params"] for group in self.param_groups]
+        options = {
+            "mc_samples": self.mc_samples,
+            "subsampling": self.subsampling,
+            "generator": self.generator,
+        }
         with torch.enable_grad():
-            ggn = LowRankGGN.from_loss(
-                closure,
-                [group["params"] for group in self.param_groups],
-                mc_samples=self.mc_samples,
-                subsampling=self.subsampling,
-                generator=self.generator,
-            )
+            if data is not None:
+                if self.model is None:
+                    raise InvalidArgumentError(
+                        "step(data=...) needs the model and the loss function: "
+                        "build the optimizer with model= and loss_func=."
+                    )
+                ggn = LowRankGGN(
+                    self.model,
+                    self.loss_func,
+                    data,
+                    param_groups=groups,
+                    engine=self.engine,
+                    **options,
+                )
+            else:
+                if self.engine not in ("auto", "backpack"):
+                    raise InvalidArgumentError(
+                        f"A closure's loss can only be backpropagated by the BackPACK "
+                        f"engine, not {self.engine!r}: build the optimizer with "
+                        "model= and loss_func= and call step(data=(inputs, targets))."
+                    )
+                ggn = LowRankGGN.from_loss(closure, groups, **options)
         loss = float(ggn.loss)
         steps = [
             ggn.newton(

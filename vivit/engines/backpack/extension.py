@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
+from backpack.utils.module_classification import is_loss
 from torch import Tensor
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
+from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
 from vivit._memory import check_gram_fits
@@ -17,11 +18,15 @@ from vivit._validation import (
     check_subsampling,
     warn_random_forward,
 )
-from vivit.engines.backpack.dtype import avg_pool_extensions
-from vivit.engines.backpack.layers import param_layer_extensions
-from vivit.engines.backpack.losses import GramLoss
+from vivit.engines.backpack.support import FUNC_HINT, analyse, refusal
+from vivit.engines.backpack.table import (
+    LOSSES,
+    module_extensions,
+    supported_layer_names,
+    supported_types,
+)
 from vivit.engines.base import BatchInfo
-from vivit.errors import UnsupportedLayerError, UnsupportedLossError
+from vivit.errors import SharedWeightError, UnsupportedLayerError, UnsupportedLossError
 from vivit.losses import LossNormalization, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
@@ -70,18 +75,13 @@ class GramGGN(SqrtGGN):
             else LossHessianStrategy.SAMPLING
         )
         super().__init__(strategy, SAVEFIELD, check_subsampling(subsampling))
-
-        own = {
-            **param_layer_extensions(),
-            **avg_pool_extensions(),
-            MSELoss: GramLoss(),
-            CrossEntropyLoss: GramLoss(),
-            BCEWithLogitsLoss: GramLoss(),
-        }
-        for layer, module_extension in own.items():
+        # The engine's own table replaces every entry of SqrtGGN's; layers outside
+        # it are refused in __call__ before BackPACK looks anything up.
+        for layer, module_extension in module_extensions().items():
             self.set_module_extension(layer, module_extension, overwrite=True)
-        # BackPACK keeps its table private; read it once to name what is supported.
-        self._supported = tuple(vars(self)["_BackpropExtension__module_extensions"])
+        # Layers and trainable parameters seen in the running backward pass.
+        self._seen_layers: set[int] = set()
+        self._seen_params: set[int] = set()
 
     def get_num_mc_samples(self) -> int:
         """Number of Monte-Carlo samples ``M`` of the loss Hessian.
@@ -94,7 +94,7 @@ class GramGGN(SqrtGGN):
     def __call__(
         self, module: Module, g_inp: tuple[Tensor, ...], g_out: tuple[Tensor, ...]
     ):
-        """Run the module extension of ``module``; refuse layers without one.
+        """Run the module extension of ``module``; refuse what it cannot handle.
 
         Args:
             module: Layer whose backward hook fired.
@@ -105,14 +105,22 @@ class GramGGN(SqrtGGN):
             UnsupportedLayerError: If the layer type has no module extension, or if
                 the backward pass reaches it through an operation outside of
                 ``torch.nn`` layers (e.g. a residual sum in a custom forward).
+            SharedWeightError: If the layer, or one of its parameters, was already
+                reached in this backward pass (a weight used twice in the forward).
         """
         if isinstance(module, _Loss):
             check_loss_function(module)  # names unsupported losses and options
-        if type(module) not in self._supported:
-            raise UnsupportedLayerError(
-                unsupported_layer_message(module, self._supported)
-            )
+        if type(module) not in supported_types():
+            raise unsupported_layer_error(module)
         warn_random_forward(module)
+        if is_loss(module):  # every backward pass starts at the loss
+            self._seen_layers.clear()
+            self._seen_params.clear()
+        params = [p for p in module.parameters() if p.requires_grad]
+        if id(module) in self._seen_layers or any(
+            id(p) in self._seen_params for p in params
+        ):
+            raise SharedWeightError(shared_weight_message(module, bool(params)))
         try:
             super().__call__(module, g_inp, g_out)
         except AssertionError as error:
@@ -121,6 +129,8 @@ class GramGGN(SqrtGGN):
             if self._batch is None:  # the backward pass did not start at a loss
                 self.current_batch(module)
             raise UnsupportedLayerError(lost_quantity_message(module)) from error
+        self._seen_layers.add(id(module))
+        self._seen_params.update(id(p) for p in params)
 
     def start_batch(
         self, loss_module: Module, normalization: LossNormalization
@@ -178,26 +188,66 @@ class GramGGN(SqrtGGN):
         return self._batch
 
 
-def unsupported_layer_message(module: Module, supported: Sequence[type]) -> str:
-    """Explain that a layer is not supported and what to do instead.
+def unsupported_layer_error(module: Module) -> UnsupportedLayerError:
+    """The error for a layer without a module extension, naming what fails inside.
+
+    A layer with a custom forward is analysed (:mod:`~vivit.engines.backpack.
+    support`) to name the innermost layer or function that cannot be handled.
 
     Args:
-        module: The offending layer.
-        supported: Layer classes the engine supports.
+        module: The layer whose backward hook fired.
+
+    Returns:
+        The error to raise (a :class:`~vivit.SharedWeightError` if the problem
+        inside is a shared weight).
+    """
+    name = f"{type(module).__name__} ({type(module).__module__})"
+    if is_loss(module):
+        losses = ", ".join(cls.__name__ for cls in LOSSES)
+        return UnsupportedLayerError(
+            f"The loss {name} has no BackPACK extension. Supported losses: {losses}."
+        )
+    if next(module.children(), None) is not None:
+        obstacles = analyse(module).obstacles
+        if obstacles:
+            return refusal(obstacles, context=f"Inside layer {name}: ")
+        return UnsupportedLayerError(
+            f"Layer {name} has a custom forward, which BackPACK cannot backpropagate "
+            "through as one layer. LowRankGGN(model, ...) converts such models "
+            "itself; with the hook API, extend the converted model: "
+            "model = backpack.extend(model, use_converter=True)."
+        )
+    return UnsupportedLayerError(
+        f"The BackPACK engine cannot handle this model: layer {name} has no "
+        f"BackPACK extension. Supported layers: {supported_layer_names()}. "
+        f"{FUNC_HINT}"
+    )
+
+
+def shared_weight_message(module: Module, has_params: bool) -> str:
+    """Explain that the backward pass reached a layer or a weight a second time.
+
+    Args:
+        module: The layer reached again, or holding a weight reached again.
+        has_params: Whether the layer has trainable parameters.
 
     Returns:
         The error message.
     """
-    names = ", ".join(sorted(cls.__name__ for cls in supported))
+    if not has_params:
+        return (
+            f"The backward pass reached {module} a second time: the layer is called "
+            "more than once in one forward pass, and BackPACK stores one input per "
+            "layer. Use a separate instance for every call, or let "
+            "LowRankGGN(model, ...) convert the model (it copies such layers); "
+            "with the hook API, model = backpack.extend(model, use_converter=True)."
+        )
     return (
-        f"Layer {type(module).__name__} ({module.__class__.__module__}) is not "
-        "supported "
-        f"by the BackPACK engine. Supported layers: {names}. A module with a custom "
-        "forward (e.g. a residual block) can often be converted: "
-        "backpack.extend(model, use_converter=True). Architectures BackPACK cannot "
-        "extend (attention, LayerNorm, weight sharing) need a matrix-free GGN for "
-        "now (e.g. curvlinops' GGNLinearOperator with scipy.sparse.linalg.eigsh); a "
-        "torch.func engine for them is planned."
+        f"The BackPACK engine cannot handle this model: the backward pass reached "
+        f"{module}, or one of its parameters, a second time, so a weight is used "
+        "more than once in one forward pass (a layer called twice, or weights tied "
+        "between layers). BackPACK keeps one contribution per parameter and would "
+        f"drop the others. {FUNC_HINT}"
     )
 
 
@@ -212,9 +262,10 @@ def lost_quantity_message(module: Module) -> str:
     """
     return (
         f"The backward pass reached {module} without the square root of the GGN: "
-        "between this layer and the loss, the model combines tensors outside of "
-        "torch.nn layers (e.g. a residual sum x + block(x) or a concatenation in a "
-        "custom forward), which BackPACK cannot follow. Convert the model with "
-        "backpack.extend(model, use_converter=True), which turns such operations "
-        "into layers BackPACK supports."
+        "between this layer and the loss, the forward combines tensors outside of "
+        "torch.nn layers, which BackPACK cannot follow. BackPACK's converter turns "
+        "`+` of two tensors, multiplication by a float and flatten into layers "
+        "(LowRankGGN(model, ...) converts models itself; with the hook API, use "
+        "model = backpack.extend(model, use_converter=True)); any other function "
+        f"(torch.cat, F.relu, ...) needs a supported layer in its place. {FUNC_HINT}"
     )

@@ -1,0 +1,414 @@
+"""The func engine against dense float64 references and against the BackPACK engine.
+
+References (``tests/reference.py``) use only ``torch.func`` on the whole batch,
+independently of both engines: the dense GGN ``G = R Σ_n J_nᵀ H_n J_n``, per-sample
+gradients ``∇ℓ_n`` and per-sample GGNs ``G_n`` (``docs/math.rst``, "Ground truth
+for tests"). Directions are the engine's own eigenvectors, certified by their
+residual against the dense GGN; γ, λ and Newton steps are then compared with the
+dense formulas along them (``docs/math.rst``, "Directional derivatives", "Damped
+Newton step").
+
+Tolerances (float64, ε ≈ 2.2e-16, D ≤ 200, Gram side ≤ 60): eigenvalues within
+1e-10·λ_max and residuals ≤ 1e-8·λ (``checks.py``); γ, λ and steps within 1e-10
+of the largest reference entry. The errors of the Gram eigendecomposition and of
+the products stay around 1e-13 relative, while a wrong scale (R, √R, N, C), a
+missing sample, a dropped use of a shared weight or a missing cross term is an
+O(1) error.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from typing import NamedTuple
+
+import pytest
+import torch
+from checks import assert_eigenpairs, assert_top_eigvals, flat_evecs, layer_groups
+from func_problems import FUNC_PROBLEMS, TwiceLinear
+from problems import PROBLEMS, Setup, prepare, problem_ids
+from reference import (
+    dense_ggn,
+    dense_gradient,
+    per_sample_ggns,
+    per_sample_gradients,
+    reduction_factor,
+)
+from torch import nn
+
+from vivit import LowRankGGN, SampleCouplingError
+from vivit.engines.func import FuncEngine
+from vivit.engines.func.vjp import BatchedVJP
+from vivit.errors import BatchNormTrainingError
+from vivit.gram import OuterProductFactors
+from vivit.optim import DampedNewton
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Using padding='same' with even kernel:UserWarning"
+    ),
+]
+
+REL = 1e-10
+TOP_K = 3
+
+
+class Reference(NamedTuple):
+    setup: Setup
+    grads: torch.Tensor  # [N, D] ∇ℓ_n
+    ggns: torch.Tensor  # [N, D, D] G_n
+    gradient: torch.Tensor  # [D] ∇L
+
+
+@functools.cache
+def func_reference(name: str) -> Reference:
+    (problem,) = [p for p in FUNC_PROBLEMS if p.name == name]
+    setup = problem.setup()
+    model, loss_func, X, y = setup
+    return Reference(
+        setup,
+        per_sample_gradients(model, loss_func, X, y),
+        per_sample_ggns(model, loss_func, X, y),
+        dense_gradient(model, loss_func, X, y),
+    )
+
+
+def ggn_of(ref: Reference, samples: list[int] | None) -> torch.Tensor:
+    """G of the loss on ``samples`` alone: R_S Σ_{n∈S} G_n."""
+    ggns = ref.ggns if samples is None else ref.ggns[samples]
+    return reduction_factor(ref.setup.loss_func, len(ggns)) * ggns.sum(0)
+
+
+def align_signs(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Flip each column (direction) of ``actual`` to the sign of ``expected``'s."""
+    signs = torch.sign((actual * expected).sum(0))
+    return actual * torch.where(signs == 0, 1.0, signs)
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:
+    """Entry-wise |actual − expected| ≤ rel · max|expected|."""
+    assert actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)
+
+
+def dense_newton(ref: Reference, evals, E, damping: float, grad_samples):
+    """−Σ_k γ̄_k / (λ_k + δ) e_k with γ̄_k = e_kᵀ ∇L of the gradient samples."""
+    grads = ref.grads if grad_samples is None else ref.grads[grad_samples]
+    gamma_bar = reduction_factor(ref.setup.loss_func, len(grads)) * (grads @ E.T).sum(0)
+    return (-gamma_bar / (evals + damping)) @ E
+
+
+# ----------------------------------------------------------------------------------
+# Models BackPACK cannot extend
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [p.name for p in FUNC_PROBLEMS])
+@pytest.mark.parametrize("subsampling", [None, [2, 0]], ids=["full", "subsampled"])
+def test_func_problem(name, subsampling):
+    """Eigenpairs, γ, λ and the Newton step through engine='auto', without extend."""
+    ref = func_reference(name)
+    model, loss_func, X, y = ref.setup
+    ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
+    assert ggn.engine == "func"
+    G = ggn_of(ref, subsampling)
+    assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), REL)
+    evals, evecs = ggn.eigh()
+    assert_eigenpairs(evals, evecs, G)
+
+    top, top_evecs = ggn.eigh(top_k=TOP_K)
+    E = flat_evecs(top_evecs)
+    grad_samples = [1, 2, 0]
+    dd = ggn.directional_derivatives(top_k=TOP_K, subsampling_grad=grad_samples)
+    gammas = ref.grads[grad_samples] @ E.T
+    assert_rel(align_signs(dd.gammas, gammas), gammas)
+    ggns = ref.ggns if subsampling is None else ref.ggns[subsampling]
+    assert_rel(dd.lambdas, torch.einsum("kd,nde,ke->nk", E, ggns, E))
+
+    step = ggn.newton_step(top_k=TOP_K, damping=0.3, subsampling_grad=grad_samples)
+    expected = dense_newton(ref, top, E, 0.3, grad_samples)
+    actual = torch.cat([s.flatten() for s in step])
+    assert (actual - expected).norm() <= REL * expected.norm()
+    assert_rel(torch.cat([g.flatten() for g in ggn.gradient()]), ref.gradient)
+
+
+@pytest.mark.parametrize("name", ["transformer-ce-mean", "lstm-ce-sum"])
+def test_func_parameter_groups(name):
+    """One block per layer: each group's eigenpairs are those of its GGN block."""
+    ref = func_reference(name)
+    model, loss_func, X, y = ref.setup
+    groups = layer_groups(model)
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=groups, engine="func")
+    for index, group in enumerate(groups):
+        G = dense_ggn(model, loss_func, X, y, params=group)
+        assert_top_eigvals(ggn.eigvalsh(index), torch.linalg.eigvalsh(G), REL)
+        evals, evecs = ggn.eigh(group=index)
+        assert_eigenpairs(evals, evecs, G)
+
+
+def test_shared_linear_keeps_factor_form():
+    """A Linear applied twice keeps its factor form, with both uses stacked."""
+    model, loss_func, X, y = func_reference("twice-mse-mean").setup
+    ggn = LowRankGGN(model, loss_func, (X, y), engine="func")
+    weight_factors = ggn._group(0).ggn_factors[0]
+    assert isinstance(weight_factors, OuterProductFactors)
+    assert weight_factors._T == 2  # one position per use
+
+
+@pytest.mark.parametrize("name", ["transformer-mse-sum", "twice-bce-sum"])
+def test_chunks_give_the_same_result(name):
+    """A tiny memory budget (one sample, one vector at a time) changes nothing."""
+    model, loss_func, X, y = func_reference(name).setup
+    whole = LowRankGGN(model, loss_func, (X, y), engine="func")
+    chunked = LowRankGGN(model, loss_func, (X, y), engine=FuncEngine(memory_budget=1))
+    assert_rel(chunked.gram(), whole.gram(), 1e-12)
+    assert_rel(
+        chunked.directional_derivatives().gammas, whole.directional_derivatives().gammas
+    )
+
+
+# ----------------------------------------------------------------------------------
+# The registry through "func", and against "backpack"
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=problem_ids(PROBLEMS))
+def test_registry_func_matches_dense_and_backpack(problem):
+    """Exact eigenpairs through func; the same γ, λ and Newton steps as BackPACK."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    subsampling = [0, 2, 3]
+    func = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling, engine="func")
+    G = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
+    evals, evecs = func.eigh()
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
+    assert_eigenpairs(evals, evecs, G)
+
+    bp = LowRankGGN(
+        model, loss_func, (X, y), subsampling=subsampling, engine="backpack"
+    )
+    assert bp.engine == "backpack"
+    assert_top_eigvals(func.eigvalsh(), bp.eigvalsh(), REL)
+    func_dd = func.directional_derivatives(top_k=TOP_K, subsampling_grad=[3, 1])
+    bp_dd = bp.directional_derivatives(top_k=TOP_K, subsampling_grad=[3, 1])
+    assert_rel(func_dd.evals, bp_dd.evals)
+    assert_rel(func_dd.lambdas, bp_dd.lambdas)
+    assert_rel(align_signs(func_dd.gammas, bp_dd.gammas), bp_dd.gammas)
+    func_step = torch.cat([s.flatten() for s in func.newton_step(top_k=TOP_K)])
+    bp_step = torch.cat([s.flatten() for s in bp.newton_step(top_k=TOP_K)])
+    assert (func_step - bp_step).norm() <= REL * bp_step.norm()
+
+
+# ----------------------------------------------------------------------------------
+# Engine choice and what the caller keeps
+# ----------------------------------------------------------------------------------
+
+
+def test_auto_logs_its_choice(caplog):
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64, extend=False)
+    with caplog.at_level(logging.INFO, logger="vivit"):
+        assert LowRankGGN(model, loss_func, (X, y)).engine == "backpack"
+    assert "using 'backpack'" in caplog.text
+    shared = nn.Linear(4, 4).double()
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 3)).double()
+    with caplog.at_level(logging.INFO, logger="vivit"):
+        assert LowRankGGN(model, loss_func, (X, y)).engine == "func"
+    assert "used 2 times in one forward pass" in caplog.text
+    model, loss_func, X, y = func_reference("transformer-ce-mean").setup
+    with caplog.at_level(logging.INFO, logger="vivit"):
+        assert LowRankGGN(model, loss_func, (X, y)).engine == "func"
+
+
+def test_func_leaves_model_as_it_was():
+    """No hooks, no changed .grad or parameters; torch.func still works on it."""
+    model, loss_func, X, y = func_reference("transformer-ce-mean").setup
+    params = [p.detach().clone() for p in model.parameters()]
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    LowRankGGN(model, loss_func, (X, y), engine="func")
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+        assert not module._backward_hooks
+    assert (model.head.weight.grad == 1).all()
+    assert all(
+        p.grad is None for n, p in model.named_parameters() if n != "head.weight"
+    )
+    for before, after in zip(params, model.parameters(), strict=True):
+        assert torch.equal(before, after)
+    dense_gradient(model, loss_func, X, y)  # torch.func on the same modules
+
+
+# ----------------------------------------------------------------------------------
+# Refused input
+# ----------------------------------------------------------------------------------
+
+
+class Centered(nn.Module):
+    """Subtracts the batch mean: every output depends on every sample."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+class Noisy(nn.Module):
+    """Adds fresh noise in every forward pass."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)
+
+
+@pytest.mark.parametrize(
+    "layer, error",
+    [
+        (nn.BatchNorm1d(4).train(), BatchNormTrainingError),
+        (nn.Dropout(0.5).train(), SampleCouplingError),
+        (Centered(), SampleCouplingError),
+        (Noisy(), SampleCouplingError),
+    ],
+    ids=["batchnorm-train", "dropout-train", "batch-mean", "noise"],
+)
+def test_coupled_or_random_models_are_refused(layer, error):
+    model = nn.Sequential(nn.Linear(3, 4), layer, nn.Linear(4, 2)).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(error, match="model.eval()|mix"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="func")
+
+
+def test_unsupported_loss_and_engine_are_refused():
+    model = TwiceLinear().double()
+    X, y = torch.randn(3, 4, dtype=torch.float64), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="NLLLoss is not supported"):
+        LowRankGGN(model, nn.NLLLoss(), (X, y), engine="func")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="jax")
+    with pytest.raises(ValueError, match="memory_budget must be a positive int"):
+        FuncEngine(memory_budget=0)
+
+
+# ----------------------------------------------------------------------------------
+# Monte-Carlo GGN
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, mc_samples", [("lstm-ce-mean", 2), ("twice-bce-sum", 1)]
+)
+def test_func_mc_unbiased(name, mc_samples):
+    """tr(VᵀV) = tr(G^MC) is an unbiased estimate of tr(G); γ and R Σ_n λ_nk exact."""
+    ref = func_reference(name)
+    model, loss_func, X, y = ref.setup
+    gen = torch.Generator().manual_seed(0)
+    runs = 150
+    ggns = [
+        LowRankGGN(
+            model,
+            loss_func,
+            (X, y),
+            mc_samples=mc_samples,
+            generator=gen,
+            engine="func",
+        )
+        for _ in range(runs)
+    ]
+    traces = torch.stack([ggn.gram().trace() for ggn in ggns])
+    exact = ggn_of(ref, None).trace()
+    standard_error = traces.std() / runs**0.5
+    # 4 standard errors: a false alarm has p < 1e-4 (and the seed fixes the outcome)
+    assert (traces.mean() - exact).abs() <= 4 * standard_error
+    assert 4 * standard_error < 0.5 * exact  # narrower than a factor-2 error
+    assert not torch.allclose(traces[0], exact, rtol=0, atol=1e-6)
+
+    ggn = ggns[0]
+    assert ggn.gram().shape == (len(X) * mc_samples,) * 2
+    evals, evecs = ggn.eigh()
+    dd = ggn.directional_derivatives()
+    R = reduction_factor(loss_func, len(X))
+    assert_rel(R * dd.lambdas.sum(0), evals)
+    gammas = ref.grads @ flat_evecs(evecs).T
+    assert_rel(align_signs(dd.gammas, gammas), gammas)
+
+
+# ----------------------------------------------------------------------------------
+# DampedNewton with the model and loss function
+# ----------------------------------------------------------------------------------
+
+
+def test_damped_newton_step_with_data():
+    """step(data=...) applies lr·Δθ of the func engine's Newton step (dense-checked
+    in test_func_problem), on an LSTM that needs no extend."""
+    ref = func_reference("lstm-ce-sum")
+    model, loss_func, X, y = ref.setup
+    model = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = LowRankGGN(model, loss_func, (X, y), engine="func").newton_step(
+        top_k=TOP_K, damping=0.5
+    )
+    optimizer = DampedNewton(
+        model.parameters(),
+        lr=0.3,
+        damping=0.5,
+        top_k=TOP_K,
+        model=model,
+        loss_func=loss_func,
+        engine="func",
+    )
+    loss = optimizer.step(data=(X, y))
+    torch.testing.assert_close(loss, loss_func(ref.setup.model(X), y).detach())
+    for p, p0, s in zip(model.parameters(), before, step, strict=True):
+        assert_rel(p.detach() - p0, 0.3 * s)
+
+
+def test_damped_newton_refuses_closure_for_func():
+    model, loss_func, X, y = func_reference("twice-mse-mean").setup
+    optimizer = DampedNewton(model.parameters(), engine="func")
+    with pytest.raises(ValueError, match="model= and loss_func="):
+        optimizer.step(lambda: loss_func(model(X), y))
+    with pytest.raises(ValueError, match="needs the model"):
+        optimizer.step(data=(X, y))
+    with pytest.raises(ValueError, match="both model and loss_func"):
+        DampedNewton(model.parameters(), model=model)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(2, 3, 2, padding="same"),
+        nn.Conv2d(2, 3, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.Conv1d(2, 4, 3, padding=2, padding_mode="circular", dilation=2, groups=2),
+        nn.Conv3d(2, 2, 2, padding=1, padding_mode="replicate"),
+    ],
+    ids=["same-even-kernel", "reflect-stride", "circular-groups-1d", "replicate-3d"],
+)
+def test_convolution_padding_modes(conv):
+    """Factor forms of convolutions with every padding mode, against dense."""
+    torch.manual_seed(0)
+    spatial = {nn.Conv1d: (5,), nn.Conv2d: (4, 4), nn.Conv3d: (3, 3, 3)}[type(conv)]
+    X = torch.randn(3, 2, *spatial, dtype=torch.float64)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten()).double()
+    model.append(nn.Linear(model(X).shape[1], 2).double())
+    y = torch.tensor([0, 1, 1])
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (X, y))
+    assert ggn.engine == "func"
+    assert isinstance(ggn._group(0).ggn_factors[0], OuterProductFactors)
+    G = dense_ggn(model, nn.CrossEntropyLoss(), X, y)
+    evals, evecs = ggn.eigh()
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
+    assert_eigenpairs(evals, evecs, G)
+
+
+def test_looped_and_vmapped_backward_agree():
+    """Both ways BatchedVJP can push vectors back give the same products."""
+    model, loss_func, X, y = func_reference("lstm-ce-sum").setup
+    output = model(X)
+    params = list(model.lstm.parameters())
+    vectors = torch.randn(5, *output.shape, dtype=output.dtype)
+    results = []
+    for batched in (True, False):
+        vjp = BatchedVJP()
+        vjp.batched = batched
+        results.append(vjp(output, params, vectors, chunk_size=2))
+    for vmapped, looped in zip(*results, strict=True):
+        assert_rel(vmapped, looped, 1e-12)

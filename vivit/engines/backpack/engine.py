@@ -1,0 +1,207 @@
+"""The BackPACK engine behind the engine seam.
+
+:class:`BackpackEngine` runs one backward pass inside ``backpack(GramGGN(...))``;
+:class:`ContributionHook` is the BackPACK extension hook that takes each
+parameter's :class:`~vivit.engines.base.ParamContribution` off the parameter (where
+the extension saved it) and hands it to the group pipeline.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from backpack import backpack
+from torch import Tensor
+from torch.nn import Module
+
+from vivit._validation import check_finite
+from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
+from vivit.engines.backpack.hooks import extended
+from vivit.engines.base import (
+    ContributionSink,
+    CurvatureRequest,
+    Engine,
+    EngineOutput,
+    ParamContribution,
+)
+from vivit.errors import GradientContextError, InvalidArgumentError
+from vivit.losses import LossCurvature
+
+
+class ContributionHook:
+    """BackPACK extension hook: forward each parameter's contribution to a sink.
+
+    Args:
+        sink: The group pipeline.
+    """
+
+    def __init__(self, sink: ContributionSink):
+        self.sink = sink
+
+    def __call__(self, module: Module) -> None:
+        """Hand on the contributions of a layer's parameters.
+
+        Args:
+            module: The layer BackPACK just processed.
+        """
+        for param in module.parameters(recurse=False):
+            contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
+            if contribution is None:
+                continue
+            delattr(param, SAVEFIELD)
+            self.sink.add(param, contribution)
+
+
+class BackpackEngine(Engine):
+    """Curvature factors from BackPACK's second-order backward pass.
+
+    :meth:`run` installs BackPACK's hooks for the one backward pass and removes
+    them again (:func:`~vivit.engines.backpack.hooks.extended`), converting a custom
+    forward if needed; :meth:`run_loss` backpropagates a loss computed by modules
+    the caller extended.
+    """
+
+    name = "backpack"
+
+    def run(  # noqa: D102
+        self,
+        model: Module,
+        loss_func: Module,
+        data: tuple[Tensor, Tensor],
+        request: CurvatureRequest,
+        sink: ContributionSink,
+    ) -> EngineOutput:
+        inputs, targets = data
+
+        with extended(model, loss_func) as (net, loss_module):
+
+            def compute_loss() -> Tensor:
+                output = net(inputs)
+                check_finite(output, "model output")
+                LossCurvature(loss_module, output, targets)  # names bad targets
+                return loss_module(output, targets)
+
+            return self.run_loss(compute_loss, request, sink)
+
+    def run_loss(
+        self,
+        compute_loss: Callable[[], Tensor],
+        request: CurvatureRequest,
+        sink: ContributionSink,
+    ) -> EngineOutput:
+        """Run the backward pass of a loss computed by extended modules.
+
+        Leaves the ``.grad`` of every leaf the backward pass reaches (parameters,
+        inputs that require gradients) as it was.
+
+        Args:
+            compute_loss: Computes the mini-batch loss through modules extended
+                with ``backpack.extend``.
+            request: Parameter groups and curvature options.
+            sink: Receives every requested parameter's contribution.
+
+        Returns:
+            The loss and the mini-batch gradient.
+
+        Raises:
+            InvalidArgumentError: If the loss is not a scalar tensor, or the
+                closure called ``backward()``.
+            GradientContextError: If the loss was computed without gradients.
+        """
+        extension = GramGGN(
+            mc_samples=request.mc_samples,
+            subsampling=request.subsampling,
+            compute_gradients=request.compute_gradients,
+            num_grams=request.grams_formed,
+            gram_dtype=request.gram_dtype,
+        )
+        params = request.params
+        saved = [(p, p.grad) for p in params]
+        own = {id(p) for p in params}
+        for param in params:  # autograd would accumulate into them in place
+            param.grad = None
+        try:
+            with torch.enable_grad():
+                if request.mc_samples and request.generator is not None:
+                    generator = request.generator
+                    seed = torch.randint(
+                        2**62, (), generator=generator, device=generator.device
+                    )
+                    torch.manual_seed(int(seed))  # the caller forks the RNG
+                loss = _check_loss(compute_loss(), params)
+                # every leaf the backward pass reaches (inputs with requires_grad,
+                # parameters outside the groups) gets its .grad back afterwards
+                for leaf in _graph_leaves(loss):
+                    if id(leaf) not in own:
+                        own.add(id(leaf))
+                        saved.append((leaf, leaf.grad))
+                        leaf.grad = None  # autograd may accumulate in place
+                with (
+                    backpack(extension, extension_hook=ContributionHook(sink)),
+                    warnings.catch_warnings(),
+                ):
+                    # BackPACK's hooks fire on the first layer, whose input needs
+                    # no grad.
+                    warnings.filterwarnings(
+                        "ignore", message="Full backward hook is firing"
+                    )
+                    loss.backward()
+            gradients = [
+                torch.zeros_like(p) if p.grad is None else p.grad for p in params
+            ]
+        finally:
+            for tensor, grad in saved:
+                tensor.grad = grad
+        return EngineOutput(loss=loss.detach(), gradients=gradients)
+
+
+def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
+    """Check what the forward pass returned before the backward pass runs on it.
+
+    Raises:
+        InvalidArgumentError: If it is not a scalar tensor, or the closure called
+            ``backward()``.
+        GradientContextError: If the loss does not depend on parameters through
+            autograd (computed under ``torch.no_grad()``).
+    """
+    if not isinstance(loss, Tensor):
+        raise InvalidArgumentError(
+            f"The loss must be a tensor, got {type(loss).__name__}: the closure must "
+            "return the loss, e.g. lambda: loss_func(model(inputs), targets)."
+        )
+    if loss.numel() != 1:
+        raise InvalidArgumentError(
+            f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
+            "scalar loss: use reduction='mean' or 'sum'."
+        )
+    if any(p.grad is not None for p in params):
+        raise InvalidArgumentError(
+            "The closure called backward() (the parameters received gradients "
+            "while it ran): return the loss without calling backward; the library "
+            "runs its own backward pass."
+        )
+    if not loss.requires_grad:
+        raise GradientContextError(
+            "The loss does not require gradients: it was computed inside "
+            "torch.no_grad() (or from detached tensors). Pass a function that "
+            "computes the loss instead of the tensor; the library enables "
+            "gradients for it."
+        )
+    return loss
+
+
+def _graph_leaves(loss: Tensor) -> list[Tensor]:
+    """The leaf tensors into whose ``.grad`` ``loss.backward()`` accumulates."""
+    leaves, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves

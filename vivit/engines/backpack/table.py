@@ -1,0 +1,109 @@
+"""The module table of the BackPACK engine: which layer runs which extension.
+
+The engine owns this table; it is the one list of what the BackPACK engine supports
+(:func:`supported_types`), used both to run the backward pass and to decide, before
+any computation, whether a model can be handled (:mod:`vivit.engines.backpack.support`).
+Parameter-free layers backpropagate with BackPACK's ``SqrtGGN`` module extensions;
+layers with parameters and losses use vivit's (:mod:`~vivit.engines.backpack.layers`,
+:mod:`~vivit.engines.backpack.losses`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from backpack.custom_module.branching import SumModule
+from backpack.custom_module.pad import Pad
+from backpack.custom_module.scale_module import ScaleModule
+from backpack.custom_module.slicing import Slicing
+from backpack.extensions.module_extension import ModuleExtension
+from backpack.extensions.secondorder.sqrt_ggn import (
+    activations,
+    custom_module,
+    dropout,
+    flatten,
+    pad,
+    padding,
+    pooling,
+    slicing,
+)
+from torch.nn import (
+    ELU,
+    SELU,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    Dropout,
+    Flatten,
+    Identity,
+    LeakyReLU,
+    LogSigmoid,
+    MaxPool1d,
+    MaxPool2d,
+    MaxPool3d,
+    Module,
+    MSELoss,
+    ReLU,
+    Sigmoid,
+    Tanh,
+    ZeroPad2d,
+)
+
+from vivit.engines.backpack.dtype import avg_pool_extensions
+from vivit.engines.backpack.layers import param_layer_extensions
+from vivit.engines.backpack.losses import GramLoss
+
+#: Loss modules the engine starts the backward pass at.
+LOSSES: tuple[type[Module], ...] = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
+
+
+def module_extensions() -> dict[type[Module], ModuleExtension]:
+    """A fresh module table: one module extension per supported layer class.
+
+    Returns:
+        Mapping from layer class (exact type, not sub-classes) to its extension.
+    """
+    return {
+        MSELoss: GramLoss(),
+        CrossEntropyLoss: GramLoss(),
+        BCEWithLogitsLoss: GramLoss(),
+        **param_layer_extensions(),
+        **avg_pool_extensions(),
+        MaxPool1d: pooling.SqrtGGNMaxPool1d(),
+        MaxPool2d: pooling.SqrtGGNMaxPool2d(),
+        MaxPool3d: pooling.SqrtGGNMaxPool3d(),
+        ZeroPad2d: padding.SqrtGGNZeroPad2d(),
+        Dropout: dropout.SqrtGGNDropout(),
+        Flatten: flatten.SqrtGGNFlatten(),
+        ReLU: activations.SqrtGGNReLU(),
+        Sigmoid: activations.SqrtGGNSigmoid(),
+        Tanh: activations.SqrtGGNTanh(),
+        LeakyReLU: activations.SqrtGGNLeakyReLU(),
+        LogSigmoid: activations.SqrtGGNLogSigmoid(),
+        ELU: activations.SqrtGGNELU(),
+        SELU: activations.SqrtGGNSELU(),
+        Identity: custom_module.SqrtGGNScaleModule(),
+        ScaleModule: custom_module.SqrtGGNScaleModule(),
+        SumModule: custom_module.SqrtGGNSumModule(),
+        Pad: pad.SqrtGGNPad(),
+        Slicing: slicing.SqrtGGNSlicing(),
+    }
+
+
+@cache
+def supported_types() -> frozenset[type[Module]]:
+    """Layer and loss classes the BackPACK engine supports.
+
+    Returns:
+        The keys of :func:`module_extensions`.
+    """
+    return frozenset(module_extensions())
+
+
+def supported_layer_names() -> str:
+    """The supported layer classes (losses excluded), for error messages.
+
+    Returns:
+        Their names, sorted and comma-separated.
+    """
+    layers = supported_types() - set(LOSSES)
+    return ", ".join(sorted(cls.__name__ for cls in layers))

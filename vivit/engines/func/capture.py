@@ -1,0 +1,211 @@
+"""Factor forms of Linear and convolution weights from forward hooks.
+
+During a forward pass, :class:`LayerCapture` records the input ``a`` and output
+``z`` of every call of a Linear or convolution layer whose weight is requested.
+Backpropagating the columns of the loss-Hessian root to ``z`` gives the vectors
+``s̃``; the weight's columns of ``V`` are then ``Σ_t s̃[t] a[t]ᵀ`` and never need to
+be formed (``docs/math.rst``, "Layer structure"). A layer called several times (a
+shared weight) stacks its calls along the position axis ``T``:
+``Σ_u Σ_t s̃ᵘ[t] aᵘ[t]ᵀ`` is exactly the sum of the contributions of the uses,
+cross terms between the uses included in every Gram block.
+
+A parameter gets a factor form only if every one of its uses in the autograd graph
+is a recorded call (see :func:`count_uses`); otherwise the engine falls back to its
+dense columns, which are exact for any use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+
+#: Layers whose weight has the outer-product factor form.
+FACTOR_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
+_CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass
+class LayerCall:
+    """One call of a factor-form layer.
+
+    Attributes:
+        module: The layer.
+        inputs: Its input, detached.
+        output: Its output (part of the autograd graph).
+        versions: Version counters of input and output when recorded.
+    """
+
+    module: Module
+    inputs: Tensor
+    output: Tensor
+    versions: tuple[int, int]
+
+    def unchanged(self) -> bool:
+        """Whether neither tensor was modified in place after the call."""
+        return (self.inputs._version, self.output._version) == self.versions
+
+    def layer_inputs(self) -> Tensor:
+        """The layer input in factor layout ``[B, G, T, P]``."""
+        if isinstance(self.module, Linear):
+            return self.inputs.reshape(
+                self.inputs.shape[0], 1, -1, self.inputs.shape[-1]
+            )
+        unfolded = unfold_conv_input(self.module, self.inputs)  # [B, I·k, T]
+        groups = self.module.groups
+        unfolded = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
+        return unfolded.transpose(2, 3)
+
+    def output_vectors(self, vectors: Tensor) -> Tensor:
+        """Vectors ``[V, B, *out]`` at the layer output as ``[V, B, G, T, O]``."""
+        num, batch = vectors.shape[:2]
+        if isinstance(self.module, Linear):
+            return vectors.reshape(num, batch, 1, -1, vectors.shape[-1])
+        groups = self.module.groups
+        vectors = vectors.reshape(
+            num, batch, groups, self.module.out_channels // groups, -1
+        )
+        return vectors.transpose(3, 4)
+
+
+def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
+    """Patches of a convolution input, ``[B, C_in·k, T]`` (``k`` kernel entries).
+
+    A grouped convolution with one-hot kernels copies every patch entry into its
+    own channel: works for 1d, 2d and 3d, any stride, dilation and padding mode.
+
+    Args:
+        module: A ``torch.nn.Conv{1,2,3}d``.
+        inputs: Its input ``[B, C_in, *spatial]``.
+
+    Returns:
+        The unfolded input; channel ``c·k + j`` is entry ``j`` of input channel ``c``.
+    """
+    kernel = module.kernel_size
+    dims = len(kernel)
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    padded = F.pad(inputs, module._reversed_padding_repeated_twice, mode=mode)
+    entries = math.prod(kernel)
+    eye = torch.eye(entries, dtype=inputs.dtype, device=inputs.device)
+    one_hot = eye.reshape(entries, 1, *kernel).repeat(
+        module.in_channels, *[1] * (dims + 1)
+    )
+    patches = _CONVOLUTIONS[dims](
+        padded,
+        one_hot,
+        stride=module.stride,
+        dilation=module.dilation,
+        groups=module.in_channels,
+    )
+    return patches.reshape(patches.shape[0], patches.shape[1], -1)
+
+
+@dataclass
+class LayerCapture:
+    """Forward hooks that record the calls of factor-form layers.
+
+    Args:
+        model: The network.
+        params: The requested parameters; only layers whose weight is among them
+            are recorded.
+
+    Attributes:
+        calls: Recorded calls, in forward order.
+    """
+
+    model: Module
+    params: list[Parameter]
+    calls: list[LayerCall] = field(default_factory=list)
+
+    def __post_init__(self):
+        requested = {id(p) for p in self.params}
+        self.layers = [
+            m
+            for m in self.model.modules()
+            if isinstance(m, FACTOR_LAYERS) and id(m.weight) in requested
+        ]
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record calls inside the block; the hooks are removed afterwards."""
+        self.calls = []
+        handles = [m.register_forward_hook(self._record) for m in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _record(self, module: Module, args: tuple, output: Tensor) -> None:
+        inputs = args[0] if args else None  # keyword inputs: no factor form
+        if not isinstance(output, Tensor) or not isinstance(inputs, Tensor):
+            return
+        self.calls.append(
+            LayerCall(
+                module, inputs.detach(), output, (inputs._version, output._version)
+            )
+        )
+
+    def factor_params(self, output: Tensor) -> dict[int, list[LayerCall]]:
+        """Parameters whose every use in the graph of ``output`` is a recorded call.
+
+        Args:
+            output: The model output of the recorded forward pass.
+
+        Returns:
+            Map from ``id(param)`` (weights and biases of recorded layers) to the
+            calls that use it.
+        """
+        calls_of: dict[int, list[LayerCall]] = {}
+        params: dict[int, Parameter] = {}
+        for call in self.calls:
+            for param in (call.module.weight, call.module.bias):
+                if param is not None and param.requires_grad:
+                    calls_of.setdefault(id(param), []).append(call)
+                    params[id(param)] = param
+        uses = count_uses(output, list(params.values()))
+        return {
+            key: calls
+            for key, calls in calls_of.items()
+            if uses[key] == len(calls) and all(c.unchanged() for c in calls)
+        }
+
+
+def _accumulator(param: Parameter):
+    """The autograd node that accumulates ``param``'s gradient."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def count_uses(output: Tensor, params: list[Parameter]) -> dict[int, int]:
+    """How many operations of the graph of ``output`` consume each parameter.
+
+    Args:
+        output: A tensor computed from the parameters.
+        params: Parameters that require gradients.
+
+    Returns:
+        Map from ``id(param)`` to its number of direct uses.
+    """
+    owner = {_accumulator(p): id(p) for p in params}
+    uses = dict.fromkeys((id(p) for p in params), 0)
+    if output.grad_fn is None:
+        return uses
+    seen = {output.grad_fn}
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in owner:
+                uses[owner[child]] += 1
+            elif child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return uses

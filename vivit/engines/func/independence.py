@@ -1,0 +1,78 @@
+"""Refuse models whose output for one sample depends on other samples or on chance.
+
+Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone
+(``docs/math.rst``, "Setting"): the GGN is then a sum over samples. Layers known to
+break this in training mode are refused before the forward pass (so that, e.g.,
+BatchNorm's running statistics are not updated); anything else is caught by one
+extra forward pass without gradients in which sample 0 is replaced by a copy of
+sample 1: every other output must stay as it was, and the copy must give sample
+1's output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
+
+from vivit.errors import BatchNormTrainingError, SampleCouplingError
+
+
+def check_layers(model: Module) -> None:
+    """Refuse layers that couple samples or draw random numbers in training mode.
+
+    Args:
+        model: The network.
+
+    Raises:
+        BatchNormTrainingError: For a BatchNorm layer in training mode.
+        SampleCouplingError: For a dropout layer in training mode with ``p > 0``.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and module.training:
+            raise BatchNormTrainingError(
+                f"{name or 'The model'} ({module}) is in training mode: its output "
+                "mixes the samples of the mini-batch, so the GGN has no per-sample "
+                "structure. Call model.eval() before computing curvature (BatchNorm "
+                "then uses its running statistics), or use a per-sample "
+                "normalization (LayerNorm, GroupNorm)."
+            )
+        if isinstance(module, _DropoutNd) and module.training and module.p > 0:
+            raise SampleCouplingError(
+                f"{name or 'The model'} ({module}) is in training mode: the forward "
+                "pass is random, so the GGN of one mini-batch is not defined. Call "
+                "model.eval() before computing curvature."
+            )
+
+
+def check_samples_independent(model: Module, inputs: Tensor, output: Tensor) -> None:
+    """Re-run the model with sample 0 replaced by sample 1; outputs must agree.
+
+    Args:
+        model: The network.
+        inputs: The mini-batch inputs.
+        output: ``model(inputs)`` of the same parameters (detached).
+
+    Raises:
+        SampleCouplingError: If an output changed.
+    """
+    perturbed = inputs.clone()
+    if len(inputs) > 1:
+        perturbed[0] = inputs[1]
+    with torch.no_grad():
+        again = model(perturbed)
+    expected = output.clone()
+    if len(inputs) > 1:
+        expected[0] = output[1]
+    eps = torch.finfo(output.dtype).eps if output.is_floating_point() else 0.0
+    tolerance = eps**0.5 * (1.0 + output.abs().max().item())
+    if again.shape != expected.shape or (again - expected).abs().max() > tolerance:
+        raise SampleCouplingError(
+            "The model's output for one sample depends on the other samples of the "
+            "mini-batch or on random numbers: changing sample 0 (or running the "
+            "model again) changed the outputs of other samples. The GGN's per-sample "
+            "structure needs independent, deterministic samples: call model.eval() "
+            "(BatchNorm, dropout) and remove operations that mix the batch axis."
+        )
