@@ -144,3 +144,27 @@ def test_float32_and_misuse():
         op.matvec([torch.ones(3)])
     with pytest.raises(ValueError, match="top_k must be a positive integer"):
         op.pinv_matvec(torch.ones(D), top_k=0)
+
+
+def test_float32_model_with_float64_gram():
+    """A float32 model with ``gram_dtype=float64``: float32 vectors in and out.
+
+    The products run in float64 from float32 factors, so they carry only the
+    factors' rounding: ``G v`` within ``1e-5·‖G‖·‖v‖`` of the float64 dense GGN.
+    """
+    problem = COVER[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    model32 = model.float()
+    ggn = LowRankGGN(model32, loss_func, (X.float(), y), gram_dtype=torch.float64)
+    op = ggn.operator()
+    assert op.dtype == torch.float32
+    v = torch.randn(G.shape[0], generator=torch.Generator().manual_seed(0))
+    result = op.matvec(v)
+    assert result.dtype == torch.float32
+    scale = G.norm(2) * v.norm()
+    torch.testing.assert_close(
+        result.double(), G @ v.double(), atol=1e-5 * scale.item(), rtol=0
+    )
+    pinv = op.pinv_matvec(v, top_k=TOP_K)
+    assert pinv.dtype == torch.float32 and pinv.isfinite().all()

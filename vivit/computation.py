@@ -33,7 +33,7 @@ from vivit.directional.gram_space import directional_derivatives
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import ContributionHook, GramGGN
 from vivit.engines.base import BatchInfo
-from vivit.errors import ResultNotReadyError
+from vivit.errors import InvalidArgumentError, ResultNotReadyError
 from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.solvers import check_gram_dtype, gram_eigh, numerical_zero_tolerance
 
@@ -93,7 +93,7 @@ def criterion_indices(keep: object, num_evals: int) -> Tensor:
         or indices.is_floating_point()
         or indices.is_complex()
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             'A group\'s "criterion" must return the indices of the eigenvalues to '
             "keep (a list or 1-d tensor of ints, e.g. [evals.numel() - 1] for the "
             f"largest) or a boolean mask over all {num_evals} of them; got {keep!r}."
@@ -101,7 +101,7 @@ def criterion_indices(keep: object, num_evals: int) -> Tensor:
     indices = indices.to(torch.long).cpu()
     outside = indices[(indices < -num_evals) | (indices >= num_evals)]
     if outside.numel():
-        raise ValueError(
+        raise InvalidArgumentError(
             f'The "criterion" returned indices {outside.tolist()} outside the '
             f"{num_evals} eigenvalues it received (valid: 0 to {num_evals - 1}, or "
             "negative from the end)."

@@ -250,11 +250,13 @@ class LowRankGGN:
             or not isinstance(solver_tol, (int, float))
             or not 0 < solver_tol < 1
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"solver_tol must be a number in (0, 1) or None, got {solver_tol!r}."
             )
         if isinstance(solver_seed, bool) or not isinstance(solver_seed, int):
-            raise ValueError(f"solver_seed must be an integer, got {solver_seed!r}.")
+            raise InvalidArgumentError(
+                f"solver_seed must be an integer, got {solver_seed!r}."
+            )
         self._solver = solver
         self._solver_tol = solver_tol
         self._solver_seed = solver_seed

@@ -36,6 +36,7 @@ from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import check_mc_samples
+from vivit.errors import InvalidArgumentError
 from vivit.linalg.top_k import check_solver, choose_solver, iterative_workspace_bytes
 
 
@@ -130,7 +131,9 @@ def estimate_memory(
         or not isinstance(batch_size, int)
         or batch_size < 1
     ):
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        raise InvalidArgumentError(
+            f"batch_size must be a positive integer, got {batch_size!r}."
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     if param_groups is None:
         param_groups = [params]
@@ -206,9 +209,11 @@ def largest_batch(
         ValueError: If the budget is not positive or a keyword is not allowed.
     """
     if not budget_bytes > 0:
-        raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}.")
+        raise InvalidArgumentError(
+            f"budget_bytes must be positive, got {budget_bytes!r}."
+        )
     if "num_curvature_samples" in request:
-        raise ValueError(
+        raise InvalidArgumentError(
             "largest_batch searches the mini-batch size; num_curvature_samples "
             "would stay fixed. Leave it out."
         )

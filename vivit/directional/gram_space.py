@@ -255,7 +255,7 @@ def damped_newton_step(
     """
     check_damping(damping)
     if not lr > 0:
-        raise ValueError(f"lr must be positive, got {lr!r}.")
+        raise InvalidArgumentError(f"lr must be positive, got {lr!r}.")
     evals = directional.evals
     if evals.numel() > 0 and callable(damping):
         dampings = damping(evals, gram_evecs, directional.gammas, directional.lambdas)

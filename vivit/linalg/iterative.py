@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vivit.errors import SolverNotConvergedError
+from vivit.errors import InvalidArgumentError, SolverNotConvergedError
 
 #: Extra columns of the block beyond ``top_k``: ``b = max(2·k, k + 8)``. Krylov
 #: convergence of ``λ_k`` is governed by ``λ_{b+1} / λ_k``; oversampling makes
@@ -129,7 +129,7 @@ def block_krylov_eigh(
     """
     tol = default_tolerance(dtype) if tol is None else tol
     if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol!r}.")
+        raise InvalidArgumentError(f"tol must be positive, got {tol!r}.")
     top_k = min(top_k, size)
     width = min(size, block_size or max(2 * top_k, top_k + MIN_OVERSAMPLING))
     width = max(width, top_k)

@@ -27,6 +27,7 @@ from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 from torch.nn import Parameter
 
+from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
 
@@ -47,7 +48,8 @@ class GGNOperator:
 
     Attributes:
         shape: ``(D, D)``.
-        dtype: Data type of the products (the parameters').
+        dtype: Data type of the vectors and results (the parameters'); the
+            products run in the factors' type (``gram_dtype`` if one was given).
         device: Their device.
     """
 
@@ -64,6 +66,7 @@ class GGNOperator:
         self.shape = (size, size)
         self.dtype = params[0].dtype
         self.device = params[0].device
+        self._work_dtype = self._factors[0].dtype
 
     def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
         """``G v``.
@@ -144,13 +147,25 @@ class GGNOperator:
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
         """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
 
+        The rows are in the factors' type, the results of the way back in the
+        parameters'.
+        """
+        rows, restore = self._parameter_rows(vectors)
+        rows = [row.to(self._work_dtype) for row in rows]
+        return rows, lambda result: restore([r.to(self.dtype) for r in result])
+
+    def _parameter_rows(
+        self, vectors: Tensor | Sequence[Tensor]
+    ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
+        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
+
         Raises:
             ValueError: If the vectors do not match the group's parameters.
         """
         size = self.shape[0]
         if isinstance(vectors, Tensor):
             if vectors.ndim not in (1, 2) or vectors.shape[0] != size:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Expected a flat vector [{size}] or vectors [{size}, K] over "
                     f"the group's {size} parameters, got {tuple(vectors.shape)}."
                 )
@@ -181,7 +196,7 @@ class GGNOperator:
             and len({s[0] for s in shapes}) == 1
         ):
             return vectors, list
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Expected one tensor per parameter of the group with shapes {expected} "
             f"(optionally with a leading axis K), got {shapes}."
         )

@@ -194,7 +194,7 @@ def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
         ValueError: If it is anything else.
     """
     if gram_dtype is not None and gram_dtype not in GRAM_DTYPES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"gram_dtype must be None (the model's dtype), torch.float32 or "
             f"torch.float64, got {gram_dtype!r}. Use torch.float64 to resolve the "
             "small eigenvalues of a float32 model."

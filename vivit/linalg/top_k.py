@@ -46,7 +46,7 @@ from vivit._memory import (
     dense_workspace_bytes,
     itemsize,
 )
-from vivit.errors import SolverNotConvergedError
+from vivit.errors import InvalidArgumentError, SolverNotConvergedError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
@@ -80,10 +80,10 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
             iterative solver is asked for all eigenpairs.
     """
     if not isinstance(solver, str) or solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}.")
+        raise InvalidArgumentError(f"solver must be one of {SOLVERS}, got {solver!r}.")
     check_top_k(top_k)
     if top_k is None and solver in ("iterative", "matrix_free"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"solver={solver!r} computes a few leading eigenpairs: pass top_k "
             "(e.g. top_k=10), or use solver='dense' for all of them."
         )

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from vivit.errors import InvalidArgumentError
+
 
 class ConstantDamping:
     """The same damping for every direction.
@@ -40,7 +42,7 @@ class ConstantDamping:
 
     def __init__(self, damping: float = 1.0):
         if not damping >= 0.0:  # also rejects NaN
-            raise ValueError(f"damping must be non-negative, got {damping}.")
+            raise InvalidArgumentError(f"damping must be non-negative, got {damping}.")
         self.damping = float(damping)
 
     def __call__(
@@ -131,15 +133,19 @@ class BootstrapDamping:
             damping_grid = torch.logspace(-3, 2, 21, dtype=torch.float64)
         grid = torch.as_tensor(damping_grid, dtype=torch.float64).detach().cpu()
         if grid.ndim != 1 or grid.numel() == 0:
-            raise ValueError("damping_grid must be a non-empty 1d sequence.")
+            raise InvalidArgumentError("damping_grid must be a non-empty 1d sequence.")
         if not (grid.isfinite().all() and (grid >= 0).all()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"damping_grid must be finite and non-negative, got {grid.tolist()}."
             )
         if not (isinstance(num_resamples, int) and num_resamples >= 1):
-            raise ValueError(f"num_resamples must be an int ≥ 1, got {num_resamples}.")
+            raise InvalidArgumentError(
+                f"num_resamples must be an int ≥ 1, got {num_resamples}."
+            )
         if not 0.0 < percentile <= 100.0:
-            raise ValueError(f"percentile must lie in (0, 100], got {percentile}.")
+            raise InvalidArgumentError(
+                f"percentile must lie in (0, 100], got {percentile}."
+            )
 
         self.damping_grid = grid.sort().values
         self.num_resamples = num_resamples
@@ -170,7 +176,7 @@ class BootstrapDamping:
             return evals.new_empty(0)
         for name, t in (("gammas", gammas), ("lambdas", lambdas)):
             if t.ndim != 2 or t.shape[1] != K or t.shape[0] == 0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{name} must have shape [N ≥ 1, {K}], got {tuple(t.shape)}."
                 )
 

@@ -129,7 +129,7 @@ class FuncEngine(Engine):
         check_finite(output, "model output")
         loss = loss_func(output, targets)
         if loss.numel() != 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
                 "scalar loss: use reduction='mean' or 'sum'."
             )
