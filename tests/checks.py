@@ -54,3 +54,17 @@ def layer_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """One parameter group per layer that owns parameters."""
     groups = [list(m.parameters(recurse=False)) for m in model.modules()]
     return [g for g in groups if g]
+
+
+def align_signs(actual: Tensor, expected: Tensor) -> Tensor:
+    """Flip each column (direction) of ``actual`` to the sign of ``expected``'s."""
+    signs = torch.sign((actual * expected).sum(0))
+    return actual * torch.where(signs == 0, 1.0, signs)
+
+
+def assert_rel(actual: Tensor, expected: Tensor, rel: float = 1e-10) -> None:
+    """Entry-wise |actual − expected| ≤ rel · max|expected| (float64: 1e-10)."""
+    assert actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)

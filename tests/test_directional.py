@@ -27,6 +27,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from backpack import backpack
+from checks import align_signs, assert_rel
 from problems import ARCHITECTURES, Problem, Setup, get_problem, prepare, problem_ids
 from reference import (
     dense_gradient,
@@ -104,20 +105,6 @@ def assert_residuals(G: torch.Tensor, evals: torch.Tensor, E: torch.Tensor) -> N
     torch.testing.assert_close(
         E.norm(dim=1), torch.ones_like(evals), rtol=0, atol=1e-10
     )
-
-
-def align_signs(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Flip each column (direction) of ``actual`` to the sign of ``expected``'s."""
-    signs = torch.sign((actual * expected).sum(0))
-    return actual * torch.where(signs == 0, 1.0, signs)
-
-
-def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:
-    """Entry-wise |actual − expected| ≤ rel · max|expected|."""
-    assert actual.shape == expected.shape
-    scale = expected.abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)
 
 
 def gamma_reference(ref: Reference, E: torch.Tensor, samples) -> torch.Tensor:

@@ -25,7 +25,14 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_top_eigvals, flat_evecs, layer_groups
+from checks import (
+    align_signs,
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    flat_evecs,
+    layer_groups,
+)
 from func_problems import FUNC_PROBLEMS, TwiceLinear
 from problems import PROBLEMS, Setup, prepare, problem_ids
 from reference import (
@@ -80,20 +87,6 @@ def ggn_of(ref: Reference, samples: list[int] | None) -> torch.Tensor:
     """G of the loss on ``samples`` alone: R_S Σ_{n∈S} G_n."""
     ggns = ref.ggns if samples is None else ref.ggns[samples]
     return reduction_factor(ref.setup.loss_func, len(ggns)) * ggns.sum(0)
-
-
-def align_signs(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Flip each column (direction) of ``actual`` to the sign of ``expected``'s."""
-    signs = torch.sign((actual * expected).sum(0))
-    return actual * torch.where(signs == 0, 1.0, signs)
-
-
-def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL) -> None:
-    """Entry-wise |actual − expected| ≤ rel · max|expected|."""
-    assert actual.shape == expected.shape
-    scale = expected.abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale)
 
 
 def dense_newton(ref: Reference, evals, E, damping: float, grad_samples):
