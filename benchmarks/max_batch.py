@@ -39,6 +39,8 @@ MARKER = "@@MAX-BATCH@@"
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run the method once at ``--batch-size``; report whether it fit."""
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # the memory cap needs one
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.set_num_threads(args.threads)
     if device.type == "cuda" and args.budget_gib > 0:
         total = torch.cuda.get_device_properties(device).total_memory
@@ -124,7 +126,11 @@ def search(args: argparse.Namespace) -> dict[str, Any]:
         "method": args.method,
         "top_k": args.top_k,
         "device": args.device,
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "gpu": (
+            torch.cuda.get_device_name(args.device)
+            if args.device.startswith("cuda")
+            else None
+        ),
         "budget_gib": args.budget_gib,
         "largest_fitting_batch": low,
         "smallest_failing_batch": high,
