@@ -179,3 +179,39 @@ def test_mc_reproducible_with_generator():
     other = _train_mc(1, model, loss_func, X, y)
     torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert not torch.allclose(first, other, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("solver", ["dense", "iterative", "matrix_free"])
+def test_gram_dtype_and_solver_reach_the_step(solver, monkeypatch):
+    """One step with float64 accumulation and each solver equals the default step.
+
+    Float32 model: the default step carries float32 rounding of the Gram matrix
+    and its eigenvectors, so the steps agree to about 1e-4 relative.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    loss_func = nn.CrossEntropyLoss()
+    reports = []
+
+    class Recording(LowRankGGN):
+        def newton(self, *args, **kwargs):
+            result = super().newton(*args, **kwargs)
+            reports.append(self.solver_report())
+            return result
+
+    monkeypatch.setattr("vivit.optim.damped_newton.LowRankGGN", Recording)
+    steps = []
+    for kwargs in ({}, {"gram_dtype": torch.float64, "solver": solver}):
+        net = copy.deepcopy(model)
+        optimizer = DampedNewton(
+            net.parameters(), top_k=3, model=net, loss_func=loss_func, **kwargs
+        )
+        optimizer.step(data=(X, y))
+        steps.append(torch.cat([s.flatten() for s in optimizer.last_steps[0].step]))
+    assert steps[1].dtype == torch.float32
+    assert optimizer.last_steps[0].directional.evals.dtype == torch.float64
+    assert reports[-1].solver == solver
+    scale = steps[0].abs().max()
+    assert scale > 0
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * scale)

@@ -25,7 +25,8 @@ from vivit.directional.results import NewtonStep
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
-from vivit.linalg.solvers import check_top_k
+from vivit.linalg.solvers import check_gram_dtype, check_top_k
+from vivit.linalg.top_k import check_solver
 from vivit.lowrank import LowRankGGN
 
 
@@ -121,6 +122,11 @@ class DampedNewton(Optimizer):
         subsampling: Samples whose curvature defines the GGN (``None``: all).
         generator: Random generator for reproducible MC sampling.
         keep_directions: Keep the last step's eigenvectors in parameter space.
+        gram_dtype: Type the Gram matrix and its products are accumulated in (see
+            :class:`~vivit.LowRankGGN`; ``None``: the parameters').
+        solver: Eigensolver for ``top_k`` directions (see
+            :class:`~vivit.LowRankGGN`): ``"auto"``, ``"dense"``, ``"iterative"``
+            or ``"matrix_free"``.
         model: The network, for steps given ``data`` instead of a closure.
         loss_func: The loss module, for steps given ``data``.
         engine: Engine for steps given ``data`` (see
@@ -149,6 +155,8 @@ class DampedNewton(Optimizer):
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
+        gram_dtype: torch.dtype | None = None,
+        solver: str = "auto",
         model: Module | None = None,
         loss_func: Module | None = None,
         engine: str | Engine = "auto",
@@ -173,6 +181,8 @@ class DampedNewton(Optimizer):
         check_mc_samples(mc_samples)
         check_subsampling(subsampling)
         check_generator(generator)
+        check_gram_dtype(gram_dtype)
+        check_solver(solver)
         params = optimizer_param_groups(params)
         defaults = {
             "lr": lr,
@@ -192,6 +202,7 @@ class DampedNewton(Optimizer):
         self.subsampling = subsampling
         self.generator = generator
         self.keep_directions = keep_directions
+        self.gram_dtype, self.solver = gram_dtype, solver
         self.model, self.loss_func, self.engine = model, loss_func, engine
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
@@ -235,6 +246,8 @@ class DampedNewton(Optimizer):
             "mc_samples": self.mc_samples,
             "subsampling": self.subsampling,
             "generator": self.generator,
+            "gram_dtype": self.gram_dtype,
+            "solver": self.solver,
         }
         with torch.enable_grad():
             if data is not None:
