@@ -103,14 +103,17 @@ OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("engine", ["backpack", "func"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("subsampling", [None, [4, 1, 3]], ids=["full", "sub"])
-def test_eigenpairs_gradient_and_batch_relations(option, reduction, subsampling):
+def test_eigenpairs_gradient_and_batch_relations(
+    option, reduction, subsampling, engine
+):
     model, loss_func, X, y = _setup(option, reduction)
     G = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
     reference = torch.linalg.eigvalsh(G)
-    ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
+    ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling, engine=engine)
     assert_top_eigvals(ggn.eigvalsh(), reference, EIGVAL_RTOL[torch.float64])
     evals, evecs = ggn.eigh(top_k=3)
     assert_eigenpairs(evals, evecs, G)

@@ -18,6 +18,7 @@ from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError, ZeroStepWarning
 from vivit.gram import ParamFactors
+from vivit.linalg.group_products import v_matmul
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
 #: lambdas [N_ggn, K]) → δ [K]`` (``inf`` skips a direction).
@@ -274,7 +275,7 @@ def damped_newton_step(
     return NewtonStep(
         directional=directional,
         dampings=dampings,
-        step=[f.vmp(u.unsqueeze(0)).squeeze(0) for f in factors],
+        step=[s.squeeze(0) for s in v_matmul(factors, u.unsqueeze(0))],
     )
 
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from vivit._memory import uses_subset_solver
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
+from vivit.linalg.group_products import v_matmul
 
 
 def _with_float64_fallback(decompose: Callable, gram: Tensor):
@@ -245,4 +246,4 @@ def gram_to_param(
         One tensor ``[K, *p.shape]`` per parameter, in the factors' dtype.
     """
     coefficients = direction_coefficients(gram_evecs, evals, tolerance).T
-    return [f.vmp(coefficients) for f in factors]
+    return v_matmul(factors, coefficients)

@@ -100,18 +100,8 @@ class FuncEngine(Engine):
             )
         self.memory_budget = memory_budget
 
+    @torch.enable_grad()  # curvature needs the graph, whatever the caller's context
     def run(  # noqa: D102
-        self,
-        model: Module,
-        loss_func: Module,
-        data: tuple[Tensor, Tensor],
-        request: CurvatureRequest,
-        sink: ContributionSink,
-    ) -> EngineOutput:
-        with torch.enable_grad():  # curvature needs the graph, whatever the caller's
-            return self._run(model, loss_func, data, request, sink)
-
-    def _run(
         self,
         model: Module,
         loss_func: Module,
