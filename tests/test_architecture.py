@@ -34,7 +34,7 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
-    ("group pipeline", ["vivit.groups"]),
+    ("group pipeline", ["vivit.groups", "vivit.data"]),
     ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "front doors",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
+from vivit.data import BlockResult, BlockRun, combine_blocks, is_batch, iterate_batches
 from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
@@ -153,12 +154,20 @@ class LowRankGGN:
         self._configure_solver(solver, solver_tol, solver_seed)
         check_model(model)
         check_loss_function(loss_func)
-        inputs, targets = check_batch(data)
+        single = is_batch(data)
+        if single:
+            data = check_batch(data)
+        elif subsampling is not None:
+            raise InvalidArgumentError(
+                "subsampling selects samples of one mini-batch; with a data loader, "
+                "pass a loader over the samples whose curvature you want."
+            )
         param_groups = param_group_lists(param_groups, model)
         names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
         check_params([p for group in param_groups for p in group], names)
-        check_inputs_match(inputs, list(model.parameters()))
-        check_subsampling(subsampling, inputs.shape[0])
+        if single:
+            check_inputs_match(data[0], list(model.parameters()))
+            check_subsampling(subsampling, data[0].shape[0])
         check_gram_dtype(gram_dtype)
         check_mc_samples(mc_samples)
         check_generator(generator)
@@ -167,11 +176,12 @@ class LowRankGGN:
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
         chosen = resolve_engine(engine, model, loss_func)
-        self._run(
-            chosen.name,
-            lambda sink: chosen.run(model, loss_func, (inputs, targets), request, sink),
-            names,
-        )
+
+        def run_batch(batch: tuple[Tensor, Tensor]) -> BlockRun:
+            return lambda sink: chosen.run(model, loss_func, batch, request, sink)
+
+        batches = [data] if single else iterate_batches(data, model)
+        self._run(chosen.name, (run_batch(batch) for batch in batches), names)
 
     @classmethod
     def from_loss(
@@ -236,7 +246,7 @@ class LowRankGGN:
         compute_loss = loss if callable(loss) else lambda: loss
         ggn._run(
             BackpackEngine.name,
-            lambda sink: BackpackEngine().run_loss(compute_loss, request, sink),
+            [lambda sink: BackpackEngine().run_loss(compute_loss, request, sink)],
             {},
         )
         return ggn
@@ -287,44 +297,35 @@ class LowRankGGN:
     def _run(
         self,
         engine: str,
-        run: Callable[[GroupCollector], EngineOutput],
+        runs: Iterable[BlockRun],
         names: dict[int, str],
     ) -> None:
-        """Run an engine into the group pipeline and keep each group's curvature.
+        """Run an engine into the group pipeline, block by block of samples.
 
-        The random number generators are forked (the caller's state is left as it
-        was) and gradients are enabled whatever the caller's context.
+        Each run computes one block of samples (a mini-batch, a loader's batch);
+        the blocks' curvature, losses and gradients are combined into those of the
+        loss on all samples together. The random number generators are forked
+        (the caller's state is left as it was) and gradients are enabled whatever
+        the caller's context.
         """
         self.engine = engine
-        self._curvature: dict[int, GroupCurvature] = {}
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
-        collector = GroupCollector(
-            self.param_groups,
-            self._curvature.__setitem__,
-            keep_factors=True,
-            keep_gradient_factors=True,
-            gram_dtype=self._gram_dtype,
-            keep_gram=False,
-        )
         params = [p for group in self.param_groups for p in group]
         devices = [p.device for p in params if p.device.type == "cuda"][:1]
+        blocks: list[BlockResult] = []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            output = run(collector)
-        check_finite(output.loss, "loss", batch_axis=False)
-        self.loss = output.loss
-        gradients = iter(output.gradients)
-        self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
-
-        missing = [g for g in range(len(self.param_groups)) if g not in self._curvature]
-        if missing:
-            raise NoCurvatureError(
-                f"Parameter group(s) {missing} received no curvature from the backward "
-                f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
-                f"{missing[0]} missing): their layers are not part of the loss's "
-                "computation graph, or not extended with backpack.extend."
+            for run in runs:
+                blocks.append(self._run_block(run))
+        if not blocks:
+            raise InvalidArgumentError(
+                "The data loader yielded no batch: pass at least one (inputs, "
+                "targets) batch."
             )
+        self._curvature, self.loss, gradients = combine_blocks(blocks)
+        gradients = iter(gradients)
+        self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         for group, gradients in zip(self.param_groups, self._gradients, strict=True):
             for param, gradient in zip(group, gradients, strict=True):
                 name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
@@ -334,6 +335,29 @@ class LowRankGGN:
                     "an overflow in the backward pass)",
                     batch_axis=False,
                 )
+
+    def _run_block(self, run: BlockRun) -> BlockResult:
+        """One engine run: every group's curvature, the loss and the gradient."""
+        curvature: dict[int, GroupCurvature] = {}
+        collector = GroupCollector(
+            self.param_groups,
+            curvature.__setitem__,
+            keep_factors=True,
+            keep_gradient_factors=True,
+            gram_dtype=self._gram_dtype,
+            keep_gram=False,
+        )
+        output = run(collector)
+        check_finite(output.loss, "loss", batch_axis=False)
+        missing = [g for g in range(len(self.param_groups)) if g not in curvature]
+        if missing:
+            raise NoCurvatureError(
+                f"Parameter group(s) {missing} received no curvature from the backward "
+                f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
+                f"{missing[0]} missing): their layers are not part of the loss's "
+                "computation graph, or not extended with backpack.extend."
+            )
+        return BlockResult([curvature[g] for g in range(len(curvature))], output)
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:

@@ -7,8 +7,14 @@ every Gram-space quantity are ordered sample-major: entry ``n * C + c`` is colum
 ``c`` of sample ``n``.
 """
 
+from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.outer import OuterProductFactors
 
-__all__ = ["DenseFactors", "OuterProductFactors", "ParamFactors"]
+__all__ = [
+    "DenseFactors",
+    "OuterProductFactors",
+    "ParamFactors",
+    "SampleBlockFactors",
+]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
 
@@ -27,9 +28,18 @@ class DenseFactors(ParamFactors):
         self.param_shape = columns.shape[2:]
         self._vt = columns.detach().reshape(self.num_samples * self.num_columns, -1)
 
+    def scaled(self, factor: float) -> DenseFactors:  # noqa: D102
+        return DenseFactors(
+            (self._vt * factor).reshape(
+                self.num_samples, self.num_columns, *self.param_shape
+            )
+        )
+
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
             return self_gram(self._vt)
+        if isinstance(other, SampleBlockFactors):
+            return other.gram(self).T
         return self._vt @ other.materialize().T
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102

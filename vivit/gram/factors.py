@@ -66,6 +66,20 @@ class ParamFactors(ABC):
         return converted
 
     @abstractmethod
+    def scaled(self, factor: float) -> ParamFactors:
+        """The columns of ``V`` multiplied by a scalar.
+
+        Rescales the ``√R`` of a block of samples to that of a larger set of
+        samples (``docs/math.rst``, "Data sets and processes").
+
+        Args:
+            factor: The scalar.
+
+        Returns:
+            New factors; ``self`` is left as it is.
+        """
+
+    @abstractmethod
     def gram(self, other: ParamFactors | None = None) -> Tensor:
         """Gram block ``Vᵀ V_other`` (``Vᵀ V`` if ``other`` is ``None``).
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, einsum
 
 from vivit.gram import planner
+from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
@@ -64,8 +65,13 @@ class OuterProductFactors(ParamFactors):
     def _form_v_flops(self) -> int:
         return self._v_size() * self._T
 
+    def scaled(self, factor: float) -> OuterProductFactors:  # noqa: D102
+        return OuterProductFactors(self._a, self._s * factor, self.param_shape)
+
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         other = self if other is None else other
+        if isinstance(other, SampleBlockFactors):
+            return other.gram(self).T
         if not isinstance(other, OuterProductFactors):
             return self.materialize() @ other.materialize().T
         n1, n2 = self.num_samples, other.num_samples

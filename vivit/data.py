@@ -1,0 +1,113 @@
+"""Samples in blocks: one mini-batch, or the batches of a data loader.
+
+An engine computes the curvature of one block of samples at a time, with the
+loss on that block alone. :func:`combine_blocks` turns the blocks' results into
+those of the loss on all samples together: the GGN's columns are rescaled and
+stacked (:func:`vivit.groups.concatenate_curvatures`), the losses and gradients
+summed with the weights ``R_union / R_block`` (``docs/math.rst``, "Data sets and
+processes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.nn import Module
+
+from vivit._validation import check_batch, check_inputs_match
+from vivit.engines.base import ContributionSink, EngineOutput
+from vivit.errors import InvalidArgumentError, VivitError
+from vivit.groups import GroupCurvature, concatenate_curvatures, union_batch
+
+#: Runs an engine on one block of samples into a sink.
+BlockRun = Callable[[ContributionSink], EngineOutput]
+
+
+@dataclass
+class BlockResult:
+    """What an engine leaves for one block of samples.
+
+    Attributes:
+        curvature: Every group's curvature, in group order, factors kept.
+        output: The block's loss and gradient (of the loss on the block alone).
+    """
+
+    curvature: list[GroupCurvature]
+    output: EngineOutput
+
+
+def is_batch(data: object) -> bool:
+    """Whether ``data`` is one mini-batch rather than an iterable of batches.
+
+    Args:
+        data: What the caller passed as data.
+
+    Returns:
+        ``True`` for a tensor, or a tuple or list with a tensor in it: a
+        mini-batch, possibly malformed (:func:`~vivit._validation.check_batch`
+        says how). A loader's items are batches, not tensors.
+    """
+    return isinstance(data, Tensor) or (
+        isinstance(data, tuple | list) and any(isinstance(t, Tensor) for t in data)
+    )
+
+
+def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tensor]]:
+    """The batches of a data loader, each checked like a mini-batch.
+
+    Args:
+        data: An iterable of ``(inputs, targets)`` batches (e.g. a ``DataLoader``).
+        model: The network (its parameters give the expected dtype and device).
+
+    Yields:
+        ``(inputs, targets)`` of every batch.
+
+    Raises:
+        InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
+            them, or a batch is malformed (the message names the batch).
+    """
+    if isinstance(data, Tensor | str | bytes) or not isinstance(data, Iterable):
+        raise InvalidArgumentError(
+            "data must be a pair (inputs, targets) of tensors or an iterable of such "
+            f"batches (e.g. a DataLoader), got {type(data).__name__}."
+        )
+    params = list(model.parameters())
+    for index, batch in enumerate(data):
+        try:
+            batch = check_batch(batch)
+            check_inputs_match(batch[0], params)
+        except VivitError as error:
+            raise type(error)(f"Batch {index} of the data loader: {error}") from None
+        yield batch
+
+
+def combine_blocks(
+    blocks: list[BlockResult],
+) -> tuple[list[GroupCurvature], Tensor, list[Tensor]]:
+    """The curvature, loss and gradient of all blocks' samples together.
+
+    Args:
+        blocks: Every block's result, in sample order.
+
+    Returns:
+        Each group's curvature on the union, the loss and the gradient of every
+        requested parameter (as :class:`~vivit.engines.base.EngineOutput` has it).
+    """
+    curvature = [
+        concatenate_curvatures([block.curvature[g] for block in blocks])
+        for g in range(len(blocks[0].curvature))
+    ]
+    if len(blocks) == 1:
+        output = blocks[0].output
+        return curvature, output.loss, output.gradients
+    batches = [block.curvature[0].batch for block in blocks]
+    union = union_batch(batches).reduction_factor()
+    weights = [union / batch.reduction_factor() for batch in batches]
+    loss = sum(w * block.output.loss for w, block in zip(weights, blocks, strict=True))
+    gradients = [
+        sum(w * g for w, g in zip(weights, column, strict=True))
+        for column in zip(*(block.output.gradients for block in blocks), strict=True)
+    ]
+    return curvature, loss, gradients
