@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
@@ -81,6 +82,42 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         except VivitError as error:
             raise type(error)(f"Batch {index} of the data loader: {error}") from None
         yield batch
+
+
+def base_seed(generator: torch.Generator | None) -> int:
+    """One draw from ``generator`` that seeds the MC streams of every block.
+
+    Args:
+        generator: The caller's generator; ``None`` draws from torch's default
+            generator (the caller forks the random state around the run).
+
+    Returns:
+        A seed in ``[0, 2⁶²)``; advances ``generator`` by one draw.
+    """
+    device = "cpu" if generator is None else generator.device
+    return int(torch.randint(0, 2**62, (), generator=generator, device=device))
+
+
+def block_generator(
+    seed: int, block: int, device: torch.device | str
+) -> torch.Generator:
+    """The generator of the Monte-Carlo samples of one block of samples.
+
+    Block ``b`` (a loader's ``b``-th batch; the shard of rank ``b``) draws from a
+    generator seeded with ``seed + b``: its samples do not depend on how many
+    draws other blocks made, so a process group's shards and a loader over the
+    same shards in rank order draw the same samples (``docs/math.rst``, "Data
+    sets and processes").
+
+    Args:
+        seed: The run's base seed (:func:`base_seed`).
+        block: Index of the block.
+        device: Device the samples are drawn on (the model output's).
+
+    Returns:
+        A fresh generator.
+    """
+    return torch.Generator(device=device).manual_seed((seed + block) % 2**63)
 
 
 def combine_blocks(

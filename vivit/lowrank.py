@@ -22,16 +22,24 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
+from vivit.data import (
+    BlockResult,
+    BlockRun,
+    base_seed,
+    block_generator,
+    combine_blocks,
+    is_batch,
+    iterate_batches,
+)
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
     Damping,
     damped_newton_step,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
+from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
-from vivit.data import BlockResult, BlockRun, combine_blocks, is_batch, iterate_batches
 from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
@@ -177,11 +185,29 @@ class LowRankGGN:
         )
         chosen = resolve_engine(engine, model, loss_func)
 
-        def run_batch(batch: tuple[Tensor, Tensor]) -> BlockRun:
-            return lambda sink: chosen.run(model, loss_func, batch, request, sink)
+        blocks_request = self._block_requests(request, model)
+
+        def run_batch(index: int, batch: tuple[Tensor, Tensor]) -> BlockRun:
+            block_request = blocks_request(index)
+            return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
         batches = [data] if single else iterate_batches(data, model)
-        self._run(chosen.name, (run_batch(batch) for batch in batches), names)
+        runs = (run_batch(index, batch) for index, batch in enumerate(batches))
+        self._run(chosen.name, runs, names)
+
+    @staticmethod
+    def _block_requests(
+        request: CurvatureRequest, model: Module
+    ) -> Callable[[int], CurvatureRequest]:
+        """The request of each block of samples: its own MC stream (exact: as is)."""
+        if request.mc_samples == 0:
+            return lambda index: request
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[]):
+            seed = base_seed(request.generator)
+        return lambda index: dataclasses.replace(
+            request, generator=block_generator(seed, index, device)
+        )
 
     @classmethod
     def from_loss(

@@ -36,7 +36,9 @@ class SampleBlockFactors(ParamFactors):
     def __init__(self, blocks: Sequence[ParamFactors]):
         flat: list[ParamFactors] = []
         for block in blocks:
-            flat.extend(block.blocks if isinstance(block, SampleBlockFactors) else [block])
+            flat.extend(
+                block.blocks if isinstance(block, SampleBlockFactors) else [block]
+            )
         if not flat:
             raise ValueError("SampleBlockFactors needs at least one block.")
         first = flat[0]
