@@ -12,6 +12,7 @@ Front doors:
 from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
+    DistributedError,
     GradientContextError,
     GramTooLargeError,
     GroupIndexError,
@@ -44,6 +45,7 @@ __all__ = [
     "DirectionalDampedNewtonComputation",
     "DirectionalDerivatives",
     "DirectionalDerivativesComputation",
+    "DistributedError",
     "EighComputation",
     "EigvalshComputation",
     "GradientContextError",

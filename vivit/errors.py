@@ -94,3 +94,7 @@ class SampleCouplingError(VivitError, ValueError):
 
 class SharedWeightError(UnsupportedLayerError):
     """A weight used more than once in one forward pass, which an engine cannot sum."""
+
+
+class DistributedError(VivitError, RuntimeError):
+    """Another rank of a process group failed, or the ranks' requests differ."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -37,6 +38,13 @@ from vivit.directional.gram_space import (
     damped_newton_step,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.distributed import (
+    ShardExchange,
+    ShardLayout,
+    local_module,
+    request_fingerprint,
+    resolve_group,
+)
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
@@ -58,6 +66,9 @@ from vivit.linalg.top_k import (
     leading_eigenpairs,
 )
 from vivit.losses import check_loss_function
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class LowRankGGN:
@@ -126,11 +137,26 @@ class LowRankGGN:
             results are deterministic for a given seed.
         engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
             (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
+        process_group: Several processes (``torch.distributed``): each rank
+            passes its own shard as ``data`` (one batch; sizes may differ) and
+            every rank gets the results of the union of the shards in rank
+            order, identical on every rank (user guide, "Several processes").
+            ``None`` (default): the default group if ``torch.distributed`` is
+            initialised, else this process alone; ``False``: this process alone
+            (independent per-rank computations); or a ``ProcessGroup``.
+            ``subsampling`` then indexes the rank's own shard; a failure on one
+            rank raises on every rank (:class:`~vivit.DistributedError` on the
+            others). A ``DistributedDataParallel`` model runs as its ``.module``.
 
     Attributes:
         loss: The mini-batch loss (detached).
         param_groups: The parameter groups, as lists of parameters.
         engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
+        shards: Where each rank's samples sit in the union
+            (:class:`~vivit.distributed.ShardLayout`): rows of ``γ``, ``λ`` and
+            the Gram matrix that belong to this rank.
+        communication: Bytes and time of the exchange between the ranks
+            (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -157,9 +183,40 @@ class LowRankGGN:
         solver_tol: float | None = None,
         solver_seed: int = 0,
         engine: str | Engine = "auto",
+        process_group: ProcessGroup | bool | None = None,
     ):
         check_grad_mode("LowRankGGN")
         self._configure_solver(solver, solver_tol, solver_seed)
+        model = local_module(model)
+        with ShardExchange(resolve_group(process_group)) as shards:
+            self._construct(
+                model,
+                loss_func,
+                data,
+                shards,
+                param_groups=param_groups,
+                mc_samples=mc_samples,
+                subsampling=subsampling,
+                generator=generator,
+                gram_dtype=gram_dtype,
+                engine=engine,
+            )
+
+    def _construct(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: object,
+        shards: ShardExchange,
+        *,
+        param_groups: Sequence[Sequence[Parameter]] | None,
+        mc_samples: int,
+        subsampling: Sequence[int] | None,
+        generator: torch.Generator | None,
+        gram_dtype: torch.dtype | None,
+        engine: str | Engine,
+    ) -> None:
+        """Check the arguments, run the engine on every block, combine them."""
         check_model(model)
         check_loss_function(loss_func)
         single = is_batch(data)
@@ -184,27 +241,54 @@ class LowRankGGN:
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
         chosen = resolve_engine(engine, model, loss_func)
-
-        blocks_request = self._block_requests(request, model)
+        if not single and shards.group is not None:
+            raise InvalidArgumentError(
+                "With a process group, each rank passes its own shard as one "
+                "(inputs, targets) batch, not a data loader."
+            )
+        fingerprint = request_fingerprint(
+            loss_func,
+            param_groups,
+            mc_samples=mc_samples,
+            gram_dtype=gram_dtype,
+            solver=(self._solver, self._solver_tol, self._solver_seed),
+            engine=chosen.name,
+        )
+        blocks_request = self._block_requests(
+            request, model, lambda seed: shards.agree(fingerprint, seed)
+        )
 
         def run_batch(index: int, batch: tuple[Tensor, Tensor]) -> BlockRun:
             block_request = blocks_request(index)
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
         batches = [data] if single else iterate_batches(data, model)
-        runs = (run_batch(index, batch) for index, batch in enumerate(batches))
-        self._run(chosen.name, runs, names)
+        runs = (
+            run_batch(index, batch)
+            for index, batch in enumerate(batches, start=shards.rank)
+        )
+        self._run(chosen.name, runs, names, shards)
 
     @staticmethod
     def _block_requests(
-        request: CurvatureRequest, model: Module
+        request: CurvatureRequest,
+        model: Module,
+        agree: Callable[[int | None], int | None] | None = None,
     ) -> Callable[[int], CurvatureRequest]:
-        """The request of each block of samples: its own MC stream (exact: as is)."""
+        """The request of each block of samples: its own MC stream (exact: as is).
+
+        ``agree`` maps this process's MC seed (``None`` for the exact GGN) to the
+        one all ranks of a process group use (rank 0's).
+        """
+        seed = None
+        if request.mc_samples:
+            with torch.random.fork_rng(devices=[]):
+                seed = base_seed(request.generator)
+        if agree is not None:
+            seed = agree(seed)
         if request.mc_samples == 0:
             return lambda index: request
         device = next(model.parameters()).device
-        with torch.random.fork_rng(devices=[]):
-            seed = base_seed(request.generator)
         return lambda index: dataclasses.replace(
             request, generator=block_generator(seed, index, device)
         )
@@ -325,14 +409,16 @@ class LowRankGGN:
         engine: str,
         runs: Iterable[BlockRun],
         names: dict[int, str],
+        shards: ShardExchange | None = None,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
-        Each run computes one block of samples (a mini-batch, a loader's batch);
-        the blocks' curvature, losses and gradients are combined into those of the
-        loss on all samples together. The random number generators are forked
-        (the caller's state is left as it was) and gradients are enabled whatever
-        the caller's context.
+        Each run computes one block of samples (a mini-batch, a loader's batch,
+        this rank's shard); with a process group (``shards``) every rank's block
+        is exchanged. The blocks' curvature, losses and gradients are combined
+        into those of the loss on all samples together. The random number
+        generators are forked (the caller's state is left as it was) and gradients
+        are enabled whatever the caller's context.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -349,6 +435,10 @@ class LowRankGGN:
                 "The data loader yielded no batch: pass at least one (inputs, "
                 "targets) batch."
             )
+        shards = shards or ShardExchange(None)
+        blocks = shards.exchange(blocks, self.param_groups)
+        self.shards = ShardLayout.of_blocks(blocks, shards.rank, shards.world_size)
+        self.communication = shards.report
         self._curvature, self.loss, gradients = combine_blocks(blocks)
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]

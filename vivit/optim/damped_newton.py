@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -22,12 +23,16 @@ from vivit._validation import (
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
+from vivit.distributed import resolve_group
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
 from vivit.linalg.solvers import check_gram_dtype, check_top_k
 from vivit.linalg.top_k import check_solver
 from vivit.lowrank import LowRankGGN
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class DampedNewton(Optimizer):
@@ -99,6 +104,14 @@ class DampedNewton(Optimizer):
     one block of a block-diagonal GGN, with its own trust region. ``mc_samples``
     and ``subsampling`` shape the single backward pass and hold for all groups.
 
+    Data-parallel training (``torch.distributed``, user guide "Several
+    processes"): every rank calls ``step(data=its_shard)``; each step is the
+    damped Newton step of the loss on the union of the shards, identical on
+    every rank, so replicas that start equal stay equal. The model may be
+    wrapped in ``DistributedDataParallel`` (the curvature runs on its
+    ``.module``). Closures are refused under a process group: their loss is
+    one process's.
+
     After a step, :attr:`last_steps` holds one :class:`~vivit.directional.NewtonStep`
     per group (eigenvalues, ``γ``, ``λ``, ``γ̄``, the dampings used after the
     trust region, the step applied) and, with ``keep_directions=True``,
@@ -131,6 +144,9 @@ class DampedNewton(Optimizer):
         loss_func: The loss module, for steps given ``data``.
         engine: Engine for steps given ``data`` (see
             :class:`~vivit.LowRankGGN`); closures always use BackPACK.
+        process_group: The processes whose shards make up each step's batch
+            (see :class:`~vivit.LowRankGGN`): ``None`` the default group if
+            ``torch.distributed`` is initialised, ``False`` this process alone.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -160,6 +176,7 @@ class DampedNewton(Optimizer):
         model: Module | None = None,
         loss_func: Module | None = None,
         engine: str | Engine = "auto",
+        process_group: ProcessGroup | bool | None = None,
     ):
         check_grad_mode("DampedNewton")
         if (
@@ -174,6 +191,7 @@ class DampedNewton(Optimizer):
                 "(to call step(closure))."
             )
         check_engine(engine)
+        resolve_group(process_group)
         check_damping(damping)
         check_trust_fraction(trust_fraction)
         check_top_k(top_k)
@@ -204,6 +222,7 @@ class DampedNewton(Optimizer):
         self.keep_directions = keep_directions
         self.gram_dtype, self.solver = gram_dtype, solver
         self.model, self.loss_func, self.engine = model, loss_func, engine
+        self.process_group = process_group
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
@@ -262,9 +281,17 @@ class DampedNewton(Optimizer):
                     data,
                     param_groups=groups,
                     engine=self.engine,
+                    process_group=self.process_group,
                     **options,
                 )
             else:
+                if resolve_group(self.process_group) is not None:
+                    raise InvalidArgumentError(
+                        "A closure's loss is this process's alone: under a process "
+                        "group call step(data=(inputs, targets)) with this rank's "
+                        "shard (optimizer built with model= and loss_func=), or "
+                        "pass process_group=False for independent steps."
+                    )
                 if self.engine not in ("auto", "backpack"):
                     raise InvalidArgumentError(
                         f"A closure's loss can only be backpropagated by the BackPACK "

@@ -1,0 +1,309 @@
+"""What every rank of a gloo group runs for ``tests/test_distributed.py``.
+
+Run as ``python distributed_jobs.py JOB RANK WORLD_SIZE RENDEZVOUS_FILE OUT_DIR``:
+each rank computes every scenario of the job on its shard and saves the results
+(``OUT_DIR/rank{RANK}.pt``); the test compares them with the single-process
+results on the union and with each other. The scenarios are defined here once,
+for the ranks and the single-process references alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+from problems import ARCHITECTURES
+from torch import Tensor, nn
+
+from vivit import LowRankGGN
+from vivit.optim import DampedNewton
+
+#: Shard sizes per world size (uneven on purpose).
+SHARDS = {2: (3, 5), 3: (2, 4, 3)}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One request on one problem.
+
+    Attributes:
+        architecture: Name in ``problems.ARCHITECTURES``.
+        loss: ``"ce"``, ``"ce_weighted"`` (class weights and ignored targets) or
+            ``"mse"``.
+        reduction: ``"mean"`` or ``"sum"``.
+        engine: ``"backpack"`` or ``"func"``.
+        mc_samples: ``0`` exact, else MC samples per datum.
+        layer_groups: One parameter group per layer (else one group).
+        subsample: Each rank's GGN samples are every other sample of its shard,
+            backwards (local indices).
+    """
+
+    architecture: str
+    loss: str
+    reduction: str
+    engine: str
+    mc_samples: int = 0
+    layer_groups: bool = False
+    subsample: bool = False
+
+
+SCENARIOS = {
+    "mlp-ce-backpack-layers-subsampled": Scenario(
+        "mlp_tanh", "ce", "mean", "backpack", layer_groups=True, subsample=True
+    ),
+    "mlp-ce_weighted-func": Scenario("mlp_tanh", "ce_weighted", "mean", "func"),
+    "conv1d-mse-sum-backpack-mc": Scenario(
+        "conv1d", "mse", "sum", "backpack", mc_samples=2
+    ),
+    "sequence-ce-func-mc-layers": Scenario(
+        "sequence_linear", "ce", "mean", "func", mc_samples=3, layer_groups=True
+    ),
+    "mlp-mse-func-subsampled": Scenario(
+        "mlp_relu", "mse", "mean", "func", subsample=True
+    ),
+}
+
+#: Scenarios of each job (the three-rank job is shorter: 3 processes on 2 cores).
+JOBS = {
+    2: list(SCENARIOS),
+    3: ["mlp-ce-backpack-layers-subsampled", "sequence-ce-func-mc-layers"],
+}
+
+#: The byte count is checked on this scenario (MLP with Linear layers only).
+BYTES_SCENARIO = "mlp-ce_weighted-func"
+
+
+def setup(scenario: Scenario, world_size: int, seed: int = 0):
+    """Model, loss function and every rank's shard, deterministic in ``seed``."""
+    arch = next(a for a in ARCHITECTURES if a.name == scenario.architecture)
+    total = sum(SHARDS[world_size])
+    C = arch.num_outputs
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = arch.build().to(torch.float64).eval()
+        inputs = torch.randn(total, *arch.input_shape, dtype=torch.float64)
+        if scenario.loss == "mse":
+            targets = torch.randn(total, C, dtype=torch.float64)
+            loss_func = nn.MSELoss(reduction=scenario.reduction)
+        else:
+            targets = torch.randint(0, C, (total,))
+            loss_func = nn.CrossEntropyLoss(reduction=scenario.reduction)
+        if scenario.loss == "ce_weighted":
+            targets[::3] = -100  # ignored: sample weights differ across ranks
+            weight = torch.rand(C, dtype=torch.float64) + 0.5
+            loss_func = nn.CrossEntropyLoss(weight=weight, reduction=scenario.reduction)
+    shards = list(
+        zip(
+            inputs.split(SHARDS[world_size]),
+            targets.split(SHARDS[world_size]),
+            strict=True,
+        )
+    )
+    return model, loss_func, shards
+
+
+def options(scenario: Scenario, model: nn.Module, rank: int = 0) -> dict:
+    """Keyword arguments of ``LowRankGGN`` of a rank (the reference: rank 0's).
+
+    The generators differ across ranks: every rank must use rank 0's MC seed.
+    """
+    groups = (
+        [list(m.parameters(recurse=False)) for m in model.modules()]
+        if scenario.layer_groups
+        else [list(model.parameters())]
+    )
+    return {
+        "param_groups": [g for g in groups if g],
+        "mc_samples": scenario.mc_samples,
+        "generator": torch.Generator().manual_seed(7 + 1000 * rank),
+        "engine": scenario.engine,
+    }
+
+
+def local_subsampling(size: int) -> list[int]:
+    """A rank's GGN samples: every other sample of its shard, backwards."""
+    return list(range(size - 1, -1, -2))
+
+
+def quantities(ggn: LowRankGGN) -> dict[str, Tensor]:
+    """Every result of every group (eigenvectors, ``γ`` up to sign)."""
+    out = {"loss": ggn.loss}
+    for g in range(len(ggn.param_groups)):
+        out[f"gradient{g}"] = torch.cat([t.flatten() for t in ggn.gradient(g)])
+        out[f"gram{g}"] = ggn.gram(g)
+        out[f"eigvalsh{g}"] = ggn.eigvalsh(g)
+        evals, evecs = ggn.eigh(None, g)
+        out[f"evals{g}"], out[f"evecs{g}"] = evals, flat(evecs)
+        directional = ggn.directional_derivatives(None, g)
+        out[f"gammas{g}"] = directional.gammas
+        out[f"lambdas{g}"] = directional.lambdas
+        out[f"newton{g}"] = flat(
+            [s.unsqueeze(0) for s in ggn.newton_step(None, g, 0.1)]
+        )
+        out[f"top2-matrix-free{g}"] = ggn.eigh(2, g, solver="matrix_free")[0]
+    return out
+
+
+def flat(tensors: list[Tensor]) -> Tensor:
+    """Eigenvectors in parameter format as ``[K, D]``."""
+    return torch.cat([t.flatten(start_dim=1) for t in tensors], dim=1)
+
+
+def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
+    """The single-process results on the union of the shards.
+
+    Exact: the concatenated batch (with the concatenated local subsamplings).
+    MC: a loader over the shards in rank order (block ``b`` draws from ``seed +
+    b``, as rank ``b`` does).
+    """
+    model, loss_func, shards = setup(scenario, world_size)
+    kwargs = options(scenario, model)
+    if scenario.mc_samples:
+        return quantities(LowRankGGN(model, loss_func, shards, **kwargs))
+    inputs = torch.cat([x for x, _ in shards])
+    targets = torch.cat([y for _, y in shards])
+    if scenario.subsample:
+        offsets = torch.tensor([0, *SHARDS[world_size]]).cumsum(0).tolist()
+        kwargs["subsampling"] = [
+            offset + n
+            for offset, (x, _) in zip(offsets, shards, strict=False)
+            for n in local_subsampling(len(x))
+        ]
+    return quantities(LowRankGGN(model, loss_func, (inputs, targets), **kwargs))
+
+
+def run_scenario(name: str, rank: int, world_size: int) -> dict:
+    scenario = SCENARIOS[name]
+    model, loss_func, shards = setup(scenario, world_size)
+    kwargs = options(scenario, model, rank)
+    if scenario.subsample:
+        kwargs["subsampling"] = local_subsampling(len(shards[rank][0]))
+    ggn = LowRankGGN(model, loss_func, shards[rank], **kwargs)
+    layout = ggn.shards
+    return {
+        "quantities": quantities(ggn),
+        "samples": [(r.start, r.stop) for r in layout.samples],
+        "ggn_samples": [(r.start, r.stop) for r in layout.ggn_samples],
+        "payload_bytes": ggn.communication.payload_bytes,
+        "buffer_bytes": ggn.communication.buffer_bytes,
+    }
+
+
+# Training -------------------------------------------------------------------------
+
+TRAINING_STEPS = 3
+
+
+def training_setup(world_size: int, step: int):
+    """Model (step 0 only matters), loss and the shards of step ``step``."""
+    return setup(Scenario("mlp_tanh", "ce", "mean", "func"), world_size, seed=step)
+
+
+def optimizer(
+    model: nn.Module, loss_func: nn.Module, rank: int = 0, **kwargs
+) -> DampedNewton:
+    return DampedNewton(
+        model.parameters(),
+        lr=0.5,
+        damping=0.1,
+        mc_samples=1,
+        generator=torch.Generator().manual_seed(3 + 1000 * rank),
+        model=model,
+        loss_func=loss_func,
+        engine="backpack",
+        **kwargs,
+    )
+
+
+def train_reference(world_size: int) -> dict[str, Tensor]:
+    """Single-process training on the union batches (a loader over the shards)."""
+    model, loss_func, _ = training_setup(world_size, 0)
+    opt = optimizer(model, loss_func, process_group=False)
+    losses = [opt.step(data=training_setup(world_size, t)[2]) for t in range(3)]
+    return _training_results(model, losses)
+
+
+def train(rank: int, world_size: int) -> dict[str, Tensor]:
+    """The same training on the shards, the model wrapped in DDP."""
+    model, loss_func, _ = training_setup(world_size, 0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = optimizer(ddp, loss_func, rank)
+    losses = [
+        opt.step(data=training_setup(world_size, t)[2][rank])
+        for t in range(TRAINING_STEPS)
+    ]
+    return _training_results(model, losses)
+
+
+def _training_results(model: nn.Module, losses: list[Tensor]) -> dict[str, Tensor]:
+    return {
+        "losses": torch.stack(losses),
+        "parameters": torch.cat([p.detach().flatten() for p in model.parameters()]),
+    }
+
+
+# Failures -------------------------------------------------------------------------
+
+
+def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
+    """Each failure case: this rank's exception type and message."""
+    scenario = SCENARIOS["mlp-ce-backpack-layers-subsampled"]
+    model, loss_func, shards = setup(scenario, world_size)
+    inputs, targets = shards[rank]
+    last = rank == world_size - 1
+    cases = {
+        # before the backward pass: a malformed batch on the last rank
+        "targets": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets[:-1] if last else targets)
+        ),
+        "empty": lambda: LowRankGGN(
+            model, loss_func, (inputs[:0], targets[:0]) if last else (inputs, targets)
+        ),
+        # during the backward pass: a class index out of range on the last rank
+        "labels": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets + 10 if last else targets)
+        ),
+        # different requests
+        "mismatch": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets), mc_samples=1 if last else 0
+        ),
+    }
+    results = {}
+    for name, case in cases.items():
+        try:
+            case()
+            results[name] = ("", "")
+        except Exception as error:  # noqa: BLE001 - recorded for the test
+            results[name] = (type(error).__name__, str(error))
+    return results
+
+
+def main(job: int, rank: int, world_size: int, rendezvous: str, out: str) -> None:
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=45),
+    )
+    try:
+        results = {"failures": failures(rank, world_size)}
+        results["scenarios"] = {
+            name: run_scenario(name, rank, world_size) for name in JOBS[job]
+        }
+        if job == 2:
+            results["training"] = train(rank, world_size)
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)

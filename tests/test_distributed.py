@@ -1,0 +1,191 @@
+"""Several processes: gloo groups of 2 and 3 ranks on CPU, spawned from the tests.
+
+Each job starts one process per rank (``tests/distributed_jobs.py``), which runs
+every scenario of the job on its shard; here the results are compared with the
+single-process results on the union of the shards (concatenated batch; for MC a
+loader over the shards in rank order, whose block ``b`` draws from the same
+stream as rank ``b``) and with each other (bit for bit). A job that hangs is
+killed after ``JOB_TIMEOUT`` seconds and fails the test; inside it every
+collective has a 45 s timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from checks import align_signs, assert_rel
+from distributed_jobs import (
+    BYTES_SCENARIO,
+    JOBS,
+    SCENARIOS,
+    SHARDS,
+    local_subsampling,
+    reference,
+    train_reference,
+)
+
+from vivit import DistributedError, InvalidArgumentError, LowRankGGN
+from vivit.distributed import ALIGNMENT, resolve_group
+
+TESTS = Path(__file__).parent
+#: Seconds a whole job may take (typically 5-10 s) before it is killed.
+JOB_TIMEOUT = 120
+
+
+def launch(world_size: int, out: Path) -> list[dict]:
+    """Run job ``world_size`` on that many ranks; every rank's results."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+    )
+    command = [sys.executable, str(TESTS / "distributed_jobs.py"), str(world_size)]
+    processes = [
+        subprocess.Popen(
+            [*command, str(rank), str(world_size), str(out / "rendezvous"), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    logs = []
+    try:
+        for process in processes:
+            logs.append(process.communicate(timeout=JOB_TIMEOUT)[0])
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        pytest.fail(f"The {world_size}-rank job hung (killed after {JOB_TIMEOUT} s).")
+    for rank, (process, log) in enumerate(zip(processes, logs, strict=True)):
+        assert process.returncode == 0, f"rank {rank} failed:\n{log}"
+    return [
+        torch.load(out / f"rank{rank}.pt", weights_only=False)
+        for rank in range(world_size)
+    ]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[int, list[dict]]:
+    return {w: launch(w, tmp_path_factory.mktemp(f"world{w}")) for w in JOBS}
+
+
+CASES = [(w, name) for w, names in JOBS.items() for name in names]
+
+
+@pytest.mark.parametrize("world_size, name", CASES, ids=[f"{w}-{n}" for w, n in CASES])
+def test_every_quantity_is_that_of_the_union(jobs, world_size, name):
+    """Identical on every rank; equal to one process on the union (float64: 1e-10)."""
+    ranks = [results["scenarios"][name]["quantities"] for results in jobs[world_size]]
+    for other in ranks[1:]:
+        for key, value in ranks[0].items():
+            assert torch.equal(other[key], value), f"{key} differs across ranks"
+    expected = reference(SCENARIOS[name], world_size)
+    actual = ranks[0]
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if key.startswith(("evecs", "gammas")):
+            continue
+        assert_rel(actual[key], value)  # 1e-10 of the largest entry, float64
+    for g in range(sum(k.startswith("evecs") for k in expected)):
+        evecs = align_signs(actual[f"evecs{g}"].T, expected[f"evecs{g}"].T)
+        assert_rel(evecs, expected[f"evecs{g}"].T)
+        signs = torch.sign((evecs * actual[f"evecs{g}"].T).sum(0))
+        assert_rel(actual[f"gammas{g}"] * signs, expected[f"gammas{g}"])
+
+
+@pytest.mark.parametrize("world_size", list(JOBS))
+def test_layout_names_each_ranks_rows(jobs, world_size):
+    sizes = SHARDS[world_size]
+    starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    for name in JOBS[world_size]:
+        ggn_sizes = [
+            len(local_subsampling(n)) if SCENARIOS[name].subsample else n for n in sizes
+        ]
+        ggn_starts = torch.tensor([0, *ggn_sizes]).cumsum(0).tolist()
+        for results in jobs[world_size]:
+            scenario = results["scenarios"][name]
+            assert scenario["samples"] == list(zip(starts, starts[1:], strict=False))
+            assert scenario["ggn_samples"] == list(
+                zip(ggn_starts, ggn_starts[1:], strict=False)
+            )
+
+
+def mlp_payload_bytes(samples: int, columns: int, element: int) -> int:
+    """The cost model of ``docs/math.rst`` ("Several processes") for the test MLP.
+
+    Per Linear layer ``I → O`` and ``N`` samples (no subsampling): the weight's
+    factors of ``V`` ``N·I + C·N·O`` and its gradient factors ``N·I + N·O``; the
+    bias's ``N·C·O`` and ``N·O``; then the gradient (``D``) and the loss.
+    """
+    widths = [(4, 6), (6, 5), (5, 3)]
+    N, C = samples, columns
+    factors = sum(2 * N * i + 2 * (C + 1) * N * o for i, o in widths)
+    D = sum(i * o + o for i, o in widths)
+    return element * (factors + D + 1)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bytes_exchanged_follow_the_cost_model(jobs, world_size):
+    payloads = [mlp_payload_bytes(n, columns=3, element=8) for n in SHARDS[world_size]]
+    num_tensors = 3 * 2 * 2 + 3 * 2 + 1  # factors (2 weights, 1 bias per layer)…
+    for results in jobs[world_size]:
+        scenario = results["scenarios"][BYTES_SCENARIO]
+        assert scenario["payload_bytes"] == payloads
+        # the buffer aligns each tensor to ALIGNMENT bytes, padded to the longest
+        assert max(payloads) <= scenario["buffer_bytes"]
+        assert scenario["buffer_bytes"] < max(payloads) + ALIGNMENT * num_tensors
+
+
+@pytest.mark.parametrize("world_size", list(JOBS))
+def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
+    last = world_size - 1
+    own_errors = {
+        "targets": "InvalidTargetsError",
+        "empty": "InvalidArgumentError",
+        "labels": "InvalidTargetsError",
+    }
+    for rank, results in enumerate(jobs[world_size]):
+        failures = results["failures"]
+        for case, error in own_errors.items():
+            kind, message = failures[case]
+            if rank == last:
+                assert kind == error, (case, kind, message)
+            else:
+                assert kind == "DistributedError", (case, kind, message)
+                assert f"Rank {last} of {world_size} failed ({error}:" in message
+        kind, message = failures["mismatch"]
+        assert kind == "DistributedError"
+        assert f"rank {last} asks for mc_samples = 1, rank 0 for 0" in message
+
+
+def test_data_parallel_training_is_that_of_the_union(jobs):
+    """DDP-wrapped model, MC Newton steps: equal to one process on union batches."""
+    ranks = [results["training"] for results in jobs[2]]
+    for key in ranks[0]:
+        assert torch.equal(ranks[0][key], ranks[1][key]), f"replicas differ: {key}"
+    expected = train_reference(2)
+    for key, value in expected.items():
+        assert_rel(ranks[0][key], value)
+
+
+def test_process_group_must_be_a_group():
+    with pytest.raises(InvalidArgumentError, match="process_group must be"):
+        resolve_group("world")
+
+
+def test_without_a_group_nothing_is_exchanged():
+    model, loss_func, shards = __import__("distributed_jobs").setup(
+        SCENARIOS[BYTES_SCENARIO], 2
+    )
+    ggn = LowRankGGN(model, loss_func, shards[0], process_group=False)
+    assert ggn.shards.world_size == 1
+    assert ggn.shards.local_samples == range(SHARDS[2][0])
+    assert ggn.communication.sent_bytes == 0
+    assert issubclass(DistributedError, RuntimeError)

@@ -1,0 +1,481 @@
+"""The curvature of the union of the shards of a ``torch.distributed`` group.
+
+Every rank of a process group computes the curvature of its own shard (one block
+of samples, :class:`~vivit.data.BlockResult`); :class:`ShardExchange` hands every
+rank's block to every other with ``torch.distributed`` collectives, and each rank
+combines the blocks in rank order (:func:`~vivit.data.combine_blocks`), exactly
+as a single process combines the batches of a loader over the same shards.
+``docs/math.rst`` ("Data sets and processes", "Several processes") gives the
+scalings and the cost model.
+
+Protocol of one construction, three collectives in all:
+
+1. *Request round* (``all_gather_object``, before the backward pass): every rank
+   sends a fingerprint of its request (MC samples, ``gram_dtype``, loss options,
+   parameter shapes, solver) and its Monte-Carlo seed. A mismatch is refused on
+   every rank; all ranks use rank 0's seed.
+2. *Block round* (``all_gather_object``, after the local backward pass): every
+   rank sends whether it succeeded and, if so, the description of its block
+   (batch context, factor types and tensor shapes, byte offsets). A failure on
+   any rank is raised on every rank (the failing rank re-raises its own error,
+   the others :class:`~vivit.errors.DistributedError` naming it), so no rank
+   waits for data that never comes.
+3. *Data* (``all_gather`` of one byte buffer per rank, padded to the longest):
+   the tensors of every block (factors of ``V`` in the model's type, per-sample
+   gradient factors, loss and gradient), bit for bit.
+
+Every rank then rebuilds every block, its own included, from the gathered bytes,
+and computes everything that follows (Gram matrix, eigenpairs, ``γ``, ``λ``,
+Newton steps) from the same bytes with the same operations: the results are
+identical on every rank (given the same library versions, device type and
+number of threads), without any further communication, so later calls may come
+in any order and number on each rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module
+
+from vivit.data import BlockResult
+from vivit.engines.base import EngineOutput
+from vivit.errors import DistributedError, InvalidArgumentError
+from vivit.gram import ParamFactors
+from vivit.groups import GroupCurvature
+
+#: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
+ALIGNMENT = 64
+
+
+def resolve_group(process_group: object) -> dist.ProcessGroup | None:
+    """The process group whose shards form the union, or ``None`` to run locally.
+
+    Args:
+        process_group: ``None``: the default group if ``torch.distributed`` is
+            initialised, else local; ``False``: local (each rank on its own
+            batch); a ``ProcessGroup``: that group.
+
+    Returns:
+        The group, or ``None`` if there is nothing to exchange (local, or a group
+        of one rank).
+
+    Raises:
+        InvalidArgumentError: If ``process_group`` is none of these, or this
+            process is not a member of the group.
+    """
+    if process_group is False:
+        return None
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    elif dist.is_available() and isinstance(process_group, dist.ProcessGroup):
+        group = process_group
+    else:
+        raise InvalidArgumentError(
+            "process_group must be None (the default group if torch.distributed is "
+            "initialised), False (this process alone) or a "
+            f"torch.distributed.ProcessGroup, got {type(process_group).__name__}."
+        )
+    if dist.get_rank(group) < 0:
+        raise InvalidArgumentError(
+            "This process is not a member of process_group: pass a group it "
+            "belongs to, or process_group=False."
+        )
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def local_module(model: Module) -> Module:
+    """The module to run the engines on: a ``DistributedDataParallel``'s ``.module``.
+
+    DDP's forward pass prepares a gradient all-reduce for the next backward pass;
+    the curvature's backward pass must not trigger it (the ranks' shards are
+    exchanged by :class:`ShardExchange` instead). The wrapped module holds the
+    same parameters.
+
+    Args:
+        model: The network, possibly wrapped.
+
+    Returns:
+        The wrapped module, or ``model`` itself.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def request_fingerprint(
+    loss_func: Module | None, param_groups: list[list[Tensor]], **options: object
+) -> dict[str, object]:
+    """What every rank of a group must ask for identically.
+
+    Args:
+        loss_func: The loss module (its type, options and weights), if any.
+        param_groups: The parameter groups (their shapes and types).
+        **options: Further options that shape the results (MC samples,
+            ``gram_dtype``, solver, engine).
+
+    Returns:
+        A picklable description, compared key by key across the ranks.
+    """
+    fingerprint: dict[str, object] = dict(options)
+    fingerprint["parameter groups"] = [
+        [(tuple(p.shape), str(p.dtype), p.device.type) for p in group]
+        for group in param_groups
+    ]
+    if loss_func is not None:
+        fingerprint["loss"] = (
+            type(loss_func).__name__,
+            {
+                name: value
+                for name, value in sorted(vars(loss_func).items())
+                if not name.startswith("_")
+                and isinstance(value, bool | int | float | str | type(None))
+            },
+            {name: b.tolist() for name, b in loss_func.named_buffers()},
+        )
+    return fingerprint
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each rank's samples sit in the union (rank order).
+
+    Every result over samples (rows of ``γ`` and ``λ``, Gram-space entries)
+    covers the union; these ranges pick a rank's own.
+
+    Attributes:
+        rank: This process's rank in the group (``0`` locally).
+        world_size: Number of ranks (``1`` locally).
+        samples: Each rank's samples as positions in the union batch (rows of
+            ``γ`` with ``subsampling_grad=None``; indices for
+            ``subsampling_grad``).
+        ggn_samples: Each rank's GGN samples (its subsampling) as positions among
+            the union's GGN samples (rows of ``λ``; Gram-space entries
+            ``n·C + c`` of these ``n``).
+    """
+
+    rank: int
+    world_size: int
+    samples: tuple[range, ...]
+    ggn_samples: tuple[range, ...]
+
+    @property
+    def local_samples(self) -> range:
+        """This rank's samples, as positions in the union batch."""
+        return self.samples[self.rank]
+
+    @property
+    def local_ggn_samples(self) -> range:
+        """This rank's GGN samples, as positions among the union's GGN samples."""
+        return self.ggn_samples[self.rank]
+
+    @classmethod
+    def of_blocks(
+        cls, blocks: list[BlockResult], rank: int, world_size: int
+    ) -> ShardLayout:
+        """The layout of blocks in rank order (one block per rank, or one rank).
+
+        Args:
+            blocks: The blocks, in order.
+            rank: This process's rank.
+            world_size: Number of ranks.
+
+        Returns:
+            The layout; locally a single "rank" spans every block.
+        """
+        per_rank = [blocks] if world_size == 1 else [[block] for block in blocks]
+        samples, ggn_samples = [], []
+        start = ggn_start = 0
+        for owned in per_rank:
+            size = sum(b.curvature[0].batch.batch_size for b in owned)
+            ggn_size = sum(len(b.curvature[0].batch.ggn_samples) for b in owned)
+            samples.append(range(start, start + size))
+            ggn_samples.append(range(ggn_start, ggn_start + ggn_size))
+            start, ggn_start = start + size, ggn_start + ggn_size
+        return cls(rank, world_size, tuple(samples), tuple(ggn_samples))
+
+
+@dataclass
+class ExchangeReport:
+    """What one construction sent and received (all zero locally).
+
+    Attributes:
+        world_size: Number of ranks.
+        payload_bytes: Bytes of every rank's tensors (rank order), before
+            alignment and padding: the cost model of ``docs/math.rst``
+            ("Several processes").
+        buffer_bytes: Length of every rank's buffer in the all-gather (the
+            longest payload with its tensors aligned to :data:`ALIGNMENT`).
+        metadata_bytes: Pickled bytes of this rank's messages in the two
+            ``all_gather_object`` rounds.
+        seconds: Wall time of the block round and the data all-gather on this
+            rank (includes waiting for the slowest rank's backward pass).
+    """
+
+    world_size: int = 1
+    payload_bytes: list[int] = field(default_factory=lambda: [0])
+    buffer_bytes: int = 0
+    metadata_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank contributes to the others: its buffer, to each of them."""
+        return self.buffer_bytes * (self.world_size - 1)
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes this rank receives: every other rank's buffer."""
+        return self.buffer_bytes * (self.world_size - 1)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in an exchanged byte buffer."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A rank's error, as the other ranks report it."""
+
+    rank: int
+    summary: str
+
+
+class _Packer:
+    """Lays out tensors in one byte buffer and describes them by slots."""
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[int, Tensor]] = []
+        self.size = 0
+        self.payload = 0
+
+    def add(self, tensor: Tensor) -> _Slot:
+        tensor = tensor.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        slot = _Slot(self.size, nbytes, tensor.dtype, tuple(tensor.shape))
+        self.tensors.append((self.size, tensor))
+        self.payload += nbytes
+        self.size += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        return slot
+
+    def fill(self, buffer: Tensor) -> None:
+        for offset, tensor in self.tensors:
+            data = tensor.contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + data.numel()].copy_(data)
+
+
+def _unpack(slot: _Slot, buffer: Tensor) -> Tensor:
+    data = buffer[slot.offset : slot.offset + slot.nbytes]
+    return data.view(slot.dtype).reshape(slot.shape)
+
+
+def _pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: _Packer) -> tuple:
+    """Describe factors by their class and attributes, tensors cast to ``dtype``.
+
+    The factors are held in ``gram_dtype``; they were computed in the model's
+    type ``dtype``, so casting back is exact and halves the bytes of float32
+    factors accumulated in float64.
+    """
+    state = {
+        name: packer.add(value.to(dtype)) if isinstance(value, Tensor) else value
+        for name, value in vars(factors).items()
+    }
+    return type(factors), factors.dtype, state
+
+
+def _unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
+    cls, held_dtype, state = description
+    factors = cls.__new__(cls)
+    factors.__dict__.update(
+        {
+            name: _unpack(value, buffer) if isinstance(value, _Slot) else value
+            for name, value in state.items()
+        }
+    )
+    return factors.to(held_dtype)
+
+
+def _pack_block(block: BlockResult, packer: _Packer) -> dict:
+    groups = []
+    for curvature in block.curvature:
+        dtype = curvature.factor_dtype
+        groups.append(
+            {
+                "batch": curvature.batch,
+                "factor_dtype": dtype,
+                "ggn": [_pack_factors(f, dtype, packer) for f in curvature.ggn_factors],
+                "grad": [
+                    _pack_factors(f, dtype, packer) for f in curvature.grad_factors
+                ],
+            }
+        )
+    return {
+        "groups": groups,
+        "loss": packer.add(block.output.loss),
+        "gradients": [packer.add(g) for g in block.output.gradients],
+    }
+
+
+def _unpack_block(
+    description: dict, buffer: Tensor, param_groups: list[list[Tensor]]
+) -> BlockResult:
+    curvature = [
+        GroupCurvature(
+            params=params,
+            batch=group["batch"],
+            factor_dtype=group["factor_dtype"],
+            gram=None,
+            ggn_factors=[_unpack_factors(f, buffer) for f in group["ggn"]],
+            grad_factors=[_unpack_factors(f, buffer) for f in group["grad"]],
+        )
+        for params, group in zip(param_groups, description["groups"], strict=True)
+    ]
+    output = EngineOutput(
+        loss=_unpack(description["loss"], buffer),
+        gradients=[_unpack(g, buffer) for g in description["gradients"]],
+    )
+    return BlockResult(curvature, output)
+
+
+class ShardExchange:
+    """One construction's agreement and exchange across the ranks of a group.
+
+    Use as a context manager around everything a rank does before the exchange:
+    an exception that leaves it before this rank has taken part in both rounds
+    is reported to the other ranks in the round they wait in (and re-raised
+    here), so that every rank raises instead of waiting.
+
+    Args:
+        group: The process group, or ``None`` to run locally (every method then
+            passes its input through).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+        self.report = ExchangeReport()
+        self._rounds_left = 0 if group is None else 2
+
+    def __enter__(self) -> ShardExchange:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        if exc is not None and self._rounds_left:
+            self._rounds_left = 0
+            summary = f"{type(exc).__name__}: {exc}"
+            self._all_gather_object(_Failure(self.rank, summary))
+        return False
+
+    def _all_gather_object(self, item: object) -> list[object]:
+        gathered: list[object] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, item, group=self.group)
+        except BaseException:  # the group is broken: no further round
+            self._rounds_left = 0
+            raise
+        self.report.metadata_bytes += len(pickle.dumps(item))
+        return gathered
+
+    def _round(self, item: object) -> list[object]:
+        """One agreement round: every rank's item, or raise if a rank failed."""
+        self._rounds_left -= 1
+        gathered = self._all_gather_object(item)
+        failures = [g for g in gathered if isinstance(g, _Failure)]
+        if failures:
+            self._rounds_left = 0
+            raise DistributedError(
+                "; ".join(
+                    f"Rank {f.rank} of {self.world_size} failed ({f.summary})"
+                    for f in failures
+                )
+                + ". No rank computed the curvature of the union of the shards; "
+                "fix the failing rank's input (see its own error)."
+            )
+        return gathered
+
+    def agree(self, fingerprint: dict[str, object], seed: int | None) -> int | None:
+        """Check that every rank asks for the same; the run's MC seed (rank 0's).
+
+        Args:
+            fingerprint: This rank's request (:func:`request_fingerprint`).
+            seed: This rank's Monte-Carlo base seed (``None`` for the exact GGN).
+
+        Returns:
+            Rank 0's seed.
+
+        Raises:
+            DistributedError: On every rank, if a rank failed before the backward
+                pass or the requests differ (naming the ranks and options).
+        """
+        if self.group is None:
+            return seed
+        gathered = self._round((fingerprint, seed))
+        first = gathered[0][0]
+        differences = [
+            f"rank {rank} asks for {key} = {theirs[key]!r}, rank 0 for {first[key]!r}"
+            for rank, (theirs, _) in enumerate(gathered)
+            for key in first
+            if theirs.get(key) != first[key]
+        ]
+        if differences:
+            self._rounds_left = 0
+            raise DistributedError(
+                "The ranks of the process group ask for different curvature: "
+                + "; ".join(differences)
+                + ". Every rank must pass the same options (only the data differ)."
+            )
+        return gathered[0][1]
+
+    def exchange(
+        self, blocks: list[BlockResult], param_groups: list[list[Tensor]]
+    ) -> list[BlockResult]:
+        """Every rank's block, in rank order, rebuilt from the exchanged bytes.
+
+        Args:
+            blocks: This rank's block (exactly one: its shard).
+            param_groups: The parameter groups, to attach to the rebuilt curvature.
+
+        Returns:
+            One block per rank, identical on every rank.
+
+        Raises:
+            DistributedError: If another rank failed before the exchange.
+        """
+        if self.group is None:
+            return blocks
+        (block,) = blocks
+        start = time.perf_counter()
+        packer = _Packer()
+        description = _pack_block(block, packer)
+        gathered = self._round((description, packer.size, packer.payload))
+        size = max(size for _, size, _ in gathered)
+        device = block.output.loss.device
+        buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        packer.fill(buffer)
+        buffers = [torch.empty_like(buffer) for _ in range(self.world_size)]
+        dist.all_gather(buffers, buffer, group=self.group)
+        self.report = ExchangeReport(
+            world_size=self.world_size,
+            payload_bytes=[payload for _, _, payload in gathered],
+            buffer_bytes=size,
+            metadata_bytes=self.report.metadata_bytes,
+            seconds=time.perf_counter() - start,
+        )
+        return [
+            _unpack_block(desc, data, param_groups)
+            for (desc, _, _), data in zip(gathered, buffers, strict=True)
+        ]
