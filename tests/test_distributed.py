@@ -122,19 +122,18 @@ def mlp_payload_bytes(samples: int, columns: int, element: int) -> int:
 
     Per Linear layer ``I → O`` and ``N`` samples (no subsampling): the weight's
     factors of ``V`` ``N·I + C·N·O`` and its gradient factors ``N·I + N·O``; the
-    bias's ``N·C·O`` and ``N·O``; then the gradient (``D``) and the loss.
+    bias's ``N·C·O`` and ``N·O``; then the loss.
     """
     widths = [(4, 6), (6, 5), (5, 3)]
     N, C = samples, columns
     factors = sum(2 * N * i + 2 * (C + 1) * N * o for i, o in widths)
-    D = sum(i * o + o for i, o in widths)
-    return element * (factors + D + 1)
+    return element * (factors + 1)
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_bytes_exchanged_follow_the_cost_model(jobs, world_size):
     payloads = [mlp_payload_bytes(n, columns=3, element=8) for n in SHARDS[world_size]]
-    num_tensors = 3 * 2 * 2 + 3 * 2 + 1  # factors (2 weights, 1 bias per layer)…
+    num_tensors = 3 * (2 * 2 + 2) + 1  # per layer: weight 2×2, bias 2; the loss
     for results in jobs[world_size]:
         scenario = results["scenarios"][BYTES_SCENARIO]
         assert scenario["payload_bytes"] == payloads

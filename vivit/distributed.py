@@ -22,7 +22,8 @@ Protocol of one construction, three collectives in all:
    waits for data that never comes.
 3. *Data* (``all_gather`` of one byte buffer per rank, padded to the longest):
    the tensors of every block (factors of ``V`` in the model's type, per-sample
-   gradient factors, loss and gradient), bit for bit.
+   gradient factors, the loss), bit for bit. The gradient of each block's loss
+   is ``R_b Σ_n ∇ℓ_n`` of its per-sample gradient factors (:func:`block_gradient`).
 
 Every rank then rebuilds every block, its own included, from the gathered bytes,
 and computes everything that follows (Gram matrix, eigenpairs, ``γ``, ``λ``,
@@ -44,7 +45,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from vivit.data import BlockResult
-from vivit.engines.base import EngineOutput
+from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import DistributedError, InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.groups import GroupCurvature
@@ -322,11 +323,7 @@ def _pack_block(block: BlockResult, packer: _Packer) -> dict:
                 ],
             }
         )
-    return {
-        "groups": groups,
-        "loss": packer.add(block.output.loss),
-        "gradients": [packer.add(g) for g in block.output.gradients],
-    }
+    return {"groups": groups, "loss": packer.add(block.output.loss)}
 
 
 def _unpack_block(
@@ -343,11 +340,39 @@ def _unpack_block(
         )
         for params, group in zip(param_groups, description["groups"], strict=True)
     ]
-    output = EngineOutput(
-        loss=_unpack(description["loss"], buffer),
-        gradients=[_unpack(g, buffer) for g in description["gradients"]],
+    gradients = [
+        block_gradient(factors, group.batch, buffer.device).to(param.dtype)
+        for group in curvature
+        for factors, param in zip(group.grad_factors, group.params, strict=True)
+    ]
+    loss = _unpack(description["loss"], buffer)
+    return BlockResult(curvature, EngineOutput(loss=loss, gradients=gradients))
+
+
+def block_gradient(
+    grad_factors: ParamFactors, batch: BatchInfo, device: torch.device
+) -> Tensor:
+    """``∇L_b = R_b Σ_n ∇ℓ_n`` of a block from its per-sample gradient factors.
+
+    The per-sample gradients are those of ``ℓ_n`` (``docs/math.rst``, "Losses"),
+    so the gradient of the block's loss needs no exchange of its own.
+
+    Args:
+        grad_factors: One parameter's per-sample gradient factors (one column per
+            sample).
+        batch: The block's batch context (its ``R``).
+        device: The factors' device.
+
+    Returns:
+        The gradient, shaped like the parameter.
+    """
+    ones = torch.full(
+        (1, grad_factors.num_rows),
+        batch.reduction_factor(),
+        dtype=grad_factors.dtype,
+        device=device,
     )
-    return BlockResult(curvature, output)
+    return grad_factors.vmp(ones)[0]
 
 
 class ShardExchange:
