@@ -194,18 +194,14 @@ def summarize(records: list[dict]) -> list[dict]:
             row[phase] = statistics.median(r[phase] for r in group)
         rows.append(row)
     for row in rows:  # strong: speedup over 1 process; weak: efficiency
+        same = "union_samples" if row["mode"] == "strong" else "rank_samples"
         base = next(
             (
                 r
                 for r in rows
                 if r["world_size"] == 1
                 and r["mode"] == row["mode"]
-                and r["rank_samples"]
-                == (
-                    row["union_samples"]
-                    if row["mode"] == "strong"
-                    else row["rank_samples"]
-                )
+                and r[same] == row[same]
             ),
             None,
         )
@@ -227,9 +223,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "Strong: the union batch N is fixed (speedup = 1-process total / total). "
         "Weak: n samples per rank (efficiency = 1-process total at n / total).",
         "",
-        "| mode | W | N (union) | n (rank 0) | Gram side | backward | exchange | Gram | "
-        "solver | total | speedup / efficiency | bytes sent by rank 0 (tensors) | "
-        "cost model | buffer × (W−1) | metadata |",
+        "| mode | W | N (union) | n (rank 0) | Gram side | backward | exchange "
+        "| Gram | solver | total | speedup / efficiency | rank 0's tensors [B] "
+        "| cost model [B] | sent = buffer × (W−1) [B] | metadata [B] |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

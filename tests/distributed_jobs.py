@@ -189,6 +189,7 @@ def run_scenario(name: str, rank: int, world_size: int) -> dict:
         "ggn_samples": [(r.start, r.stop) for r in layout.ggn_samples],
         "payload_bytes": ggn.communication.payload_bytes,
         "buffer_bytes": ggn.communication.buffer_bytes,
+        "gram_buffer_bytes": ggn.communication.gram_buffer_bytes,
     }
 
 

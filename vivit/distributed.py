@@ -25,10 +25,12 @@ Protocol of one construction, three collectives in all:
    gradient factors, the loss), bit for bit. The gradient of each block's loss
    is ``R_b Σ_n ∇ℓ_n`` of its per-sample gradient factors (:func:`block_gradient`).
 
-Every rank then rebuilds every block, its own included, from the gathered bytes,
-and computes everything that follows (Gram matrix, eigenpairs, ``γ``, ``λ``,
-Newton steps) from the same bytes with the same operations: the results are
-identical on every rank (given the same library versions, device type and
+Every rank then rebuilds every block, its own included, from the gathered bytes.
+The Gram matrices are formed right away, together (:meth:`ShardExchange.gram`):
+each rank computes its share of the cross blocks ``V_aᵀ V_b`` and the blocks are
+all-gathered. Everything that follows (eigenpairs, ``γ``, ``λ``, Newton steps)
+each rank computes from the same bytes with the same operations: the results
+are identical on every rank (given the same library versions, device type and
 number of threads), without any further communication, so later calls may come
 in any order and number on each rank.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +50,7 @@ from torch.nn import Module
 from vivit.data import BlockResult
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import DistributedError, InvalidArgumentError
-from vivit.gram import ParamFactors
+from vivit.gram import ParamFactors, SampleBlockFactors
 from vivit.groups import GroupCurvature
 
 #: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
@@ -214,10 +217,14 @@ class ExchangeReport:
             ("Several processes").
         buffer_bytes: Length of every rank's buffer in the all-gather (the
             longest payload with its tensors aligned to :data:`ALIGNMENT`).
-        metadata_bytes: Pickled bytes of this rank's messages in the two
+        metadata_bytes: Pickled bytes of this rank's messages in the
             ``all_gather_object`` rounds.
         seconds: Wall time of the block round and the data all-gather on this
             rank (includes waiting for the slowest rank's backward pass).
+        gram_buffer_bytes: Length of every rank's buffer of Gram blocks, summed
+            over the Gram matrices formed together.
+        gram_seconds: Wall time of forming them (this rank's blocks and the
+            all-gather).
     """
 
     world_size: int = 1
@@ -225,16 +232,18 @@ class ExchangeReport:
     buffer_bytes: int = 0
     metadata_bytes: int = 0
     seconds: float = 0.0
+    gram_buffer_bytes: int = 0
+    gram_seconds: float = 0.0
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes this rank contributes to the others: its buffer, to each of them."""
-        return self.buffer_bytes * (self.world_size - 1)
+        """Bytes this rank sends, each buffer to every other rank (factors, Grams)."""
+        return (self.buffer_bytes + self.gram_buffer_bytes) * (self.world_size - 1)
 
     @property
     def received_bytes(self) -> int:
-        """Bytes this rank receives: every other rank's buffer."""
-        return self.buffer_bytes * (self.world_size - 1)
+        """Bytes this rank receives: every other rank's buffers."""
+        return self.sent_bytes
 
 
 @dataclass(frozen=True)
@@ -291,7 +300,9 @@ def _pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: _Packer) ->
     factors accumulated in float64.
     """
     state = {
-        name: packer.add(value.to(dtype)) if isinstance(value, Tensor) else value
+        name: packer.add(value.to(dtype) if value.is_floating_point() else value)
+        if isinstance(value, Tensor)
+        else value
         for name, value in vars(factors).items()
     }
     return type(factors), factors.dtype, state
@@ -373,6 +384,23 @@ def block_gradient(
         device=device,
     )
     return grad_factors.vmp(ones)[0]
+
+
+def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Which rank forms which Gram block ``(a, b)``, ``a ≤ b``: round robin.
+
+    Row-major order over the upper triangle, block ``i`` to rank ``i mod W``: a
+    diagonal block (half the work, symmetric) alternates with cross blocks.
+
+    Args:
+        num_blocks: Number of sample blocks (ranks).
+        world_size: Number of ranks.
+
+    Returns:
+        Each rank's blocks, in order.
+    """
+    pairs = [(a, b) for a in range(num_blocks) for b in range(a, num_blocks)]
+    return [pairs[rank::world_size] for rank in range(world_size)]
 
 
 class ShardExchange:
@@ -464,6 +492,71 @@ class ShardExchange:
                 + ". Every rank must pass the same options (only the data differ)."
             )
         return gathered[0][1]
+
+    def all_true(self, flags: list[bool]) -> list[bool]:
+        """Element-wise: whether every rank's flag is true (one small collective).
+
+        Args:
+            flags: This rank's flags.
+
+        Returns:
+            The flags of all ranks, combined with ``and``.
+        """
+        if self.group is None:
+            return flags
+        gathered = self._all_gather_object(flags)
+        return [all(column) for column in zip(*gathered, strict=True)]
+
+    def gram(self, factors: Sequence[ParamFactors]) -> Tensor:
+        """A group's Gram matrix ``Σ_p V_pᵀ V_p`` of the union, formed together.
+
+        Rank ``r`` forms the blocks :func:`gram_block_owners` gives it (summed
+        over the group's parameters), the ranks all-gather them, and every rank
+        assembles the same matrix, mirrored from its upper blocks (a collective:
+        every rank calls it for the same groups in the same order).
+
+        Args:
+            factors: The group's factors of ``V`` over the union, one
+                :class:`~vivit.gram.SampleBlockFactors` per parameter with one
+                block per rank.
+
+        Returns:
+            ``[N·C, N·C]``, identical on every rank.
+        """
+        start = time.perf_counter()
+        per_param = [
+            f.blocks if isinstance(f, SampleBlockFactors) else [f] for f in factors
+        ]
+        rows = [block.num_rows for block in per_param[0]]
+        bounds = [0]
+        for size in rows:
+            bounds.append(bounds[-1] + size)
+        owners = gram_block_owners(len(rows), self.world_size)
+        mine = []
+        for a, b in owners[self.rank]:
+            block = per_param[0][a].gram(None if a == b else per_param[0][b])
+            for blocks in per_param[1:]:
+                block.add_(blocks[a].gram(None if a == b else blocks[b]))
+            mine.append(block.reshape(-1))
+        # W(W+1)/2 blocks for W ranks: every rank owns at least one
+        sizes = [sum(rows[a] * rows[b] for a, b in owned) for owned in owners]
+        buffer = mine[0].new_zeros(max(sizes))
+        buffer[: sizes[self.rank]].copy_(torch.cat(mine))
+        gathered = [torch.empty_like(buffer) for _ in range(self.world_size)]
+        dist.all_gather(gathered, buffer, group=self.group)
+        gram = buffer.new_empty(bounds[-1], bounds[-1])
+        for owned, data in zip(owners, gathered, strict=True):
+            offset = 0
+            for a, b in owned:
+                size = rows[a] * rows[b]
+                block = data[offset : offset + size].view(rows[a], rows[b])
+                offset += size
+                gram[bounds[a] : bounds[a + 1], bounds[b] : bounds[b + 1]] = block
+                if a != b:
+                    gram[bounds[b] : bounds[b + 1], bounds[a] : bounds[a + 1]] = block.T
+        self.report.gram_buffer_bytes += buffer.numel() * buffer.element_size()
+        self.report.gram_seconds += time.perf_counter() - start
+        return gram
 
     def exchange(
         self, blocks: list[BlockResult], param_groups: list[list[Tensor]]

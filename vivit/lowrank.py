@@ -47,7 +47,12 @@ from vivit.distributed import (
 )
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
-from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
+from vivit.errors import (
+    GramTooLargeError,
+    GroupIndexError,
+    InvalidArgumentError,
+    NoCurvatureError,
+)
 from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
@@ -185,12 +190,11 @@ class LowRankGGN:
         engine: str | Engine = "auto",
         process_group: ProcessGroup | bool | None = None,
     ):
-        check_grad_mode("LowRankGGN")
-        self._configure_solver(solver, solver_tol, solver_seed)
-        model = local_module(model)
         with ShardExchange(resolve_group(process_group)) as shards:
+            check_grad_mode("LowRankGGN")
+            self._configure_solver(solver, solver_tol, solver_seed)
             self._construct(
-                model,
+                local_module(model),
                 loss_func,
                 data,
                 shards,
@@ -451,6 +455,29 @@ class LowRankGGN:
                     "an overflow in the backward pass)",
                     batch_axis=False,
                 )
+        if shards.group is not None:
+            self._form_grams_together(shards)
+
+    def _form_grams_together(self, shards: ShardExchange) -> None:
+        """Under a process group, form the Gram matrices now, split over the ranks.
+
+        Every rank forms its share of each group's Gram blocks
+        (:meth:`~vivit.distributed.ShardExchange.gram`), so no later call needs
+        a collective. Skipped for the matrix-free solver and for groups whose
+        Gram matrix does not fit on some rank (formed there on demand).
+        """
+        if self._solver == "matrix_free":
+            return
+        fits = []
+        for group in range(len(self.param_groups)):
+            try:
+                check_gram_fits(self._size(group), 1, *self._gram_space(group), 0)
+                fits.append(True)
+            except GramTooLargeError:
+                fits.append(False)
+        for group, fit in enumerate(shards.all_true(fits)):
+            if fit:
+                self._set_gram(group, shards.gram(self._group(group).ggn_factors))
 
     def _run_block(self, run: BlockRun) -> BlockResult:
         """One engine run: every group's curvature, the loss and the gradient."""
@@ -508,14 +535,18 @@ class LowRankGGN:
         if curvature.gram is None:
             dtype, device = self._gram_space(group)
             check_gram_fits(self._size(group), 1, dtype, device, workspace_bytes)
-            curvature.gram = group_gram(curvature.ggn_factors)
-            check_finite(
-                curvature.gram,
-                f"Gram matrix of group {group} (backpropagated factors overflowed; "
-                "rescale the inputs or use float64)",
-                batch_axis=False,
-            )
+            self._set_gram(group, group_gram(curvature.ggn_factors))
         return curvature.gram
+
+    def _set_gram(self, group: int, gram: Tensor) -> None:
+        """Keep a group's formed Gram matrix (refused if not finite)."""
+        check_finite(
+            gram,
+            f"Gram matrix of group {group} (backpropagated factors overflowed; "
+            "rescale the inputs or use float64)",
+            batch_axis=False,
+        )
+        self._group(group).gram = gram
 
     def _size(self, group: int) -> int:
         """Side length ``N·C`` of the group's Gram matrix."""
