@@ -10,10 +10,13 @@ For each world size ``W`` the script starts ``W`` processes (one thread each,
 shard and rank 0 records the time of each phase:
 
 - ``backward``: the construction of ``LowRankGGN`` on the rank's shard minus
-  the exchange (the agreement round and the engine's backward pass);
+  the exchange and the Gram matrix (the agreement round and the engine's
+  backward pass);
 - ``exchange``: the block round and the all-gather of the factors
   (``ggn.communication.seconds``; includes waiting for the slowest rank);
-- ``gram``: forming the union's Gram matrix (``ggn.gram()``), on every rank;
+- ``gram``: forming the union's Gram matrix: with several processes at
+  construction, each rank its share of the blocks plus their all-gather
+  (``ggn.communication.gram_seconds``); in one process ``ggn.gram()``;
 - ``solver``: the top-10 eigenpairs of the formed Gram matrix
   (``solver="iterative"``).
 
@@ -42,34 +45,91 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vivit.distributed import gram_block_owners
+
 HERE = Path(__file__).resolve().parent
-#: MLP widths (I, O) per Linear layer, 10 classes.
-WIDTHS = [(784, 128), (128, 64), (64, 10)]
 CLASSES = 10
 TOP_K = 10
+#: ``V`` replaces the factors where it is this many times smaller (BackPACK).
+COMPACT_RATIO = 4
+
+#: Per problem: input shape, and per weight ``(T, I, O)`` (positions, input
+#: features per position, output features), each with a bias of ``O``.
+PROBLEMS = {
+    "mlp": ((784,), [(1, 784, 128), (1, 128, 64), (1, 64, 10)]),
+    "cnn": ((3, 32, 32), [(1024, 27, 16), (256, 144, 32), (1, 2048, 10)]),
+}
 
 
-def build_model() -> nn.Module:
-    """The benchmark MLP 784-128-64-10 (ReLU), float32, seeded."""
+DESCRIPTIONS = {
+    "mlp": "MLP 784-128-64-10 (ReLU)",
+    "cnn": "CNN on 3×32×32 (conv 3→16, pool, conv 16→32, pool, linear 2048→10)",
+}
+
+
+def build_model(problem: str) -> nn.Module:
+    """MLP 784-128-64-10 or CNN (two 3×3 convolutions, max-pool) with ReLU."""
     torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for i, o in WIDTHS:
-        layers += [nn.Linear(i, o), nn.ReLU()]
-    return nn.Sequential(*layers[:-1]).eval()
+    if problem == "mlp":
+        layers: list[nn.Module] = []
+        for _, i, o in PROBLEMS["mlp"][1]:
+            layers += [nn.Linear(i, o), nn.ReLU()]
+        return nn.Sequential(*layers[:-1]).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),  # 16×32×32
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 16×16×16
+        nn.Conv2d(16, 32, 3, padding=1),  # 32×16×16
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 32×8×8
+        nn.Flatten(),
+        nn.Linear(2048, CLASSES),
+    ).eval()
 
 
-def shard(size: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard(
+    problem: str, size: int, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s part of a union batch of ``size`` random samples."""
     generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(size, WIDTHS[0][0], generator=generator)
+    inputs = torch.randn(size, *PROBLEMS[problem][0], generator=generator)
     targets = torch.randint(0, CLASSES, (size,), generator=generator)
     return inputs.tensor_split(world_size)[rank], targets.tensor_split(world_size)[rank]
 
 
-def cost_model_bytes(samples: int, element: int = 4) -> int:
-    """Bytes a rank with ``samples`` samples sends (``docs/math.rst``)."""
-    factors = sum(2 * samples * i + 2 * (CLASSES + 1) * samples * o for i, o in WIDTHS)
-    return element * (factors + 1)
+def cost_model_bytes(problem: str, samples: int, columns: int, element: int = 4) -> int:
+    """Bytes a rank with ``samples`` samples sends (``docs/math.rst``).
+
+    A weight's factors (GGN: ``C`` columns, gradient: one) are held as layer
+    inputs and backpropagated vectors, ``N (T I + c T O)``, or densely,
+    ``N c I O``, where that is ``COMPACT_RATIO`` times smaller (the BackPACK
+    engine's rule); a bias densely, ``N c O``. Plus the loss.
+    """
+    numbers = 1
+    for T, I, O in PROBLEMS[problem][1]:
+        for c in (columns, 1):
+            factors, dense = T * I + c * T * O, c * I * O
+            compact = COMPACT_RATIO * dense <= factors
+            numbers += samples * (dense if compact else factors)
+            numbers += samples * c * O
+    return element * numbers
+
+
+def gram_cost_model_bytes(sizes: list[int], element: int = 4) -> int:
+    """Length of each rank's buffer of Gram blocks (the largest share, bytes).
+
+    Blocks ``(a, b)``, ``a ≤ b``, round robin over the ranks; a diagonal block
+    sends its upper triangle (``docs/math.rst``, "Several processes").
+    """
+    if len(sizes) == 1:
+        return 0
+    rows = sizes
+    owners = gram_block_owners(len(rows), len(rows))
+
+    def entries(a: int, b: int) -> int:
+        return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
+
+    return element * max(sum(entries(a, b) for a, b in o) for o in owners)
 
 
 def cases(args: argparse.Namespace, world_size: int) -> list[tuple[str, int]]:
@@ -92,22 +152,30 @@ def worker(args: argparse.Namespace) -> None:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=300),
         )
-    model, loss_func = build_model(), nn.CrossEntropyLoss()
+    model, loss_func = build_model(args.problem), nn.CrossEntropyLoss()
+    columns = args.mc_samples or CLASSES
     records = []
     for mode, size in cases(args, world_size):
-        data = shard(size, rank, world_size)
+        data = shard(args.problem, size, rank, world_size)
         sizes = [len(part) for part in torch.arange(size).tensor_split(world_size)]
         for repeat in range(-1, args.repeats):  # -1: warm-up
             if world_size > 1:
                 torch.distributed.barrier()
             start = time.perf_counter()
-            ggn = LowRankGGN(model, loss_func, data)
+            ggn = LowRankGGN(
+                model,
+                loss_func,
+                data,
+                mc_samples=args.mc_samples,
+                generator=torch.Generator().manual_seed(repeat + 1),
+            )
             built = time.perf_counter()
             ggn.gram()
             formed = time.perf_counter()
             ggn.eigh(TOP_K, solver="iterative")
             solved = time.perf_counter()
             report = ggn.communication
+            exchange = report.seconds + report.gram_seconds
             if repeat < 0:
                 continue
             records.append(
@@ -116,18 +184,24 @@ def worker(args: argparse.Namespace) -> None:
                     "world_size": world_size,
                     "union_samples": size,
                     "rank_samples": len(data[1]),
-                    "gram_side": size * CLASSES,
+                    "gram_side": size * columns,
                     "repeat": repeat,
-                    "backward_s": built - start - report.seconds,
+                    "backward_s": built - start - exchange,
                     "exchange_s": report.seconds,
-                    "gram_s": formed - built,
+                    "gram_s": formed - built + report.gram_seconds,
                     "solver_s": solved - formed,
                     "total_s": solved - start,
                     "payload_bytes": report.payload_bytes,
                     "buffer_bytes": report.buffer_bytes,
+                    "gram_buffer_bytes": report.gram_buffer_bytes,
+                    "gram_cost_model_bytes": gram_cost_model_bytes(
+                        [n * columns for n in sizes]
+                    ),
                     "sent_bytes": report.sent_bytes,
                     "metadata_bytes": report.metadata_bytes,
-                    "cost_model_bytes": [cost_model_bytes(n) for n in sizes],
+                    "cost_model_bytes": [
+                        cost_model_bytes(args.problem, n, columns) for n in sizes
+                    ],
                 }
             )
     if rank == 0:
@@ -152,6 +226,10 @@ def launch(args: argparse.Namespace, world_size: int) -> list[dict]:
             str(out),
             "--repeats",
             str(args.repeats),
+            "--problem",
+            args.problem,
+            "--mc-samples",
+            str(args.mc_samples),
             "--strong",
             *map(str, args.strong),
             "--weak",
@@ -189,7 +267,8 @@ def summarize(records: list[dict]) -> list[dict]:
         row.update(
             {k: group[0][k] for k in ("buffer_bytes", "sent_bytes", "metadata_bytes")}
         )
-        row["cost_model_bytes"] = group[0]["cost_model_bytes"]
+        for k in ("cost_model_bytes", "gram_buffer_bytes", "gram_cost_model_bytes"):
+            row[k] = group[0][k]
         for phase in ("backward_s", "exchange_s", "gram_s", "solver_s", "total_s"):
             row[phase] = statistics.median(r[phase] for r in group)
         rows.append(row)
@@ -215,8 +294,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# Scaling over processes (gloo, CPU)",
         "",
         f"`{meta['command']}` on {meta['machine']}, torch {meta['torch']}, "
-        f"{meta['date']}. MLP 784-128-64-10, cross-entropy, float32, exact GGN, "
-        f"top-{TOP_K} eigenpairs (iterative solver on the formed Gram matrix); "
+        f"{meta['date']}. {meta['problem']}, cross-entropy, float32, "
+        f"{meta['ggn']}, top-{TOP_K} eigenpairs (iterative solver on the formed "
+        "Gram matrix); "
         "one thread per process; median of "
         f"{meta['repeats']} repeats; times of rank 0 in seconds.",
         "",
@@ -224,9 +304,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "Weak: n samples per rank (efficiency = 1-process total at n / total).",
         "",
         "| mode | W | N (union) | n (rank 0) | Gram side | backward | exchange "
-        "| Gram | solver | total | speedup / efficiency | rank 0's tensors [B] "
-        "| cost model [B] | sent = buffer × (W−1) [B] | metadata [B] |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| Gram | solver | total | speedup / efficiency | rank 0's factors [B] "
+        "| cost model [B] | Gram buffer [B] | cost model [B] "
+        "| sent by rank 0 [B] | metadata [B] |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|---:|",
     ]
     for r in rows:
         ratio = "" if r["vs_one_process"] is None else f"{r['vs_one_process']:.2f}"
@@ -237,6 +319,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"{r['total_s']:.3f} | {ratio} | "
             f"{r['payload_bytes'][0] if r['world_size'] > 1 else 0:,} | "
             f"{r['cost_model_bytes'][0] if r['world_size'] > 1 else 0:,} | "
+            f"{r['gram_buffer_bytes']:,} | {r['gram_cost_model_bytes']:,} | "
             f"{r['sent_bytes']:,} | {r['metadata_bytes']:,} |"
         )
     return "\n".join(lines) + "\n"
@@ -249,6 +332,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strong", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--weak", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--problem", choices=sorted(PROBLEMS), default="mlp")
+    parser.add_argument("--mc-samples", type=int, default=0, help="0: exact")
     parser.add_argument("--name", default="vm", help="results/scaling-NAME.*")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -273,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "repeats": args.repeats,
+        "problem": DESCRIPTIONS[args.problem],
+        "ggn": f"MC GGN, {args.mc_samples} samples" if args.mc_samples else "exact GGN",
     }
     results = HERE / "results"
     (results / f"scaling-{args.name}.json").write_text(

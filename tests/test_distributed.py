@@ -140,10 +140,11 @@ def test_bytes_exchanged_follow_the_cost_model(jobs, world_size):
         # the buffer aligns each tensor to ALIGNMENT bytes, padded to the longest
         assert max(payloads) <= scenario["buffer_bytes"]
         assert scenario["buffer_bytes"] < max(payloads) + ALIGNMENT * num_tensors
-        # Gram blocks (a, b), a ≤ b, round robin: rank 0 (0, 0) and (1, 1), rank 1
-        # (0, 1), of 3·3 and 3·5 rows; float64
+        # Gram blocks (a, b), a ≤ b, round robin: rank 0 (0, 0) and (1, 1) (upper
+        # triangles), rank 1 (0, 1), of 3·3 and 3·5 rows; float64
         rows = [3 * n for n in SHARDS[world_size]]
-        largest = max(rows[0] ** 2 + rows[1] ** 2, rows[0] * rows[1])
+        triangles = sum(n * (n + 1) // 2 for n in rows)
+        largest = max(triangles, rows[0] * rows[1])
         assert scenario["gram_buffer_bytes"] == 8 * largest
 
 

@@ -8,7 +8,7 @@ as a single process combines the batches of a loader over the same shards.
 ``docs/math.rst`` ("Data sets and processes", "Several processes") gives the
 scalings and the cost model.
 
-Protocol of one construction, three collectives in all:
+Protocol of one construction:
 
 1. *Request round* (``all_gather_object``, before the backward pass): every rank
    sends a fingerprint of its request (MC samples, ``gram_dtype``, loss options,
@@ -24,12 +24,15 @@ Protocol of one construction, three collectives in all:
    the tensors of every block (factors of ``V`` in the model's type, per-sample
    gradient factors, the loss), bit for bit. The gradient of each block's loss
    is ``R_b Σ_n ∇ℓ_n`` of its per-sample gradient factors (:func:`block_gradient`).
+4. *Gram matrices* (one ``all_gather_object`` of whether they fit on each rank,
+   then one ``all_gather`` per group, :meth:`ShardExchange.gram`): each rank
+   forms its share of the blocks ``V_aᵀ V_b``; skipped for the matrix-free
+   solver.
 
-Every rank then rebuilds every block, its own included, from the gathered bytes.
-The Gram matrices are formed right away, together (:meth:`ShardExchange.gram`):
-each rank computes its share of the cross blocks ``V_aᵀ V_b`` and the blocks are
-all-gathered. Everything that follows (eigenpairs, ``γ``, ``λ``, Newton steps)
-each rank computes from the same bytes with the same operations: the results
+Every rank rebuilds every block, its own included, from the gathered bytes, and
+assembles the same Gram matrices. Everything that follows (eigenpairs, ``γ``,
+``λ``, Newton steps) each rank computes from the same bytes with the same
+operations: the results
 are identical on every rank (given the same library versions, device type and
 number of threads), without any further communication, so later calls may come
 in any order and number on each rank.
@@ -219,8 +222,9 @@ class ExchangeReport:
             longest payload with its tensors aligned to :data:`ALIGNMENT`).
         metadata_bytes: Pickled bytes of this rank's messages in the
             ``all_gather_object`` rounds.
-        seconds: Wall time of the block round and the data all-gather on this
-            rank (includes waiting for the slowest rank's backward pass).
+        seconds: Wall time of the agreement rounds and of packing, exchanging
+            and rebuilding the blocks on this rank (includes waiting for the
+            slowest rank's backward pass).
         gram_buffer_bytes: Length of every rank's buffer of Gram blocks, summed
             over the Gram matrices formed together.
         gram_seconds: Wall time of forming them (this rank's blocks and the
@@ -403,6 +407,20 @@ def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, 
     return [pairs[rank::world_size] for rank in range(world_size)]
 
 
+def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
+    """Numbers sent for Gram block ``(a, b)``: a diagonal block's upper triangle.
+
+    Args:
+        rows: Gram rows of every sample block.
+        a: Row block.
+        b: Column block, ``b ≥ a``.
+
+    Returns:
+        ``rows[a]·(rows[a]+1)/2`` if ``a == b``, else ``rows[a]·rows[b]``.
+    """
+    return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
+
+
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
@@ -420,7 +438,7 @@ class ShardExchange:
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         self.world_size = 1 if group is None else dist.get_world_size(group)
-        self.report = ExchangeReport()
+        self.report = ExchangeReport(world_size=self.world_size)
         self._rounds_left = 0 if group is None else 2
 
     def __enter__(self) -> ShardExchange:
@@ -435,12 +453,14 @@ class ShardExchange:
 
     def _all_gather_object(self, item: object) -> list[object]:
         gathered: list[object] = [None] * self.world_size
+        start = time.perf_counter()
         try:
             dist.all_gather_object(gathered, item, group=self.group)
         except BaseException:  # the group is broken: no further round
             self._rounds_left = 0
             raise
         self.report.metadata_bytes += len(pickle.dumps(item))
+        self.report.seconds += time.perf_counter() - start
         return gathered
 
     def _round(self, item: object) -> list[object]:
@@ -511,9 +531,10 @@ class ShardExchange:
         """A group's Gram matrix ``Σ_p V_pᵀ V_p`` of the union, formed together.
 
         Rank ``r`` forms the blocks :func:`gram_block_owners` gives it (summed
-        over the group's parameters), the ranks all-gather them, and every rank
-        assembles the same matrix, mirrored from its upper blocks (a collective:
-        every rank calls it for the same groups in the same order).
+        over the group's parameters; of a diagonal block only the upper
+        triangle travels), the ranks all-gather them, and every rank assembles
+        the same matrix, mirrored from its upper blocks (a collective: every
+        rank calls it for the same groups in the same order).
 
         Args:
             factors: The group's factors of ``V`` over the union, one
@@ -532,14 +553,19 @@ class ShardExchange:
         for size in rows:
             bounds.append(bounds[-1] + size)
         owners = gram_block_owners(len(rows), self.world_size)
-        mine = []
+        computed = []
         for a, b in owners[self.rank]:
             block = per_param[0][a].gram(None if a == b else per_param[0][b])
             for blocks in per_param[1:]:
                 block.add_(blocks[a].gram(None if a == b else blocks[b]))
-            mine.append(block.reshape(-1))
+            computed.append((a, b, block))
+        device = computed[0][2].device
+        upper = [torch.triu_indices(n, n, device=device).unbind() for n in rows]
+        mine = [
+            block[upper[a]] if a == b else block.reshape(-1) for a, b, block in computed
+        ]
         # W(W+1)/2 blocks for W ranks: every rank owns at least one
-        sizes = [sum(rows[a] * rows[b] for a, b in owned) for owned in owners]
+        sizes = [sum(gram_block_entries(rows, a, b) for a, b in o) for o in owners]
         buffer = mine[0].new_zeros(max(sizes))
         buffer[: sizes[self.rank]].copy_(torch.cat(mine))
         gathered = [torch.empty_like(buffer) for _ in range(self.world_size)]
@@ -548,12 +574,17 @@ class ShardExchange:
         for owned, data in zip(owners, gathered, strict=True):
             offset = 0
             for a, b in owned:
-                size = rows[a] * rows[b]
-                block = data[offset : offset + size].view(rows[a], rows[b])
+                size = gram_block_entries(rows, a, b)
+                entries = data[offset : offset + size]
                 offset += size
-                gram[bounds[a] : bounds[a + 1], bounds[b] : bounds[b + 1]] = block
-                if a != b:
-                    gram[bounds[b] : bounds[b + 1], bounds[a] : bounds[a + 1]] = block.T
+                block = gram[bounds[a] : bounds[a + 1], bounds[b] : bounds[b + 1]]
+                if a == b:
+                    block[upper[a]] = entries
+                    block[upper[a][1], upper[a][0]] = entries
+                else:
+                    block.copy_(entries.view(rows[a], rows[b]))
+                    mirror = gram[bounds[b] : bounds[b + 1], bounds[a] : bounds[a + 1]]
+                    mirror.copy_(block.T)
         self.report.gram_buffer_bytes += buffer.numel() * buffer.element_size()
         self.report.gram_seconds += time.perf_counter() - start
         return gram
@@ -576,7 +607,7 @@ class ShardExchange:
         if self.group is None:
             return blocks
         (block,) = blocks
-        start = time.perf_counter()
+        start, before = time.perf_counter(), self.report.seconds
         packer = _Packer()
         description = _pack_block(block, packer)
         gathered = self._round((description, packer.size, packer.payload))
@@ -586,14 +617,12 @@ class ShardExchange:
         packer.fill(buffer)
         buffers = [torch.empty_like(buffer) for _ in range(self.world_size)]
         dist.all_gather(buffers, buffer, group=self.group)
-        self.report = ExchangeReport(
-            world_size=self.world_size,
-            payload_bytes=[payload for _, _, payload in gathered],
-            buffer_bytes=size,
-            metadata_bytes=self.report.metadata_bytes,
-            seconds=time.perf_counter() - start,
-        )
-        return [
+        rebuilt = [
             _unpack_block(desc, data, param_groups)
             for (desc, _, _), data in zip(gathered, buffers, strict=True)
         ]
+        self.report.payload_bytes = [payload for _, _, payload in gathered]
+        self.report.buffer_bytes = size
+        # the whole exchange, the block round (which timed itself) included
+        self.report.seconds = before + time.perf_counter() - start
+        return rebuilt
