@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
         for repeat in range(-1, args.repeats):  # -1: warm-up
             if world_size > 1:
                 torch.distributed.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             ggn = LowRankGGN(
                 model,
                 loss_func,
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
                 mc_samples=args.mc_samples,
                 generator=torch.Generator().manual_seed(repeat + 1),
             )
-            built = time.perf_counter()
+            built, built_cpu = time.perf_counter(), time.process_time()
             ggn.gram()
             formed = time.perf_counter()
             ggn.eigh(TOP_K, solver="iterative")
@@ -187,6 +187,7 @@ def worker(args: argparse.Namespace) -> None:
                     "gram_side": size * columns,
                     "repeat": repeat,
                     "backward_s": built - start - exchange,
+                    "construction_cpu_s": built_cpu - cpu,
                     "exchange_s": report.seconds,
                     "gram_s": formed - built + report.gram_seconds,
                     "solver_s": solved - formed,
@@ -208,6 +209,32 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(records))
     if world_size > 1:
         torch.distributed.destroy_process_group()
+
+
+def _spin(seconds: list[float]) -> None:
+    a = torch.randn(512, 512)
+    start = time.perf_counter()
+    for _ in range(100):
+        a @ a
+    seconds.append(time.perf_counter() - start)
+
+
+def parallel_capacity() -> float:
+    """How much slower two single-thread processes run side by side than one.
+
+    ``1``: the machine gives the second process a core of its own; ``2``: the
+    two share one core's worth (other load, or the same physical core).
+    """
+    code = (
+        "import sys, time, torch; sys.path.insert(0, sys.argv[1]); "
+        "torch.set_num_threads(1); import scaling; s = []; scaling._spin(s); "
+        "print(s[0])"
+    )
+    run = [sys.executable, "-c", code, str(HERE)]
+    alone = float(subprocess.run(run, capture_output=True, text=True).stdout)
+    pair = [subprocess.Popen(run, stdout=subprocess.PIPE, text=True) for _ in "ab"]
+    together = [float(p.communicate()[0]) for p in pair]
+    return statistics.mean(together) / alone
 
 
 def launch(args: argparse.Namespace, world_size: int) -> list[dict]:
@@ -269,7 +296,14 @@ def summarize(records: list[dict]) -> list[dict]:
         )
         for k in ("cost_model_bytes", "gram_buffer_bytes", "gram_cost_model_bytes"):
             row[k] = group[0][k]
-        for phase in ("backward_s", "exchange_s", "gram_s", "solver_s", "total_s"):
+        for phase in (
+            "backward_s",
+            "exchange_s",
+            "gram_s",
+            "solver_s",
+            "total_s",
+            "construction_cpu_s",
+        ):
             row[phase] = statistics.median(r[phase] for r in group)
         rows.append(row)
     for row in rows:  # strong: speedup over 1 process; weak: efficiency
@@ -300,15 +334,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "one thread per process; median of "
         f"{meta['repeats']} repeats; times of rank 0 in seconds.",
         "",
+        "Two independent single-thread processes ran "
+        f"{meta['parallel_slowdown'][0]:.2f}× (before) and "
+        f"{meta['parallel_slowdown'][1]:.2f}× (after) slower than one alone: "
+        "1.00 means a free core for the second rank.",
+        "",
         "Strong: the union batch N is fixed (speedup = 1-process total / total). "
         "Weak: n samples per rank (efficiency = 1-process total at n / total).",
         "",
         "| mode | W | N (union) | n (rank 0) | Gram side | backward | exchange "
-        "| Gram | solver | total | speedup / efficiency | rank 0's factors [B] "
+        "| Gram | solver | total | speedup / efficiency | construction CPU "
+        "| rank 0's factors [B] "
         "| cost model [B] | Gram buffer [B] | cost model [B] "
         "| sent by rank 0 [B] | metadata [B] |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
-        "|---:|---:|",
+        "|---:|---:|---:|",
     ]
     for r in rows:
         ratio = "" if r["vs_one_process"] is None else f"{r['vs_one_process']:.2f}"
@@ -316,7 +356,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['mode']} | {r['world_size']} | {r['union_samples']} | "
             f"{r['rank_samples']} | {r['gram_side']} | {r['backward_s']:.3f} | "
             f"{r['exchange_s']:.3f} | {r['gram_s']:.3f} | {r['solver_s']:.3f} | "
-            f"{r['total_s']:.3f} | {ratio} | "
+            f"{r['total_s']:.3f} | {ratio} | {r['construction_cpu_s']:.3f} | "
             f"{r['payload_bytes'][0] if r['world_size'] > 1 else 0:,} | "
             f"{r['cost_model_bytes'][0] if r['world_size'] > 1 else 0:,} | "
             f"{r['gram_buffer_bytes']:,} | {r['gram_cost_model_bytes']:,} | "
@@ -349,9 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
+    capacity_before = parallel_capacity()
     records = [r for w in args.world_sizes for r in launch(args, w)]
+    capacity = [capacity_before, parallel_capacity()]
     rows = summarize(records)
     meta = {
+        "parallel_slowdown": capacity,
         "command": "python benchmarks/scaling.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{platform.machine()} ({os.cpu_count()} cores)",

@@ -151,7 +151,10 @@ class LowRankGGN:
             (independent per-rank computations); or a ``ProcessGroup``.
             ``subsampling`` then indexes the rank's own shard; a failure on one
             rank raises on every rank (:class:`~vivit.DistributedError` on the
-            others). A ``DistributedDataParallel`` model runs as its ``.module``.
+            others). The Gram matrices are formed at construction, their blocks
+            split over the ranks (not with ``solver="matrix_free"``); nothing
+            after the construction communicates. A ``DistributedDataParallel``
+            model runs as its ``.module``.
 
     Attributes:
         loss: The mini-batch loss (detached).
