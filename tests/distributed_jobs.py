@@ -272,6 +272,9 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             model, loss_func, (inputs, targets), mc_samples=1 if last else 0
         ),
     }
+    # refused on every rank alike, before any collective
+    optimizer = DampedNewton(model.parameters(), model=model, loss_func=loss_func)
+    cases["closure"] = lambda: optimizer.step(lambda: loss_func(model(inputs), targets))
     results = {}
     for name, case in cases.items():
         try:
@@ -292,6 +295,10 @@ def main(job: int, rank: int, world_size: int, rendezvous: str, out: str) -> Non
     )
     try:
         results = {"failures": failures(rank, world_size)}
+        scenario = SCENARIOS[BYTES_SCENARIO]
+        model, loss_func, shards = setup(scenario, world_size)
+        alone = LowRankGGN(model, loss_func, shards[rank], process_group=False)
+        results["alone"] = {"loss": alone.loss, "eigvalsh": alone.eigvalsh()}
         results["scenarios"] = {
             name: run_scenario(name, rank, world_size) for name in JOBS[job]
         }

@@ -26,6 +26,7 @@ from distributed_jobs import (
     SHARDS,
     local_subsampling,
     reference,
+    setup,
     train_reference,
 )
 
@@ -168,6 +169,19 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         kind, message = failures["mismatch"]
         assert kind == "DistributedError"
         assert f"rank {last} asks for mc_samples = 1, rank 0 for 0" in message
+        kind, message = failures["closure"]
+        assert kind == "InvalidArgumentError"
+        assert "call step(data=(inputs, targets))" in message
+
+
+@pytest.mark.parametrize("world_size", list(JOBS))
+def test_process_group_false_computes_each_rank_alone(jobs, world_size):
+    """The opt-out under an initialised group: the rank's own shard, no exchange."""
+    model, loss_func, shards = setup(SCENARIOS[BYTES_SCENARIO], world_size)
+    for rank, results in enumerate(jobs[world_size]):
+        alone = LowRankGGN(model, loss_func, shards[rank])
+        assert torch.equal(results["alone"]["loss"], alone.loss)
+        assert_rel(results["alone"]["eigvalsh"], alone.eigvalsh())
 
 
 def test_data_parallel_training_is_that_of_the_union(jobs):
@@ -186,9 +200,7 @@ def test_process_group_must_be_a_group():
 
 
 def test_without_a_group_nothing_is_exchanged():
-    model, loss_func, shards = __import__("distributed_jobs").setup(
-        SCENARIOS[BYTES_SCENARIO], 2
-    )
+    model, loss_func, shards = setup(SCENARIOS[BYTES_SCENARIO], 2)
     ggn = LowRankGGN(model, loss_func, shards[0], process_group=False)
     assert ggn.shards.world_size == 1
     assert ggn.shards.local_samples == range(SHARDS[2][0])
