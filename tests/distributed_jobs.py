@@ -39,6 +39,8 @@ class Scenario:
         layer_groups: One parameter group per layer (else one group).
         subsample: Each rank's GGN samples are every other sample of its shard,
             backwards (local indices).
+        solver: The constructor's solver (``"matrix_free"``: no Gram matrix is
+            formed at construction).
     """
 
     architecture: str
@@ -48,6 +50,7 @@ class Scenario:
     mc_samples: int = 0
     layer_groups: bool = False
     subsample: bool = False
+    solver: str = "auto"
 
 
 SCENARIOS = {
@@ -61,8 +64,8 @@ SCENARIOS = {
     "sequence-ce-func-mc-layers": Scenario(
         "sequence_linear", "ce", "mean", "func", mc_samples=3, layer_groups=True
     ),
-    "mlp-mse-func-subsampled": Scenario(
-        "mlp_relu", "mse", "mean", "func", subsample=True
+    "mlp-mse-func-subsampled-matrix-free": Scenario(
+        "mlp_relu", "mse", "mean", "func", subsample=True, solver="matrix_free"
     ),
 }
 
@@ -120,6 +123,7 @@ def options(scenario: Scenario, model: nn.Module, rank: int = 0) -> dict:
         "mc_samples": scenario.mc_samples,
         "generator": torch.Generator().manual_seed(7 + 1000 * rank),
         "engine": scenario.engine,
+        "solver": scenario.solver,
     }
 
 

@@ -101,6 +101,14 @@ def test_every_quantity_is_that_of_the_union(jobs, world_size, name):
         assert_rel(actual[f"gammas{g}"] * signs, expected[f"gammas{g}"])
 
 
+def test_matrix_free_forms_no_gram_together(jobs):
+    for results in jobs[2]:
+        scenarios = results["scenarios"]
+        matrix_free = scenarios["mlp-mse-func-subsampled-matrix-free"]
+        assert matrix_free["gram_buffer_bytes"] == 0
+        assert scenarios[BYTES_SCENARIO]["gram_buffer_bytes"] > 0
+
+
 @pytest.mark.parametrize("world_size", list(JOBS))
 def test_layout_names_each_ranks_rows(jobs, world_size):
     sizes = SHARDS[world_size]
