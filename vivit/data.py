@@ -11,6 +11,7 @@ processes").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,27 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         )
     params = list(model.parameters())
     for index, batch in enumerate(data):
-        try:
+        with naming_batch(index):
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
-        except VivitError as error:
-            raise type(error)(f"Batch {index} of the data loader: {error}") from None
         yield batch
+
+
+@contextmanager
+def naming_batch(index: int) -> Iterator[None]:
+    """Prefix the message of a library error with the loader's batch it concerns.
+
+    Args:
+        index: Position of the batch in the loader.
+
+    Raises:
+        VivitError: The error raised inside, of the same type, its message
+            starting with ``"Batch {index} of the data loader: "``.
+    """
+    try:
+        yield
+    except VivitError as error:
+        raise type(error)(f"Batch {index} of the data loader: {error}") from None
 
 
 def base_seed(generator: torch.Generator | None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -30,6 +31,7 @@ from vivit.data import (
     combine_blocks,
     is_batch,
     iterate_batches,
+    naming_batch,
 )
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
@@ -193,7 +195,7 @@ class LowRankGGN:
 
         batches = [data] if single else iterate_batches(data, model)
         runs = (run_batch(index, batch) for index, batch in enumerate(batches))
-        self._run(chosen.name, runs, names)
+        self._run(chosen.name, runs, names, name_blocks=not single)
 
     @staticmethod
     def _block_requests(
@@ -325,6 +327,7 @@ class LowRankGGN:
         engine: str,
         runs: Iterable[BlockRun],
         names: dict[int, str],
+        name_blocks: bool = False,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
@@ -332,7 +335,8 @@ class LowRankGGN:
         the blocks' curvature, losses and gradients are combined into those of the
         loss on all samples together. The random number generators are forked
         (the caller's state is left as it was) and gradients are enabled whatever
-        the caller's context.
+        the caller's context. With ``name_blocks`` (a data loader) an error
+        names the batch it concerns.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -342,8 +346,9 @@ class LowRankGGN:
         devices = [p.device for p in params if p.device.type == "cuda"][:1]
         blocks: list[BlockResult] = []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for run in runs:
-                blocks.append(self._run_block(run))
+            for index, run in enumerate(runs):
+                with naming_batch(index) if name_blocks else nullcontext():
+                    blocks.append(self._run_block(run))
         if not blocks:
             raise InvalidArgumentError(
                 "The data loader yielded no batch: pass at least one (inputs, "
