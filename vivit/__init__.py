@@ -12,6 +12,7 @@ Front doors:
 from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
+    FactorsTooLargeError,
     GradientContextError,
     GramTooLargeError,
     GroupIndexError,
@@ -46,6 +47,7 @@ __all__ = [
     "DirectionalDerivativesComputation",
     "EighComputation",
     "EigvalshComputation",
+    "FactorsTooLargeError",
     "GradientContextError",
     "GramTooLargeError",
     "GroupIndexError",

@@ -10,18 +10,24 @@ processes").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn import Module
+from tqdm.auto import tqdm
 
+from vivit._memory import available_bytes
 from vivit._validation import check_batch, check_inputs_match
 from vivit.engines.base import ContributionSink, EngineOutput
-from vivit.errors import InvalidArgumentError, VivitError
+from vivit.errors import FactorsTooLargeError, InvalidArgumentError, VivitError
 from vivit.groups import GroupCurvature, concatenate_curvatures, union_batch
+
+#: Seconds a pass over the data runs before its progress bar appears
+#: (``progress=None``): quick passes print nothing.
+PROGRESS_DELAY = 2.0
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -164,3 +170,127 @@ def combine_blocks(
         for column in zip(*(block.output.gradients for block in blocks), strict=True)
     ]
     return curvature, loss, gradients
+
+
+def num_batches(data: object) -> int | None:
+    """Number of batches of a loader, if it knows it (``len``), else ``None``."""
+    if not isinstance(data, Sized):
+        return None
+    try:
+        return len(data)
+    except TypeError:  # e.g. a DataLoader over an IterableDataset
+        return None
+
+
+def check_progress(progress: object) -> None:
+    """Raise unless ``progress`` is ``True``, ``False`` or ``None``.
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidArgumentError(
+            f"progress must be True, False or None (automatic), got {progress!r}."
+        )
+
+
+def progress_bar(
+    batches: Iterable, total: int | None, progress: bool | None, description: str
+) -> Iterable:
+    """Show a pass over a loader's batches as a progress bar on stderr.
+
+    Args:
+        batches: The batches of the pass.
+        total: Number of batches, if known.
+        progress: ``True`` always shows the bar, ``False`` never; ``None`` shows it
+            only if stderr is a terminal and the pass takes longer than
+            :data:`PROGRESS_DELAY` seconds (and removes it when done).
+        description: Text in front of the bar.
+
+    Returns:
+        The batches, wrapped in ``tqdm`` unless ``progress`` is ``False``.
+    """
+    if progress is False:
+        return batches
+    return tqdm(
+        batches,
+        total=total,
+        desc=description,
+        unit="batch",
+        disable=None if progress is None else False,
+        delay=PROGRESS_DELAY if progress is None else 0.0,
+        leave=progress is True,
+    )
+
+
+def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
+    """Bytes the factors of ``V`` and of the per-sample gradients keep alive.
+
+    Tensors that share memory (a layer's inputs serve both) count once; a view
+    counts its whole storage.
+
+    Args:
+        curvatures: Groups' curvature with their factors kept.
+
+    Returns:
+        The bytes.
+    """
+    storages: dict[tuple, int] = {}
+    for curvature in curvatures:
+        factors = [*(curvature.ggn_factors or []), *(curvature.grad_factors or [])]
+        for tensor in (t for f in factors for t in f.tensors()):
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+class FactorBudget:
+    """Refuses a loader whose stored factors would not fit, early in the pass.
+
+    After each batch, the factors stored so far (:func:`stored_bytes`) are
+    extrapolated to the whole loader, ``stored · B / b`` after ``b`` of ``B``
+    batches (``B`` from ``len(loader)``; without it, one more batch of the mean
+    size). The estimate must fit into the memory that was available before the
+    first batch; otherwise the run stops with the estimate and the alternatives,
+    after the first batch when the loader has a length.
+
+    Args:
+        total: Number of batches ``B`` (``None``: unknown).
+        device: Device the factors live on.
+    """
+
+    def __init__(self, total: int | None, device: torch.device):
+        self._total = total
+        self._device = device
+        self._available = available_bytes(device)
+        self._stored = 0
+
+    def admit(self, block: BlockResult, index: int) -> None:
+        """Account for a batch's stored factors; raise if the loader cannot fit.
+
+        Args:
+            block: The batch's result, factors kept.
+            index: Its position in the loader.
+
+        Raises:
+            FactorsTooLargeError: If the estimate exceeds the available memory.
+        """
+        self._stored += stored_bytes(block.curvature)
+        done = index + 1
+        batches = max(self._total, done) if self._total is not None else done + 1
+        estimate = self._stored * batches // done
+        if estimate <= self._available:
+            return
+        whole = "the whole loader" if self._total is not None else "one more batch"
+        raise FactorsTooLargeError(
+            f"The layer factors of {whole} need about {estimate / 2**30:.2f} GiB "
+            f"({self._stored / 2**20:.1f} MiB for the first {done} of "
+            f"{batches if self._total is not None else 'an unknown number of'} "
+            f"batches), but only {self._available / 2**30:.2f} GiB were available on "
+            f"{self._device}. Store fewer columns: Monte-Carlo sample the loss "
+            "Hessian (mc_samples=1 keeps N instead of N·C columns per layer), pass "
+            "a loader over fewer samples, or stream over the loader without "
+            "storing the factors: vivit.StreamingGGN(model, loss_func, loader)"
+            ".eigh(top_k=...) recomputes them in every pass (docs/math.rst, "
+            "'Data sets and processes')."
+        )

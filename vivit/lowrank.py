@@ -30,8 +30,12 @@ from vivit.data import (
     block_generator,
     combine_blocks,
     is_batch,
+    FactorBudget,
+    check_progress,
     iterate_batches,
     naming_batch,
+    num_batches,
+    progress_bar,
 )
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
@@ -92,7 +96,15 @@ class LowRankGGN:
             (:class:`~vivit.SharedWeightError`) naming it.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
-        data: ``(inputs, targets)`` of the mini-batch.
+        data: ``(inputs, targets)`` of the mini-batch, or an iterable of such
+            batches (a ``DataLoader``, a list, a generator): the GGN is then that
+            of the loss on all their samples together (for reduction ``"mean"``
+            the mean over all samples), from one pass that keeps every batch's
+            layer factors; the loss and gradient are those of all samples too
+            (``docs/math.rst``, "Data sets and processes"). The memory of the
+            stored factors is estimated from the first batch and a loader that
+            cannot fit is refused then (:class:`~vivit.FactorsTooLargeError`,
+            with the alternatives, among them :class:`~vivit.StreamingGGN`).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
@@ -100,7 +112,10 @@ class LowRankGGN:
             ``N·C`` Gram rows).
         subsampling: Indices of the samples whose curvature is used (``None``:
             all). The GGN is then that of the same loss on those samples alone.
-        generator: Random generator that makes MC sampling reproducible.
+            Not with a data loader (pass a loader over the samples instead).
+        generator: Random generator that makes MC sampling reproducible. Over a
+            data loader, batch ``b`` draws its samples from a generator seeded
+            with ``s + b``, ``s`` one draw from ``generator``.
         gram_dtype: Floating-point type in which the Gram matrix and every
             product that feeds the eigensolver or the directional derivatives
             (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
@@ -128,6 +143,9 @@ class LowRankGGN:
             results are deterministic for a given seed.
         engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
             (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
+        progress: Progress bar (on stderr) of the pass over a data loader:
+            ``True`` always, ``False`` never, ``None`` when stderr is a terminal
+            and the pass takes more than two seconds. No bar for one mini-batch.
 
     Attributes:
         loss: The mini-batch loss (detached).
@@ -159,6 +177,7 @@ class LowRankGGN:
         solver_tol: float | None = None,
         solver_seed: int = 0,
         engine: str | Engine = "auto",
+        progress: bool | None = None,
     ):
         check_grad_mode("LowRankGGN")
         self._configure_solver(solver, solver_tol, solver_seed)
@@ -182,6 +201,7 @@ class LowRankGGN:
         check_mc_samples(mc_samples)
         check_generator(generator)
         check_engine(engine)
+        check_progress(progress)
         request = self._request(
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
@@ -193,9 +213,21 @@ class LowRankGGN:
             block_request = blocks_request(index)
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
-        batches = [data] if single else iterate_batches(data, model)
+        batches = (
+            [data]
+            if single
+            else progress_bar(
+                iterate_batches(data, model),
+                num_batches(data),
+                progress,
+                "LowRankGGN: pass over the data",
+            )
+        )
         runs = (run_batch(index, batch) for index, batch in enumerate(batches))
-        self._run(chosen.name, runs, names, name_blocks=not single)
+        budget = None if single else FactorBudget(
+            num_batches(data), self.param_groups[0][0].device
+        )
+        self._run(chosen.name, runs, names, budget)
 
     @staticmethod
     def _block_requests(
@@ -327,7 +359,7 @@ class LowRankGGN:
         engine: str,
         runs: Iterable[BlockRun],
         names: dict[int, str],
-        name_blocks: bool = False,
+        budget: FactorBudget | None = None,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
@@ -335,8 +367,9 @@ class LowRankGGN:
         the blocks' curvature, losses and gradients are combined into those of the
         loss on all samples together. The random number generators are forked
         (the caller's state is left as it was) and gradients are enabled whatever
-        the caller's context. With ``name_blocks`` (a data loader) an error
-        names the batch it concerns.
+        the caller's context. With a ``budget`` (a data loader) an error names
+        the batch it concerns, and the stored factors are checked against the
+        memory after every batch.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -347,8 +380,10 @@ class LowRankGGN:
         blocks: list[BlockResult] = []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             for index, run in enumerate(runs):
-                with naming_batch(index) if name_blocks else nullcontext():
+                with naming_batch(index) if budget else nullcontext():
                     blocks.append(self._run_block(run))
+                if budget:
+                    budget.admit(blocks[-1], index)
         if not blocks:
             raise InvalidArgumentError(
                 "The data loader yielded no batch: pass at least one (inputs, "

@@ -63,6 +63,9 @@ class SampleBlockFactors(ParamFactors):
     def dtype(self) -> torch.dtype:  # noqa: D102
         return self.blocks[0].dtype
 
+    def tensors(self) -> list[Tensor]:  # noqa: D102
+        return [t for block in self.blocks for t in block.tensors()]
+
     def to(self, dtype: torch.dtype) -> SampleBlockFactors:  # noqa: D102
         if dtype == self.dtype:
             return self
