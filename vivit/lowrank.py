@@ -26,12 +26,12 @@ from vivit._validation import (
 from vivit.data import (
     BlockResult,
     BlockRun,
+    FactorBudget,
     base_seed,
     block_generator,
+    check_progress,
     combine_blocks,
     is_batch,
-    FactorBudget,
-    check_progress,
     iterate_batches,
     naming_batch,
     num_batches,
@@ -224,8 +224,10 @@ class LowRankGGN:
             )
         )
         runs = (run_batch(index, batch) for index, batch in enumerate(batches))
-        budget = None if single else FactorBudget(
-            num_batches(data), self.param_groups[0][0].device
+        budget = (
+            None
+            if single
+            else FactorBudget(num_batches(data), self.param_groups[0][0].device)
         )
         self._run(chosen.name, runs, names, budget)
 
