@@ -27,8 +27,7 @@ from vivit.data import (
     BlockResult,
     BlockRun,
     FactorBudget,
-    base_seed,
-    block_generator,
+    block_requests,
     check_progress,
     combine_blocks,
     is_batch,
@@ -36,6 +35,7 @@ from vivit.data import (
     naming_batch,
     num_batches,
     progress_bar,
+    run_block,
 )
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
@@ -45,8 +45,8 @@ from vivit.directional.gram_space import (
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
-from vivit.errors import GroupIndexError, InvalidArgumentError, NoCurvatureError
-from vivit.groups import GroupCollector, GroupCurvature
+from vivit.errors import GroupIndexError, InvalidArgumentError
+from vivit.groups import GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
 from vivit.linalg.operator import GGNOperator
@@ -207,7 +207,7 @@ class LowRankGGN:
         )
         chosen = resolve_engine(engine, model, loss_func)
 
-        blocks_request = self._block_requests(request, model)
+        blocks_request = block_requests(request, model)
 
         def run_batch(index: int, batch: tuple[Tensor, Tensor]) -> BlockRun:
             block_request = blocks_request(index)
@@ -230,20 +230,6 @@ class LowRankGGN:
             else FactorBudget(num_batches(data), self.param_groups[0][0].device)
         )
         self._run(chosen.name, runs, names, budget)
-
-    @staticmethod
-    def _block_requests(
-        request: CurvatureRequest, model: Module
-    ) -> Callable[[int], CurvatureRequest]:
-        """The request of each block of samples: its own MC stream (exact: as is)."""
-        if request.mc_samples == 0:
-            return lambda index: request
-        device = next(model.parameters()).device
-        with torch.random.fork_rng(devices=[]):
-            seed = base_seed(request.generator)
-        return lambda index: dataclasses.replace(
-            request, generator=block_generator(seed, index, device)
-        )
 
     @classmethod
     def from_loss(
@@ -383,7 +369,7 @@ class LowRankGGN:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             for index, run in enumerate(runs):
                 with naming_batch(index) if budget else nullcontext():
-                    blocks.append(self._run_block(run))
+                    blocks.append(run_block(run, self.param_groups, self._gram_dtype))
                 if budget:
                     budget.admit(blocks[-1], index)
         if not blocks:
@@ -403,29 +389,6 @@ class LowRankGGN:
                     "an overflow in the backward pass)",
                     batch_axis=False,
                 )
-
-    def _run_block(self, run: BlockRun) -> BlockResult:
-        """One engine run: every group's curvature, the loss and the gradient."""
-        curvature: dict[int, GroupCurvature] = {}
-        collector = GroupCollector(
-            self.param_groups,
-            curvature.__setitem__,
-            keep_factors=True,
-            keep_gradient_factors=True,
-            gram_dtype=self._gram_dtype,
-            keep_gram=False,
-        )
-        output = run(collector)
-        check_finite(output.loss, "loss", batch_axis=False)
-        missing = [g for g in range(len(self.param_groups)) if g not in curvature]
-        if missing:
-            raise NoCurvatureError(
-                f"Parameter group(s) {missing} received no curvature from the backward "
-                f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
-                f"{missing[0]} missing): their layers are not part of the loss's "
-                "computation graph, or not extended with backpack.extend."
-            )
-        return BlockResult([curvature[g] for g in range(len(curvature))], output)
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:
