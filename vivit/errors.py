@@ -53,6 +53,10 @@ class FactorsTooLargeError(VivitError, MemoryError):
     """The layer factors of a data loader's batches would not fit into memory."""
 
 
+class NondeterministicDataError(VivitError, RuntimeError):
+    """A data loader yielded different batches in two passes over it."""
+
+
 class ResultNotReadyError(VivitError, RuntimeError, KeyError):
     """A result was requested before the backward pass that computes it."""
 
