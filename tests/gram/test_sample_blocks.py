@@ -81,7 +81,7 @@ def test_select_across_blocks(blocks):
         selected = factors.select(samples)
         torch.testing.assert_close(selected.materialize(), vt[rows], **TOL)
         torch.testing.assert_close(selected.gram(), vt[rows] @ vt[rows].T, **TOL)
-    assert not isinstance(factors.select([3, 4]), SampleBlockFactors)  # one block
+    assert len(factors.select([3, 4]).blocks) == 1  # consecutive: one block
     assert factors.select([]).num_rows == 0
     with pytest.raises(IndexError, match="out of range"):
         factors.select([6])
@@ -94,3 +94,28 @@ def test_blocks_must_agree(blocks):
         SampleBlockFactors([blocks[0], DenseFactors(torch.randn(2, C, 3, P))])
     with pytest.raises(ValueError, match="disagree"):
         SampleBlockFactors([blocks[0], blocks[1].to(torch.float32)])
+
+
+def test_scales_are_applied_lazily(blocks):
+    """Scaled blocks equal the stacked scaled columns; no factor is copied."""
+    scales = [0.5, 2.0, 3.0]
+    factors = SampleBlockFactors(blocks, scales)
+    vt = torch.cat([s * b.materialize() for b, s in zip(blocks, scales, strict=True)])
+    assert factors.tensors()[0] is blocks[0].tensors()[0]
+    torch.testing.assert_close(factors.materialize(), vt, **TOL)
+    torch.testing.assert_close(factors.gram(), vt @ vt.T, **TOL)
+    other = SampleBlockFactors([dense(2, 7)], [4.0])
+    vt_other = 4.0 * other.blocks[0].materialize()
+    torch.testing.assert_close(factors.gram(other), vt @ vt_other.T, **TOL)
+    torch.testing.assert_close(other.gram(factors), vt_other @ vt.T, **TOL)
+    u = torch.randn(2, 12, dtype=torch.float64)
+    w = torch.randn(2, G * O, P, dtype=torch.float64)
+    torch.testing.assert_close(factors.vmp(u), (u @ vt).reshape(2, G * O, P), **TOL)
+    torch.testing.assert_close(factors.vtmp(w), w.flatten(1) @ vt.T, **TOL)
+    rows = [n * C + c for n in (5, 0, 4) for c in range(C)]
+    torch.testing.assert_close(factors.select([5, 0, 4]).materialize(), vt[rows])
+    nested = SampleBlockFactors([factors, blocks[0]], [2.0, 1.0]).materialize()
+    torch.testing.assert_close(nested, torch.cat([2 * vt, blocks[0].materialize()]))
+    torch.testing.assert_close(factors.scaled(2.0).materialize(), 2 * vt, **TOL)
+    with pytest.raises(ValueError, match="2 scales for 3 sample blocks"):
+        SampleBlockFactors(blocks, [1.0, 2.0])
