@@ -310,3 +310,19 @@ def test_misuse():
         LowRankGGN(model, loss_func, [(X, y)], subsampling=[0])
     with pytest.raises(InvalidArgumentError, match="iterable of such batches"):
         LowRankGGN(model, loss_func, 3)
+
+
+def test_progress_bar(capsys):
+    (problem,) = select(architecture="mlp_tanh", loss="mse", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 1, 2])
+    LowRankGGN(model, loss_func, batches, progress=True)
+    assert "LowRankGGN: pass over the data" in capsys.readouterr().err
+    # automatic: only on a terminal (the captured stderr is none), never for quick
+    # passes; off: nothing; one mini-batch: nothing
+    LowRankGGN(model, loss_func, batches)
+    LowRankGGN(model, loss_func, batches, progress=False)
+    LowRankGGN(model, loss_func, (X, y), progress=True)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(InvalidArgumentError, match="progress must be True, False"):
+        LowRankGGN(model, loss_func, batches, progress="yes")

@@ -1,11 +1,12 @@
 """Samples in blocks: one mini-batch, or the batches of a data loader.
 
 An engine computes the curvature of one block of samples at a time, with the
-loss on that block alone. :func:`combine_blocks` turns the blocks' results into
-those of the loss on all samples together: the GGN's columns are rescaled and
-stacked (:func:`vivit.groups.concatenate_curvatures`), the losses and gradients
-summed with the weights ``R_union / R_block`` (``docs/math.rst``, "Data sets and
-processes").
+loss on that block alone. :func:`combine_curvatures` and :class:`UnionOutput`
+turn the blocks' results into those of the loss on all samples together: the
+GGN's columns are rescaled and stacked (:func:`vivit.groups.concatenate_curvatures`),
+the losses and gradients summed with the weights ``R_union / R_block``
+(``docs/math.rst``, "Data sets and processes"). :class:`FactorBudget` refuses a
+loader whose stored factors cannot fit, early in the pass.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vivit.groups import (
     concatenate_curvatures,
     union_batch,
 )
+from vivit.memory import estimate_memory
 
 #: Seconds a pass over the data runs before its progress bar appears
 #: (``progress=None``): quick passes print nothing.
@@ -286,26 +288,20 @@ def _unnormalized(output: EngineOutput, batch: BatchInfo) -> EngineOutput:
     return EngineOutput(output.loss * scale, [g * scale for g in output.gradients])
 
 
-def combine_blocks(
-    blocks: list[BlockResult],
-) -> tuple[list[GroupCurvature], Tensor, list[Tensor]]:
-    """The curvature, loss and gradient of all blocks' samples together.
+def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
+    """Each group's curvature on all blocks' samples together.
 
     Args:
-        blocks: Every block's result, in sample order.
+        blocks: Every block's curvature (one per group), in sample order.
 
     Returns:
-        Each group's curvature on the union, the loss and the gradient of every
-        requested parameter (as :class:`~vivit.engines.base.EngineOutput` has it).
+        Each group's curvature on the union
+        (:func:`~vivit.groups.concatenate_curvatures`).
     """
-    curvature = [
-        concatenate_curvatures([block.curvature[g] for block in blocks])
-        for g in range(len(blocks[0].curvature))
+    return [
+        concatenate_curvatures([block[g] for block in blocks])
+        for g in range(len(blocks[0]))
     ]
-    union = UnionOutput()
-    for block in blocks:
-        union.add(block.curvature[0].batch, block.output)
-    return curvature, *union.result()
 
 
 def num_batches(data: object) -> int | None:
@@ -380,53 +376,106 @@ def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
     return sum(storages.values())
 
 
+def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
+    """Estimated peak of one batch's pass before any Gram matrix is formed.
+
+    Args:
+        model: The network.
+        inputs: The batch's inputs.
+        mc_samples: Monte-Carlo samples per datum of the request.
+
+    Returns:
+        Bytes: activations, the batch's factors with their temporaries (such as
+        unfolded convolution inputs) and the backward transients
+        (:func:`vivit.memory.estimate_memory`).
+    """
+    one = estimate_memory(
+        model,
+        inputs[:1],
+        inputs.shape[0],
+        mc_samples=mc_samples,
+        top_k=None,
+        solver="dense",
+    )
+    return one.activations + one.factors + one.backward
+
+
 class FactorBudget:
     """Refuses a loader whose stored factors would not fit, early in the pass.
 
-    After each batch, the factors stored so far (:func:`stored_bytes`) are
-    extrapolated to the whole loader, ``stored · B / b`` after ``b`` of ``B``
-    batches (``B`` from ``len(loader)``; without it, one more batch of the mean
-    size). The estimate must fit into the memory that was available before the
-    first batch; otherwise the run stops with the estimate and the alternatives,
-    after the first batch when the loader has a length.
+    Peak memory of a pass over ``B`` batches: the factors of all batches plus one
+    batch's forward and backward pass. After each batch ``b``, the factors stored
+    so far (:func:`stored_bytes`) are extrapolated to ``stored · B / b`` (without
+    ``len(loader)``: one more batch of the mean size); one batch's pass is
+    estimated from the first batch with :func:`vivit.memory.estimate_memory`
+    (activations, its factors with their temporaries such as unfolded
+    convolution inputs, backward transients). The sum must fit into the memory
+    available before the first batch; otherwise the run stops with the estimate
+    and the alternatives, after the first batch when the loader has a length.
+    ``tests/test_data_loader_memory.py`` checks the estimate against the
+    measured peak.
 
     Args:
         total: Number of batches ``B`` (``None``: unknown).
-        device: Device the factors live on.
+        model: The network (its parameters' device).
+        mc_samples: Monte-Carlo samples per datum of the request.
     """
 
-    def __init__(self, total: int | None, device: torch.device):
+    def __init__(self, total: int | None, model: Module, mc_samples: int):
         self._total = total
-        self._device = device
-        self._available = available_bytes(device)
+        self._model = model
+        self._mc_samples = mc_samples
+        self._device = next(model.parameters()).device
+        self._available = available_bytes(self._device)
         self._stored = 0
+        self._transient: int | None = None
 
-    def admit(self, block: BlockResult, index: int) -> None:
+    def watch(
+        self, batches: Iterable[tuple[Tensor, Tensor]]
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches, unchanged; estimates one batch's pass from the first.
+
+        Args:
+            batches: The loader's checked batches.
+
+        Yields:
+            The batches.
+        """
+        for batch in batches:
+            if self._transient is None:
+                self._transient = batch_pass_bytes(
+                    self._model, batch[0], self._mc_samples
+                )
+            yield batch
+
+    def admit(self, curvature: list[GroupCurvature], index: int) -> None:
         """Account for a batch's stored factors; raise if the loader cannot fit.
 
         Args:
-            block: The batch's result, factors kept.
+            curvature: The batch's curvature of every group, factors kept.
             index: Its position in the loader.
 
         Raises:
             FactorsTooLargeError: If the estimate exceeds the available memory.
         """
-        self._stored += stored_bytes(block.curvature)
+        self._stored += stored_bytes(curvature)
         done = index + 1
         batches = max(self._total, done) if self._total is not None else done + 1
-        estimate = self._stored * batches // done
+        factors = self._stored * batches // done
+        estimate = factors + (self._transient or 0)
         if estimate <= self._available:
             return
         whole = "the whole loader" if self._total is not None else "one more batch"
+        of = batches if self._total is not None else "an unknown number of"
         raise FactorsTooLargeError(
-            f"The layer factors of {whole} need about {estimate / 2**30:.2f} GiB "
-            f"({self._stored / 2**20:.1f} MiB for the first {done} of "
-            f"{batches if self._total is not None else 'an unknown number of'} "
-            f"batches), but only {self._available / 2**30:.2f} GiB were available on "
-            f"{self._device}. Store fewer columns: Monte-Carlo sample the loss "
-            "Hessian (mc_samples=1 keeps N instead of N·C columns per layer), pass "
-            "a loader over fewer samples, or stream over the loader without "
-            "storing the factors: vivit.StreamingGGN(model, loss_func, loader)"
-            ".eigh(top_k=...) recomputes them in every pass (docs/math.rst, "
-            "'Data sets and processes')."
+            f"The layer factors of {whole} and one batch's backward pass need "
+            f"about {estimate / 2**20:.1f} MiB (factors {factors / 2**20:.1f} MiB, "
+            f"extrapolated from {self._stored / 2**20:.1f} MiB for the first {done} "
+            f"of {of} batches), but only {self._available / 2**20:.1f} MiB were "
+            f"available on {self._device}. Store fewer columns: Monte-Carlo sample "
+            "the loss Hessian (mc_samples=1 keeps N instead of N·C columns per "
+            "layer), pass a loader over fewer samples, or stream over the loader "
+            "without storing the factors: vivit.StreamingGGN(model, loss_func, "
+            "loader).eigh(top_k=...) recomputes them in every pass "
+            "(docs/math.rst, 'Data sets and processes')."
         )

@@ -24,12 +24,12 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.data import (
-    BlockResult,
     BlockRun,
     FactorBudget,
+    UnionOutput,
     block_requests,
     check_progress,
-    combine_blocks,
+    combine_curvatures,
     is_batch,
     iterate_batches,
     naming_batch,
@@ -213,22 +213,18 @@ class LowRankGGN:
             block_request = blocks_request(index)
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
+        budget = None if single else FactorBudget(num_batches(data), model, mc_samples)
         batches = (
             [data]
             if single
             else progress_bar(
-                iterate_batches(data, model),
+                budget.watch(iterate_batches(data, model)),
                 num_batches(data),
                 progress,
                 "LowRankGGN: pass over the data",
             )
         )
         runs = (run_batch(index, batch) for index, batch in enumerate(batches))
-        budget = (
-            None
-            if single
-            else FactorBudget(num_batches(data), self.param_groups[0][0].device)
-        )
         self._run(chosen.name, runs, names, budget)
 
     @classmethod
@@ -365,19 +361,18 @@ class LowRankGGN:
         self._reports: dict[int, SolverReport] = {}
         params = [p for group in self.param_groups for p in group]
         devices = [p.device for p in params if p.device.type == "cuda"][:1]
-        blocks: list[BlockResult] = []
+        blocks: list[list[GroupCurvature]] = []
+        union = UnionOutput()
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             for index, run in enumerate(runs):
                 with naming_batch(index) if budget else nullcontext():
-                    blocks.append(run_block(run, self.param_groups, self._gram_dtype))
+                    block = run_block(run, self.param_groups, self._gram_dtype)
+                union.add(block.curvature[0].batch, block.output)
+                blocks.append(block.curvature)
                 if budget:
-                    budget.admit(blocks[-1], index)
-        if not blocks:
-            raise InvalidArgumentError(
-                "The data loader yielded no batch: pass at least one (inputs, "
-                "targets) batch."
-            )
-        self._curvature, self.loss, gradients = combine_blocks(blocks)
+                    budget.admit(block.curvature, index)
+        self.loss, gradients = union.result()
+        self._curvature = combine_curvatures(blocks)
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         for group, gradients in zip(self.param_groups, self._gradients, strict=True):
