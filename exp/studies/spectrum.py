@@ -500,7 +500,7 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         if trained
         else ("from --checkpoint" if args.checkpoint else "at initialisation")
     )
-    if results["curvature_data"] == "test":
+    if results.get("curvature_data") == "test":  # absent before the option
         batches = -(-results["num_samples"] // results["batch_size"])
         samples = (
             f"the whole held-out set ({results['num_samples']} samples, "
