@@ -99,3 +99,25 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     with pytest.raises(FactorsTooLargeError, match="one more batch") as error:
         LowRankGGN(model, loss_func, loader)
     assert loader.taken == 2 and "first 2 of an unknown number" in str(error.value)
+
+
+class KeywordCall(torch.nn.Module):
+    """A layer called with a keyword argument: the memory probe cannot see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(input=x)
+
+
+def test_a_model_the_probe_cannot_run_still_works(caplog):
+    model = KeywordCall().double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    loss_func = torch.nn.CrossEntropyLoss()
+    with caplog.at_level("INFO", logger="vivit"):
+        loader = LowRankGGN(model, loss_func, split(X, y, [3, 3]), engine="func")
+    assert "Cannot estimate the memory of one batch's pass" in caplog.text
+    single = LowRankGGN(model, loss_func, (X, y), engine="func")
+    torch.testing.assert_close(loader.gram(), single.gram(), rtol=0, atol=1e-12)

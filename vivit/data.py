@@ -12,6 +12,7 @@ loader whose stored factors cannot fit, early in the pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from vivit.groups import (
     union_batch,
 )
 from vivit.memory import estimate_memory
+
+logger = logging.getLogger("vivit")
 
 #: Seconds a pass over the data runs before its progress bar appears
 #: (``progress=None``): quick passes print nothing.
@@ -428,12 +431,13 @@ class FactorBudget:
         self._device = next(model.parameters()).device
         self._available = available_bytes(self._device)
         self._stored = 0
-        self._transient: int | None = None
+        self._first_inputs: Tensor | None = None
+        self._transient = 0
 
     def watch(
         self, batches: Iterable[tuple[Tensor, Tensor]]
     ) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches, unchanged; estimates one batch's pass from the first.
+        """The batches, unchanged; keeps the first one's inputs for the estimate.
 
         Args:
             batches: The loader's checked batches.
@@ -442,11 +446,28 @@ class FactorBudget:
             The batches.
         """
         for batch in batches:
-            if self._transient is None:
-                self._transient = batch_pass_bytes(
-                    self._model, batch[0], self._mc_samples
-                )
+            if self._first_inputs is None:
+                self._first_inputs = batch[0]
             yield batch
+
+    def _batch_pass(self, stored: int) -> int:
+        """One batch's pass, estimated after the first batch ran.
+
+        The estimate is advisory: where :func:`vivit.memory.estimate_memory`
+        cannot probe the model (it ran the batch, but e.g. a layer called with
+        keyword arguments defeats the probe), the batch's stored factors stand
+        in for its pass, and the logger ``"vivit"`` says so.
+        """
+        try:
+            return batch_pass_bytes(self._model, self._first_inputs, self._mc_samples)
+        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+            logger.info(
+                "Cannot estimate the memory of one batch's pass (%s: %s); the memory "
+                "check counts its stored factors instead.",
+                type(error).__name__,
+                error,
+            )
+            return stored
 
     def admit(self, curvature: list[GroupCurvature], index: int) -> None:
         """Account for a batch's stored factors; raise if the loader cannot fit.
@@ -458,11 +479,15 @@ class FactorBudget:
         Raises:
             FactorsTooLargeError: If the estimate exceeds the available memory.
         """
-        self._stored += stored_bytes(curvature)
+        stored = stored_bytes(curvature)
+        if index == 0:
+            self._transient = self._batch_pass(stored)
+            self._first_inputs = None
+        self._stored += stored
         done = index + 1
         batches = max(self._total, done) if self._total is not None else done + 1
         factors = self._stored * batches // done
-        estimate = factors + (self._transient or 0)
+        estimate = factors + self._transient
         if estimate <= self._available:
             return
         whole = "the whole loader" if self._total is not None else "one more batch"
