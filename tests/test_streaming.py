@@ -155,3 +155,13 @@ def test_misuse():
         ggn.eigh(top_k=None)
     with pytest.raises(GroupIndexError):
         ggn.eigh(top_k=1, group=1)
+
+
+def test_shuffling_with_the_global_random_state_repeats_in_every_pass():
+    """Every pass runs with the caller's random state forked: the same order."""
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    shuffled = DataLoader(TensorDataset(X, y), batch_size=2, shuffle=True)
+    streaming = StreamingGGN(model, loss_func, shuffled)
+    stored = LowRankGGN(model, loss_func, (X, y))
+    assert_rel(streaming.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
