@@ -17,7 +17,7 @@ from measure_memory import M_MMAP_THRESHOLD, cnn, mlp, peak_increase
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import vivit.data
+import vivit.budget
 from vivit import FactorsTooLargeError, LowRankGGN
 
 #: (name, model, input shape, samples, batch size, LowRankGGN options)
@@ -31,15 +31,15 @@ LOADERS = [
 
 def estimate(model, loss_func, loader, options) -> int:
     """The estimate in the refusal with no memory available, in bytes."""
-    original = vivit.data.available_bytes
-    vivit.data.available_bytes = lambda device: 0
+    original = vivit.budget.available_bytes
+    vivit.budget.available_bytes = lambda device: 0
     try:
         LowRankGGN(model, loss_func, loader, **options)
     except FactorsTooLargeError as error:
         mib = float(re.search(r"need about ([\d.]+) MiB", str(error)).group(1))
         return int(mib * 2**20)
     finally:
-        vivit.data.available_bytes = original
+        vivit.budget.available_bytes = original
     raise RuntimeError("not refused")
 
 

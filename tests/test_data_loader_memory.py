@@ -10,7 +10,7 @@ import torch
 from problems import prepare, select
 from test_data_loader import split
 
-import vivit.data
+import vivit.budget
 from vivit import FactorsTooLargeError, LowRankGGN
 
 #: The estimate must lie within this factor of the measured peak increase of
@@ -61,7 +61,7 @@ def loader_setup():
 def first_batch_bytes(model, loss_func, batches):
     """The stored factors of one batch, as the budget counts them."""
     ggn = LowRankGGN(model, loss_func, [batches[0]])
-    return vivit.data.stored_bytes(ggn._curvature)
+    return vivit.budget.stored_bytes(ggn._curvature)
 
 
 def test_refused_after_the_first_batch_when_the_length_is_known(
@@ -70,7 +70,7 @@ def test_refused_after_the_first_batch_when_the_length_is_known(
     model, loss_func, batches = loader_setup
     one = first_batch_bytes(model, loss_func, batches)
     # room for the first batches' factors, not for all four
-    monkeypatch.setattr(vivit.data, "available_bytes", lambda device: 3 * one)
+    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 3 * one)
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError) as error:
         LowRankGGN(model, loss_func, loader)
@@ -79,7 +79,7 @@ def test_refused_after_the_first_batch_when_the_length_is_known(
     for hint in ("whole loader", "first 1 of 4 batches", "mc_samples=1", "Streaming"):
         assert hint in message, message
     # enough room: accepted
-    monkeypatch.setattr(vivit.data, "available_bytes", lambda device: 2**40)
+    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 2**40)
     LowRankGGN(model, loss_func, Counting(batches))
 
 
@@ -90,10 +90,10 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     ggn = LowRankGGN(model, loss_func, Counting(batches, sized=False))
     assert ggn.gram().shape == (12, 12)
     one = first_batch_bytes(model, loss_func, batches)
-    batch_pass = vivit.data.batch_pass_bytes(model, batches[0][0], 0)
+    batch_pass = vivit.budget.batch_pass_bytes(model, batches[0][0], 0)
     # room for one batch's pass and 2.5 batches of factors: the third is refused
     monkeypatch.setattr(
-        vivit.data, "available_bytes", lambda device: batch_pass + int(2.5 * one)
+        vivit.budget, "available_bytes", lambda device: batch_pass + int(2.5 * one)
     )
     loader = Counting(batches, sized=False)
     with pytest.raises(FactorsTooLargeError, match="one more batch") as error:

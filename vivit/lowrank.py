@@ -23,9 +23,9 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
+from vivit.budget import FactorBudget
 from vivit.data import (
     BlockRun,
-    FactorBudget,
     UnionOutput,
     block_requests,
     check_progress,
