@@ -326,3 +326,22 @@ def test_progress_bar(capsys):
     assert capsys.readouterr().err == ""
     with pytest.raises(InvalidArgumentError, match="progress must be True, False"):
         LowRankGGN(model, loss_func, batches, progress="yes")
+
+
+def test_gradient_samples_count_over_all_batches():
+    (problem,) = select(architecture="mlp_relu", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 6
+    loader = LowRankGGN(model, loss_func, split(X, y, [3, 1, 2]))
+    single = LowRankGGN(model, loss_func, (X, y))
+    samples = [5, 0, 3]  # batches 2, 0 and 1
+    d, d_s = (
+        g.directional_derivatives(top_k=2, subsampling_grad=samples)
+        for g in (loader, single)
+    )
+    assert_rel(d.gammas.abs(), d_s.gammas.abs(), 1e-8)
+    assert_rel(d.gamma_bar.abs(), d_s.gamma_bar.abs(), 1e-8)
+    step, step_s = (
+        g.newton_step(top_k=2, subsampling_grad=samples) for g in (loader, single)
+    )
+    for a, b in zip(step, step_s, strict=True):
+        assert_rel(a, b, 1e-8)

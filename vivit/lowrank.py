@@ -1,4 +1,4 @@
-"""One-call access to the GGN's low-rank structure of a mini-batch."""
+"""One-call access to the GGN's low-rank structure of a mini-batch or data set."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ class LowRankGGN:
             and the pass takes more than two seconds. No bar for one mini-batch.
 
     Attributes:
-        loss: The mini-batch loss (detached).
+        loss: The loss on the mini-batch, or on all samples of a loader
+            (detached).
         param_groups: The parameter groups, as lists of parameters.
         engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
 
@@ -604,7 +605,7 @@ class LowRankGGN:
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:
-        """The mini-batch gradient ``∇L`` from the same backward pass.
+        """The gradient ``∇L`` of the loss from the same backward pass(es).
 
         Args:
             group: Index of the parameter group.
