@@ -10,8 +10,9 @@ import torch
 from problems import prepare, select
 from test_data_loader import split
 
+import vivit._memory
 import vivit.budget
-from vivit import FactorsTooLargeError, LowRankGGN
+from vivit import FactorsTooLargeError, GramTooLargeError, LowRankGGN
 
 #: The estimate must lie within this factor of the measured peak increase of
 #: resident memory (measured 0.86–1.02: MLP and CNN, exact and MC, float64 Gram).
@@ -121,3 +122,20 @@ def test_a_model_the_probe_cannot_run_still_works(caplog):
     assert "Cannot estimate the memory of one batch's pass" in caplog.text
     single = LowRankGGN(model, loss_func, (X, y), engine="func")
     torch.testing.assert_close(loader.gram(), single.gram(), rtol=0, atol=1e-12)
+
+
+def test_dense_solver_refused_after_the_first_batch_when_its_gram_cannot_fit(
+    loader_setup, monkeypatch
+):
+    """solver="dense" forms the Gram of all samples: refused before the whole pass."""
+    model, loss_func, batches = loader_setup  # 4 batches of 1 sample, C = 3
+    one_batch_gram = 3**2 * 8  # float64
+    # the Gram of one batch fits with its workspace, that of four does not
+    monkeypatch.setattr(
+        vivit._memory, "available_bytes", lambda device: 10 * one_batch_gram
+    )
+    loader = Counting(batches)
+    with pytest.raises(GramTooLargeError, match="12 x 12"):
+        LowRankGGN(model, loss_func, loader, solver="dense")
+    assert loader.taken == 1
+    LowRankGGN(model, loss_func, Counting(batches))  # on demand: not refused

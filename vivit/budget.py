@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._memory import available_bytes
+from vivit._memory import available_bytes, check_gram_fits
 from vivit.errors import FactorsTooLargeError
 from vivit.groups import GroupCurvature
 from vivit.memory import estimate_memory
@@ -81,16 +81,22 @@ class FactorBudget:
     available before the first batch; otherwise the run stops with the estimate
     and the alternatives, after the first batch when the loader has a length.
     ``tests/test_data_loader_memory.py`` checks the estimate against the
-    measured peak.
+    measured peak. A request for the dense solver (``num_grams``) also checks,
+    after the first batch, that the Gram matrices of all samples will fit
+    (``B`` times the first batch's rows).
 
     Args:
         total: Number of batches ``B`` (``None``: unknown).
         model: The network (its parameters' device).
         mc_samples: Monte-Carlo samples per datum of the request.
+        num_grams: Gram matrices the request forms (``0``: on demand only).
     """
 
-    def __init__(self, total: int | None, model: Module, mc_samples: int):
+    def __init__(
+        self, total: int | None, model: Module, mc_samples: int, num_grams: int = 0
+    ):
         self._total = total
+        self._num_grams = num_grams
         self._model = model
         self._mc_samples = mc_samples
         self._device = next(model.parameters()).device
@@ -143,11 +149,21 @@ class FactorBudget:
 
         Raises:
             FactorsTooLargeError: If the estimate exceeds the available memory.
+            GramTooLargeError: If the dense solver's Gram matrices of all
+                samples would not fit.
         """
         stored = stored_bytes(curvature)
         if index == 0:
             self._transient = self._batch_pass(stored)
             self._first_inputs = None
+            if self._num_grams and self._total is not None:
+                factors = curvature[0].ggn_factors[0]
+                check_gram_fits(
+                    factors.num_rows * self._total,
+                    self._num_grams,
+                    factors.dtype,
+                    self._device,
+                )
         self._stored += stored
         done = index + 1
         batches = max(self._total, done) if self._total is not None else done + 1

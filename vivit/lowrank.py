@@ -214,7 +214,11 @@ class LowRankGGN:
             block_request = blocks_request(index)
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
-        budget = None if single else FactorBudget(num_batches(data), model, mc_samples)
+        budget = (
+            None
+            if single
+            else FactorBudget(num_batches(data), model, mc_samples, request.num_grams)
+        )
         batches = (
             [data]
             if single
