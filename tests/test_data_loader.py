@@ -132,6 +132,7 @@ def test_loader_equals_concatenated_batch(problem, engine):
     assert_rel(gammas, per_sample_gradients(model, loss_func, X, y) @ E.T, 1e-8)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("problem", FUNC, ids=lambda p: p.name)
 def test_func_engine_only_models(problem):
     """Transformer and tied weights: the func engine over a loader."""
