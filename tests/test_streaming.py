@@ -165,3 +165,31 @@ def test_shuffling_with_the_global_random_state_repeats_in_every_pass():
     streaming = StreamingGGN(model, loss_func, shuffled)
     stored = LowRankGGN(model, loss_func, (X, y))
     assert_rel(streaming.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS[:2], ids=str)
+def test_directional_derivatives_and_newton_steps(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, X.shape[0] - 2])
+    streaming = StreamingGGN(model, loss_func, batches)
+    stored = LowRankGGN(model, loss_func, batches, solver="dense")
+    d = streaming.directional_derivatives(top_k=3)
+    d_s = stored.directional_derivatives(top_k=3)
+    assert d.gammas.shape == (X.shape[0], 3)
+    # γ changes sign with e_k; iterative eigenvectors to ~tol·λ_max/gap
+    assert_rel(d.evals, d_s.evals, REL)
+    assert_rel(d.gammas.abs(), d_s.gammas.abs(), 1e-8)
+    assert_rel(d.lambdas, d_s.lambdas, 1e-8)
+    assert_rel(d.gamma_bar.abs(), d_s.gamma_bar.abs(), 1e-8)
+    passes = streaming.passes
+    for options in (
+        {"damping": 0.1},
+        {"damping": 0.0, "lr": 0.5, "max_decrease": 0.01},
+    ):
+        newton = streaming.newton(top_k=3, **options)
+        expected = stored.newton(top_k=3, **options)
+        assert_rel(newton.dampings, expected.dampings, 1e-8)
+        for a, b in zip(newton.step, expected.step, strict=True):
+            assert_rel(a, b, 1e-8)
+    # the eigenpairs are kept: one pass for γ, one for each step
+    assert streaming.passes == passes + 2 * 2

@@ -1,5 +1,8 @@
 """Leading GGN eigenpairs of a data set whose layer factors do not fit into memory.
 
+Directional derivatives and damped Newton steps along them come with one more
+pass each.
+
 :class:`~vivit.LowRankGGN` over a data loader keeps every batch's layer factors
 (one pass). :class:`StreamingGGN` keeps none: each product with the Gram matrix
 recomputes every batch's factors (``docs/math.rst``, "Data sets and
@@ -45,6 +48,13 @@ from vivit.data import (
     progress_bar,
     run_block,
 )
+from vivit.directional.gram_space import (
+    Damping,
+    batch_directional_gradient,
+    directional_curvatures,
+    newton_coefficients_damped,
+)
+from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import (
@@ -137,14 +147,17 @@ class BatchFingerprints:
 
 
 class StreamingGGN:
-    """Leading GGN eigenpairs of a whole data set, recomputing factors per product.
+    """Leading GGN eigenpairs of a data set, recomputing the factors per product.
 
     The GGN is that of the loss on all samples of the loader together, as for
     :class:`~vivit.LowRankGGN` over a loader, which stores every batch's layer
     factors in one pass; when they do not fit, this class stores none. The
     construction makes one pass (loss, gradient, each batch's normalization);
     :meth:`eigh` then makes two passes per product with the Gram matrix and one
-    more for the eigenvectors (``docs/math.rst``, "Data sets and processes").
+    more for the eigenvectors (``docs/math.rst``, "Data sets and processes");
+    :meth:`directional_derivatives` one more for ``γ`` (per-sample gradients
+    against the eigenvectors), :meth:`newton` one more for the step. The
+    eigenpairs of the latest request per group are kept.
     The loader must be re-iterable and yield the same batches every time
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
     checked batch by batch.
@@ -220,6 +233,7 @@ class StreamingGGN:
         self._gram_dtype = gram_dtype
         self._fingerprints = BatchFingerprints()
         self._reports: dict[int, SolverReport] = {}
+        self._leading: dict[int, tuple[tuple, Tensor, Tensor, list[Tensor]]] = {}
         request = CurvatureRequest(
             param_groups=self.param_groups,
             mc_samples=mc_samples,
@@ -230,16 +244,21 @@ class StreamingGGN:
         )
         requests = block_requests(request, model)
 
-        def runner(index: int, batch: tuple[Tensor, Tensor]):
-            block_request = requests(index)
+        def runner(index: int, batch: tuple[Tensor, Tensor], gradients: bool):
+            block_request = dataclasses.replace(
+                requests(index), compute_gradients=gradients
+            )
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
         self._runner = runner
         self._first_pass()
 
     # Passes over the data ------------------------------------------------------
-    def _pass(self, visit: Callable, description: str) -> None:
-        """One pass: runs the engine on every batch and hands its result on."""
+    def _pass(self, visit: Callable, description: str, gradients: bool = False) -> None:
+        """One pass: runs the engine on every batch and hands its result on.
+
+        With ``gradients`` the blocks keep their per-sample-gradient factors.
+        """
         self.passes += 1
         batches = self._fingerprints.check(iterate_batches(self._data, self._model))
         batches = progress_bar(
@@ -254,10 +273,10 @@ class StreamingGGN:
             for index, batch in enumerate(batches):
                 with naming_batch(index):
                     block = run_block(
-                        self._runner(index, batch),
+                        self._runner(index, batch, gradients),
                         self.param_groups,
                         self._gram_dtype,
-                        keep_gradient_factors=False,
+                        keep_gradient_factors=gradients,
                     )
                 visit(index, block)
 
@@ -277,9 +296,9 @@ class StreamingGGN:
         self.loss, gradients = union.result()
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
-        ggn_union = union_batch(union.batches).ggn_reduction_factor
+        self._union = union_batch(union.batches)
         self._scales = [
-            block_scale(ggn_union, batch.ggn_reduction_factor)
+            block_scale(self._union.ggn_reduction_factor, batch.ggn_reduction_factor)
             for batch in union.batches
         ]
         self._bounds = [0]
@@ -390,12 +409,27 @@ class StreamingGGN:
         Raises:
             SolverNotConvergedError: If the iteration does not converge.
         """
+        evals, _, evecs = self._directions(top_k, group, tol, seed)
+        params = self.param_groups[group]
+        return evals, [e.to(p.dtype) for e, p in zip(evecs, params, strict=True)]
+
+    def _directions(
+        self, top_k: int, group: int, tol: float | None, seed: int
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Eigenvalues, Gram eigenvectors and eigenvectors (in ``gram_dtype``).
+
+        Cached per group for the latest ``(top_k, tol, seed)``.
+        """
         check_top_k(top_k)
         if top_k is None:
             raise InvalidArgumentError(
                 "StreamingGGN computes a few leading eigenpairs: pass top_k."
             )
         self._check_group(group)
+        key = (top_k, tol, seed)
+        cached = self._leading.get(group)
+        if cached is not None and cached[0] == key:
+            return cached[1:]
         device = self.param_groups[group][0].device
         evals, gram_evecs, report = block_krylov_eigh(
             lambda vectors: self.gram_matmul(vectors, group),
@@ -412,12 +446,100 @@ class StreamingGGN:
         # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
         keep = top_k_indices(evals, top_k, self.num_rows, self._factor_dtypes[group])
         evals, gram_evecs = evals[keep], gram_evecs[:, keep]
+        if keep:
+            coefficients = direction_coefficients(gram_evecs, evals).T.contiguous()
+            evecs = self._v_products(group, coefficients, "eigenvectors")
+        else:  # no direction: no pass
+            evecs = [evals.new_zeros(0, *p.shape) for p in self.param_groups[group]]
+        self._leading[group] = (key, evals, gram_evecs, evecs)
+        return evals, gram_evecs, evecs
+
+    def directional_derivatives(
+        self,
+        top_k: int,
+        group: int = 0,
+        *,
+        tol: float | None = None,
+        seed: int = 0,
+    ) -> DirectionalDerivatives:
+        """Per-sample first and second derivatives along the leading eigenvectors.
+
+        ``γ_nk = e_kᵀ∇ℓ_n`` from one more pass (each batch's per-sample
+        gradients against the eigenvectors); ``λ_nk`` and ``γ̄_k`` from the Gram
+        eigenvectors, as :meth:`vivit.LowRankGGN.directional_derivatives` has
+        them for all samples (``docs/math.rst``, "Directional derivatives and
+        curvature noise").
+
+        Args:
+            top_k: Number of leading directions.
+            group: Index of the parameter group.
+            tol: As for :meth:`eigh`.
+            seed: As for :meth:`eigh`.
+
+        Returns:
+            ``γ [N, K]``, ``λ [N, K]`` and their statistics, ``N`` the samples of
+            all batches in loader order.
+        """
+        evals, gram_evecs, evecs = self._directions(top_k, group, tol, seed)
+        blocks: list[Tensor] = []
+
+        def visit(index, block):
+            grads = block.curvature[group].grad_factors
+            blocks.append(vt_matmul(grads, evecs))
+
+        if evals.numel() > 0:
+            self._pass(visit, "directional gradients", gradients=True)
+            gammas = torch.cat(blocks, dim=1).T
+        else:
+            gammas = evals.new_zeros(self._union.batch_size, 0)
+        return DirectionalDerivatives(
+            evals=evals,
+            gammas=gammas,
+            lambdas=directional_curvatures(gram_evecs, evals, self._union),
+            gamma_bar=batch_directional_gradient(gammas, self._union),
+        )
+
+    def newton(
+        self,
+        top_k: int,
+        group: int = 0,
+        damping: float | Damping = 1.0,
+        *,
+        lr: float = 1.0,
+        max_decrease: float | None = None,
+        tol: float | None = None,
+        seed: int = 0,
+    ) -> NewtonStep:
+        """The directionally damped Newton step on the leading eigenspace.
+
+        As :meth:`vivit.LowRankGGN.newton` on all samples of the loader; one more
+        pass for the step ``V u``.
+
+        Args:
+            top_k: Number of leading directions.
+            group: Index of the parameter group.
+            damping: A constant ``δ ≥ 0`` or a rule (see :mod:`vivit.optim.damping`).
+            lr: Scale of the returned step.
+            max_decrease: As for :meth:`vivit.LowRankGGN.newton`.
+            tol: As for :meth:`eigh`.
+            seed: As for :meth:`eigh`.
+
+        Returns:
+            The step, the directional derivatives and the dampings used.
+        """
+        _, gram_evecs, _ = self._directions(top_k, group, tol, seed)
+        directional = self.directional_derivatives(top_k, group, tol=tol, seed=seed)
+        dampings, u = newton_coefficients_damped(
+            gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+        )
         params = self.param_groups[group]
-        if not keep:  # no direction: no pass
-            return evals, [p.new_zeros(0, *p.shape) for p in params]
-        coefficients = direction_coefficients(gram_evecs, evals).T.contiguous()
-        evecs = self._v_products(group, coefficients, "eigenvectors")
-        return evals, [e.to(p.dtype) for e, p in zip(evecs, params, strict=True)]
+        if directional.evals.numel() > 0:
+            step = self._v_products(group, u.unsqueeze(0), "Newton step")
+            step = [s.squeeze(0) for s in step]
+        else:
+            step = [torch.zeros_like(p) for p in params]
+        step = [s.to(p.dtype) for s, p in zip(step, params, strict=True)]
+        return NewtonStep(directional=directional, dampings=dampings, step=step)
 
     def solver_report(self, group: int = 0) -> SolverReport | None:
         """How the group's latest eigenpairs were computed (``None`` before).
