@@ -41,6 +41,8 @@ LAYERS = [
         [
             "vivit.lowrank",
             "vivit.memory",
+            "vivit.budget",
+            "vivit.streaming",
             "vivit.computation",
             "vivit.linalg.eigh",
             "vivit.linalg.eigvalsh",

@@ -2,7 +2,10 @@
 
 Front doors:
 
-- :class:`LowRankGGN`: one call outside a training loop.
+- :class:`LowRankGGN`: one call outside a training loop (a mini-batch or a
+  data loader).
+- :class:`StreamingGGN`: leading eigenpairs over a data loader whose layer
+  factors do not fit into memory.
 - :class:`EigvalshComputation`, :class:`EighComputation`,
   :class:`DirectionalDerivativesComputation`,
   :class:`DirectionalDampedNewtonComputation`: the ViViT-compatible BackPACK
@@ -13,6 +16,7 @@ from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
     DistributedError,
+    FactorsTooLargeError,
     GradientContextError,
     GramTooLargeError,
     GroupIndexError,
@@ -20,6 +24,7 @@ from vivit.errors import (
     InvalidSubsamplingError,
     InvalidTargetsError,
     NoCurvatureError,
+    NondeterministicDataError,
     NonFiniteError,
     ParamGroupError,
     RandomForwardWarning,
@@ -39,6 +44,7 @@ from vivit.linalg.eigvalsh import EigvalshComputation
 from vivit.lowrank import LowRankGGN
 from vivit.optim.directional_damped_newton import DirectionalDampedNewtonComputation
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+from vivit.streaming import StreamingGGN
 
 __all__ = [
     "BatchNormTrainingError",
@@ -48,6 +54,7 @@ __all__ = [
     "DistributedError",
     "EighComputation",
     "EigvalshComputation",
+    "FactorsTooLargeError",
     "GradientContextError",
     "GramTooLargeError",
     "GroupIndexError",
@@ -56,11 +63,13 @@ __all__ = [
     "InvalidTargetsError",
     "LowRankGGN",
     "NoCurvatureError",
+    "NondeterministicDataError",
     "NonFiniteError",
     "ParamGroupError",
     "RandomForwardWarning",
     "ResultNotReadyError",
     "SolverNotConvergedError",
+    "StreamingGGN",
     "UnboundedStepWarning",
     "UnsupportedDtypeError",
     "SampleCouplingError",

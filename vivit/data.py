@@ -1,26 +1,47 @@
 """Samples in blocks: one mini-batch, or the batches of a data loader.
 
 An engine computes the curvature of one block of samples at a time, with the
-loss on that block alone. :func:`combine_blocks` turns the blocks' results into
-those of the loss on all samples together: the GGN's columns are rescaled and
-stacked (:func:`vivit.groups.concatenate_curvatures`), the losses and gradients
-summed with the weights ``R_union / R_block`` (``docs/math.rst``, "Data sets and
-processes").
+loss on that block alone. :func:`combine_curvatures` and :class:`UnionOutput`
+turn the blocks' results into those of the loss on all samples together: the
+GGN's columns are rescaled and stacked (:func:`vivit.groups.concatenate_curvatures`),
+the losses and gradients summed with the weights ``R_union / R_block``
+(``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sized
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Module, Parameter
+from tqdm.auto import tqdm
 
-from vivit._validation import check_batch, check_inputs_match
-from vivit.engines.base import ContributionSink, EngineOutput
-from vivit.errors import InvalidArgumentError, VivitError
-from vivit.groups import GroupCurvature, concatenate_curvatures, union_batch
+from vivit._validation import check_batch, check_finite, check_inputs_match
+from vivit.engines.base import (
+    BatchInfo,
+    ContributionSink,
+    CurvatureRequest,
+    EngineOutput,
+)
+from vivit.errors import (
+    InvalidArgumentError,
+    NoCurvatureError,
+    VivitError,
+)
+from vivit.groups import (
+    GroupCollector,
+    GroupCurvature,
+    concatenate_curvatures,
+    union_batch,
+)
+
+#: Seconds a pass over the data runs before its progress bar appears
+#: (``progress=None``): quick passes print nothing.
+PROGRESS_DELAY = 2.0
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -76,12 +97,107 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         )
     params = list(model.parameters())
     for index, batch in enumerate(data):
-        try:
+        with naming_batch(index):
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
-        except VivitError as error:
-            raise type(error)(f"Batch {index} of the data loader: {error}") from None
         yield batch
+
+
+@contextmanager
+def naming_batch(index: int) -> Iterator[None]:
+    """Prefix the message of a library error with the loader's batch it concerns.
+
+    Args:
+        index: Position of the batch in the loader.
+
+    Raises:
+        VivitError: The error raised inside, of the same type, its message
+            starting with ``"Batch {index} of the data loader: "``.
+    """
+    try:
+        yield
+    except VivitError as error:
+        raise type(error)(f"Batch {index} of the data loader: {error}") from None
+
+
+def run_block(
+    run: BlockRun,
+    param_groups: list[list[Parameter]],
+    gram_dtype: torch.dtype | None,
+    keep_gradient_factors: bool = True,
+) -> BlockResult:
+    """One engine run on a block of samples: every group's curvature, loss, gradient.
+
+    Args:
+        run: Runs the engine into a sink.
+        param_groups: The parameter groups of the request.
+        gram_dtype: Type the factors are cast to for every product (``None``: the
+            model's).
+        keep_gradient_factors: Keep the per-sample-gradient factors (the request
+            must compute them).
+
+    Returns:
+        The block's result, every group's factors of ``V`` kept.
+
+    Raises:
+        NonFiniteError: If the loss is not finite.
+        NoCurvatureError: If a group received no curvature.
+    """
+    curvature: dict[int, GroupCurvature] = {}
+    collector = GroupCollector(
+        param_groups,
+        curvature.__setitem__,
+        keep_factors=True,
+        keep_gradient_factors=keep_gradient_factors,
+        gram_dtype=gram_dtype,
+        keep_gram=False,
+    )
+    output = run(collector)
+    check_finite(output.loss, "loss", batch_axis=False)
+    missing = [g for g in range(len(param_groups)) if g not in curvature]
+    if missing:
+        raise NoCurvatureError(
+            f"Parameter group(s) {missing} received no curvature from the backward "
+            f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
+            f"{missing[0]} missing): their layers are not part of the loss's "
+            "computation graph, or not extended with backpack.extend."
+        )
+    return BlockResult([curvature[g] for g in range(len(curvature))], output)
+
+
+def block_requests(
+    request: CurvatureRequest,
+    model: Module,
+    agree: Callable[[int | None], int | None] | None = None,
+) -> Callable[[int], CurvatureRequest]:
+    """The request of each block of samples: its own MC stream (exact: as is).
+
+    Draws the base seed (:func:`base_seed`) once, with torch's random state
+    forked: every pass over the blocks with the returned requests draws the same
+    samples.
+
+    Args:
+        request: The caller's request.
+        model: The network (its parameters' device).
+        agree: Maps this process's seed (``None`` for the exact GGN) to the one
+            all ranks of a process group use (rank 0's); a collective, so every
+            rank calls it, MC or not.
+
+    Returns:
+        ``index ↦`` the request of block ``index``.
+    """
+    seed = None
+    if request.mc_samples:
+        with torch.random.fork_rng(devices=[]):
+            seed = base_seed(request.generator)
+    if agree is not None:
+        seed = agree(seed)
+    if request.mc_samples == 0:
+        return lambda index: request
+    device = next(model.parameters()).device
+    return lambda index: dataclasses.replace(
+        request, generator=block_generator(seed, index, device)
+    )
 
 
 def base_seed(generator: torch.Generator | None) -> int:
@@ -120,31 +236,125 @@ def block_generator(
     return torch.Generator(device=device).manual_seed((seed + block) % 2**63)
 
 
-def combine_blocks(
-    blocks: list[BlockResult],
-) -> tuple[list[GroupCurvature], Tensor, list[Tensor]]:
-    """The curvature, loss and gradient of all blocks' samples together.
+class UnionOutput:
+    """The loss and gradient on all samples, accumulated block by block.
+
+    Each block's loss ``L_b = R_b Σ_{n∈b} ℓ_n`` enters as ``L_b / R_b``; the sum
+    times ``R_union`` is the loss on all samples, ``Σ_b (R_union / R_b) L_b``
+    (``docs/math.rst``, "Data sets and processes"); likewise the gradient. Holds
+    one loss and one gradient, whatever the number of blocks.
+    """
+
+    def __init__(self) -> None:
+        self.batches: list[BatchInfo] = []
+        self._first: EngineOutput | None = None
+        self._sum: EngineOutput | None = None
+
+    def add(self, batch: BatchInfo, output: EngineOutput) -> None:
+        """Add a block's loss and gradient.
+
+        Args:
+            batch: The block's batch context (its ``R_b`` and sample weights).
+            output: Its loss and gradient (of the loss on the block alone).
+        """
+        self.batches.append(batch)
+        if self._first is None:
+            self._first = output
+        term = _unnormalized(output, batch)
+        if self._sum is None:
+            self._sum = term
+            return
+        self._sum = EngineOutput(
+            self._sum.loss + term.loss,
+            [a + b for a, b in zip(self._sum.gradients, term.gradients, strict=True)],
+        )
+
+    def result(self) -> tuple[Tensor, list[Tensor]]:
+        """The loss and gradient on all samples (one block's as they are).
+
+        Raises:
+            InvalidArgumentError: If no block was added.
+        """
+        if self._first is None:
+            raise InvalidArgumentError(
+                "The data loader yielded no batch: pass at least one (inputs, "
+                "targets) batch."
+            )
+        if len(self.batches) == 1:
+            return self._first.loss, self._first.gradients
+        union = union_batch(self.batches).reduction_factor()
+        return union * self._sum.loss, [union * g for g in self._sum.gradients]
+
+
+def _unnormalized(output: EngineOutput, batch: BatchInfo) -> EngineOutput:
+    """``L_b / R_b`` and ``∇L_b / R_b`` (``0`` for a block of weight ``0``)."""
+    factor = batch.reduction_factor()
+    scale = 1.0 / factor if factor > 0 else 0.0
+    return EngineOutput(output.loss * scale, [g * scale for g in output.gradients])
+
+
+def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
+    """Each group's curvature on all blocks' samples together.
 
     Args:
-        blocks: Every block's result, in sample order.
+        blocks: Every block's curvature (one per group), in sample order.
 
     Returns:
-        Each group's curvature on the union, the loss and the gradient of every
-        requested parameter (as :class:`~vivit.engines.base.EngineOutput` has it).
+        Each group's curvature on the union
+        (:func:`~vivit.groups.concatenate_curvatures`).
     """
-    curvature = [
-        concatenate_curvatures([block.curvature[g] for block in blocks])
-        for g in range(len(blocks[0].curvature))
+    return [
+        concatenate_curvatures([block[g] for block in blocks])
+        for g in range(len(blocks[0]))
     ]
-    if len(blocks) == 1:
-        output = blocks[0].output
-        return curvature, output.loss, output.gradients
-    batches = [block.curvature[0].batch for block in blocks]
-    union = union_batch(batches).reduction_factor()
-    weights = [union / batch.reduction_factor() for batch in batches]
-    loss = sum(w * block.output.loss for w, block in zip(weights, blocks, strict=True))
-    gradients = [
-        sum(w * g for w, g in zip(weights, column, strict=True))
-        for column in zip(*(block.output.gradients for block in blocks), strict=True)
-    ]
-    return curvature, loss, gradients
+
+
+def num_batches(data: object) -> int | None:
+    """Number of batches of a loader, if it knows it (``len``), else ``None``."""
+    if not isinstance(data, Sized):
+        return None
+    try:
+        return len(data)
+    except TypeError:  # e.g. a DataLoader over an IterableDataset
+        return None
+
+
+def check_progress(progress: object) -> None:
+    """Raise unless ``progress`` is ``True``, ``False`` or ``None``.
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidArgumentError(
+            f"progress must be True, False or None (automatic), got {progress!r}."
+        )
+
+
+def progress_bar(
+    batches: Iterable, total: int | None, progress: bool | None, description: str
+) -> Iterable:
+    """Show a pass over a loader's batches as a progress bar on stderr.
+
+    Args:
+        batches: The batches of the pass.
+        total: Number of batches, if known.
+        progress: ``True`` always shows the bar, ``False`` never; ``None`` shows it
+            only if stderr is a terminal and the pass takes longer than
+            :data:`PROGRESS_DELAY` seconds (and removes it when done).
+        description: Text in front of the bar.
+
+    Returns:
+        The batches, wrapped in ``tqdm`` unless ``progress`` is ``False``.
+    """
+    if progress is False:
+        return batches
+    return tqdm(
+        batches,
+        total=total,
+        desc=description,
+        unit="batch",
+        disable=None if progress is None else False,
+        delay=PROGRESS_DELAY if progress is None else 0.0,
+        leave=progress is True,
+    )

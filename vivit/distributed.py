@@ -3,7 +3,7 @@
 Every rank of a process group computes the curvature of its own shard (one block
 of samples, :class:`~vivit.data.BlockResult`); :class:`ShardExchange` hands every
 rank's block to every other with ``torch.distributed`` collectives, and each rank
-combines the blocks in rank order (:func:`~vivit.data.combine_blocks`), exactly
+combines the blocks in rank order (:func:`~vivit.data.combine_curvatures`), exactly
 as a single process combines the batches of a loader over the same shards.
 ``docs/math.rst`` ("Data sets and processes", "Several processes") gives the
 scalings and the cost model.
@@ -184,25 +184,25 @@ class ShardLayout:
         return self.ggn_samples[self.rank]
 
     @classmethod
-    def of_blocks(
-        cls, blocks: list[BlockResult], rank: int, world_size: int
+    def of_batches(
+        cls, batches: Sequence[BatchInfo], rank: int, world_size: int
     ) -> ShardLayout:
         """The layout of blocks in rank order (one block per rank, or one rank).
 
         Args:
-            blocks: The blocks, in order.
+            batches: The blocks' batch contexts, in order.
             rank: This process's rank.
             world_size: Number of ranks.
 
         Returns:
             The layout; locally a single "rank" spans every block.
         """
-        per_rank = [blocks] if world_size == 1 else [[block] for block in blocks]
+        per_rank = [batches] if world_size == 1 else [[batch] for batch in batches]
         samples, ggn_samples = [], []
         start = ggn_start = 0
         for owned in per_rank:
-            size = sum(b.curvature[0].batch.batch_size for b in owned)
-            ggn_size = sum(len(b.curvature[0].batch.ggn_samples) for b in owned)
+            size = sum(b.batch_size for b in owned)
+            ggn_size = sum(len(b.ggn_samples) for b in owned)
             samples.append(range(start, start + size))
             ggn_samples.append(range(ggn_start, ggn_start + ggn_size))
             start, ggn_start = start + size, ggn_start + ggn_size
@@ -546,18 +546,19 @@ class ShardExchange:
         """
         start = time.perf_counter()
         per_param = [
-            f.blocks if isinstance(f, SampleBlockFactors) else [f] for f in factors
+            f if isinstance(f, SampleBlockFactors) else SampleBlockFactors([f])
+            for f in factors
         ]
-        rows = [block.num_rows for block in per_param[0]]
+        rows = [block.num_rows for block in per_param[0].blocks]
         bounds = [0]
         for size in rows:
             bounds.append(bounds[-1] + size)
         owners = gram_block_owners(len(rows), self.world_size)
         computed = []
         for a, b in owners[self.rank]:
-            block = per_param[0][a].gram(None if a == b else per_param[0][b])
-            for blocks in per_param[1:]:
-                block.add_(blocks[a].gram(None if a == b else blocks[b]))
+            block = per_param[0].block_gram(a, b)
+            for param in per_param[1:]:
+                block.add_(param.block_gram(a, b))
             computed.append((a, b, block))
         device = computed[0][2].device
         upper = [torch.triu_indices(n, n, device=device).unbind() for n in rows]

@@ -49,6 +49,14 @@ class GramTooLargeError(VivitError, MemoryError):
     """The Gram matrix of the requested setting would not fit into memory."""
 
 
+class FactorsTooLargeError(VivitError, MemoryError):
+    """The layer factors of a data loader's batches would not fit into memory."""
+
+
+class NondeterministicDataError(VivitError, RuntimeError):
+    """A data loader yielded different batches in two passes over it."""
+
+
 class ResultNotReadyError(VivitError, RuntimeError, KeyError):
     """A result was requested before the backward pass that computes it."""
 

@@ -124,7 +124,7 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
         for part in parts
     ]
     ggn_factors = [
-        SampleBlockFactors([f.scaled(s) for f, s in zip(column, scales, strict=True)])
+        SampleBlockFactors(column, scales)
         for column in zip(*(part.ggn_factors for part in parts), strict=True)
     ]
     curvature = GroupCurvature(

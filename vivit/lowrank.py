@@ -1,9 +1,10 @@
-"""One-call access to the GGN's low-rank structure of a mini-batch."""
+"""One-call access to the GGN's low-rank structure of a mini-batch or data set."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,14 +24,19 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
+from vivit.budget import FactorBudget
 from vivit.data import (
-    BlockResult,
     BlockRun,
-    base_seed,
-    block_generator,
-    combine_blocks,
+    UnionOutput,
+    block_requests,
+    check_progress,
+    combine_curvatures,
     is_batch,
     iterate_batches,
+    naming_batch,
+    num_batches,
+    progress_bar,
+    run_block,
 )
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
@@ -47,13 +53,8 @@ from vivit.distributed import (
 )
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
-from vivit.errors import (
-    GramTooLargeError,
-    GroupIndexError,
-    InvalidArgumentError,
-    NoCurvatureError,
-)
-from vivit.groups import GroupCollector, GroupCurvature
+from vivit.errors import GramTooLargeError, GroupIndexError, InvalidArgumentError
+from vivit.groups import GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
 from vivit.linalg.operator import GGNOperator
@@ -106,7 +107,15 @@ class LowRankGGN:
             (:class:`~vivit.SharedWeightError`) naming it.
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
-        data: ``(inputs, targets)`` of the mini-batch.
+        data: ``(inputs, targets)`` of the mini-batch, or an iterable of such
+            batches (a ``DataLoader``, a list, a generator): the GGN is then that
+            of the loss on all their samples together (for reduction ``"mean"``
+            the mean over all samples), from one pass that keeps every batch's
+            layer factors; the loss and gradient are those of all samples too
+            (``docs/math.rst``, "Data sets and processes"). The memory of the
+            stored factors is estimated from the first batch and a loader that
+            cannot fit is refused then (:class:`~vivit.FactorsTooLargeError`,
+            with the alternatives, among them :class:`~vivit.StreamingGGN`).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
@@ -114,7 +123,10 @@ class LowRankGGN:
             ``N·C`` Gram rows).
         subsampling: Indices of the samples whose curvature is used (``None``:
             all). The GGN is then that of the same loss on those samples alone.
-        generator: Random generator that makes MC sampling reproducible.
+            Not with a data loader (pass a loader over the samples instead).
+        generator: Random generator that makes MC sampling reproducible. Over a
+            data loader, batch ``b`` draws its samples from a generator seeded
+            with ``s + b``, ``s`` one draw from ``generator``.
         gram_dtype: Floating-point type in which the Gram matrix and every
             product that feeds the eigensolver or the directional derivatives
             (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
@@ -142,6 +154,10 @@ class LowRankGGN:
             results are deterministic for a given seed.
         engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
             (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
+        progress: Progress bar (on stderr) of the pass over a data loader:
+            ``True`` always, ``False`` never, ``None`` when stderr is a terminal
+            and the pass takes more than two seconds. No bar for one mini-batch.
+
         process_group: Several processes (``torch.distributed``): each rank
             passes its own shard as ``data`` (one batch; sizes may differ) and
             every rank gets the results of the union of the shards in rank
@@ -157,9 +173,11 @@ class LowRankGGN:
             model runs as its ``.module``.
 
     Attributes:
-        loss: The mini-batch loss (detached).
+        loss: The loss on the mini-batch, or on all samples of a loader
+            (detached).
         param_groups: The parameter groups, as lists of parameters.
         engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
+
         shards: Where each rank's samples sit in the union
             (:class:`~vivit.distributed.ShardLayout`): rows of ``γ``, ``λ`` and
             the Gram matrix that belong to this rank.
@@ -191,6 +209,7 @@ class LowRankGGN:
         solver_tol: float | None = None,
         solver_seed: int = 0,
         engine: str | Engine = "auto",
+        progress: bool | None = None,
         process_group: ProcessGroup | bool | None = None,
     ):
         with ShardExchange(resolve_group(process_group)) as shards:
@@ -207,6 +226,7 @@ class LowRankGGN:
                 generator=generator,
                 gram_dtype=gram_dtype,
                 engine=engine,
+                progress=progress,
             )
 
     def _construct(
@@ -222,6 +242,7 @@ class LowRankGGN:
         generator: torch.Generator | None,
         gram_dtype: torch.dtype | None,
         engine: str | Engine,
+        progress: bool | None,
     ) -> None:
         """Check the arguments, run the engine on every block, combine them."""
         check_model(model)
@@ -244,6 +265,7 @@ class LowRankGGN:
         check_mc_samples(mc_samples)
         check_generator(generator)
         check_engine(engine)
+        check_progress(progress)
         request = self._request(
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
@@ -261,7 +283,7 @@ class LowRankGGN:
             solver=(self._solver, self._solver_tol, self._solver_seed),
             engine=chosen.name,
         )
-        blocks_request = self._block_requests(
+        blocks_request = block_requests(
             request, model, lambda seed: shards.agree(fingerprint, seed)
         )
 
@@ -269,36 +291,26 @@ class LowRankGGN:
             block_request = blocks_request(index)
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
-        batches = [data] if single else iterate_batches(data, model)
+        budget = (
+            None
+            if single
+            else FactorBudget(num_batches(data), model, mc_samples, request.num_grams)
+        )
+        batches = (
+            [data]
+            if single
+            else progress_bar(
+                budget.watch(iterate_batches(data, model)),
+                num_batches(data),
+                progress,
+                "LowRankGGN: pass over the data",
+            )
+        )
         runs = (
             run_batch(index, batch)
             for index, batch in enumerate(batches, start=shards.rank)
         )
-        self._run(chosen.name, runs, names, shards)
-
-    @staticmethod
-    def _block_requests(
-        request: CurvatureRequest,
-        model: Module,
-        agree: Callable[[int | None], int | None] | None = None,
-    ) -> Callable[[int], CurvatureRequest]:
-        """The request of each block of samples: its own MC stream (exact: as is).
-
-        ``agree`` maps this process's MC seed (``None`` for the exact GGN) to the
-        one all ranks of a process group use (rank 0's).
-        """
-        seed = None
-        if request.mc_samples:
-            with torch.random.fork_rng(devices=[]):
-                seed = base_seed(request.generator)
-        if agree is not None:
-            seed = agree(seed)
-        if request.mc_samples == 0:
-            return lambda index: request
-        device = next(model.parameters()).device
-        return lambda index: dataclasses.replace(
-            request, generator=block_generator(seed, index, device)
-        )
+        self._run(chosen.name, runs, names, budget, shards)
 
     @classmethod
     def from_loss(
@@ -416,6 +428,7 @@ class LowRankGGN:
         engine: str,
         runs: Iterable[BlockRun],
         names: dict[int, str],
+        budget: FactorBudget | None = None,
         shards: ShardExchange | None = None,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
@@ -425,7 +438,9 @@ class LowRankGGN:
         is exchanged. The blocks' curvature, losses and gradients are combined
         into those of the loss on all samples together. The random number
         generators are forked (the caller's state is left as it was) and gradients
-        are enabled whatever the caller's context.
+        are enabled whatever the caller's context. With a ``budget`` (a data
+        loader) an error names the batch it concerns, and the stored factors are
+        checked against the memory after every batch.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -433,20 +448,25 @@ class LowRankGGN:
         self._reports: dict[int, SolverReport] = {}
         params = [p for group in self.param_groups for p in group]
         devices = [p.device for p in params if p.device.type == "cuda"][:1]
-        blocks: list[BlockResult] = []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for run in runs:
-                blocks.append(self._run_block(run))
-        if not blocks:
-            raise InvalidArgumentError(
-                "The data loader yielded no batch: pass at least one (inputs, "
-                "targets) batch."
-            )
         shards = shards or ShardExchange(None)
-        blocks = shards.exchange(blocks, self.param_groups)
-        self.shards = ShardLayout.of_blocks(blocks, shards.rank, shards.world_size)
+        blocks: list[list[GroupCurvature]] = []
+        union = UnionOutput()
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for index, run in enumerate(runs):
+                with naming_batch(index) if budget else nullcontext():
+                    block = run_block(run, self.param_groups, self._gram_dtype)
+                if budget:
+                    budget.admit(block.curvature, index)
+                # under a process group: every rank's shard, in rank order
+                for result in shards.exchange([block], self.param_groups):
+                    union.add(result.curvature[0].batch, result.output)
+                    blocks.append(result.curvature)
+        self.shards = ShardLayout.of_batches(
+            union.batches, shards.rank, shards.world_size
+        )
         self.communication = shards.report
-        self._curvature, self.loss, gradients = combine_blocks(blocks)
+        self.loss, gradients = union.result()
+        self._curvature = combine_curvatures(blocks)
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         for group, gradients in zip(self.param_groups, self._gradients, strict=True):
@@ -481,29 +501,6 @@ class LowRankGGN:
         for group, fit in enumerate(shards.all_true(fits)):
             if fit:
                 self._set_gram(group, shards.gram(self._group(group).ggn_factors))
-
-    def _run_block(self, run: BlockRun) -> BlockResult:
-        """One engine run: every group's curvature, the loss and the gradient."""
-        curvature: dict[int, GroupCurvature] = {}
-        collector = GroupCollector(
-            self.param_groups,
-            curvature.__setitem__,
-            keep_factors=True,
-            keep_gradient_factors=True,
-            gram_dtype=self._gram_dtype,
-            keep_gram=False,
-        )
-        output = run(collector)
-        check_finite(output.loss, "loss", batch_axis=False)
-        missing = [g for g in range(len(self.param_groups)) if g not in curvature]
-        if missing:
-            raise NoCurvatureError(
-                f"Parameter group(s) {missing} received no curvature from the backward "
-                f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
-                f"{missing[0]} missing): their layers are not part of the loss's "
-                "computation graph, or not extended with backpack.extend."
-            )
-        return BlockResult([curvature[g] for g in range(len(curvature))], output)
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:
@@ -728,7 +725,7 @@ class LowRankGGN:
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:
-        """The mini-batch gradient ``∇L`` from the same backward pass.
+        """The gradient ``∇L`` of the loss from the same backward pass(es).
 
         Args:
             group: Index of the parameter group.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -89,19 +89,18 @@ def engine_errors(what: str) -> Iterator[None]:
 def low_rank_ggn(
     model: nn.Module,
     loss_func: nn.Module,
-    inputs: Tensor,
-    targets: Tensor,
+    data: tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]],
     what: str = "Computing the GGN",
     engine: str = "auto",
     **kwargs,
 ) -> LowRankGGN:
-    """``LowRankGGN`` of a mini-batch with the model in evaluation mode.
+    """``LowRankGGN`` of a mini-batch or a data loader, model in evaluation mode.
 
     Args:
         model: The model (extended in place if it is not yet).
         loss_func: The extended loss function.
-        inputs: ``[N, *shape]`` mini-batch inputs.
-        targets: ``[N]`` labels.
+        data: ``(inputs, targets)`` of a mini-batch, or an iterable of such
+            batches (the GGN of all their samples together).
         what: What is computed, for error messages.
         engine: ``--engine``.
         **kwargs: Passed to :class:`vivit.LowRankGGN` (``mc_samples``,
@@ -111,7 +110,7 @@ def low_rank_ggn(
         The low-rank GGN.
     """
     with eval_mode(model), engine_errors(what):
-        return LowRankGGN(model, loss_func, (inputs, targets), engine=engine, **kwargs)
+        return LowRankGGN(model, loss_func, data, engine=engine, **kwargs)
 
 
 def check_supported(
@@ -138,7 +137,7 @@ def check_supported(
     """
     probe = copy.deepcopy(model)
     what = "Checking that vivit supports the model"
-    ggn = low_rank_ggn(probe, loss_func, inputs[:2], targets[:2], what, engine)
+    ggn = low_rank_ggn(probe, loss_func, (inputs[:2], targets[:2]), what, engine)
     with engine_errors(what):
         ggn.eigvalsh()
         ggn.directional_derivatives(top_k=1)

@@ -108,8 +108,7 @@ def probe(
     ggn = low_rank_ggn(
         model,
         setup.loss_func,
-        inputs,
-        targets,
+        (inputs, targets),
         "Probing curvature",
         engine=setup.args.engine,
     )

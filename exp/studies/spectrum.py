@@ -1,11 +1,13 @@
 """Spectrum study: the exact GGN spectrum of a mini-batch and its approximations.
 
 Trains the model briefly with SGD (or loads ``--checkpoint``), draws a mini-batch
-and computes, with :class:`vivit.LowRankGGN`:
+(or, with ``--curvature-data test``, takes the whole held-out set as a
+``DataLoader``) and computes, with :class:`vivit.LowRankGGN`:
 
 - ``exact``: all eigenvalues of the exact GGN (from the ``N·C`` Gram matrix);
 - ``mc``: the Monte-Carlo approximation (``mc_samples`` per sample, ``N·M`` rows);
-- ``subsample``: the GGN of the first ``--subsample-size`` samples of the batch;
+- ``subsample``: the GGN of the first ``--subsample-size`` samples of the batch
+  (of the held-out set: one batch of ``--batch-size`` by default);
 - ``block_diagonal``: one GGN block per layer, eigenvalues of all blocks merged.
 
 It reports every eigenvalue, how many of them are resolved (above the
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn import Parameter
+from torch.utils.data import DataLoader, TensorDataset
 
 from studies.cli import (
     base_parser,
@@ -99,11 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Monte-Carlo samples per datum of the MC approximation.",
     )
     study.add_argument(
+        "--curvature-data",
+        choices=("batch", "test"),
+        default="batch",
+        help="Samples whose GGN is studied: 'batch' (a training mini-batch of "
+        "--batch-size) or 'test' (the whole held-out set, passed to vivit as a "
+        "DataLoader of --batch-size batches; every method then uses that loader, "
+        "and 'subsample' is the GGN of its first --subsample-size samples).",
+    )
+    study.add_argument(
         "--subsample-size",
         type=positive_int,
         default=None,
-        help="Samples of the mini-batch whose GGN is the subsampling approximation "
-        "(default: half the batch).",
+        help="Samples whose GGN is the subsampling approximation (default: half the "
+        "batch; with --curvature-data test, one batch of --batch-size).",
     )
     study.add_argument(
         "--timing-repeats",
@@ -354,32 +366,46 @@ def run(args: argparse.Namespace) -> dict:
     training = train_or_load(setup, model)
     metrics = evaluate_splits(model, loss_func, data)
 
-    num_train = len(data.train_targets)
-    batch = BatchStream(num_train, args.batch_size, setup.seed(2)).next()
-    inputs, targets = data.train_inputs[batch], data.train_targets[batch]
-    subsample_size = args.subsample_size or max(1, args.batch_size // 2)
-    if subsample_size > args.batch_size:
-        raise StudyError(
-            f"--subsample-size {subsample_size} exceeds --batch-size {args.batch_size}."
+    held_out = args.curvature_data == "test"
+    if held_out:  # the whole held-out set, batch by batch
+        inputs, targets = data.test_inputs, data.test_targets
+        curvature_data = DataLoader(
+            TensorDataset(inputs, targets), batch_size=args.batch_size, shuffle=False
         )
+        default_subsample = min(args.batch_size, len(targets))
+    else:
+        num_train = len(data.train_targets)
+        batch = BatchStream(num_train, args.batch_size, setup.seed(2)).next()
+        inputs, targets = data.train_inputs[batch], data.train_targets[batch]
+        curvature_data = (inputs, targets)
+        default_subsample = max(1, args.batch_size // 2)
+    num_samples = len(targets)
+    subsample_size = args.subsample_size or default_subsample
+    if subsample_size > num_samples:
+        limit = (
+            f"the {num_samples} held-out samples"
+            if held_out
+            else f"--batch-size {args.batch_size}"
+        )
+        raise StudyError(f"--subsample-size {subsample_size} exceeds {limit}.")
     params = trainable_parameters(model)
     blocks = block_groups(model, args.blocks)
     gram_dtype = choose_gram_dtype(
         args.gram_dtype,
         setup.dtype,
-        args.batch_size * data.num_classes,
+        num_samples * data.num_classes,
         len(blocks),
         setup.device,
     )
 
-    def ggn(**kwargs) -> Callable[[], LowRankGGN]:
+    def ggn(data=curvature_data, **kwargs) -> Callable[[], LowRankGGN]:
         return lambda: low_rank_ggn(
             model,
             loss_func,
-            inputs,
-            targets,
+            data,
             gram_dtype=gram_dtype,
             engine=args.engine,
+            progress=False if args.no_progress else None,
             **kwargs,
         )
 
@@ -387,8 +413,8 @@ def run(args: argparse.Namespace) -> dict:
         return low_rank_ggn(
             model,
             loss_func,
-            inputs,
-            targets,
+            curvature_data,
+            progress=False if args.no_progress else None,
             mc_samples=args.mc_samples,
             gram_dtype=gram_dtype,
             engine=args.engine,
@@ -408,8 +434,10 @@ def run(args: argparse.Namespace) -> dict:
             repeats,
         ),
         "subsample": compute(
-            f"subsample ({subsample_size} of {args.batch_size})",
-            ggn(subsampling=list(range(subsample_size))),
+            f"subsample ({subsample_size} of {num_samples})",
+            ggn((inputs[:subsample_size], targets[:subsample_size]))
+            if held_out
+            else ggn(subsampling=list(range(subsample_size))),
             params,
             top_k,
             repeats,
@@ -428,6 +456,8 @@ def run(args: argparse.Namespace) -> dict:
     }
     entries["block_diagonal"]["blocks"] = [name for name, _ in blocks]
     results = {
+        "curvature_data": args.curvature_data,
+        "num_samples": num_samples,
         "batch_size": args.batch_size,
         "num_classes": data.num_classes,
         "num_parameters": sum(p.numel() for p in params),
@@ -470,6 +500,14 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         if trained
         else ("from --checkpoint" if args.checkpoint else "at initialisation")
     )
+    if results.get("curvature_data") == "test":  # absent before the option
+        batches = -(-results["num_samples"] // results["batch_size"])
+        samples = (
+            f"the whole held-out set ({results['num_samples']} samples, "
+            f"{batches} batches of up to {results['batch_size']})"
+        )
+    else:
+        samples = f"a mini-batch of {results['batch_size']}"
     top = exact["top_eigenvalues"]
     if len(top) < results["top_k"]:
         header = (
@@ -483,7 +521,7 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         f"({results['num_parameters']:,} parameters) {state}: train loss "
         f"{number(metrics['train_loss'])}, test accuracy "
         f"{100 * metrics['test_accuracy']:.1f} %.",
-        f"Exact GGN of a mini-batch of {results['batch_size']}: Gram matrix "
+        f"Exact GGN of {samples}: Gram matrix "
         f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]} in "
         f"{results['gram_dtype']}, {exact['num_nonzero']} of "
         f"{len(exact['eigenvalues'])} eigenvalues resolved (above the "

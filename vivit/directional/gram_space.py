@@ -221,26 +221,21 @@ def trust_region_dampings(
 _BISECTION_STEPS = 60
 
 
-def damped_newton_step(
-    factors: Sequence[ParamFactors],
+def newton_coefficients_damped(
     gram_evecs: Tensor,
     directional: DirectionalDerivatives,
     damping: float | Damping,
     *,
     lr: float = 1.0,
     max_decrease: float | None = None,
-) -> NewtonStep:
-    """The damped Newton step in parameter space, with one product with ``V``.
+) -> tuple[Tensor, Tensor]:
+    """The dampings of a damped Newton step and its Gram-space vector ``u``.
 
-    The step is ``lr · Δθ``. With ``max_decrease``, the damping rule's dampings
-    are raised by :func:`trust_region_dampings`; the result holds the dampings
-    actually used. A step to
-    which no direction contributes (no numerically non-zero eigenvalue, every
-    direction skipped, or ``γ̄ = 0``) is zero and warns with
-    :class:`~vivit.errors.ZeroStepWarning`.
+    ``lr · Δθ = V u``; with ``max_decrease`` the damping rule's dampings are
+    raised by :func:`trust_region_dampings`. Warns with
+    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
         damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
@@ -249,7 +244,7 @@ def damped_newton_step(
             predict for the step (``None``: no bound).
 
     Returns:
-        The step with the quantities that define it.
+        The dampings used, ``[K]``, and ``u``, ``[N·C]``.
 
     Raises:
         ValueError: If ``lr`` is not positive or a damping is invalid.
@@ -271,7 +266,44 @@ def damped_newton_step(
             evals, directional.gamma_bar, dampings, lr, max_decrease
         )
     u = lr * newton_coefficients(gram_evecs, evals, directional.gamma_bar, dampings)
-    warn_if_zero_step(evals, directional.gamma_bar, dampings)
+    warn_if_zero_step(evals, directional.gamma_bar, dampings, stacklevel=4)
+    return dampings, u
+
+
+def damped_newton_step(
+    factors: Sequence[ParamFactors],
+    gram_evecs: Tensor,
+    directional: DirectionalDerivatives,
+    damping: float | Damping,
+    *,
+    lr: float = 1.0,
+    max_decrease: float | None = None,
+) -> NewtonStep:
+    """The damped Newton step in parameter space, with one product with ``V``.
+
+    The step is ``lr · Δθ`` (:func:`newton_coefficients_damped`); the result
+    holds the dampings actually used. A step to which no direction contributes
+    (no numerically non-zero eigenvalue, every direction skipped, or ``γ̄ = 0``)
+    is zero and warns with :class:`~vivit.errors.ZeroStepWarning`.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
+        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
+        lr: Scale of the step.
+        max_decrease: Largest decrease of the loss the GGN's quadratic model may
+            predict for the step (``None``: no bound).
+
+    Returns:
+        The step with the quantities that define it.
+
+    Raises:
+        ValueError: If ``lr`` is not positive or a damping is invalid.
+    """
+    dampings, u = newton_coefficients_damped(
+        gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+    )
     return NewtonStep(
         directional=directional,
         dampings=dampings,
@@ -279,13 +311,16 @@ def damped_newton_step(
     )
 
 
-def warn_if_zero_step(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> None:
+def warn_if_zero_step(
+    evals: Tensor, gamma_bar: Tensor, dampings: Tensor, stacklevel: int = 3
+) -> None:
     """Warn that a Newton step is zero because no direction contributes to it.
 
     Args:
         evals: Eigenvalues of the directions, ``[K]``.
         gamma_bar: Batch directional gradients, ``[K]``.
         dampings: Dampings of the step (``inf``: skipped), ``[K]``.
+        stacklevel: Of the warning (the caller's caller by default).
     """
     if evals.numel() == 0:
         reason = (
@@ -301,4 +336,6 @@ def warn_if_zero_step(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Non
         reason = "the gradient has no component along the kept directions"
     else:
         return
-    warnings.warn(f"The Newton step is zero: {reason}.", ZeroStepWarning, stacklevel=3)
+    warnings.warn(
+        f"The Newton step is zero: {reason}.", ZeroStepWarning, stacklevel=stacklevel
+    )

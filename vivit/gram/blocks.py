@@ -4,7 +4,9 @@ The samples of a GGN may come in blocks: the batches of a data loader, the shard
 of the processes of a ``torch.distributed`` group, the chunks of a large batch.
 ``V = [V_1, V_2, …]`` stacks the blocks' columns, so its Gram matrix is made of
 cross-Gram blocks ``V_aᵀ V_b`` of the blocks' factors (never of ``V``), and
-``V u = Σ_b V_b u_b`` (``docs/math.rst``, "Data sets and processes").
+``V u = Σ_b V_b u_b`` (``docs/math.rst``, "Data sets and processes"). Each
+block keeps the scale of its columns, so rescaling a loader's batches to the
+loss on all samples copies no factors.
 """
 
 from __future__ import annotations
@@ -22,23 +24,38 @@ class SampleBlockFactors(ParamFactors):
 
     Gram-space entries are ordered block by block, each block sample-major:
     entry ``(offset_b + n)·C + c`` is column ``c`` of sample ``n`` of block ``b``.
+    Block ``b``'s columns are ``scale_b`` times those of its factors: rescaling a
+    block (``√(R_union/R_block)``) copies nothing, the products apply the scale
+    (``scale_a·scale_b·V_aᵀ V_b``, ``V u = Σ_b V_b (scale_b u_b)``).
 
     Args:
         blocks: Factors of the same parameter, one per block of samples, with the
-            same columns per sample and scaling (``√R`` of the loss on all blocks
-            together, see :meth:`ParamFactors.scaled`).
+            same columns per sample.
+        scales: Each block's scale (default: ``1`` for all).
 
     Raises:
-        ValueError: If there are no blocks, or they disagree in parameter shape,
-            columns per sample or floating-point type.
+        ValueError: If there are no blocks, they disagree in parameter shape,
+            columns per sample or floating-point type, or the scales do not
+            match the blocks.
     """
 
-    def __init__(self, blocks: Sequence[ParamFactors]):
-        flat: list[ParamFactors] = []
-        for block in blocks:
-            flat.extend(
-                block.blocks if isinstance(block, SampleBlockFactors) else [block]
+    def __init__(
+        self, blocks: Sequence[ParamFactors], scales: Sequence[float] | None = None
+    ):
+        scales = [1.0] * len(blocks) if scales is None else list(scales)
+        if len(scales) != len(blocks):
+            raise ValueError(
+                f"{len(scales)} scales for {len(blocks)} sample blocks; pass one each."
             )
+        flat: list[ParamFactors] = []
+        flat_scales: list[float] = []
+        for block, scale in zip(blocks, scales, strict=True):
+            if isinstance(block, SampleBlockFactors):
+                flat.extend(block.blocks)
+                flat_scales.extend(scale * inner for inner in block.scales)
+            else:
+                flat.append(block)
+                flat_scales.append(float(scale))
         if not flat:
             raise ValueError("SampleBlockFactors needs at least one block.")
         first = flat[0]
@@ -55,6 +72,7 @@ class SampleBlockFactors(ParamFactors):
                     f"{first.num_columns}, {first.dtype}."
                 )
         self.blocks = flat
+        self.scales = flat_scales
         self.num_samples = sum(block.num_samples for block in flat)
         self.num_columns = first.num_columns
         self.param_shape = first.param_shape
@@ -63,13 +81,16 @@ class SampleBlockFactors(ParamFactors):
     def dtype(self) -> torch.dtype:  # noqa: D102
         return self.blocks[0].dtype
 
+    def tensors(self) -> list[Tensor]:  # noqa: D102
+        return [t for block in self.blocks for t in block.tensors()]
+
     def to(self, dtype: torch.dtype) -> SampleBlockFactors:  # noqa: D102
         if dtype == self.dtype:
             return self
-        return SampleBlockFactors([block.to(dtype) for block in self.blocks])
+        return SampleBlockFactors([b.to(dtype) for b in self.blocks], self.scales)
 
     def scaled(self, factor: float) -> SampleBlockFactors:  # noqa: D102
-        return SampleBlockFactors([block.scaled(factor) for block in self.blocks])
+        return SampleBlockFactors(self.blocks, [factor * s for s in self.scales])
 
     def _row_bounds(self) -> list[int]:
         bounds = [0]
@@ -80,35 +101,60 @@ class SampleBlockFactors(ParamFactors):
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
             return self._self_gram()
-        others = other.blocks if isinstance(other, SampleBlockFactors) else [other]
+        if isinstance(other, SampleBlockFactors):
+            others = list(zip(other.blocks, other.scales, strict=True))
+        else:
+            others = [(other, 1.0)]
         return torch.cat(
-            [torch.cat([a.gram(b) for b in others], dim=1) for a in self.blocks]
+            [
+                torch.cat([(s * t) * a.gram(b) for b, t in others], dim=1)
+                for a, s in zip(self.blocks, self.scales, strict=True)
+            ]
         )
+
+    def block_gram(self, a: int, b: int) -> Tensor:
+        """The Gram block ``scale_a·scale_b·V_aᵀ V_b`` of two blocks.
+
+        Args:
+            a: Index of the row block.
+            b: Index of the column block (``a`` for a diagonal block).
+
+        Returns:
+            ``[rows of block a, rows of block b]``.
+        """
+        other = None if a == b else self.blocks[b]
+        return self.blocks[a].gram(other) * (self.scales[a] * self.scales[b])
 
     def _self_gram(self) -> Tensor:
         """``Vᵀ V`` from the blocks on and above the diagonal, mirrored."""
         bounds = self._row_bounds()
-        diagonal = self.blocks[0].gram()
+        diagonal = self.block_gram(0, 0)
         gram = diagonal.new_empty(bounds[-1], bounds[-1])
-        for a, block_a in enumerate(self.blocks):
+        for a in range(len(self.blocks)):
             rows = slice(bounds[a], bounds[a + 1])
-            gram[rows, rows] = diagonal if a == 0 else block_a.gram()
+            gram[rows, rows] = diagonal if a == 0 else self.block_gram(a, a)
             for b in range(a + 1, len(self.blocks)):
                 cols = slice(bounds[b], bounds[b + 1])
-                cross = block_a.gram(self.blocks[b])
+                cross = self.block_gram(a, b)
                 gram[rows, cols] = cross
                 gram[cols, rows] = cross.T
         return gram
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         bounds = self._row_bounds()
-        result = self.blocks[0].vmp(u[:, : bounds[1]])
+        result = self.blocks[0].vmp(self.scales[0] * u[:, : bounds[1]])
         for b, block in enumerate(self.blocks[1:], start=1):
-            result.add_(block.vmp(u[:, bounds[b] : bounds[b + 1]]))
+            result.add_(block.vmp(self.scales[b] * u[:, bounds[b] : bounds[b + 1]]))
         return result
 
     def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
-        return torch.cat([block.vtmp(w) for block in self.blocks], dim=1)
+        return torch.cat(
+            [
+                block.vtmp(w) * scale
+                for block, scale in zip(self.blocks, self.scales, strict=True)
+            ],
+            dim=1,
+        )
 
     def select(self, samples: Sequence[int]) -> ParamFactors:  # noqa: D102
         """Restrict to samples (positions over all blocks), in the given order.
@@ -129,8 +175,15 @@ class SampleBlockFactors(ParamFactors):
                 runs[-1][1].append(n - starts[b])
             else:
                 runs.append((b, [n - starts[b]]))
-        selected = [self.blocks[b].select(local) for b, local in runs]
-        return selected[0] if len(selected) == 1 else SampleBlockFactors(selected)
+        return SampleBlockFactors(
+            [self.blocks[b].select(local) for b, local in runs],
+            [self.scales[b] for b, _ in runs],
+        )
 
     def materialize(self) -> Tensor:  # noqa: D102
-        return torch.cat([block.materialize() for block in self.blocks])
+        return torch.cat(
+            [
+                block.materialize() * scale
+                for block, scale in zip(self.blocks, self.scales, strict=True)
+            ]
+        )

@@ -40,6 +40,14 @@ class ParamFactors(ABC):
             if isinstance(value, Tensor) and value.is_floating_point()
         }
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors that hold the factors (their memory is what the factors keep).
+
+        Returns:
+            The floating-point tensors, possibly views of larger storages.
+        """
+        return list(self._tensors().values())
+
     @property
     def dtype(self) -> torch.dtype:
         """Floating-point type of the factors."""

@@ -1,0 +1,348 @@
+"""LowRankGGN over a data loader equals LowRankGGN on the concatenated batch.
+
+The GGN of a loader is that of the loss on all its samples together
+(``docs/math.rst``, "Data sets and processes"): every quantity must equal the
+dense float64 torch.func reference of the concatenated batch
+(``tests/reference.py``) and LowRankGGN on the concatenated batch.
+
+Tolerances (float64 throughout unless said otherwise): the loader and the single
+batch compute the same sums in a different order (per-batch forward passes,
+cross-Gram blocks instead of one Gram), so they agree to rounding, ``1e-10``
+relative to the largest entry (measured ≤ 1e-13); a wrong scaling
+``√(R_union/R_block)`` or weight ``R_union/R_block`` is an O(1) relative error.
+Eigenvalues against the reference as in ``tests/checks.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checks import (
+    EIGVAL_RTOL,
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    flat_evecs,
+    layer_groups,
+)
+from func_problems import FUNC_PROBLEMS
+from problems import prepare, select
+from reference import dense_ggn, dense_gradient, per_sample_gradients
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import vivit.data
+from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN
+
+REL = 1e-10
+#: Uneven batch sizes for a mini-batch of ``N`` samples (the tests' N are 3 to 6).
+SIZES = {3: [2, 1], 4: [1, 3], 5: [2, 1, 2], 6: [3, 1, 2]}
+
+PROBLEMS = [
+    *select(architecture="mlp_tanh", loss="ce", reduction="mean"),
+    *select(architecture="mlp_relu", loss="mse", reduction="sum"),
+    *select(architecture="cnn", loss="ce", reduction="sum"),
+    *select(architecture="conv1d", loss="mse", reduction="mean"),
+    *select(architecture="residual", loss="ce", reduction="mean"),
+]
+FUNC = [p for p in FUNC_PROBLEMS if p.name in ("transformer-ce-mean", "twice-mse-mean")]
+
+
+def split(X, y, sizes):
+    """The batches of a loader over ``(X, y)`` with the given batch sizes."""
+    return list(zip(X.split(sizes), y.split(sizes), strict=True))
+
+
+def sizes_of(X):
+    return SIZES[X.shape[0]]
+
+
+def assert_same_ggn(
+    loader: LowRankGGN, single: LowRankGGN, group: int = 0, directions: bool = True
+):
+    """Every Gram-space and parameter-space result of the two agrees to ``REL``.
+
+    ``directions=False`` skips the per-direction ``γ``, ``λ``: they depend on the
+    basis chosen inside a repeated eigenvalue.
+    """
+    assert_rel(loader.gram(group), single.gram(group), REL)
+    assert_rel(loader.eigvalsh(group), single.eigvalsh(group), REL)
+    assert_rel(loader.loss, single.loss, REL)
+    for a, b in zip(loader.gradient(group), single.gradient(group), strict=True):
+        assert_rel(a, b, REL)
+    for solver in ("dense", "iterative", "matrix_free"):
+        evals, evecs = loader.eigh(top_k=2, group=group, solver=solver)
+        evals_s, evecs_s = single.eigh(top_k=2, group=group, solver=solver)
+        assert_rel(evals, evals_s, REL)
+        # eigenvectors of the single batch's GGN (sign- and rotation-free)
+        G_e = single.operator(group).matvec([e.clone() for e in evecs])
+        residual = flat_evecs(G_e) - flat_evecs(evecs) * evals[:, None]
+        assert residual.norm(dim=1).max() <= REL * evals_s.max()
+    if directions:
+        assert_same_directions(loader, single, group)
+    # the Newton step and the operator do not depend on the eigenvector basis
+    for a, b in zip(
+        loader.newton_step(group=group, damping=0.1),
+        single.newton_step(group=group, damping=0.1),
+        strict=True,
+    ):
+        assert_rel(a, b, 1e-8)
+    v = [torch.randn_like(p) for p in single.param_groups[group]]
+    for a, b in zip(
+        loader.operator(group).matvec(v), single.operator(group).matvec(v), strict=True
+    ):
+        assert_rel(a, b, REL)
+
+
+def assert_same_directions(loader: LowRankGGN, single: LowRankGGN, group: int):
+    """``γ``, ``λ`` and their statistics (``γ`` changes sign with ``e_k``)."""
+    d, d_s = (g.directional_derivatives(group=group) for g in (loader, single))
+    assert_rel(d.evals, d_s.evals, REL)
+    assert_rel(d.lambdas, d_s.lambdas, REL)
+    assert_rel(d.lambda_mean, d_s.lambda_mean, REL)
+    assert_rel(d.lambda_var, d_s.lambda_var, REL)
+    assert_rel(d.gammas.abs(), d_s.gammas.abs(), 1e-8)
+    assert_rel(d.gamma_var, d_s.gamma_var, 1e-8)
+    assert_rel(d.gamma_bar.abs(), d_s.gamma_bar.abs(), 1e-8)
+
+
+def assert_matches_reference(ggn: LowRankGGN, model, loss_func, X, y, params=None):
+    G = dense_ggn(model, loss_func, X, y, params=params)
+    assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
+    evals, evecs = ggn.eigh()
+    assert_eigenpairs(evals, evecs, G)
+    gradient = torch.cat([g.flatten() for g in ggn.gradient()])
+    assert_rel(gradient, dense_gradient(model, loss_func, X, y, params=params), REL)
+    assert_rel(ggn.loss, loss_func(model(X), y).detach(), REL)
+
+
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_loader_equals_concatenated_batch(problem, engine):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    loader = LowRankGGN(model, loss_func, split(X, y, sizes_of(X)), engine=engine)
+    single = LowRankGGN(model, loss_func, (X, y), engine=engine)
+    assert loader.gram().shape == single.gram().shape
+    assert_same_ggn(loader, single)
+    assert_matches_reference(loader, model, loss_func, X, y)
+    # γ_nk = e_kᵀ∇ℓ_n of every sample of every batch
+    evals, evecs = loader.eigh(top_k=3)
+    gammas = loader.directional_derivatives(top_k=3).gammas
+    E = flat_evecs(evecs)
+    assert_rel(gammas, per_sample_gradients(model, loss_func, X, y) @ E.T, 1e-8)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("problem", FUNC, ids=lambda p: p.name)
+def test_func_engine_only_models(problem):
+    """Transformer and tied weights: the func engine over a loader."""
+    model, loss_func, X, y = problem.setup(torch.float64)
+    X, y = torch.cat([X, X.flip(0)]), torch.cat([y, y.flip(0)])  # N = 8
+    loader = LowRankGGN(model, loss_func, split(X, y, [3, 1, 4]))
+    assert loader.engine == "func"
+    single = LowRankGGN(model, loss_func, (X, y))
+    assert_same_ggn(loader, single)
+    assert_matches_reference(loader, model, loss_func, X, y)
+
+
+@pytest.mark.parametrize(
+    "kind", ["list", "tuple", "generator", "dataloader", "one batch"]
+)
+def test_kinds_of_loaders(kind):
+    (problem,) = select(architecture="mlp_relu", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 6
+    if kind == "list":
+        data = split(X, y, [2, 2, 2])
+    elif kind == "tuple":
+        data = tuple(split(X, y, [4, 2]))
+    elif kind == "generator":
+        data = ((X[i : i + 4], y[i : i + 4]) for i in range(0, 6, 4))
+    elif kind == "dataloader":
+        data = DataLoader(TensorDataset(X, y), batch_size=4, shuffle=False)
+    else:
+        data = [(X, y)]
+    loader = LowRankGGN(model, loss_func, data)
+    assert_same_ggn(loader, LowRankGGN(model, loss_func, (X, y)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_parameter_groups(reduction):
+    (problem,) = select(architecture="cnn", loss="mse", reduction=reduction)
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    groups = layer_groups(model)
+    loader = LowRankGGN(model, loss_func, split(X, y, [1, 3]), param_groups=groups)
+    single = LowRankGGN(model, loss_func, (X, y), param_groups=groups)
+    for index, group in enumerate(groups):
+        assert_same_ggn(loader, single, index, directions=False)
+        G = dense_ggn(model, loss_func, X, y, params=group)
+        assert_top_eigvals(loader.eigvalsh(index), torch.linalg.eigvalsh(G), REL)
+
+
+def _classifier(C=4, weighted=True, ignore_index=-100, seq=False):
+    torch.manual_seed(0)
+    if seq:  # [N, 3, T] -> [N, C, T]
+        model = nn.Sequential(nn.Conv1d(3, 5, 1), nn.Tanh(), nn.Conv1d(5, C, 1))
+    else:
+        model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, C))
+    weight = torch.tensor([0.5, 2.0, 1.0, 0.25]) if weighted else None
+    loss_func = nn.CrossEntropyLoss(
+        weight=weight, ignore_index=ignore_index, label_smoothing=0.1
+    )
+    return model.double(), loss_func.double()
+
+
+@pytest.mark.parametrize("seq", [False, True], ids=["classes", "positions"])
+def test_union_normalization_with_ignored_targets_and_class_weights(seq):
+    """Mean CE divides by the class weights of the counted targets of all batches."""
+    model, loss_func = _classifier(seq=seq)
+    gen = torch.Generator().manual_seed(1)
+    N, T = 8, 3
+    X = torch.randn((N, 3, T) if seq else (N, 3), generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (N, T) if seq else (N,), generator=gen)
+    y[1] = -100  # a sample ignored entirely (in batch 0)
+    y[5] = 2  # batches of different total class weight
+    if seq:
+        y[6, 0] = -100  # a position ignored
+    loader = LowRankGGN(model, loss_func, split(X, y, [3, 2, 3]))
+    single = LowRankGGN(model, loss_func, (X, y))
+    assert_same_ggn(loader, single)
+    assert_matches_reference(loader, model, loss_func, X, y)
+
+
+def test_batch_with_every_target_ignored_is_refused_naming_it():
+    """Its mean loss is 0/0; dropping it changes nothing (its weights are 0)."""
+    model, loss_func = _classifier()
+    X = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.tensor([0, 1, -100, -100, 2, 3])
+    with pytest.raises(InvalidTargetsError, match="Batch 1 of the data loader.*0/0"):
+        LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
+    # the sum reduction has no 0/0: the batch adds nothing
+    loss_func.reduction = "sum"
+    loader = LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
+    assert_same_ggn(loader, LowRankGGN(model, loss_func, (X, y)))
+
+
+def test_float32_model_with_float64_gram():
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float32)
+    sizes = sizes_of(X)
+    loader = LowRankGGN(model, loss_func, split(X, y, sizes), gram_dtype=torch.float64)
+    assert loader.gram().dtype == torch.float64
+    evals, evecs = loader.eigh(top_k=2)
+    assert evals.dtype == torch.float64 and evecs[0].dtype == torch.float32
+    # the diagonal blocks are the float64 Grams of each batch's own float32 factors
+    start = 0
+    for (Xb, yb), n in zip(split(X, y, sizes), sizes, strict=True):
+        rows = slice(start * 3, (start + n) * 3)
+        alone = LowRankGGN(model, loss_func, (Xb, yb), gram_dtype=torch.float64)
+        assert_rel(loader.gram()[rows, rows], alone.gram(), 1e-14)
+        start += n
+    # and the whole equals the concatenated batch to float32 rounding of factors
+    single = LowRankGGN(model, loss_func, (X, y), gram_dtype=torch.float64)
+    assert_rel(loader.gram(), single.gram(), 1e-6)
+
+
+def _pinned_base_seed(monkeypatch, seed):
+    monkeypatch.setattr(vivit.data, "base_seed", lambda generator: seed)
+
+
+def test_monte_carlo_stream_per_block(monkeypatch):
+    """Block b draws from seed + b; reproducible; one block == the single batch."""
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 5
+    batches = split(X, y, [2, 1, 2])
+
+    def mc(data, seed=7):
+        generator = torch.Generator().manual_seed(seed)
+        return LowRankGGN(model, loss_func, data, mc_samples=2, generator=generator)
+
+    first, again = mc(batches), mc(batches)
+    torch.testing.assert_close(first.gram(), again.gram(), rtol=0, atol=0)
+    assert not torch.allclose(first.gram(), mc(batches, seed=8).gram())
+    assert_same_ggn(mc([(X, y)]), mc((X, y)))
+
+    # with the base seed pinned to S, block b's samples are those of batch b alone
+    # with base seed S + b (its Gram rescaled by R_union / R_block = 1/5 / (1/n))
+    _pinned_base_seed(monkeypatch, 1000)
+    union = mc(batches).gram()
+    start = 0
+    for b, (Xb, yb) in enumerate(batches):
+        _pinned_base_seed(monkeypatch, 1000 + b)
+        alone = mc((Xb, yb)).gram() * len(yb) / 5
+        rows = slice(start * 2, (start + len(yb)) * 2)
+        assert_rel(union[rows, rows], alone, REL)
+        start += len(yb)
+
+
+def test_monte_carlo_trace_is_unbiased():
+    """E[tr G̃_MC] = tr G̃ over the loader; 5 standard errors (a fixed sample)."""
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 1, 2])
+    exact = LowRankGGN(model, loss_func, batches).gram().trace()
+    generator = torch.Generator().manual_seed(0)
+    traces = torch.stack(
+        [
+            LowRankGGN(model, loss_func, batches, mc_samples=8, generator=generator)
+            .gram()
+            .trace()
+            for _ in range(200)
+        ]
+    )
+    standard_error = traces.std() / 200**0.5
+    assert (traces.mean() - exact).abs() <= 5 * standard_error
+    assert standard_error < 0.1 * exact  # the check is not vacuous
+
+
+def test_misuse():
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    with pytest.raises(InvalidArgumentError, match="yielded no batch"):
+        LowRankGGN(model, loss_func, [])
+    with pytest.raises(InvalidArgumentError, match="yielded no batch"):
+        LowRankGGN(model, loss_func, iter([]))
+    with pytest.raises(InvalidArgumentError, match="Batch 1 of the data loader"):
+        LowRankGGN(model, loss_func, [(X, y), (X,)])
+    with pytest.raises(InvalidArgumentError, match="Batch 2 of the data loader"):
+        LowRankGGN(model, loss_func, [(X, y), (X, y), (X.float(), y)])
+    with pytest.raises(InvalidTargetsError, match="Batch 0 of the data loader"):
+        LowRankGGN(model, loss_func, [(X, y[:2])])
+    with pytest.raises(InvalidArgumentError, match="subsampling selects samples"):
+        LowRankGGN(model, loss_func, [(X, y)], subsampling=[0])
+    with pytest.raises(InvalidArgumentError, match="iterable of such batches"):
+        LowRankGGN(model, loss_func, 3)
+
+
+def test_progress_bar(capsys):
+    (problem,) = select(architecture="mlp_tanh", loss="mse", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 1, 2])
+    LowRankGGN(model, loss_func, batches, progress=True)
+    assert "LowRankGGN: pass over the data" in capsys.readouterr().err
+    # automatic: only on a terminal (the captured stderr is none), never for quick
+    # passes; off: nothing; one mini-batch: nothing
+    LowRankGGN(model, loss_func, batches)
+    LowRankGGN(model, loss_func, batches, progress=False)
+    LowRankGGN(model, loss_func, (X, y), progress=True)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(InvalidArgumentError, match="progress must be True, False"):
+        LowRankGGN(model, loss_func, batches, progress="yes")
+
+
+def test_gradient_samples_count_over_all_batches():
+    (problem,) = select(architecture="mlp_relu", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 6
+    loader = LowRankGGN(model, loss_func, split(X, y, [3, 1, 2]))
+    single = LowRankGGN(model, loss_func, (X, y))
+    samples = [5, 0, 3]  # batches 2, 0 and 1
+    d, d_s = (
+        g.directional_derivatives(top_k=2, subsampling_grad=samples)
+        for g in (loader, single)
+    )
+    assert_rel(d.gammas.abs(), d_s.gammas.abs(), 1e-8)
+    assert_rel(d.gamma_bar.abs(), d_s.gamma_bar.abs(), 1e-8)
+    step, step_s = (
+        g.newton_step(top_k=2, subsampling_grad=samples) for g in (loader, single)
+    )
+    for a, b in zip(step, step_s, strict=True):
+        assert_rel(a, b, 1e-8)

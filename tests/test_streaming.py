@@ -1,0 +1,195 @@
+"""StreamingGGN: leading eigenpairs over a loader without stored factors.
+
+Against LowRankGGN over the same loader (stored factors) and the dense float64
+reference of the concatenated batch. The Krylov solver stops at a relative
+residual of ``1e-12`` (float64 default), so eigenvalues agree to ``1e-10·λ_max``
+and eigenvectors are checked by their residuals with the dense GGN
+(``tests/checks.py``); products with the Gram matrix are exact sums in another
+order, ``1e-10`` relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checks import assert_eigenpairs, assert_rel, assert_top_eigvals, layer_groups
+from problems import prepare, select
+from reference import dense_ggn, dense_gradient
+from test_data_loader import split
+from torch.utils.data import DataLoader, TensorDataset
+
+from vivit import (
+    GroupIndexError,
+    InvalidArgumentError,
+    LowRankGGN,
+    NondeterministicDataError,
+    StreamingGGN,
+)
+
+REL = 1e-10
+PROBLEMS = [
+    *select(architecture="mlp_tanh", loss="ce", reduction="mean"),
+    *select(architecture="cnn", loss="mse", reduction="sum"),
+    *select(architecture="residual", loss="ce", reduction="sum"),
+]
+
+
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_streaming_equals_stored_factors_and_reference(problem, engine):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [1, 2, X.shape[0] - 3])
+    streaming = StreamingGGN(model, loss_func, batches, engine=engine)
+    stored = LowRankGGN(model, loss_func, batches, engine=engine)
+    assert streaming.passes == 1
+    assert_rel(streaming.loss, stored.loss, REL)
+    gradient = torch.cat([g.flatten() for g in streaming.gradient()])
+    assert_rel(gradient, dense_gradient(model, loss_func, X, y), REL)
+    U = torch.randn(streaming.num_rows, 3, dtype=torch.float64)
+    assert_rel(streaming.gram_matmul(U), stored.gram() @ U, REL)
+    assert streaming.passes == 3  # two per product
+
+    G = dense_ggn(model, loss_func, X, y)
+    calls = []
+    matmul = streaming.gram_matmul
+    streaming.gram_matmul = lambda *args: calls.append(1) or matmul(*args)
+    evals, evecs = streaming.eigh(top_k=3)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
+    assert_eigenpairs(evals, evecs, G)
+    report = streaming.solver_report()
+    assert report.solver == "streaming" and report.converged
+    # two passes per product with G̃, one for the eigenvectors
+    assert streaming.passes == 3 + 2 * len(calls) + 1
+
+
+def test_monte_carlo_draws_the_same_samples_as_stored_factors():
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    data = DataLoader(TensorDataset(X, y), batch_size=2)
+
+    def generator():
+        return torch.Generator().manual_seed(5)
+
+    streaming = StreamingGGN(
+        model, loss_func, data, mc_samples=2, generator=generator()
+    )
+    stored = LowRankGGN(model, loss_func, data, mc_samples=2, generator=generator())
+    U = torch.randn(streaming.num_rows, 2, dtype=torch.float64)
+    assert_rel(streaming.gram_matmul(U), stored.gram() @ U, REL)
+    assert_rel(streaming.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
+
+
+def test_parameter_groups_and_float32_model():
+    (problem,) = select(architecture="cnn", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float32)
+    groups = layer_groups(model)
+    batches = split(X, y, [3, 1])
+    streaming = StreamingGGN(
+        model, loss_func, batches, param_groups=groups, gram_dtype=torch.float64
+    )
+    stored = LowRankGGN(
+        model, loss_func, batches, param_groups=groups, gram_dtype=torch.float64
+    )
+    for index in range(len(groups)):
+        evals, evecs = streaming.eigh(top_k=2, group=index)
+        assert evals.dtype == torch.float64 and evecs[0].dtype == torch.float32
+        # the same float32 factors, float64 products: agree to float64 rounding
+        assert_rel(evals, stored.eigh(top_k=2, group=index, solver="dense")[0], REL)
+
+
+class Shuffled:
+    """Re-iterable, but every pass yields the batches in another order."""
+
+    def __init__(self, batches):
+        self.batches, self.calls = batches, 0
+
+    def __iter__(self):
+        self.calls += 1
+        return iter(self.batches[self.calls % 2 :] + self.batches[: self.calls % 2])
+
+
+class Augmented(Shuffled):
+    def __iter__(self):
+        self.calls += 1
+        noise = 1e-12 * self.calls
+        return iter([(X + noise, y) for X, y in self.batches])
+
+
+class Shrinking(Shuffled):
+    def __iter__(self):
+        self.calls += 1
+        return iter(self.batches[: len(self.batches) - self.calls + 1])
+
+
+def test_nondeterministic_loaders_are_detected():
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 1, 2])
+    with pytest.raises(NondeterministicDataError, match="Batch 0 .* pass 2"):
+        StreamingGGN(model, loss_func, Shuffled(batches)).eigh(top_k=1)
+    with pytest.raises(NondeterministicDataError, match="Batch 0 .* random"):
+        StreamingGGN(model, loss_func, Augmented(batches)).eigh(top_k=1)
+    with pytest.raises(NondeterministicDataError, match="2 batches in pass 2 but 3"):
+        StreamingGGN(model, loss_func, Shrinking(batches)).eigh(top_k=1)
+    shuffled = DataLoader(
+        TensorDataset(X, y),
+        batch_size=1,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    with pytest.raises(NondeterministicDataError, match="shuffle=False"):
+        StreamingGGN(model, loss_func, shuffled).eigh(top_k=1)
+
+
+def test_misuse():
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    with pytest.raises(InvalidArgumentError, match="iterator or generator"):
+        StreamingGGN(model, loss_func, ((X, y) for _ in range(2)))
+    with pytest.raises(InvalidArgumentError, match="yielded no batch"):
+        StreamingGGN(model, loss_func, [])
+    with pytest.raises(InvalidArgumentError, match="Batch 1 of the data loader"):
+        StreamingGGN(model, loss_func, [(X, y), (X.float(), y)])
+    ggn = StreamingGGN(model, loss_func, (X, y))  # one batch: a loader of one
+    with pytest.raises(InvalidArgumentError, match="pass top_k"):
+        ggn.eigh(top_k=None)
+    with pytest.raises(GroupIndexError):
+        ggn.eigh(top_k=1, group=1)
+
+
+def test_shuffling_with_the_global_random_state_repeats_in_every_pass():
+    """Every pass runs with the caller's random state forked: the same order."""
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    shuffled = DataLoader(TensorDataset(X, y), batch_size=2, shuffle=True)
+    streaming = StreamingGGN(model, loss_func, shuffled)
+    stored = LowRankGGN(model, loss_func, (X, y))
+    assert_rel(streaming.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS[:2], ids=str)
+def test_directional_derivatives_and_newton_steps(problem):
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, X.shape[0] - 2])
+    streaming = StreamingGGN(model, loss_func, batches)
+    stored = LowRankGGN(model, loss_func, batches, solver="dense")
+    d = streaming.directional_derivatives(top_k=3)
+    d_s = stored.directional_derivatives(top_k=3)
+    assert d.gammas.shape == (X.shape[0], 3)
+    # γ changes sign with e_k; iterative eigenvectors to ~tol·λ_max/gap
+    assert_rel(d.evals, d_s.evals, REL)
+    assert_rel(d.gammas.abs(), d_s.gammas.abs(), 1e-8)
+    assert_rel(d.lambdas, d_s.lambdas, 1e-8)
+    assert_rel(d.gamma_bar.abs(), d_s.gamma_bar.abs(), 1e-8)
+    passes = streaming.passes
+    for options in (
+        {"damping": 0.1},
+        {"damping": 0.0, "lr": 0.5, "max_decrease": 0.01},
+    ):
+        newton = streaming.newton(top_k=3, **options)
+        expected = stored.newton(top_k=3, **options)
+        assert_rel(newton.dampings, expected.dampings, 1e-8)
+        for a, b in zip(newton.step, expected.step, strict=True):
+            assert_rel(a, b, 1e-8)
+    # the eigenpairs are kept: one pass for γ, one for each step
+    assert streaming.passes == passes + 2 * 2

@@ -1,0 +1,187 @@
+"""The memory of a pass over a data loader, checked while it runs.
+
+:class:`~vivit.LowRankGGN` over a loader keeps every batch's layer factors;
+:class:`FactorBudget` extrapolates the factors stored after each batch to the
+whole loader, adds one batch's pass (:func:`vivit.memory.estimate_memory`) and
+refuses a loader that cannot fit early in the pass (``docs/math.rst``, "Data
+sets and processes").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+from torch import Tensor
+from torch.nn import Module
+
+from vivit._memory import available_bytes, check_gram_fits
+from vivit.errors import FactorsTooLargeError
+from vivit.groups import GroupCurvature
+from vivit.memory import estimate_memory
+
+logger = logging.getLogger("vivit")
+
+
+def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
+    """Bytes the factors of ``V`` and of the per-sample gradients keep alive.
+
+    Tensors that share memory (a layer's inputs serve both) count once; a view
+    counts its whole storage.
+
+    Args:
+        curvatures: Groups' curvature with their factors kept.
+
+    Returns:
+        The bytes.
+    """
+    storages: dict[tuple, int] = {}
+    for curvature in curvatures:
+        factors = [*(curvature.ggn_factors or []), *(curvature.grad_factors or [])]
+        for tensor in (t for f in factors for t in f.tensors()):
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
+    """Estimated peak of one batch's pass before any Gram matrix is formed.
+
+    Args:
+        model: The network.
+        inputs: The batch's inputs.
+        mc_samples: Monte-Carlo samples per datum of the request.
+
+    Returns:
+        Bytes: activations, the batch's factors with their temporaries (such as
+        unfolded convolution inputs) and the backward transients
+        (:func:`vivit.memory.estimate_memory`).
+    """
+    one = estimate_memory(
+        model,
+        inputs[:1],
+        inputs.shape[0],
+        mc_samples=mc_samples,
+        top_k=None,
+        solver="dense",
+    )
+    return one.activations + one.factors + one.backward
+
+
+class FactorBudget:
+    """Refuses a loader whose stored factors would not fit, early in the pass.
+
+    Peak memory of a pass over ``B`` batches: the factors of all batches plus one
+    batch's forward and backward pass. After each batch ``b``, the factors stored
+    so far (:func:`stored_bytes`) are extrapolated to ``stored · B / b`` (without
+    ``len(loader)``: one more batch of the mean size); one batch's pass is
+    estimated from the first batch with :func:`vivit.memory.estimate_memory`
+    (activations, its factors with their temporaries such as unfolded
+    convolution inputs, backward transients). The sum must fit into the memory
+    available before the first batch; otherwise the run stops with the estimate
+    and the alternatives, after the first batch when the loader has a length.
+    ``tests/test_data_loader_memory.py`` checks the estimate against the
+    measured peak. A request for the dense solver (``num_grams``) also checks,
+    after the first batch, that the Gram matrices of all samples will fit
+    (``B`` times the first batch's rows).
+
+    Args:
+        total: Number of batches ``B`` (``None``: unknown).
+        model: The network (its parameters' device).
+        mc_samples: Monte-Carlo samples per datum of the request.
+        num_grams: Gram matrices the request forms (``0``: on demand only).
+    """
+
+    def __init__(
+        self, total: int | None, model: Module, mc_samples: int, num_grams: int = 0
+    ):
+        self._total = total
+        self._num_grams = num_grams
+        self._model = model
+        self._mc_samples = mc_samples
+        self._device = next(model.parameters()).device
+        self._available = available_bytes(self._device)
+        self._stored = 0
+        self._first_inputs: Tensor | None = None
+        self._transient = 0
+
+    def watch(
+        self, batches: Iterable[tuple[Tensor, Tensor]]
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches, unchanged; keeps the first one's inputs for the estimate.
+
+        Args:
+            batches: The loader's checked batches.
+
+        Yields:
+            The batches.
+        """
+        for batch in batches:
+            if self._first_inputs is None:
+                self._first_inputs = batch[0]
+            yield batch
+
+    def _batch_pass(self, stored: int) -> int:
+        """One batch's pass, estimated after the first batch ran.
+
+        The estimate is advisory: where :func:`vivit.memory.estimate_memory`
+        cannot probe the model (it ran the batch, but e.g. a layer called with
+        keyword arguments defeats the probe), the batch's stored factors stand
+        in for its pass, and the logger ``"vivit"`` says so.
+        """
+        try:
+            return batch_pass_bytes(self._model, self._first_inputs, self._mc_samples)
+        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+            logger.info(
+                "Cannot estimate the memory of one batch's pass (%s: %s); the memory "
+                "check counts its stored factors instead.",
+                type(error).__name__,
+                error,
+            )
+            return stored
+
+    def admit(self, curvature: list[GroupCurvature], index: int) -> None:
+        """Account for a batch's stored factors; raise if the loader cannot fit.
+
+        Args:
+            curvature: The batch's curvature of every group, factors kept.
+            index: Its position in the loader.
+
+        Raises:
+            FactorsTooLargeError: If the estimate exceeds the available memory.
+            GramTooLargeError: If the dense solver's Gram matrices of all
+                samples would not fit.
+        """
+        stored = stored_bytes(curvature)
+        if index == 0:
+            self._transient = self._batch_pass(stored)
+            self._first_inputs = None
+            if self._num_grams and self._total is not None:
+                factors = curvature[0].ggn_factors[0]
+                check_gram_fits(
+                    factors.num_rows * self._total,
+                    self._num_grams,
+                    factors.dtype,
+                    self._device,
+                )
+        self._stored += stored
+        done = index + 1
+        batches = max(self._total, done) if self._total is not None else done + 1
+        factors = self._stored * batches // done
+        estimate = factors + self._transient
+        if estimate <= self._available:
+            return
+        whole = "the whole loader" if self._total is not None else "one more batch"
+        of = batches if self._total is not None else "an unknown number of"
+        raise FactorsTooLargeError(
+            f"The layer factors of {whole} and one batch's backward pass need "
+            f"about {estimate / 2**20:.1f} MiB (factors {factors / 2**20:.1f} MiB, "
+            f"extrapolated from {self._stored / 2**20:.1f} MiB for the first {done} "
+            f"of {of} batches), but only {self._available / 2**20:.1f} MiB were "
+            f"available on {self._device}. Store fewer columns: Monte-Carlo sample "
+            "the loss Hessian (mc_samples=1 keeps N instead of N·C columns per "
+            "layer), pass a loader over fewer samples, or stream over the loader "
+            "without storing the factors: vivit.StreamingGGN(model, loss_func, "
+            "loader).eigh(top_k=...) recomputes them in every pass "
+            "(docs/math.rst, 'Data sets and processes')."
+        )
