@@ -34,7 +34,7 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
-    ("group pipeline", ["vivit.groups", "vivit.data"]),
+    ("group pipeline", ["vivit.groups", "vivit.data", "vivit.chunks"]),
     ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "front doors",

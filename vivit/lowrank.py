@@ -22,6 +22,13 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
+from vivit.chunks import (
+    SampleChunk,
+    check_chunk_size,
+    in_subsampling_order,
+    run_chunk,
+    split_batch,
+)
 from vivit.data import (
     BlockResult,
     BlockRun,
@@ -126,6 +133,16 @@ class LowRankGGN:
             results are deterministic for a given seed.
         engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
             (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
+        chunk_size: Most samples per backward pass: the batch (every batch of a
+            loader) is split into consecutive chunks of at most this many
+            samples, each run by the engine on its own and combined exactly
+            (``docs/math.rst``, "Data sets and processes"). Bounds the peak
+            memory of the backward pass, which grows with the chunk, not with
+            ``N`` (the kept factors and the Gram matrix still grow with ``N``;
+            :func:`vivit.memory.estimate_memory` takes ``chunk_size`` too).
+            ``None``: the whole batch at once. With Monte-Carlo sampling each
+            chunk draws from its own stream (seeded like a loader's batches), so
+            chunking changes the draws, not their distribution.
 
     Attributes:
         loss: The mini-batch loss (detached).
@@ -157,6 +174,7 @@ class LowRankGGN:
         solver_tol: float | None = None,
         solver_seed: int = 0,
         engine: str | Engine = "auto",
+        chunk_size: int | None = None,
     ):
         check_grad_mode("LowRankGGN")
         self._configure_solver(solver, solver_tol, solver_seed)
@@ -180,6 +198,7 @@ class LowRankGGN:
         check_mc_samples(mc_samples)
         check_generator(generator)
         check_engine(engine)
+        check_chunk_size(chunk_size)
         request = self._request(
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
@@ -187,13 +206,25 @@ class LowRankGGN:
 
         blocks_request = self._block_requests(request, model)
 
-        def run_batch(index: int, batch: tuple[Tensor, Tensor]) -> BlockRun:
-            block_request = blocks_request(index)
-            return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
+        def chunk_run(index: int, chunk: SampleChunk) -> BlockRun:
+            block_request = dataclasses.replace(
+                blocks_request(index), subsampling=chunk.subsampling
+            )
+            return lambda sink: run_chunk(
+                chosen, model, loss_func, chunk, block_request, sink
+            )
 
         batches = [data] if single else iterate_batches(data, model)
-        runs = (run_batch(index, batch) for index, batch in enumerate(batches))
+        chunks = (
+            chunk
+            for batch in batches
+            for chunk in split_batch(batch, chunk_size, request.subsampling)
+        )
+        runs = (chunk_run(index, chunk) for index, chunk in enumerate(chunks))
         self._run(chosen.name, runs, names)
+        self._curvature = [
+            in_subsampling_order(c, request.subsampling) for c in self._curvature
+        ]
 
     @staticmethod
     def _block_requests(

@@ -26,7 +26,9 @@ class DenseFactors(ParamFactors):
     def __init__(self, columns: Tensor):
         self.num_samples, self.num_columns = columns.shape[:2]
         self.param_shape = columns.shape[2:]
-        self._vt = columns.detach().reshape(self.num_samples * self.num_columns, -1)
+        self._vt = columns.detach().reshape(  # explicit: no samples is allowed
+            self.num_samples * self.num_columns, self.param_shape.numel()
+        )
 
     def scaled(self, factor: float) -> DenseFactors:  # noqa: D102
         return DenseFactors(
