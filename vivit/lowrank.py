@@ -530,6 +530,7 @@ class LowRankGGN:
             dtype=dtype,
             device=device,
             gram_formed=self._group(group).gram is not None,
+            factors=self._group(group).ggn_factors,
         )
 
     def _directions(
