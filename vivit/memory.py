@@ -326,8 +326,9 @@ def largest_batch(
         budget_bytes: Memory available for the request.
         max_batch_size: Upper end of the search.
         **request: Keywords of :func:`estimate_memory` (``top_k``, ``solver``,
-            ``mc_samples``, ``param_groups``); ``num_curvature_samples`` is not
-            allowed (it would not grow with the batch).
+            ``mc_samples``, ``param_groups``, ``chunk_size``);
+            ``num_curvature_samples`` is not allowed (it would not grow with the
+            batch).
 
     Returns:
         The batch size (``0`` if not even one sample fits).
