@@ -13,8 +13,10 @@ chunk, as positions in the chunk, in the subsampling's order. The engines need a
 least one curvature sample, so a chunk that holds none runs with its first sample
 and hands on its loss and gradients without that sample's columns
 (:func:`run_chunk`). The rows of the combined ``V`` come chunk by chunk;
-:func:`in_subsampling_order` drops the empty blocks and puts the rows back into the
-subsampling's order where it does not visit the chunks in order.
+:func:`merged_chunks` concatenates each parameter's chunks into one set of
+factors (so that the Gram matrix and the products run as on the whole batch),
+drops the empty ones and puts the rows back into the subsampling's order where it
+does not visit the chunks in order.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ from vivit.engines.base import (
     ParamContribution,
 )
 from vivit.errors import InvalidArgumentError, InvalidTargetsError
-from vivit.gram import ParamFactors, SampleBlockFactors
+from vivit.gram import (
+    DenseFactors,
+    OuterProductFactors,
+    ParamFactors,
+    SampleBlockFactors,
+)
 from vivit.groups import GroupCurvature
 
 
@@ -165,37 +172,52 @@ def split_batch(
     return chunks
 
 
-def in_subsampling_order(
+def merged_chunks(
     curvature: GroupCurvature, subsampling: Sequence[int] | None
 ) -> GroupCurvature:
-    """A group's curvature combined over chunks, rows in the subsampling's order.
+    """A group's curvature combined over chunks, as if computed in one piece.
+
+    Each parameter's blocks (one per chunk) are concatenated into one set of
+    factors, one parameter at a time (a copy of that parameter's factors is alive
+    at once): products and the Gram matrix then run as on the unchunked batch,
+    instead of forming every chunk's ``V`` once per cross-Gram block. Chunks
+    without curvature samples are left out, and the rows are put into the
+    subsampling's order where it does not visit the chunks in order.
 
     Args:
-        curvature: Combined over the chunks (rows chunk by chunk, chunks without
-            curvature samples as empty blocks).
+        curvature: Combined over the chunks (rows chunk by chunk); its factor
+            lists are replaced in place.
         subsampling: The mini-batch's curvature subsampling (``None``: all).
 
     Returns:
-        ``curvature`` itself where there is nothing to do; else the same curvature
-        without empty blocks, and with its columns of ``V`` selected in the
-        subsampling's order where it does not visit the chunks in order.
+        The curvature with merged factors.
     """
-    if subsampling is None:
-        return curvature
-    factors = [_without_empty_blocks(f) for f in curvature.ggn_factors]
+    for factors in (curvature.ggn_factors, curvature.grad_factors or []):
+        for index, blocks in enumerate(factors):
+            factors[index] = _merged(blocks)
     batch = curvature.batch
     order = tuple(batch.ggn_samples)
-    if order != tuple(subsampling):
-        position = {n: i for i, n in enumerate(order)}
-        rows = [position[n] for n in subsampling]
-        factors = [f.select(rows) for f in factors]
-        batch = dataclasses.replace(batch, ggn_samples=tuple(subsampling))
-    return dataclasses.replace(curvature, batch=batch, ggn_factors=factors)
+    if subsampling is None or order == tuple(subsampling):
+        return curvature
+    position = {n: i for i, n in enumerate(order)}
+    rows = [position[n] for n in subsampling]
+    return dataclasses.replace(
+        curvature,
+        batch=dataclasses.replace(batch, ggn_samples=tuple(subsampling)),
+        ggn_factors=[f.select(rows) for f in curvature.ggn_factors],
+    )
 
 
-def _without_empty_blocks(factors: ParamFactors) -> ParamFactors:
-    """The same columns of ``V`` without blocks of no samples (not copied)."""
+def _merged(factors: ParamFactors) -> ParamFactors:
+    """One set of factors for the non-empty blocks of samples (a copy)."""
     if not isinstance(factors, SampleBlockFactors):
         return factors
     blocks = [block for block in factors.blocks if block.num_samples > 0]
-    return blocks[0] if len(blocks) == 1 else SampleBlockFactors(blocks)
+    kind = type(blocks[0])
+    if len(blocks) == 1:
+        return blocks[0]
+    if kind in (OuterProductFactors, DenseFactors) and all(
+        type(block) is kind for block in blocks
+    ):
+        return kind.concatenate(blocks)
+    return SampleBlockFactors(blocks)

@@ -25,7 +25,7 @@ from vivit._validation import (
 from vivit.chunks import (
     SampleChunk,
     check_chunk_size,
-    in_subsampling_order,
+    merged_chunks,
     run_chunk,
     split_batch,
 )
@@ -222,9 +222,10 @@ class LowRankGGN:
         )
         runs = (chunk_run(index, chunk) for index, chunk in enumerate(chunks))
         self._run(chosen.name, runs, names)
-        self._curvature = [
-            in_subsampling_order(c, request.subsampling) for c in self._curvature
-        ]
+        if chunk_size is not None:
+            self._curvature = [
+                merged_chunks(c, request.subsampling) for c in self._curvature
+            ]
 
     @staticmethod
     def _block_requests(

@@ -58,6 +58,22 @@ class OuterProductFactors(ParamFactors):
             inputs.shape[3],
         )
 
+    @classmethod
+    def concatenate(cls, blocks: Sequence[OuterProductFactors]) -> OuterProductFactors:
+        """The factors of consecutive blocks of samples as one (a copy).
+
+        Args:
+            blocks: Factors of the same weight, each already scaled.
+
+        Returns:
+            One set of factors over all their samples, in block order.
+        """
+        return cls(
+            torch.cat([block._a for block in blocks]),
+            torch.cat([block._s for block in blocks], dim=1),
+            blocks[0].param_shape,
+        )
+
     # routes -----------------------------------------------------------------
     def _v_size(self) -> int:
         return self.num_rows * self._G * self._O * self._P
