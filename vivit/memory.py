@@ -20,7 +20,9 @@ loader's batch size in :func:`estimate_data_set_memory`):
   the block's curvature samples, plus a convolution's unfolded input of the
   block while its factors are formed) and the **eigensolver's** share: the Gram
   matrices it forms (``(N_S·C)²`` entries each, none for ``"matrix_free"``) and
-  its workspace.
+  its workspace, with the largest intermediate of a convolution in factor form
+  (forming the Gram matrix through blocks of ``V``, or ``V``-products), which
+  :mod:`vivit.gram.planner` caps at its budget (256 MiB).
 
 ``N_S`` is the number of curvature samples (the subsampling), ``N`` the
 mini-batch size. Entries are counted in the parameters' data type, the iterative
@@ -46,7 +48,13 @@ from vivit._validation import check_mc_samples
 from vivit.chunks import check_chunk_size
 from vivit.errors import InvalidArgumentError
 from vivit.gram.outer import COMPACT_RATIO
-from vivit.linalg.top_k import check_solver, choose_solver, iterative_workspace_bytes
+from vivit.gram.planner import budget_entries
+from vivit.linalg.top_k import (
+    block_size,
+    check_solver,
+    choose_solver,
+    iterative_workspace_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -259,6 +267,8 @@ def _estimate(
     factors = 0
     backward = 0
     kept_inputs = 0  # per sample: Linear layers' inputs, kept by their factors
+    gram_route = product_route = 0  # largest intermediates of Gram, V-products
+    budget = budget_entries(dtype)
     for layer in layers:
         # the vectors backpropagated through the layer, and a convolution's
         # unfolded input while its factors are formed
@@ -274,6 +284,15 @@ def _estimate(
                 factors += _weight_factors(
                     layer, param.numel(), columns, curvature, num_samples
                 )
+                if layer.unfolded and not _ggn_compact(layer, param.numel(), columns):
+                    # a convolution in factor form: the Gram through blocks of V,
+                    # products through [b, N_S, T, O]; the planner caps both
+                    # (and the contraction's copy of the backpropagated vectors)
+                    copy = columns * curvature * layer.outputs
+                    gram_route = max(
+                        gram_route, min(budget, size * param.numel()) + copy
+                    )
+                    product_route = max(product_route, curvature * layer.outputs)
                 if not layer.unfolded and (model_inputs_kept or not layer.is_input):
                     kept_inputs += layer.inputs
             else:
@@ -290,10 +309,15 @@ def _estimate(
         products = largest_group if solver == "matrix_free" else None
         workspace = iterative_workspace_bytes(size, top_k, dtype, products)
     if solver == "matrix_free":
-        grams, workspace = 0, workspace
+        width = block_size(top_k, size)
+        grams = 0
+        workspace += min(budget, width * product_route) * entry
     else:
         grams = len(param_groups) * size**2 * entry
         workspace = gram_bytes(size, len(param_groups), workspace, dtype) - grams
+        # while formed: the group's sum, a parameter's block, the route's blocks
+        formation = size**2 + gram_route
+        workspace = max(workspace, formation * entry)
     # a block's layer outputs, and the inputs the other blocks' factors keep (in
     # one block, those inputs are among its layer outputs or the caller's inputs)
     activations = block * outputs_per_sample
@@ -363,6 +387,12 @@ def largest_batch(
 _OUTER_PRODUCT_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
 
 
+def _ggn_compact(layer: _Layer, numel: int, columns: int) -> bool:
+    """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
+    unfolded = layer.unfolded or layer.inputs
+    return COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+
+
 def _weight_factors(
     layer: _Layer, numel: int, columns: int, curvature: int, num_samples: int
 ) -> int:
@@ -375,7 +405,7 @@ def _weight_factors(
     activations).
     """
     unfolded = layer.unfolded or layer.inputs
-    ggn_compact = COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+    ggn_compact = _ggn_compact(layer, numel, columns)
     grad_compact = COMPACT_RATIO * numel <= unfolded + layer.outputs
     kept = curvature * columns * (numel if ggn_compact else layer.outputs)
     kept += num_samples * (numel if grad_compact else layer.outputs)
