@@ -179,7 +179,8 @@ def merged_chunks(
 
     Each parameter's blocks (one per chunk) are concatenated into one set of
     factors, one parameter at a time (a copy of that parameter's factors is alive
-    at once): products and the Gram matrix then run as on the unchunked batch,
+    at once; a weight's ``V`` and per-sample gradients keep sharing their
+    inputs): products and the Gram matrix then run as on the unchunked batch,
     instead of forming every chunk's ``V`` once per cross-Gram block. Chunks
     without curvature samples are left out, and the rows are put into the
     subsampling's order where it does not visit the chunks in order.
@@ -192,9 +193,10 @@ def merged_chunks(
     Returns:
         The curvature with merged factors.
     """
+    inputs_cache: list = []  # V and gradients of a weight share their inputs
     for factors in (curvature.ggn_factors, curvature.grad_factors or []):
         for index, blocks in enumerate(factors):
-            factors[index] = _merged(blocks)
+            factors[index] = _merged(blocks, inputs_cache)
     batch = curvature.batch
     order = tuple(batch.ggn_samples)
     if subsampling is None or order == tuple(subsampling):
@@ -208,7 +210,7 @@ def merged_chunks(
     )
 
 
-def _merged(factors: ParamFactors) -> ParamFactors:
+def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
     """One set of factors for the non-empty blocks of samples (a copy)."""
     if not isinstance(factors, SampleBlockFactors):
         return factors
@@ -216,8 +218,10 @@ def _merged(factors: ParamFactors) -> ParamFactors:
     kind = type(blocks[0])
     if len(blocks) == 1:
         return blocks[0]
-    if kind in (OuterProductFactors, DenseFactors) and all(
-        type(block) is kind for block in blocks
-    ):
-        return kind.concatenate(blocks)
+    if not all(type(block) is kind for block in blocks):
+        return SampleBlockFactors(blocks)
+    if kind is OuterProductFactors:
+        return OuterProductFactors.concatenate(blocks, inputs_cache)
+    if kind is DenseFactors:
+        return DenseFactors.concatenate(blocks)
     return SampleBlockFactors(blocks)

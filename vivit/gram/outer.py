@@ -59,17 +59,38 @@ class OuterProductFactors(ParamFactors):
         )
 
     @classmethod
-    def concatenate(cls, blocks: Sequence[OuterProductFactors]) -> OuterProductFactors:
+    def concatenate(
+        cls,
+        blocks: Sequence[OuterProductFactors],
+        inputs_cache: list[tuple[list[Tensor], Tensor]] | None = None,
+    ) -> OuterProductFactors:
         """The factors of consecutive blocks of samples as one (a copy).
 
         Args:
             blocks: Factors of the same weight, each already scaled.
+            inputs_cache: Concatenated inputs of earlier calls, with the blocks'
+                inputs they came from: factors whose blocks share their inputs
+                (``V`` and the per-sample gradients of a weight) then share the
+                concatenation too. Appended to.
 
         Returns:
             One set of factors over all their samples, in block order.
         """
+        parts = [block._a for block in blocks]
+        cache = [] if inputs_cache is None else inputs_cache
+        inputs = next(
+            (
+                merged
+                for sources, merged in cache
+                if len(sources) == len(parts) and all(map(_same_tensor, sources, parts))
+            ),
+            None,
+        )
+        if inputs is None:
+            inputs = torch.cat(parts)
+            cache.append((parts, inputs))
         return cls(
-            torch.cat([block._a for block in blocks]),
+            inputs,
             torch.cat([block._s for block in blocks], dim=1),
             blocks[0].param_shape,
         )
@@ -304,3 +325,10 @@ class OuterProductFactors(ParamFactors):
             self.num_samples, self.num_columns, *self.param_shape
         )
         return DenseFactors(columns)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors are views of the same entries (detached copies of one)."""
+    return (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    )
