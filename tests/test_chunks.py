@@ -20,15 +20,17 @@ from __future__ import annotations
 import pytest
 import torch
 from checks import assert_eigenpairs, assert_rel, assert_top_eigvals, layer_groups
+from func_problems import FUNC_PROBLEMS
 from problems import default_dtype, prepare, problem_ids, select
 from reference import dense_ggn
 
 from vivit import LowRankGGN
 from vivit.errors import InvalidArgumentError, InvalidTargetsError
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Full backward hook is firing:UserWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
 
 #: Chunked against unchunked, float64 (see the module docstring).
 REL = 1e-12
@@ -103,6 +105,16 @@ def test_chunked_equals_whole_and_dense_ggn(problem, subsampling, engine):
     for solver in ("dense", "iterative", "matrix_free"):
         evals, evecs = chunked.eigh(top_k=2, solver=solver)
         assert_eigenpairs(evals, evecs, G)
+
+
+@pytest.mark.parametrize("problem", FUNC_PROBLEMS, ids=lambda p: p.name)
+def test_models_only_the_func_engine_runs(problem):
+    """Transformer, LSTM, shared weights, GroupNorm: samples independent, so exact."""
+    model, loss_func, X, y = problem.setup(torch.float64)
+    whole = LowRankGGN(model, loss_func, (X, y), engine="func")
+    assert_same(
+        LowRankGGN(model, loss_func, (X, y), engine="func", chunk_size=2), whole
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 100])
