@@ -18,7 +18,9 @@ loader's batch size in :func:`estimate_data_set_memory`):
 - the larger of the **backward pass's transient** (at every layer the
   backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
   the block's curvature samples, plus a convolution's unfolded input of the
-  block while its factors are formed) and the **eigensolver's** share: the Gram
+  block while its factors are formed; in several blocks, or the copies of the
+  columns of ``V`` rescaled while the blocks are combined) and the
+  **eigensolver's** share: the Gram
   matrices it forms (``(N_S·C)²`` entries each, none for ``"matrix_free"``) and
   its workspace, with the largest intermediate of a convolution in factor form
   (forming the Gram matrix through blocks of ``V``, or ``V``-products), which
@@ -64,7 +66,9 @@ class MemoryEstimate:
     Attributes:
         activations: Layer outputs of the forward pass.
         factors: Factors of ``V`` and of the per-sample gradients kept for products.
-        backward: Transient backpropagated quantities of the backward pass.
+        backward: Transient backpropagated quantities of the backward pass (in
+            blocks: or the rescaled copies of the blocks' columns of ``V`` while
+            they are combined, whichever is larger).
         grams: Gram matrices the eigensolver forms.
         solver_workspace: The eigensolver's workspace, or the temporaries of
             forming a Gram matrix where those are larger.
@@ -268,6 +272,7 @@ def _estimate(
     backward = 0
     kept_inputs = 0  # per sample: Linear layers' inputs, kept by their factors
     gram_route = product_route = 0  # largest intermediates of Gram, V-products
+    rescaled = 0  # entries of V that combining blocks copies (s̃, explicit V)
     budget = budget_entries(dtype)
     for layer in layers:
         # the vectors backpropagated through the layer, and a convolution's
@@ -284,6 +289,7 @@ def _estimate(
                 factors += _weight_factors(
                     layer, param.numel(), columns, curvature, num_samples
                 )
+                rescaled += _ggn_vectors(layer, param.numel(), columns, curvature)
                 if layer.unfolded and not _ggn_compact(layer, param.numel(), columns):
                     # a convolution in factor form: the Gram through blocks of V,
                     # products through [b, N_S, T, O]; the planner caps both
@@ -297,6 +303,10 @@ def _estimate(
                     kept_inputs += layer.inputs
             else:
                 factors += (columns * curvature + num_samples) * param.numel()
+                rescaled += columns * curvature * param.numel()
+    if block < num_samples:
+        # the blocks are combined: their columns of V rescaled into copies
+        backward = max(backward, rescaled)
 
     largest_group = max(sum(p.numel() for p in group) for group in param_groups)
     if solver == "auto":
@@ -405,15 +415,20 @@ def _weight_factors(
     activations).
     """
     unfolded = layer.unfolded or layer.inputs
-    ggn_compact = _ggn_compact(layer, numel, columns)
     grad_compact = COMPACT_RATIO * numel <= unfolded + layer.outputs
-    kept = curvature * columns * (numel if ggn_compact else layer.outputs)
+    kept = _ggn_vectors(layer, numel, columns, curvature)
     kept += num_samples * (numel if grad_compact else layer.outputs)
     if layer.unfolded and not grad_compact:
         kept += num_samples * layer.unfolded
-    elif layer.unfolded and not ggn_compact:
+    elif layer.unfolded and not _ggn_compact(layer, numel, columns):
         kept += curvature * layer.unfolded
     return kept
+
+
+def _ggn_vectors(layer: _Layer, numel: int, columns: int, curvature: int) -> int:
+    """Entries of a weight's columns of ``V`` besides the inputs (``s̃`` or ``V``)."""
+    compact = _ggn_compact(layer, numel, columns)
+    return curvature * columns * (numel if compact else layer.outputs)
 
 
 def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
