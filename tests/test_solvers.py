@@ -17,7 +17,7 @@ from reference import dense_ggn
 
 import vivit.lowrank
 from vivit import LowRankGGN, SolverNotConvergedError
-from vivit.gram import SampleBlockFactors
+from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import top_k as top_k_module
 from vivit.linalg.iterative import block_krylov_eigh, default_tolerance
 from vivit.linalg.top_k import choose_solver, leading_eigenpairs
@@ -330,6 +330,24 @@ def test_choose_solver_with_factors(monkeypatch, batch_size, expected):
     # once the Gram matrix exists, its products are the cheaper ones
     formed = choose_solver(size, 10, factors=factors, gram_formed=True, **options)
     assert formed == "iterative"
+
+
+def test_choose_solver_compares_the_solves_after_forming_the_gram(monkeypatch):
+    """Forming the Gram matrix, however costly, does not decide iterative vs dense."""
+
+    class Costly(DenseFactors):
+        def gram_work(self):
+            return 10**15
+
+        def product_work(self, num_vectors):
+            return 10**15 * num_vectors
+
+    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
+    factors = [Costly(torch.zeros(512, 10, 1))]
+    cpu, f32 = torch.device("cpu"), torch.float32
+    options = {"num_params": 10**6, "dtype": f32, "device": cpu, "factors": factors}
+    assert choose_solver(5120, 10, **options) == "iterative"
+    assert choose_solver(200, 10, **options) == "dense"
 
 
 def test_factor_work():

@@ -38,8 +38,9 @@ The cost model behind ``"auto"`` (all quantities known before any work):
    such a matrix does not fit into :data:`CACHE_BYTES`, a pass over one entry
    costs :data:`PASS_WORK` multiply-adds, else nothing. The iterative solver
    must be expected to do :data:`ITERATIVE_ADVANTAGE` times less work than the
-   dense one to be chosen over it; ``"dense"`` whose workspace does not fit
-   yields to the iterative solver that does.
+   dense one to be chosen over it (both after forming the Gram matrix, which
+   both need); ``"dense"`` whose workspace does not fit yields to the iterative
+   solver that does.
 
 The constants are measured on a 2-core CPU (``benchmarks/solver_costs.py``, CPU
 time, one thread, float32, exact top-10 of an MLP 784-128-64-10 at ``N`` = 128 to
@@ -296,10 +297,12 @@ def choose_solver(
     else:
         formation = 0.0 if gram_formed else gram_work(factors, dtype)
         product = v_product_work(factors, top_k)
-    dense = formation + dense_work(size)
-    iterative = formation + iterative_work(size, top_k, size**2, pass_work(size, dtype))
-    if not gram_formed and iterative_work(size, top_k, product) < min(iterative, dense):
+    dense = dense_work(size)
+    iterative = iterative_work(size, top_k, size**2, pass_work(size, dtype))
+    matrix_free = iterative_work(size, top_k, product)
+    if not gram_formed and matrix_free < formation + min(iterative, dense):
         return "matrix_free"
+    # both of these form the Gram matrix: compare the solves alone
     dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
     if ITERATIVE_ADVANTAGE * iterative <= dense or not dense_fits:
         return "iterative"
