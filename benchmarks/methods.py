@@ -226,6 +226,10 @@ METHODS: dict[str, Method] = {
         "this library, exact GGN, top-10, block Krylov on V-products (no Gram)",
         solver="matrix_free",
     ),
+    "vivit-chunk32": vivit_method(
+        "this library, exact GGN, top-10, backward pass in chunks of 32 samples",
+        chunk_size=32,
+    ),
     "vivit-func": vivit_method(
         "this library, exact GGN, top-10, func engine (no BackPACK)", engine="func"
     ),

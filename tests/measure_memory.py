@@ -60,6 +60,25 @@ def cnn() -> nn.Module:
     )
 
 
+def cnn3c3d() -> nn.Module:
+    """3c3d's layout (``benchmarks/problems.py``) with fewer channels and units."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(16, 24, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(24, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(32 * 3 * 3, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
@@ -78,6 +97,16 @@ REQUESTS = [
         {"subsampling": list(range(16))},
         {"num_curvature_samples": 16},
         ["matrix_free"],
+    ),
+    ("3c3d-like", cnn3c3d, (3, 32, 32), 128, {}, {}, ["matrix_free"]),
+    (
+        "3c3d-like-chunked",
+        cnn3c3d,
+        (3, 32, 32),
+        128,
+        {"chunk_size": 16},
+        {"chunk_size": 16},
+        ["matrix_free", "dense"],
     ),
     ("mlp", mlp, (784,), 128, {}, {}, ["iterative", "matrix_free"]),
     ("mlp-groups", mlp, (784,), 64, {"groups": True}, {"groups": True}, ["dense"]),

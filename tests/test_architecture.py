@@ -34,7 +34,10 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
-    ("group pipeline", ["vivit.groups", "vivit.data", "vivit.distributed"]),
+    (
+        "group pipeline",
+        ["vivit.groups", "vivit.data", "vivit.distributed", "vivit.chunks"],
+    ),
     ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "front doors",

@@ -113,13 +113,20 @@ class KeywordCall(torch.nn.Module):
         return self.lin(input=x)
 
 
-def test_a_model_the_probe_cannot_run_still_works(caplog):
+def test_a_model_the_probe_cannot_run_still_works(caplog, monkeypatch):
+    """An estimate that fails is logged and replaced, never fails the run."""
+
+    def failing_probe(*args, **kwargs):
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(vivit.budget, "estimate_memory", failing_probe)
     model = KeywordCall().double()
     X, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
     loss_func = torch.nn.CrossEntropyLoss()
     with caplog.at_level("INFO", logger="vivit"):
         loader = LowRankGGN(model, loss_func, split(X, y, [3, 3]), engine="func")
     assert "Cannot estimate the memory of one batch's pass" in caplog.text
+    assert "probe failed" in caplog.text
     single = LowRankGGN(model, loss_func, (X, y), engine="func")
     torch.testing.assert_close(loader.gram(), single.gram(), rtol=0, atol=1e-12)
 

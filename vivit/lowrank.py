@@ -25,6 +25,13 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.budget import FactorBudget
+from vivit.chunks import (
+    SampleChunk,
+    check_chunk_size,
+    merged_chunks,
+    run_chunk,
+    split_batch,
+)
 from vivit.data import (
     BlockRun,
     UnionOutput,
@@ -171,6 +178,16 @@ class LowRankGGN:
             split over the ranks (not with ``solver="matrix_free"``); nothing
             after the construction communicates. A ``DistributedDataParallel``
             model runs as its ``.module``.
+        chunk_size: Most samples per backward pass: the batch (every batch of a
+            loader) is split into consecutive chunks of at most this many
+            samples, each run by the engine on its own and combined exactly
+            (``docs/math.rst``, "Data sets and processes"). Bounds the peak
+            memory of the backward pass, which grows with the chunk, not with
+            ``N`` (the kept factors and the Gram matrix still grow with ``N``;
+            :func:`vivit.memory.estimate_memory` takes ``chunk_size`` too).
+            ``None``: the whole batch at once. With Monte-Carlo sampling each
+            chunk draws from its own stream (seeded like a loader's batches), so
+            chunking changes the draws, not their distribution.
 
     Attributes:
         loss: The loss on the mini-batch, or on all samples of a loader
@@ -198,7 +215,7 @@ class LowRankGGN:
         self,
         model: Module,
         loss_func: Module,
-        data: tuple[Tensor, Tensor],
+        data: tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]],
         *,
         param_groups: Sequence[Sequence[Parameter]] | None = None,
         mc_samples: int = 0,
@@ -211,6 +228,7 @@ class LowRankGGN:
         engine: str | Engine = "auto",
         progress: bool | None = None,
         process_group: ProcessGroup | bool | None = None,
+        chunk_size: int | None = None,
     ):
         with ShardExchange(resolve_group(process_group)) as shards:
             check_grad_mode("LowRankGGN")
@@ -227,6 +245,7 @@ class LowRankGGN:
                 gram_dtype=gram_dtype,
                 engine=engine,
                 progress=progress,
+                chunk_size=chunk_size,
             )
 
     def _construct(
@@ -243,6 +262,7 @@ class LowRankGGN:
         gram_dtype: torch.dtype | None,
         engine: str | Engine,
         progress: bool | None,
+        chunk_size: int | None,
     ) -> None:
         """Check the arguments, run the engine on every block, combine them."""
         check_model(model)
@@ -266,6 +286,7 @@ class LowRankGGN:
         check_generator(generator)
         check_engine(engine)
         check_progress(progress)
+        check_chunk_size(chunk_size)
         request = self._request(
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
@@ -274,6 +295,12 @@ class LowRankGGN:
             raise InvalidArgumentError(
                 "With a process group, each rank passes its own shard as one "
                 "(inputs, targets) batch, not a data loader."
+            )
+        if chunk_size is not None and shards.group is not None:
+            raise InvalidArgumentError(
+                "chunk_size is not supported with a process group (each rank "
+                "exchanges its shard as one block): pass smaller shards, more "
+                "ranks, or process_group=False for per-rank computations."
             )
         fingerprint = request_fingerprint(
             loss_func,
@@ -287,30 +314,45 @@ class LowRankGGN:
             request, model, lambda seed: shards.agree(fingerprint, seed)
         )
 
-        def run_batch(index: int, batch: tuple[Tensor, Tensor]) -> BlockRun:
-            block_request = blocks_request(index)
-            return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
+        def chunk_run(index: int, chunk: SampleChunk) -> BlockRun:
+            block_request = dataclasses.replace(
+                blocks_request(index), subsampling=chunk.subsampling
+            )
+            return lambda sink: run_chunk(
+                chosen, model, loss_func, chunk, block_request, sink
+            )
 
         budget = (
             None
-            if single
+            if single or chunk_size is not None
             else FactorBudget(num_batches(data), model, mc_samples, request.num_grams)
         )
         batches = (
             [data]
             if single
             else progress_bar(
-                budget.watch(iterate_batches(data, model)),
+                iterate_batches(data, model)
+                if budget is None
+                else budget.watch(iterate_batches(data, model)),
                 num_batches(data),
                 progress,
                 "LowRankGGN: pass over the data",
             )
         )
+        chunks = (
+            chunk
+            for batch in batches
+            for chunk in split_batch(batch, chunk_size, request.subsampling)
+        )
         runs = (
-            run_batch(index, batch)
-            for index, batch in enumerate(batches, start=shards.rank)
+            chunk_run(index, chunk)
+            for index, chunk in enumerate(chunks, start=shards.rank)
         )
         self._run(chosen.name, runs, names, budget, shards)
+        if chunk_size is not None:
+            self._curvature = [
+                merged_chunks(c, request.subsampling) for c in self._curvature
+            ]
 
     @classmethod
     def from_loss(
@@ -620,6 +662,7 @@ class LowRankGGN:
             dtype=dtype,
             device=device,
             gram_formed=self._group(group).gram is not None,
+            factors=self._group(group).ggn_factors,
         )
 
     def _directions(

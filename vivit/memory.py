@@ -1,25 +1,36 @@
 """How much memory a curvature request needs, before the backward pass runs.
 
 :func:`estimate_memory` adds what is alive at the peak of ``LowRankGGN(...)``
-followed by ``eigh(top_k)`` (shapes as in ``docs/math.rst``):
+followed by ``eigh(top_k)`` (shapes as in ``docs/math.rst``). The samples are
+run by the engine in blocks of ``B`` samples (``B = N``, or ``chunk_size``, or a
+loader's batch size in :func:`estimate_data_set_memory`):
 
-- **activations**: the forward pass's layer outputs, ``N · Σ_layers out`` entries
-  (autograd keeps them for the backward pass, the factors keep layer inputs after);
-- **factors**: per Linear or convolution weight the backpropagated vectors
-  ``s̃`` (``N_S · C · out`` entries, ``C`` → ``M`` with Monte-Carlo sampling) and
-  the per-sample gradients at the layer output (``N · out``), for convolutions also
-  the unfolded input (``N · T · P``); every other parameter keeps its columns of
-  ``V`` and per-sample gradients (``(N_S · C + N) · numel``);
-- the larger of the **backward pass's transient** (the backpropagated
-  ``[C, N_S, *shape]`` quantities at a layer's input and output) and the
-  **eigensolver's** share: the Gram matrices it forms (``(N_S·C)²`` entries each,
-  none for ``"matrix_free"``) and its workspace.
+- **activations**: the forward pass's layer outputs of one block,
+  ``B · Σ_layers out`` entries (autograd keeps them for the backward pass), and
+  the inputs of Linear layers that the factors of the other blocks keep;
+- **factors**: per Linear or convolution weight the columns of ``V`` and the
+  per-sample gradients, each as its factors (the backpropagated vectors ``s̃``,
+  ``N_S · C · out`` entries, ``C`` → ``M`` with Monte-Carlo sampling, or ``N ·
+  out``, and a convolution's unfolded input, ``N · T · P``) or, where that is at
+  most ``1 / COMPACT_RATIO`` as large, explicitly (``N_S · C · numel``, ``N ·
+  numel``); every other parameter keeps its columns of ``V`` and per-sample
+  gradients (``(N_S · C + N) · numel``); all for every sample;
+- the larger of the **backward pass's transient** (at every layer the
+  backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
+  the block's curvature samples, plus a convolution's unfolded input of the
+  block while its factors are formed; in several blocks, or the copies of the
+  columns of ``V`` rescaled while the blocks are combined) and the
+  **eigensolver's** share: the Gram
+  matrices it forms (``(N_S·C)²`` entries each, none for ``"matrix_free"``) and
+  its workspace, with the largest intermediate of a convolution in factor form
+  (forming the Gram matrix through blocks of ``V``, or ``V``-products), which
+  :mod:`vivit.gram.planner` caps at its budget (256 MiB).
 
 ``N_S`` is the number of curvature samples (the subsampling), ``N`` the
 mini-batch size. Entries are counted in the parameters' data type, the iterative
 solvers' Krylov bases in float64. The estimate leaves out the model, the data and
 the loaded libraries; ``tests/test_memory.py`` checks it against the measured
-increase of resident memory within a factor of 2.
+increase of resident memory within a factor of 1.5.
 
 :func:`largest_batch` searches the largest mini-batch whose estimate fits a budget.
 """
@@ -36,8 +47,16 @@ from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import check_mc_samples
+from vivit.chunks import check_chunk_size
 from vivit.errors import InvalidArgumentError
-from vivit.linalg.top_k import check_solver, choose_solver, iterative_workspace_bytes
+from vivit.gram.outer import COMPACT_RATIO
+from vivit.gram.planner import budget_entries
+from vivit.linalg.top_k import (
+    block_size,
+    check_solver,
+    choose_solver,
+    iterative_workspace_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +66,9 @@ class MemoryEstimate:
     Attributes:
         activations: Layer outputs of the forward pass.
         factors: Factors of ``V`` and of the per-sample gradients kept for products.
-        backward: Transient backpropagated quantities of the backward pass.
+        backward: Transient backpropagated quantities of the backward pass (in
+            blocks: or the rescaled copies of the blocks' columns of ``V`` while
+            they are combined, whichever is larger).
         grams: Gram matrices the eigensolver forms.
         solver_workspace: The eigensolver's workspace, or the temporaries of
             forming a Gram matrix where those are larger.
@@ -75,12 +96,13 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class _Layer:
-    """Per-sample sizes of a layer with parameters, from a probe forward pass."""
+    """Per-sample sizes of a leaf module, from a probe forward pass."""
 
     module: Module
     inputs: int
     outputs: int
     unfolded: int
+    is_input: bool
 
 
 def estimate_memory(
@@ -93,6 +115,7 @@ def estimate_memory(
     num_curvature_samples: int | None = None,
     top_k: int | None = 10,
     solver: str = "auto",
+    chunk_size: int | None = None,
 ) -> MemoryEstimate:
     """Estimate the peak memory of ``LowRankGGN(...)`` followed by ``eigh(top_k)``.
 
@@ -116,24 +139,124 @@ def estimate_memory(
         top_k: Number of leading eigenpairs asked for (``None``: all).
         solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved with the
             same cost model and memory budget the request would use.
+        chunk_size: As for :class:`~vivit.LowRankGGN`: the backward pass's
+            transient and the activations are those of a chunk (with at most
+            ``min(chunk_size, num_curvature_samples)`` curvature samples), the
+            kept factors and the Gram matrix those of the whole batch.
 
     Returns:
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        ValueError: For a ``batch_size``, ``top_k``, ``mc_samples`` or ``solver``
-            that a request would refuse.
+        ValueError: For a ``batch_size``, ``top_k``, ``mc_samples``, ``solver`` or
+            ``chunk_size`` that a request would refuse.
+    """
+    _check_size(batch_size, "batch_size")
+    check_chunk_size(chunk_size)
+    block = batch_size if chunk_size is None else min(chunk_size, batch_size)
+    return _estimate(
+        model,
+        example_inputs,
+        batch_size,
+        block,
+        model_inputs_kept=False,
+        param_groups=param_groups,
+        mc_samples=mc_samples,
+        num_curvature_samples=num_curvature_samples,
+        top_k=top_k,
+        solver=solver,
+    )
+
+
+def estimate_data_set_memory(
+    model: Module,
+    example_inputs: Tensor,
+    num_samples: int,
+    batch_size: int,
+    *,
+    param_groups: Sequence[Sequence[Parameter]] | None = None,
+    mc_samples: int = 0,
+    top_k: int | None = 10,
+    solver: str = "auto",
+    chunk_size: int | None = None,
+) -> MemoryEstimate:
+    """Estimate the peak memory of the GGN of a data set given as a loader.
+
+    ``LowRankGGN(model, loss_func, loader)`` over ``num_samples`` samples that
+    the loader yields in batches of ``batch_size`` (each run by the engine on its
+    own, every batch in chunks of ``chunk_size``), followed by ``eigh(top_k)``:
+    the backward pass's transient and the activations are those of one batch
+    (or chunk); the kept factors, the batches' inputs that Linear layers keep,
+    and the Gram matrix (side ``num_samples · C``) are those of all samples. The
+    loader's own memory (its data set, workers) is left out. Probes the model as
+    :func:`estimate_memory` does.
+
+    Example::
+
+        estimate = estimate_data_set_memory(model, X[:1], 10_000, 128, top_k=10)
+
+    Args:
+        model: The network (BatchNorm in eval mode).
+        example_inputs: A few input samples, ``[n, *input_shape]``.
+        num_samples: Samples of the data set (all of them curvature samples).
+        batch_size: Samples per batch of the loader.
+        param_groups: As for :class:`~vivit.LowRankGGN` (``None``: one group).
+        mc_samples: As for :class:`~vivit.LowRankGGN`.
+        top_k: Number of leading eigenpairs asked for (``None``: all).
+        solver: As for :func:`estimate_memory`.
+        chunk_size: As for :class:`~vivit.LowRankGGN` (``None``: whole batches).
+
+    Returns:
+        The estimate; ``.total`` is the peak in bytes.
+
+    Raises:
+        ValueError: For sizes that are not positive integers, or options that a
+            request would refuse.
+    """
+    _check_size(num_samples, "num_samples")
+    _check_size(batch_size, "batch_size")
+    check_chunk_size(chunk_size)
+    block = min(batch_size, num_samples, chunk_size or batch_size)
+    return _estimate(
+        model,
+        example_inputs,
+        num_samples,
+        block,
+        model_inputs_kept=True,
+        param_groups=param_groups,
+        mc_samples=mc_samples,
+        num_curvature_samples=None,
+        top_k=top_k,
+        solver=solver,
+    )
+
+
+def _check_size(size: int, name: str) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}.")
+
+
+def _estimate(
+    model: Module,
+    example_inputs: Tensor,
+    num_samples: int,
+    block: int,
+    *,
+    model_inputs_kept: bool,
+    param_groups: Sequence[Sequence[Parameter]] | None,
+    mc_samples: int,
+    num_curvature_samples: int | None,
+    top_k: int | None,
+    solver: str,
+) -> MemoryEstimate:
+    """The estimate for ``num_samples`` samples run in blocks of ``block``.
+
+    ``model_inputs_kept``: whether the blocks' inputs are tensors of their own
+    that the factors of Linear layers keep (a loader's batches), rather than views
+    of the caller's inputs (a batch and its chunks).
     """
     check_solver(solver, top_k)
     check_mc_samples(mc_samples)
-    if (
-        isinstance(batch_size, bool)
-        or not isinstance(batch_size, int)
-        or batch_size < 1
-    ):
-        raise InvalidArgumentError(
-            f"batch_size must be a positive integer, got {batch_size!r}."
-        )
     params = [p for p in model.parameters() if p.requires_grad]
     if param_groups is None:
         param_groups = [params]
@@ -141,21 +264,49 @@ def estimate_memory(
     entry = itemsize(dtype)
     layers, outputs_per_sample, columns = _probe(model, example_inputs)
     columns = mc_samples or columns
-    curvature = batch_size if num_curvature_samples is None else num_curvature_samples
+    curvature = num_samples if num_curvature_samples is None else num_curvature_samples
+    block_curvature = min(block, curvature)
     size = curvature * columns
 
     factors = 0
     backward = 0
+    kept_inputs = 0  # per sample: Linear layers' inputs, kept by their factors
+    gram_route = product_route = 0  # largest intermediates of Gram, V-products
+    rescaled = 0  # entries of V that combining blocks copies (s̃, explicit V)
+    budget = budget_entries(dtype)
     for layer in layers:
-        backward = max(backward, columns * curvature * (layer.inputs + layer.outputs))
+        # the vectors backpropagated through the layer, and a convolution's
+        # unfolded input while its factors are formed
+        backward = max(
+            backward,
+            columns * block_curvature * (layer.inputs + layer.outputs)
+            + block * layer.unfolded,
+        )
         for name, param in layer.module.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
             if name == "weight" and isinstance(layer.module, _OUTER_PRODUCT_LAYERS):
-                factors += (columns * curvature + batch_size) * layer.outputs
-                factors += batch_size * layer.unfolded
+                factors += _weight_factors(
+                    layer, param.numel(), columns, curvature, num_samples
+                )
+                rescaled += _ggn_vectors(layer, param.numel(), columns, curvature)
+                if layer.unfolded and not _ggn_compact(layer, param.numel(), columns):
+                    # a convolution in factor form: the Gram through blocks of V,
+                    # products through [b, N_S, T, O]; the planner caps both
+                    # (and the contraction's copy of the backpropagated vectors)
+                    copy = columns * curvature * layer.outputs
+                    gram_route = max(
+                        gram_route, min(budget, size * param.numel()) + copy
+                    )
+                    product_route = max(product_route, curvature * layer.outputs)
+                if not layer.unfolded and (model_inputs_kept or not layer.is_input):
+                    kept_inputs += layer.inputs
             else:
-                factors += (columns * curvature + batch_size) * param.numel()
+                factors += (columns * curvature + num_samples) * param.numel()
+                rescaled += columns * curvature * param.numel()
+    if block < num_samples:
+        # the blocks are combined: their columns of V rescaled into copies
+        backward = max(backward, rescaled)
 
     largest_group = max(sum(p.numel() for p in group) for group in param_groups)
     if solver == "auto":
@@ -168,12 +319,22 @@ def estimate_memory(
         products = largest_group if solver == "matrix_free" else None
         workspace = iterative_workspace_bytes(size, top_k, dtype, products)
     if solver == "matrix_free":
-        grams, workspace = 0, workspace
+        width = block_size(top_k, size)
+        grams = 0
+        workspace += min(budget, width * product_route) * entry
     else:
         grams = len(param_groups) * size**2 * entry
         workspace = gram_bytes(size, len(param_groups), workspace, dtype) - grams
+        # while formed: the group's sum, a parameter's block, the route's blocks
+        formation = size**2 + gram_route
+        workspace = max(workspace, formation * entry)
+    # a block's layer outputs, and the inputs the other blocks' factors keep (in
+    # one block, those inputs are among its layer outputs or the caller's inputs)
+    activations = block * outputs_per_sample
+    if block < num_samples:
+        activations += (num_samples - block) * kept_inputs
     return MemoryEstimate(
-        activations=batch_size * outputs_per_sample * entry,
+        activations=activations * entry,
         factors=factors * entry,
         backward=backward * entry,
         grams=grams,
@@ -199,8 +360,9 @@ def largest_batch(
         budget_bytes: Memory available for the request.
         max_batch_size: Upper end of the search.
         **request: Keywords of :func:`estimate_memory` (``top_k``, ``solver``,
-            ``mc_samples``, ``param_groups``); ``num_curvature_samples`` is not
-            allowed (it would not grow with the batch).
+            ``mc_samples``, ``param_groups``, ``chunk_size``);
+            ``num_curvature_samples`` is not allowed (it would not grow with the
+            batch).
 
     Returns:
         The batch size (``0`` if not even one sample fits).
@@ -235,12 +397,46 @@ def largest_batch(
 _OUTER_PRODUCT_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
 
 
+def _ggn_compact(layer: _Layer, numel: int, columns: int) -> bool:
+    """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
+    unfolded = layer.unfolded or layer.inputs
+    return COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+
+
+def _weight_factors(
+    layer: _Layer, numel: int, columns: int, curvature: int, num_samples: int
+) -> int:
+    """Entries kept for a Linear or convolution weight: ``V`` and gradients.
+
+    Each of the two is kept as its factors (unfolded input, shared by both, and
+    the vectors at the layer output) or, where that is at most ``1 /
+    COMPACT_RATIO`` as large, as explicit columns (``OuterProductFactors.compact``).
+    A Linear layer's input is its caller's tensor, not a copy (counted with the
+    activations).
+    """
+    unfolded = layer.unfolded or layer.inputs
+    grad_compact = COMPACT_RATIO * numel <= unfolded + layer.outputs
+    kept = _ggn_vectors(layer, numel, columns, curvature)
+    kept += num_samples * (numel if grad_compact else layer.outputs)
+    if layer.unfolded and not grad_compact:
+        kept += num_samples * layer.unfolded
+    elif layer.unfolded and not _ggn_compact(layer, numel, columns):
+        kept += curvature * layer.unfolded
+    return kept
+
+
+def _ggn_vectors(layer: _Layer, numel: int, columns: int, curvature: int) -> int:
+    """Entries of a weight's columns of ``V`` besides the inputs (``s̃`` or ``V``)."""
+    compact = _ggn_compact(layer, numel, columns)
+    return curvature * columns * (numel if compact else layer.outputs)
+
+
 def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
     """Per-sample layer sizes from a forward pass on a few samples.
 
     Returns:
-        Layers with parameters, the summed output size of every leaf module per
-        sample, and the model's outputs per sample ``C``.
+        Every leaf module that returned a tensor, in call order, the summed output
+        size of those per sample, and the model's outputs per sample ``C``.
     """
     layers: list[_Layer] = []
     outputs = 0
@@ -251,14 +447,19 @@ def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
         if not isinstance(output, Tensor):
             return
         outputs += output.numel() // num
-        if not any(True for _ in module.parameters(recurse=False)):
-            return
         unfolded = 0
         if isinstance(module, (Conv1d, Conv2d, Conv3d)):
             positions = math.prod(output.shape[2:])
             unfolded = module.weight[0].numel() * module.groups * positions
+        first = args[0] if args and isinstance(args[0], Tensor) else None
         layers.append(
-            _Layer(module, args[0].numel() // num, output.numel() // num, unfolded)
+            _Layer(
+                module,
+                0 if first is None else first.numel() // num,
+                output.numel() // num,
+                unfolded,
+                is_input=first is inputs,
+            )
         )
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]

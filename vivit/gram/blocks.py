@@ -11,6 +11,7 @@ loss on all samples copies no factors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -139,6 +140,15 @@ class SampleBlockFactors(ParamFactors):
                 gram[rows, cols] = cross
                 gram[cols, rows] = cross.T
         return gram
+
+    def product_work(self, num_vectors: int) -> int:  # noqa: D102
+        return sum(block.product_work(num_vectors) for block in self.blocks)
+
+    def gram_work(self) -> int:  # noqa: D102
+        # each block's Gram, and the cross-Gram of blocks a < b: √(work_a · work_b)
+        # (exact where the Gram is formed from products of sample pairs)
+        roots = [math.sqrt(block.gram_work()) for block in self.blocks]
+        return round((sum(r * r for r in roots) + sum(roots) ** 2) / 2)
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         bounds = self._row_bounds()

@@ -26,7 +26,23 @@ class DenseFactors(ParamFactors):
     def __init__(self, columns: Tensor):
         self.num_samples, self.num_columns = columns.shape[:2]
         self.param_shape = columns.shape[2:]
-        self._vt = columns.detach().reshape(self.num_samples * self.num_columns, -1)
+        self._vt = columns.detach().reshape(  # explicit: no samples is allowed
+            self.num_samples * self.num_columns, self.param_shape.numel()
+        )
+
+    @classmethod
+    def concatenate(cls, blocks: Sequence[DenseFactors]) -> DenseFactors:
+        """The columns of consecutive blocks of samples as one matrix (a copy).
+
+        Args:
+            blocks: Columns of the same parameter, each already scaled.
+
+        Returns:
+            One set of columns over all their samples, in block order.
+        """
+        first = blocks[0]
+        columns = torch.cat([block._vt for block in blocks])
+        return cls(columns.reshape(-1, first.num_columns, *first.param_shape))
 
     def scaled(self, factor: float) -> DenseFactors:  # noqa: D102
         return DenseFactors(

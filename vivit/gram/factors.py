@@ -132,6 +132,31 @@ class ParamFactors(ABC):
             Factors holding only the columns of the selected samples.
         """
 
+    def product_work(self, num_vectors: int) -> int:
+        """Multiply-adds of :meth:`vmp` and :meth:`vtmp` with ``K`` vectors each.
+
+        Used by the eigensolvers' cost model (:mod:`vivit.linalg.top_k`). The
+        default is that of an explicit ``V``: ``2·K·N·C·numel``.
+
+        Args:
+            num_vectors: ``K``.
+
+        Returns:
+            The multiply-adds of both products together.
+        """
+        return 2 * num_vectors * self.num_rows * self.param_shape.numel()
+
+    def gram_work(self) -> int:
+        """Multiply-adds of :meth:`gram` (``Vᵀ V``).
+
+        The default is that of an explicit ``V`` (``R²·numel``; the lower
+        triangle alone is about half of it for large ``R``).
+
+        Returns:
+            The multiply-adds.
+        """
+        return self.num_rows**2 * self.param_shape.numel()
+
     @abstractmethod
     def materialize(self) -> Tensor:
         """Form the columns of ``V`` explicitly.

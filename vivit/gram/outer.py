@@ -58,6 +58,43 @@ class OuterProductFactors(ParamFactors):
             inputs.shape[3],
         )
 
+    @classmethod
+    def concatenate(
+        cls,
+        blocks: Sequence[OuterProductFactors],
+        inputs_cache: list[tuple[list[Tensor], Tensor]] | None = None,
+    ) -> OuterProductFactors:
+        """The factors of consecutive blocks of samples as one (a copy).
+
+        Args:
+            blocks: Factors of the same weight, each already scaled.
+            inputs_cache: Concatenated inputs of earlier calls, with the blocks'
+                inputs they came from: factors whose blocks share their inputs
+                (``V`` and the per-sample gradients of a weight) then share the
+                concatenation too. Appended to.
+
+        Returns:
+            One set of factors over all their samples, in block order.
+        """
+        parts = [block._a for block in blocks]
+        cache = [] if inputs_cache is None else inputs_cache
+        inputs = next(
+            (
+                merged
+                for sources, merged in cache
+                if len(sources) == len(parts) and all(map(_same_tensor, sources, parts))
+            ),
+            None,
+        )
+        if inputs is None:
+            inputs = torch.cat(parts)
+            cache.append((parts, inputs))
+        return cls(
+            inputs,
+            torch.cat([block._s for block in blocks], dim=1),
+            blocks[0].param_shape,
+        )
+
     # routes -----------------------------------------------------------------
     def _v_size(self) -> int:
         return self.num_rows * self._G * self._O * self._P
@@ -74,10 +111,24 @@ class OuterProductFactors(ParamFactors):
             return other.gram(self).T
         if not isinstance(other, OuterProductFactors):
             return self.materialize() @ other.materialize().T
+        route = self._gram_route(other)
+        if route.name == "through_v":
+            return self._gram_through_v(other, self._gram_features_per_chunk(other))
+        return self._gram_pairs(other, self._samples_per_chunk(other))
+
+    def gram_work(self) -> int:  # noqa: D102
+        return self._gram_route(self).flops
+
+    def _gram_features_per_chunk(self, other: OuterProductFactors) -> int:
+        rows = self.num_rows if other is self else self.num_rows + other.num_rows
+        return self._features_per_chunk(rows)
+
+    def _gram_route(self, other: OuterProductFactors) -> planner.Route:
+        """The route :meth:`gram` takes for ``Vᵀ V_other``, with its cost."""
         n1, n2 = self.num_samples, other.num_samples
         r1, r2 = self.num_rows, other.num_rows
         G, T, O, P = self._G, self._T, self._O, self._P
-        chunk = self._features_per_chunk(r1 if other is self else r1 + r2)
+        chunk = self._gram_features_per_chunk(other)
         samples = self._samples_per_chunk(other)
         through_v = planner.Route(
             "through_v",
@@ -93,9 +144,8 @@ class OuterProductFactors(ParamFactors):
             + r1 * r2 * G * T * T,
             memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
-        if planner.choose(through_v, pairs, dtype=self._a.dtype) == "through_v":
-            return self._gram_through_v(other, chunk)
-        return self._gram_pairs(other, samples)
+        name = planner.choose(through_v, pairs, dtype=self._a.dtype)
+        return through_v if name == "through_v" else pairs
 
     def _samples_per_chunk(self, other: OuterProductFactors) -> int:
         """Samples of ``self`` whose pairwise products with ``other`` fit the budget.
@@ -193,8 +243,9 @@ class OuterProductFactors(ParamFactors):
             gram[start * C : end * C] = block.reshape((end - start) * C, -1)
         return gram
 
-    def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
-        K = u.shape[0]
+    def _product_route(self, num_vectors: int) -> planner.Route:
+        """The route of :meth:`vmp` and :meth:`vtmp` for ``K`` vectors (same cost)."""
+        K = num_vectors
         G, T, O, P = self._G, self._T, self._O, self._P
         N, C = self.num_samples, self.num_columns
         factored = planner.Route(
@@ -207,29 +258,28 @@ class OuterProductFactors(ParamFactors):
             flops=self._form_v_flops() + K * self._v_size(),
             memory=self._v_size(),
         )
-        if planner.choose(factored, through_v, dtype=self._a.dtype) == "through_v":
+        name = planner.choose(factored, through_v, dtype=self._a.dtype)
+        return through_v if name == "through_v" else factored
+
+    def product_work(self, num_vectors: int) -> int:  # noqa: D102
+        return 2 * self._product_route(num_vectors).flops
+
+    def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
+        K = u.shape[0]
+        if self._product_route(K).name == "through_v":
             result = u @ self.materialize()
         else:
+            N, C = self.num_samples, self.num_columns
             weighted = einsum("knc,cngto->kngto", u.reshape(K, N, C), self._s)
             result = einsum("kngto,ngtp->kgop", weighted, self._a)
         return result.reshape(K, *self.param_shape)
 
     def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
         K = w.shape[0]
-        G, T, O, P = self._G, self._T, self._O, self._P
-        N, C = self.num_samples, self.num_columns
-        factored = planner.Route(
-            "factored",
-            flops=K * N * G * T * O * P + K * N * C * G * T * O,
-            memory=K * N * G * T * O,
-        )
-        through_v = planner.Route(
-            "through_v",
-            flops=self._form_v_flops() + K * self._v_size(),
-            memory=self._v_size(),
-        )
-        if planner.choose(factored, through_v, dtype=self._a.dtype) == "through_v":
+        if self._product_route(K).name == "through_v":
             return w.reshape(K, -1) @ self.materialize().T
+        G, O, P = self._G, self._O, self._P
+        N, C = self.num_samples, self.num_columns
         w = w.reshape(K, G, O, P)
         projected = einsum("kgop,ngtp->kngto", w, self._a)
         return einsum("kngto,cngto->knc", projected, self._s).reshape(K, N * C)
@@ -275,3 +325,10 @@ class OuterProductFactors(ParamFactors):
             self.num_samples, self.num_columns, *self.param_shape
         )
         return DenseFactors(columns)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors are views of the same entries (detached copies of one)."""
+    return (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    )

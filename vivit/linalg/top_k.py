@@ -17,13 +17,42 @@ rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
 The cost model behind ``"auto"`` (all quantities known before any work):
 
 1. All eigenpairs, or more than ``PARTIAL_FRACTION·R`` of them: ``"dense"``.
-2. The Gram matrix not formed yet and either too large for the available memory
-   (with the iterative workspace), or larger than the GGN itself (``D < R``, where
-   a ``V``-product pair, ``2·R·D``, is cheaper than a Gram product, ``R²``):
-   ``"matrix_free"``.
-3. ``"iterative"`` if its expected work (:data:`EXPECTED_CYCLES` cycles) is at
-   most ``1 /`` :data:`ITERATIVE_ADVANTAGE` of the dense solver's, or if the dense
-   workspace does not fit but the iterative one does; otherwise ``"dense"``.
+2. The Gram matrix not formed yet and too large for the available memory (with
+   the iterative workspace): ``"matrix_free"``.
+3. Otherwise the solver of least expected work, in multiply-adds, where the
+   iterative solvers run :data:`EXPECTED_CYCLES` cycles (:func:`iterative_work`):
+
+   - ``"dense"``: forming the Gram matrix (if it is not formed), then
+     ``4/3·R³``;
+   - ``"iterative"``: forming the Gram matrix (if it is not formed), then per
+     cycle ``m`` Gram products (``R²`` each, as ``m/b`` products with blocks of
+     ``b`` columns, each a pass over the Gram matrix);
+   - ``"matrix_free"``: per cycle ``m/b`` ``V``-products with blocks of ``b``
+     columns, as the factors compute them (:meth:`ParamFactors.product_work
+     <vivit.gram.ParamFactors.product_work>`: ``2·K·N·(C·out + out·in)`` for a
+     Linear weight in factor form, ``2·K·R·numel`` for explicit columns).
+
+   Forming the Gram matrix costs what its factors' contractions do
+   (:meth:`ParamFactors.gram_work <vivit.gram.ParamFactors.gram_work>`) plus
+   :data:`GRAM_PASSES` passes over an ``R × R`` matrix per parameter. Where
+   such a matrix does not fit into :data:`CACHE_BYTES`, a pass over one entry
+   costs :data:`PASS_WORK` multiply-adds, else nothing. The iterative solver
+   must be expected to do :data:`ITERATIVE_ADVANTAGE` times less work than the
+   dense one to be chosen over it (both after forming the Gram matrix, which
+   both need); ``"dense"`` whose workspace does not fit yields to the iterative
+   solver that does.
+
+The constants are measured on a 2-core CPU (``benchmarks/solver_costs.py``, CPU
+time, one thread, float32, exact top-10 of an MLP 784-128-64-10 at ``N`` = 128 to
+1024 and of the 3c3d CNN at ``N`` = 16 to 64; ``benchmarks/README.md``): at
+``N = 512`` the matrix-free solver is the fastest (no Gram matrix of 100 MB to
+form and to pass over), at ``N ≤ 256`` (a Gram matrix in the cache) the iterative
+one, and on the CNN, whose convolutions make every ``V``-product cost a
+backward pass, the dense or the iterative one. Without the factors
+(:func:`vivit.memory.estimate_memory`, before the backward pass) the Gram
+matrix's formation is not counted and ``V``-products are costed as explicit
+columns: the estimate may then assume another solver than the request picks;
+pass ``solver`` to both to be sure.
 
 An iterative solve that does not converge raises
 :class:`~vivit.errors.SolverNotConvergedError` when it was asked for explicitly;
@@ -34,6 +63,7 @@ under ``"auto"`` it falls back to the dense solver with a warning (and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -60,10 +90,21 @@ from vivit.linalg.solvers import check_top_k, gram_eigh_top
 #: The accepted values of ``solver``.
 SOLVERS = ("auto", "dense", "iterative", "matrix_free")
 #: Krylov cycles the cost model expects (GGN spectra decay fast: one cycle on the
-#: MLP and CNN of the benchmarks; three leaves room for slower spectra).
-EXPECTED_CYCLES = 3
-#: The iterative solver is chosen if it is expected to do this many times less work.
+#: MLP and CNN of the benchmarks; two leave room for slower spectra).
+EXPECTED_CYCLES = 2
+#: The iterative solver is chosen over the dense one if it is expected to do this
+#: many times less work.
 ITERATIVE_ADVANTAGE = 2.0
+#: Multiply-adds that one pass over an entry of an ``R × R`` matrix costs where the
+#: matrix is larger than the cache: a product of the Gram matrix with a block of
+#: ``b = 20`` columns runs at memory speed (measured 20–30 on the 2-core CPU).
+PASS_WORK = 25
+#: Passes over ``R × R`` matrices per parameter while a Gram matrix is formed (the
+#: parameter's block, its lower triangle mirrored, the sum of the group; measured
+#: 6–7 at ``R`` = 5120 and 10240).
+GRAM_PASSES = 6
+#: Matrices of at most this many bytes are taken to stay in the cache.
+CACHE_BYTES = 32 * 2**20
 #: Bytes per entry of the iterative solvers' Krylov blocks (float64).
 _KRYLOV_ITEMSIZE = 8
 
@@ -152,19 +193,68 @@ def dense_work(size: int) -> float:
     return 4 / 3 * size**3
 
 
-def iterative_work(size: int, top_k: int, product: float) -> float:
+def iterative_work(size: int, top_k: int, product: float, passes: float = 0.0) -> float:
     """Expected multiply-adds of an iterative solve.
 
     Args:
         size: Side length ``R`` of the Gram matrix.
         top_k: Number of leading eigenpairs.
         product: Multiply-adds of one operator-vector product.
+        passes: Multiply-adds of the memory passes of one operator-block product
+            (the Gram matrix read once; ``0`` for ``V``-products).
 
     Returns:
-        ``EXPECTED_CYCLES · m · (product + 2·m·R)``.
+        ``EXPECTED_CYCLES · (m · product + m/b · passes + 2·m²·R)``.
     """
     columns = basis_size(top_k, size)
-    return EXPECTED_CYCLES * columns * (product + 2 * columns * size)
+    blocks = math.ceil(columns / block_size(top_k, size))
+    return EXPECTED_CYCLES * (
+        columns * product + blocks * passes + 2 * columns**2 * size
+    )
+
+
+def pass_work(size: int, dtype: torch.dtype) -> float:
+    """Multiply-adds of one pass over an ``R × R`` matrix (:data:`PASS_WORK`).
+
+    Args:
+        size: ``R``.
+        dtype: Data type of the matrix.
+
+    Returns:
+        ``PASS_WORK · R²`` where the matrix exceeds :data:`CACHE_BYTES`, else ``0``.
+    """
+    if size**2 * itemsize(dtype) <= CACHE_BYTES:
+        return 0.0
+    return PASS_WORK * size**2
+
+
+def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
+    """Expected multiply-adds of forming a group's Gram matrix.
+
+    Args:
+        factors: The group's factors of ``V``.
+        dtype: Data type of the Gram matrix.
+
+    Returns:
+        The factors' contractions plus :data:`GRAM_PASSES` passes per parameter.
+    """
+    size = factors[0].num_rows
+    passes = GRAM_PASSES * len(factors) * pass_work(size, dtype)
+    return passes + sum(f.gram_work() for f in factors)
+
+
+def v_product_work(factors: Sequence[ParamFactors], top_k: int) -> float:
+    """Multiply-adds per Gram-space vector of ``Vᵀ(V U)`` through the factors.
+
+    Args:
+        factors: The group's factors of ``V``.
+        top_k: Number of leading eigenpairs (sets the block size ``b``).
+
+    Returns:
+        The products' work with a block of ``b`` vectors, divided by ``b``.
+    """
+    width = block_size(top_k, factors[0].num_rows)
+    return sum(f.product_work(width) for f in factors) / width
 
 
 def choose_solver(
@@ -176,6 +266,7 @@ def choose_solver(
     device: torch.device,
     gram_formed: bool = False,
     num_grams: int = 1,
+    factors: Sequence[ParamFactors] | None = None,
 ) -> str:
     """The solver ``"auto"`` uses (see the module docstring for the rules).
 
@@ -187,6 +278,9 @@ def choose_solver(
         device: Its device.
         gram_formed: Whether the Gram matrix exists already.
         num_grams: Gram matrices held at once if it is formed.
+        factors: The group's factors of ``V``, for the work of forming the Gram
+            matrix and of ``V``-products (``None``: not counted, and
+            ``V``-products costed as explicit columns, ``2·R·D``).
 
     Returns:
         ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
@@ -196,11 +290,21 @@ def choose_solver(
     available = available_bytes(device)
     grams = (0 if gram_formed else num_grams) * size**2 * itemsize(dtype)
     iterative_bytes = grams + iterative_workspace_bytes(size, top_k, dtype)
-    if not gram_formed and (iterative_bytes > available or num_params < size):
+    if not gram_formed and iterative_bytes > available:
         return "matrix_free"
+    if factors is None:
+        formation, product = 0.0, 2.0 * size * num_params
+    else:
+        formation = 0.0 if gram_formed else gram_work(factors, dtype)
+        product = v_product_work(factors, top_k)
+    dense = dense_work(size)
+    iterative = iterative_work(size, top_k, size**2, pass_work(size, dtype))
+    matrix_free = iterative_work(size, top_k, product)
+    if not gram_formed and matrix_free < formation + min(iterative, dense):
+        return "matrix_free"
+    # both of these form the Gram matrix: compare the solves alone
     dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
-    cheaper = ITERATIVE_ADVANTAGE * iterative_work(size, top_k, size**2)
-    if cheaper <= dense_work(size) or not dense_fits:
+    if ITERATIVE_ADVANTAGE * iterative <= dense or not dense_fits:
         return "iterative"
     return "dense"
 
