@@ -349,7 +349,9 @@ class LowRankGGN:
             for index, chunk in enumerate(chunks, start=shards.rank)
         )
         self._run(chosen.name, runs, names, budget, shards)
-        if chunk_size is not None:
+        if shards.group is None and (chunk_size is not None or not single):
+            # one set of factors per parameter: every later product runs as on
+            # one batch, instead of forming each block's V once per partner block
             self._curvature = [
                 merged_chunks(c, request.subsampling) for c in self._curvature
             ]
