@@ -271,6 +271,10 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "labels": lambda: LowRankGGN(
             model, loss_func, (inputs, targets + 10 if last else targets)
         ),
+        # a batch in chunks: each rank exchanges one block, refused
+        "chunks": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets), chunk_size=2 if last else None
+        ),
         # different requests
         "mismatch": lambda: LowRankGGN(
             model, loss_func, (inputs, targets), mc_samples=1 if last else 0
