@@ -145,3 +145,42 @@ def test_every_parameterized_layer_saves_contributions():
         and module_extension._ModuleExtension__params
     ]
     assert raw == []
+
+
+@pytest.mark.parametrize("subsampling", [None, [2, 0]], ids=["all", "subsampled"])
+def test_max_pooling_reuses_the_forward_indices(monkeypatch, subsampling):
+    """Max pooling backpropagates with the argmax indices of the forward pass.
+
+    BackPACK's own way (pooling again) is switched off: the GGN must still be
+    exact, so the saved indices are used and belong to this forward pass (also
+    with subsampling), and no layer keeps them afterwards.
+    """
+    from backpack.core.derivatives.maxpoolnd import MaxPoolNDDerivatives
+
+    from vivit.engines.backpack.pooling import POOL_INDICES
+
+    def recompute(*args, **kwargs):
+        raise AssertionError("max pooling recomputed its indices")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 2),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(18, 3),
+    ).double()
+    model3d = nn.Sequential(
+        nn.Conv3d(1, 2, 1), nn.MaxPool3d(2), nn.Flatten(), nn.Linear(16, 3)
+    ).double()
+    monkeypatch.setattr(MaxPoolNDDerivatives, "get_pooling_idx", recompute)
+    for net, inputs in [
+        (model, torch.randn(3, 1, 6, 6, dtype=torch.float64)),
+        (model3d, torch.randn(3, 1, 4, 4, 4, dtype=torch.float64)),
+    ]:
+        targets = torch.randint(0, 3, (3,))
+        loss_func = nn.CrossEntropyLoss()
+        G = dense_ggn(net, loss_func, inputs, targets, subsampling=subsampling)
+        ggn = LowRankGGN(net, loss_func, (inputs, targets), subsampling=subsampling)
+        # float64 throughout: the spectra agree to rounding (see checks.py)
+        assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
+        assert not any(hasattr(m, POOL_INDICES) for m in net.modules())

@@ -11,10 +11,11 @@ loader's batch size in :func:`estimate_data_set_memory`):
 - **factors**: per Linear or convolution weight the columns of ``V`` and the
   per-sample gradients, each as its factors (the backpropagated vectors ``s̃``,
   ``N_S · C · out`` entries, ``C`` → ``M`` with Monte-Carlo sampling, or ``N ·
-  out``, and a convolution's unfolded input, ``N · T · P``) or, where that is at
-  most ``1 / COMPACT_RATIO`` as large, explicitly (``N_S · C · numel``, ``N ·
-  numel``); every other parameter keeps its columns of ``V`` and per-sample
-  gradients (``(N_S · C + N) · numel``); all for every sample;
+  out``, and a convolution's unfolded input, ``N · T · P``) or explicitly
+  (``N_S · C · numel``, ``N · numel``): ``V`` where that is no larger
+  (``GGN_COMPACT_RATIO``), the gradients where it is at most ``1 /
+  COMPACT_RATIO`` as large; every other parameter keeps its columns of ``V``
+  and per-sample gradients (``(N_S · C + N) · numel``); all for every sample;
 - the larger of the **backward pass's transient** (at every layer the
   backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
   the block's curvature samples, plus a convolution's unfolded input of the
@@ -49,7 +50,7 @@ from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import check_mc_samples
 from vivit.chunks import check_chunk_size
 from vivit.errors import InvalidArgumentError
-from vivit.gram.outer import COMPACT_RATIO
+from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
     block_size,
@@ -400,7 +401,7 @@ _OUTER_PRODUCT_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
 def _ggn_compact(layer: _Layer, numel: int, columns: int) -> bool:
     """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
     unfolded = layer.unfolded or layer.inputs
-    return COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+    return GGN_COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
 
 
 def _weight_factors(
@@ -409,8 +410,9 @@ def _weight_factors(
     """Entries kept for a Linear or convolution weight: ``V`` and gradients.
 
     Each of the two is kept as its factors (unfolded input, shared by both, and
-    the vectors at the layer output) or, where that is at most ``1 /
-    COMPACT_RATIO`` as large, as explicit columns (``OuterProductFactors.compact``).
+    the vectors at the layer output) or as explicit columns
+    (``OuterProductFactors.compact``): ``V`` where that is no larger, the
+    gradients where it is at most ``1 / COMPACT_RATIO`` as large.
     A Linear layer's input is its caller's tensor, not a copy (counted with the
     activations).
     """

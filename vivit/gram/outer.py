@@ -20,8 +20,12 @@ from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.symmetric import self_gram
 
-#: ``V`` replaces the factors where it has at most this many times fewer entries.
+#: Per-sample gradients: ``V`` replaces the factors where it has at most this many
+#: times fewer entries (forming it may be paid for nothing, see ``compact``).
 COMPACT_RATIO = 4
+#: The GGN's ``V``: replaces the factors wherever it is no larger, since every Gram
+#: matrix and eigenvector forms it anyway (``compact``).
+GGN_COMPACT_RATIO = 1
 
 
 class OuterProductFactors(ParamFactors):
@@ -305,21 +309,29 @@ class OuterProductFactors(ParamFactors):
         vt = einsum("cngto,ngtp->ncgop", outputs, self._a[:, groups])
         return vt.reshape(self.num_rows, -1)
 
-    def compact(self) -> ParamFactors:
-        """``V`` held explicitly where it is much smaller than these factors.
+    def compact(self, ratio: int = COMPACT_RATIO) -> ParamFactors:
+        """``V`` held explicitly where it is sufficiently smaller than these factors.
 
         For a convolution on large images (many positions ``T``) ``V`` has fewer
         entries than the unfolded input and the backpropagated vectors together;
         holding it instead frees those and makes every later product one matrix
         product. Forming ``V`` costs ``T`` multiply-adds per entry, paid even if no
         product follows (per-sample gradient factors are used only for
-        directional derivatives), so it is formed only where it has at most
-        ``1 / COMPACT_RATIO`` of the factors' entries.
+        directional derivatives), so by default it is formed only where it has at
+        most ``1 / COMPACT_RATIO`` of the factors' entries. The GGN's factors pass
+        ``GGN_COMPACT_RATIO``: the Gram matrix (through ``V``) and the eigenvectors
+        (``V u``) would each form ``V`` again, so holding it pays wherever it is no
+        larger than the factors (on the 3c3d CNN with one Monte-Carlo sample, the
+        second convolution).
+
+        Args:
+            ratio: ``V`` is formed where ``ratio`` times its entries are at most
+                the factors' entries.
 
         Returns:
             ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
         """
-        if COMPACT_RATIO * self._v_size() > self._a.numel() + self._s.numel():
+        if ratio * self._v_size() > self._a.numel() + self._s.numel():
             return self
         columns = self.materialize().reshape(
             self.num_samples, self.num_columns, *self.param_shape

@@ -23,6 +23,11 @@ from torch.nn import Module
 from torch.utils.hooks import RemovableHandle
 
 from vivit.engines.backpack.extension import SAVEFIELD
+from vivit.engines.backpack.pooling import (
+    MAX_POOLS,
+    forget_pool_indices,
+    store_pool_indices,
+)
 from vivit.engines.backpack.support import inplace_flags, runnable_model
 
 #: The attribute ``backpack.extend`` sets on the modules it extended.
@@ -84,6 +89,8 @@ def _hooks(module: Module) -> Iterator[None]:
                 layer.register_forward_hook(hook_store_io),
                 layer.register_full_backward_hook(hook_run_extensions),
             ]
+            if isinstance(layer, MAX_POOLS):
+                handles.append(layer.register_forward_hook(store_pool_indices))
             installed.append((layer, previous, handles))
         yield
     finally:
@@ -100,6 +107,7 @@ def _clean(modules: list[Module]) -> None:
     for module in modules:
         for layer in module.modules():
             memory_cleanup(layer)
+            forget_pool_indices(layer)
         for param in module.parameters():
             if hasattr(param, SAVEFIELD):
                 delattr(param, SAVEFIELD)

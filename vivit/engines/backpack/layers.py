@@ -50,6 +50,7 @@ from vivit.engines.backpack.dtype import dtype_safe
 from vivit.engines.base import ParamContribution
 from vivit.errors import BatchNormTrainingError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
+from vivit.gram.outer import GGN_COMPACT_RATIO
 
 if TYPE_CHECKING:
     from vivit.engines.backpack.extension import GramGGN
@@ -233,14 +234,16 @@ def _outer_factors(
 
     Returns:
         Factors of ``V`` and, if requested, of the per-sample gradients, each in
-        the smaller of its two forms (see :meth:`OuterProductFactors.compact`).
+        the form :meth:`OuterProductFactors.compact` chooses (``V`` explicitly
+        where it is no larger than its factors; the gradients' only where it is
+        at most a quarter).
     """
     shape = module.weight.shape
     num_columns, num_active = backproped.shape[:2]
     active = subsample(inputs, subsampling=ext.get_subsampling())
     ggn = OuterProductFactors(
         active, positions(backproped, num_columns, num_active), shape
-    ).compact()
+    ).compact(GGN_COMPACT_RATIO)
     if not ext.compute_gradients:
         return ggn, None
     scale = ext.current_batch(module).per_sample_gradient_scale

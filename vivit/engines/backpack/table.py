@@ -24,7 +24,6 @@ from backpack.extensions.secondorder.sqrt_ggn import (
     flatten,
     pad,
     padding,
-    pooling,
     slicing,
 )
 from torch.nn import (
@@ -37,9 +36,6 @@ from torch.nn import (
     Identity,
     LeakyReLU,
     LogSigmoid,
-    MaxPool1d,
-    MaxPool2d,
-    MaxPool3d,
     Module,
     MSELoss,
     ReLU,
@@ -51,6 +47,7 @@ from torch.nn import (
 from vivit.engines.backpack.dtype import avg_pool_extensions
 from vivit.engines.backpack.layers import param_layer_extensions
 from vivit.engines.backpack.losses import GramLoss
+from vivit.engines.backpack.pooling import max_pool_extensions
 
 #: Loss modules the engine starts the backward pass at.
 LOSSES: tuple[type[Module], ...] = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
@@ -68,9 +65,7 @@ def module_extensions() -> dict[type[Module], ModuleExtension]:
         BCEWithLogitsLoss: GramLoss(),
         **param_layer_extensions(),
         **avg_pool_extensions(),
-        MaxPool1d: pooling.SqrtGGNMaxPool1d(),
-        MaxPool2d: pooling.SqrtGGNMaxPool2d(),
-        MaxPool3d: pooling.SqrtGGNMaxPool3d(),
+        **max_pool_extensions(),
         ZeroPad2d: padding.SqrtGGNZeroPad2d(),
         Dropout: dropout.SqrtGGNDropout(),
         Flatten: flatten.SqrtGGNFlatten(),
