@@ -7,13 +7,12 @@ served by its own ``mmap``) and the estimate the library refuses with, taken
 from the refusal when no memory is available (after the first batch).
 """
 
-import ctypes
 import json
 import re
 from functools import partial
 
 import torch
-from measure_memory import M_MMAP_THRESHOLD, cnn, mlp, peak_increase
+from measure_memory import cnn, mlp, peak_increase, prepare_measurement
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -44,11 +43,7 @@ def estimate(model, loss_func, loader, options) -> int:
 
 
 def main() -> None:
-    libc = ctypes.CDLL("libc.so.6")
-    if libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) != 1:
-        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
+    prepare_measurement()
     for name, build, shape, samples, batch_size, options in LOADERS:
         model, loss_func = build(), nn.CrossEntropyLoss()
         X, y = torch.randn(samples, *shape), torch.randint(0, 10, (samples,))

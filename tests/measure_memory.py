@@ -17,7 +17,10 @@ in, thread pools).
 import ctypes
 import gc
 import json
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -122,12 +125,25 @@ def run_request(model, loss_func, data, solver, options) -> None:
         ggn.eigh(top_k=10, group=group)
 
 
-def main() -> None:
+def prepare_measurement() -> None:
+    """Every large allocation its own ``mmap``; one thread; a fixed seed."""
     libc = ctypes.CDLL("libc.so.6")
     if libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) != 1:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed")
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+def run_worker(path: Path) -> list[dict]:
+    """Run a measuring worker in a fresh process; its JSON lines as dicts."""
+    output = subprocess.run(
+        [sys.executable, str(path)], check=True, capture_output=True, text=True
+    ).stdout
+    return [json.loads(line) for line in output.splitlines()]
+
+
+def main() -> None:
+    prepare_measurement()
     for name, build, shape, N, options, estimate_options, solvers in REQUESTS:
         model = build()
         X, y = torch.randn(N, *shape), torch.randint(0, 10, (N,))

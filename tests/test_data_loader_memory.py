@@ -1,12 +1,10 @@
 """The memory of a pass over a data loader: estimate, refusal, measured peak."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from measure_memory import run_worker
 from problems import prepare, select
 from test_data_loader import split
 
@@ -24,10 +22,7 @@ FACTOR = 1.5
 )
 def test_estimate_against_measured_peak():
     worker = Path(__file__).with_name("measure_loader_memory.py")
-    output = subprocess.run(
-        [sys.executable, str(worker)], check=True, capture_output=True, text=True
-    ).stdout
-    results = [json.loads(line) for line in output.splitlines()]
+    results = run_worker(worker)
     assert len(results) == 4
     for result in results:
         ratio = result["measured"] / result["estimate"]

@@ -1,12 +1,10 @@
 """The memory estimator against measured peaks, the batch search, and the refusal."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from measure_memory import run_worker
 from problems import prepare, select
 from torch import nn
 
@@ -27,12 +25,7 @@ FACTOR = 1.5
 )
 def test_estimate_against_measured_peak():
     worker = Path(__file__).with_name("measure_memory.py")
-    output = subprocess.run(
-        [sys.executable, str(worker)], check=True, capture_output=True, text=True
-    ).stdout
-    results = {
-        result["request"]: result for result in map(json.loads, output.splitlines())
-    }
+    results = {result["request"]: result for result in run_worker(worker)}
     assert len(results) == 10
     for result in results.values():
         ratio = result["measured"] / result["estimate"]
