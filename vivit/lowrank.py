@@ -305,6 +305,7 @@ class LowRankGGN:
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
+            model if shards.group is not None else None,  # checksums: ranks only
             mc_samples=mc_samples,
             gram_dtype=gram_dtype,
             solver=(self._solver, self._solver_tol, self._solver_seed),
