@@ -311,6 +311,11 @@ def test_misuse():
         LowRankGGN(model, loss_func, [(X, y)], subsampling=[0])
     with pytest.raises(InvalidArgumentError, match="iterable of such batches"):
         LowRankGGN(model, loss_func, 3)
+    # a batch as a dict (iterating it would yield its keys, "got a str")
+    with pytest.raises(InvalidArgumentError, match="got a dict with keys"):
+        LowRankGGN(model, loss_func, {"x": X, "y": y})
+    with pytest.raises(InvalidArgumentError, match="Batch 0 .* got a dict with keys"):
+        LowRankGGN(model, loss_func, [{"x": X, "y": y}])
 
 
 def test_progress_bar(capsys):

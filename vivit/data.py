@@ -11,7 +11,7 @@ the losses and gradients summed with the weights ``R_union / R_block``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -90,6 +90,11 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
             them, or a batch is malformed (the message names the batch).
     """
+    if isinstance(data, Mapping):
+        raise InvalidArgumentError(
+            "data must be a pair (inputs, targets) of tensors or an iterable of such "
+            f"batches (e.g. a DataLoader), {_dict_summary(data)}."
+        )
     if isinstance(data, Tensor | str | bytes) or not isinstance(data, Iterable):
         raise InvalidArgumentError(
             "data must be a pair (inputs, targets) of tensors or an iterable of such "
@@ -98,9 +103,23 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
     params = list(model.parameters())
     for index, batch in enumerate(data):
         with naming_batch(index):
+            if isinstance(batch, Mapping):
+                raise InvalidArgumentError(
+                    "data must be a pair (inputs, targets) of tensors, "
+                    f"{_dict_summary(batch)}."
+                )
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
         yield batch
+
+
+def _dict_summary(batch: Mapping) -> str:
+    """What a batch given as a dict is, and how to pass it instead."""
+    return (
+        f"got a dict with keys {list(batch)}: pass (inputs, targets), e.g. "
+        "(batch['inputs'], batch['targets']), or give the DataLoader a collate_fn "
+        "that returns that pair"
+    )
 
 
 @contextmanager
