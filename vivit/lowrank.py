@@ -122,7 +122,9 @@ class LowRankGGN:
             (``docs/math.rst``, "Data sets and processes"). The memory of the
             stored factors is estimated from the first batch and a loader that
             cannot fit is refused then (:class:`~vivit.FactorsTooLargeError`,
-            with the alternatives, among them :class:`~vivit.StreamingGGN`).
+            with the alternatives, among them :class:`~vivit.StreamingGGN`);
+            not with ``chunk_size`` (estimate such a pass beforehand with
+            :func:`vivit.memory.estimate_data_set_memory`).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
