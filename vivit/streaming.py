@@ -160,7 +160,8 @@ class StreamingGGN:
     eigenpairs of the latest request per group are kept.
     The loader must be re-iterable and yield the same batches every time
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
-    checked batch by batch.
+    checked batch by batch. One process's loader: under ``torch.distributed``
+    each rank streams over its own loader alone (no union of the ranks).
 
     Example::
 
