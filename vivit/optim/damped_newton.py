@@ -146,7 +146,9 @@ class DampedNewton(Optimizer):
             :class:`~vivit.LowRankGGN`); closures always use BackPACK.
         process_group: The processes whose shards make up each step's batch
             (see :class:`~vivit.LowRankGGN`): ``None`` the default group if
-            ``torch.distributed`` is initialised, ``False`` this process alone.
+            ``torch.distributed`` is initialised, ``False`` this process alone,
+            or a ``ProcessGroup``. Under a group, steps take ``data`` (this
+            rank's shard), not a closure.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -247,10 +249,14 @@ class DampedNewton(Optimizer):
         Raises:
             InvalidArgumentError: If neither or both of ``closure`` and ``data``
                 are given, ``data`` without ``model``, a closure with an engine
-                other than BackPACK, a closure that calls ``backward()``, or a
-                negative loss while a group has a ``trust_fraction``.
+                other than BackPACK, a closure that calls ``backward()``, a
+                closure under a process group, or a negative loss while a group
+                has a ``trust_fraction``.
             NonFiniteError: If the loss, the curvature or a step is not finite;
                 the parameters are then left unchanged.
+            DistributedError: Under a process group, if another rank failed or
+                asks for a different step (options, model); the parameters are
+                then left unchanged.
         """
         if (closure is None) == (data is None) or (
             closure is not None and not callable(closure)
