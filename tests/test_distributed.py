@@ -217,3 +217,10 @@ def test_without_a_group_nothing_is_exchanged():
     assert ggn.shards.local_samples == range(SHARDS[2][0])
     assert ggn.communication.sent_bytes == 0
     assert issubclass(DistributedError, RuntimeError)
+
+
+def test_a_group_this_process_is_not_in_is_named():
+    # torch.distributed.new_group returns this marker (an int) on non-members
+    marker = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    with pytest.raises(InvalidArgumentError, match="not a member of process_group"):
+        resolve_group(marker)

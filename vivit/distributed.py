@@ -82,6 +82,16 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
     """
     if process_group is False:
         return None
+    if (
+        dist.is_available()
+        and type(process_group) is int
+        and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    ):  # what torch.distributed.new_group returns on the ranks outside the group
+        raise InvalidArgumentError(
+            "This process is not a member of process_group (new_group returned "
+            "GroupMember.NON_GROUP_MEMBER on this rank): call with process_group "
+            "only on the group's ranks, or pass process_group=False here."
+        )
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
