@@ -276,6 +276,10 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "mismatch": lambda: LowRankGGN(
             model, loss_func, (inputs, targets), mc_samples=1 if last else 0
         ),
+        # targets of another shape per sample (sequences of another length)
+        "sample shape": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets[:, None] if last else targets)
+        ),
         # the same shapes, other values: a replica initialised with another seed
         "model": lambda: LowRankGGN(
             diverged(model) if last else model, loss_func, (inputs, targets)

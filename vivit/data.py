@@ -43,6 +43,15 @@ from vivit.groups import (
 #: (``progress=None``): quick passes print nothing.
 PROGRESS_DELAY = 2.0
 
+#: Why every block of samples needs targets of one shape per sample, and what to do.
+SAMPLE_SHAPE_ADVICE = (
+    "The loss on all samples together needs one shape per sample in every batch "
+    "and shard: each block's mean normalizes over its own positions, so sequences "
+    "of another length cannot be combined (docs/math.rst, 'Data sets and "
+    "processes'). Pad every batch to one length (with CrossEntropyLoss, padding "
+    "targets set to ignore_index), or compute each length on its own."
+)
+
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
 
@@ -101,6 +110,7 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
             f"batches (e.g. a DataLoader), got {type(data).__name__}."
         )
     params = list(model.parameters())
+    first_shape = None
     for index, batch in enumerate(data):
         with naming_batch(index):
             if isinstance(batch, Mapping):
@@ -110,6 +120,13 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
                 )
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
+            shape = tuple(batch[1].shape[1:])
+            first_shape = shape if first_shape is None else first_shape
+            if shape != first_shape:
+                raise InvalidArgumentError(
+                    f"Its targets have the shape {shape} per sample, those of batch "
+                    f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
+                )
         yield batch
 
 

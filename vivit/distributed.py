@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from vivit.data import BlockResult
+from vivit.data import SAMPLE_SHAPE_ADVICE, BlockResult
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import DistributedError, InvalidArgumentError
 from vivit.gram import ParamFactors, SampleBlockFactors
@@ -488,6 +488,11 @@ def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
 
 def _difference(rank: int, key: str, theirs: object, first: object) -> str:
     """How rank ``rank``'s request differs from rank 0's in ``key``."""
+    if key == "target_shape_per_sample":
+        return (
+            f"rank {rank}'s targets have the shape {theirs} per sample, rank 0's "
+            f"{first}. {SAMPLE_SHAPE_ADVICE}"
+        )
     if key != MODEL_STATE or theirs.keys() != first.keys():
         return f"rank {rank} asks for {key} = {theirs!r}, rank 0 for {first!r}"
     names = [name for name in first if theirs[name] != first[name]]

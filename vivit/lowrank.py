@@ -312,6 +312,7 @@ class LowRankGGN:
             gram_dtype=gram_dtype,
             solver=(self._solver, self._solver_tol, self._solver_seed),
             engine=chosen.name,
+            target_shape_per_sample=tuple(data[1].shape[1:]) if single else None,
         )
         blocks_request = block_requests(
             request, model, lambda seed: shards.agree(fingerprint, seed)
