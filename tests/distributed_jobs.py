@@ -288,6 +288,11 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     # refused on every rank alike, before any collective
     optimizer = DampedNewton(model.parameters(), model=model, loss_func=loss_func)
     cases["closure"] = lambda: optimizer.step(lambda: loss_func(model(inputs), targets))
+    # the same curvature, different steps: the replicas would drift apart
+    other_lr = DampedNewton(
+        model.parameters(), lr=0.5 if last else 1.0, model=model, loss_func=loss_func
+    )
+    cases["optimizer"] = lambda: other_lr.step(data=(inputs, targets))
     results = {}
     for name, case in cases.items():
         try:

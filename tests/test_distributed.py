@@ -180,6 +180,9 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         kind, message = failures["sample shape"]
         assert kind == "DistributedError", (kind, message)
         assert f"rank {last}'s targets have the shape (1,) per sample" in message
+        kind, message = failures["optimizer"]
+        assert kind == "DistributedError", (kind, message)
+        assert f"rank {last} uses the optimizer settings [{{'lr': 0.5" in message
         kind, message = failures["model"]
         assert kind == "DistributedError", (kind, message)
         assert f"rank {last}'s model differs from rank 0's in" in message

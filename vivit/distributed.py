@@ -486,6 +486,32 @@ def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
     return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
 
 
+def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
+    """Check that every rank of ``group`` holds the same ``value``.
+
+    One ``all_gather_object``; every rank must call it.
+
+    Args:
+        group: The process group.
+        what: What the value is, for the message.
+        value: This rank's value (picklable, compared with ``==``).
+
+    Raises:
+        DistributedError: On every rank, if a rank's value differs from rank 0's.
+    """
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    differences = [
+        f"rank {rank} uses {what} {theirs!r}, rank 0 {gathered[0]!r}"
+        for rank, theirs in enumerate(gathered)
+        if theirs != gathered[0]
+    ]
+    if differences:
+        raise DistributedError(
+            "; ".join(differences) + ". Every rank must pass the same options."
+        )
+
+
 def _difference(rank: int, key: str, theirs: object, first: object) -> str:
     """How rank ``rank``'s request differs from rank 0's in ``key``."""
     if key == "target_shape_per_sample":

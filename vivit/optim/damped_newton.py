@@ -23,7 +23,7 @@ from vivit._validation import (
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
-from vivit.distributed import resolve_group
+from vivit.distributed import agree_across_ranks, resolve_group
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
@@ -305,6 +305,13 @@ class DampedNewton(Optimizer):
                         "model= and loss_func= and call step(data=(inputs, targets))."
                     )
                 ggn = LowRankGGN.from_loss(closure, groups, **options)
+        process_group = None if data is None else resolve_group(self.process_group)
+        if process_group is not None:  # replicas stay equal only if they step alike
+            agree_across_ranks(
+                process_group,
+                "the optimizer settings",
+                [_step_settings(group) for group in self.param_groups],
+            )
         loss = float(ggn.loss)
         steps = [
             ggn.newton(
@@ -340,6 +347,24 @@ class DampedNewton(Optimizer):
             else []
         )
         return ggn.loss
+
+
+def _step_settings(group: dict) -> dict[str, object]:
+    """A parameter group's step settings, comparable across processes."""
+
+    def described(value: object) -> object:
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if isinstance(value, list | tuple):
+            return [described(v) for v in value]
+        attributes = getattr(value, "__dict__", {})
+        return (
+            type(value).__name__,
+            {k: described(v) for k, v in sorted(attributes.items())},
+        )
+
+    keys = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
+    return {key: described(group[key]) for key in keys}
 
 
 def check_trust_fraction(trust_fraction: object) -> None:
