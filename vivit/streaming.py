@@ -354,8 +354,30 @@ class StreamingGGN:
 
         Returns:
             ``[N·C, K]``.
+
+        Raises:
+            InvalidArgumentError: If ``vectors`` is not a ``[N·C, K]`` tensor of
+                the group's Gram-space type and device.
+            GroupIndexError: If there is no such group.
         """
         self._check_group(group)
+        dtype, device = self._dtypes[group], self._gradients[group][0].device
+        if (
+            not isinstance(vectors, Tensor)
+            or vectors.dim() != 2
+            or vectors.shape[0] != self.num_rows
+            or vectors.dtype != dtype
+            or vectors.device != device
+        ):
+            got = (
+                f"{tuple(vectors.shape)} {vectors.dtype} on {vectors.device}"
+                if isinstance(vectors, Tensor)
+                else type(vectors).__name__
+            )
+            raise InvalidArgumentError(
+                f"vectors must be a [{self.num_rows}, K] tensor (N·C rows, one "
+                f"column per vector) of {dtype} on {device}, got {got}."
+            )
         rows = vectors.T.contiguous()
         products = self._v_products(group, rows, "V·U")
         return self._vt_products(group, products, "Vᵀ·(V·U)").T
