@@ -182,9 +182,9 @@ def request_fingerprint(
     Args:
         loss_func: The loss module (its type, options and weights), if any.
         param_groups: The parameter groups (their shapes and types).
-        model: The network, if any: its parameters' and buffers' values
-            (:class:`TensorChecksum`) must agree too, since each rank runs its
-            shard through its own replica.
+        model: The network, if any: the values of its ``state_dict`` (parameters
+            and persistent buffers; :class:`TensorChecksum`) must agree too,
+            since each rank runs its shard through its own replica.
         **options: Further options that shape the results (MC samples,
             ``gram_dtype``, solver, engine).
 
@@ -196,10 +196,11 @@ def request_fingerprint(
         [(tuple(p.shape), str(p.dtype), p.device.type) for p in group]
         for group in param_groups
     ]
-    if model is not None:
+    if model is not None:  # the state_dict: caches (non-persistent buffers) may differ
         fingerprint[MODEL_STATE] = {
             name: TensorChecksum.of(tensor)
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            for name, tensor in model.state_dict().items()
+            if isinstance(tensor, Tensor)
         }
     if loss_func is not None:
         fingerprint["loss"] = (
