@@ -31,7 +31,7 @@ from distributed_jobs import (
 )
 
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
-from vivit.distributed import ALIGNMENT, resolve_group
+from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
 
 TESTS = Path(__file__).parent
 #: Seconds a whole job may take (typically 5-10 s) before it is killed.
@@ -230,3 +230,17 @@ def test_a_group_this_process_is_not_in_is_named():
     marker = torch.distributed.GroupMember.NON_GROUP_MEMBER
     with pytest.raises(InvalidArgumentError, match="not a member of process_group"):
         resolve_group(marker)
+
+
+def test_model_checksums_cover_the_state_dict_only():
+    """Parameters and persistent buffers must agree across ranks; caches need not."""
+    model = torch.nn.Linear(2, 3)
+    model.register_buffer("statistic", torch.ones(2))
+    model.register_buffer("cache", torch.zeros(4), persistent=False)
+    state = request_fingerprint(None, [], model)["model state"]
+    assert sorted(state) == ["bias", "statistic", "weight"]
+    other = request_fingerprint(None, [], model)["model state"]
+    assert state == other
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-6
+    assert request_fingerprint(None, [], model)["model state"] != state
