@@ -19,6 +19,7 @@ from test_data_loader import split
 from torch.utils.data import DataLoader, TensorDataset
 
 from vivit import (
+    GradientContextError,
     GroupIndexError,
     InvalidArgumentError,
     LowRankGGN,
@@ -155,6 +156,11 @@ def test_misuse():
         ggn.eigh(top_k=None)
     with pytest.raises(GroupIndexError):
         ggn.eigh(top_k=1, group=1)
+    with (
+        torch.inference_mode(),
+        pytest.raises(GradientContextError, match="inside torch.inference_mode"),
+    ):
+        ggn.eigh(top_k=1)  # a later pass, not only the construction
     rows = ggn.num_rows
     for vectors in [
         torch.randn(rows + 1, 2, dtype=torch.float64),  # too many rows

@@ -259,7 +259,12 @@ class StreamingGGN:
         """One pass: runs the engine on every batch and hands its result on.
 
         With ``gradients`` the blocks keep their per-sample-gradient factors.
+
+        Raises:
+            GradientContextError: Inside ``torch.inference_mode()`` (every method
+                that passes over the data runs a backward pass).
         """
+        check_grad_mode("StreamingGGN")
         self.passes += 1
         batches = self._fingerprints.check(iterate_batches(self._data, self._model))
         batches = progress_bar(
