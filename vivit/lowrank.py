@@ -122,9 +122,7 @@ class LowRankGGN:
             (``docs/math.rst``, "Data sets and processes"). The memory of the
             stored factors is estimated from the first batch and a loader that
             cannot fit is refused then (:class:`~vivit.FactorsTooLargeError`,
-            with the alternatives, among them :class:`~vivit.StreamingGGN`);
-            not with ``chunk_size`` (estimate such a pass beforehand with
-            :func:`vivit.memory.estimate_data_set_memory`).
+            with the alternatives, among them :class:`~vivit.StreamingGGN`).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
@@ -328,8 +326,10 @@ class LowRankGGN:
 
         budget = (
             None
-            if single or chunk_size is not None
-            else FactorBudget(num_batches(data), model, mc_samples, request.num_grams)
+            if single
+            else FactorBudget(
+                num_batches(data), model, mc_samples, request.num_grams, chunk_size
+            )
         )
         batches = (
             [data]
@@ -494,7 +494,7 @@ class LowRankGGN:
         it was) and gradients are enabled whatever the caller's context. Each
         run comes with the index of the loader's batch it belongs to (``None``
         for one mini-batch), which an error it raises names. With a ``budget``
-        the stored factors are checked against the memory after every batch.
+        the stored factors are checked against the memory after every block.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -506,11 +506,11 @@ class LowRankGGN:
         blocks: list[list[GroupCurvature]] = []
         union = UnionOutput()
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for index, (batch, run) in enumerate(runs):
+            for batch, run in runs:
                 with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, self.param_groups, self._gram_dtype)
                 if budget:
-                    budget.admit(block.curvature, index)
+                    budget.admit(block.curvature, batch)
                 # under a process group: every rank's shard, in rank order
                 for result in shards.exchange([block], self.param_groups):
                     union.add(result.curvature[0].batch, result.output)
