@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import sys
 import traceback
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -279,10 +280,23 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "mismatch": lambda: LowRankGGN(
             model, loss_func, (inputs, targets), mc_samples=1 if last else 0
         ),
+        # targets of another shape per sample (sequences of another length)
+        "sample shape": lambda: LowRankGGN(
+            model, loss_func, (inputs, targets[:, None] if last else targets)
+        ),
+        # the same shapes, other values: a replica initialised with another seed
+        "model": lambda: LowRankGGN(
+            diverged(model) if last else model, loss_func, (inputs, targets)
+        ),
     }
     # refused on every rank alike, before any collective
     optimizer = DampedNewton(model.parameters(), model=model, loss_func=loss_func)
     cases["closure"] = lambda: optimizer.step(lambda: loss_func(model(inputs), targets))
+    # the same curvature, different steps: the replicas would drift apart
+    other_lr = DampedNewton(
+        model.parameters(), lr=0.5 if last else 1.0, model=model, loss_func=loss_func
+    )
+    cases["optimizer"] = lambda: other_lr.step(data=(inputs, targets))
     results = {}
     for name, case in cases.items():
         try:
@@ -291,6 +305,14 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         except Exception as error:  # noqa: BLE001 - recorded for the test
             results[name] = (type(error).__name__, str(error))
     return results
+
+
+def diverged(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose last parameter is perturbed (same shapes)."""
+    copy = deepcopy(model)
+    with torch.no_grad():
+        list(copy.parameters())[-1].add_(1e-3)
+    return copy
 
 
 def main(job: int, rank: int, world_size: int, rendezvous: str, out: str) -> None:

@@ -193,3 +193,21 @@ def test_chunk_whose_targets_are_all_ignored_is_named():
     assert whole.gram().shape == (15, 15)
     with pytest.raises(InvalidTargetsError, match="samples 2 to 3 .*chunk_size"):
         LowRankGGN(model, loss_func, (X, y), chunk_size=2)
+
+
+def test_errors_in_chunks_name_the_batch_and_advise_only_where_chunking_matters():
+    problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 5
+    wrong = y.clone()
+    wrong[3] = 99  # a bad label: wrong whatever the chunks
+    with pytest.raises(InvalidTargetsError, match="class index 99") as error:
+        LowRankGGN(model, loss_func, (X, wrong), chunk_size=2)
+    assert "chunk_size" not in str(error.value)  # no advice to change it
+    assert "positions count from the chunk's first sample" in str(error.value)
+    loader = [(X[:2], y[:2]), (X, wrong)]
+    with pytest.raises(InvalidTargetsError, match="^Batch 1 of the data loader: Chunk"):
+        LowRankGGN(model, loss_func, loader, chunk_size=2)
+    # the last chunk (1 sample) of chunk_size=2 is not called chunk_size=1
+    ignore = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    with pytest.raises(InvalidTargetsError, match="samples 4 to 4 .*larger chunk_size"):
+        LowRankGGN(model, ignore, (X, torch.tensor([0, 1, 2, 0, -1])), chunk_size=2)

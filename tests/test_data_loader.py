@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import vivit.data
-from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN
+from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
 
 REL = 1e-10
 #: Uneven batch sizes for a mini-batch of ``N`` samples (the tests' N are 3 to 6).
@@ -311,6 +311,11 @@ def test_misuse():
         LowRankGGN(model, loss_func, [(X, y)], subsampling=[0])
     with pytest.raises(InvalidArgumentError, match="iterable of such batches"):
         LowRankGGN(model, loss_func, 3)
+    # a batch as a dict (iterating it would yield its keys, "got a str")
+    with pytest.raises(InvalidArgumentError, match="got a dict with keys"):
+        LowRankGGN(model, loss_func, {"x": X, "y": y})
+    with pytest.raises(InvalidArgumentError, match="Batch 0 .* got a dict with keys"):
+        LowRankGGN(model, loss_func, [{"x": X, "y": y}])
 
 
 def test_progress_bar(capsys):
@@ -346,3 +351,32 @@ def test_gradient_samples_count_over_all_batches():
     )
     for a, b in zip(step, step_s, strict=True):
         assert_rel(a, b, 1e-8)
+
+
+class _PerPosition(nn.Module):
+    """Per-position classifier of sequences ``[N, T, 3] -> [N, 4, T]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.linear(x).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1])
+def test_batches_whose_outputs_differ_in_shape_are_refused(mc_samples):
+    """Sequences of another length per batch: each batch's per-sample losses are
+    normalized by its own length, so no union of them is the loss on all samples
+    (a silently wrong loss, gradient and GGN from StreamingGGN before)."""
+    model = _PerPosition().double()
+    loss_func = nn.CrossEntropyLoss()
+    batches = [
+        (torch.randn(3, 4, 3, dtype=torch.float64), torch.randint(0, 4, (3, 4))),
+        (torch.randn(2, 6, 3, dtype=torch.float64), torch.randint(0, 4, (2, 6))),
+    ]
+    match = "Batch 1 .* shape \\(6,\\) per sample, those of batch 0 \\(4,\\)"
+    with pytest.raises(InvalidArgumentError, match=match):
+        LowRankGGN(model, loss_func, batches, mc_samples=mc_samples, engine="func")
+    with pytest.raises(InvalidArgumentError, match=match):
+        StreamingGGN(model, loss_func, batches, mc_samples=mc_samples, engine="func")

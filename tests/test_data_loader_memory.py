@@ -141,3 +141,19 @@ def test_dense_solver_refused_after_the_first_batch_when_its_gram_cannot_fit(
         LowRankGGN(model, loss_func, loader, solver="dense")
     assert loader.taken == 1
     LowRankGGN(model, loss_func, Counting(batches))  # on demand: not refused
+
+
+def test_a_loader_in_chunks_is_checked_too(loader_setup, monkeypatch):
+    """chunk_size skipped the check: a loader that cannot fit ran to the end."""
+    model, loss_func, batches = loader_setup
+    batches = [(torch.cat([x] * 3), torch.cat([y] * 3)) for x, y in batches]
+    one = first_batch_bytes(model, loss_func, batches)
+    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 3 * one)
+    loader = Counting(batches)
+    with pytest.raises(FactorsTooLargeError, match="first 1 of 4 batches"):
+        LowRankGGN(model, loss_func, loader, chunk_size=1)
+    assert loader.taken == 1  # refused after the chunks of the first batch
+    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 2**40)
+    chunked = LowRankGGN(model, loss_func, Counting(batches), chunk_size=1)
+    whole = LowRankGGN(model, loss_func, Counting(batches))
+    torch.testing.assert_close(chunked.gram(), whole.gram(), rtol=1e-10, atol=1e-12)

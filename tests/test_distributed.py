@@ -31,7 +31,7 @@ from distributed_jobs import (
 )
 
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
-from vivit.distributed import ALIGNMENT, resolve_group
+from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
 
 TESTS = Path(__file__).parent
 #: Seconds a whole job may take (typically 5-10 s) before it is killed.
@@ -178,6 +178,15 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         kind, message = failures["mismatch"]
         assert kind == "DistributedError"
         assert f"rank {last} asks for mc_samples = 1, rank 0 for 0" in message
+        kind, message = failures["sample shape"]
+        assert kind == "DistributedError", (kind, message)
+        assert f"rank {last}'s targets have the shape (1,) per sample" in message
+        kind, message = failures["optimizer"]
+        assert kind == "DistributedError", (kind, message)
+        assert f"rank {last} uses the optimizer settings [{{'lr': 0.5" in message
+        kind, message = failures["model"]
+        assert kind == "DistributedError", (kind, message)
+        assert f"rank {last}'s model differs from rank 0's in" in message
         kind, message = failures["closure"]
         assert kind == "InvalidArgumentError"
         assert "call step(data=(inputs, targets))" in message
@@ -215,3 +224,24 @@ def test_without_a_group_nothing_is_exchanged():
     assert ggn.shards.local_samples == range(SHARDS[2][0])
     assert ggn.communication.sent_bytes == 0
     assert issubclass(DistributedError, RuntimeError)
+
+
+def test_a_group_this_process_is_not_in_is_named():
+    # torch.distributed.new_group returns this marker (an int) on non-members
+    marker = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    with pytest.raises(InvalidArgumentError, match="not a member of process_group"):
+        resolve_group(marker)
+
+
+def test_model_checksums_cover_the_state_dict_only():
+    """Parameters and persistent buffers must agree across ranks; caches need not."""
+    model = torch.nn.Linear(2, 3)
+    model.register_buffer("statistic", torch.ones(2))
+    model.register_buffer("cache", torch.zeros(4), persistent=False)
+    state = request_fingerprint(None, [], model)["model state"]
+    assert sorted(state) == ["bias", "statistic", "weight"]
+    other = request_fingerprint(None, [], model)["model state"]
+    assert state == other
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-6
+    assert request_fingerprint(None, [], model)["model state"] != state

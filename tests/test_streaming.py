@@ -19,6 +19,7 @@ from test_data_loader import split
 from torch.utils.data import DataLoader, TensorDataset
 
 from vivit import (
+    GradientContextError,
     GroupIndexError,
     InvalidArgumentError,
     LowRankGGN,
@@ -155,6 +156,20 @@ def test_misuse():
         ggn.eigh(top_k=None)
     with pytest.raises(GroupIndexError):
         ggn.eigh(top_k=1, group=1)
+    with (
+        torch.inference_mode(),
+        pytest.raises(GradientContextError, match="inside torch.inference_mode"),
+    ):
+        ggn.eigh(top_k=1)  # a later pass, not only the construction
+    rows = ggn.num_rows
+    for vectors in [
+        torch.randn(rows + 1, 2, dtype=torch.float64),  # too many rows
+        torch.randn(rows, 2),  # float32 for float64 products
+        torch.randn(rows, 2, 1, dtype=torch.float64),
+        [[0.0] * 2] * rows,
+    ]:
+        with pytest.raises(InvalidArgumentError, match="vectors must be"):
+            ggn.gram_matmul(vectors)
 
 
 def test_shuffling_with_the_global_random_state_repeats_in_every_pass():

@@ -23,7 +23,9 @@ from vivit.memory import estimate_memory
 logger = logging.getLogger("vivit")
 
 
-def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
+def stored_bytes(
+    curvatures: Iterable[GroupCurvature], counted: dict[tuple, int] | None = None
+) -> int:
     """Bytes the factors of ``V`` and of the per-sample gradients keep alive.
 
     Tensors that share memory (a layer's inputs serve both) count once; a view
@@ -31,9 +33,11 @@ def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
 
     Args:
         curvatures: Groups' curvature with their factors kept.
+        counted: Storages counted before (e.g. by the earlier chunks of a batch,
+            whose inputs are views of the batch's); updated, and not counted again.
 
     Returns:
-        The bytes.
+        The bytes of the storages not counted before.
     """
     storages: dict[tuple, int] = {}
     for curvature in curvatures:
@@ -41,7 +45,11 @@ def stored_bytes(curvatures: Iterable[GroupCurvature]) -> int:
         for tensor in (t for f in factors for t in f.tensors()):
             storage = tensor.untyped_storage()
             storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    if counted is None:
+        return sum(storages.values())
+    new = {key: size for key, size in storages.items() if key not in counted}
+    counted.update(new)
+    return sum(new.values())
 
 
 def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
@@ -83,18 +91,28 @@ class FactorBudget:
     ``tests/test_data_loader_memory.py`` checks the estimate against the
     measured peak. A request for the dense solver (``num_grams``) also checks,
     after the first batch, that the Gram matrices of all samples will fit
-    (``B`` times the first batch's rows).
+    (``B`` times the first batch's rows). With ``chunk_size`` every chunk is
+    accounted to its batch as it comes, one chunk's pass stands for one batch's,
+    and the Gram matrices are checked when they are formed.
 
     Args:
         total: Number of batches ``B`` (``None``: unknown).
         model: The network (its parameters' device).
         mc_samples: Monte-Carlo samples per datum of the request.
         num_grams: Gram matrices the request forms (``0``: on demand only).
+        chunk_size: Most samples per backward pass (``None``: whole batches).
     """
 
     def __init__(
-        self, total: int | None, model: Module, mc_samples: int, num_grams: int = 0
+        self,
+        total: int | None,
+        model: Module,
+        mc_samples: int,
+        num_grams: int = 0,
+        chunk_size: int | None = None,
     ):
+        self._chunk_size = chunk_size
+        self._counted: dict[tuple, int] = {}
         self._total = total
         self._num_grams = num_grams
         self._model = model
@@ -116,9 +134,11 @@ class FactorBudget:
         Yields:
             The batches.
         """
+        first = True
         for batch in batches:
-            if self._first_inputs is None:
-                self._first_inputs = batch[0]
+            if first:
+                self._first_inputs = batch[0][: self._chunk_size]
+                first = False
             yield batch
 
     def _batch_pass(self, stored: int) -> int:
@@ -144,19 +164,20 @@ class FactorBudget:
         """Account for a batch's stored factors; raise if the loader cannot fit.
 
         Args:
-            curvature: The batch's curvature of every group, factors kept.
-            index: Its position in the loader.
+            curvature: The batch's (or one of its chunks') curvature of every
+                group, factors kept.
+            index: The batch's position in the loader.
 
         Raises:
             FactorsTooLargeError: If the estimate exceeds the available memory.
             GramTooLargeError: If the dense solver's Gram matrices of all
                 samples would not fit.
         """
-        stored = stored_bytes(curvature)
-        if index == 0:
+        stored = stored_bytes(curvature, self._counted)
+        if self._first_inputs is not None:  # the first batch's first block
             self._transient = self._batch_pass(stored)
             self._first_inputs = None
-            if self._num_grams and self._total is not None:
+            if self._num_grams and self._total is not None and not self._chunk_size:
                 factors = curvature[0].ggn_factors[0]
                 check_gram_fits(
                     factors.num_rows * self._total,

@@ -111,8 +111,9 @@ def run_chunk(
         The chunk's loss and gradient (of the loss on the chunk alone).
 
     Raises:
-        InvalidTargetsError: If every target of a chunk is ignored (its loss is
-            ``0/0``), naming the chunk.
+        InvalidTargetsError: For malformed targets of a chunk, naming its samples;
+            if every target of a chunk is ignored (its loss is ``0/0``, though
+            the whole batch's need not be), with the advice to use larger chunks.
     """
     if not chunk.has_curvature:
         sink = _WithoutCurvature(sink)
@@ -121,10 +122,15 @@ def run_chunk(
     except InvalidTargetsError as error:
         if chunk.samples is None:
             raise
+        # the loss's own messages call an empty mean 0/0 (vivit.losses)
+        advice = (
+            " Each chunk is a loss of its own: use a larger chunk_size, or None."
+            if "0/0" in str(error)
+            else ""
+        )
         raise InvalidTargetsError(
             f"Chunk of samples {chunk.samples.start} to {chunk.samples.stop - 1} "
-            f"(chunk_size={len(chunk.samples)}): {error} Each chunk is a loss of "
-            "its own: use a larger chunk_size, or None."
+            f"(positions count from the chunk's first sample): {error}{advice}"
         ) from None
 
 

@@ -11,7 +11,7 @@ the losses and gradients summed with the weights ``R_union / R_block``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,6 +42,15 @@ from vivit.groups import (
 #: Seconds a pass over the data runs before its progress bar appears
 #: (``progress=None``): quick passes print nothing.
 PROGRESS_DELAY = 2.0
+
+#: Why every block of samples needs targets of one shape per sample, and what to do.
+SAMPLE_SHAPE_ADVICE = (
+    "The loss on all samples together needs one shape per sample in every batch "
+    "and shard: each block's mean normalizes over its own positions, so sequences "
+    "of another length cannot be combined (docs/math.rst, 'Data sets and "
+    "processes'). Pad every batch to one length (with CrossEntropyLoss, padding "
+    "targets set to ignore_index), or compute each length on its own."
+)
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -90,17 +99,44 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
             them, or a batch is malformed (the message names the batch).
     """
+    if isinstance(data, Mapping):
+        raise InvalidArgumentError(
+            "data must be a pair (inputs, targets) of tensors or an iterable of such "
+            f"batches (e.g. a DataLoader), {_dict_summary(data)}."
+        )
     if isinstance(data, Tensor | str | bytes) or not isinstance(data, Iterable):
         raise InvalidArgumentError(
             "data must be a pair (inputs, targets) of tensors or an iterable of such "
             f"batches (e.g. a DataLoader), got {type(data).__name__}."
         )
     params = list(model.parameters())
+    first_shape = None
     for index, batch in enumerate(data):
         with naming_batch(index):
+            if isinstance(batch, Mapping):
+                raise InvalidArgumentError(
+                    "data must be a pair (inputs, targets) of tensors, "
+                    f"{_dict_summary(batch)}."
+                )
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
+            shape = tuple(batch[1].shape[1:])
+            first_shape = shape if first_shape is None else first_shape
+            if shape != first_shape:
+                raise InvalidArgumentError(
+                    f"Its targets have the shape {shape} per sample, those of batch "
+                    f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
+                )
         yield batch
+
+
+def _dict_summary(batch: Mapping) -> str:
+    """What a batch given as a dict is, and how to pass it instead."""
+    return (
+        f"got a dict with keys {list(batch)}: pass (inputs, targets), e.g. "
+        "(batch['inputs'], batch['targets']), or give the DataLoader a collate_fn "
+        "that returns that pair"
+    )
 
 
 @contextmanager

@@ -12,7 +12,8 @@ Protocol of one construction:
 
 1. *Request round* (``all_gather_object``, before the backward pass): every rank
    sends a fingerprint of its request (MC samples, ``gram_dtype``, loss options,
-   parameter shapes, solver) and its Monte-Carlo seed. A mismatch is refused on
+   parameter shapes, solver, checksums of the model's parameters and buffers)
+   and its Monte-Carlo seed. A mismatch is refused on
    every rank; all ranks use rank 0's seed.
 2. *Block round* (``all_gather_object``, after the local backward pass): every
    rank sends whether it succeeded and, if so, the description of its block
@@ -50,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from vivit.data import BlockResult
+from vivit.data import SAMPLE_SHAPE_ADVICE, BlockResult
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import DistributedError, InvalidArgumentError
 from vivit.gram import ParamFactors, SampleBlockFactors
@@ -58,6 +59,9 @@ from vivit.groups import GroupCurvature
 
 #: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
 ALIGNMENT = 64
+
+#: Key of the model's parameter and buffer checksums in a request's fingerprint.
+MODEL_STATE = "model state"
 
 
 def resolve_group(process_group: object) -> dist.ProcessGroup | None:
@@ -78,6 +82,16 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
     """
     if process_group is False:
         return None
+    if (
+        dist.is_available()
+        and type(process_group) is int
+        and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    ):  # what torch.distributed.new_group returns on the ranks outside the group
+        raise InvalidArgumentError(
+            "This process is not a member of process_group (new_group returned "
+            "GroupMember.NON_GROUP_MEMBER on this rank): call with process_group "
+            "only on the group's ranks, or pass process_group=False here."
+        )
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
@@ -117,14 +131,60 @@ def local_module(model: Module) -> Module:
     return model
 
 
+@dataclass(frozen=True, eq=False)
+class TensorChecksum:
+    """Sum and Euclidean norm of a tensor, in float64.
+
+    Equal tensors match whatever the order of summation (different numbers of
+    threads): two checksums match if both agree to ``1e-9`` of the norm.
+
+    Attributes:
+        total: Sum of the entries.
+        norm: Euclidean norm of the entries.
+    """
+
+    total: float
+    norm: float
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorChecksum:
+        """The checksum of ``tensor`` (no copy of a floating-point tensor)."""
+        tensor = tensor.detach()
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        elif not tensor.is_floating_point():
+            tensor = tensor.double()
+        return cls(
+            float(torch.sum(tensor, dtype=torch.float64)),
+            float(torch.linalg.vector_norm(tensor, dtype=torch.float64)),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorChecksum):
+            return NotImplemented
+        tolerance = 1e-9 * max(self.norm, other.norm)
+        return (
+            abs(self.total - other.total) <= tolerance
+            and abs(self.norm - other.norm) <= tolerance
+        )
+
+    __hash__ = None
+
+
 def request_fingerprint(
-    loss_func: Module | None, param_groups: list[list[Tensor]], **options: object
+    loss_func: Module | None,
+    param_groups: list[list[Tensor]],
+    model: Module | None = None,
+    **options: object,
 ) -> dict[str, object]:
     """What every rank of a group must ask for identically.
 
     Args:
         loss_func: The loss module (its type, options and weights), if any.
         param_groups: The parameter groups (their shapes and types).
+        model: The network, if any: the values of its ``state_dict`` (parameters
+            and persistent buffers; :class:`TensorChecksum`) must agree too,
+            since each rank runs its shard through its own replica.
         **options: Further options that shape the results (MC samples,
             ``gram_dtype``, solver, engine).
 
@@ -136,6 +196,12 @@ def request_fingerprint(
         [(tuple(p.shape), str(p.dtype), p.device.type) for p in group]
         for group in param_groups
     ]
+    if model is not None:  # the state_dict: caches (non-persistent buffers) may differ
+        fingerprint[MODEL_STATE] = {
+            name: TensorChecksum.of(tensor)
+            for name, tensor in model.state_dict().items()
+            if isinstance(tensor, Tensor)
+        }
     if loss_func is not None:
         fingerprint["loss"] = (
             type(loss_func).__name__,
@@ -421,6 +487,50 @@ def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
     return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
 
 
+def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
+    """Check that every rank of ``group`` holds the same ``value``.
+
+    One ``all_gather_object``; every rank must call it.
+
+    Args:
+        group: The process group.
+        what: What the value is, for the message.
+        value: This rank's value (picklable, compared with ``==``).
+
+    Raises:
+        DistributedError: On every rank, if a rank's value differs from rank 0's.
+    """
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    differences = [
+        f"rank {rank} uses {what} {theirs!r}, rank 0 {gathered[0]!r}"
+        for rank, theirs in enumerate(gathered)
+        if theirs != gathered[0]
+    ]
+    if differences:
+        raise DistributedError(
+            "; ".join(differences) + ". Every rank must pass the same options."
+        )
+
+
+def _difference(rank: int, key: str, theirs: object, first: object) -> str:
+    """How rank ``rank``'s request differs from rank 0's in ``key``."""
+    if key == "target_shape_per_sample":
+        return (
+            f"rank {rank}'s targets have the shape {theirs} per sample, rank 0's "
+            f"{first}. {SAMPLE_SHAPE_ADVICE}"
+        )
+    if key != MODEL_STATE or theirs.keys() != first.keys():
+        return f"rank {rank} asks for {key} = {theirs!r}, rank 0 for {first!r}"
+    names = [name for name in first if theirs[name] != first[name]]
+    return (
+        f"rank {rank}'s model differs from rank 0's in {', '.join(names)} (every "
+        "rank must run the same model: seed its initialisation alike or load the "
+        "same state_dict; DistributedDataParallel broadcasts rank 0's when it "
+        "wraps the model)"
+    )
+
+
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
@@ -499,7 +609,7 @@ class ShardExchange:
         gathered = self._round((fingerprint, seed))
         first = gathered[0][0]
         differences = [
-            f"rank {rank} asks for {key} = {theirs[key]!r}, rank 0 for {first[key]!r}"
+            _difference(rank, key, theirs[key], first[key])
             for rank, (theirs, _) in enumerate(gathered)
             for key in first
             if theirs.get(key) != first[key]

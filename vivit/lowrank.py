@@ -305,10 +305,12 @@ class LowRankGGN:
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
+            model if shards.group is not None else None,  # checksums: ranks only
             mc_samples=mc_samples,
             gram_dtype=gram_dtype,
             solver=(self._solver, self._solver_tol, self._solver_seed),
             engine=chosen.name,
+            target_shape_per_sample=tuple(data[1].shape[1:]) if single else None,
         )
         blocks_request = block_requests(
             request, model, lambda seed: shards.agree(fingerprint, seed)
@@ -324,8 +326,10 @@ class LowRankGGN:
 
         budget = (
             None
-            if single or chunk_size is not None
-            else FactorBudget(num_batches(data), model, mc_samples, request.num_grams)
+            if single
+            else FactorBudget(
+                num_batches(data), model, mc_samples, request.num_grams, chunk_size
+            )
         )
         batches = (
             [data]
@@ -340,13 +344,13 @@ class LowRankGGN:
             )
         )
         chunks = (
-            chunk
-            for batch in batches
+            (None if single else batch_index, chunk)
+            for batch_index, batch in enumerate(batches)
             for chunk in split_batch(batch, chunk_size, request.subsampling)
         )
         runs = (
-            chunk_run(index, chunk)
-            for index, chunk in enumerate(chunks, start=shards.rank)
+            (batch_index, chunk_run(index, chunk))
+            for index, (batch_index, chunk) in enumerate(chunks, start=shards.rank)
         )
         self._run(chosen.name, runs, names, budget, shards)
         if shards.group is None and (chunk_size is not None or not single):
@@ -419,7 +423,12 @@ class LowRankGGN:
         compute_loss = loss if callable(loss) else lambda: loss
         ggn._run(
             BackpackEngine.name,
-            [lambda sink: BackpackEngine().run_loss(compute_loss, request, sink)],
+            [
+                (
+                    None,
+                    lambda sink: BackpackEngine().run_loss(compute_loss, request, sink),
+                )
+            ],
             {},
         )
         return ggn
@@ -470,21 +479,22 @@ class LowRankGGN:
     def _run(
         self,
         engine: str,
-        runs: Iterable[BlockRun],
+        runs: Iterable[tuple[int | None, BlockRun]],
         names: dict[int, str],
         budget: FactorBudget | None = None,
         shards: ShardExchange | None = None,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
-        Each run computes one block of samples (a mini-batch, a loader's batch,
-        this rank's shard); with a process group (``shards``) every rank's block
-        is exchanged. The blocks' curvature, losses and gradients are combined
-        into those of the loss on all samples together. The random number
-        generators are forked (the caller's state is left as it was) and gradients
-        are enabled whatever the caller's context. With a ``budget`` (a data
-        loader) an error names the batch it concerns, and the stored factors are
-        checked against the memory after every batch.
+        Each run computes one block of samples (a mini-batch, a loader's batch or
+        a chunk of either, this rank's shard); with a process group (``shards``)
+        every rank's block is exchanged. The blocks' curvature, losses and
+        gradients are combined into those of the loss on all samples together.
+        The random number generators are forked (the caller's state is left as
+        it was) and gradients are enabled whatever the caller's context. Each
+        run comes with the index of the loader's batch it belongs to (``None``
+        for one mini-batch), which an error it raises names. With a ``budget``
+        the stored factors are checked against the memory after every block.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -496,11 +506,11 @@ class LowRankGGN:
         blocks: list[list[GroupCurvature]] = []
         union = UnionOutput()
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for index, run in enumerate(runs):
-                with naming_batch(index) if budget else nullcontext():
+            for batch, run in runs:
+                with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, self.param_groups, self._gram_dtype)
                 if budget:
-                    budget.admit(block.curvature, index)
+                    budget.admit(block.curvature, batch)
                 # under a process group: every rank's shard, in rank order
                 for result in shards.exchange([block], self.param_groups):
                     union.add(result.curvature[0].batch, result.output)

@@ -160,7 +160,8 @@ class StreamingGGN:
     eigenpairs of the latest request per group are kept.
     The loader must be re-iterable and yield the same batches every time
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
-    checked batch by batch.
+    checked batch by batch. One process's loader: under ``torch.distributed``
+    each rank streams over its own loader alone (no union of the ranks).
 
     Example::
 
@@ -258,7 +259,12 @@ class StreamingGGN:
         """One pass: runs the engine on every batch and hands its result on.
 
         With ``gradients`` the blocks keep their per-sample-gradient factors.
+
+        Raises:
+            GradientContextError: Inside ``torch.inference_mode()`` (every method
+                that passes over the data runs a backward pass).
         """
+        check_grad_mode("StreamingGGN")
         self.passes += 1
         batches = self._fingerprints.check(iterate_batches(self._data, self._model))
         batches = progress_bar(
@@ -353,8 +359,30 @@ class StreamingGGN:
 
         Returns:
             ``[N·C, K]``.
+
+        Raises:
+            InvalidArgumentError: If ``vectors`` is not a ``[N·C, K]`` tensor of
+                the group's Gram-space type and device.
+            GroupIndexError: If there is no such group.
         """
         self._check_group(group)
+        dtype, device = self._dtypes[group], self._gradients[group][0].device
+        if (
+            not isinstance(vectors, Tensor)
+            or vectors.dim() != 2
+            or vectors.shape[0] != self.num_rows
+            or vectors.dtype != dtype
+            or vectors.device != device
+        ):
+            got = (
+                f"{tuple(vectors.shape)} {vectors.dtype} on {vectors.device}"
+                if isinstance(vectors, Tensor)
+                else type(vectors).__name__
+            )
+            raise InvalidArgumentError(
+                f"vectors must be a [{self.num_rows}, K] tensor (N·C rows, one "
+                f"column per vector) of {dtype} on {device}, got {got}."
+            )
         rows = vectors.T.contiguous()
         products = self._v_products(group, rows, "V·U")
         return self._vt_products(group, products, "Vᵀ·(V·U)").T

@@ -23,7 +23,7 @@ from vivit._validation import (
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
-from vivit.distributed import resolve_group
+from vivit.distributed import agree_across_ranks, resolve_group
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
@@ -146,7 +146,9 @@ class DampedNewton(Optimizer):
             :class:`~vivit.LowRankGGN`); closures always use BackPACK.
         process_group: The processes whose shards make up each step's batch
             (see :class:`~vivit.LowRankGGN`): ``None`` the default group if
-            ``torch.distributed`` is initialised, ``False`` this process alone.
+            ``torch.distributed`` is initialised, ``False`` this process alone,
+            or a ``ProcessGroup``. Under a group, steps take ``data`` (this
+            rank's shard), not a closure.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -247,10 +249,14 @@ class DampedNewton(Optimizer):
         Raises:
             InvalidArgumentError: If neither or both of ``closure`` and ``data``
                 are given, ``data`` without ``model``, a closure with an engine
-                other than BackPACK, a closure that calls ``backward()``, or a
-                negative loss while a group has a ``trust_fraction``.
+                other than BackPACK, a closure that calls ``backward()``, a
+                closure under a process group, or a negative loss while a group
+                has a ``trust_fraction``.
             NonFiniteError: If the loss, the curvature or a step is not finite;
                 the parameters are then left unchanged.
+            DistributedError: Under a process group, if another rank failed or
+                asks for a different step (options, model); the parameters are
+                then left unchanged.
         """
         if (closure is None) == (data is None) or (
             closure is not None and not callable(closure)
@@ -299,6 +305,13 @@ class DampedNewton(Optimizer):
                         "model= and loss_func= and call step(data=(inputs, targets))."
                     )
                 ggn = LowRankGGN.from_loss(closure, groups, **options)
+        process_group = None if data is None else resolve_group(self.process_group)
+        if process_group is not None:  # replicas stay equal only if they step alike
+            agree_across_ranks(
+                process_group,
+                "the optimizer settings",
+                [_step_settings(group) for group in self.param_groups],
+            )
         loss = float(ggn.loss)
         steps = [
             ggn.newton(
@@ -334,6 +347,24 @@ class DampedNewton(Optimizer):
             else []
         )
         return ggn.loss
+
+
+def _step_settings(group: dict) -> dict[str, object]:
+    """A parameter group's step settings, comparable across processes."""
+
+    def described(value: object) -> object:
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        if isinstance(value, list | tuple):
+            return [described(v) for v in value]
+        attributes = getattr(value, "__dict__", {})
+        return (
+            type(value).__name__,
+            {k: described(v) for k, v in sorted(attributes.items())},
+        )
+
+    keys = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
+    return {key: described(group[key]) for key in keys}
 
 
 def check_trust_fraction(trust_fraction: object) -> None:
