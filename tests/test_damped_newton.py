@@ -9,7 +9,9 @@ import torch
 from backpack import extend
 from torch import nn
 
-from vivit import LowRankGGN
+import vivit.lowrank
+from vivit import InvalidArgumentError, LowRankGGN
+from vivit.chunks import split_batch
 from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
 
 DTYPE = torch.float64
@@ -215,3 +217,44 @@ def test_gram_dtype_and_solver_reach_the_step(solver, monkeypatch):
     scale = steps[0].abs().max()
     assert scale > 0
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-4 * scale)
+
+
+def test_chunked_steps_are_those_of_the_whole_batch(monkeypatch):
+    """chunk_size reaches every step: exact GGN, float64, equal to 1e-12."""
+    model, loss_func, X, y = classification_problem()
+    chunks = []
+
+    def recording_split(batch, chunk_size, subsampling):
+        pieces = list(split_batch(batch, chunk_size, subsampling))
+        chunks.append(len(pieces))
+        return pieces
+
+    monkeypatch.setattr(vivit.lowrank, "split_batch", recording_split)
+    params = {}
+    for chunk_size in (None, 7):
+        net = copy.deepcopy(model)
+        optimizer = DampedNewton(
+            net.parameters(),
+            damping=0.1,
+            top_k=4,
+            model=net,
+            loss_func=loss_func,
+            chunk_size=chunk_size,
+        )
+        for _ in range(3):
+            optimizer.step(data=(X, y))
+        params[chunk_size] = torch.cat([p.detach().flatten() for p in net.parameters()])
+    assert chunks == [1] * 3 + [5] * 3  # 30 samples in chunks of 7
+    torch.testing.assert_close(params[7], params[None], rtol=0, atol=1e-12)
+    assert not torch.allclose(
+        params[None], torch.cat([p.detach().flatten() for p in model.parameters()])
+    )
+
+
+def test_chunk_size_with_a_closure_is_refused():
+    model, loss_func, X, y = classification_problem()
+    optimizer = DampedNewton(model.parameters(), chunk_size=4)
+    with pytest.raises(InvalidArgumentError, match="step\\(data="):
+        optimizer.step(lambda: loss_func(model(X), y))
+    with pytest.raises(InvalidArgumentError, match="chunk_size"):
+        DampedNewton(model.parameters(), chunk_size=0)

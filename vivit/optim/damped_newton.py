@@ -21,6 +21,7 @@ from vivit._validation import (
     check_subsampling,
     optimizer_param_groups,
 )
+from vivit.chunks import check_chunk_size
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
 from vivit.distributed import agree_across_ranks, resolve_group
@@ -149,6 +150,9 @@ class DampedNewton(Optimizer):
             ``torch.distributed`` is initialised, ``False`` this process alone,
             or a ``ProcessGroup``. Under a group, steps take ``data`` (this
             rank's shard), not a closure.
+        chunk_size: Most samples per backward pass for steps given ``data`` (see
+            :class:`~vivit.LowRankGGN`; ``None``: the whole batch); the step is
+            that of the whole batch.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -179,6 +183,7 @@ class DampedNewton(Optimizer):
         loss_func: Module | None = None,
         engine: str | Engine = "auto",
         process_group: ProcessGroup | bool | None = None,
+        chunk_size: int | None = None,
     ):
         check_grad_mode("DampedNewton")
         if (
@@ -203,6 +208,7 @@ class DampedNewton(Optimizer):
         check_generator(generator)
         check_gram_dtype(gram_dtype)
         check_solver(solver)
+        check_chunk_size(chunk_size)
         params = optimizer_param_groups(params)
         defaults = {
             "lr": lr,
@@ -225,6 +231,7 @@ class DampedNewton(Optimizer):
         self.gram_dtype, self.solver = gram_dtype, solver
         self.model, self.loss_func, self.engine = model, loss_func, engine
         self.process_group = process_group
+        self.chunk_size = chunk_size
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
@@ -288,9 +295,16 @@ class DampedNewton(Optimizer):
                     param_groups=groups,
                     engine=self.engine,
                     process_group=self.process_group,
+                    chunk_size=self.chunk_size,
                     **options,
                 )
             else:
+                if self.chunk_size is not None:
+                    raise InvalidArgumentError(
+                        "chunk_size splits a batch the optimizer computes itself: "
+                        "call step(data=(inputs, targets)) (optimizer built with "
+                        "model= and loss_func=), not a closure."
+                    )
                 if resolve_group(self.process_group) is not None:
                     raise InvalidArgumentError(
                         "A closure's loss is this process's alone: under a process "
