@@ -15,6 +15,8 @@ Eigenvalues against the reference as in ``tests/checks.py``.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from checks import (
@@ -380,3 +382,14 @@ def test_batches_whose_outputs_differ_in_shape_are_refused(mc_samples):
         LowRankGGN(model, loss_func, batches, mc_samples=mc_samples, engine="func")
     with pytest.raises(InvalidArgumentError, match=match):
         StreamingGGN(model, loss_func, batches, mc_samples=mc_samples, engine="func")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes: 3.11+")
+def test_a_model_error_in_a_batch_names_the_batch():
+    """The model's own error keeps its type and gains a note naming the batch."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    X, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    batches = [(X[:2], y[:2]), (torch.randn(3, 6), y[2:])]
+    with pytest.raises(RuntimeError) as info:
+        LowRankGGN(model, torch.nn.CrossEntropyLoss(), batches)
+    assert "(in batch 1 of the data loader)" in getattr(info.value, "__notes__", [])

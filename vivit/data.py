@@ -148,12 +148,18 @@ def naming_batch(index: int) -> Iterator[None]:
 
     Raises:
         VivitError: The error raised inside, of the same type, its message
-            starting with ``"Batch {index} of the data loader: "``.
+            starting with ``"Batch {index} of the data loader: "``. Any other
+            exception (e.g. the model's own shape error) is raised as it is, with
+            a note naming the batch (Python 3.11 and later).
     """
     try:
         yield
     except VivitError as error:
         raise type(error)(f"Batch {index} of the data loader: {error}") from None
+    except Exception as error:
+        if hasattr(error, "add_note"):  # Python ≥ 3.11
+            error.add_note(f"(in batch {index} of the data loader)")
+        raise
 
 
 def run_block(
