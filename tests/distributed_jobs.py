@@ -14,16 +14,22 @@ import sys
 import traceback
 from copy import deepcopy
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from problems import ARCHITECTURES
 from torch import Tensor, nn
 
 from vivit import LowRankGGN
+from vivit.data import block_generator
 from vivit.optim import DampedNewton
 
 #: Shard sizes per world size (uneven on purpose).
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
+
+#: Batch sizes of each rank's loader over its shard (``Scenario.loader``): uneven
+#: numbers of uneven batches, none whose every target ``ce_weighted`` ignores.
+LOADERS = {2: ((2, 1), (2, 1, 2)), 3: ((2,), (1, 3), (2, 1))}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Scenario:
             backwards (local indices).
         solver: The constructor's solver (``"matrix_free"``: no Gram matrix is
             formed at construction).
+        loader: Each rank passes a loader over its shard (batches ``LOADERS``).
     """
 
     architecture: str
@@ -52,6 +59,7 @@ class Scenario:
     layer_groups: bool = False
     subsample: bool = False
     solver: str = "auto"
+    loader: bool = False
 
 
 SCENARIOS = {
@@ -68,12 +76,29 @@ SCENARIOS = {
     "mlp-mse-func-subsampled-matrix-free": Scenario(
         "mlp_relu", "mse", "mean", "func", subsample=True, solver="matrix_free"
     ),
+    "loader-mlp-ce_weighted-backpack": Scenario(
+        "mlp_tanh", "ce_weighted", "mean", "backpack", loader=True
+    ),
+    "loader-sequence-ce-func-layers": Scenario(
+        "sequence_linear", "ce", "mean", "func", layer_groups=True, loader=True
+    ),
+    "loader-conv1d-mse-sum-backpack-mc": Scenario(
+        "conv1d", "mse", "sum", "backpack", mc_samples=2, loader=True
+    ),
+    "loader-mlp-mse-func-mc": Scenario(
+        "mlp_relu", "mse", "mean", "func", mc_samples=1, loader=True
+    ),
 }
 
 #: Scenarios of each job (the three-rank job is shorter: 3 processes on 2 cores).
 JOBS = {
     2: list(SCENARIOS),
-    3: ["mlp-ce-backpack-layers-subsampled", "sequence-ce-func-mc-layers"],
+    3: [
+        "mlp-ce-backpack-layers-subsampled",
+        "sequence-ce-func-mc-layers",
+        "loader-mlp-ce_weighted-backpack",
+        "loader-mlp-mse-func-mc",
+    ],
 }
 
 #: The byte count is checked on this scenario (MLP with Linear layers only).
@@ -107,6 +132,24 @@ def setup(scenario: Scenario, world_size: int, seed: int = 0):
         )
     )
     return model, loss_func, shards
+
+
+def loader(shard: tuple[Tensor, Tensor], sizes: tuple[int, ...]) -> list:
+    """A rank's loader: its shard in consecutive batches of ``sizes``."""
+    return list(zip(*(t.split(sizes) for t in shard), strict=True))
+
+
+def loader_streams(world_size: int) -> list[int]:
+    """The MC stream of every batch of the loaders in rank order: ``r + W·b``.
+
+    Rank ``r``'s batch ``b`` draws from ``seed + r + W·b`` (``docs/math.rst``,
+    "Several processes").
+    """
+    return [
+        rank + world_size * batch
+        for rank, sizes in enumerate(LOADERS[world_size])
+        for batch in range(len(sizes))
+    ]
 
 
 def options(scenario: Scenario, model: nn.Module, rank: int = 0) -> dict:
@@ -162,10 +205,25 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
 
     Exact: the concatenated batch (with the concatenated local subsamplings).
     MC: a loader over the shards in rank order (block ``b`` draws from ``seed +
-    b``, as rank ``b`` does).
+    b``, as rank ``b`` does). Loaders per rank: one loader over every rank's
+    batches in rank order, whose batches draw from the streams the ranks'
+    batches use (:func:`loader_streams`, patched in).
     """
     model, loss_func, shards = setup(scenario, world_size)
     kwargs = options(scenario, model)
+    if scenario.loader:
+        batches = [
+            batch
+            for shard, sizes in zip(shards, LOADERS[world_size], strict=True)
+            for batch in loader(shard, sizes)
+        ]
+        streams = loader_streams(world_size)
+
+        def stream(seed: int, block: int, device: torch.device) -> torch.Generator:
+            return block_generator(seed, streams[block], device)
+
+        with mock.patch("vivit.data.block_generator", stream):
+            return quantities(LowRankGGN(model, loss_func, batches, **kwargs))
     if scenario.mc_samples:
         return quantities(LowRankGGN(model, loss_func, shards, **kwargs))
     inputs = torch.cat([x for x, _ in shards])
@@ -186,7 +244,10 @@ def run_scenario(name: str, rank: int, world_size: int) -> dict:
     kwargs = options(scenario, model, rank)
     if scenario.subsample:
         kwargs["subsampling"] = local_subsampling(len(shards[rank][0]))
-    ggn = LowRankGGN(model, loss_func, shards[rank], **kwargs)
+    data = shards[rank]
+    if scenario.loader:
+        data = loader(data, LOADERS[world_size][rank])
+    ggn = LowRankGGN(model, loss_func, data, **kwargs)
     layout = ggn.shards
     return {
         "quantities": quantities(ggn),
@@ -271,6 +332,15 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         # during the backward pass: a class index out of range on the last rank
         "labels": lambda: LowRankGGN(
             model, loss_func, (inputs, targets + 10 if last else targets)
+        ),
+        # loaders: one without batches, one with a malformed batch on the last rank
+        "empty loader": lambda: LowRankGGN(
+            model, loss_func, [] if last else [(inputs, targets)]
+        ),
+        "loader batch": lambda: LowRankGGN(
+            model,
+            loss_func,
+            [(inputs, targets), (inputs, targets[:-1] if last else targets)],
         ),
         # a batch in chunks: each rank exchanges one block, refused
         "chunks": lambda: LowRankGGN(

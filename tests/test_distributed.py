@@ -165,6 +165,8 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         "empty": "InvalidArgumentError",
         "labels": "InvalidTargetsError",
         "chunks": "InvalidArgumentError",
+        "empty loader": "InvalidArgumentError",
+        "loader batch": "InvalidTargetsError",
     }
     for rank, results in enumerate(jobs[world_size]):
         failures = results["failures"]

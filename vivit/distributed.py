@@ -367,8 +367,12 @@ def _pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: _Packer) ->
 
     The factors are held in ``gram_dtype``; they were computed in the model's
     type ``dtype``, so casting back is exact and halves the bytes of float32
-    factors accumulated in float64.
+    factors accumulated in float64. Factors held per block of samples (a rank's
+    batches whose factors took different forms) describe each block.
     """
+    if isinstance(factors, SampleBlockFactors):
+        blocks = [_pack_factors(block, dtype, packer) for block in factors.blocks]
+        return SampleBlockFactors, blocks, list(factors.scales)
     state = {
         name: packer.add(value.to(dtype) if value.is_floating_point() else value)
         if isinstance(value, Tensor)
@@ -380,6 +384,9 @@ def _pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: _Packer) ->
 
 def _unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
     cls, held_dtype, state = description
+    if cls is SampleBlockFactors:  # (cls, blocks, scales)
+        blocks = [_unpack_factors(block, buffer) for block in held_dtype]
+        return SampleBlockFactors(blocks, state)
     factors = cls.__new__(cls)
     factors.__dict__.update(
         {

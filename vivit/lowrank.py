@@ -33,6 +33,7 @@ from vivit.chunks import (
     split_batch,
 )
 from vivit.data import (
+    BlockResult,
     BlockRun,
     UnionOutput,
     block_requests,
@@ -58,7 +59,7 @@ from vivit.distributed import (
     request_fingerprint,
     resolve_group,
 )
-from vivit.engines.base import CurvatureRequest, Engine
+from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GramTooLargeError, GroupIndexError, InvalidArgumentError
 from vivit.groups import GroupCurvature
@@ -291,11 +292,6 @@ class LowRankGGN:
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
         chosen = resolve_engine(engine, model, loss_func)
-        if not single and shards.group is not None:
-            raise InvalidArgumentError(
-                "With a process group, each rank passes its own shard as one "
-                "(inputs, targets) batch, not a data loader."
-            )
         if chunk_size is not None and shards.group is not None:
             raise InvalidArgumentError(
                 "chunk_size is not supported with a process group (each rank "
@@ -348,9 +344,11 @@ class LowRankGGN:
             for batch_index, batch in enumerate(batches)
             for chunk in split_batch(batch, chunk_size, request.subsampling)
         )
+        # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
+        # "Several processes"); in one process from stream b
         runs = (
-            (batch_index, chunk_run(index, chunk))
-            for index, (batch_index, chunk) in enumerate(chunks, start=shards.rank)
+            (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
+            for index, (batch_index, chunk) in enumerate(chunks)
         )
         self._run(chosen.name, runs, names, budget, shards)
         if shards.group is None and (chunk_size is not None or not single):
@@ -511,15 +509,22 @@ class LowRankGGN:
                     block = run_block(run, self.param_groups, self._gram_dtype)
                 if budget:
                     budget.admit(block.curvature, batch)
-                # under a process group: every rank's shard, in rank order
-                for result in shards.exchange([block], self.param_groups):
-                    union.add(result.curvature[0].batch, result.output)
-                    blocks.append(result.curvature)
+                union.add(block.curvature[0].batch, block.output)
+                blocks.append(block.curvature)
+            loss, gradients = union.result()  # refuses a loader without batches
+        if shards.group is not None:
+            # this rank's batches as one block; then every rank's, in rank order
+            local = BlockResult(_merged_blocks(blocks), EngineOutput(loss, gradients))
+            blocks, union = [], UnionOutput()
+            for result in shards.exchange([local], self.param_groups):
+                union.add(result.curvature[0].batch, result.output)
+                blocks.append(result.curvature)
+            loss, gradients = union.result()
         self.shards = ShardLayout.of_batches(
             union.batches, shards.rank, shards.world_size
         )
         self.communication = shards.report
-        self.loss, gradients = union.result()
+        self.loss = loss
         self._curvature = combine_curvatures(blocks)
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
@@ -903,3 +908,16 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad, solver=solver).step
+
+
+def _merged_blocks(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
+    """Every group's curvature on the union of a rank's blocks, one set of factors.
+
+    The blocks (a loader's batches) are combined like one process's
+    (:func:`~vivit.data.combine_curvatures`) and each parameter's factors merged
+    (:func:`~vivit.chunks.merged_chunks`), so that the rank exchanges one block
+    whose batch context is that of all its samples.
+    """
+    if len(blocks) == 1:
+        return blocks[0]
+    return [merged_chunks(c, None) for c in combine_curvatures(blocks)]
