@@ -29,9 +29,18 @@ from distributed_jobs import (
     setup,
     train_reference,
 )
+from reference import dense_ggn, dense_gradient
 
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
-from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
+from vivit.distributed import (
+    ALIGNMENT,
+    _pack_factors,
+    _Packer,
+    _unpack_factors,
+    request_fingerprint,
+    resolve_group,
+)
+from vivit.gram import SampleBlockFactors
 
 TESTS = Path(__file__).parent
 #: Seconds a whole job may take (typically 5-10 s) before it is killed.
@@ -99,6 +108,24 @@ def test_every_quantity_is_that_of_the_union(jobs, world_size, name):
         assert_rel(evecs, expected[f"evecs{g}"].T)
         signs = torch.sign((evecs * actual[f"evecs{g}"].T).sum(0))
         assert_rel(actual[f"gammas{g}"] * signs, expected[f"gammas{g}"])
+
+
+@pytest.mark.parametrize("world_size", list(JOBS))
+def test_loaders_per_rank_give_the_dense_ggn_of_the_union(jobs, world_size):
+    """Exact, class weights and ignored targets: the dense GGN of all samples."""
+    name = "loader-mlp-ce_weighted-backpack"
+    model, loss_func, shards = setup(SCENARIOS[name], world_size)
+    inputs = torch.cat([x for x, _ in shards])
+    targets = torch.cat([y for _, y in shards])
+    actual = jobs[world_size][0]["scenarios"][name]["quantities"]
+    evals = actual["evals0"]
+    dense = torch.linalg.eigvalsh(dense_ggn(model, loss_func, inputs, targets))
+    assert 0 < evals.numel() <= inputs.shape[0] * 3
+    # float64: 1e-10 of the largest entry
+    assert_rel(evals, dense[-evals.numel() :])
+    assert_rel(actual["gradient0"], dense_gradient(model, loss_func, inputs, targets))
+    with torch.no_grad():
+        assert_rel(actual["loss"], loss_func(model(inputs), targets))
 
 
 def test_matrix_free_forms_no_gram_together(jobs):
@@ -247,3 +274,26 @@ def test_model_checksums_cover_the_state_dict_only():
     with torch.no_grad():
         model.weight[0, 0] += 1e-6
     assert request_fingerprint(None, [], model)["model state"] != state
+
+
+def test_factors_in_sample_blocks_travel_block_by_block():
+    """A rank's merged batches may keep factors per block (forms that differ)."""
+    model, loss_func, shards = setup(SCENARIOS[BYTES_SCENARIO], 2)
+    ggn = LowRankGGN(model, loss_func, shards[1], process_group=False)
+    weight = ggn._group(0).ggn_factors[0]
+    blocks = SampleBlockFactors([weight, weight.select([0, 2])], [1.0, 0.5])
+    packer = _Packer()
+    description = _pack_factors(blocks, torch.float64, packer)
+    # every tensor in the buffer (counted), none pickled with the description
+    assert packer.payload == sum(
+        t.numel() * t.element_size()
+        for block in (weight, weight.select([0, 2]))
+        for t in vars(block).values()
+        if isinstance(t, torch.Tensor)
+    )
+    buffer = torch.zeros(packer.size, dtype=torch.uint8)
+    packer.fill(buffer)
+    rebuilt = _unpack_factors(description, buffer)
+    assert isinstance(rebuilt, SampleBlockFactors)
+    assert rebuilt.scales == blocks.scales
+    assert torch.equal(rebuilt.gram(rebuilt), blocks.gram(blocks))
