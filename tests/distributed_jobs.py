@@ -28,7 +28,8 @@ from vivit.optim import DampedNewton
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
 
 #: Batch sizes of each rank's loader over its shard (``Scenario.loader``): uneven
-#: numbers of uneven batches, none whose every target ``ce_weighted`` ignores.
+#: numbers of uneven batches, none whose every target ``ce_weighted`` ignores. A
+#: rank with one batch passes it as a batch, not a loader (ranks may mix both).
 LOADERS = {2: ((2, 1), (2, 1, 2)), 3: ((2,), (1, 3), (2, 1))}
 
 
@@ -245,7 +246,7 @@ def run_scenario(name: str, rank: int, world_size: int) -> dict:
     if scenario.subsample:
         kwargs["subsampling"] = local_subsampling(len(shards[rank][0]))
     data = shards[rank]
-    if scenario.loader:
+    if scenario.loader and len(LOADERS[world_size][rank]) > 1:
         data = loader(data, LOADERS[world_size][rank])
     ggn = LowRankGGN(model, loss_func, data, **kwargs)
     layout = ggn.shards
@@ -342,6 +343,8 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             loss_func,
             [(inputs, targets), (inputs, targets[:-1] if last else targets)],
         ),
+        # loaders of sequences of another length on the last rank (its pass runs)
+        "loader sample shape": lambda: sequences_of_length(2 if last else 3),
         # a batch in chunks: each rank exchanges one block, refused
         "chunks": lambda: LowRankGGN(
             model, loss_func, (inputs, targets), chunk_size=2 if last else None
@@ -375,6 +378,15 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         except Exception as error:  # noqa: BLE001 - recorded for the test
             results[name] = (type(error).__name__, str(error))
     return results
+
+
+def sequences_of_length(length: int) -> LowRankGGN:
+    """A loader of sequences of ``length`` steps through one Linear layer (MSE)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).double()
+        batch = torch.randn(3, length, 4).double(), torch.randn(3, length, 2).double()
+    return LowRankGGN(model, nn.MSELoss(), [batch, batch], engine="func")
 
 
 def diverged(model: nn.Module) -> nn.Module:

@@ -207,6 +207,10 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         kind, message = failures["mismatch"]
         assert kind == "DistributedError"
         assert f"rank {last} asks for mc_samples = 1, rank 0 for 0" in message
+        for case in ("sample shape", "loader sample shape"):
+            kind, message = failures[case]
+            assert kind == "DistributedError", (kind, message)
+            assert f"rank {last}'s targets have the shape" in message
         kind, message = failures["sample shape"]
         assert kind == "DistributedError", (kind, message)
         assert f"rank {last}'s targets have the shape (1,) per sample" in message

@@ -63,6 +63,10 @@ ALIGNMENT = 64
 #: Key of the model's parameter and buffer checksums in a request's fingerprint.
 MODEL_STATE = "model state"
 
+#: Key of the targets' shape per sample in a request's fingerprint (``None`` for a
+#: loader, whose shape is known after its pass: compared in the block round).
+SAMPLE_SHAPE = "target_shape_per_sample"
+
 
 def resolve_group(process_group: object) -> dist.ProcessGroup | None:
     """The process group whose shards form the union, or ``None`` to run locally.
@@ -522,7 +526,7 @@ def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> No
 
 def _difference(rank: int, key: str, theirs: object, first: object) -> str:
     """How rank ``rank``'s request differs from rank 0's in ``key``."""
-    if key == "target_shape_per_sample":
+    if key == SAMPLE_SHAPE:
         return (
             f"rank {rank}'s targets have the shape {theirs} per sample, rank 0's "
             f"{first}. {SAMPLE_SHAPE_ADVICE}"
@@ -620,6 +624,7 @@ class ShardExchange:
             for rank, (theirs, _) in enumerate(gathered)
             for key in first
             if theirs.get(key) != first[key]
+            and not (key == SAMPLE_SHAPE and None in (theirs.get(key), first[key]))
         ]
         if differences:
             self._rounds_left = 0
@@ -708,19 +713,26 @@ class ShardExchange:
         return gram
 
     def exchange(
-        self, blocks: list[BlockResult], param_groups: list[list[Tensor]]
+        self,
+        blocks: list[BlockResult],
+        param_groups: list[list[Tensor]],
+        sample_shape: tuple[int, ...] | None = None,
     ) -> list[BlockResult]:
         """Every rank's block, in rank order, rebuilt from the exchanged bytes.
 
         Args:
-            blocks: This rank's block (exactly one: its shard).
+            blocks: This rank's block (exactly one: its shard, or all its
+                loader's batches combined).
             param_groups: The parameter groups, to attach to the rebuilt curvature.
+            sample_shape: The shape per sample of this rank's targets, compared
+                across the ranks in the block round.
 
         Returns:
             One block per rank, identical on every rank.
 
         Raises:
-            DistributedError: If another rank failed before the exchange.
+            DistributedError: If another rank failed before the exchange, or
+                the ranks' targets differ in shape per sample (on every rank).
         """
         if self.group is None:
             return blocks
@@ -728,8 +740,16 @@ class ShardExchange:
         start, before = time.perf_counter(), self.report.seconds
         packer = _Packer()
         description = _pack_block(block, packer)
-        gathered = self._round((description, packer.size, packer.payload))
-        size = max(size for _, size, _ in gathered)
+        gathered = self._round((description, packer.size, packer.payload, sample_shape))
+        shapes = [shape for *_, shape in gathered]
+        differences = [
+            _difference(rank, SAMPLE_SHAPE, shape, shapes[0])
+            for rank, shape in enumerate(shapes)
+            if shape != shapes[0]
+        ]
+        if differences:
+            raise DistributedError("; ".join(differences))
+        size = max(size for _, size, _, _ in gathered)
         device = block.output.loss.device
         buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         packer.fill(buffer)
@@ -737,9 +757,9 @@ class ShardExchange:
         dist.all_gather(buffers, buffer, group=self.group)
         rebuilt = [
             _unpack_block(desc, data, param_groups)
-            for (desc, _, _), data in zip(gathered, buffers, strict=True)
+            for (desc, *_), data in zip(gathered, buffers, strict=True)
         ]
-        self.report.payload_bytes = [payload for _, _, payload in gathered]
+        self.report.payload_bytes = [payload for _, _, payload, _ in gathered]
         self.report.buffer_bytes = size
         # the whole exchange, the block round (which timed itself) included
         self.report.seconds = before + time.perf_counter() - start

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,7 @@ from vivit.directional.gram_space import (
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.distributed import (
+    SAMPLE_SHAPE,
     ShardExchange,
     ShardLayout,
     local_module,
@@ -306,7 +307,8 @@ class LowRankGGN:
             gram_dtype=gram_dtype,
             solver=(self._solver, self._solver_tol, self._solver_seed),
             engine=chosen.name,
-            target_shape_per_sample=tuple(data[1].shape[1:]) if single else None,
+            # a loader's is compared after its pass, in the exchange
+            **{SAMPLE_SHAPE: tuple(data[1].shape[1:]) if single else None},
         )
         blocks_request = block_requests(
             request, model, lambda seed: shards.agree(fingerprint, seed)
@@ -339,6 +341,8 @@ class LowRankGGN:
                 "LowRankGGN: pass over the data",
             )
         )
+        sample_shapes: list[tuple[int, ...]] = []  # the first batch's targets'
+        batches = _recording_shape(batches, sample_shapes)
         chunks = (
             (None if single else batch_index, chunk)
             for batch_index, batch in enumerate(batches)
@@ -350,7 +354,7 @@ class LowRankGGN:
             (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
             for index, (batch_index, chunk) in enumerate(chunks)
         )
-        self._run(chosen.name, runs, names, budget, shards)
+        self._run(chosen.name, runs, names, budget, shards, sample_shapes)
         if shards.group is None and (chunk_size is not None or not single):
             # one set of factors per parameter: every later product runs as on
             # one batch, instead of forming each block's V once per partner block
@@ -481,6 +485,7 @@ class LowRankGGN:
         names: dict[int, str],
         budget: FactorBudget | None = None,
         shards: ShardExchange | None = None,
+        sample_shapes: Sequence[tuple[int, ...]] = (),
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
@@ -493,6 +498,8 @@ class LowRankGGN:
         run comes with the index of the loader's batch it belongs to (``None``
         for one mini-batch), which an error it raises names. With a ``budget``
         the stored factors are checked against the memory after every block.
+        ``sample_shapes`` holds the targets' shape per sample once the first
+        block has run (compared across the ranks).
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -516,7 +523,8 @@ class LowRankGGN:
             # this rank's batches as one block; then every rank's, in rank order
             local = BlockResult(_merged_blocks(blocks), EngineOutput(loss, gradients))
             blocks, union = [], UnionOutput()
-            for result in shards.exchange([local], self.param_groups):
+            exchanged = shards.exchange([local], self.param_groups, sample_shapes[0])
+            for result in exchanged:
                 union.add(result.curvature[0].batch, result.output)
                 blocks.append(result.curvature)
             loss, gradients = union.result()
@@ -908,6 +916,16 @@ class LowRankGGN:
             The step (see :meth:`newton`), one tensor per parameter, shaped like it.
         """
         return self.newton(top_k, group, damping, subsampling_grad, solver=solver).step
+
+
+def _recording_shape(
+    batches: Iterable[tuple[Tensor, Tensor]], shapes: list[tuple[int, ...]]
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The batches; the first one's targets' shape per sample goes into ``shapes``."""
+    for batch in batches:
+        if not shapes:
+            shapes.append(tuple(batch[1].shape[1:]))
+        yield batch
 
 
 def _merged_blocks(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
