@@ -261,11 +261,13 @@ def block_generator(
 ) -> torch.Generator:
     """The generator of the Monte-Carlo samples of one block of samples.
 
-    Block ``b`` (a loader's ``b``-th batch; the shard of rank ``b``) draws from a
-    generator seeded with ``seed + b``: its samples do not depend on how many
-    draws other blocks made, so a process group's shards and a loader over the
-    same shards in rank order draw the same samples (``docs/math.rst``, "Data
-    sets and processes").
+    Block ``b`` (a loader's ``b``-th batch or chunk; under a process group of
+    ``W`` ranks, ``b = r + W·i`` for the ``i``-th batch of rank ``r``) draws
+    from a generator seeded with ``seed + b``: its samples do not depend on how
+    many draws other blocks made, nor on how many batches other ranks have, so
+    a process group's shards (one batch per rank: ``b = r``) and a loader over
+    the same shards in rank order draw the same samples (``docs/math.rst``,
+    "Data sets and processes", "Several processes").
 
     Args:
         seed: The run's base seed (:func:`base_seed`).

@@ -1,7 +1,8 @@
 """The curvature of the union of the shards of a ``torch.distributed`` group.
 
 Every rank of a process group computes the curvature of its own shard (one block
-of samples, :class:`~vivit.data.BlockResult`); :class:`ShardExchange` hands every
+of samples, :class:`~vivit.data.BlockResult`; a loader's batches combined into
+one); :class:`ShardExchange` hands every
 rank's block to every other with ``torch.distributed`` collectives, and each rank
 combines the blocks in rank order (:func:`~vivit.data.combine_curvatures`), exactly
 as a single process combines the batches of a loader over the same shards.
@@ -17,7 +18,8 @@ Protocol of one construction:
    every rank; all ranks use rank 0's seed.
 2. *Block round* (``all_gather_object``, after the local backward pass): every
    rank sends whether it succeeded and, if so, the description of its block
-   (batch context, factor types and tensor shapes, byte offsets). A failure on
+   (batch context, factor types and tensor shapes, byte offsets) and its
+   targets' shape per sample (a loader's is known only now). A failure on
    any rank is raised on every rank (the failing rank re-raises its own error,
    the others :class:`~vivit.errors.DistributedError` naming it), so no rank
    waits for data that never comes.

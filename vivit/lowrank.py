@@ -135,7 +135,9 @@ class LowRankGGN:
             Not with a data loader (pass a loader over the samples instead).
         generator: Random generator that makes MC sampling reproducible. Over a
             data loader, batch ``b`` draws its samples from a generator seeded
-            with ``s + b``, ``s`` one draw from ``generator``.
+            with ``s + b``, ``s`` one draw from ``generator`` (under a process
+            group of ``W`` ranks, batch ``b`` of rank ``r`` from ``s + r + W·b``,
+            ``s`` rank 0's draw).
         gram_dtype: Floating-point type in which the Gram matrix and every
             product that feeds the eigensolver or the directional derivatives
             (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
@@ -168,13 +170,18 @@ class LowRankGGN:
             and the pass takes more than two seconds. No bar for one mini-batch.
 
         process_group: Several processes (``torch.distributed``): each rank
-            passes its own shard as ``data`` (one batch; sizes may differ) and
-            every rank gets the results of the union of the shards in rank
-            order, identical on every rank (user guide, "Several processes").
+            passes its own shard as ``data`` (one batch, or a loader of any
+            number of batches; sizes and numbers may differ across ranks) and
+            every rank gets the results of the union of all ranks' samples in
+            rank order (rank 0's batches in order, then rank 1's, ...),
+            identical on every rank (user guide, "Several processes"). Each
+            rank combines its loader's batches into one block before the
+            exchange; an empty loader or a malformed batch on one rank raises
+            on every rank.
             ``None`` (default): the default group if ``torch.distributed`` is
             initialised, else this process alone; ``False``: this process alone
             (independent per-rank computations); or a ``ProcessGroup``.
-            ``subsampling`` then indexes the rank's own shard; a failure on one
+            ``subsampling`` then indexes the rank's own batch; a failure on one
             rank raises on every rank (:class:`~vivit.DistributedError` on the
             others). The Gram matrices are formed at construction, their blocks
             split over the ranks (not with ``solver="matrix_free"``); nothing

@@ -149,7 +149,7 @@ class DampedNewton(Optimizer):
             (see :class:`~vivit.LowRankGGN`): ``None`` the default group if
             ``torch.distributed`` is initialised, ``False`` this process alone,
             or a ``ProcessGroup``. Under a group, steps take ``data`` (this
-            rank's shard), not a closure.
+            rank's shard: a batch or a loader), not a closure.
         chunk_size: Most samples per backward pass for steps given ``data`` (see
             :class:`~vivit.LowRankGGN`; ``None``: the whole batch); the step is
             that of the whole batch.
