@@ -17,6 +17,7 @@ from torch.nn import Module
 
 from vivit._memory import available_bytes, check_gram_fits
 from vivit.errors import FactorsTooLargeError
+from vivit.gram import ParamFactors
 from vivit.groups import GroupCurvature
 from vivit.memory import estimate_memory
 
@@ -42,14 +43,36 @@ def stored_bytes(
     storages: dict[tuple, int] = {}
     for curvature in curvatures:
         factors = [*(curvature.ggn_factors or []), *(curvature.grad_factors or [])]
-        for tensor in (t for f in factors for t in f.tensors()):
-            storage = tensor.untyped_storage()
-            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        storages.update(_storage_sizes(factors))
     if counted is None:
         return sum(storages.values())
     new = {key: size for key, size in storages.items() if key not in counted}
     counted.update(new)
     return sum(new.values())
+
+
+def largest_parameter_bytes(curvatures: Iterable[GroupCurvature]) -> int:
+    """Bytes of the parameter whose factors (``V`` and gradients) take the most.
+
+    Merging a loader's batches (:func:`vivit.chunks.merged_blocks`) copies one
+    parameter's factors at a time: this is the copy's size for these samples.
+    """
+    sizes = [0]
+    for curvature in curvatures:
+        grads = curvature.grad_factors or [None] * len(curvature.ggn_factors)
+        for ggn, grad in zip(curvature.ggn_factors, grads, strict=True):
+            factors = [ggn] if grad is None else [ggn, grad]
+            sizes.append(sum(_storage_sizes(factors).values()))
+    return max(sizes)
+
+
+def _storage_sizes(factors: Iterable[ParamFactors]) -> dict[tuple, int]:
+    """Bytes of every storage the factors hold, by device and address."""
+    storages = {}
+    for tensor in (t for f in factors for t in f.tensors()):
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return storages
 
 
 def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
@@ -120,6 +143,7 @@ class FactorBudget:
         self._device = next(model.parameters()).device
         self._available = available_bytes(self._device)
         self._stored = 0
+        self._largest = 0
         self._first_inputs: Tensor | None = None
         self._transient = 0
 
@@ -186,10 +210,15 @@ class FactorBudget:
                     self._device,
                 )
         self._stored += stored
+        self._largest += largest_parameter_bytes(curvature)
         done = index + 1
         batches = max(self._total, done) if self._total is not None else done + 1
         factors = self._stored * batches // done
-        estimate = factors + self._transient
+        # after the pass the blocks are merged, one parameter's copy at a time
+        merging = (
+            self._largest * batches // done if batches > 1 or self._chunk_size else 0
+        )
+        estimate = factors + max(self._transient, merging)
         if estimate <= self._available:
             return
         whole = "the whole loader" if self._total is not None else "one more batch"
@@ -197,6 +226,7 @@ class FactorBudget:
         raise FactorsTooLargeError(
             f"The layer factors of {whole} and one batch's backward pass need "
             f"about {estimate / 2**20:.1f} MiB (factors {factors / 2**20:.1f} MiB, "
+            f"merging them {merging / 2**20:.1f} MiB, "
             f"extrapolated from {self._stored / 2**20:.1f} MiB for the first {done} "
             f"of {of} batches), but only {self._available / 2**20:.1f} MiB were "
             f"available on {self._device}. Store fewer columns: Monte-Carlo sample "

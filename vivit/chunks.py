@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit.data import combine_curvatures
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -176,6 +177,35 @@ def split_batch(
         local = [n - start for n in subsampling if start <= n < stop]
         chunks.append(SampleChunk(part, local or [0], samples, bool(local)))
     return chunks
+
+
+def merged_blocks(
+    blocks: list[list[GroupCurvature]], subsampling: Sequence[int] | None
+) -> list[GroupCurvature]:
+    """Every group's curvature on one process's blocks, one set of factors each.
+
+    The blocks (a loader's batches, the chunks of a batch) are combined
+    (:func:`~vivit.data.combine_curvatures`: rescaled to the union's ``√R``) and
+    each parameter's factors merged (:func:`merged_chunks`), so that every later
+    product runs as on one batch instead of forming each block's ``V`` once per
+    partner block.
+
+    Args:
+        blocks: Every block's curvature (one per group), in sample order; the
+            list is emptied, so that each block's factors are released as soon
+            as they are merged (the peak holds one parameter's copy, not all).
+        subsampling: The mini-batch's curvature subsampling (``None``: all, or a
+            loader's batches).
+
+    Returns:
+        Each group's curvature on the union; one block's as it is.
+    """
+    combined = combine_curvatures(blocks)
+    several = len(blocks) > 1
+    blocks.clear()
+    if not several:
+        return combined
+    return [merged_chunks(c, subsampling) for c in combined]
 
 
 def merged_chunks(

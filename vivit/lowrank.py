@@ -28,7 +28,7 @@ from vivit.budget import FactorBudget
 from vivit.chunks import (
     SampleChunk,
     check_chunk_size,
-    merged_chunks,
+    merged_blocks,
     run_chunk,
     split_batch,
 )
@@ -361,13 +361,15 @@ class LowRankGGN:
             (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
             for index, (batch_index, chunk) in enumerate(chunks)
         )
-        self._run(chosen.name, runs, names, budget, shards, sample_shapes)
-        if shards.group is None and (chunk_size is not None or not single):
-            # one set of factors per parameter: every later product runs as on
-            # one batch, instead of forming each block's V once per partner block
-            self._curvature = [
-                merged_chunks(c, request.subsampling) for c in self._curvature
-            ]
+        self._run(
+            chosen.name,
+            runs,
+            names,
+            budget,
+            shards,
+            sample_shapes,
+            request.subsampling,
+        )
 
     @classmethod
     def from_loss(
@@ -493,6 +495,7 @@ class LowRankGGN:
         budget: FactorBudget | None = None,
         shards: ShardExchange | None = None,
         sample_shapes: Sequence[tuple[int, ...]] = (),
+        subsampling: Sequence[int] | None = None,
     ) -> None:
         """Run an engine into the group pipeline, block by block of samples.
 
@@ -506,7 +509,10 @@ class LowRankGGN:
         for one mini-batch), which an error it raises names. With a ``budget``
         the stored factors are checked against the memory after every block.
         ``sample_shapes`` holds the targets' shape per sample once the first
-        block has run (compared across the ranks).
+        block has run (compared across the ranks). This process's blocks are
+        merged into one set of factors per parameter (``subsampling`` gives the
+        order of their GGN samples, :func:`~vivit.chunks.merged_blocks`); under
+        a process group that is the rank's one block in the exchange.
         """
         self.engine = engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
@@ -525,22 +531,24 @@ class LowRankGGN:
                     budget.admit(block.curvature, batch)
                 union.add(block.curvature[0].batch, block.output)
                 blocks.append(block.curvature)
+                del block  # the list holds the factors (released when merged)
             loss, gradients = union.result()  # refuses a loader without batches
+        curvature = merged_blocks(blocks, subsampling)
         if shards.group is not None:
-            # this rank's batches as one block; then every rank's, in rank order
-            local = BlockResult(_merged_blocks(blocks), EngineOutput(loss, gradients))
-            blocks, union = [], UnionOutput()
+            # this rank's samples as one block; then every rank's, in rank order
+            local = BlockResult(curvature, EngineOutput(loss, gradients))
+            union = UnionOutput()
             exchanged = shards.exchange([local], self.param_groups, sample_shapes[0])
             for result in exchanged:
                 union.add(result.curvature[0].batch, result.output)
-                blocks.append(result.curvature)
             loss, gradients = union.result()
+            curvature = combine_curvatures([result.curvature for result in exchanged])
         self.shards = ShardLayout.of_batches(
             union.batches, shards.rank, shards.world_size
         )
         self.communication = shards.report
         self.loss = loss
-        self._curvature = combine_curvatures(blocks)
+        self._curvature = curvature
         gradients = iter(gradients)
         self._gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         for group, gradients in zip(self.param_groups, self._gradients, strict=True):
@@ -933,16 +941,3 @@ def _recording_shape(
         if not shapes:
             shapes.append(tuple(batch[1].shape[1:]))
         yield batch
-
-
-def _merged_blocks(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
-    """Every group's curvature on the union of a rank's blocks, one set of factors.
-
-    The blocks (a loader's batches) are combined like one process's
-    (:func:`~vivit.data.combine_curvatures`) and each parameter's factors merged
-    (:func:`~vivit.chunks.merged_chunks`), so that the rank exchanges one block
-    whose batch context is that of all its samples.
-    """
-    if len(blocks) == 1:
-        return blocks[0]
-    return [merged_chunks(c, None) for c in combine_curvatures(blocks)]
