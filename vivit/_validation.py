@@ -16,6 +16,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from vivit.errors import (
     GradientContextError,
+    GroupIndexError,
     InvalidArgumentError,
     InvalidSubsamplingError,
     InvalidTargetsError,
@@ -558,3 +559,15 @@ def optimizer_param_groups(params: object) -> list:
             groups.append({**group, "params": _group_params(params_of_group, index)})
         return groups
     return _group_params(items, 0)
+
+
+def check_group_index(group: object, num_groups: int) -> None:
+    """Check that ``group`` indexes one of ``num_groups`` parameter groups.
+
+    Raises:
+        GroupIndexError: Otherwise.
+    """
+    if not isinstance(group, int) or not 0 <= group < num_groups:
+        raise GroupIndexError(
+            f"group must be an index in [0, {num_groups}), got {group!r}."
+        )

@@ -162,6 +162,23 @@ def naming_batch(index: int) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def engine_context(param_groups: list[list[Parameter]]) -> Iterator[None]:
+    """Where engine runs happen: random state forked, gradients enabled.
+
+    The caller's random state (CPU, and the parameters' CUDA device) is left as
+    it was, whatever the engines draw; gradients are on even inside
+    ``torch.no_grad()``.
+
+    Args:
+        param_groups: The requested parameters (their device).
+    """
+    params = [p for group in param_groups for p in group]
+    devices = [p.device for p in params if p.device.type == "cuda"][:1]
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        yield
+
+
 def run_block(
     run: BlockRun,
     param_groups: list[list[Parameter]],

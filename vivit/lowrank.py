@@ -17,6 +17,7 @@ from vivit._validation import (
     check_finite,
     check_generator,
     check_grad_mode,
+    check_group_index,
     check_inputs_match,
     check_mc_samples,
     check_model,
@@ -39,6 +40,7 @@ from vivit.data import (
     block_requests,
     check_progress,
     combine_curvatures,
+    engine_context,
     is_batch,
     iterate_batches,
     naming_batch,
@@ -62,7 +64,7 @@ from vivit.distributed import (
 )
 from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import check_engine, resolve_engine
-from vivit.errors import GramTooLargeError, GroupIndexError, InvalidArgumentError
+from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.groups import GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport
@@ -518,12 +520,10 @@ class LowRankGGN:
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
-        params = [p for group in self.param_groups for p in group]
-        devices = [p.device for p in params if p.device.type == "cuda"][:1]
         shards = shards or ShardExchange(None)
         blocks: list[list[GroupCurvature]] = []
         union = UnionOutput()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with engine_context(self.param_groups):
             for batch, run in runs:
                 with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, self.param_groups, self._gram_dtype)
@@ -586,11 +586,7 @@ class LowRankGGN:
 
     # Gram space ---------------------------------------------------------------
     def _group(self, group: int) -> GroupCurvature:
-        if not isinstance(group, int) or not 0 <= group < len(self.param_groups):
-            raise GroupIndexError(
-                f"group must be an index in [0, {len(self.param_groups)}), "
-                f"got {group!r}."
-            )
+        check_group_index(group, len(self.param_groups))
         return self._curvature[group]
 
     def gram(self, group: int = 0) -> Tensor:

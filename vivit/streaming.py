@@ -32,6 +32,7 @@ from vivit._validation import (
     check_batch,
     check_generator,
     check_grad_mode,
+    check_group_index,
     check_mc_samples,
     check_model,
     check_params,
@@ -41,6 +42,7 @@ from vivit.data import (
     UnionOutput,
     block_requests,
     check_progress,
+    engine_context,
     is_batch,
     iterate_batches,
     naming_batch,
@@ -58,7 +60,6 @@ from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import (
-    GroupIndexError,
     InvalidArgumentError,
     NondeterministicDataError,
 )
@@ -273,9 +274,7 @@ class StreamingGGN:
             self._progress,
             f"StreamingGGN: pass {self.passes} ({description})",
         )
-        params = [p for group in self.param_groups for p in group]
-        devices = [p.device for p in params if p.device.type == "cuda"][:1]
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with engine_context(self.param_groups):
             for index, batch in enumerate(batches):
                 with naming_batch(index):
                     block = run_block(
@@ -365,7 +364,7 @@ class StreamingGGN:
                 the group's Gram-space type and device.
             GroupIndexError: If there is no such group.
         """
-        self._check_group(group)
+        check_group_index(group, len(self.param_groups))
         dtype, device = self._dtypes[group], self._gradients[group][0].device
         if (
             not isinstance(vectors, Tensor)
@@ -388,13 +387,6 @@ class StreamingGGN:
         return self._vt_products(group, products, "Vᵀ·(V·U)").T
 
     # Results -------------------------------------------------------------------
-    def _check_group(self, group: int) -> None:
-        if not isinstance(group, int) or not 0 <= group < len(self.param_groups):
-            raise GroupIndexError(
-                f"group must be an index in [0, {len(self.param_groups)}), "
-                f"got {group!r}."
-            )
-
     @property
     def num_rows(self) -> int:
         """Side length ``N·C`` (``N·M`` with MC) of the Gram matrix, all batches."""
@@ -409,7 +401,7 @@ class StreamingGGN:
         Returns:
             One tensor per parameter of the group.
         """
-        self._check_group(group)
+        check_group_index(group, len(self.param_groups))
         return self._gradients[group]
 
     def eigh(
@@ -453,7 +445,7 @@ class StreamingGGN:
             raise InvalidArgumentError(
                 "StreamingGGN computes a few leading eigenpairs: pass top_k."
             )
-        self._check_group(group)
+        check_group_index(group, len(self.param_groups))
         key = (top_k, tol, seed)
         cached = self._leading.get(group)
         if cached is not None and cached[0] == key:
@@ -578,5 +570,5 @@ class StreamingGGN:
         Returns:
             The Krylov solver's report: residual, cycles, products.
         """
-        self._check_group(group)
+        check_group_index(group, len(self.param_groups))
         return self._reports.get(group)
