@@ -22,8 +22,8 @@ import gc
 import time
 
 import torch
+from problems import PROBLEMS, make_problem
 
-from benchmarks.problems import PROBLEMS, make_problem
 from vivit import LowRankGGN
 from vivit.memory import estimate_memory
 

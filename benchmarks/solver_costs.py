@@ -23,8 +23,8 @@ import json
 import time
 
 import torch
+from problems import make_problem
 
-from benchmarks.problems import make_problem
 from vivit import LowRankGGN
 from vivit.linalg import top_k as top_k_module
 from vivit.linalg.group_products import num_params
@@ -70,12 +70,14 @@ def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
         times[solver], _ = cpu_time(solve, repeats)
     dtype = factors[0].dtype
     passes = top_k_module.pass_work(size, dtype)
+    gram_width = top_k_module.solver_block_size("iterative", top_k, size)
+    width = top_k_module.solver_block_size("matrix_free", top_k, size)
     predicted = {
         "gram": top_k_module.gram_work(factors, dtype),
         "dense": top_k_module.dense_work(size),
-        "iterative": top_k_module.iterative_work(size, top_k, size**2, passes),
+        "iterative": top_k_module.iterative_work(size, gram_width, size**2, passes),
         "matrix_free": top_k_module.iterative_work(
-            size, top_k, top_k_module.v_product_work(factors, top_k)
+            size, width, top_k_module.v_product_work(factors, width)
         ),
     }
     auto = top_k_module.choose_solver(

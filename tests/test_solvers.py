@@ -19,7 +19,12 @@ import vivit.lowrank
 from vivit import LowRankGGN, SolverNotConvergedError
 from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import top_k as top_k_module
-from vivit.linalg.iterative import block_krylov_eigh, default_tolerance
+from vivit.linalg.iterative import (
+    basis_capacity,
+    block_krylov_eigh,
+    default_block_size,
+    default_tolerance,
+)
 from vivit.linalg.top_k import choose_solver, leading_eigenpairs
 
 ITERATIVE = ["iterative", "matrix_free"]
@@ -205,6 +210,45 @@ def test_block_krylov_decaying_spectrum():
     residual = (A @ vectors - vectors * found).norm(dim=0).max()
     assert residual <= report.tolerance * evals[0]
     assert report.cycles >= 1 and report.products > 0
+
+
+def test_block_krylov_stops_as_soon_as_converged():
+    """Rayleigh-Ritz after every block: a fast-decaying spectrum stops early.
+
+    Checking only at the end of a cycle would multiply the full basis
+    (``products == capacity``).
+    """
+    evals = torch.logspace(0, -8, 300, dtype=torch.float64)
+    A = psd_matrix(300, evals)
+    found, vectors, report = block_krylov_eigh(
+        A.__matmul__, 300, 5, dtype=torch.float64
+    )
+    torch.testing.assert_close(found, evals[:5].flip(0), atol=1e-12, rtol=0)
+    assert report.cycles == 1
+    assert report.products < basis_capacity(default_block_size(5, 300), 300)
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * evals[0]
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+def test_block_krylov_multiple_eigenvalue(top_k):
+    """A leading eigenvalue of multiplicity 5: the ``k`` leading copies are found.
+
+    With block size ``b = k`` the Krylov space holds ``k`` directions of the
+    eigenspace, enough for ``k ≤ 5``; for ``k = 6`` the next eigenvalue follows.
+    """
+    evals = torch.cat(
+        [
+            torch.full((5,), 2.0, dtype=torch.float64),
+            torch.linspace(1, 0.01, 95, dtype=torch.float64),
+        ]
+    )
+    A = psd_matrix(100, evals)
+    found, vectors, _ = block_krylov_eigh(A.__matmul__, 100, top_k, dtype=torch.float64)
+    torch.testing.assert_close(found, evals[:top_k].flip(0), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        vectors.T @ vectors, torch.eye(top_k, dtype=torch.float64), atol=1e-12, rtol=0
+    )
 
 
 def test_block_krylov_deterministic_for_a_seed():

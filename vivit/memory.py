@@ -53,10 +53,10 @@ from vivit.errors import InvalidArgumentError
 from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
-    block_size,
     check_solver,
     choose_solver,
     iterative_workspace_bytes,
+    solver_block_size,
 )
 
 
@@ -320,7 +320,7 @@ def _estimate(
         products = largest_group if solver == "matrix_free" else None
         workspace = iterative_workspace_bytes(size, top_k, dtype, products)
     if solver == "matrix_free":
-        width = block_size(top_k, size)
+        width = solver_block_size("matrix_free", top_k, size)
         grams = 0
         workspace += min(budget, width * product_route) * entry
     else:

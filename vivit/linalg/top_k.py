@@ -8,8 +8,9 @@ rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
     reduction to tridiagonal form), 2–3 more ``R × R`` matrices of workspace.
 ``"iterative"``
     Restarted block Krylov iteration (:mod:`vivit.linalg.iterative`) on the Gram
-    matrix: ``m = b·(q+1)`` products with ``G̃`` per cycle (``R²`` each, as matrix
-    products of ``b`` columns) and ``O(m²·R)`` orthogonalization.
+    matrix: products with ``G̃`` (``R²`` each, as matrix products of ``b``
+    columns, :func:`solver_block_size`) until the residuals are small enough, and
+    ``O(m²·R)`` orthogonalization for a basis of ``m`` columns.
 ``"matrix_free"``
     The same iteration on ``G̃ U = Σ_p V_pᵀ (V_p U)``: the Gram matrix is never
     formed; a product costs the factors' two ``V``-products, at most ``2·R·D``.
@@ -20,15 +21,16 @@ The cost model behind ``"auto"`` (all quantities known before any work):
 2. The Gram matrix not formed yet and too large for the available memory (with
    the iterative workspace): ``"matrix_free"``.
 3. Otherwise the solver of least expected work, in multiply-adds, where the
-   iterative solvers run :data:`EXPECTED_CYCLES` cycles (:func:`iterative_work`):
+   iterative solvers multiply :data:`EXPECTED_BLOCKS` blocks of ``b`` vectors
+   (:func:`iterative_work`):
 
    - ``"dense"``: forming the Gram matrix (if it is not formed), then
      ``4/3·R³``;
    - ``"iterative"``: forming the Gram matrix (if it is not formed), then per
-     cycle ``m`` Gram products (``R²`` each, as ``m/b`` products with blocks of
-     ``b`` columns, each a pass over the Gram matrix);
-   - ``"matrix_free"``: per cycle ``m/b`` ``V``-products with blocks of ``b``
-     columns, as the factors compute them (:meth:`ParamFactors.product_work
+     block ``b`` Gram products (``R²`` each, the block a pass over the Gram
+     matrix), ``b = max(2·k, k + 8)``;
+   - ``"matrix_free"``: per block ``V``-products with ``b = k`` columns, as the
+     factors compute them (:meth:`ParamFactors.product_work
      <vivit.gram.ParamFactors.product_work>`: ``2·K·N·(C·out + out·in)`` for a
      Linear weight in factor form, ``2·K·R·numel`` for explicit columns).
 
@@ -63,7 +65,6 @@ under ``"auto"`` it falls back to the dense solver with a warning (and the
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -80,18 +81,21 @@ from vivit.errors import InvalidArgumentError, SolverNotConvergedError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
-    DEPTH,
-    MIN_OVERSAMPLING,
     SolverReport,
+    basis_capacity,
     block_krylov_eigh,
+    default_block_size,
 )
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
 #: The accepted values of ``solver``.
 SOLVERS = ("auto", "dense", "iterative", "matrix_free")
-#: Krylov cycles the cost model expects (GGN spectra decay fast: one cycle on the
-#: MLP and CNN of the benchmarks; two leave room for slower spectra).
-EXPECTED_CYCLES = 2
+#: Blocks the cost model expects an iterative solve to multiply: measured 6–17
+#: (``b = k`` and ``b = 2·k``, top-10 and top-1 on the benchmarks' MLPs and CNN).
+EXPECTED_BLOCKS = 15
+#: Extra columns of the block of Gram products beyond ``top_k``
+#: (:func:`solver_block_size`).
+GRAM_OVERSAMPLING = 8
 #: The iterative solver is chosen over the dense one if it is expected to do this
 #: many times less work.
 ITERATIVE_ADVANTAGE = 2.0
@@ -130,30 +134,26 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
         )
 
 
-def block_size(top_k: int, size: int) -> int:
-    """Block size ``b = max(2·k, k + 8)`` of the iterative solvers (at most ``R``).
+def solver_block_size(solver: str, top_k: int, size: int) -> int:
+    """Block size ``b`` of an iterative solver (at most ``R``).
+
+    ``"matrix_free"``: ``b = k`` (a ``V``-product costs the same per vector at
+    any block width, so the fewest products win, :func:`~vivit.linalg.iterative.
+    default_block_size`). ``"iterative"``: ``b = max(2·k, k + GRAM_OVERSAMPLING)``:
+    a product with a Gram matrix larger than the cache costs a pass over it, so
+    wider blocks (fewer passes) win although they need more products.
 
     Args:
+        solver: ``"iterative"`` or ``"matrix_free"``.
         top_k: Number of leading eigenpairs.
         size: Side length ``R`` of the Gram matrix.
 
     Returns:
         ``b``.
     """
-    return min(size, max(2 * top_k, top_k + MIN_OVERSAMPLING))
-
-
-def basis_size(top_k: int, size: int) -> int:
-    """Columns ``m = b·(q+1)`` of one cycle's Krylov basis (at most ``R``).
-
-    Args:
-        top_k: Number of leading eigenpairs.
-        size: Side length ``R`` of the Gram matrix.
-
-    Returns:
-        ``m``.
-    """
-    return min(size, block_size(top_k, size) * (DEPTH + 1))
+    if solver == "matrix_free":
+        return default_block_size(top_k, size)
+    return min(size, max(2 * top_k, top_k + GRAM_OVERSAMPLING))
 
 
 def iterative_workspace_bytes(
@@ -170,11 +170,15 @@ def iterative_workspace_bytes(
             measured); ``None`` for products with the Gram.
 
     Returns:
-        Bytes: the float64 basis and its image (``m`` columns each), Ritz vectors
-        and their images and the block in the products' dtype (``b`` each).
+        Bytes: the float64 basis and its image (``m`` columns each,
+        :func:`~vivit.linalg.iterative.basis_capacity`), their projection
+        (``m × m``), Ritz vectors and their images and the block in the products'
+        dtype (``b`` each).
     """
-    width, columns = block_size(top_k, size), basis_size(top_k, size)
-    workspace = (2 * columns + 3 * width) * size * _KRYLOV_ITEMSIZE
+    solver = "iterative" if params is None else "matrix_free"
+    width = solver_block_size(solver, top_k, size)
+    columns = basis_capacity(width, size)
+    workspace = ((2 * columns + 3 * width) * size + columns**2) * _KRYLOV_ITEMSIZE
     workspace += 2 * width * size * itemsize(dtype)
     if params is not None:
         workspace += 2 * width * params * itemsize(dtype)
@@ -193,24 +197,22 @@ def dense_work(size: int) -> float:
     return 4 / 3 * size**3
 
 
-def iterative_work(size: int, top_k: int, product: float, passes: float = 0.0) -> float:
+def iterative_work(size: int, width: int, product: float, passes: float = 0.0) -> float:
     """Expected multiply-adds of an iterative solve.
 
     Args:
         size: Side length ``R`` of the Gram matrix.
-        top_k: Number of leading eigenpairs.
+        width: Block size ``b`` (:func:`solver_block_size`).
         product: Multiply-adds of one operator-vector product.
         passes: Multiply-adds of the memory passes of one operator-block product
             (the Gram matrix read once; ``0`` for ``V``-products).
 
     Returns:
-        ``EXPECTED_CYCLES · (m · product + m/b · passes + 2·m²·R)``.
+        ``q · (b · product + passes) + 2·m²·R`` for :data:`EXPECTED_BLOCKS` blocks
+        ``q`` and ``m = q·b`` basis columns (orthogonalization).
     """
-    columns = basis_size(top_k, size)
-    blocks = math.ceil(columns / block_size(top_k, size))
-    return EXPECTED_CYCLES * (
-        columns * product + blocks * passes + 2 * columns**2 * size
-    )
+    columns = min(size, EXPECTED_BLOCKS * width)
+    return EXPECTED_BLOCKS * (width * product + passes) + 2 * columns**2 * size
 
 
 def pass_work(size: int, dtype: torch.dtype) -> float:
@@ -243,17 +245,16 @@ def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
     return passes + sum(f.gram_work() for f in factors)
 
 
-def v_product_work(factors: Sequence[ParamFactors], top_k: int) -> float:
+def v_product_work(factors: Sequence[ParamFactors], width: int) -> float:
     """Multiply-adds per Gram-space vector of ``Vᵀ(V U)`` through the factors.
 
     Args:
         factors: The group's factors of ``V``.
-        top_k: Number of leading eigenpairs (sets the block size ``b``).
+        width: Block size ``b`` of the products.
 
     Returns:
         The products' work with a block of ``b`` vectors, divided by ``b``.
     """
-    width = block_size(top_k, factors[0].num_rows)
     return sum(f.product_work(width) for f in factors) / width
 
 
@@ -292,14 +293,16 @@ def choose_solver(
     iterative_bytes = grams + iterative_workspace_bytes(size, top_k, dtype)
     if not gram_formed and iterative_bytes > available:
         return "matrix_free"
+    gram_width = solver_block_size("iterative", top_k, size)
+    width = solver_block_size("matrix_free", top_k, size)
     if factors is None:
         formation, product = 0.0, 2.0 * size * num_params
     else:
         formation = 0.0 if gram_formed else gram_work(factors, dtype)
-        product = v_product_work(factors, top_k)
+        product = v_product_work(factors, width)
     dense = dense_work(size)
-    iterative = iterative_work(size, top_k, size**2, pass_work(size, dtype))
-    matrix_free = iterative_work(size, top_k, product)
+    iterative = iterative_work(size, gram_width, size**2, pass_work(size, dtype))
+    matrix_free = iterative_work(size, width, product)
     if not gram_formed and matrix_free < formation + min(iterative, dense):
         return "matrix_free"
     # both of these form the Gram matrix: compare the solves alone
@@ -366,7 +369,14 @@ def leading_eigenpairs(
 
     try:
         evals, evecs, report = block_krylov_eigh(
-            matmul, size, top_k, dtype=dtype, device=device, tol=tol, seed=seed
+            matmul,
+            size,
+            top_k,
+            dtype=dtype,
+            device=device,
+            tol=tol,
+            seed=seed,
+            block_size=solver_block_size(solver, top_k, size),
         )
     except SolverNotConvergedError as error:
         if requested != "auto":
