@@ -7,18 +7,22 @@ densely (``G̃ U``) and matrix-free (``G̃ U = Vᵀ (V U)``, the Gram matrix nev
 formed).
 
 A cycle grows the orthonormal basis ``Q`` of the block Krylov space
-``[X, A X, A² X, …]`` (block size ``b = k``) one block at a time, up to
-:func:`basis_capacity` columns. After every block it takes the leading eigenpairs
-``(θ_i, s_i)`` of the projection ``T = Qᵀ A Q`` (grown with the basis: only the
-new block's columns are multiplied). The Ritz vectors ``u_i = Q s_i`` come with
-their images ``A u_i`` for free (``A Q`` is kept), so the residuals
-``‖A u_i − θ_i u_i‖`` cost no product. As soon as the top ``k`` residuals are at
-most ``tol · θ_max`` the pairs are returned; a full basis restarts the next cycle
-from the ``b`` leading Ritz vectors. Checking after every block, not only at the
-end of a cycle, lets a small block (one vector for the top eigenpair, as in
-ARPACK's Lanczos) reach the tolerance in the fewest products: on the GGN Gram
-matrices of the benchmarks, ``b = k`` needs 30–45 % fewer products than
-``b = max(2·k, k + 8)`` (``benchmarks/README.md``, "Iterative solver: block size").
+``[X, A X, A² X, …]`` (block size ``b``, by default ``k``) one block at a time, up
+to :func:`basis_capacity` columns. After every block it takes the leading
+eigenpairs ``(θ_i, s_i)`` of the projection ``T = Qᵀ A Q`` (grown with the basis:
+only the new block's columns are multiplied). The residuals
+``‖A u_i − θ_i u_i‖`` of the Ritz vectors ``u_i = Q s_i`` follow from the
+remainder the next block is built from (``_KrylovBasis.expansion``), without
+forming ``u_i``; once they are at most ``tol · θ_max``, the Ritz vectors and their
+images (``A Q`` is kept, so ``A u_i`` costs no product) confirm it and the pairs
+are returned. A full basis restarts the next cycle from the ``b`` leading Ritz
+vectors. Checking after every block, not only at the end of a cycle, lets a
+small block (one vector for the top eigenpair, as in ARPACK's Lanczos) reach the
+tolerance in the fewest products: on the GGN Gram matrices of the benchmarks,
+``b = k`` needs 30–45 % fewer products than ``b = max(2·k, k + 8)``
+(``benchmarks/README.md``, "Iterative solvers: a convergence check after every
+block"; ``docs/math.rst``, "The Gram matrix and exact eigenpairs", for the
+residual).
 
 Accuracy contract: every returned pair satisfies
 ``‖A u − θ u‖ ≤ tol · θ_max`` with ``θ_max`` the largest Ritz value, so each ``θ`` is
