@@ -10,6 +10,8 @@ order, ``1e-10`` relative.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from checks import assert_eigenpairs, assert_rel, assert_top_eigvals, layer_groups
@@ -24,6 +26,7 @@ from vivit import (
     InvalidArgumentError,
     LowRankGGN,
     NondeterministicDataError,
+    RandomForwardWarning,
     StreamingGGN,
 )
 
@@ -180,6 +183,37 @@ def test_shuffling_with_the_global_random_state_repeats_in_every_pass():
     streaming = StreamingGGN(model, loss_func, shuffled)
     stored = LowRankGGN(model, loss_func, (X, y))
     assert_rel(streaming.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
+
+
+def test_every_pass_draws_the_dropout_masks_of_the_first():
+    """Dropout in training mode: every pass starts from the construction's random
+    state, so random numbers the caller draws between calls change nothing, and
+    the curvature is that of the first pass's masks (as with stored factors)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 8),
+        torch.nn.Dropout(0.5),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 3),
+    ).double()
+    X, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    loss_func = torch.nn.CrossEntropyLoss()
+
+    def top(cls, seed, draw_between):
+        torch.manual_seed(seed)
+        with pytest.warns(RandomForwardWarning):
+            ggn = cls(model, loss_func, [(X, y)])
+        if draw_between:
+            torch.randn(100)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RandomForwardWarning)
+            return ggn.eigh(top_k=3)[0]
+
+    streamed = top(StreamingGGN, 1, draw_between=True)
+    assert_rel(streamed, top(StreamingGGN, 1, draw_between=False), REL)
+    assert_rel(streamed, top(LowRankGGN, 1, draw_between=True), REL)
+    other_masks = top(LowRankGGN, 2, draw_between=False)
+    assert (streamed - other_masks).abs().max() > 1e-3 * streamed.max()
 
 
 @pytest.mark.parametrize("problem", PROBLEMS[:2], ids=str)

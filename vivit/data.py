@@ -162,8 +162,49 @@ def naming_batch(index: int) -> Iterator[None]:
         raise
 
 
+def _random_devices(param_groups: list[list[Parameter]]) -> list[torch.device]:
+    """The CUDA device of the requested parameters (at most one), else none."""
+    params = [p for group in param_groups for p in group]
+    return [p.device for p in params if p.device.type == "cuda"][:1]
+
+
+@dataclass(frozen=True)
+class RandomState:
+    """The random state that engine runs start from (CPU and a CUDA device).
+
+    Attributes:
+        cpu: The CPU generator's state.
+        cuda: ``(device, state)`` of the parameters' CUDA device, if any.
+    """
+
+    cpu: Tensor
+    cuda: tuple[tuple[torch.device, Tensor], ...]
+
+    @classmethod
+    def capture(cls, param_groups: list[list[Parameter]]) -> RandomState:
+        """The current random state of the devices the parameters live on.
+
+        Args:
+            param_groups: The requested parameters (their device).
+
+        Returns:
+            The state.
+        """
+        devices = _random_devices(param_groups)
+        cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        """Set the generators to this state."""
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda:
+            torch.cuda.set_rng_state(state, device)
+
+
 @contextmanager
-def engine_context(param_groups: list[list[Parameter]]) -> Iterator[None]:
+def engine_context(
+    param_groups: list[list[Parameter]], start: RandomState | None = None
+) -> Iterator[None]:
     """Where engine runs happen: random state forked, gradients enabled.
 
     The caller's random state (CPU, and the parameters' CUDA device) is left as
@@ -172,11 +213,15 @@ def engine_context(param_groups: list[list[Parameter]]) -> Iterator[None]:
 
     Args:
         param_groups: The requested parameters (their device).
+        start: The random state the runs start from (``None``: the caller's):
+            passes over the same data then draw the same random numbers (Dropout
+            masks) whatever the caller drew in between.
     """
-    params = [p for group in param_groups for p in group]
-    devices = [p.device for p in params if p.device.type == "cuda"][:1]
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        yield
+    with torch.random.fork_rng(devices=_random_devices(param_groups)):
+        if start is not None:
+            start.restore()
+        with torch.enable_grad():
+            yield
 
 
 def run_block(

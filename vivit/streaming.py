@@ -39,6 +39,7 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.data import (
+    RandomState,
     UnionOutput,
     block_requests,
     check_progress,
@@ -161,8 +162,11 @@ class StreamingGGN:
     eigenpairs of the latest request per group are kept.
     The loader must be re-iterable and yield the same batches every time
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
-    checked batch by batch. One process's loader: under ``torch.distributed``
-    each rank streams over its own loader alone (no union of the ranks).
+    checked batch by batch. Every pass starts from the random state at
+    construction, so Dropout in training mode draws the first pass's masks in
+    every pass, whatever the caller draws in between. One process's loader:
+    under ``torch.distributed`` each rank streams over its own loader alone (no
+    union of the ranks).
 
     Example::
 
@@ -253,6 +257,8 @@ class StreamingGGN:
             return lambda sink: chosen.run(model, loss_func, batch, block_request, sink)
 
         self._runner = runner
+        # every pass draws what the first did (Dropout masks in training mode)
+        self._random_start = RandomState.capture(self.param_groups)
         self._first_pass()
 
     # Passes over the data ------------------------------------------------------
@@ -274,7 +280,7 @@ class StreamingGGN:
             self._progress,
             f"StreamingGGN: pass {self.passes} ({description})",
         )
-        with engine_context(self.param_groups):
+        with engine_context(self.param_groups, self._random_start):
             for index, batch in enumerate(batches):
                 with naming_batch(index):
                     block = run_block(
