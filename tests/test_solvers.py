@@ -18,6 +18,7 @@ from reference import dense_ggn
 import vivit.lowrank
 from vivit import LowRankGGN, SolverNotConvergedError
 from vivit.gram import DenseFactors, SampleBlockFactors
+from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
 from vivit.linalg.iterative import (
     basis_capacity,
@@ -249,6 +250,27 @@ def test_block_krylov_multiple_eigenvalue(top_k):
     torch.testing.assert_close(
         vectors.T @ vectors, torch.eye(top_k, dtype=torch.float64), atol=1e-12, rtol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_block_krylov_thick_restarts(monkeypatch, dtype):
+    """A slowly decaying spectrum needs restarts. Each restarts from about half a
+    basis of Ritz vectors and goes on from the last remainder (not from the Ritz
+    vectors' images, which rounded float32 products make a wide block of noise), so
+    it converges in float32 too, and in fewer products than restarting from ``b``
+    Ritz vectors."""
+    evals = torch.linspace(1, 0, 600, dtype=torch.float64) ** 2
+    A = psd_matrix(600, evals).to(dtype)
+    found, vectors, report = block_krylov_eigh(A.__matmul__, 600, 3, dtype=dtype)
+    assert report.cycles > 1
+    torch.testing.assert_close(
+        found.double(), evals[:3].flip(0), atol=report.tolerance, rtol=0
+    )
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * found.max()
+    monkeypatch.setattr(iterative, "restart_size", lambda top_k, width, capacity: width)
+    _, _, thin = block_krylov_eigh(A.__matmul__, 600, 3, dtype=dtype)
+    assert report.products < thin.products
 
 
 def test_block_krylov_deterministic_for_a_seed():

@@ -15,14 +15,14 @@ only the new block's columns are multiplied). The residuals
 remainder the next block is built from (``_KrylovBasis.expansion``), without
 forming ``u_i``; once they are at most ``tol · θ_max``, the Ritz vectors and their
 images (``A Q`` is kept, so ``A u_i`` costs no product) confirm it and the pairs
-are returned. A full basis restarts the next cycle from the ``b`` leading Ritz
-vectors. Checking after every block, not only at the end of a cycle, lets a
-small block (one vector for the top eigenpair, as in ARPACK's Lanczos) reach the
-tolerance in the fewest products: on the GGN Gram matrices of the benchmarks,
-``b = k`` needs 30–45 % fewer products than ``b = max(2·k, k + 8)``
-(``benchmarks/README.md``, "Iterative solvers: a convergence check after every
-block"; ``docs/math.rst``, "The Gram matrix and exact eigenpairs", for the
-residual).
+are returned. A full basis restarts the next cycle from about half as many
+leading Ritz vectors (:func:`restart_size`, a thick restart). Checking after
+every block, not only at the end of a cycle, lets a small block (one vector for
+the top eigenpair, as in ARPACK's Lanczos) reach the tolerance in the fewest
+products: on the GGN Gram matrices of the benchmarks, ``b = k`` needs 30–45 %
+fewer products than ``b = max(2·k, k + 8)`` (``benchmarks/README.md``,
+"Iterative solvers: a convergence check after every block"; ``docs/math.rst``,
+"The Gram matrix and exact eigenpairs", for the residual).
 
 Accuracy contract: every returned pair satisfies
 ``‖A u − θ u‖ ≤ tol · θ_max`` with ``θ_max`` the largest Ritz value, so each ``θ`` is
@@ -35,7 +35,6 @@ start block, and nothing else is random.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -138,6 +137,26 @@ def basis_capacity(width: int, size: int, depth: int | None = None) -> int:
     return min(size, max(width * (DEPTH + 1), MIN_BASIS))
 
 
+def restart_size(top_k: int, width: int, capacity: int) -> int:
+    """Ritz vectors a full basis restarts from: ``(m + k) // 2`` within ``[b, m − b]``.
+
+    A thick restart: the leading Ritz vectors keep what the cycle learned about the
+    next eigenvectors, and the next block is still only ``b`` wide, since
+    ``A Y − Y Θ = R s_last`` for the kept Ritz vectors ``Y`` lies in the span of
+    the last remainder ``R`` (see ``_KrylovBasis.expansion``); half the basis is
+    kept, half is room for new blocks.
+
+    Args:
+        top_k: Number of leading eigenpairs.
+        width: Block size ``b``.
+        capacity: Columns ``m`` of a basis.
+
+    Returns:
+        The number of Ritz vectors kept (at least ``b``).
+    """
+    return max(width, min(capacity - width, (capacity + top_k) // 2))
+
+
 def block_krylov_eigh(
     matmul: Callable[[Tensor], Tensor],
     size: int,
@@ -180,6 +199,7 @@ def block_krylov_eigh(
     width = default_block_size(top_k, size) if block_size is None else block_size
     width = min(size, max(width, top_k))
     capacity = basis_capacity(width, size, depth)
+    kept = restart_size(top_k, width, capacity)
     generator = torch.Generator().manual_seed(seed)
     start = torch.randn(size, width, generator=generator, dtype=torch.float64)
     block, _ = _orthonormalize(None, start.to(device))
@@ -192,13 +212,18 @@ def block_krylov_eigh(
         products += vectors.shape[1]
         return matmul(vectors.to(dtype)).to(torch.float64)
 
+    following = None
     for cycle in range(1, max_restarts + 2):
         krylov = _KrylovBasis(block, apply(block) if image is None else image, capacity)
+        block = image = None  # copied into the basis
+        if following is not None:  # thick restart: go on from the last remainder
+            krylov.append(following, apply(following))
         while True:
             theta, coefficients = krylov.rayleigh_ritz(top_k)
             new, residual_gram = krylov.expansion()
+            fits = new is not None and new.shape[1] <= krylov.room
             residual = krylov.estimated_residual(theta, coefficients, residual_gram)
-            if residual <= tol or new is None:  # confirm, or the last chance
+            if residual <= tol or not fits:  # confirm, or the last chance
                 ritz, ritz_images = krylov.ritz_vectors(coefficients)
                 residual = _relative_residual(theta, ritz, ritz_images)
                 if residual <= tol:
@@ -212,13 +237,14 @@ def block_krylov_eigh(
                         products=products,
                     )
                     return theta.to(dtype), ritz.to(dtype), report
-            if new is None:
+            if not fits:
                 break
             krylov.append(new, apply(new))
         history.append(residual)
         if min(history) < min(history[-STAGNATION_CYCLES:], default=0.0):
             break
-        block, image = krylov.ritz_vectors(krylov.rayleigh_ritz(width)[1])
+        block, image = krylov.ritz_vectors(krylov.rayleigh_ritz(kept)[1])
+        following, krylov = new, None  # the next basis replaces this one
     raise SolverNotConvergedError(
         f"The iterative eigensolver did not reach the relative residual {tol:.1e} "
         f"for the top {top_k} eigenpairs of the {size} x {size} Gram matrix: best "
@@ -281,25 +307,27 @@ class _KrylovBasis:
         self._projected[: new.stop, new] = coupling
         self._projected[new, : new.stop] = coupling.T
 
-    def expansion(self) -> tuple[Tensor | None, Tensor | None]:
+    @property
+    def room(self) -> int:
+        """Columns the basis can still take."""
+        return self._basis.shape[1] - self._filled
+
+    def expansion(self) -> tuple[Tensor | None, Tensor]:
         """The next block: ``A`` times the last one minus its part in ``Q``.
 
         The part left after projection, ``R = (I − Q Qᵀ) A Q_last``, is all of
         ``A Q − Q T`` (the earlier blocks' images lie in ``span(Q)``), so
         ``A Q s − θ Q s = R s_last`` for a Ritz pair ``(θ, Q s)``: its Gram matrix
-        ``Rᵀ R`` gives every residual norm without forming Ritz vectors.
+        ``Rᵀ R`` gives every residual norm without forming Ritz vectors. (With
+        products in float32 this holds to their rounding, far below the
+        tolerance; the residuals are confirmed from the Ritz vectors.)
 
         Returns:
-            The orthonormalized block (at most as many columns as fit; ``None`` if
-            the basis is full or the Krylov space is exhausted) and ``Rᵀ R``
-            (``None`` if the basis is full).
+            ``R`` orthonormalized (``None`` if the Krylov space is exhausted: an
+            invariant subspace), which may not fit into the basis, and ``Rᵀ R``.
         """
-        room = self._basis.shape[1] - self._filled
-        if room == 0:
-            return None, None
         basis = self._basis[:, : self._filled]
         new, residual_gram = _orthonormalize(basis, self._images[:, self._last])
-        new = new[:, :room]
         return (new if new.shape[1] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -319,21 +347,18 @@ class _KrylovBasis:
         return theta[-keep:], coefficients[:, -keep:]
 
     def estimated_residual(
-        self, theta: Tensor, coefficients: Tensor, residual_gram: Tensor | None
+        self, theta: Tensor, coefficients: Tensor, residual_gram: Tensor
     ) -> float:
         """``max ‖A u − θ u‖ / max |θ|`` from ``‖R s_last‖`` (see :meth:`expansion`).
 
         Args:
             theta: Ritz values.
             coefficients: Their coefficients in the basis.
-            residual_gram: ``Rᵀ R``, or ``None`` (the basis is full: no estimate).
+            residual_gram: ``Rᵀ R``.
 
         Returns:
-            The estimate, ``0`` if every Ritz value is zero, ``inf`` without
-            ``Rᵀ R``.
+            The estimate (``0`` if every Ritz value is zero).
         """
-        if residual_gram is None:
-            return math.inf
         scale = theta.abs().max().item()
         last = coefficients[self._last]
         squares = ((residual_gram @ last) * last).sum(dim=0).clamp(min=0)

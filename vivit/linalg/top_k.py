@@ -85,6 +85,7 @@ from vivit.linalg.iterative import (
     basis_capacity,
     block_krylov_eigh,
     default_block_size,
+    restart_size,
 )
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
@@ -172,13 +173,17 @@ def iterative_workspace_bytes(
     Returns:
         Bytes: the float64 basis and its image (``m`` columns each,
         :func:`~vivit.linalg.iterative.basis_capacity`), their projection
-        (``m × m``), Ritz vectors and their images and the block in the products'
-        dtype (``b`` each).
+        (``m × m``), the Ritz vectors a restart keeps and their images
+        (:func:`~vivit.linalg.iterative.restart_size` each), Ritz vectors and
+        their images and the block in the products' dtype (``b`` each).
     """
     solver = "iterative" if params is None else "matrix_free"
     width = solver_block_size(solver, top_k, size)
     columns = basis_capacity(width, size)
-    workspace = ((2 * columns + 3 * width) * size + columns**2) * _KRYLOV_ITEMSIZE
+    kept = restart_size(top_k, width, columns)
+    workspace = ((2 * columns + 2 * kept + 3 * width) * size + columns**2) * (
+        _KRYLOV_ITEMSIZE
+    )
     workspace += 2 * width * size * itemsize(dtype)
     if params is not None:
         workspace += 2 * width * params * itemsize(dtype)
