@@ -195,6 +195,8 @@ def block_krylov_eigh(
     tol = default_tolerance(dtype) if tol is None else tol
     if not tol > 0:
         raise InvalidArgumentError(f"tol must be positive, got {tol!r}.")
+    if depth is not None and depth < 1:
+        raise InvalidArgumentError(f"depth must be at least 1, got {depth!r}.")
     top_k = min(top_k, size)
     width = default_block_size(top_k, size) if block_size is None else block_size
     width = min(size, max(width, top_k))
@@ -284,7 +286,7 @@ class _KrylovBasis:
     """
 
     def __init__(self, block: Tensor, image: Tensor, capacity: int):
-        size, width = block.shape
+        size = block.shape[0]
         self._basis = block.new_empty(size, capacity)
         self._images = block.new_empty(size, capacity)
         self._projected = block.new_empty(capacity, capacity)
