@@ -139,10 +139,11 @@ def solver_block_size(solver: str, top_k: int, size: int) -> int:
     """Block size ``b`` of an iterative solver (at most ``R``).
 
     ``"matrix_free"``: ``b = k`` (a ``V``-product costs the same per vector at
-    any block width, so the fewest products win, :func:`~vivit.linalg.iterative.
-    default_block_size`). ``"iterative"``: ``b = max(2·k, k + GRAM_OVERSAMPLING)``:
-    a product with a Gram matrix larger than the cache costs a pass over it, so
-    wider blocks (fewer passes) win although they need more products.
+    any block width, so the fewest products win:
+    :func:`~vivit.linalg.iterative.default_block_size`). ``"iterative"``:
+    ``b = max(2·k, k + GRAM_OVERSAMPLING)``: a product with a Gram matrix larger
+    than the cache costs a pass over it, so wider blocks (fewer passes) win
+    although they need more products.
 
     Args:
         solver: ``"iterative"`` or ``"matrix_free"``.
