@@ -171,3 +171,13 @@ def test_refusal_uses_the_solver(monkeypatch):
     evals, _ = ggn.eigh(top_k=2)  # auto: the Gram does not fit → matrix-free
     assert ggn.solver_report().solver == "matrix_free"
     assert evals.numel() == 2
+
+
+def test_estimate_leaves_the_random_state_alone():
+    """The estimator's probe runs the model (Dropout draws): the caller's random
+    state is as it was, so a loader's memory check changes no Dropout mask."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Dropout(0.5))
+    inputs = torch.randn(1, 4)
+    state = torch.get_rng_state()
+    estimate_memory(model, inputs, 8)
+    assert torch.equal(state, torch.get_rng_state())

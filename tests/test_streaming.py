@@ -188,7 +188,8 @@ def test_shuffling_with_the_global_random_state_repeats_in_every_pass():
 def test_every_pass_draws_the_dropout_masks_of_the_first():
     """Dropout in training mode: every pass starts from the construction's random
     state, so random numbers the caller draws between calls change nothing, and
-    the curvature is that of the first pass's masks (as with stored factors)."""
+    the curvature is that of the first pass's masks, as with stored factors over
+    the same loader (whose memory check between the batches draws nothing)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(5, 8),
@@ -202,7 +203,7 @@ def test_every_pass_draws_the_dropout_masks_of_the_first():
     def top(cls, seed, draw_between):
         torch.manual_seed(seed)
         with pytest.warns(RandomForwardWarning):
-            ggn = cls(model, loss_func, [(X, y)])
+            ggn = cls(model, loss_func, [(X[:5], y[:5]), (X[5:], y[5:])])
         if draw_between:
             torch.randn(100)
         with warnings.catch_warnings():

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.random import fork_rng
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import check_mc_samples
@@ -465,7 +466,9 @@ def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
         )
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    with _hooks_replaced(model), no_grad():
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    # a forward pass draws random numbers (Dropout): the caller's stay as they were
+    with fork_rng(devices=devices), _hooks_replaced(model), no_grad():
         handles = [m.register_forward_hook(record) for m in leaves]
         try:
             result = model(inputs)
