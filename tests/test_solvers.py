@@ -16,7 +16,7 @@ from problems import PROBLEMS, prepare, problem_ids, select
 from reference import dense_ggn
 
 import vivit.lowrank
-from vivit import LowRankGGN, SolverNotConvergedError
+from vivit import InvalidArgumentError, LowRankGGN, SolverNotConvergedError
 from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
@@ -301,6 +301,16 @@ def test_block_krylov_zero_matrix():
     assert report.converged
 
 
+def test_block_krylov_refuses_a_bound_that_accepts_anything():
+    """``tol ≥ 1`` would accept Ritz pairs that are not the leading eigenpairs."""
+    A = psd_matrix(50, torch.linspace(1, 0, 50, dtype=torch.float64))
+    for tol in [1.0, 5.0, float("inf"), float("nan"), 0.0, True, "1e-3"]:
+        with pytest.raises(InvalidArgumentError, match="tol must be a number"):
+            block_krylov_eigh(A.__matmul__, 50, 2, dtype=torch.float64, tol=tol)
+    with pytest.raises(InvalidArgumentError, match="seed must be an integer"):
+        block_krylov_eigh(A.__matmul__, 50, 2, dtype=torch.float64, seed=2**70)
+
+
 def test_block_krylov_not_converged():
     A = psd_matrix(200, torch.linspace(1, 0.9, 200, dtype=torch.float64))
     with pytest.raises(SolverNotConvergedError, match="solver='dense'"):
@@ -460,8 +470,9 @@ def test_bad_solver_arguments():
         LowRankGGN(model, loss_func, (X, y), solver="lanczos")
     with pytest.raises(ValueError, match="solver_tol"):
         LowRankGGN(model, loss_func, (X, y), solver_tol=0)
-    with pytest.raises(ValueError, match="solver_seed"):
-        LowRankGGN(model, loss_func, (X, y), solver_seed=1.5)
+    for seed in [1.5, None, 2**64, -(2**63) - 1]:  # refused at once, not in eigh
+        with pytest.raises(ValueError, match="solver_seed"):
+            LowRankGGN(model, loss_func, (X, y), solver_seed=seed)
     ggn = LowRankGGN(model, loss_func, (X, y))
     with pytest.raises(ValueError, match="pass top_k"):
         ggn.eigh(solver="matrix_free")

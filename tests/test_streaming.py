@@ -157,6 +157,14 @@ def test_misuse():
     ggn = StreamingGGN(model, loss_func, (X, y))  # one batch: a loader of one
     with pytest.raises(InvalidArgumentError, match="pass top_k"):
         ggn.eigh(top_k=None)
+    for tol in [1.0, 5.0, float("inf"), True, "1e-3"]:  # ≥ 1 accepts any Ritz pair
+        with pytest.raises(InvalidArgumentError, match="tol must be a number"):
+            ggn.eigh(top_k=2, tol=tol)
+        with pytest.raises(InvalidArgumentError, match="tol must be a number"):
+            ggn.directional_derivatives(top_k=2, tol=tol)
+    for seed in [1.5, None, 2**70]:
+        with pytest.raises(InvalidArgumentError, match="seed must be an integer"):
+            ggn.eigh(top_k=2, seed=seed)
     with pytest.raises(GroupIndexError):
         ggn.eigh(top_k=1, group=1)
     with (

@@ -67,7 +67,7 @@ from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.groups import GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
-from vivit.linalg.iterative import SolverReport
+from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator
 from vivit.linalg.solvers import (
     check_gram_dtype,
@@ -450,18 +450,8 @@ class LowRankGGN:
         self, solver: str, solver_tol: float | None, solver_seed: int
     ) -> None:
         check_solver(solver)
-        if solver_tol is not None and (
-            isinstance(solver_tol, bool)
-            or not isinstance(solver_tol, (int, float))
-            or not 0 < solver_tol < 1
-        ):
-            raise InvalidArgumentError(
-                f"solver_tol must be a number in (0, 1) or None, got {solver_tol!r}."
-            )
-        if isinstance(solver_seed, bool) or not isinstance(solver_seed, int):
-            raise InvalidArgumentError(
-                f"solver_seed must be an integer, got {solver_seed!r}."
-            )
+        check_tolerance(solver_tol, "solver_tol")
+        check_seed(solver_seed, "solver_seed")
         self._solver = solver
         self._solver_tol = solver_tol
         self._solver_seed = solver_seed

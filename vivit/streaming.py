@@ -67,7 +67,12 @@ from vivit.errors import (
 from vivit.gram import ParamFactors
 from vivit.groups import block_scale, union_batch
 from vivit.linalg.group_products import v_matmul, vt_matmul
-from vivit.linalg.iterative import SolverReport, block_krylov_eigh
+from vivit.linalg.iterative import (
+    SolverReport,
+    block_krylov_eigh,
+    check_seed,
+    check_tolerance,
+)
 from vivit.linalg.solvers import (
     check_gram_dtype,
     check_top_k,
@@ -452,6 +457,8 @@ class StreamingGGN:
                 "StreamingGGN computes a few leading eigenpairs: pass top_k."
             )
         check_group_index(group, len(self.param_groups))
+        check_tolerance(tol)
+        check_seed(seed)
         key = (top_k, tol, seed)
         cached = self._leading.get(group)
         if cached is not None and cached[0] == key:

@@ -58,6 +58,8 @@ STAGNATION_CYCLES = 3
 #: space is exhausted (an invariant subspace). Small but larger components are kept:
 #: near convergence the new directions are small, not meaningless.
 DROP_TOLERANCE = 1e-13
+#: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
+SEEDS = (-(2**63), 2**64)
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -100,6 +102,49 @@ class SolverReport:
     cycles: int = 0
     products: int = 0
     fallback: str | None = None
+
+
+def check_tolerance(tol: object, name: str = "tol") -> None:
+    """Check a relative residual bound: a number in ``(0, 1)``, or ``None``.
+
+    A bound of 1 or more accepts any Ritz pairs, even ones that are not the
+    leading eigenpairs.
+
+    Args:
+        tol: The bound (``None``: :func:`default_tolerance`).
+        name: The argument's name in the message.
+
+    Raises:
+        InvalidArgumentError: If it is anything else.
+    """
+    if tol is not None and (
+        isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a number in (0, 1) or None, got {tol!r}: the relative "
+            "residual bound of the eigenpairs, e.g. 1e-6 (None: the data type's "
+            "default)."
+        )
+
+
+def check_seed(seed: object, name: str = "seed") -> None:
+    """Check the seed of the random start block: an integer torch can seed with.
+
+    Args:
+        seed: The seed.
+        name: The argument's name in the message.
+
+    Raises:
+        InvalidArgumentError: If it is not an integer in ``[-2⁶³, 2⁶⁴)``.
+    """
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int)
+        or not SEEDS[0] <= seed < SEEDS[1]
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be an integer in [-2**63, 2**64), got {seed!r}."
+        )
 
 
 def default_block_size(top_k: int, size: int) -> int:
@@ -192,9 +237,9 @@ def block_krylov_eigh(
     Raises:
         SolverNotConvergedError: If the residuals stay above ``tol``.
     """
+    check_tolerance(tol)
+    check_seed(seed)
     tol = default_tolerance(dtype) if tol is None else tol
-    if not tol > 0:
-        raise InvalidArgumentError(f"tol must be positive, got {tol!r}.")
     if depth is not None and depth < 1:
         raise InvalidArgumentError(f"depth must be at least 1, got {depth!r}.")
     top_k = min(top_k, size)
