@@ -25,6 +25,7 @@ from vivit import (
     GroupIndexError,
     InvalidArgumentError,
     LowRankGGN,
+    ModelChangedError,
     NondeterministicDataError,
     RandomForwardWarning,
     StreamingGGN,
@@ -223,6 +224,29 @@ def test_every_pass_draws_the_dropout_masks_of_the_first():
     assert_rel(streamed, top(LowRankGGN, 1, draw_between=True), REL)
     other_masks = top(LowRankGGN, 2, draw_between=False)
     assert (streamed - other_masks).abs().max() > 1e-3 * streamed.max()
+
+
+def test_a_changed_model_is_refused():
+    """A pass after the parameters changed would mix two models: refused, naming
+    the pass; what was computed before stays that of the construction's values."""
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    streaming = StreamingGGN(model, loss_func, split(X, y, [2, 3]))
+    evals, _ = streaming.eigh(top_k=2)
+    passes = streaming.passes
+    original = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        next(model.parameters()).mul_(2.0)
+    with pytest.raises(ModelChangedError, match=f"before pass {passes + 1}"):
+        streaming.eigh(top_k=3)
+    with pytest.raises(ModelChangedError):
+        streaming.directional_derivatives(top_k=2)
+    assert torch.equal(streaming.eigh(top_k=2)[0], evals)  # kept, no pass
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), original, strict=True):
+            p.copy_(value)
+    stored = LowRankGGN(model, loss_func, (X, y))
+    assert_rel(streaming.eigh(top_k=3)[0], stored.eigh(top_k=3)[0], REL)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS[:2], ids=str)

@@ -57,6 +57,10 @@ class NondeterministicDataError(VivitError, RuntimeError):
     """A data loader yielded different batches in two passes over it."""
 
 
+class ModelChangedError(VivitError, RuntimeError):
+    """The model's parameters or buffers changed between two passes over the data."""
+
+
 class ResultNotReadyError(VivitError, RuntimeError, KeyError):
     """A result was requested before the backward pass that computes it."""
 

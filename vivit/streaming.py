@@ -62,6 +62,7 @@ from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import (
     InvalidArgumentError,
+    ModelChangedError,
     NondeterministicDataError,
 )
 from vivit.gram import ParamFactors
@@ -83,10 +84,10 @@ from vivit.losses import check_loss_function
 
 
 def fingerprint(batch: Sequence[Tensor]) -> str:
-    """A digest of a batch's tensors: shapes, types and every byte.
+    """A digest of tensors: shapes, types and every byte.
 
     Args:
-        batch: ``(inputs, targets)``.
+        batch: The tensors, e.g. ``(inputs, targets)``.
 
     Returns:
         The hexadecimal BLAKE2b digest.
@@ -97,6 +98,19 @@ def fingerprint(batch: Sequence[Tensor]) -> str:
         data = tensor.detach().contiguous().cpu().reshape(-1)
         digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_fingerprint(model: Module) -> str:
+    """A digest of the model's parameters and buffers (:func:`fingerprint`).
+
+    Args:
+        model: The model.
+
+    Returns:
+        The hexadecimal digest.
+    """
+    state = model.state_dict()
+    return fingerprint([value for value in state.values() if isinstance(value, Tensor)])
 
 
 class BatchFingerprints:
@@ -169,7 +183,9 @@ class StreamingGGN:
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
     checked batch by batch. Every pass starts from the random state at
     construction, so Dropout in training mode draws the first pass's masks in
-    every pass, whatever the caller draws in between. One process's loader:
+    every pass, whatever the caller draws in between. The model must not change
+    either: a pass after its parameters or buffers changed raises
+    :class:`~vivit.ModelChangedError`. One process's loader:
     under ``torch.distributed`` each rank streams over its own loader alone (no
     union of the ranks).
 
@@ -264,6 +280,7 @@ class StreamingGGN:
         self._runner = runner
         # every pass draws what the first did (Dropout masks in training mode)
         self._random_start = RandomState.capture(self.param_groups)
+        self._model_state = model_fingerprint(model)
         self._first_pass()
 
     # Passes over the data ------------------------------------------------------
@@ -277,6 +294,7 @@ class StreamingGGN:
                 that passes over the data runs a backward pass).
         """
         check_grad_mode("StreamingGGN")
+        self._check_model_unchanged()
         self.passes += 1
         batches = self._fingerprints.check(iterate_batches(self._data, self._model))
         batches = progress_bar(
@@ -295,6 +313,21 @@ class StreamingGGN:
                         keep_gradient_factors=gradients,
                     )
                 visit(index, block)
+
+    def _check_model_unchanged(self) -> None:
+        """Refuse a pass with other parameter or buffer values than the first.
+
+        Raises:
+            ModelChangedError: If the model's state differs from construction.
+        """
+        if model_fingerprint(self._model) != self._model_state:
+            raise ModelChangedError(
+                f"The model's parameters or buffers changed since this StreamingGGN "
+                f"was built (before pass {self.passes + 1}): its loss, gradient and "
+                "normalization belong to the old values, and a pass with the new "
+                "ones would mix two models. Build a new StreamingGGN after changing "
+                "the model (LowRankGGN keeps the factors of its construction)."
+            )
 
     def _first_pass(self) -> None:
         union = UnionOutput()
