@@ -168,3 +168,25 @@ def test_float32_model_with_float64_gram():
     )
     pinv = op.pinv_matvec(v, top_k=TOP_K)
     assert pinv.dtype == torch.float32 and pinv.isfinite().all()
+
+
+def test_pseudo_inverse_of_small_resolved_eigenvalues_in_float32():
+    """A confident softmax: float32 eigenvalues near 1e-24 are resolved (accurate to
+    about 1e-6), and ``λ⁻²`` underflows float32 there. The pseudo-inverse keeps
+    float32's accuracy (the Gram-space scaling runs in float64)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(4, 3), torch.zeros(4, dtype=torch.long)
+    model = torch.nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight.copy_(0.1 * torch.randn(3, 3))
+        model.bias.copy_(torch.tensor([56.0, 0.0, 0.0]))
+    v = torch.randn(sum(p.numel() for p in model.parameters()))
+    loss_func = torch.nn.CrossEntropyLoss()
+    single = LowRankGGN(model, loss_func, (X, y))
+    assert single.eigh(top_k=2)[0].max() < 1e-22  # λ² below float32's range
+    result = single.operator().pinv_matvec(v, top_k=2)
+    double = LowRankGGN(model.double(), loss_func, (X.double(), y))
+    reference = double.operator().pinv_matvec(v.double(), top_k=2)
+    assert torch.isfinite(result).all()
+    error = (result.double() - reference).norm() / reference.norm()
+    assert error < 1e-4, error

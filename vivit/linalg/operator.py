@@ -27,6 +27,7 @@ from scipy.sparse.linalg import LinearOperator
 from torch import Tensor
 from torch.nn import Parameter
 
+from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
@@ -101,8 +102,22 @@ class GGNOperator:
         """
         evals, gram_evecs = self._eigenpairs(top_k, solver)
         rows, restore = self._to_rows(vectors)
-        coefficients = vt_matmul(self._factors, rows) @ gram_evecs / evals**2
-        return restore(v_matmul(self._factors, coefficients @ gram_evecs.T))
+        # in float64: λ² underflows float32 for small resolved eigenvalues (a
+        # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
+        products = vt_matmul(self._factors, rows)
+        projections = products.double() @ gram_evecs.double()
+        scales = evals.double() ** -2
+        coefficients = (projections * scales) @ gram_evecs.double().T
+        coefficients = coefficients.to(products.dtype)
+        result = v_matmul(self._factors, coefficients)
+        for part in result:
+            check_finite(
+                part,
+                "G⁺ v (eigenvalues too small for the data type: use gram_dtype="
+                "torch.float64 or a smaller top_k)",
+                batch_axis=False,
+            )
+        return restore(result)
 
     def to_scipy(self) -> LinearOperator:
         """``G`` as a ``scipy.sparse.linalg.LinearOperator`` on flat NumPy vectors.
