@@ -190,3 +190,17 @@ def test_pseudo_inverse_of_small_resolved_eigenvalues_in_float32():
     assert torch.isfinite(result).all()
     error = (result.double() - reference).norm() / reference.norm()
     assert error < 1e-4, error
+
+
+def test_scipy_operator_takes_complex_and_strided_arrays():
+    """A real operator is linear over complex vectors (``G(a + ib) = Ga + iGb``, as
+    scipy's operators are), and NumPy views with negative strides are valid input."""
+    problem = select(architecture="mlp_relu", loss="ce", reduction="sum")[0]
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    op = LowRankGGN(model, loss_func, (X, y)).operator().to_scipy()
+    rng = numpy.random.default_rng(0)
+    a, b = rng.standard_normal(op.shape[0]), rng.standard_normal(op.shape[0])
+    numpy.testing.assert_allclose(op @ (a + 1j * b), op @ a + 1j * (op @ b), rtol=1e-14)
+    numpy.testing.assert_allclose(op @ a[::-1], op @ a[::-1].copy(), rtol=1e-14)
+    block = numpy.stack([a, b], axis=1)[:, ::-1]
+    numpy.testing.assert_allclose(op @ block, op @ block.copy(), rtol=1e-14)

@@ -143,9 +143,16 @@ class GGNOperator:
         return self._scipy(lambda v: self.pinv_matvec(v, top_k, solver))
 
     def _scipy(self, apply: Callable[[Tensor], Tensor]) -> LinearOperator:
-        def matmat(array: numpy.ndarray) -> numpy.ndarray:
-            vectors = torch.as_tensor(numpy.asarray(array), device=self.device)
+        def real_matmat(array: numpy.ndarray) -> numpy.ndarray:
+            array = numpy.ascontiguousarray(array)  # torch takes no negative strides
+            vectors = torch.as_tensor(array, device=self.device)
             return apply(vectors.to(self.dtype)).cpu().numpy()
+
+        def matmat(array: numpy.ndarray) -> numpy.ndarray:
+            array = numpy.asarray(array)
+            if numpy.iscomplexobj(array):  # a real operator: G (a + ib) = Ga + iGb
+                return real_matmat(array.real) + 1j * real_matmat(array.imag)
+            return real_matmat(array)
 
         dtype = torch.empty((), dtype=self.dtype).numpy().dtype
         return LinearOperator(
