@@ -12,6 +12,7 @@ from vivit import (
     EighComputation,
     EigvalshComputation,
     GramTooLargeError,
+    InvalidArgumentError,
     InvalidSubsamplingError,
     LowRankGGN,
     ParamGroupError,
@@ -218,6 +219,38 @@ def test_damped_newton_without_extension():
     optimizer = DampedNewton(model.parameters())
     with pytest.raises(RuntimeError, match="backpack.extend"):
         optimizer.step(lambda: loss_func(model(X), y))
+
+
+@pytest.mark.parametrize(
+    "closure",
+    [
+        lambda m, f, X, y: 2 * f(m(X), y),
+        lambda m, f, X, y: f(m(X), y) + sum((p**2).sum() for p in m.parameters()),
+        lambda m, f, X, y: 10.0 - f(m(X), y),
+        lambda m, f, X, y: 0.5 * (f(m(X[:2]), y[:2]) + f(m(X[2:]), y[2:])),
+    ],
+    ids=["scaled", "regularized", "negated", "two-calls"],
+)
+def test_closure_loss_must_be_the_loss_modules_output(closure):
+    """Anything but the loss module's output (plus a constant) would pair the loss
+    module's GGN with another function's gradient: refused, nothing updated."""
+    model, loss_func, (X, y) = mlp_problem()
+    model, loss_func = extend(model), extend(loss_func)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(InvalidArgumentError, match="loss module"):
+        DampedNewton(model.parameters()).step(lambda: closure(model, loss_func, X, y))
+    with pytest.raises(InvalidArgumentError, match="loss module"):
+        LowRankGGN.from_loss(
+            lambda: closure(model, loss_func, X, y), [list(model.parameters())]
+        )
+    assert all(map(torch.equal, model.parameters(), before))
+    shifted = LowRankGGN.from_loss(
+        lambda: loss_func(model(X), y) - 10.0, [list(model.parameters())]
+    )
+    plain = LowRankGGN.from_loss(
+        lambda: loss_func(model(X), y), [list(model.parameters())]
+    )
+    assert torch.equal(shifted.eigvalsh(), plain.eigvalsh())
 
 
 @pytest.mark.parametrize("damping", ["1", None, True])

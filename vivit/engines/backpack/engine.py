@@ -148,6 +148,7 @@ class BackpackEngine(Engine):
                         "ignore", message="Full backward hook is firing"
                     )
                     loss.backward()
+            _check_loss_module_output(loss, extension.loss_output)
             gradients = [
                 torch.zeros_like(p) if p.grad is None else p.grad for p in params
             ]
@@ -155,6 +156,68 @@ class BackpackEngine(Engine):
             for tensor, grad in saved:
                 tensor.grad = grad
         return EngineOutput(loss=loss.detach(), gradients=gradients)
+
+
+def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:
+    """Refuse a loss that is not the loss module's output (plus a constant).
+
+    The GGN is that of the loss module's function; a closure returning, e.g.,
+    ``2 * loss`` or ``loss + regularizer`` would pair it with the gradient of
+    another function. A constant offset (``loss - 10.0``) changes neither.
+
+    Args:
+        loss: The tensor the backward pass started from.
+        loss_output: The output of the loss module it reached (``None``: none was
+            reached, which the caller reports as a missing ``backpack.extend``).
+
+    Raises:
+        InvalidArgumentError: If the backward pass started from another tensor.
+    """
+    if loss_output is not None and not _offset_of(loss, loss_output):
+        computed = type(_origin(loss)).__name__
+        raise InvalidArgumentError(
+            "The loss is not the loss module's output itself but computed from it "
+            f"(last operation {computed}): the GGN would be the loss module's and "
+            "the gradient another function's. Return loss_func(model(inputs), "
+            "targets) unchanged (a constant added is fine); scale through the "
+            "loss's reduction, and add a regularizer's curvature and gradient to "
+            "the step yourself."
+        )
+
+
+def _origin(tensor: Tensor) -> object:
+    """The autograd node that computed ``tensor``, behind module backward hooks.
+
+    A module with full backward hooks returns its output through an identity
+    node (``BackwardHookFunctionBackward``); the tensor its forward hooks saw
+    is that node's input.
+    """
+    node = tensor.grad_fn
+    while type(node).__name__ == "BackwardHookFunctionBackward":
+        node = node.next_functions[0][0]
+    return node
+
+
+def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
+    """Whether ``loss`` is ``loss_output`` plus constants (no other gradient path).
+
+    Walks the autograd graph from ``loss``: through module hooks' identity nodes,
+    additions, and subtractions of something from it, each with no other input
+    that requires gradients, down to the node that computed ``loss_output``.
+    """
+    node, target = _origin(loss), _origin(loss_output)
+    while node is not target:
+        name = type(node).__name__
+        if not name.startswith(("AddBackward", "SubBackward")):
+            return False
+        inputs = [fn for fn, _ in node.next_functions]
+        branches = [(i, fn) for i, fn in enumerate(inputs) if fn is not None]
+        if len(branches) != 1 or (name.startswith("Sub") and branches[0][0] != 0):
+            return False  # another path with gradients, or a negated loss
+        node = branches[0][1]
+        while type(node).__name__ == "BackwardHookFunctionBackward":
+            node = node.next_functions[0][0]
+    return True
 
 
 def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:

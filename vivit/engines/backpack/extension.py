@@ -26,7 +26,12 @@ from vivit.engines.backpack.table import (
     supported_types,
 )
 from vivit.engines.base import BatchInfo
-from vivit.errors import SharedWeightError, UnsupportedLayerError, UnsupportedLossError
+from vivit.errors import (
+    InvalidArgumentError,
+    SharedWeightError,
+    UnsupportedLayerError,
+    UnsupportedLossError,
+)
 from vivit.losses import LossNormalization, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
@@ -82,6 +87,8 @@ class GramGGN(SqrtGGN):
         # Layers and trainable parameters seen in the running backward pass.
         self._seen_layers: set[int] = set()
         self._seen_params: set[int] = set()
+        #: The output of the loss module the backward pass started from.
+        self.loss_output: Tensor | None = None
 
     def get_num_mc_samples(self) -> int:
         """Number of Monte-Carlo samples ``M`` of the loss Hessian.
@@ -114,6 +121,15 @@ class GramGGN(SqrtGGN):
             raise unsupported_layer_error(module)
         warn_random_forward(module)
         if is_loss(module):  # every backward pass starts at the loss
+            if not hasattr(module, "output"):  # BackPACK keeps the latest call's
+                raise InvalidArgumentError(
+                    f"The backward pass reached {module} for a second call: the "
+                    "loss was computed from more than one call of the loss module "
+                    "(e.g. a sum of two losses). Compute it in one call on the "
+                    "whole batch, loss_func(model(inputs), targets), or pass a "
+                    "data loader for several batches."
+                )
+            self.loss_output = module.output
             self._seen_layers.clear()
             self._seen_params.clear()
         params = [p for p in module.parameters() if p.requires_grad]
