@@ -189,6 +189,49 @@ def check_damping(damping: object, name: str = "damping") -> None:
     )
 
 
+def check_lr(lr: object, name: str = "lr") -> None:
+    """Check that a step's scale is a positive finite number.
+
+    Args:
+        lr: The scale of the step.
+        name: Argument name used in error messages.
+
+    Raises:
+        InvalidArgumentError: If it is not (an infinite ``lr`` makes the step NaN).
+    """
+    if (
+        isinstance(lr, bool)
+        or not isinstance(lr, int | float)
+        or not 0 < lr < float("inf")
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a positive finite number, got {lr!r}."
+        )
+
+
+def check_max_decrease(max_decrease: object) -> None:
+    """Check a bound on a step's predicted loss decrease: ``None`` or a number ``≥ 0``.
+
+    Args:
+        max_decrease: The largest decrease of the loss the quadratic model may
+            predict (``inf``: no bound, as ``None``).
+
+    Raises:
+        InvalidArgumentError: If it is neither (NaN, negative, not a number).
+    """
+    if max_decrease is None:
+        return
+    if (
+        isinstance(max_decrease, bool)
+        or not isinstance(max_decrease, int | float)
+        or not max_decrease >= 0  # also refuses NaN
+    ):
+        raise InvalidArgumentError(
+            "max_decrease must be a number >= 0 (the largest loss decrease the "
+            f"quadratic model may predict for the step) or None, got {max_decrease!r}."
+        )
+
+
 def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
     """Refuse a tensor with NaN or infinite entries, naming where they are.
 

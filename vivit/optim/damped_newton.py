@@ -16,6 +16,7 @@ from vivit._validation import (
     check_damping,
     check_generator,
     check_grad_mode,
+    check_lr,
     check_mc_samples,
     check_params,
     check_subsampling,
@@ -186,12 +187,7 @@ class DampedNewton(Optimizer):
         chunk_size: int | None = None,
     ):
         check_grad_mode("DampedNewton")
-        if (
-            isinstance(lr, bool)
-            or not isinstance(lr, int | float)
-            or not 0 < lr < float("inf")
-        ):
-            raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}.")
+        check_lr(lr)
         if (model is None) != (loss_func is None):
             raise InvalidArgumentError(
                 "Pass both model and loss_func (to call step(data=...)) or neither "
