@@ -117,6 +117,7 @@ class FuncEngine(Engine):
         with width.measuring():
             output = model(inputs)
         check_finite(output, "model output")
+        loss_curvature = LossCurvature(loss_func, output, targets)  # names bad input
         loss = loss_func(output, targets)
         if loss.numel() != 1:
             raise InvalidArgumentError(
@@ -131,7 +132,6 @@ class FuncEngine(Engine):
             for p, g in zip(params, grads, strict=True)
         ]
         output = output.detach()
-        loss_curvature = LossCurvature(loss_func, output, targets)
         batch = _batch_info(loss_curvature, output, request)
         check_gram_fits(
             len(batch.ggn_samples) * batch.columns_per_sample,
