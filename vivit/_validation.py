@@ -12,9 +12,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from vivit.errors import (
+    BatchNormTrainingError,
     GradientContextError,
     GroupIndexError,
     InvalidArgumentError,
@@ -544,6 +546,49 @@ def check_generator(generator: object) -> None:
             f"generator must be a torch.Generator or None, got "
             f"{type(generator).__name__}: e.g. torch.Generator().manual_seed(0)."
         )
+
+
+def check_batch_norm(module: Module, name: str = "") -> None:
+    """Refuse a BatchNorm layer that normalizes with the mini-batch's statistics.
+
+    It does so in training mode and, without running statistics
+    (``track_running_stats=False``), in eval mode too (torch's rule); its output
+    for one sample then depends on the others, and the GGN has no per-sample
+    structure. Other modules pass.
+
+    Args:
+        module: A module of the network.
+        name: Its name in the network, for the message (``""``: unknown).
+
+    Raises:
+        BatchNormTrainingError: For a BatchNorm layer using batch statistics.
+    """
+    if not isinstance(module, _BatchNorm):
+        return
+    layer = f"{name} ({module})" if name else str(module)
+    if module.training:
+        problem = "is in training mode"
+        remedy = (
+            "Call model.eval() before computing curvature (BatchNorm then uses its "
+            "running statistics)"
+        )
+    elif module.running_mean is None and module.running_var is None:
+        problem = (
+            "has no running statistics (track_running_stats=False), so it "
+            "normalizes with the mini-batch's statistics even in eval mode"
+        )
+        remedy = (
+            "Build it with track_running_stats=True, let it gather running "
+            "statistics in training mode, and call model.eval() before computing "
+            "curvature"
+        )
+    else:
+        return
+    raise BatchNormTrainingError(
+        f"{layer} {problem}: its output mixes the samples of the mini-batch, so the "
+        f"GGN has no per-sample structure. {remedy}, or use a per-sample "
+        "normalization (LayerNorm, GroupNorm)."
+    )
 
 
 def warn_random_forward(module: Module) -> None:
