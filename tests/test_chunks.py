@@ -25,7 +25,11 @@ from problems import default_dtype, prepare, problem_ids, select
 from reference import dense_ggn
 
 from vivit import LowRankGGN
-from vivit.errors import InvalidArgumentError, InvalidTargetsError
+from vivit.errors import (
+    InvalidArgumentError,
+    InvalidTargetsError,
+    UnsupportedLossError,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
@@ -218,3 +222,19 @@ def test_errors_in_chunks_name_the_batch_and_advise_only_where_chunking_matters(
     ignore = torch.nn.CrossEntropyLoss(ignore_index=-1)
     with pytest.raises(InvalidTargetsError, match="samples 4 to 4 .*larger chunk_size"):
         LowRankGGN(model, ignore, (X, torch.tensor([0, 1, 2, 0, -1])), chunk_size=2)
+
+
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+def test_per_sample_bce_weight_is_refused_alike_by_both_engines(engine):
+    """A weight ``[N, C]`` does not follow the chunks: ``UnsupportedLossError``
+    from both engines (the func engine used to raise torch's RuntimeError)."""
+    problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
+    model, _, X, _ = build(problem, engine)  # N = 5
+    gen = torch.Generator().manual_seed(0)
+    num_classes = model(X).shape[1]
+    y = torch.rand(len(X), num_classes, generator=gen, dtype=torch.float64)
+    weight = torch.rand(len(X), num_classes, generator=gen, dtype=torch.float64)
+    loss_func = torch.nn.BCEWithLogitsLoss(weight=weight)
+    assert LowRankGGN(model, loss_func, (X, y), engine=engine).gram().isfinite().all()
+    with pytest.raises(UnsupportedLossError, match="weight per sample .*chunk_size"):
+        LowRankGGN(model, loss_func, (X, y), engine=engine, chunk_size=2)

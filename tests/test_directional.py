@@ -36,7 +36,13 @@ from reference import (
     reduction_factor,
 )
 
-from vivit import DirectionalDerivatives, DirectionalDerivativesComputation, LowRankGGN
+from vivit import (
+    DirectionalDerivatives,
+    DirectionalDerivativesComputation,
+    InvalidSubsamplingError,
+    LowRankGGN,
+    VivitError,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Full backward hook is firing:UserWarning"
@@ -291,9 +297,15 @@ def test_variance_of_one_sample_raises():
     dd = ggn.directional_derivatives(top_k=2, subsampling_grad=[4])  # one grad sample
     assert dd.gammas.shape == (1, 2) and dd.lambdas.shape == (1, 2)
     assert dd.gamma_mean.shape == dd.lambda_mean.shape == (2,)  # means exist
-    for attribute in ("gamma_var", "gamma_snr", "lambda_var", "lambda_snr"):
-        with pytest.raises(ValueError, match="at least two samples"):
+    for attribute, argument in [
+        ("gamma_var", "subsampling_grad"),
+        ("gamma_snr", "subsampling_grad"),
+        ("lambda_var", "subsampling with"),
+        ("lambda_snr", "subsampling with"),
+    ]:
+        with pytest.raises(InvalidSubsamplingError, match="at least two samples") as e:
             getattr(dd, attribute)
+        assert isinstance(e.value, VivitError) and argument in str(e.value)
 
 
 def test_snr_edge_cases():

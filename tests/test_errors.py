@@ -60,6 +60,18 @@ def test_batchnorm_in_training_mode():
         LowRankGGN(model, nn.CrossEntropyLoss(), data)
 
 
+@pytest.mark.parametrize("engine", ["auto", "backpack", "func"])
+def test_batchnorm_without_running_statistics(engine):
+    """Eval mode does not help: without running statistics BatchNorm normalizes
+    with the batch's (BackPACK used to fail with an AttributeError)."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4, track_running_stats=False)
+    model = nn.Sequential(nn.Linear(3, 4), norm, nn.Linear(4, 2)).eval()
+    data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(BatchNormTrainingError, match="track_running_stats=True"):
+        LowRankGGN(model, nn.CrossEntropyLoss(), data, engine=engine)
+
+
 @pytest.mark.parametrize(
     "layer, hint",
     [(nn.LayerNorm(4), "LayerNorm"), (nn.GELU(), "GELU")],

@@ -47,7 +47,7 @@ from torch import nn
 from vivit import LowRankGGN, SampleCouplingError
 from vivit.engines.func import FuncEngine
 from vivit.engines.func.vjp import BatchedVJP
-from vivit.errors import BatchNormTrainingError
+from vivit.errors import BatchNormTrainingError, UnsupportedLayerError
 from vivit.gram import OuterProductFactors
 from vivit.optim import DampedNewton
 
@@ -279,6 +279,32 @@ def test_unsupported_loss_and_engine_are_refused():
         LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="jax")
     with pytest.raises(ValueError, match="memory_budget must be a positive int"):
         FuncEngine(memory_budget=0)
+
+
+class ShapeDependent(nn.Module):
+    """Uses another Linear layer for small batches (control flow on the data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.large, self.small = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.large(x) if len(x) > 2 else self.small(x)
+
+
+def test_chunk_dependent_computation_is_refused_with_a_vivit_error():
+    """Chunks that use different layers: a VivitError (it was a bare RuntimeError)."""
+    torch.manual_seed(0)
+    model = ShapeDependent().double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="func")  # one chunk
+    with pytest.raises(UnsupportedLayerError, match="larger memory_budget"):
+        LowRankGGN(
+            model,
+            nn.CrossEntropyLoss(),
+            (X, y),
+            engine=FuncEngine(memory_budget=1),
+        )
 
 
 # ----------------------------------------------------------------------------------

@@ -416,6 +416,7 @@ def test_from_loss_non_scalar():
         ("model", {"lr": 0}, InvalidArgumentError, ["lr", "0"]),
         ("model", {"lr": float("nan")}, InvalidArgumentError, ["lr", "nan"]),
         ("model", {"lr": True}, InvalidArgumentError, ["lr", "True"]),
+        ("model", {"lr": float("inf")}, InvalidArgumentError, ["lr", "inf"]),
         ("model", {"damping": -1.0}, InvalidArgumentError, ["damping", "-1.0"]),
         ("model", {"damping": float("nan")}, InvalidArgumentError, ["damping", "nan"]),
         ("model", {"top_k": 0}, InvalidArgumentError, ["top_k", "0"]),
@@ -437,6 +438,29 @@ def test_damped_newton_constructor(params, kwargs, error, words):
         }[params]
     with raises(error, *words):
         DampedNewton(params, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"lr": float("inf")}, ["lr", "finite", "inf"]),  # the step would be NaN
+        ({"lr": float("nan")}, ["lr", "nan"]),
+        ({"lr": 0.0}, ["lr", "0.0"]),
+        ({"lr": "1"}, ["lr", "'1'"]),
+        ({"max_decrease": float("nan")}, ["max_decrease", "nan"]),
+        ({"max_decrease": -1.0}, ["max_decrease", "-1.0"]),
+        ({"max_decrease": "0.1"}, ["max_decrease", "'0.1'"]),
+        ({"damping": -1.0}, ["damping", "-1.0"]),
+    ],
+)
+def test_lowrank_newton_arguments(kwargs, words):
+    """``LowRankGGN.newton`` checks ``lr`` as ``DampedNewton`` does, and names
+    ``max_decrease`` (not the dampings derived from it)."""
+    model, loss_func, X, y = problem()
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    with raises(InvalidArgumentError, *words) as info:
+        ggn.newton(**kwargs)
+    assert "Dampings" not in str(info.value)
 
 
 def test_damped_newton_dict_groups_with_generators():

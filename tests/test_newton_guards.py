@@ -232,6 +232,37 @@ def test_invalid_trust_fraction(value):
         DampedNewton(model.parameters(), trust_fraction=value)
 
 
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("trust_fraction", -1.0),  # used to give zero steps with a ZeroStepWarning
+        ("trust_fraction", "0.25"),  # used to give a bare TypeError at step time
+        ("trust_fraction", math.nan),
+        ("lr", math.inf),
+        ("damping", -1.0),
+        ("top_k", 0),
+    ],
+)
+def test_invalid_group_setting_is_refused_when_added_and_at_step(setting, value):
+    """One check for the constructor's groups, added groups and changed values."""
+    model, loss_func, X, y = blobs()
+    first, last = list(model[0].parameters()), list(model[2].parameters())
+    words = f"Parameter group 1: {setting}"
+    with pytest.raises(ValueError, match=words):
+        DampedNewton([{"params": first}, {"params": last, setting: value}])
+    optimizer = DampedNewton(first)
+    with pytest.raises(ValueError, match=words):
+        optimizer.add_param_group({"params": last, setting: value})
+    assert len(optimizer.param_groups) == 1  # the bad group was not added
+    optimizer.add_param_group({"params": last})
+    optimizer.param_groups[1][setting] = value
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=words):
+        optimizer.step(lambda: loss_func(model(X), y))
+    for p, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), old)
+
+
 def test_exact_newton_on_a_quadratic_does_not_warn():
     model, loss_func, X, y = least_squares("mean")
     optimizer = DampedNewton(model.parameters(), damping=0.0, trust_fraction=None)

@@ -12,9 +12,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
 from vivit.errors import (
+    BatchNormTrainingError,
     GradientContextError,
     GroupIndexError,
     InvalidArgumentError,
@@ -187,6 +189,49 @@ def check_damping(damping: object, name: str = "damping") -> None:
         f"{name} must be a number >= 0 or a callable (evals, gram_evecs, gammas, "
         f"lambdas) -> [K] such as vivit.optim.BootstrapDamping, got {damping!r}."
     )
+
+
+def check_lr(lr: object, name: str = "lr") -> None:
+    """Check that a step's scale is a positive finite number.
+
+    Args:
+        lr: The scale of the step.
+        name: Argument name used in error messages.
+
+    Raises:
+        InvalidArgumentError: If it is not (an infinite ``lr`` makes the step NaN).
+    """
+    if (
+        isinstance(lr, bool)
+        or not isinstance(lr, int | float)
+        or not 0 < lr < float("inf")
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a positive finite number, got {lr!r}."
+        )
+
+
+def check_max_decrease(max_decrease: object) -> None:
+    """Check a bound on a step's predicted loss decrease: ``None`` or a number ``≥ 0``.
+
+    Args:
+        max_decrease: The largest decrease of the loss the quadratic model may
+            predict (``inf``: no bound, as ``None``).
+
+    Raises:
+        InvalidArgumentError: If it is neither (NaN, negative, not a number).
+    """
+    if max_decrease is None:
+        return
+    if (
+        isinstance(max_decrease, bool)
+        or not isinstance(max_decrease, int | float)
+        or not max_decrease >= 0  # also refuses NaN
+    ):
+        raise InvalidArgumentError(
+            "max_decrease must be a number >= 0 (the largest loss decrease the "
+            f"quadratic model may predict for the step) or None, got {max_decrease!r}."
+        )
 
 
 def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
@@ -501,6 +546,49 @@ def check_generator(generator: object) -> None:
             f"generator must be a torch.Generator or None, got "
             f"{type(generator).__name__}: e.g. torch.Generator().manual_seed(0)."
         )
+
+
+def check_batch_norm(module: Module, name: str = "") -> None:
+    """Refuse a BatchNorm layer that normalizes with the mini-batch's statistics.
+
+    It does so in training mode and, without running statistics
+    (``track_running_stats=False``), in eval mode too (torch's rule); its output
+    for one sample then depends on the others, and the GGN has no per-sample
+    structure. Other modules pass.
+
+    Args:
+        module: A module of the network.
+        name: Its name in the network, for the message (``""``: unknown).
+
+    Raises:
+        BatchNormTrainingError: For a BatchNorm layer using batch statistics.
+    """
+    if not isinstance(module, _BatchNorm):
+        return
+    layer = f"{name} ({module})" if name else str(module)
+    if module.training:
+        problem = "is in training mode"
+        remedy = (
+            "Call model.eval() before computing curvature (BatchNorm then uses its "
+            "running statistics)"
+        )
+    elif module.running_mean is None and module.running_var is None:
+        problem = (
+            "has no running statistics (track_running_stats=False), so it "
+            "normalizes with the mini-batch's statistics even in eval mode"
+        )
+        remedy = (
+            "Build it with track_running_stats=True, let it gather running "
+            "statistics in training mode, and call model.eval() before computing "
+            "curvature"
+        )
+    else:
+        return
+    raise BatchNormTrainingError(
+        f"{layer} {problem}: its output mixes the samples of the mini-batch, so the "
+        f"GGN has no per-sample structure. {remedy}, or use a per-sample "
+        "normalization (LayerNorm, GroupNorm)."
+    )
 
 
 def warn_random_forward(module: Module) -> None:

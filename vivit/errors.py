@@ -42,7 +42,11 @@ class GradientContextError(VivitError, RuntimeError):
 
 
 class BatchNormTrainingError(VivitError, ValueError):
-    """A BatchNorm layer in training mode: its output couples the samples."""
+    """A BatchNorm layer using batch statistics: its output couples the samples.
+
+    It does so in training mode and, built with ``track_running_stats=False``, in
+    eval mode too.
+    """
 
 
 class GramTooLargeError(VivitError, MemoryError):

@@ -279,9 +279,19 @@ def _bce_with_logits(
     for name in ("weight", "pos_weight"):
         weight = getattr(loss_func, name)
         if weight is not None and not _broadcasts(weight.shape, output.shape):
+            per_sample = weight.dim() == output.dim() and _broadcasts(
+                weight.shape[1:], output.shape[1:]
+            )
+            hint = (
+                " A weight per sample does not follow a split of the batch into "
+                "chunks (chunk_size) or a data loader's batches: if you split it, "
+                "pass the whole batch at once."
+                if per_sample
+                else ""
+            )
             raise UnsupportedLossError(
                 f"BCEWithLogitsLoss.{name} has shape {tuple(weight.shape)}, which "
-                f"does not broadcast to the output shape {tuple(output.shape)}."
+                f"does not broadcast to the output shape {tuple(output.shape)}.{hint}"
             )
     scale = torch.full(
         output.shape,

@@ -14,11 +14,14 @@ from torch.nn import Module, Parameter
 from vivit._memory import check_gram_fits, dense_workspace_bytes
 from vivit._validation import (
     check_batch,
+    check_damping,
     check_finite,
     check_generator,
     check_grad_mode,
     check_group_index,
     check_inputs_match,
+    check_lr,
+    check_max_decrease,
     check_mc_samples,
     check_model,
     check_params,
@@ -879,7 +882,15 @@ class LowRankGGN:
 
         Returns:
             The step, the directional derivatives, ``γ̄`` and the dampings used.
+
+        Raises:
+            InvalidArgumentError: If ``lr`` is not a positive finite number,
+                ``max_decrease`` not ``None`` or a number ``≥ 0``, or the damping
+                invalid.
         """
+        check_damping(damping)
+        check_lr(lr)
+        check_max_decrease(max_decrease)
         gram_evecs, directional = self._directional(
             top_k, group, subsampling_grad, solver
         )

@@ -30,9 +30,12 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import (
     check_batch,
+    check_damping,
     check_generator,
     check_grad_mode,
     check_group_index,
+    check_lr,
+    check_max_decrease,
     check_mc_samples,
     check_model,
     check_params,
@@ -592,7 +595,14 @@ class StreamingGGN:
 
         Returns:
             The step, the directional derivatives and the dampings used.
+
+        Raises:
+            InvalidArgumentError: As for :meth:`vivit.LowRankGGN.newton`, before
+                any pass over the data.
         """
+        check_damping(damping)
+        check_lr(lr)
+        check_max_decrease(max_decrease)
         _, gram_evecs, _ = self._directions(top_k, group, tol, seed)
         directional = self.directional_derivatives(top_k, group, tol=tol, seed=seed)
         dampings, u = newton_coefficients_damped(

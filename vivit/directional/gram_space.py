@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from vivit._validation import check_damping
+from vivit._validation import check_damping, check_lr, check_max_decrease
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError, ZeroStepWarning
@@ -247,11 +247,13 @@ def newton_coefficients_damped(
         The dampings used, ``[K]``, and ``u``, ``[N·C]``.
 
     Raises:
-        ValueError: If ``lr`` is not positive or a damping is invalid.
+        InvalidArgumentError: If ``lr`` is not a positive finite number,
+            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
+            invalid.
     """
     check_damping(damping)
-    if not lr > 0:
-        raise InvalidArgumentError(f"lr must be positive, got {lr!r}.")
+    check_lr(lr)
+    check_max_decrease(max_decrease)
     evals = directional.evals
     if evals.numel() > 0 and callable(damping):
         dampings = damping(evals, gram_evecs, directional.gammas, directional.lambdas)
@@ -299,7 +301,9 @@ def damped_newton_step(
         The step with the quantities that define it.
 
     Raises:
-        ValueError: If ``lr`` is not positive or a damping is invalid.
+        InvalidArgumentError: If ``lr`` is not a positive finite number,
+            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
+            invalid.
     """
     dampings, u = newton_coefficients_damped(
         gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease

@@ -7,12 +7,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vivit.errors import InvalidSubsamplingError
 
-def _variance(samples: Tensor, name: str) -> Tensor:
+
+def _variance(samples: Tensor, name: str, argument: str) -> Tensor:
+    """Unbiased variance over the samples (axis 0); ``argument`` selects them."""
     if samples.shape[0] < 2:
-        raise ValueError(
-            f"The variance of {name} needs at least two samples, "
-            f"got {samples.shape[0]}."
+        raise InvalidSubsamplingError(
+            f"The variance of {name} needs at least two samples, got "
+            f"{samples.shape[0]}: use a mini-batch of two samples or more and pass "
+            f"{argument} with at least two indices (or None for all)."
         )
     return samples.var(0, correction=1)
 
@@ -50,12 +54,20 @@ class DirectionalDerivatives:
 
     @property
     def gamma_var(self) -> Tensor:
-        """Unbiased sample variance (``ddof=1``) of ``γ_·k``, ``[K]``."""
-        return _variance(self.gammas, "gammas")
+        """Unbiased sample variance (``ddof=1``) of ``γ_·k``, ``[K]``.
+
+        Raises:
+            InvalidSubsamplingError: For fewer than two samples (``subsampling_grad``).
+        """
+        return _variance(self.gammas, "gammas", "subsampling_grad")
 
     @property
     def gamma_snr(self) -> Tensor:
-        """Signal-to-noise ratio ``mean² / variance`` of ``γ_·k``, ``[K]``."""
+        """Signal-to-noise ratio ``mean² / variance`` of ``γ_·k``, ``[K]``.
+
+        Raises:
+            InvalidSubsamplingError: For fewer than two samples (``subsampling_grad``).
+        """
         return _snr(self.gamma_mean, self.gamma_var)
 
     @property
@@ -65,12 +77,20 @@ class DirectionalDerivatives:
 
     @property
     def lambda_var(self) -> Tensor:
-        """Unbiased sample variance (``ddof=1``) of ``λ_·k``, ``[K]``."""
-        return _variance(self.lambdas, "lambdas")
+        """Unbiased sample variance (``ddof=1``) of ``λ_·k``, ``[K]``.
+
+        Raises:
+            InvalidSubsamplingError: For fewer than two samples (``subsampling``).
+        """
+        return _variance(self.lambdas, "lambdas", "subsampling")
 
     @property
     def lambda_snr(self) -> Tensor:
-        """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``."""
+        """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``.
+
+        Raises:
+            InvalidSubsamplingError: For fewer than two samples (``subsampling``).
+        """
         return _snr(self.lambda_mean, self.lambda_var)
 
 

@@ -16,6 +16,7 @@ from vivit._validation import (
     check_damping,
     check_generator,
     check_grad_mode,
+    check_lr,
     check_mc_samples,
     check_params,
     check_subsampling,
@@ -27,7 +28,12 @@ from vivit.directional.results import NewtonStep
 from vivit.distributed import agree_across_ranks, resolve_group
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
-from vivit.errors import InvalidArgumentError, NonFiniteError, UnboundedStepWarning
+from vivit.errors import (
+    InvalidArgumentError,
+    NonFiniteError,
+    UnboundedStepWarning,
+    VivitError,
+)
 from vivit.linalg.solvers import check_gram_dtype, check_top_k
 from vivit.linalg.top_k import check_solver
 from vivit.lowrank import LowRankGGN
@@ -104,6 +110,9 @@ class DampedNewton(Optimizer):
     can differ between parameter groups (as in ``torch.optim``); each group is
     one block of a block-diagonal GGN, with its own trust region. ``mc_samples``
     and ``subsampling`` shape the single backward pass and hold for all groups.
+    Each group's settings are checked when it is added (by the constructor or
+    :meth:`add_param_group`) and again at every step, for values changed in
+    ``param_groups`` since.
 
     Data-parallel training (``torch.distributed``, user guide "Several
     processes"): every rank calls ``step(data=its_shard)``; each step is the
@@ -186,12 +195,7 @@ class DampedNewton(Optimizer):
         chunk_size: int | None = None,
     ):
         check_grad_mode("DampedNewton")
-        if (
-            isinstance(lr, bool)
-            or not isinstance(lr, int | float)
-            or not 0 < lr < float("inf")
-        ):
-            raise InvalidArgumentError(f"lr must be a positive number, got {lr!r}.")
+        check_lr(lr)
         if (model is None) != (loss_func is None):
             raise InvalidArgumentError(
                 "Pass both model and loss_func (to call step(data=...)) or neither "
@@ -217,13 +221,7 @@ class DampedNewton(Optimizer):
             "subsampling_grad": subsampling_grad,
             "trust_fraction": trust_fraction,
         }
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_trust_fraction(group["trust_fraction"])
-            check_damping(group["damping"])
-            check_top_k(group["top_k"])
-            check_subsampling(group["subsampling_grad"], name="subsampling_grad")
-            check_params(group["params"], {})
+        super().__init__(params, defaults)  # checks each group (add_param_group)
         self.mc_samples = mc_samples
         self.subsampling = subsampling
         self.generator = generator
@@ -234,6 +232,29 @@ class DampedNewton(Optimizer):
         self.chunk_size = chunk_size
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group, checking its parameters and step settings.
+
+        Args:
+            param_group: ``{"params": ..., "lr": ..., ...}``; settings it leaves
+                out take the constructor's values.
+
+        Raises:
+            InvalidArgumentError: If a setting has the wrong type or value (see
+                the constructor); the group is then not added.
+            InvalidSubsamplingError: If its ``subsampling_grad`` is invalid.
+            UnsupportedDtypeError: For 16-bit parameters.
+            NonFiniteError: For parameters with NaN or infinite entries.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            check_group_settings(group, len(self.param_groups) - 1)
+            check_params(group["params"], {})
+        except VivitError:
+            self.param_groups.pop()
+            raise
 
     def step(  # type: ignore[override]
         self,
@@ -273,6 +294,8 @@ class DampedNewton(Optimizer):
                 "a mini-batch (without calling backward) or data=(inputs, targets) "
                 "for an optimizer built with model= and loss_func=."
             )
+        for index, group in enumerate(self.param_groups):  # changed since added?
+            check_group_settings(group, index)
         groups = [group["params"] for group in self.param_groups]
         options = {
             "mc_samples": self.mc_samples,
@@ -363,6 +386,35 @@ class DampedNewton(Optimizer):
         return ggn.loss
 
 
+#: A parameter group's step settings (each may differ between groups).
+STEP_SETTINGS = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
+
+
+def check_group_settings(group: dict, index: int) -> None:
+    """Check a parameter group's step settings, naming the group on error.
+
+    Runs when a group is added (also by the constructor) and at every step, for
+    settings changed in ``optimizer.param_groups`` since.
+
+    Args:
+        group: The parameter group, with every key of :data:`STEP_SETTINGS`.
+        index: Its position in ``param_groups``, for the message.
+
+    Raises:
+        InvalidArgumentError: If ``lr``, ``damping``, ``top_k`` or
+            ``trust_fraction`` has the wrong type or value.
+        InvalidSubsamplingError: If ``subsampling_grad`` is invalid.
+    """
+    try:
+        check_lr(group["lr"])
+        check_damping(group["damping"])
+        check_top_k(group["top_k"])
+        check_subsampling(group["subsampling_grad"], name="subsampling_grad")
+        check_trust_fraction(group["trust_fraction"])
+    except VivitError as error:
+        raise type(error)(f"Parameter group {index}: {error}") from None
+
+
 def _step_settings(group: dict) -> dict[str, object]:
     """A parameter group's step settings, comparable across processes."""
 
@@ -377,8 +429,7 @@ def _step_settings(group: dict) -> dict[str, object]:
             {k: described(v) for k, v in sorted(attributes.items())},
         )
 
-    keys = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
-    return {key: described(group[key]) for key in keys}
+    return {key: described(group[key]) for key in STEP_SETTINGS}
 
 
 def check_trust_fraction(trust_fraction: object) -> None:

@@ -46,9 +46,10 @@ from torch.nn import (
     Module,
 )
 
+from vivit._validation import check_batch_norm
 from vivit.engines.backpack.dtype import dtype_safe
 from vivit.engines.base import ParamContribution
-from vivit.errors import BatchNormTrainingError, UnsupportedLayerError
+from vivit.errors import UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
 from vivit.gram.outer import GGN_COMPACT_RATIO
 
@@ -184,19 +185,13 @@ class GramConvNd(GramParamsExtension):
 
 
 class GramBatchNormNd(GramParamsExtension):
-    """``torch.nn.BatchNorm{1,2,3}d`` in evaluation mode."""
+    """``torch.nn.BatchNorm{1,2,3}d`` in evaluation mode, with running statistics."""
 
     def __init__(self):
         super().__init__(BatchNormNdDerivatives(), PARAMS)
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
-        if module.training:
-            raise BatchNormTrainingError(
-                f"{module} is in training mode: its output mixes the samples of the "
-                "mini-batch, so the GGN has no per-sample structure. Call "
-                "model.eval() before computing curvature (BatchNorm then uses its "
-                "running statistics)."
-            )
+        check_batch_norm(module)
 
 
 def _linear_positions(outputs: Tensor, num_vectors: int, num_samples: int) -> Tensor:

@@ -54,7 +54,7 @@ from vivit.engines.base import (
 from vivit.engines.func.capture import LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
-from vivit.errors import InvalidArgumentError
+from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.losses import LossCurvature, check_loss_function
 
@@ -117,6 +117,7 @@ class FuncEngine(Engine):
         with width.measuring():
             output = model(inputs)
         check_finite(output, "model output")
+        loss_curvature = LossCurvature(loss_func, output, targets)  # names bad input
         loss = loss_func(output, targets)
         if loss.numel() != 1:
             raise InvalidArgumentError(
@@ -131,7 +132,6 @@ class FuncEngine(Engine):
             for p, g in zip(params, grads, strict=True)
         ]
         output = output.detach()
-        loss_curvature = LossCurvature(loss_func, output, targets)
         batch = _batch_info(loss_curvature, output, request)
         check_gram_fits(
             len(batch.ggn_samples) * batch.columns_per_sample,
@@ -210,7 +210,7 @@ class FuncEngine(Engine):
                 if chunk < output.shape[0]:  # the probe was too large: redo it
                     continue
             elif set(calls_of) != factor:
-                raise RuntimeError(
+                raise UnsupportedLayerError(
                     "The model uses its Linear or convolution layers differently for "
                     "different chunks of the mini-batch (data-dependent control "
                     "flow); the func engine needs the same computation for every "

@@ -14,31 +14,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.nn import Module
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from vivit.errors import BatchNormTrainingError, SampleCouplingError
+from vivit._validation import check_batch_norm
+from vivit.errors import SampleCouplingError
 
 
 def check_layers(model: Module) -> None:
-    """Refuse layers that couple samples or draw random numbers in training mode.
+    """Refuse layers that couple samples or draw random numbers.
 
     Args:
         model: The network.
 
     Raises:
-        BatchNormTrainingError: For a BatchNorm layer in training mode.
+        BatchNormTrainingError: For a BatchNorm layer that uses batch statistics
+            (training mode, or no running statistics).
         SampleCouplingError: For a dropout layer in training mode with ``p > 0``.
     """
     for name, module in model.named_modules():
-        if isinstance(module, _BatchNorm) and module.training:
-            raise BatchNormTrainingError(
-                f"{name or 'The model'} ({module}) is in training mode: its output "
-                "mixes the samples of the mini-batch, so the GGN has no per-sample "
-                "structure. Call model.eval() before computing curvature (BatchNorm "
-                "then uses its running statistics), or use a per-sample "
-                "normalization (LayerNorm, GroupNorm)."
-            )
+        check_batch_norm(module, name or "The model")
         if isinstance(module, _DropoutNd) and module.training and module.p > 0:
             raise SampleCouplingError(
                 f"{name or 'The model'} ({module}) is in training mode: the forward "
