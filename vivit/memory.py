@@ -28,7 +28,10 @@ loader's batch size in :func:`estimate_data_set_memory`):
   :mod:`vivit.gram.planner` caps at its budget (256 MiB).
 
 ``N_S`` is the number of curvature samples (the subsampling), ``N`` the
-mini-batch size. Entries are counted in the parameters' data type, the iterative
+mini-batch size. ``solver="auto"`` is resolved by
+:func:`~vivit.linalg.top_k.choose_solver` on factors of the shapes the request
+would hold (on the meta device: no entries), so the estimate is for the solver
+the request runs. Entries are counted in the parameters' data type, the iterative
 solvers' Krylov bases in float64. The estimate leaves out the model, the data and
 the loaded libraries; ``tests/test_memory.py`` checks it against the measured
 increase of resident memory within a factor of 1.5.
@@ -151,8 +154,10 @@ def estimate_memory(
         mc_samples: As for :class:`~vivit.LowRankGGN`.
         num_curvature_samples: Size of the subsampling (``None``: ``N``).
         top_k: Number of leading eigenpairs asked for (``None``: all).
-        solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved with the
-            same cost model and memory budget the request would use.
+        solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved as the
+            request's ``eigh(top_k)`` resolves it: the same cost model, the work
+            of the factors the request would hold (their shapes), the memory
+            available now; with several groups, the solver of the largest group.
         chunk_size: As for :class:`~vivit.LowRankGGN`: the backward pass's
             transient and the activations are those of a chunk (with at most
             ``min(chunk_size, num_curvature_samples)`` curvature samples), the
@@ -162,8 +167,13 @@ def estimate_memory(
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        ValueError: For a ``batch_size``, ``top_k``, ``mc_samples``, ``solver`` or
-            ``chunk_size`` that a request would refuse.
+        InvalidArgumentError: For a ``batch_size``, ``top_k``, ``mc_samples``,
+            ``solver`` or ``chunk_size`` that a request would refuse, a
+            ``num_curvature_samples`` outside ``[1, batch_size]``, or
+            ``example_inputs`` without a sample along a batch axis.
+        ParamGroupError: For parameter groups a request would refuse, or a model
+            without trainable parameters.
+        UnsupportedDtypeError: For parameters a request would refuse (16-bit).
     """
     _check_size(batch_size, "batch_size")
     if num_curvature_samples is not None:
@@ -233,8 +243,10 @@ def estimate_data_set_memory(
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        ValueError: For sizes that are not positive integers, or options that a
-            request would refuse.
+        InvalidArgumentError: For sizes that are not positive integers, options
+            that a request would refuse, or ``example_inputs`` without a sample.
+        ParamGroupError: As for :func:`estimate_memory`.
+        UnsupportedDtypeError: As for :func:`estimate_memory`.
     """
     _check_size(num_samples, "num_samples")
     _check_size(batch_size, "batch_size")
