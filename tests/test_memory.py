@@ -11,7 +11,12 @@ from torch import nn
 import vivit._memory
 import vivit.linalg.top_k
 from vivit import GramTooLargeError, LowRankGGN
-from vivit.errors import InvalidArgumentError, ParamGroupError, UnsupportedDtypeError
+from vivit.errors import (
+    BatchNormTrainingError,
+    InvalidArgumentError,
+    ParamGroupError,
+    UnsupportedDtypeError,
+)
 from vivit.memory import estimate_data_set_memory, estimate_memory, largest_batch
 
 #: Estimates must lie within this factor of the measured peak increase of resident
@@ -283,3 +288,14 @@ def test_refuses_malformed_requests():
         estimate_memory(nn.Linear(20, 5).half(), X.half(), 8)
     with pytest.raises(InvalidArgumentError, match="torch.nn.Module"):
         estimate_memory(lambda x: x, X, 8)
+
+
+def test_refuses_batch_norm_in_training_mode():
+    """As a request does; the probe would have updated the running statistics."""
+    model = nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.Linear(16, 5))
+    running_mean = model[1].running_mean.clone()
+    with pytest.raises(BatchNormTrainingError, match="model.eval()"):
+        estimate_memory(model, torch.randn(4, 20) + 5, 8)
+    assert torch.equal(model[1].running_mean, running_mean)
+    model.eval()
+    assert estimate_memory(model, torch.randn(4, 20) + 5, 8).num_rows == 40

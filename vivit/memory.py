@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.random import fork_rng
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
@@ -59,7 +60,7 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.chunks import check_chunk_size
-from vivit.errors import InvalidArgumentError
+from vivit.errors import BatchNormTrainingError, InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
     OuterProductFactors,
@@ -174,6 +175,7 @@ def estimate_memory(
         ParamGroupError: For parameter groups a request would refuse, or a model
             without trainable parameters.
         UnsupportedDtypeError: For parameters a request would refuse (16-bit).
+        BatchNormTrainingError: For BatchNorm in training mode.
     """
     _check_size(batch_size, "batch_size")
     if num_curvature_samples is not None:
@@ -247,6 +249,7 @@ def estimate_data_set_memory(
             that a request would refuse, or ``example_inputs`` without a sample.
         ParamGroupError: As for :func:`estimate_memory`.
         UnsupportedDtypeError: As for :func:`estimate_memory`.
+        BatchNormTrainingError: As for :func:`estimate_memory`.
     """
     _check_size(num_samples, "num_samples")
     _check_size(batch_size, "batch_size")
@@ -301,6 +304,7 @@ def _estimate(
     check_solver(solver, top_k)
     check_mc_samples(mc_samples)
     _check_example_inputs(example_inputs)
+    _check_batch_norm(model)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     entry = itemsize(dtype)
     layers, outputs_per_sample, columns = _probe(model, example_inputs)
@@ -460,6 +464,21 @@ def _check_example_inputs(example_inputs: Tensor) -> None:
             f"axis, [n, *input_shape], got shape {tuple(example_inputs.shape)}: "
             "pass e.g. X[:1]."
         )
+
+
+def _check_batch_norm(model: Module) -> None:
+    """Refuse BatchNorm in training mode, as a request does.
+
+    Checked before the probe, whose forward pass would update the running
+    statistics.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and module.training:
+            raise BatchNormTrainingError(
+                f"{name or 'The model'} ({module}) is in training mode, which "
+                "LowRankGGN refuses (its output mixes the samples): call "
+                "model.eval() before estimating the memory."
+            )
 
 
 def _batches(num_samples: int, batch_size: int) -> list[int]:
