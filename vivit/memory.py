@@ -159,6 +159,8 @@ def estimate_memory(
             request's ``eigh(top_k)`` resolves it: the same cost model, the work
             of the factors the request would hold (their shapes), the memory
             available now; with several groups, the solver of the largest group.
+            The factors are the BackPACK engine's (the func engine holds no
+            convolution's ``V`` explicitly, so its choice may differ).
         chunk_size: As for :class:`~vivit.LowRankGGN`: the backward pass's
             transient and the activations are those of a chunk (with at most
             ``min(chunk_size, num_curvature_samples)`` curvature samples), the
