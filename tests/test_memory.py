@@ -11,6 +11,12 @@ from torch import nn
 import vivit._memory
 import vivit.linalg.top_k
 from vivit import GramTooLargeError, LowRankGGN
+from vivit.errors import (
+    BatchNormTrainingError,
+    InvalidArgumentError,
+    ParamGroupError,
+    UnsupportedDtypeError,
+)
 from vivit.memory import estimate_data_set_memory, estimate_memory, largest_batch
 
 #: Estimates must lie within this factor of the measured peak increase of resident
@@ -181,3 +187,115 @@ def test_estimate_leaves_the_random_state_alone():
     state = torch.get_rng_state()
     estimate_memory(model, inputs, 8)
     assert torch.equal(state, torch.get_rng_state())
+
+
+def benchmark_mlp():
+    """The MLP 784-128-64-10 of ``benchmarks/solver_costs.py``."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+def grouped_cnn():
+    """Convolutions with and without channel groups, V held in both forms."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 16 * 16, 10),
+    )
+
+
+@pytest.mark.parametrize(
+    "make_model, input_shape, batch_size, request_kwargs",
+    [
+        (benchmark_mlp, (784,), 128, {}),  # the iterative solver
+        (benchmark_mlp, (784,), 512, {}),  # matrix-free (was: estimated iterative)
+        (benchmark_mlp, (784,), 512, {"mc_samples": 1}),  # dense
+        (cnn, (3, 16, 16), 64, {}),  # matrix-free
+        (grouped_cnn, (3, 32, 32), 32, {}),  # dense
+    ],
+    ids=["mlp-128", "mlp-512", "mlp-512-mc", "cnn-64", "grouped-cnn-32"],
+)
+def test_auto_estimates_the_solver_the_request_runs(
+    monkeypatch, make_model, input_shape, batch_size, request_kwargs
+):
+    """Under "auto" the estimate is for the solver LowRankGGN's eigh chooses: the
+    same work of forming the Gram matrix and of V-products, from the probe."""
+    monkeypatch.setattr(vivit.linalg.top_k, "available_bytes", lambda device: 2**40)
+    model = make_model()
+    X = torch.randn(batch_size, *input_shape)
+    y = torch.randint(0, 10, (batch_size,))
+    estimate = estimate_memory(model, X[:1], batch_size, top_k=10, **request_kwargs)
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), **request_kwargs)
+    ggn.eigh(top_k=10)
+    assert estimate.solver == ggn.solver_report().solver
+
+
+def test_auto_estimates_the_solver_of_a_loader(monkeypatch):
+    """A loader's batches keep their factors apart (cross-Gram work between them)."""
+    monkeypatch.setattr(vivit.linalg.top_k, "available_bytes", lambda device: 2**40)
+    model = benchmark_mlp()
+    X, y = torch.randn(512, 784), torch.randint(0, 10, (512,))
+    loader = [
+        (X[start : start + 96], y[start : start + 96]) for start in range(0, 512, 96)
+    ]
+    estimate = estimate_data_set_memory(model, X[:1], 512, 96, top_k=10)
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), loader)
+    ggn.eigh(top_k=10)
+    assert estimate.solver == ggn.solver_report().solver == "matrix_free"
+
+
+def test_refuses_malformed_requests():
+    """Each of these gave a wrong number or a bare Python error."""
+    model, X = mlp(), torch.randn(1, 20)
+    for inputs in (X[:0], torch.tensor(1.0)):  # no samples
+        with pytest.raises(InvalidArgumentError, match="at least one sample"):
+            estimate_memory(model, inputs, 8)
+    with pytest.raises(InvalidArgumentError, match="example_inputs must be a tensor"):
+        estimate_memory(model, X.tolist(), 8)
+    # no batch axis: the output [10] does not have the 20 "samples" of [20]
+    with pytest.raises(InvalidArgumentError, match="with a batch axis"):
+        estimate_memory(model, X[0], 8)
+    with pytest.raises(InvalidArgumentError, match="exceeds the batch_size=8"):
+        estimate_memory(model, X, 8, num_curvature_samples=100)
+    for samples in (-3, 0, 2.0, True):
+        with pytest.raises(InvalidArgumentError, match="num_curvature_samples must"):
+            estimate_memory(model, X, 8, num_curvature_samples=samples)
+    # the groups LowRankGGN refuses, with its error
+    params = list(model.parameters())
+    for groups, message in [
+        (params, "flat list"),
+        ([], "param_groups is empty"),
+        ([[]], "Group 0 has no parameters"),
+        ([params[:1], params[:1]], "occurs in more than"),
+        ([[torch.zeros(3, requires_grad=True)]], "not a parameter of the model"),
+    ]:
+        with pytest.raises(ParamGroupError, match=message):
+            estimate_memory(model, X, 8, param_groups=groups)
+        with pytest.raises(ParamGroupError, match=message):
+            LowRankGGN(
+                model, nn.MSELoss(), (X, torch.randn(1, 10)), param_groups=groups
+            )
+    with pytest.raises(ParamGroupError, match="no parameter that requires gradients"):
+        estimate_memory(mlp().requires_grad_(False), X, 8)
+    with pytest.raises(UnsupportedDtypeError, match="float16"):
+        estimate_memory(nn.Linear(20, 5).half(), X.half(), 8)
+    with pytest.raises(InvalidArgumentError, match="torch.nn.Module"):
+        estimate_memory(lambda x: x, X, 8)
+
+
+def test_refuses_batch_norm_in_training_mode():
+    """As a request does; the probe would have updated the running statistics."""
+    model = nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.Linear(16, 5))
+    running_mean = model[1].running_mean.clone()
+    with pytest.raises(BatchNormTrainingError, match="model.eval()"):
+        estimate_memory(model, torch.randn(4, 20) + 5, 8)
+    assert torch.equal(model[1].running_mean, running_mean)
+    model.eval()
+    assert estimate_memory(model, torch.randn(4, 20) + 5, 8).num_rows == 40

@@ -28,7 +28,10 @@ loader's batch size in :func:`estimate_data_set_memory`):
   :mod:`vivit.gram.planner` caps at its budget (256 MiB).
 
 ``N_S`` is the number of curvature samples (the subsampling), ``N`` the
-mini-batch size. Entries are counted in the parameters' data type, the iterative
+mini-batch size. ``solver="auto"`` is resolved by
+:func:`~vivit.linalg.top_k.choose_solver` on factors of the shapes the request
+would hold (on the meta device: no entries), so the estimate is for the solver
+the request runs. Entries are counted in the parameters' data type, the iterative
 solvers' Krylov bases in float64. The estimate leaves out the model, the data and
 the loaded libraries; ``tests/test_memory.py`` checks it against the measured
 increase of resident memory within a factor of 1.5.
@@ -43,14 +46,27 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.random import fork_rng
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
-from vivit._validation import check_mc_samples
+from vivit._validation import (
+    check_mc_samples,
+    check_model,
+    check_params,
+    param_group_lists,
+)
 from vivit.chunks import check_chunk_size
-from vivit.errors import InvalidArgumentError
+from vivit.errors import BatchNormTrainingError, InvalidArgumentError
+from vivit.gram import (
+    DenseFactors,
+    OuterProductFactors,
+    ParamFactors,
+    SampleBlockFactors,
+)
 from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
@@ -139,8 +155,12 @@ def estimate_memory(
         mc_samples: As for :class:`~vivit.LowRankGGN`.
         num_curvature_samples: Size of the subsampling (``None``: ``N``).
         top_k: Number of leading eigenpairs asked for (``None``: all).
-        solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved with the
-            same cost model and memory budget the request would use.
+        solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved as the
+            request's ``eigh(top_k)`` resolves it: the same cost model, the work
+            of the factors the request would hold (their shapes), the memory
+            available now; with several groups, the solver of the largest group.
+            The factors are the BackPACK engine's (the func engine holds no
+            convolution's ``V`` explicitly, so its choice may differ).
         chunk_size: As for :class:`~vivit.LowRankGGN`: the backward pass's
             transient and the activations are those of a chunk (with at most
             ``min(chunk_size, num_curvature_samples)`` curvature samples), the
@@ -150,10 +170,24 @@ def estimate_memory(
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        ValueError: For a ``batch_size``, ``top_k``, ``mc_samples``, ``solver`` or
-            ``chunk_size`` that a request would refuse.
+        InvalidArgumentError: For a ``batch_size``, ``top_k``, ``mc_samples``,
+            ``solver`` or ``chunk_size`` that a request would refuse, a
+            ``num_curvature_samples`` outside ``[1, batch_size]``, or
+            ``example_inputs`` without a sample along a batch axis.
+        ParamGroupError: For parameter groups a request would refuse, or a model
+            without trainable parameters.
+        UnsupportedDtypeError: For parameters a request would refuse (16-bit).
+        BatchNormTrainingError: For BatchNorm in training mode.
     """
     _check_size(batch_size, "batch_size")
+    if num_curvature_samples is not None:
+        _check_size(num_curvature_samples, "num_curvature_samples")
+        if num_curvature_samples > batch_size:
+            raise InvalidArgumentError(
+                f"num_curvature_samples={num_curvature_samples} exceeds the "
+                f"batch_size={batch_size}: the curvature samples are a subset of "
+                "the mini-batch; pass at most batch_size (or None for all)."
+            )
     check_chunk_size(chunk_size)
     block = batch_size if chunk_size is None else min(chunk_size, batch_size)
     return _estimate(
@@ -162,6 +196,7 @@ def estimate_memory(
         batch_size,
         block,
         model_inputs_kept=False,
+        loader_batch=None,
         param_groups=param_groups,
         mc_samples=mc_samples,
         num_curvature_samples=num_curvature_samples,
@@ -212,8 +247,11 @@ def estimate_data_set_memory(
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        ValueError: For sizes that are not positive integers, or options that a
-            request would refuse.
+        InvalidArgumentError: For sizes that are not positive integers, options
+            that a request would refuse, or ``example_inputs`` without a sample.
+        ParamGroupError: As for :func:`estimate_memory`.
+        UnsupportedDtypeError: As for :func:`estimate_memory`.
+        BatchNormTrainingError: As for :func:`estimate_memory`.
     """
     _check_size(num_samples, "num_samples")
     _check_size(batch_size, "batch_size")
@@ -225,6 +263,7 @@ def estimate_data_set_memory(
         num_samples,
         block,
         model_inputs_kept=True,
+        loader_batch=batch_size,
         param_groups=param_groups,
         mc_samples=mc_samples,
         num_curvature_samples=None,
@@ -245,6 +284,7 @@ def _estimate(
     block: int,
     *,
     model_inputs_kept: bool,
+    loader_batch: int | None,
     param_groups: Sequence[Sequence[Parameter]] | None,
     mc_samples: int,
     num_curvature_samples: int | None,
@@ -255,14 +295,19 @@ def _estimate(
 
     ``model_inputs_kept``: whether the blocks' inputs are tensors of their own
     that the factors of Linear layers keep (a loader's batches), rather than views
-    of the caller's inputs (a batch and its chunks).
+    of the caller's inputs (a batch and its chunks). ``loader_batch``: the
+    loader's batch size, whose factors stay apart (``None``: one batch, whose
+    chunks are merged).
     """
+    check_model(model)
+    param_groups = param_group_lists(param_groups, model)
+    names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
+    check_params([p for group in param_groups for p in group], names)
     check_solver(solver, top_k)
     check_mc_samples(mc_samples)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if param_groups is None:
-        param_groups = [params]
-    dtype, device = params[0].dtype, params[0].device
+    _check_example_inputs(example_inputs)
+    _check_batch_norm(model)
+    dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     entry = itemsize(dtype)
     layers, outputs_per_sample, columns = _probe(model, example_inputs)
     columns = mc_samples or columns
@@ -310,10 +355,19 @@ def _estimate(
         # the blocks are combined: their columns of V rescaled into copies
         backward = max(backward, rescaled)
 
-    largest_group = max(sum(p.numel() for p in group) for group in param_groups)
+    group = max(param_groups, key=lambda group: sum(p.numel() for p in group))
+    largest_group = sum(p.numel() for p in group)
     if solver == "auto":
+        blocks = (
+            [curvature] if loader_batch is None else _batches(curvature, loader_batch)
+        )
         solver = choose_solver(
-            size, top_k, num_params=largest_group, dtype=dtype, device=device
+            size,
+            top_k,
+            num_params=largest_group,
+            dtype=dtype,
+            device=device,
+            factors=_shape_factors(layers, group, columns, blocks),
         )
     if solver == "dense":
         workspace = dense_workspace_bytes(size, top_k, dtype, device)
@@ -399,6 +453,105 @@ def largest_batch(
 _OUTER_PRODUCT_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
 
 
+def _check_example_inputs(example_inputs: Tensor) -> None:
+    """Refuse example inputs without a sample (the probe divides by their number)."""
+    if not isinstance(example_inputs, Tensor):
+        raise InvalidArgumentError(
+            "example_inputs must be a tensor of a few input samples, "
+            f"[n, *input_shape], got {type(example_inputs).__name__}."
+        )
+    if example_inputs.dim() == 0 or example_inputs.shape[0] < 1:
+        raise InvalidArgumentError(
+            "example_inputs must hold at least one sample along its first (batch) "
+            f"axis, [n, *input_shape], got shape {tuple(example_inputs.shape)}: "
+            "pass e.g. X[:1]."
+        )
+
+
+def _check_batch_norm(model: Module) -> None:
+    """Refuse BatchNorm in training mode, as a request does.
+
+    Checked before the probe, whose forward pass would update the running
+    statistics.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _BatchNorm) and module.training:
+            raise BatchNormTrainingError(
+                f"{name or 'The model'} ({module}) is in training mode, which "
+                "LowRankGGN refuses (its output mixes the samples): call "
+                "model.eval() before estimating the memory."
+            )
+
+
+def _batches(num_samples: int, batch_size: int) -> list[int]:
+    """Samples of the batches of a loader over ``num_samples`` samples."""
+    full, rest = divmod(num_samples, batch_size)
+    return [batch_size] * full + ([rest] if rest else [])
+
+
+def _shape_factors(
+    layers: Sequence[_Layer],
+    group: Sequence[Parameter],
+    columns: int,
+    blocks: Sequence[int],
+) -> list[ParamFactors]:
+    """A group's factors of ``V`` as the request holds them, on the meta device.
+
+    The same classes the engine builds (a weight of a Linear or convolution in
+    factor form, or explicitly where :meth:`OuterProductFactors.compact
+    <vivit.gram.outer.OuterProductFactors.compact>` holds it so, every other
+    parameter explicitly; a loader's batches apart), with tensors that have
+    shapes but no entries: their ``gram_work`` and ``product_work`` are those of
+    the request, so ``"auto"`` chooses the solver it would.
+
+    Args:
+        layers: The probed layers.
+        group: The group's parameters.
+        columns: Columns of ``V`` per sample, ``C`` or ``M``.
+        blocks: Curvature samples of each block whose factors stay apart.
+
+    Returns:
+        One set of factors per parameter of the group.
+    """
+    weights = {
+        id(layer.module.weight): layer
+        for layer in layers
+        if isinstance(layer.module, _OUTER_PRODUCT_LAYERS)
+    }
+    result = []
+    for param in group:
+        layer = weights.get(id(param))
+        per_block = {
+            samples: _param_shape_factors(param, layer, columns, samples)
+            for samples in set(blocks)
+        }
+        parts = [per_block[samples] for samples in blocks]
+        result.append(parts[0] if len(parts) == 1 else SampleBlockFactors(parts))
+    return result
+
+
+def _param_shape_factors(
+    param: Parameter, layer: _Layer | None, columns: int, samples: int
+) -> ParamFactors:
+    """A parameter's factors of ``V`` for ``samples`` samples, on the meta device."""
+    meta = {"dtype": param.dtype, "device": "meta"}
+    if layer is None:  # explicit columns
+        return DenseFactors(torch.empty(samples, columns, *param.shape, **meta))
+    module = layer.module
+    if isinstance(module, Linear):
+        groups, inputs, outputs = 1, module.in_features, module.out_features
+        positions = layer.inputs // inputs
+    else:  # [N, G, T, P] unfolded inputs, [C, N, G, T, O] backpropagated vectors
+        groups, inputs = module.groups, module.weight[0].numel()
+        outputs = module.out_channels // groups
+        positions = layer.unfolded // (groups * inputs)
+    return OuterProductFactors(
+        torch.empty(samples, groups, positions, inputs, **meta),
+        torch.empty(columns, samples, groups, positions, outputs, **meta),
+        param.shape,
+    ).compact(GGN_COMPACT_RATIO)
+
+
 def _ggn_compact(layer: _Layer, numel: int, columns: int) -> bool:
     """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
     unfolded = layer.unfolded or layer.inputs
@@ -475,6 +628,14 @@ def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
         finally:
             for handle in handles:
                 handle.remove()
+    if not isinstance(result, Tensor) or result.dim() == 0 or len(result) != num:
+        shape = tuple(result.shape) if isinstance(result, Tensor) else type(result)
+        raise InvalidArgumentError(
+            f"The model's output for example_inputs of shape {tuple(inputs.shape)} "
+            f"is {shape}, expected a tensor with their {num} samples along its "
+            "first axis: pass example inputs with a batch axis, [n, *input_shape] "
+            "(e.g. X[:1])."
+        )
     return layers, outputs, result[0].numel()
 
 

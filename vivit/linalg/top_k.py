@@ -50,11 +50,9 @@ time, one thread, float32, exact top-10 of an MLP 784-128-64-10 at ``N`` = 128 t
 ``N = 512`` the matrix-free solver is the fastest (no Gram matrix of 100 MB to
 form and to pass over), at ``N ≤ 256`` (a Gram matrix in the cache) the iterative
 one, and on the CNN, whose convolutions make every ``V``-product cost a
-backward pass, the dense or the iterative one. Without the factors
-(:func:`vivit.memory.estimate_memory`, before the backward pass) the Gram
-matrix's formation is not counted and ``V``-products are costed as explicit
-columns: the estimate may then assume another solver than the request picks;
-pass ``solver`` to both to be sure.
+backward pass, the dense or the iterative one. Before the backward pass,
+:func:`vivit.memory.estimate_memory` passes factors of the request's shapes on
+the meta device (no entries), so its ``"auto"`` is the request's.
 
 An iterative solve that does not converge raises
 :class:`~vivit.errors.SolverNotConvergedError` when it was asked for explicitly;
@@ -286,8 +284,9 @@ def choose_solver(
         gram_formed: Whether the Gram matrix exists already.
         num_grams: Gram matrices held at once if it is formed.
         factors: The group's factors of ``V``, for the work of forming the Gram
-            matrix and of ``V``-products (``None``: not counted, and
-            ``V``-products costed as explicit columns, ``2·R·D``).
+            matrix and of ``V``-products (only their shapes are used: they may be
+            on the meta device; ``None``: not counted, and ``V``-products costed
+            as explicit columns, ``2·R·D``).
 
     Returns:
         ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
