@@ -299,3 +299,31 @@ def test_refuses_batch_norm_in_training_mode():
     assert torch.equal(model[1].running_mean, running_mean)
     model.eval()
     assert estimate_memory(model, torch.randn(4, 20) + 5, 8).num_rows == 40
+
+
+def test_meta_models_are_estimated_and_refused_by_the_computation():
+    """A model on the meta device has shapes only: enough for an estimate (the same
+    as with values), not for a GGN (a clear error, not torch's ``item()`` one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    )
+    inputs = torch.randn(1, 6)
+    real = estimate_memory(model, inputs, 64)
+    meta_model = model.to("meta")
+    meta = estimate_memory(meta_model, inputs.to("meta"), 64)
+    # the same request; only the dense solver's workspace depends on the device
+    # (the CPU's subset solver), which a meta model does not name
+    for part in ("activations", "factors", "backward", "grams", "solver"):
+        assert getattr(meta, part) == getattr(real, part), part
+    targets = torch.randint(0, 3, (4,))
+    with pytest.raises(InvalidArgumentError, match="meta device"):
+        LowRankGGN(
+            meta_model, torch.nn.CrossEntropyLoss(), (torch.randn(4, 6), targets)
+        )
+    with pytest.raises(InvalidArgumentError, match="meta device"):
+        LowRankGGN(
+            model.to_empty(device="cpu"),
+            torch.nn.CrossEntropyLoss(),
+            (torch.randn(4, 6).to("meta"), targets),
+        )

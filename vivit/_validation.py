@@ -244,8 +244,15 @@ def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
             the first sample with a non-finite entry).
 
     Raises:
+        InvalidArgumentError: If the tensor is on the meta device (no values).
         NonFiniteError: If an entry is NaN or infinite.
     """
+    if tensor.is_meta:
+        raise InvalidArgumentError(
+            f"The {what} are on the meta device: they have a shape but no values. "
+            "Pass tensors with values (vivit.memory.estimate_memory accepts meta "
+            "models and inputs)."
+        )
     if not tensor.is_floating_point() and not tensor.is_complex():
         return
     finite = torch.isfinite(tensor.detach())
@@ -475,15 +482,21 @@ def check_model(model: object) -> None:
         )
 
 
-def check_params(params: Sequence[Tensor], names: dict[int, str]) -> None:
+def check_params(
+    params: Sequence[Tensor], names: dict[int, str], allow_meta: bool = False
+) -> None:
     """Check parameters before the forward pass: one dtype, supported, finite.
 
     Args:
         params: The parameters whose curvature is computed.
         names: Names of the parameters by ``id`` (missing ones are described by
             their shape).
+        allow_meta: Accept parameters on the meta device (shapes without values,
+            enough for memory estimates).
 
     Raises:
+        InvalidArgumentError: If a parameter is on the meta device (and that is
+            not allowed).
         GradientContextError: If a parameter was created in inference mode.
         UnsupportedDtypeError: For 16-bit parameters or mixed dtypes.
         NonFiniteError: If a parameter is NaN or infinite (names it).
@@ -491,13 +504,21 @@ def check_params(params: Sequence[Tensor], names: dict[int, str]) -> None:
     dtypes = set()
     for param in params:
         name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+        if param.is_meta and not allow_meta:
+            raise InvalidArgumentError(
+                f"The {name} is on the meta device: it has a shape but no values. "
+                "Materialize the model first (e.g. model.to_empty(device='cpu'), "
+                "then load its weights); vivit.memory.estimate_memory accepts "
+                "meta models."
+            )
         if param.is_inference():
             raise GradientContextError(
                 f"The {name} was created inside torch.inference_mode() and cannot "
                 "enter a backward pass: create the model outside it."
             )
         check_dtype(param, name)
-        check_finite(param, name, batch_axis=False)
+        if not param.is_meta:
+            check_finite(param, name, batch_axis=False)
         dtypes.add(param.dtype)
     if len(dtypes) > 1:
         raise UnsupportedDtypeError(

@@ -54,6 +54,7 @@ from torch.random import fork_rng
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import (
+    check_inputs_match,
     check_mc_samples,
     check_model,
     check_params,
@@ -302,10 +303,11 @@ def _estimate(
     check_model(model)
     param_groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
-    check_params([p for group in param_groups for p in group], names)
+    check_params([p for group in param_groups for p in group], names, allow_meta=True)
     check_solver(solver, top_k)
     check_mc_samples(mc_samples)
     _check_example_inputs(example_inputs)
+    check_inputs_match(example_inputs, param_groups[0])
     _check_batch_norm(model)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     entry = itemsize(dtype)
