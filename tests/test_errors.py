@@ -52,12 +52,21 @@ def test_frozen_parameter_in_group():
         LowRankGGN(model, loss_func, data, param_groups=[[model[0].weight]])
 
 
-def test_batchnorm_in_training_mode():
+@pytest.mark.parametrize("engine", ["auto", "backpack", "func"])
+def test_batchnorm_in_training_mode(engine):
+    """Refused before the forward pass: the running statistics stay as they were."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     data = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(BatchNormTrainingError, match=r"model\.eval\(\)"):
-        LowRankGGN(model, nn.CrossEntropyLoss(), data)
+        LowRankGGN(model, nn.CrossEntropyLoss(), data, engine=engine)
+    with pytest.raises(BatchNormTrainingError):
+        DampedNewton(
+            model.parameters(), model=model, loss_func=nn.CrossEntropyLoss()
+        ).step(data=data)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
 
 
 @pytest.mark.parametrize("engine", ["auto", "backpack", "func"])
