@@ -276,9 +276,10 @@ def block_requests(
 ) -> Callable[[int], CurvatureRequest]:
     """The request of each block of samples: its own MC stream (exact: as is).
 
-    Draws the base seed (:func:`base_seed`) once, with torch's random state
-    forked: every pass over the blocks with the returned requests draws the same
-    samples.
+    Draws the base seed (:func:`base_seed`) once: every pass over the blocks
+    with the returned requests draws the same samples. Without a generator the
+    seed is one draw from torch's global generator, which it advances like any
+    sampling operation, so that two requests draw independent samples.
 
     Args:
         request: The caller's request.
@@ -292,8 +293,7 @@ def block_requests(
     """
     seed = None
     if request.mc_samples:
-        with torch.random.fork_rng(devices=[]):
-            seed = base_seed(request.generator)
+        seed = base_seed(request.generator)
     if agree is not None:
         seed = agree(seed)
     if request.mc_samples == 0:
@@ -309,10 +309,10 @@ def base_seed(generator: torch.Generator | None) -> int:
 
     Args:
         generator: The caller's generator; ``None`` draws from torch's default
-            generator (the caller forks the random state around the run).
+            generator.
 
     Returns:
-        A seed in ``[0, 2⁶²)``; advances ``generator`` by one draw.
+        A seed in ``[0, 2⁶²)``; advances the generator by one draw.
     """
     device = "cpu" if generator is None else generator.device
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))

@@ -40,6 +40,8 @@ from vivit.data import (
     BlockResult,
     BlockRun,
     UnionOutput,
+    base_seed,
+    block_generator,
     block_requests,
     check_progress,
     combine_curvatures,
@@ -142,7 +144,8 @@ class LowRankGGN:
             data loader, batch ``b`` draws its samples from a generator seeded
             with ``s + b``, ``s`` one draw from ``generator`` (under a process
             group of ``W`` ranks, batch ``b`` of rank ``r`` from ``s + r + W·b``,
-            ``s`` rank 0's draw).
+            ``s`` rank 0's draw). ``None``: ``s`` is one draw from torch's global
+            generator, which it advances, so that every call draws new samples.
         gram_dtype: Floating-point type in which the Gram matrix and every
             product that feeds the eigensolver or the directional derivatives
             (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
@@ -431,6 +434,9 @@ class LowRankGGN:
         check_gram_dtype(gram_dtype)
         from vivit.engines.backpack import BackpackEngine
 
+        if mc_samples and generator is None:  # a draw of the caller's, as below
+            device = param_groups[0][0].device
+            generator = block_generator(base_seed(None), 0, device)
         ggn = cls.__new__(cls)
         ggn._configure_solver(solver, solver_tol, solver_seed)
         request = ggn._request(
