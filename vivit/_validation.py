@@ -569,6 +569,22 @@ def check_generator(generator: object) -> None:
         )
 
 
+def check_batch_norms(model: Module) -> None:
+    """:func:`check_batch_norm` for every module of the network, by name.
+
+    Called before a forward pass, which would update the running statistics of
+    a layer then refused.
+
+    Args:
+        model: The network.
+
+    Raises:
+        BatchNormTrainingError: For a BatchNorm layer using batch statistics.
+    """
+    for name, module in model.named_modules():
+        check_batch_norm(module, name or "The model")
+
+
 def check_batch_norm(module: Module, name: str = "") -> None:
     """Refuse a BatchNorm layer that normalizes with the mini-batch's statistics.
 

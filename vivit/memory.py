@@ -49,11 +49,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.random import fork_rng
 
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import (
+    check_batch_norms,
     check_inputs_match,
     check_mc_samples,
     check_model,
@@ -61,7 +61,7 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.chunks import check_chunk_size
-from vivit.errors import BatchNormTrainingError, InvalidArgumentError
+from vivit.errors import InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
     OuterProductFactors,
@@ -308,7 +308,7 @@ def _estimate(
     check_mc_samples(mc_samples)
     _check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
-    _check_batch_norm(model)
+    check_batch_norms(model)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     entry = itemsize(dtype)
     layers, outputs_per_sample, columns = _probe(model, example_inputs)
@@ -468,21 +468,6 @@ def _check_example_inputs(example_inputs: Tensor) -> None:
             f"axis, [n, *input_shape], got shape {tuple(example_inputs.shape)}: "
             "pass e.g. X[:1]."
         )
-
-
-def _check_batch_norm(model: Module) -> None:
-    """Refuse BatchNorm in training mode, as a request does.
-
-    Checked before the probe, whose forward pass would update the running
-    statistics.
-    """
-    for name, module in model.named_modules():
-        if isinstance(module, _BatchNorm) and module.training:
-            raise BatchNormTrainingError(
-                f"{name or 'The model'} ({module}) is in training mode, which "
-                "LowRankGGN refuses (its output mixes the samples): call "
-                "model.eval() before estimating the memory."
-            )
 
 
 def _batches(num_samples: int, batch_size: int) -> list[int]:

@@ -16,7 +16,7 @@ from backpack import backpack
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._validation import check_batch_norm, check_finite
+from vivit._validation import check_batch_norms, check_finite
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.hooks import extended
 from vivit.engines.base import (
@@ -74,9 +74,7 @@ class BackpackEngine(Engine):
         sink: ContributionSink,
     ) -> EngineOutput:
         inputs, targets = data
-        # before the forward pass, which would update their running statistics
-        for name, module in model.named_modules():
-            check_batch_norm(module, name or "The model")
+        check_batch_norms(model)
 
         with extended(model, loss_func) as (net, loss_module):
 
