@@ -271,7 +271,6 @@ def run_block(
 
 def block_requests(
     request: CurvatureRequest,
-    model: Module,
     agree: Callable[[int | None], int | None] | None = None,
 ) -> Callable[[int], CurvatureRequest]:
     """The request of each block of samples: its own MC stream (exact: as is).
@@ -282,8 +281,7 @@ def block_requests(
     sampling operation, so that two requests draw independent samples.
 
     Args:
-        request: The caller's request.
-        model: The network (its parameters' device).
+        request: The caller's request (its parameters' device is the samples').
         agree: Maps this process's seed (``None`` for the exact GGN) to the one
             all ranks of a process group use (rank 0's); a collective, so every
             rank calls it, MC or not.
@@ -298,7 +296,7 @@ def block_requests(
         seed = agree(seed)
     if request.mc_samples == 0:
         return lambda index: request
-    device = next(model.parameters()).device
+    device = request.params[0].device
     return lambda index: dataclasses.replace(
         request, generator=block_generator(seed, index, device)
     )

@@ -40,8 +40,6 @@ from vivit.data import (
     BlockResult,
     BlockRun,
     UnionOutput,
-    base_seed,
-    block_generator,
     block_requests,
     check_progress,
     combine_curvatures,
@@ -326,7 +324,7 @@ class LowRankGGN:
             **{SAMPLE_SHAPE: tuple(data[1].shape[1:]) if single else None},
         )
         blocks_request = block_requests(
-            request, model, lambda seed: shards.agree(fingerprint, seed)
+            request, lambda seed: shards.agree(fingerprint, seed)
         )
 
         def chunk_run(index: int, chunk: SampleChunk) -> BlockRun:
@@ -434,14 +432,12 @@ class LowRankGGN:
         check_gram_dtype(gram_dtype)
         from vivit.engines.backpack import BackpackEngine
 
-        if mc_samples and generator is None:  # a draw of the caller's, as below
-            device = param_groups[0][0].device
-            generator = block_generator(base_seed(None), 0, device)
         ggn = cls.__new__(cls)
         ggn._configure_solver(solver, solver_tol, solver_seed)
         request = ggn._request(
             param_groups, mc_samples, subsampling, generator, gram_dtype
         )
+        request = block_requests(request)(0)  # MC: a batch's stream, as in __init__
         compute_loss = loss if callable(loss) else lambda: loss
         ggn._run(
             BackpackEngine.name,

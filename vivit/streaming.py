@@ -272,7 +272,7 @@ class StreamingGGN:
             num_grams=0,
             gram_dtype=gram_dtype,
         )
-        requests = block_requests(request, model)
+        requests = block_requests(request)
 
         def runner(index: int, batch: tuple[Tensor, Tensor], gradients: bool):
             block_request = dataclasses.replace(

@@ -175,7 +175,7 @@ def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:
         InvalidArgumentError: If the backward pass started from another tensor.
     """
     if loss_output is not None and not _offset_of(loss, loss_output):
-        computed = type(_origin(loss)).__name__
+        computed = type(_origin(loss.grad_fn)).__name__
         raise InvalidArgumentError(
             "The loss is not the loss module's output itself but computed from it "
             f"(last operation {computed}): the GGN would be the loss module's and "
@@ -186,19 +186,6 @@ def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:
         )
 
 
-def _origin(tensor: Tensor) -> object:
-    """The autograd node that computed ``tensor``, behind module backward hooks.
-
-    A module with full backward hooks returns its output through an identity
-    node (``BackwardHookFunctionBackward``); the tensor its forward hooks saw
-    is that node's input.
-    """
-    node = tensor.grad_fn
-    while type(node).__name__ == "BackwardHookFunctionBackward":
-        node = node.next_functions[0][0]
-    return node
-
-
 def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
     """Whether ``loss`` is ``loss_output`` plus constants (no other gradient path).
 
@@ -206,7 +193,7 @@ def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
     additions, and subtractions of something from it, each with no other input
     that requires gradients, down to the node that computed ``loss_output``.
     """
-    node, target = _origin(loss), _origin(loss_output)
+    node, target = _origin(loss.grad_fn), _origin(loss_output.grad_fn)
     while node is not target:
         name = type(node).__name__
         if not name.startswith(("AddBackward", "SubBackward")):
@@ -215,10 +202,20 @@ def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
         branches = [(i, fn) for i, fn in enumerate(inputs) if fn is not None]
         if len(branches) != 1 or (name.startswith("Sub") and branches[0][0] != 0):
             return False  # another path with gradients, or a negated loss
-        node = branches[0][1]
-        while type(node).__name__ == "BackwardHookFunctionBackward":
-            node = node.next_functions[0][0]
+        node = _origin(branches[0][1])
     return True
+
+
+def _origin(node: object) -> object:
+    """The autograd node behind module backward hooks' identity nodes.
+
+    A module with full backward hooks returns its output through an identity
+    node (``BackwardHookFunctionBackward``); the tensor its forward hooks saw
+    is that node's input.
+    """
+    while type(node).__name__ == "BackwardHookFunctionBackward":
+        node = node.next_functions[0][0]
+    return node
 
 
 def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
