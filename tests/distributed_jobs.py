@@ -21,8 +21,8 @@ from problems import ARCHITECTURES
 from torch import Tensor, nn
 
 from vivit import LowRankGGN
-from vivit.data import block_generator
 from vivit.optim import DampedNewton
+from vivit.sources.blocks import block_generator
 
 #: Shard sizes per world size (uneven on purpose).
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
@@ -223,7 +223,7 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
         def stream(seed: int, block: int, device: torch.device) -> torch.Generator:
             return block_generator(seed, streams[block], device)
 
-        with mock.patch("vivit.data.block_generator", stream):
+        with mock.patch("vivit.sources.blocks.block_generator", stream):
             return quantities(LowRankGGN(model, loss_func, batches, **kwargs))
     if scenario.mc_samples:
         return quantities(LowRankGGN(model, loss_func, shards, **kwargs))

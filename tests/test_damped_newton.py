@@ -11,8 +11,8 @@ from torch import nn
 
 import vivit.lowrank
 from vivit import InvalidArgumentError, LowRankGGN
-from vivit.chunks import split_batch
 from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
+from vivit.sources.chunks import split_batch
 
 DTYPE = torch.float64
 

@@ -33,7 +33,7 @@ from reference import dense_ggn, dense_gradient, per_sample_gradients
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import vivit.data
+import vivit.sources.blocks
 from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
 
 REL = 1e-10
@@ -245,7 +245,7 @@ def test_float32_model_with_float64_gram():
 
 
 def _pinned_base_seed(monkeypatch, seed):
-    monkeypatch.setattr(vivit.data, "base_seed", lambda generator: seed)
+    monkeypatch.setattr(vivit.sources.blocks, "base_seed", lambda generator: seed)
 
 
 def test_monte_carlo_stream_per_block(monkeypatch):

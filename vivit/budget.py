@@ -18,8 +18,8 @@ from torch.nn import Module
 from vivit._memory import available_bytes, check_gram_fits
 from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
-from vivit.groups import GroupCurvature
 from vivit.memory import estimate_memory
+from vivit.sources.collector import GroupCurvature
 
 logger = logging.getLogger("vivit")
 
@@ -54,7 +54,7 @@ def stored_bytes(
 def largest_parameter_bytes(curvatures: Iterable[GroupCurvature]) -> int:
     """Bytes of the parameter whose factors (``V`` and gradients) take the most.
 
-    Merging a loader's batches (:func:`vivit.chunks.merged_blocks`) copies one
+    Merging a loader's batches (:func:`vivit.sources.blocks.merged_blocks`) copies one
     parameter's factors at a time: this is the copy's size for these samples.
     """
     sizes = [0]

@@ -34,8 +34,8 @@ from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import ContributionHook, GramGGN
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError, ResultNotReadyError
-from vivit.groups import GroupCollector, GroupCurvature
 from vivit.linalg.solvers import check_gram_dtype, gram_eigh, numerical_zero_tolerance
+from vivit.sources.collector import GroupCollector, GroupCurvature
 
 
 def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:

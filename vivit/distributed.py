@@ -1,10 +1,10 @@
 """The curvature of the union of the shards of a ``torch.distributed`` group.
 
 Every rank of a process group computes the curvature of its own shard (one block
-of samples, :class:`~vivit.data.BlockResult`; a loader's batches combined into
-one); :class:`ShardExchange` hands every
-rank's block to every other with ``torch.distributed`` collectives, and each rank
-combines the blocks in rank order (:func:`~vivit.data.combine_curvatures`), exactly
+of samples, :class:`~vivit.sources.batches.BlockResult`; a loader's batches
+combined into one); :class:`ShardExchange` hands every rank's block to every other
+with ``torch.distributed`` collectives, and each rank combines the blocks in rank
+order (:func:`~vivit.sources.blocks.combine_curvatures`), exactly
 as a single process combines the batches of a loader over the same shards.
 ``docs/math.rst`` ("Data sets and processes", "Several processes") gives the
 scalings and the cost model.
@@ -53,11 +53,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from vivit.data import SAMPLE_SHAPE_ADVICE, BlockResult
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import DistributedError, InvalidArgumentError
 from vivit.gram import ParamFactors, SampleBlockFactors
-from vivit.groups import GroupCurvature
+from vivit.sources.batches import SAMPLE_SHAPE_ADVICE, BlockResult
+from vivit.sources.collector import GroupCurvature
 
 #: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
 ALIGNMENT = 64

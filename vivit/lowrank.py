@@ -29,28 +29,6 @@ from vivit._validation import (
     param_group_lists,
 )
 from vivit.budget import FactorBudget
-from vivit.chunks import (
-    SampleChunk,
-    check_chunk_size,
-    merged_blocks,
-    run_chunk,
-    split_batch,
-)
-from vivit.data import (
-    BlockResult,
-    BlockRun,
-    UnionOutput,
-    block_requests,
-    check_progress,
-    combine_curvatures,
-    engine_context,
-    is_batch,
-    iterate_batches,
-    naming_batch,
-    num_batches,
-    progress_bar,
-    run_block,
-)
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
     Damping,
@@ -68,7 +46,6 @@ from vivit.distributed import (
 from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
-from vivit.groups import GroupCurvature
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator
@@ -86,6 +63,26 @@ from vivit.linalg.top_k import (
     leading_eigenpairs,
 )
 from vivit.losses import check_loss_function
+from vivit.sources.batches import (
+    BlockResult,
+    BlockRun,
+    check_progress,
+    engine_context,
+    is_batch,
+    iterate_batches,
+    naming_batch,
+    num_batches,
+    progress_bar,
+    run_block,
+)
+from vivit.sources.blocks import (
+    UnionOutput,
+    block_requests,
+    combine_curvatures,
+    merged_blocks,
+)
+from vivit.sources.chunks import SampleChunk, check_chunk_size, run_chunk, split_batch
+from vivit.sources.collector import GroupCurvature
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -508,7 +505,7 @@ class LowRankGGN:
         ``sample_shapes`` holds the targets' shape per sample once the first
         block has run (compared across the ranks). This process's blocks are
         merged into one set of factors per parameter (``subsampling`` gives the
-        order of their GGN samples, :func:`~vivit.chunks.merged_blocks`); under
+        order of their GGN samples, :func:`~vivit.sources.blocks.merged_blocks`); under
         a process group that is the rank's one block in the exchange.
         """
         self.engine = engine

@@ -60,7 +60,6 @@ from vivit._validation import (
     check_params,
     param_group_lists,
 )
-from vivit.chunks import check_chunk_size
 from vivit.errors import InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
@@ -76,6 +75,7 @@ from vivit.linalg.top_k import (
     iterative_workspace_bytes,
     solver_block_size,
 )
+from vivit.sources.chunks import check_chunk_size
 
 
 @dataclass(frozen=True)

@@ -41,19 +41,6 @@ from vivit._validation import (
     check_params,
     param_group_lists,
 )
-from vivit.data import (
-    RandomState,
-    UnionOutput,
-    block_requests,
-    check_progress,
-    engine_context,
-    is_batch,
-    iterate_batches,
-    naming_batch,
-    num_batches,
-    progress_bar,
-    run_block,
-)
 from vivit.directional.gram_space import (
     Damping,
     batch_directional_gradient,
@@ -69,7 +56,6 @@ from vivit.errors import (
     NondeterministicDataError,
 )
 from vivit.gram import ParamFactors
-from vivit.groups import block_scale, union_batch
 from vivit.linalg.group_products import v_matmul, vt_matmul
 from vivit.linalg.iterative import (
     SolverReport,
@@ -84,6 +70,18 @@ from vivit.linalg.solvers import (
     top_k_indices,
 )
 from vivit.losses import check_loss_function
+from vivit.sources.batches import (
+    RandomState,
+    check_progress,
+    engine_context,
+    is_batch,
+    iterate_batches,
+    naming_batch,
+    num_batches,
+    progress_bar,
+    run_block,
+)
+from vivit.sources.blocks import UnionOutput, block_requests, block_scale, union_batch
 
 
 def fingerprint(batch: Sequence[Tensor]) -> str:

@@ -4,8 +4,9 @@ An engine turns "compute the loss" plus named parameter groups into one
 :class:`BatchInfo` (reduction, samples, columns per sample, subsampling) and, per
 parameter, a :class:`ParamContribution` (its columns of ``V`` and per-sample
 gradients as :mod:`vivit.gram` factor objects). It hands each contribution to a
-:class:`ContributionSink` (the group pipeline, :class:`vivit.groups.GroupCollector`)
-as soon as it exists, and returns the loss and the mini-batch gradient.
+:class:`ContributionSink` (the group pipeline,
+:class:`vivit.sources.collector.GroupCollector`) as soon as it exists, and returns
+the loss and the mini-batch gradient.
 """
 
 from __future__ import annotations

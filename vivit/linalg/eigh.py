@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from vivit.computation import GroupComputation
-from vivit.groups import GroupCurvature
 from vivit.linalg.solvers import gram_to_param
+from vivit.sources.collector import GroupCurvature
 
 
 class EighComputation(GroupComputation):

@@ -22,7 +22,6 @@ from vivit._validation import (
     check_subsampling,
     optimizer_param_groups,
 )
-from vivit.chunks import check_chunk_size
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
 from vivit.distributed import agree_across_ranks, resolve_group
@@ -37,6 +36,7 @@ from vivit.errors import (
 from vivit.linalg.solvers import check_gram_dtype, check_top_k
 from vivit.linalg.top_k import check_solver
 from vivit.lowrank import LowRankGGN
+from vivit.sources.chunks import check_chunk_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -10,8 +10,8 @@ from torch import Tensor
 from vivit._validation import check_damping
 from vivit.computation import to_class_major
 from vivit.directional.gram_space import damped_newton_step
-from vivit.groups import GroupCurvature
 from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+from vivit.sources.collector import GroupCurvature
 
 
 class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):

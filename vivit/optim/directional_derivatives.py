@@ -15,7 +15,7 @@ from vivit.computation import (
 )
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import GramGGN
-from vivit.groups import GroupCurvature
+from vivit.sources.collector import GroupCurvature
 
 
 class DirectionalDerivativesComputation(GroupComputation):

@@ -1,4 +1,4 @@
-"""The group pipeline: from parameter contributions to each group's curvature.
+"""The sink of every engine: from parameter contributions to each group's curvature.
 
 Engines hand every parameter's :class:`~vivit.engines.base.ParamContribution` to a
 :class:`GroupCollector` (the engines' :class:`~vivit.engines.base.ContributionSink`).
@@ -7,13 +7,12 @@ factors, unless later products need them (mapping Gram-space vectors to paramete
 space, ``Vᵀ∇ℓ_n``). When the last parameter of a group has contributed, the
 group's :class:`GroupCurvature` is handed to a callback; it holds the group's Gram
 matrix (or the factors to form it on demand) and answers ``Vᵀ∇ℓ_n`` with caching.
-The eigenpairs are selected by the front doors: by ``top_k`` and a solver in
-:class:`~vivit.LowRankGGN`, by a ViViT criterion in :mod:`vivit.computation`.
+The eigenpairs are selected by the results layer (:mod:`vivit.results`) or by a
+ViViT criterion (:mod:`vivit.compat`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,8 +22,7 @@ from torch.nn import Parameter
 
 from vivit._validation import check_subsampling
 from vivit.engines.base import BatchInfo, ParamContribution
-from vivit.gram import ParamFactors, SampleBlockFactors
-from vivit.losses import LossNormalization
+from vivit.gram import ParamFactors
 
 
 @dataclass
@@ -84,94 +82,6 @@ class GroupCurvature:
             The tensors, each in its parameter's dtype.
         """
         return [t.to(p.dtype) for t, p in zip(tensors, self.params, strict=True)]
-
-
-def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
-    """One group's curvature on the union of several blocks of samples.
-
-    The blocks (batches of a loader, shards of processes) were computed each with
-    the loss on its own samples; their columns of ``V`` are rescaled from the
-    block's ``√R`` to that of the loss on all samples together, and stacked in
-    block order (``docs/math.rst``, "Data sets and processes"). Per-sample
-    gradients ``∇ℓ_n`` do not depend on ``R`` and are stacked as they are.
-
-    Args:
-        parts: The group's curvature of every block, in sample order, each with
-            its factors kept; the same reduction, columns per sample and MC
-            samples in all.
-
-    Returns:
-        The group's curvature on the union, its Gram matrix not formed.
-
-    Raises:
-        ValueError: If the blocks disagree in reduction, columns or MC samples.
-    """
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    for part in parts[1:]:
-        if (part.batch.reduction, part.batch.columns_per_sample) != (
-            first.batch.reduction,
-            first.batch.columns_per_sample,
-        ) or part.batch.mc_samples != first.batch.mc_samples:
-            raise ValueError(
-                "Sample blocks disagree in reduction, columns per sample or MC "
-                "samples; every block must use the same loss function and request."
-            )
-    batch = union_batch([part.batch for part in parts])
-    scales = [
-        block_scale(batch.ggn_reduction_factor, part.batch.ggn_reduction_factor)
-        for part in parts
-    ]
-    ggn_factors = [
-        SampleBlockFactors(column, scales)
-        for column in zip(*(part.ggn_factors for part in parts), strict=True)
-    ]
-    curvature = GroupCurvature(
-        params=first.params,
-        batch=batch,
-        factor_dtype=first.factor_dtype,
-        gram=None,
-        ggn_factors=ggn_factors,
-    )
-    if first.grad_factors is not None:
-        curvature.grad_factors = [
-            SampleBlockFactors(column)
-            for column in zip(*(part.grad_factors for part in parts), strict=True)
-        ]
-    return curvature
-
-
-def block_scale(union_factor: float, block_factor: float) -> float:
-    """``√(R_union / R_block)``: rescales a block's ``V`` (or ``1`` if ``R_block=0``).
-
-    A block whose ``R`` is ``0`` carries no weight (every target ignored): its
-    columns are zero and stay so.
-    """
-    return math.sqrt(union_factor / block_factor) if block_factor > 0 else 1.0
-
-
-def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
-    """The batch context of several blocks' samples together, in block order.
-
-    Args:
-        batches: Each block's context (same reduction, columns and MC samples).
-
-    Returns:
-        Sample weights concatenated; the GGN samples shifted by each block's offset.
-    """
-    weights: list[float] = []
-    ggn_samples: list[int] = []
-    for batch in batches:
-        ggn_samples.extend(len(weights) + n for n in batch.ggn_samples)
-        weights.extend(batch.normalization.sample_weights)
-    first = batches[0]
-    return BatchInfo(
-        normalization=LossNormalization(first.reduction, tuple(weights)),
-        ggn_samples=tuple(ggn_samples),
-        columns_per_sample=first.columns_per_sample,
-        mc_samples=first.mc_samples,
-    )
 
 
 def gradient_cross_gram(

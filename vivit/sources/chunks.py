@@ -2,7 +2,7 @@
 
 ``LowRankGGN(..., chunk_size=B)`` runs the engine on consecutive chunks of at most
 ``B`` samples and combines them like the batches of a data loader
-(:func:`vivit.data.combine_blocks`, ``docs/math.rst``, "Data sets and processes"):
+(:mod:`vivit.sources.blocks`, ``docs/math.rst``, "Data sets and processes"):
 each chunk's columns of ``V`` are rescaled from the loss on the chunk to the loss
 on the whole mini-batch, so the result is the curvature of the unchunked batch.
 The backward pass (and the forward pass's activations) then hold one chunk at a
@@ -13,10 +13,10 @@ chunk, as positions in the chunk, in the subsampling's order. The engines need a
 least one curvature sample, so a chunk that holds none runs with its first sample
 and hands on its loss and gradients without that sample's columns
 (:func:`run_chunk`). The rows of the combined ``V`` come chunk by chunk;
-:func:`merged_chunks` concatenates each parameter's chunks into one set of
-factors (so that the Gram matrix and the products run as on the whole batch),
-drops the empty ones and puts the rows back into the subsampling's order where it
-does not visit the chunks in order.
+:func:`~vivit.sources.blocks.merged_chunks` concatenates each parameter's chunks
+into one set of factors (so that the Gram matrix and the products run as on the
+whole batch), drops the empty ones and puts the rows back into the subsampling's
+order where it does not visit the chunks in order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit.data import combine_curvatures
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -37,13 +36,6 @@ from vivit.engines.base import (
     ParamContribution,
 )
 from vivit.errors import InvalidArgumentError, InvalidTargetsError
-from vivit.gram import (
-    DenseFactors,
-    OuterProductFactors,
-    ParamFactors,
-    SampleBlockFactors,
-)
-from vivit.groups import GroupCurvature
 
 
 def check_chunk_size(chunk_size: int | None) -> None:
@@ -177,91 +169,3 @@ def split_batch(
         local = [n - start for n in subsampling if start <= n < stop]
         chunks.append(SampleChunk(part, local or [0], samples, bool(local)))
     return chunks
-
-
-def merged_blocks(
-    blocks: list[list[GroupCurvature]], subsampling: Sequence[int] | None
-) -> list[GroupCurvature]:
-    """Every group's curvature on one process's blocks, one set of factors each.
-
-    The blocks (a loader's batches, the chunks of a batch) are combined
-    (:func:`~vivit.data.combine_curvatures`: rescaled to the union's ``√R``) and
-    each parameter's factors merged (:func:`merged_chunks`), so that every later
-    product runs as on one batch instead of forming each block's ``V`` once per
-    partner block.
-
-    Args:
-        blocks: Every block's curvature (one per group), in sample order; the
-            list is emptied, so that each block's factors are released as soon
-            as they are merged (the peak holds one parameter's copy, not all).
-        subsampling: The mini-batch's curvature subsampling (``None``: all, or a
-            loader's batches).
-
-    Returns:
-        Each group's curvature on the union; one block's as it is.
-    """
-    combined = combine_curvatures(blocks)
-    several = len(blocks) > 1
-    blocks.clear()
-    if not several:
-        return combined
-    return [merged_chunks(c, subsampling) for c in combined]
-
-
-def merged_chunks(
-    curvature: GroupCurvature, subsampling: Sequence[int] | None
-) -> GroupCurvature:
-    """A group's curvature combined over chunks, as if computed in one piece.
-
-    Each parameter's blocks (one per chunk) are concatenated into one set of
-    factors, one parameter at a time (a copy of that parameter's factors is alive
-    at once; a weight's ``V`` and per-sample gradients keep sharing their
-    inputs): products and the Gram matrix then run as on the unchunked batch,
-    instead of forming every chunk's ``V`` once per cross-Gram block. Chunks
-    without curvature samples are left out, and the rows are put into the
-    subsampling's order where it does not visit the chunks in order.
-
-    Args:
-        curvature: Combined over the chunks (rows chunk by chunk); its factor
-            lists are replaced in place.
-        subsampling: The mini-batch's curvature subsampling (``None``: all).
-
-    Returns:
-        The curvature with merged factors.
-    """
-    inputs_cache: list = []  # V and gradients of a weight share their inputs
-    for factors in (curvature.ggn_factors, curvature.grad_factors or []):
-        for index, blocks in enumerate(factors):
-            factors[index] = _merged(blocks, inputs_cache)
-    batch = curvature.batch
-    order = tuple(batch.ggn_samples)
-    if subsampling is None or order == tuple(subsampling):
-        return curvature
-    position = {n: i for i, n in enumerate(order)}
-    rows = [position[n] for n in subsampling]
-    return dataclasses.replace(
-        curvature,
-        batch=dataclasses.replace(batch, ggn_samples=tuple(subsampling)),
-        ggn_factors=[f.select(rows) for f in curvature.ggn_factors],
-    )
-
-
-def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
-    """One set of factors for the non-empty blocks of samples (a copy)."""
-    if not isinstance(factors, SampleBlockFactors):
-        return factors
-    blocks = [
-        block if scale == 1.0 else block.scaled(scale)
-        for block, scale in zip(factors.blocks, factors.scales, strict=True)
-        if block.num_samples > 0
-    ]
-    kind = type(blocks[0])
-    if len(blocks) == 1:
-        return blocks[0]
-    if not all(type(block) is kind for block in blocks):
-        return SampleBlockFactors(blocks)
-    if kind is OuterProductFactors:
-        return OuterProductFactors.concatenate(blocks, inputs_cache)
-    if kind is DenseFactors:
-        return DenseFactors.concatenate(blocks)
-    return SampleBlockFactors(blocks)

@@ -1,16 +1,16 @@
-"""Samples in blocks: one mini-batch, or the batches of a data loader.
+"""One block of samples through an engine: data checks, random state, progress.
 
-An engine computes the curvature of one block of samples at a time, with the
-loss on that block alone. :func:`combine_curvatures` and :class:`UnionOutput`
-turn the blocks' results into those of the loss on all samples together: the
-GGN's columns are rescaled and stacked (:func:`vivit.groups.concatenate_curvatures`),
-the losses and gradients summed with the weights ``R_union / R_block``
-(``docs/math.rst``, "Data sets and processes").
+A block of samples is one mini-batch, a loader's batch or a chunk of either.
+:func:`iterate_batches` checks a loader's batches as they come,
+:func:`run_block` runs an engine on one block into the group pipeline
+(:mod:`vivit.sources.collector`), :func:`engine_context` gives every run the
+caller's random state forked (or a fixed start) with gradients enabled, and
+:func:`progress_bar` shows a pass over the data. Combining the blocks is
+:mod:`vivit.sources.blocks`'s job.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,27 +21,14 @@ from torch.nn import Module, Parameter
 from tqdm.auto import tqdm
 
 from vivit._validation import check_batch, check_finite, check_inputs_match
-from vivit.engines.base import (
-    BatchInfo,
-    ContributionSink,
-    CurvatureRequest,
-    EngineOutput,
-)
-from vivit.errors import (
-    InvalidArgumentError,
-    NoCurvatureError,
-    VivitError,
-)
-from vivit.groups import (
-    GroupCollector,
-    GroupCurvature,
-    concatenate_curvatures,
-    union_batch,
-)
+from vivit.engines.base import ContributionSink, EngineOutput
+from vivit.errors import InvalidArgumentError, NoCurvatureError, VivitError
+from vivit.sources.collector import GroupCollector, GroupCurvature
 
 #: Seconds a pass over the data runs before its progress bar appears
 #: (``progress=None``): quick passes print nothing.
 PROGRESS_DELAY = 2.0
+
 
 #: Why every block of samples needs targets of one shape per sample, and what to do.
 SAMPLE_SHAPE_ADVICE = (
@@ -51,6 +38,7 @@ SAMPLE_SHAPE_ADVICE = (
     "processes'). Pad every batch to one length (with CrossEntropyLoss, padding "
     "targets set to ignore_index), or compute each length on its own."
 )
+
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -267,150 +255,6 @@ def run_block(
             "computation graph, or not extended with backpack.extend."
         )
     return BlockResult([curvature[g] for g in range(len(curvature))], output)
-
-
-def block_requests(
-    request: CurvatureRequest,
-    agree: Callable[[int | None], int | None] | None = None,
-) -> Callable[[int], CurvatureRequest]:
-    """The request of each block of samples: its own MC stream (exact: as is).
-
-    Draws the base seed (:func:`base_seed`) once: every pass over the blocks
-    with the returned requests draws the same samples. Without a generator the
-    seed is one draw from torch's global generator, which it advances like any
-    sampling operation, so that two requests draw independent samples.
-
-    Args:
-        request: The caller's request (its parameters' device is the samples').
-        agree: Maps this process's seed (``None`` for the exact GGN) to the one
-            all ranks of a process group use (rank 0's); a collective, so every
-            rank calls it, MC or not.
-
-    Returns:
-        ``index ↦`` the request of block ``index``.
-    """
-    seed = None
-    if request.mc_samples:
-        seed = base_seed(request.generator)
-    if agree is not None:
-        seed = agree(seed)
-    if request.mc_samples == 0:
-        return lambda index: request
-    device = request.params[0].device
-    return lambda index: dataclasses.replace(
-        request, generator=block_generator(seed, index, device)
-    )
-
-
-def base_seed(generator: torch.Generator | None) -> int:
-    """One draw from ``generator`` that seeds the MC streams of every block.
-
-    Args:
-        generator: The caller's generator; ``None`` draws from torch's default
-            generator.
-
-    Returns:
-        A seed in ``[0, 2⁶²)``; advances the generator by one draw.
-    """
-    device = "cpu" if generator is None else generator.device
-    return int(torch.randint(0, 2**62, (), generator=generator, device=device))
-
-
-def block_generator(
-    seed: int, block: int, device: torch.device | str
-) -> torch.Generator:
-    """The generator of the Monte-Carlo samples of one block of samples.
-
-    Block ``b`` (a loader's ``b``-th batch or chunk; under a process group of
-    ``W`` ranks, ``b = r + W·i`` for the ``i``-th batch of rank ``r``) draws
-    from a generator seeded with ``seed + b``: its samples do not depend on how
-    many draws other blocks made, nor on how many batches other ranks have, so
-    a process group's shards (one batch per rank: ``b = r``) and a loader over
-    the same shards in rank order draw the same samples (``docs/math.rst``,
-    "Data sets and processes", "Several processes").
-
-    Args:
-        seed: The run's base seed (:func:`base_seed`).
-        block: Index of the block.
-        device: Device the samples are drawn on (the model output's).
-
-    Returns:
-        A fresh generator.
-    """
-    return torch.Generator(device=device).manual_seed((seed + block) % 2**63)
-
-
-class UnionOutput:
-    """The loss and gradient on all samples, accumulated block by block.
-
-    Each block's loss ``L_b = R_b Σ_{n∈b} ℓ_n`` enters as ``L_b / R_b``; the sum
-    times ``R_union`` is the loss on all samples, ``Σ_b (R_union / R_b) L_b``
-    (``docs/math.rst``, "Data sets and processes"); likewise the gradient. Holds
-    one loss and one gradient, whatever the number of blocks.
-    """
-
-    def __init__(self) -> None:
-        self.batches: list[BatchInfo] = []
-        self._first: EngineOutput | None = None
-        self._sum: EngineOutput | None = None
-
-    def add(self, batch: BatchInfo, output: EngineOutput) -> None:
-        """Add a block's loss and gradient.
-
-        Args:
-            batch: The block's batch context (its ``R_b`` and sample weights).
-            output: Its loss and gradient (of the loss on the block alone).
-        """
-        self.batches.append(batch)
-        if self._first is None:
-            self._first = output
-        term = _unnormalized(output, batch)
-        if self._sum is None:
-            self._sum = term
-            return
-        self._sum = EngineOutput(
-            self._sum.loss + term.loss,
-            [a + b for a, b in zip(self._sum.gradients, term.gradients, strict=True)],
-        )
-
-    def result(self) -> tuple[Tensor, list[Tensor]]:
-        """The loss and gradient on all samples (one block's as they are).
-
-        Raises:
-            InvalidArgumentError: If no block was added.
-        """
-        if self._first is None:
-            raise InvalidArgumentError(
-                "The data loader yielded no batch: pass at least one (inputs, "
-                "targets) batch."
-            )
-        if len(self.batches) == 1:
-            return self._first.loss, self._first.gradients
-        union = union_batch(self.batches).reduction_factor()
-        return union * self._sum.loss, [union * g for g in self._sum.gradients]
-
-
-def _unnormalized(output: EngineOutput, batch: BatchInfo) -> EngineOutput:
-    """``L_b / R_b`` and ``∇L_b / R_b`` (``0`` for a block of weight ``0``)."""
-    factor = batch.reduction_factor()
-    scale = 1.0 / factor if factor > 0 else 0.0
-    return EngineOutput(output.loss * scale, [g * scale for g in output.gradients])
-
-
-def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
-    """Each group's curvature on all blocks' samples together.
-
-    Args:
-        blocks: Every block's curvature (one per group), in sample order.
-
-    Returns:
-        Each group's curvature on the union
-        (:func:`~vivit.groups.concatenate_curvatures`).
-    """
-    return [
-        concatenate_curvatures([block[g] for block in blocks])
-        for g in range(len(blocks[0]))
-    ]
 
 
 def num_batches(data: object) -> int | None:
