@@ -34,17 +34,22 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
+    ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "group pipeline",
-        ["vivit.sources", "vivit.distributed"],
+        [
+            "vivit.options",
+            "vivit.sources",
+            "vivit.distributed",
+            "vivit.memory",
+            "vivit.budget",
+        ],
     ),
-    ("computations", ["vivit.directional", "vivit.optim.damping"]),
+    ("results", ["vivit.results"]),
     (
         "front doors",
         [
             "vivit.lowrank",
-            "vivit.memory",
-            "vivit.budget",
             "vivit.streaming",
             "vivit.computation",
             "vivit.linalg.eigh",

@@ -9,7 +9,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-import vivit.lowrank
+import vivit.sources.stored
 from vivit import InvalidArgumentError, LowRankGGN
 from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
 from vivit.sources.chunks import split_batch
@@ -229,7 +229,7 @@ def test_chunked_steps_are_those_of_the_whole_batch(monkeypatch):
         chunks.append(len(pieces))
         return pieces
 
-    monkeypatch.setattr(vivit.lowrank, "split_batch", recording_split)
+    monkeypatch.setattr(vivit.sources.stored, "split_batch", recording_split)
     params = {}
     for chunk_size in (None, 7):
         net = copy.deepcopy(model)

@@ -15,11 +15,12 @@ from checks import EIGVAL_RTOL, assert_top_eigvals, flat_evecs
 from problems import PROBLEMS, prepare, problem_ids, select
 from reference import dense_ggn
 
-import vivit.lowrank
+import vivit.sources.stored
 from vivit import InvalidArgumentError, LowRankGGN, SolverNotConvergedError
 from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
+from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
     basis_capacity,
     block_krylov_eigh,
@@ -161,7 +162,7 @@ def test_matrix_free_never_forms_the_gram(monkeypatch):
     def refuse(factors):
         raise AssertionError("the matrix-free solver formed the Gram matrix")
 
-    monkeypatch.setattr(vivit.lowrank, "group_gram", refuse)
+    monkeypatch.setattr(vivit.sources.stored, "group_gram", refuse)
     problem = select(architecture="conv1d", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
     ggn = LowRankGGN(model, loss_func, (X, y), solver="matrix_free")
@@ -183,7 +184,7 @@ def test_restarts_on_the_factors():
     size = factors[0].num_rows
 
     def matmul(vectors):
-        return top_k_module.gram_matmul(factors, vectors)
+        return gram_matmul(factors, vectors)
 
     evals, _, report = block_krylov_eigh(
         matmul, size, 2, dtype=torch.float64, block_size=2, depth=2, max_restarts=500
@@ -327,7 +328,9 @@ def test_block_krylov_not_converged():
 
 def test_auto_falls_back_to_dense(monkeypatch):
     """Under "auto" a solve that does not converge warns and uses the dense one."""
-    monkeypatch.setattr(vivit.lowrank, "choose_solver", lambda *a, **k: "iterative")
+    monkeypatch.setattr(
+        vivit.sources.stored, "choose_solver", lambda *a, **k: "iterative"
+    )
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
     ggn = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
@@ -452,6 +455,7 @@ def test_leading_eigenpairs_reports_dense_residual():
         3,
         "dense",
         lambda: A,
+        size=50,
         requested="dense",
         dtype=torch.float64,
         device=torch.device("cpu"),

@@ -696,3 +696,37 @@ def check_group_index(group: object, num_groups: int) -> None:
         raise GroupIndexError(
             f"group must be an index in [0, {num_groups}), got {group!r}."
         )
+
+
+def check_chunk_size(chunk_size: int | None) -> None:
+    """Check that ``chunk_size`` is a positive integer or ``None``.
+
+    Args:
+        chunk_size: Most samples per backward pass (``None``: the whole batch).
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise InvalidArgumentError(
+            f"chunk_size must be a positive integer or None, got {chunk_size!r}."
+        )
+    if chunk_size < 1:
+        raise InvalidArgumentError(
+            f"chunk_size must be a positive integer (samples per backward pass) or "
+            f"None for the whole batch, got {chunk_size}."
+        )
+
+
+def check_progress(progress: object) -> None:
+    """Raise unless ``progress`` is ``True``, ``False`` or ``None``.
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise InvalidArgumentError(
+            f"progress must be True, False or None (automatic), got {progress!r}."
+        )

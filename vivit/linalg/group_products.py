@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from vivit.gram import ParamFactors
@@ -86,3 +88,47 @@ def num_params(factors: Sequence[ParamFactors]) -> int:
         ``D``.
     """
     return sum(f.param_shape.numel() for f in factors)
+
+
+class VProducts(Protocol):
+    """Products with ``V`` and ``G̃ = Vᵀ V`` of one parameter group.
+
+    Answered from stored factors (:class:`FactorProducts`) or by passes over the
+    data (:mod:`vivit.sources.streamed`); the eigensolvers, the operator and the
+    results layer use only these.
+
+    Attributes:
+        dtype: Type the products run in (``gram_dtype`` or the factors').
+    """
+
+    dtype: torch.dtype
+
+    def v_matmul(self, coefficients: Tensor) -> list[Tensor]:
+        """``V u`` for Gram-space rows ``[K, N·C]``: one ``[K, *p.shape]`` each."""
+
+    def vt_matmul(self, vectors: Sequence[Tensor]) -> Tensor:
+        """``Vᵀ W`` for parameter-space vectors ``[K, *p.shape]``: ``[K, N·C]``."""
+
+    def gram_matmul(self, vectors: Tensor) -> Tensor:
+        """``G̃ U`` for Gram-space columns ``[N·C, K]``: ``[N·C, K]``."""
+
+
+class FactorProducts:
+    """:class:`VProducts` of a group from its stored factors.
+
+    Args:
+        factors: Factors of ``V``, one per parameter of the group.
+    """
+
+    def __init__(self, factors: Sequence[ParamFactors]):
+        self.factors = list(factors)
+        self.dtype = self.factors[0].dtype
+
+    def v_matmul(self, coefficients: Tensor) -> list[Tensor]:  # noqa: D102
+        return v_matmul(self.factors, coefficients)
+
+    def vt_matmul(self, vectors: Sequence[Tensor]) -> Tensor:  # noqa: D102
+        return vt_matmul(self.factors, vectors)
+
+    def gram_matmul(self, vectors: Tensor) -> Tensor:  # noqa: D102
+        return gram_matmul(self.factors, vectors)

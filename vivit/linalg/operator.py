@@ -1,6 +1,6 @@
 """The low-rank GGN of a parameter group as a linear operator.
 
-Every product goes through the factors' ``V``-products (``docs/math.rst``, "Layer
+Every product goes through products with ``V`` (``docs/math.rst``, "Layer
 structure" and "The Gram matrix and exact eigenpairs"); neither ``G`` nor ``V`` of
 the group is formed:
 
@@ -29,8 +29,7 @@ from torch.nn import Parameter
 
 from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError
-from vivit.gram import ParamFactors
-from vivit.linalg.group_products import v_matmul, vt_matmul
+from vivit.linalg.group_products import VProducts
 
 #: ``(top_k, solver) → (evals [K], gram_evecs [N·C, K])``: the leading numerically
 #: non-zero eigenpairs of the Gram matrix.
@@ -38,36 +37,38 @@ Eigenpairs = Callable[[int | None, str | None], tuple[Tensor, Tensor]]
 
 
 class GGNOperator:
-    """``G = V Vᵀ`` of one parameter group, applied through its factors.
+    """``G = V Vᵀ`` of one parameter group, applied through products with ``V``.
 
-    Obtained from :meth:`vivit.LowRankGGN.operator`.
+    Obtained from :meth:`vivit.LowRankGGN.operator` (products through the stored
+    factors) or :meth:`vivit.StreamingGGN.operator` (two passes over the data per
+    product).
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        products: ``V·u`` and ``Vᵀ·w`` of the group.
         params: The group's parameters (shapes, data type, device).
         eigenpairs: Leading Gram eigenpairs, for :meth:`pinv_matvec`.
 
     Attributes:
         shape: ``(D, D)``.
         dtype: Data type of the vectors and results (the parameters'); the
-            products run in the factors' type (``gram_dtype`` if one was given).
+            products run in their own type (``gram_dtype`` if one was given).
         device: Their device.
     """
 
     def __init__(
         self,
-        factors: Sequence[ParamFactors],
+        products: VProducts,
         params: Sequence[Parameter],
         eigenpairs: Eigenpairs,
     ):
-        self._factors = list(factors)
+        self._products = products
         self._shapes = [p.shape for p in params]
         self._eigenpairs = eigenpairs
         size = sum(p.numel() for p in params)
         self.shape = (size, size)
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self._work_dtype = self._factors[0].dtype
+        self._work_dtype = products.dtype
 
     def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
         """``G v``.
@@ -80,7 +81,7 @@ class GGNOperator:
             ``G v`` in the format of ``vectors``.
         """
         rows, restore = self._to_rows(vectors)
-        return restore(v_matmul(self._factors, vt_matmul(self._factors, rows)))
+        return restore(self._products.v_matmul(self._products.vt_matmul(rows)))
 
     def pinv_matvec(
         self,
@@ -104,12 +105,12 @@ class GGNOperator:
         rows, restore = self._to_rows(vectors)
         # in float64: λ² underflows float32 for small resolved eigenvalues (a
         # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
-        products = vt_matmul(self._factors, rows)
+        products = self._products.vt_matmul(rows)
         projections = products.double() @ gram_evecs.double()
         scales = evals.double() ** -2
         coefficients = (projections * scales) @ gram_evecs.double().T
         coefficients = coefficients.to(products.dtype)
-        result = v_matmul(self._factors, coefficients)
+        result = self._products.v_matmul(coefficients)
         for part in result:
             check_finite(
                 part,
@@ -169,7 +170,7 @@ class GGNOperator:
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
         """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
 
-        The rows are in the factors' type, the results of the way back in the
+        The rows are in the products' type, the results of the way back in the
         parameters'.
         """
         rows, restore = self._parameter_rows(vectors)

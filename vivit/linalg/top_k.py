@@ -77,7 +77,6 @@ from vivit._memory import (
 )
 from vivit.errors import InvalidArgumentError, SolverNotConvergedError
 from vivit.gram import ParamFactors
-from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
     SolverReport,
     basis_capacity,
@@ -318,11 +317,12 @@ def choose_solver(
 
 
 def leading_eigenpairs(
-    factors: Sequence[ParamFactors],
+    products: Callable[[Tensor], Tensor],
     top_k: int,
     solver: str,
     gram: Callable[[], Tensor],
     *,
+    size: int,
     requested: str,
     dtype: torch.dtype,
     device: torch.device,
@@ -332,11 +332,13 @@ def leading_eigenpairs(
     """The ``top_k`` leading eigenpairs of a group's Gram matrix.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        products: ``U ↦ G̃ U`` without the Gram matrix (``[N·C, K]`` columns),
+            for the matrix-free solver.
         top_k: Number of leading eigenpairs.
         solver: ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
         gram: Returns the Gram matrix, forming it if needed (not called by the
             matrix-free solver).
+        size: Side length ``N·C`` of the Gram matrix.
         requested: The solver the caller asked for; under ``"auto"`` an iterative
             solve that does not converge falls back to ``"dense"``.
         dtype: Data type of the factors' products.
@@ -364,14 +366,7 @@ def leading_eigenpairs(
             converged=True,
         )
         return evals, evecs, report
-    size = factors[0].num_rows
-    if solver == "iterative":
-        matmul = gram().__matmul__
-    else:
-
-        def matmul(vectors: Tensor) -> Tensor:
-            return gram_matmul(factors, vectors)
-
+    matmul = gram().__matmul__ if solver == "iterative" else products
     try:
         evals, evecs, report = block_krylov_eigh(
             matmul,
@@ -390,10 +385,11 @@ def leading_eigenpairs(
             f"{error} Falling back to the dense solver.", RuntimeWarning, stacklevel=3
         )
         evals, evecs, report = leading_eigenpairs(
-            factors,
+            products,
             top_k,
             "dense",
             gram,
+            size=size,
             requested=requested,
             dtype=dtype,
             device=device,

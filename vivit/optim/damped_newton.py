@@ -14,29 +14,25 @@ from torch.optim import Optimizer
 
 from vivit._validation import (
     check_damping,
-    check_generator,
     check_grad_mode,
     check_lr,
-    check_mc_samples,
     check_params,
     check_subsampling,
     optimizer_param_groups,
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
-from vivit.distributed import agree_across_ranks, resolve_group
+from vivit.distributed import agree_across_ranks
 from vivit.engines.base import Engine
-from vivit.engines.choice import check_engine
 from vivit.errors import (
     InvalidArgumentError,
     NonFiniteError,
     UnboundedStepWarning,
     VivitError,
 )
-from vivit.linalg.solvers import check_gram_dtype, check_top_k
-from vivit.linalg.top_k import check_solver
+from vivit.linalg.solvers import check_top_k
 from vivit.lowrank import LowRankGGN
-from vivit.sources.chunks import check_chunk_size
+from vivit.options import CurvatureOptions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -201,18 +197,20 @@ class DampedNewton(Optimizer):
                 "Pass both model and loss_func (to call step(data=...)) or neither "
                 "(to call step(closure))."
             )
-        check_engine(engine)
-        resolve_group(process_group)
+        self.options = CurvatureOptions(
+            mc_samples=mc_samples,
+            subsampling=subsampling,
+            generator=generator,
+            gram_dtype=gram_dtype,
+            solver=solver,
+            engine=engine,
+            process_group=process_group,
+            chunk_size=chunk_size,
+        )
         check_damping(damping)
         check_trust_fraction(trust_fraction)
         check_top_k(top_k)
         check_subsampling(subsampling_grad, name="subsampling_grad")
-        check_mc_samples(mc_samples)
-        check_subsampling(subsampling)
-        check_generator(generator)
-        check_gram_dtype(gram_dtype)
-        check_solver(solver)
-        check_chunk_size(chunk_size)
         params = optimizer_param_groups(params)
         defaults = {
             "lr": lr,
@@ -222,14 +220,8 @@ class DampedNewton(Optimizer):
             "trust_fraction": trust_fraction,
         }
         super().__init__(params, defaults)  # checks each group (add_param_group)
-        self.mc_samples = mc_samples
-        self.subsampling = subsampling
-        self.generator = generator
         self.keep_directions = keep_directions
-        self.gram_dtype, self.solver = gram_dtype, solver
-        self.model, self.loss_func, self.engine = model, loss_func, engine
-        self.process_group = process_group
-        self.chunk_size = chunk_size
+        self.model, self.loss_func = model, loss_func
         self.last_steps: list[NewtonStep] = []
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
@@ -297,13 +289,7 @@ class DampedNewton(Optimizer):
         for index, group in enumerate(self.param_groups):  # changed since added?
             check_group_settings(group, index)
         groups = [group["params"] for group in self.param_groups]
-        options = {
-            "mc_samples": self.mc_samples,
-            "subsampling": self.subsampling,
-            "generator": self.generator,
-            "gram_dtype": self.gram_dtype,
-            "solver": self.solver,
-        }
+        options = self.options
         with torch.enable_grad():
             if data is not None:
                 if self.model is None:
@@ -311,41 +297,16 @@ class DampedNewton(Optimizer):
                         "step(data=...) needs the model and the loss function: "
                         "build the optimizer with model= and loss_func=."
                     )
-                ggn = LowRankGGN(
-                    self.model,
-                    self.loss_func,
-                    data,
-                    param_groups=groups,
-                    engine=self.engine,
-                    process_group=self.process_group,
-                    chunk_size=self.chunk_size,
-                    **options,
+                ggn = LowRankGGN.from_options(
+                    self.model, self.loss_func, data, groups, options
                 )
             else:
-                if self.chunk_size is not None:
-                    raise InvalidArgumentError(
-                        "chunk_size splits a batch the optimizer computes itself: "
-                        "call step(data=(inputs, targets)) (optimizer built with "
-                        "model= and loss_func=), not a closure."
-                    )
-                if resolve_group(self.process_group) is not None:
-                    raise InvalidArgumentError(
-                        "A closure's loss is this process's alone: under a process "
-                        "group call step(data=(inputs, targets)) with this rank's "
-                        "shard (optimizer built with model= and loss_func=), or "
-                        "pass process_group=False for independent steps."
-                    )
-                if self.engine not in ("auto", "backpack"):
-                    raise InvalidArgumentError(
-                        f"A closure's loss can only be backpropagated by the BackPACK "
-                        f"engine, not {self.engine!r}: build the optimizer with "
-                        "model= and loss_func= and call step(data=(inputs, targets))."
-                    )
-                ggn = LowRankGGN.from_loss(closure, groups, **options)
-        process_group = None if data is None else resolve_group(self.process_group)
-        if process_group is not None:  # replicas stay equal only if they step alike
+                _check_closure_options(options)
+                ggn = LowRankGGN._from_loss(closure, groups, options)
+        if data is not None and options.group is not None:
+            # replicas stay equal only if they step alike
             agree_across_ranks(
-                process_group,
+                options.group,
                 "the optimizer settings",
                 [_step_settings(group) for group in self.param_groups],
             )
@@ -384,6 +345,29 @@ class DampedNewton(Optimizer):
             else []
         )
         return ggn.loss
+
+
+def _check_closure_options(options: CurvatureOptions) -> None:
+    """Refuse the options a closure's loss cannot honour, naming what to do."""
+    if options.chunk_size is not None:
+        raise InvalidArgumentError(
+            "chunk_size splits a batch the optimizer computes itself: "
+            "call step(data=(inputs, targets)) (optimizer built with "
+            "model= and loss_func=), not a closure."
+        )
+    if options.group is not None:
+        raise InvalidArgumentError(
+            "A closure's loss is this process's alone: under a process "
+            "group call step(data=(inputs, targets)) with this rank's "
+            "shard (optimizer built with model= and loss_func=), or "
+            "pass process_group=False for independent steps."
+        )
+    if options.engine not in ("auto", "backpack"):
+        raise InvalidArgumentError(
+            f"A closure's loss can only be backpropagated by the BackPACK "
+            f"engine, not {options.engine!r}: build the optimizer with "
+            "model= and loss_func= and call step(data=(inputs, targets))."
+        )
 
 
 #: A parameter group's step settings (each may differ between groups).

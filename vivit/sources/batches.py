@@ -267,18 +267,6 @@ def num_batches(data: object) -> int | None:
         return None
 
 
-def check_progress(progress: object) -> None:
-    """Raise unless ``progress`` is ``True``, ``False`` or ``None``.
-
-    Raises:
-        InvalidArgumentError: Otherwise.
-    """
-    if progress is not None and not isinstance(progress, bool):
-        raise InvalidArgumentError(
-            f"progress must be True, False or None (automatic), got {progress!r}."
-        )
-
-
 def progress_bar(
     batches: Iterable, total: int | None, progress: bool | None, description: str
 ) -> Iterable:

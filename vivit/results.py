@@ -1,0 +1,469 @@
+"""Every result of the GGN's low-rank structure, written once over a source.
+
+:class:`CurvatureResults` answers what a user asks — the Gram matrix, its
+eigenvalues, the leading eigenpairs, directional derivatives, damped Newton
+steps, the GGN as an operator, solver reports — for any curvature source
+(:mod:`vivit.sources.base`): stored factors (:class:`~vivit.LowRankGGN`) or
+factors recomputed in passes over a loader (:class:`~vivit.StreamingGGN`). It
+picks the eigensolver (the cost model of :mod:`vivit.linalg.top_k`, or the
+source's only route), caches what it computed, and maps Gram-space results to
+parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs",
+"Directional derivatives and curvature noise", "Damped Newton step").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from vivit._memory import dense_workspace_bytes
+from vivit._validation import (
+    check_damping,
+    check_lr,
+    check_max_decrease,
+    check_subsampling,
+)
+from vivit.directional.gram_space import (
+    Damping,
+    batch_directional_gradient,
+    directional_curvatures,
+    newton_coefficients_damped,
+)
+from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
+from vivit.linalg.operator import GGNOperator
+from vivit.linalg.solvers import (
+    direction_coefficients,
+    gram_eigh,
+    numerical_zero_tolerance,
+    top_k_indices,
+)
+from vivit.linalg.top_k import (
+    check_solver,
+    iterative_workspace_bytes,
+    leading_eigenpairs,
+)
+from vivit.options import CurvatureOptions
+from vivit.sources.base import CurvatureSource, GroupSource
+
+
+class CurvatureResults:
+    """The results of a curvature source; the base of the front doors.
+
+    Args:
+        source: Where the curvature comes from.
+        options: The checked options (the default solver, its tolerance and
+            seed).
+
+    Attributes:
+        loss: The loss on all samples (detached).
+        param_groups: The parameter groups, as lists of parameters.
+        engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
+    """
+
+    def __init__(self, source: CurvatureSource, options: CurvatureOptions):
+        self._source = source
+        self._options = options
+        self.param_groups = source.param_groups
+        self.loss = source.loss
+        self.engine = source.engine
+        self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
+        self._leading: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._directions_in_params: dict[tuple, list[Tensor]] = {}
+        self._reports: dict[int, SolverReport] = {}
+
+    # Gram space ---------------------------------------------------------------
+    def gram(self, group: int = 0) -> Tensor:
+        """The Gram matrix ``Vᵀ V`` of a group (formed on the first call).
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
+            entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
+
+        Raises:
+            GramTooLargeError: If it would not fit into memory.
+        """
+        return self._source.group(group).form_gram(0)
+
+    def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
+        source = self._source.group(group)
+        if group not in self._decompositions:
+            workspace = dense_workspace_bytes(
+                source.num_rows, None, source.dtype, source.device
+            )
+            self._decompositions[group] = gram_eigh(source.form_gram(workspace))
+        return self._decompositions[group]
+
+    def eigvalsh(self, group: int = 0) -> Tensor:
+        """All eigenvalues of the Gram matrix: the GGN's non-zero spectrum.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
+            tolerance are zeros of the GGN).
+        """
+        return self._gram_eigh(group)[0]
+
+    def zero_tolerance(self, group: int = 0) -> float:
+        """Eigenvalues at or below this value are numerically zero.
+
+        ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
+        (``docs/math.rst``, "Precision and the numerical zero").
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The tolerance of the group's Gram matrix.
+        """
+        return numerical_zero_tolerance(
+            self.eigvalsh(group), factor_dtype=self._source.group(group).factor_dtype
+        )
+
+    def solver_report(self, group: int = 0) -> SolverReport | None:
+        """How the group's latest leading eigenpairs were computed.
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The solver used, its relative residual ``max_k ‖G̃ũ_k − λ_kũ_k‖ /
+            λ_max`` and tolerance, iterations and any fallback; ``None`` before the
+            first request with ``top_k`` (full decompositions are LAPACK's).
+        """
+        self._source.group(group)
+        return self._reports.get(group)
+
+    def _directions(
+        self,
+        top_k: int | None,
+        group: int,
+        solver: str | None = None,
+        tol: float | None = None,
+        seed: int | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
+
+        Uses the full decomposition if it is needed, or exists and the solver is
+        ``"auto"``; otherwise computes (and caches per solver, tolerance and
+        seed) only the leading eigenpairs.
+        """
+        if solver is None:  # the default applies to requests for a few pairs
+            solver = "auto" if top_k is None else self._options.solver
+        check_solver(solver, top_k)
+        check_tolerance(tol)
+        if seed is not None:
+            check_seed(seed)
+        source = self._source.group(group)
+        source.check_solver(solver)
+        if top_k is None or (solver == "auto" and group in self._decompositions):
+            evals, evecs = self._gram_eigh(group)
+        else:
+            resolved = solver if solver != "auto" else source.choose_solver(top_k)
+            tol = self._options.solver_tol if tol is None else tol
+            seed = self._options.solver_seed if seed is None else seed
+            key = (group, resolved, tol, seed)
+            leading = self._leading.get(key)
+            if leading is None or leading[0].numel() < min(top_k, source.num_rows):
+                leading = self._compute_leading(
+                    source, top_k, resolved, solver, tol, seed
+                )
+                self._leading[key] = leading
+            evals, evecs = leading
+        # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
+        gram = source.formed_gram()
+        trace = None if gram is None else gram.trace().item()
+        keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
+        return evals[keep], evecs[:, keep]
+
+    def _compute_leading(
+        self,
+        source: GroupSource,
+        top_k: int,
+        solver: str,
+        requested: str,
+        tol: float | None,
+        seed: int,
+    ) -> tuple[Tensor, Tensor]:
+        size = source.num_rows
+        if solver == "dense":
+            workspace = dense_workspace_bytes(size, top_k, source.dtype, source.device)
+        else:
+            workspace = iterative_workspace_bytes(size, top_k, source.dtype)
+        evals, evecs, report = leading_eigenpairs(
+            source.products.gram_matmul,
+            top_k,
+            solver,
+            lambda: source.form_gram(workspace),
+            size=size,
+            requested=requested,
+            dtype=source.dtype,
+            device=source.device,
+            tol=tol,
+            seed=seed,
+        )
+        if report.solver == "matrix_free" and source.route != "matrix_free":
+            # products by passes over the data (StreamingGGN)
+            report = dataclasses.replace(
+                report, solver=source.route, requested=source.route
+            )
+        self._reports[source.index] = report
+        return evals, evecs
+
+    def _param_directions(
+        self, source: GroupSource, evals: Tensor, gram_evecs: Tensor, key: tuple
+    ) -> list[Tensor]:
+        """The eigenvectors ``e_k = V ẽ_k / √λ_k`` in the products' type.
+
+        Kept between calls (under ``key``) where each product passes over the
+        data; none is formed for no direction.
+        """
+        if key in self._directions_in_params:
+            return self._directions_in_params[key]
+        if evals.numel() == 0:
+            evecs = [evals.new_zeros(0, *p.shape) for p in source.params]
+        else:
+            coefficients = direction_coefficients(gram_evecs, evals).T.contiguous()
+            evecs = source.products.v_matmul(coefficients)
+        if source.keeps_directions:
+            self._directions_in_params[key] = evecs
+        return evecs
+
+    def eigh(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        *,
+        solver: str | None = None,
+        tol: float | None = None,
+        seed: int | None = None,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Leading eigenpairs of the GGN.
+
+        Args:
+            top_k: Number of leading eigenpairs; ``None`` keeps every eigenvalue
+                above the numerical-zero tolerance. Fewer are returned if fewer
+                are non-zero; no eigenvector is formed for a numerically zero one.
+            group: Index of the parameter group.
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
+            tol: Relative residual bound of the iterative solvers for this call
+                (``None``: the constructor's ``solver_tol``).
+            seed: Seed of their random start block for this call (``None``: the
+                constructor's ``solver_seed``).
+
+        Returns:
+            Eigenvalues ``[K]`` ascending, and eigenvectors as one tensor
+            ``[K, *p.shape]`` per parameter (unit norm over the group).
+        """
+        evals, gram_evecs = self._directions(top_k, group, solver, tol, seed)
+        source = self._source.group(group)
+        key = (group, top_k, solver, tol, seed)
+        evecs = self._param_directions(source, evals, gram_evecs, key)
+        return evals, _in_param_dtypes(evecs, source)
+
+    def operator(self, group: int = 0) -> GGNOperator:
+        """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.
+
+        Products go through the source's products with ``V``; ``G`` is never
+        formed. See :class:`~vivit.linalg.operator.GGNOperator`.
+
+        Example::
+
+            from scipy.sparse.linalg import eigsh
+
+            op = ggn.operator()
+            Gv = op.matvec(v)                   # v: [D] over the group's parameters
+            step = op.pinv_matvec(g, top_k=10)  # G⁺ on the top-10 eigenspace
+            evals = eigsh(op.to_scipy(), k=3, return_eigenvectors=False)
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
+        """
+        source = self._source.group(group)
+        return GGNOperator(
+            source.products,
+            source.params,
+            lambda top_k, solver: self._directions(top_k, group, solver),
+        )
+
+    # Gradient and directional derivatives -----------------------------------
+    def gradient(self, group: int = 0) -> list[Tensor]:
+        """The gradient ``∇L`` of the loss from the same backward pass(es).
+
+        Args:
+            group: Index of the parameter group.
+
+        Returns:
+            One tensor per parameter of the group, shaped like it (gradient of the
+            loss on all samples, whatever the curvature subsampling).
+        """
+        return self._source.group(group).gradient
+
+    def _directional(
+        self,
+        top_k: int | None,
+        group: int,
+        subsampling_grad: Sequence[int] | None,
+        solver: str | None,
+        tol: float | None,
+        seed: int | None,
+    ) -> tuple[Tensor, DirectionalDerivatives]:
+        evals, gram_evecs = self._directions(top_k, group, solver, tol, seed)
+        source = self._source.group(group)
+        samples = check_subsampling(
+            subsampling_grad, source.batch.batch_size, "subsampling_grad"
+        )
+        key = (group, top_k, solver, tol, seed)
+        gammas = source.directional_gradients(
+            gram_evecs,
+            evals,
+            lambda: self._param_directions(source, evals, gram_evecs, key),
+            samples,
+        )
+        directional = DirectionalDerivatives(
+            evals=evals,
+            gammas=gammas,
+            lambdas=directional_curvatures(gram_evecs, evals, source.batch),
+            gamma_bar=batch_directional_gradient(gammas, source.batch, samples),
+        )
+        return gram_evecs, directional
+
+    def directional_derivatives(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        subsampling_grad: Sequence[int] | None = None,
+        *,
+        solver: str | None = None,
+        tol: float | None = None,
+        seed: int | None = None,
+    ) -> DirectionalDerivatives:
+        """Per-sample first and second derivatives along the leading eigenvectors.
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
+            tol: As for :meth:`eigh`.
+            seed: As for :meth:`eigh`.
+
+        Returns:
+            ``γ [N_grad, K]``, ``λ [N_ggn, K]`` and their per-direction statistics.
+        """
+        return self._directional(top_k, group, subsampling_grad, solver, tol, seed)[1]
+
+    def newton(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        damping: float | Damping = 1.0,
+        subsampling_grad: Sequence[int] | None = None,
+        *,
+        lr: float = 1.0,
+        max_decrease: float | None = None,
+        solver: str | None = None,
+        tol: float | None = None,
+        seed: int | None = None,
+    ) -> NewtonStep:
+        """The directionally damped Newton step with its ingredients.
+
+        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the leading eigenvectors, with
+        ``γ̄_k`` the directional gradient of the loss on the gradient samples. The
+        step is one product of ``V`` with a Gram-space vector. A step to which no
+        direction contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
+                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            lr: Scale of the returned step, ``lr · Δθ``.
+            max_decrease: Largest loss decrease the GGN's quadratic model may
+                predict for ``lr · Δθ``; the dampings are raised to meet it as
+                ``docs/math.rst`` derives ("Trust region of a Newton step").
+                ``None``: the dampings as the rule gives them.
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
+            tol: As for :meth:`eigh`.
+            seed: As for :meth:`eigh`.
+
+        Returns:
+            The step, the directional derivatives, ``γ̄`` and the dampings used.
+
+        Raises:
+            InvalidArgumentError: If ``lr`` is not a positive finite number,
+                ``max_decrease`` not ``None`` or a number ``≥ 0``, or the damping
+                invalid.
+        """
+        check_damping(damping)
+        check_lr(lr)
+        check_max_decrease(max_decrease)
+        gram_evecs, directional = self._directional(
+            top_k, group, subsampling_grad, solver, tol, seed
+        )
+        dampings, u = newton_coefficients_damped(
+            gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+        )
+        source = self._source.group(group)
+        if directional.evals.numel() > 0:
+            step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
+        else:  # no direction: no product
+            step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
+        return NewtonStep(
+            directional=directional,
+            dampings=dampings,
+            step=_in_param_dtypes(step, source),
+        )
+
+    def newton_step(
+        self,
+        top_k: int | None = None,
+        group: int = 0,
+        damping: float | Damping = 1.0,
+        subsampling_grad: Sequence[int] | None = None,
+        *,
+        solver: str | None = None,
+        tol: float | None = None,
+        seed: int | None = None,
+    ) -> list[Tensor]:
+        """The directionally damped Newton step on the leading eigenspace.
+
+        Args:
+            top_k: Number of leading directions (``None``: all non-zero).
+            group: Index of the parameter group.
+            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
+                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
+            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
+            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
+            tol: As for :meth:`eigh`.
+            seed: As for :meth:`eigh`.
+
+        Returns:
+            The step (see :meth:`newton`), one tensor per parameter, shaped like it.
+        """
+        return self.newton(
+            top_k,
+            group,
+            damping,
+            subsampling_grad,
+            solver=solver,
+            tol=tol,
+            seed=seed,
+        ).step
+
+
+def _in_param_dtypes(tensors: Sequence[Tensor], source: GroupSource) -> list[Tensor]:
+    """Parameter-space results (eigenvectors, a step) in their parameters' dtypes."""
+    return [t.to(p.dtype) for t, p in zip(tensors, source.params, strict=True)]

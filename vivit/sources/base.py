@@ -1,0 +1,107 @@
+"""What the results layer asks of a source of curvature, per parameter group.
+
+:mod:`vivit.results` computes every result (eigenvalues, eigenpairs, directional
+derivatives, Newton steps, the operator) once, over this protocol. A source
+answers it its own way: stored factors of ``V`` (:mod:`vivit.sources.stored`)
+or factors recomputed in passes over a loader (:mod:`vivit.sources.streamed`).
+Shapes follow ``docs/math.rst``: ``N·C`` Gram-space rows (``N·M`` with
+Monte-Carlo sampling), ``D`` parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from vivit.engines.base import BatchInfo
+from vivit.linalg.group_products import VProducts
+
+
+class GroupSource(Protocol):
+    """One parameter group's curvature, as a source answers it.
+
+    Attributes:
+        index: Position of the group.
+        params: The group's parameters.
+        gradient: The gradient of the loss, one tensor per parameter.
+        batch: Batch context of the Gram matrix (all samples of the source).
+        factor_dtype: Type the engine computed the factors in (the model's).
+        dtype: Type of the Gram-space products (``gram_dtype`` or the factors').
+        device: Device of the products.
+        num_rows: Side length ``N·C`` of the Gram matrix.
+        products: ``V·u``, ``Vᵀ·w`` and ``G̃·U`` of the group.
+        route: Name of the solver that iterates on :attr:`products` (reported by
+            :meth:`~vivit.LowRankGGN.solver_report`).
+        keeps_directions: Whether parameter-space eigenvectors are worth keeping
+            between calls (each product is a pass over the data).
+    """
+
+    index: int
+    params: list[Parameter]
+    gradient: list[Tensor]
+    batch: BatchInfo
+    factor_dtype: torch.dtype
+    dtype: torch.dtype
+    device: torch.device
+    num_rows: int
+    products: VProducts
+    route: str
+    keeps_directions: bool
+
+    def formed_gram(self) -> Tensor | None:
+        """The Gram matrix if it was formed, else ``None``."""
+
+    def form_gram(self, workspace_bytes: int) -> Tensor:
+        """The Gram matrix ``[N·C, N·C]``, formed if needed.
+
+        Args:
+            workspace_bytes: Memory the caller needs beside it (its eigensolver).
+
+        Raises:
+            GramTooLargeError: If it and the workspace would not fit.
+            InvalidArgumentError: If the source cannot form it.
+        """
+
+    def choose_solver(self, top_k: int) -> str:
+        """The solver ``"auto"`` stands for, for ``top_k`` leading eigenpairs."""
+
+    def check_solver(self, solver: str) -> None:
+        """Refuse a solver this source cannot run, naming what to do instead."""
+
+    def directional_gradients(
+        self,
+        gram_evecs: Tensor,
+        evals: Tensor,
+        evecs: Callable[[], list[Tensor]],
+        samples: Sequence[int] | None,
+    ) -> Tensor:
+        """``γ_nk = e_kᵀ∇ℓ_n`` of the gradient samples, ``[N_grad, K]``.
+
+        Args:
+            gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
+            evals: Their eigenvalues (numerically non-zero), ``[K]``.
+            evecs: Returns the directions in parameter space, ``[K, *p.shape]``
+                per parameter (called only by sources that need them).
+            samples: Gradient samples (checked; ``None``: all).
+        """
+
+
+class CurvatureSource(Protocol):
+    """The curvature of a loss on a set of samples, per parameter group.
+
+    Attributes:
+        param_groups: The parameter groups.
+        loss: The loss on all samples (detached).
+        engine: Name of the engine that computed the factors.
+    """
+
+    param_groups: list[list[Parameter]]
+    loss: Tensor
+    engine: str
+
+    def group(self, index: int) -> GroupSource:
+        """The curvature of group ``index`` (checked)."""

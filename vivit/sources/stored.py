@@ -1,0 +1,451 @@
+"""Stored factors: one pass keeps every block's factors of ``V``.
+
+The source of :class:`~vivit.LowRankGGN`. One mini-batch, its chunks, a loader's
+batches and the ranks' shards are blocks of samples; each is run by the engine
+with the loss on its own samples, and the blocks are combined into the curvature
+of their union (:mod:`vivit.sources.blocks`, ``docs/math.rst``, "Data sets and
+processes"). The factors of ``V`` are kept, so every later product (the Gram
+matrix, ``V·u``, ``Vᵀ·w``, ``Vᵀ∇ℓ_n``) runs on them without another pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import nullcontext
+
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from vivit._memory import check_gram_fits
+from vivit._validation import (
+    check_batch,
+    check_finite,
+    check_group_index,
+    check_inputs_match,
+    check_model,
+    check_params,
+    check_subsampling,
+    param_group_lists,
+)
+from vivit.budget import FactorBudget
+from vivit.directional.gram_space import directional_gradients
+from vivit.distributed import (
+    SAMPLE_SHAPE,
+    ShardExchange,
+    ShardLayout,
+    request_fingerprint,
+)
+from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
+from vivit.engines.choice import resolve_engine
+from vivit.errors import GramTooLargeError, InvalidArgumentError
+from vivit.linalg.group_products import FactorProducts, group_gram, num_params
+from vivit.linalg.top_k import choose_solver
+from vivit.losses import check_loss_function
+from vivit.options import CurvatureOptions
+from vivit.sources.batches import (
+    BlockResult,
+    BlockRun,
+    engine_context,
+    is_batch,
+    iterate_batches,
+    naming_batch,
+    num_batches,
+    progress_bar,
+    run_block,
+)
+from vivit.sources.blocks import (
+    UnionOutput,
+    block_requests,
+    combine_curvatures,
+    merged_blocks,
+)
+from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
+from vivit.sources.collector import GroupCurvature
+
+#: The blocks of one construction: each run with the loader's batch it belongs to
+#: (``None`` for one mini-batch, which an error then does not name).
+Runs = Iterable[tuple[int | None, BlockRun]]
+
+
+class StoredGroup:
+    """One group's stored factors (a :class:`~vivit.sources.base.GroupSource`).
+
+    Args:
+        index: Position of the group.
+        curvature: The group's curvature on all samples, factors kept.
+        gradient: The gradient of the loss, one tensor per parameter.
+    """
+
+    route = "matrix_free"
+    keeps_directions = False
+
+    def __init__(self, index: int, curvature: GroupCurvature, gradient: list[Tensor]):
+        factors = curvature.ggn_factors
+        self.index = index
+        self.curvature = curvature
+        self.params = curvature.params
+        self.gradient = gradient
+        self.batch = curvature.batch
+        self.factor_dtype = curvature.factor_dtype
+        self.dtype = factors[0].dtype
+        self.device = self.params[0].device
+        self.num_rows = factors[0].num_rows
+        self.products = FactorProducts(factors)
+
+    def formed_gram(self) -> Tensor | None:  # noqa: D102
+        return self.curvature.gram
+
+    def form_gram(self, workspace_bytes: int) -> Tensor:  # noqa: D102
+        if self.curvature.gram is None:
+            check_gram_fits(self.num_rows, 1, self.dtype, self.device, workspace_bytes)
+            self.set_gram(group_gram(self.curvature.ggn_factors))
+        return self.curvature.gram
+
+    def set_gram(self, gram: Tensor) -> None:
+        """Keep the group's formed Gram matrix (refused if not finite).
+
+        Args:
+            gram: ``[N·C, N·C]``.
+
+        Raises:
+            NonFiniteError: If it has a non-finite entry.
+        """
+        check_finite(
+            gram,
+            f"Gram matrix of group {self.index} (backpropagated factors overflowed; "
+            "rescale the inputs or use float64)",
+            batch_axis=False,
+        )
+        self.curvature.gram = gram
+
+    def choose_solver(self, top_k: int) -> str:  # noqa: D102
+        factors = self.curvature.ggn_factors
+        return choose_solver(
+            self.num_rows,
+            top_k,
+            num_params=num_params(factors),
+            dtype=self.dtype,
+            device=self.device,
+            gram_formed=self.curvature.gram is not None,
+            factors=factors,
+        )
+
+    def check_solver(self, solver: str) -> None:  # noqa: D102
+        """Every solver runs on stored factors."""
+
+    def directional_gradients(  # noqa: D102
+        self,
+        gram_evecs: Tensor,
+        evals: Tensor,
+        evecs: Callable[[], list[Tensor]],
+        samples: Sequence[int] | None,
+    ) -> Tensor:
+        vt_grads = self.curvature.gradient_products(samples)
+        return directional_gradients(vt_grads, gram_evecs, evals)
+
+
+class StoredFactors:
+    """The stored factors of every parameter group (a curvature source).
+
+    Build with :meth:`run` (a model, a loss function and data) or
+    :meth:`from_loss` (a loss computed through BackPACK-extended modules).
+
+    Attributes:
+        param_groups: The parameter groups.
+        loss: The loss on all samples (detached).
+        engine: Name of the engine that ran.
+        shards: Where each rank's samples sit in the union.
+        communication: Bytes and time of the exchange between the ranks.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[list[Parameter]],
+        options: CurvatureOptions,
+        engine: str,
+        runs: Runs,
+        names: dict[int, str],
+        *,
+        budget: FactorBudget | None = None,
+        shards: ShardExchange | None = None,
+        sample_shapes: Sequence[tuple[int, ...]] = (),
+    ):
+        """Run an engine into the group pipeline, block by block of samples.
+
+        Each run computes one block of samples (a mini-batch, a loader's batch or
+        a chunk of either, this rank's shard); with a process group (``shards``)
+        every rank's block is exchanged. The blocks' curvature, losses and
+        gradients are combined into those of the loss on all samples together.
+        The random number generators are forked (the caller's state is left as
+        it was) and gradients are enabled whatever the caller's context. With a
+        ``budget`` the stored factors are checked against the memory after every
+        block. ``sample_shapes`` holds the targets' shape per sample once the
+        first block has run (compared across the ranks). This process's blocks
+        are merged into one set of factors per parameter
+        (:func:`~vivit.sources.blocks.merged_blocks`); under a process group
+        that is the rank's one block in the exchange.
+        """
+        self.param_groups = param_groups
+        self.engine = engine
+        shards = shards or ShardExchange(None)
+        blocks: list[list[GroupCurvature]] = []
+        union = UnionOutput()
+        with engine_context(param_groups):
+            for batch, run in runs:
+                with nullcontext() if batch is None else naming_batch(batch):
+                    block = run_block(run, param_groups, options.gram_dtype)
+                if budget:
+                    budget.admit(block.curvature, batch)
+                union.add(block.curvature[0].batch, block.output)
+                blocks.append(block.curvature)
+                del block  # the list holds the factors (released when merged)
+            loss, gradients = union.result()  # refuses a loader without batches
+        curvature = merged_blocks(blocks, options.subsampling)
+        if shards.group is not None:
+            # this rank's samples as one block; then every rank's, in rank order
+            local = BlockResult(curvature, EngineOutput(loss, gradients))
+            union = UnionOutput()
+            exchanged = shards.exchange([local], param_groups, sample_shapes[0])
+            for result in exchanged:
+                union.add(result.curvature[0].batch, result.output)
+            loss, gradients = union.result()
+            curvature = combine_curvatures([result.curvature for result in exchanged])
+        self.shards = ShardLayout.of_batches(
+            union.batches, shards.rank, shards.world_size
+        )
+        self.communication = shards.report
+        self.loss = loss
+        gradients = iter(gradients)
+        self._groups = []
+        for index, (group, part) in enumerate(
+            zip(param_groups, curvature, strict=True)
+        ):
+            gradient = [next(gradients) for _ in group]
+            _check_gradient(group, gradient, names)
+            self._groups.append(StoredGroup(index, part, gradient))
+        if shards.group is not None and options.solver != "matrix_free":
+            self._form_grams_together(shards)
+
+    def group(self, index: int) -> StoredGroup:
+        """The stored factors of group ``index``.
+
+        Args:
+            index: Position of the group.
+
+        Returns:
+            The group's source.
+
+        Raises:
+            GroupIndexError: If there is no such group.
+        """
+        check_group_index(index, len(self.param_groups))
+        return self._groups[index]
+
+    def _form_grams_together(self, shards: ShardExchange) -> None:
+        """Under a process group, form the Gram matrices now, split over the ranks.
+
+        Every rank forms its share of each group's Gram blocks
+        (:meth:`~vivit.distributed.ShardExchange.gram`), so no later call needs
+        a collective. Skipped for groups whose Gram matrix does not fit on some
+        rank (formed there on demand).
+        """
+        fits = []
+        for group in self._groups:
+            try:
+                check_gram_fits(group.num_rows, 1, group.dtype, group.device, 0)
+                fits.append(True)
+            except GramTooLargeError:
+                fits.append(False)
+        for group, fit in zip(self._groups, shards.all_true(fits), strict=True):
+            if fit:
+                group.set_gram(shards.gram(group.curvature.ggn_factors))
+
+    @classmethod
+    def run(
+        cls,
+        model: Module,
+        loss_func: Module,
+        data: object,
+        param_groups: Sequence[Sequence[Parameter]] | None,
+        options: CurvatureOptions,
+        shards: ShardExchange,
+    ) -> StoredFactors:
+        """Check the model and data, run the engine on every block, combine them.
+
+        Args:
+            model: The network (a ``DistributedDataParallel``'s ``.module``).
+            loss_func: The loss module.
+            data: One mini-batch or an iterable of them (checked here).
+            param_groups: Lists of parameters (``None``: every trainable one).
+            options: The checked options.
+            shards: The exchange of the process group (``options.group``).
+
+        Returns:
+            The stored factors.
+        """
+        check_model(model)
+        check_loss_function(loss_func)
+        single = is_batch(data)
+        if single:
+            data = check_batch(data)
+        elif options.subsampling is not None:
+            raise InvalidArgumentError(
+                "subsampling selects samples of one mini-batch; with a data loader, "
+                "pass a loader over the samples whose curvature you want."
+            )
+        param_groups = param_group_lists(param_groups, model)
+        names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
+        check_params([p for group in param_groups for p in group], names)
+        if single:
+            check_inputs_match(data[0], list(model.parameters()))
+            check_subsampling(options.subsampling, data[0].shape[0])
+        request = _request(param_groups, options)
+        chosen = resolve_engine(options.engine, model, loss_func)
+        fingerprint = request_fingerprint(
+            loss_func,
+            param_groups,
+            model if shards.group is not None else None,  # checksums: ranks only
+            mc_samples=options.mc_samples,
+            gram_dtype=options.gram_dtype,
+            solver=(options.solver, options.solver_tol, options.solver_seed),
+            engine=chosen.name,
+            # a loader's is compared after its pass, in the exchange
+            **{SAMPLE_SHAPE: tuple(data[1].shape[1:]) if single else None},
+        )
+        blocks_request = block_requests(
+            request, lambda seed: shards.agree(fingerprint, seed)
+        )
+        budget = (
+            None
+            if single
+            else FactorBudget(
+                num_batches(data),
+                model,
+                options.mc_samples,
+                request.num_grams,
+                options.chunk_size,
+            )
+        )
+        batches = [data] if single else _loader_pass(data, model, budget, options)
+        sample_shapes: list[tuple[int, ...]] = []  # the first batch's targets'
+        batches = _recording_shape(batches, sample_shapes)
+        chunks = (
+            (None if single else batch_index, chunk)
+            for batch_index, batch in enumerate(batches)
+            for chunk in split_batch(batch, options.chunk_size, request.subsampling)
+        )
+
+        def chunk_run(index: int, chunk: SampleChunk) -> BlockRun:
+            block_request = dataclasses.replace(
+                blocks_request(index), subsampling=chunk.subsampling
+            )
+            return lambda sink: run_chunk(
+                chosen, model, loss_func, chunk, block_request, sink
+            )
+
+        # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
+        # "Several processes"); in one process from stream b
+        runs = (
+            (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
+            for index, (batch_index, chunk) in enumerate(chunks)
+        )
+        return cls(
+            param_groups,
+            options,
+            chosen.name,
+            runs,
+            names,
+            budget=budget,
+            shards=shards,
+            sample_shapes=sample_shapes,
+        )
+
+    @classmethod
+    def from_loss(
+        cls,
+        loss: Tensor | Callable[[], Tensor],
+        param_groups: Sequence[Sequence[Parameter]],
+        options: CurvatureOptions,
+        engine: Engine,
+    ) -> StoredFactors:
+        """Run an engine that starts from a computed loss (BackPACK's).
+
+        Args:
+            loss: The mini-batch loss, or a function that computes it.
+            param_groups: Lists of parameters, one GGN block each.
+            options: The checked options.
+            engine: An engine with ``run_loss``.
+
+        Returns:
+            The stored factors.
+
+        Raises:
+            InvalidArgumentError: If ``loss`` is neither a tensor nor a callable.
+        """
+        if isinstance(loss, Module) or not (isinstance(loss, Tensor) or callable(loss)):
+            raise InvalidArgumentError(
+                f"loss must be the loss tensor or a function that computes it, got "
+                f"{type(loss).__name__}; for a model and a loss module use "
+                "LowRankGGN(model, loss_func, (inputs, targets))."
+            )
+        param_groups = param_group_lists(param_groups)
+        check_params([p for group in param_groups for p in group], {})
+        # MC: a batch's stream, as for a model and data
+        request = block_requests(_request(param_groups, options))(0)
+        compute_loss = loss if callable(loss) else lambda: loss
+        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink))
+        return cls(param_groups, options, engine.name, [run], {})
+
+
+def _request(
+    param_groups: list[list[Parameter]], options: CurvatureOptions
+) -> CurvatureRequest:
+    """What the engine must compute."""
+    return CurvatureRequest(
+        param_groups=param_groups,
+        mc_samples=options.mc_samples,
+        subsampling=None if options.subsampling is None else list(options.subsampling),
+        generator=options.generator,
+        compute_gradients=True,
+        # the dense solver needs every Gram: refuse before the backward pass;
+        # others form them on demand, checked then (StoredGroup.form_gram)
+        num_grams=len(param_groups) if options.solver == "dense" else 0,
+        gram_dtype=options.gram_dtype,
+    )
+
+
+def _loader_pass(
+    data: object, model: Module, budget: FactorBudget, options: CurvatureOptions
+) -> Iterable[tuple[Tensor, Tensor]]:
+    """A loader's checked batches, watched by the budget, with a progress bar."""
+    return progress_bar(
+        budget.watch(iterate_batches(data, model)),
+        num_batches(data),
+        options.progress,
+        "LowRankGGN: pass over the data",
+    )
+
+
+def _check_gradient(
+    params: list[Parameter], gradient: list[Tensor], names: dict[int, str]
+) -> None:
+    """Refuse a non-finite gradient, naming the parameter."""
+    for param, part in zip(params, gradient, strict=True):
+        name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+        check_finite(
+            part,
+            f"backpropagated gradient of the {name} (non-finite inputs, or "
+            "an overflow in the backward pass)",
+            batch_axis=False,
+        )
+
+
+def _recording_shape(
+    batches: Iterable[tuple[Tensor, Tensor]], shapes: list[tuple[int, ...]]
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The batches; the first one's targets' shape per sample goes into ``shapes``."""
+    for batch in batches:
+        if not shapes:
+            shapes.append(tuple(batch[1].shape[1:]))
+        yield batch
