@@ -14,6 +14,7 @@ from torch.nn import Module, Parameter
 from vivit._memory import check_gram_fits, dense_workspace_bytes
 from vivit._validation import (
     check_batch,
+    check_chunk_size,
     check_damping,
     check_finite,
     check_generator,
@@ -81,7 +82,7 @@ from vivit.sources.blocks import (
     combine_curvatures,
     merged_blocks,
 )
-from vivit.sources.chunks import SampleChunk, check_chunk_size, run_chunk, split_batch
+from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
 from vivit.sources.collector import GroupCurvature
 
 if TYPE_CHECKING:

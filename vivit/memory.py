@@ -54,6 +54,7 @@ from torch.random import fork_rng
 from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import (
     check_batch_norms,
+    check_chunk_size,
     check_inputs_match,
     check_mc_samples,
     check_model,
@@ -75,7 +76,6 @@ from vivit.linalg.top_k import (
     iterative_workspace_bytes,
     solver_block_size,
 )
-from vivit.sources.chunks import check_chunk_size
 
 
 @dataclass(frozen=True)

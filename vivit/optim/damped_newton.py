@@ -13,6 +13,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from vivit._validation import (
+    check_chunk_size,
     check_damping,
     check_generator,
     check_grad_mode,
@@ -36,7 +37,6 @@ from vivit.errors import (
 from vivit.linalg.solvers import check_gram_dtype, check_top_k
 from vivit.linalg.top_k import check_solver
 from vivit.lowrank import LowRankGGN
-from vivit.sources.chunks import check_chunk_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

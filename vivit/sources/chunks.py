@@ -35,29 +35,7 @@ from vivit.engines.base import (
     EngineOutput,
     ParamContribution,
 )
-from vivit.errors import InvalidArgumentError, InvalidTargetsError
-
-
-def check_chunk_size(chunk_size: int | None) -> None:
-    """Check that ``chunk_size`` is a positive integer or ``None``.
-
-    Args:
-        chunk_size: Most samples per backward pass (``None``: the whole batch).
-
-    Raises:
-        InvalidArgumentError: Otherwise.
-    """
-    if chunk_size is None:
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise InvalidArgumentError(
-            f"chunk_size must be a positive integer or None, got {chunk_size!r}."
-        )
-    if chunk_size < 1:
-        raise InvalidArgumentError(
-            f"chunk_size must be a positive integer (samples per backward pass) or "
-            f"None for the whole batch, got {chunk_size}."
-        )
+from vivit.errors import InvalidTargetsError
 
 
 @dataclass(frozen=True)
