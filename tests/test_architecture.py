@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     (
         "foundations",
-        ["vivit.errors", "vivit._validation", "vivit._memory", "vivit.losses"],
+        ["vivit.errors", "vivit._validation", "vivit.losses"],
     ),
     ("gram algebra", ["vivit.gram"]),
     (
@@ -34,6 +34,7 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
+    ("memory", ["vivit.memory"]),
     (
         "group pipeline",
         ["vivit.sources", "vivit.distributed"],
@@ -43,8 +44,6 @@ LAYERS = [
         "front doors",
         [
             "vivit.lowrank",
-            "vivit.memory",
-            "vivit.budget",
             "vivit.streaming",
             "vivit.computation",
             "vivit.linalg.eigh",

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._memory import check_gram_fits, dense_workspace_bytes
 from vivit._validation import (
     check_batch,
     check_chunk_size,
@@ -29,7 +28,6 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
-from vivit.budget import FactorBudget
 from vivit.directional import gram_space
 from vivit.directional.gram_space import (
     Damping,
@@ -47,6 +45,7 @@ from vivit.distributed import (
 from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import check_engine, resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
+from vivit.gram.memory import check_gram_fits, dense_workspace_bytes
 from vivit.linalg.group_products import group_gram, num_params
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator
@@ -64,6 +63,7 @@ from vivit.linalg.top_k import (
     leading_eigenpairs,
 )
 from vivit.losses import check_loss_function
+from vivit.memory.budget import FactorBudget
 from vivit.sources.batches import (
     BlockResult,
     BlockRun,
