@@ -14,8 +14,10 @@ loader's batch size in :func:`estimate_data_set_memory`):
   out``, and a convolution's unfolded input, ``N · T · P``) or explicitly
   (``N_S · C · numel``, ``N · numel``): ``V`` where that is no larger
   (``GGN_COMPACT_RATIO``), the gradients where it is at most ``1 /
-  COMPACT_RATIO`` as large; every other parameter keeps its columns of ``V``
-  and per-sample gradients (``(N_S · C + N) · numel``); all for every sample;
+  COMPACT_RATIO`` as large (the engine's rule,
+  :func:`~vivit.gram.outer.holds_v_explicitly`); every other parameter keeps
+  its columns of ``V`` and per-sample gradients (``(N_S · C + N) · numel``);
+  all for every sample;
 - the larger of the **backward pass's transient** (at every layer the
   backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
   the block's curvature samples, plus a convolution's unfolded input of the
@@ -65,7 +67,7 @@ from vivit.gram import (
     SampleBlockFactors,
 )
 from vivit.gram.memory import dense_workspace_bytes, gram_bytes, itemsize
-from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO
+from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
     check_solver,
@@ -331,7 +333,7 @@ def _estimate(
                     layer, param.numel(), columns, curvature, num_samples
                 )
                 rescaled += _ggn_vectors(layer, param.numel(), columns, curvature)
-                if layer.unfolded and not _ggn_compact(layer, param.numel(), columns):
+                if layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
                     # a convolution in factor form: the Gram through blocks of V,
                     # products through [b, N_S, T, O]; the planner caps both
                     # (and the contraction's copy of the backpropagated vectors)
@@ -506,10 +508,29 @@ def _param_shape_factors(
     ).compact(GGN_COMPACT_RATIO)
 
 
-def _ggn_compact(layer: ProbedLayer, numel: int, columns: int) -> bool:
-    """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
-    unfolded = layer.unfolded or layer.inputs
-    return GGN_COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+def _holds_v(layer: ProbedLayer, columns: int, ratio: int) -> bool:
+    """Whether a weight keeps its columns explicitly: the engine's rule.
+
+    Args:
+        layer: The probed Linear or convolution layer.
+        columns: Columns per sample (``C`` or ``M`` of ``V``, ``1`` of the
+            per-sample gradients).
+        ratio: ``GGN_COMPACT_RATIO`` for ``V``, ``COMPACT_RATIO`` for gradients.
+
+    Returns:
+        What :meth:`OuterProductFactors.compact
+        <vivit.gram.outer.OuterProductFactors.compact>` decides for them
+        (:func:`~vivit.gram.outer.holds_v_explicitly`).
+    """
+    groups, positions, in_features, out_features = layer.weight_factor_shape()
+    return holds_v_explicitly(
+        columns=columns,
+        groups=groups,
+        positions=positions,
+        in_features=in_features,
+        out_features=out_features,
+        ratio=ratio,
+    )
 
 
 def _weight_factors(
@@ -524,18 +545,17 @@ def _weight_factors(
     A Linear layer's input is its caller's tensor, not a copy (counted with the
     activations).
     """
-    unfolded = layer.unfolded or layer.inputs
-    grad_compact = COMPACT_RATIO * numel <= unfolded + layer.outputs
+    grad_compact = _holds_v(layer, 1, COMPACT_RATIO)
     kept = _ggn_vectors(layer, numel, columns, curvature)
     kept += num_samples * (numel if grad_compact else layer.outputs)
     if layer.unfolded and not grad_compact:
         kept += num_samples * layer.unfolded
-    elif layer.unfolded and not _ggn_compact(layer, numel, columns):
+    elif layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
         kept += curvature * layer.unfolded
     return kept
 
 
 def _ggn_vectors(layer: ProbedLayer, numel: int, columns: int, curvature: int) -> int:
     """Entries of a weight's columns of ``V`` besides the inputs (``s̃`` or ``V``)."""
-    compact = _ggn_compact(layer, numel, columns)
+    compact = _holds_v(layer, columns, GGN_COMPACT_RATIO)
     return curvature * columns * (numel if compact else layer.outputs)
