@@ -16,7 +16,7 @@ from measure_memory import cnn, mlp, peak_increase, prepare_measurement
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import vivit.budget
+import vivit.memory.budget
 from vivit import FactorsTooLargeError, LowRankGGN
 
 #: (name, model, input shape, samples, batch size, LowRankGGN options)
@@ -30,15 +30,15 @@ LOADERS = [
 
 def estimate(model, loss_func, loader, options) -> int:
     """The estimate in the refusal with no memory available, in bytes."""
-    original = vivit.budget.available_bytes
-    vivit.budget.available_bytes = lambda device: 0
+    original = vivit.memory.budget.available_bytes
+    vivit.memory.budget.available_bytes = lambda device: 0
     try:
         LowRankGGN(model, loss_func, loader, **options)
     except FactorsTooLargeError as error:
         mib = float(re.search(r"need about ([\d.]+) MiB", str(error)).group(1))
         return int(mib * 2**20)
     finally:
-        vivit.budget.available_bytes = original
+        vivit.memory.budget.available_bytes = original
     raise RuntimeError("not refused")
 
 

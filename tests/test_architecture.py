@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     (
         "foundations",
-        ["vivit.errors", "vivit._validation", "vivit._memory", "vivit.losses"],
+        ["vivit.errors", "vivit._validation", "vivit.losses"],
     ),
     ("gram algebra", ["vivit.gram"]),
     (
@@ -34,6 +34,7 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
+    ("memory", ["vivit.memory"]),
     ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "group pipeline",
@@ -41,8 +42,6 @@ LAYERS = [
             "vivit.options",
             "vivit.sources",
             "vivit.distributed",
-            "vivit.memory",
-            "vivit.budget",
         ],
     ),
     ("results", ["vivit.results"]),

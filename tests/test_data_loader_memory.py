@@ -8,8 +8,8 @@ from measure_memory import run_worker
 from problems import prepare, select
 from test_data_loader import split
 
-import vivit._memory
-import vivit.budget
+import vivit.gram.memory
+import vivit.memory.budget
 from vivit import FactorsTooLargeError, GramTooLargeError, LowRankGGN
 
 #: The estimate must lie within this factor of the measured peak increase of
@@ -57,7 +57,7 @@ def loader_setup():
 def first_batch_bytes(model, loss_func, batches):
     """The stored factors of one batch, as the budget counts them."""
     ggn = LowRankGGN(model, loss_func, [batches[0]])
-    return vivit.budget.stored_bytes(
+    return vivit.memory.budget.stored_bytes(
         [ggn._group(g) for g in range(len(ggn.param_groups))]
     )
 
@@ -68,7 +68,7 @@ def test_refused_after_the_first_batch_when_the_length_is_known(
     model, loss_func, batches = loader_setup
     one = first_batch_bytes(model, loss_func, batches)
     # room for the first batches' factors, not for all four
-    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 3 * one)
+    monkeypatch.setattr(vivit.memory.budget, "available_bytes", lambda device: 3 * one)
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError) as error:
         LowRankGGN(model, loss_func, loader)
@@ -77,7 +77,7 @@ def test_refused_after_the_first_batch_when_the_length_is_known(
     for hint in ("whole loader", "first 1 of 4 batches", "mc_samples=1", "Streaming"):
         assert hint in message, message
     # enough room: accepted
-    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 2**40)
+    monkeypatch.setattr(vivit.memory.budget, "available_bytes", lambda device: 2**40)
     LowRankGGN(model, loss_func, Counting(batches))
 
 
@@ -88,10 +88,12 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     ggn = LowRankGGN(model, loss_func, Counting(batches, sized=False))
     assert ggn.gram().shape == (12, 12)
     one = first_batch_bytes(model, loss_func, batches)
-    batch_pass = vivit.budget.batch_pass_bytes(model, batches[0][0], 0)
+    batch_pass = vivit.memory.budget.batch_pass_bytes(model, batches[0][0], 0)
     # room for one batch's pass and 2.5 batches of factors: the third is refused
     monkeypatch.setattr(
-        vivit.budget, "available_bytes", lambda device: batch_pass + int(2.5 * one)
+        vivit.memory.budget,
+        "available_bytes",
+        lambda device: batch_pass + int(2.5 * one),
     )
     loader = Counting(batches, sized=False)
     with pytest.raises(FactorsTooLargeError, match="one more batch") as error:
@@ -116,7 +118,7 @@ def test_a_model_the_probe_cannot_run_still_works(caplog, monkeypatch):
     def failing_probe(*args, **kwargs):
         raise RuntimeError("probe failed")
 
-    monkeypatch.setattr(vivit.budget, "estimate_memory", failing_probe)
+    monkeypatch.setattr(vivit.memory.budget, "estimate_memory", failing_probe)
     model = KeywordCall().double()
     X, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
     loss_func = torch.nn.CrossEntropyLoss()
@@ -136,7 +138,7 @@ def test_dense_solver_refused_after_the_first_batch_when_its_gram_cannot_fit(
     one_batch_gram = 3**2 * 8  # float64
     # the Gram of one batch fits with its workspace, that of four does not
     monkeypatch.setattr(
-        vivit._memory, "available_bytes", lambda device: 10 * one_batch_gram
+        vivit.gram.memory, "available_bytes", lambda device: 10 * one_batch_gram
     )
     loader = Counting(batches)
     with pytest.raises(GramTooLargeError, match="12 x 12"):
@@ -150,12 +152,12 @@ def test_a_loader_in_chunks_is_checked_too(loader_setup, monkeypatch):
     model, loss_func, batches = loader_setup
     batches = [(torch.cat([x] * 3), torch.cat([y] * 3)) for x, y in batches]
     one = first_batch_bytes(model, loss_func, batches)
-    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 3 * one)
+    monkeypatch.setattr(vivit.memory.budget, "available_bytes", lambda device: 3 * one)
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError, match="first 1 of 4 batches"):
         LowRankGGN(model, loss_func, loader, chunk_size=1)
     assert loader.taken == 1  # refused after the chunks of the first batch
-    monkeypatch.setattr(vivit.budget, "available_bytes", lambda device: 2**40)
+    monkeypatch.setattr(vivit.memory.budget, "available_bytes", lambda device: 2**40)
     chunked = LowRankGGN(model, loss_func, Counting(batches), chunk_size=1)
     whole = LowRankGGN(model, loss_func, Counting(batches))
     torch.testing.assert_close(chunked.gram(), whole.gram(), rtol=1e-10, atol=1e-12)

@@ -5,7 +5,7 @@ import torch
 from backpack import backpack, extend
 from torch import nn
 
-import vivit._memory
+import vivit.gram.memory
 from vivit import (
     BatchNormTrainingError,
     DirectionalDampedNewtonComputation,
@@ -163,7 +163,7 @@ def test_out_of_range_subsampling_in_training_loop():
 
 def test_gram_too_large_is_refused_with_options(monkeypatch):
     # 16 x 16 float32 Gram: 4 squares of 1 KiB do not fit into 1024 bytes.
-    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1024)
+    monkeypatch.setattr(vivit.gram.memory, "available_bytes", lambda device: 1024)
     model, loss_func, data = mlp_problem(N=8)
     with pytest.raises(GramTooLargeError) as info:  # before the backward pass
         LowRankGGN(model, loss_func, data, solver="dense")
@@ -177,7 +177,7 @@ def test_gram_too_large_is_refused_with_options(monkeypatch):
 
 def test_gram_that_fits_is_accepted(monkeypatch):
     # 8 x 8 float32 Gram: 4 squares of 256 bytes fit into 1024 bytes.
-    monkeypatch.setattr(vivit._memory, "available_bytes", lambda device: 1024)
+    monkeypatch.setattr(vivit.gram.memory, "available_bytes", lambda device: 1024)
     model, loss_func, data = mlp_problem(N=4)
     assert LowRankGGN(model, loss_func, data).gram().shape == (8, 8)
 

@@ -8,7 +8,7 @@ from measure_memory import run_worker
 from problems import prepare, select
 from torch import nn
 
-import vivit._memory
+import vivit.gram.memory
 import vivit.linalg.top_k
 from vivit import GramTooLargeError, LowRankGGN
 from vivit.errors import (
@@ -167,7 +167,7 @@ def test_refusal_uses_the_solver(monkeypatch):
     model, loss_func, X, y = prepare(problem, torch.float64)
     square = (problem.batch_size * problem.num_outputs) ** 2 * 8
     tiny = lambda device: square // 2  # noqa: E731
-    monkeypatch.setattr(vivit._memory, "available_bytes", tiny)
+    monkeypatch.setattr(vivit.gram.memory, "available_bytes", tiny)
     monkeypatch.setattr(vivit.linalg.top_k, "available_bytes", tiny)
     ggn = LowRankGGN(model, loss_func, (X, y))  # forms no Gram: nothing refused
     with pytest.raises(GramTooLargeError, match="solver='matrix_free'"):

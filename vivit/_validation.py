@@ -77,6 +77,28 @@ def check_subsampling(
     return indices
 
 
+def check_chunk_size(chunk_size: int | None) -> None:
+    """Check that ``chunk_size`` is a positive integer or ``None``.
+
+    Args:
+        chunk_size: Most samples per backward pass (``None``: the whole batch).
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise InvalidArgumentError(
+            f"chunk_size must be a positive integer or None, got {chunk_size!r}."
+        )
+    if chunk_size < 1:
+        raise InvalidArgumentError(
+            f"chunk_size must be a positive integer (samples per backward pass) or "
+            f"None for the whole batch, got {chunk_size}."
+        )
+
+
 def check_mc_samples(mc_samples: object) -> int:
     """Check the number of Monte-Carlo samples of the loss Hessian.
 
@@ -695,28 +717,6 @@ def check_group_index(group: object, num_groups: int) -> None:
     if not isinstance(group, int) or not 0 <= group < num_groups:
         raise GroupIndexError(
             f"group must be an index in [0, {num_groups}), got {group!r}."
-        )
-
-
-def check_chunk_size(chunk_size: int | None) -> None:
-    """Check that ``chunk_size`` is a positive integer or ``None``.
-
-    Args:
-        chunk_size: Most samples per backward pass (``None``: the whole batch).
-
-    Raises:
-        InvalidArgumentError: Otherwise.
-    """
-    if chunk_size is None:
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise InvalidArgumentError(
-            f"chunk_size must be a positive integer or None, got {chunk_size!r}."
-        )
-    if chunk_size < 1:
-        raise InvalidArgumentError(
-            f"chunk_size must be a positive integer (samples per backward pass) or "
-            f"None for the whole batch, got {chunk_size}."
         )
 
 

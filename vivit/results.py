@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vivit._memory import dense_workspace_bytes
 from vivit._validation import (
     check_damping,
     check_lr,
@@ -33,6 +32,7 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.gram.memory import dense_workspace_bytes
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator
 from vivit.linalg.solvers import (

@@ -62,8 +62,8 @@ from studies.plots import spectrum_figure
 from studies.report import number, wrapped_values, write
 from studies.training import evaluate_splits, train_sgd
 from vivit import GramTooLargeError, LowRankGGN
-from vivit._memory import check_gram_fits
 from vivit.linalg.solvers import numerical_zero_tolerance
+from vivit.memory import check_gram_fits
 
 STUDY = "spectrum"
 

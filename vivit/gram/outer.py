@@ -28,6 +28,40 @@ COMPACT_RATIO = 4
 GGN_COMPACT_RATIO = 1
 
 
+def holds_v_explicitly(
+    *,
+    columns: int,
+    groups: int,
+    positions: int,
+    in_features: int,
+    out_features: int,
+    ratio: int,
+) -> bool:
+    """Whether a weight keeps its columns of ``V`` explicitly rather than as factors.
+
+    The one rule of :meth:`OuterProductFactors.compact`, which the engine applies
+    and :mod:`vivit.memory` counts. Per sample, ``V`` has ``C·G·O·P`` entries,
+    its factors ``G·T·P`` (layer inputs) plus ``C·G·T·O`` (backpropagated
+    vectors); ``V`` replaces them where ``ratio`` times its entries are at most
+    theirs.
+
+    Args:
+        columns: Columns per sample ``C`` (``1`` for per-sample gradients).
+        groups: Channel groups ``G`` (``1`` for a Linear layer).
+        positions: Positions ``T`` (sequence entries, output pixels).
+        in_features: Input features per group ``P``.
+        out_features: Output features per group ``O``.
+        ratio: :data:`GGN_COMPACT_RATIO` for the GGN's ``V``,
+            :data:`COMPACT_RATIO` for per-sample gradients.
+
+    Returns:
+        ``True`` where ``V`` is held explicitly.
+    """
+    v_entries = columns * groups * out_features * in_features
+    factor_entries = groups * positions * (in_features + columns * out_features)
+    return ratio * v_entries <= factor_entries
+
+
 class OuterProductFactors(ParamFactors):
     """A weight's columns of ``V`` held as layer inputs and backpropagated vectors.
 
@@ -326,12 +360,19 @@ class OuterProductFactors(ParamFactors):
 
         Args:
             ratio: ``V`` is formed where ``ratio`` times its entries are at most
-                the factors' entries.
+                the factors' entries (:func:`holds_v_explicitly`).
 
         Returns:
             ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
         """
-        if ratio * self._v_size() > self._a.numel() + self._s.numel():
+        if not holds_v_explicitly(
+            columns=self.num_columns,
+            groups=self._G,
+            positions=self._T,
+            in_features=self._P,
+            out_features=self._O,
+            ratio=ratio,
+        ):
             return self
         columns = self.materialize().reshape(
             self.num_samples, self.num_columns, *self.param_shape

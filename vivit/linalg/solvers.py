@@ -14,9 +14,9 @@ import scipy.linalg
 import torch
 from torch import Tensor
 
-from vivit._memory import uses_subset_solver
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
+from vivit.gram.memory import uses_subset_solver
 from vivit.linalg.group_products import v_matmul
 
 

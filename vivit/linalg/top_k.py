@@ -69,14 +69,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from vivit._memory import (
+from vivit.errors import InvalidArgumentError, SolverNotConvergedError
+from vivit.gram import ParamFactors
+from vivit.gram.memory import (
     PARTIAL_FRACTION,
     available_bytes,
     dense_workspace_bytes,
     itemsize,
 )
-from vivit.errors import InvalidArgumentError, SolverNotConvergedError
-from vivit.gram import ParamFactors
 from vivit.linalg.iterative import (
     SolverReport,
     basis_capacity,

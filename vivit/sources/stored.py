@@ -17,7 +17,6 @@ from contextlib import nullcontext
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._memory import check_gram_fits
 from vivit._validation import (
     check_batch,
     check_finite,
@@ -28,7 +27,6 @@ from vivit._validation import (
     check_subsampling,
     param_group_lists,
 )
-from vivit.budget import FactorBudget
 from vivit.directional.gram_space import directional_gradients
 from vivit.distributed import (
     SAMPLE_SHAPE,
@@ -39,9 +37,11 @@ from vivit.distributed import (
 from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
+from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.losses import check_loss_function
+from vivit.memory.budget import FactorBudget
 from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,

@@ -12,7 +12,6 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
-from vivit._memory import check_gram_fits
 from vivit._validation import (
     check_mc_samples,
     check_subsampling,
@@ -32,6 +31,7 @@ from vivit.errors import (
     UnsupportedLayerError,
     UnsupportedLossError,
 )
+from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossNormalization, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.

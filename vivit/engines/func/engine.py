@@ -41,7 +41,6 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._memory import check_gram_fits
 from vivit._validation import check_finite, check_mc_samples, check_subsampling
 from vivit.engines.base import (
     BatchInfo,
@@ -56,6 +55,7 @@ from vivit.engines.func.independence import check_layers, check_samples_independ
 from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors
+from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature, check_loss_function
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).

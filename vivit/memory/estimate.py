@@ -14,8 +14,10 @@ loader's batch size in :func:`estimate_data_set_memory`):
   out``, and a convolution's unfolded input, ``N · T · P``) or explicitly
   (``N_S · C · numel``, ``N · numel``): ``V`` where that is no larger
   (``GGN_COMPACT_RATIO``), the gradients where it is at most ``1 /
-  COMPACT_RATIO`` as large; every other parameter keeps its columns of ``V``
-  and per-sample gradients (``(N_S · C + N) · numel``); all for every sample;
+  COMPACT_RATIO`` as large (the engine's rule,
+  :func:`~vivit.gram.outer.holds_v_explicitly`); every other parameter keeps
+  its columns of ``V`` and per-sample gradients (``(N_S · C + N) · numel``);
+  all for every sample;
 - the larger of the **backward pass's transient** (at every layer the
   backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
   the block's curvature samples, plus a convolution's unfolded input of the
@@ -41,17 +43,13 @@ increase of resident memory within a factor of 1.5.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, no_grad
-from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
-from torch.random import fork_rng
+from torch import Tensor
+from torch.nn import Module, Parameter
 
-from vivit._memory import dense_workspace_bytes, gram_bytes, itemsize
 from vivit._validation import (
     check_batch_norms,
     check_chunk_size,
@@ -68,13 +66,20 @@ from vivit.gram import (
     ParamFactors,
     SampleBlockFactors,
 )
-from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO
+from vivit.gram.memory import dense_workspace_bytes, gram_bytes, itemsize
+from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
     check_solver,
     choose_solver,
     iterative_workspace_bytes,
     solver_block_size,
+)
+from vivit.memory.probe import (
+    OUTER_PRODUCT_LAYERS,
+    ProbedLayer,
+    check_example_inputs,
+    probe,
 )
 
 
@@ -111,17 +116,6 @@ class MemoryEstimate:
             + self.factors
             + max(self.backward, self.grams + self.solver_workspace)
         )
-
-
-@dataclass(frozen=True)
-class _Layer:
-    """Per-sample sizes of a leaf module, from a probe forward pass."""
-
-    module: Module
-    inputs: int
-    outputs: int
-    unfolded: int
-    is_input: bool
 
 
 def estimate_memory(
@@ -306,12 +300,12 @@ def _estimate(
     check_params([p for group in param_groups for p in group], names, allow_meta=True)
     check_solver(solver, top_k)
     check_mc_samples(mc_samples)
-    _check_example_inputs(example_inputs)
+    check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     entry = itemsize(dtype)
-    layers, outputs_per_sample, columns = _probe(model, example_inputs)
+    layers, outputs_per_sample, columns = probe(model, example_inputs)
     columns = mc_samples or columns
     curvature = num_samples if num_curvature_samples is None else num_curvature_samples
     block_curvature = min(block, curvature)
@@ -334,12 +328,12 @@ def _estimate(
         for name, param in layer.module.named_parameters(recurse=False):
             if not param.requires_grad:
                 continue
-            if name == "weight" and isinstance(layer.module, _OUTER_PRODUCT_LAYERS):
+            if name == "weight" and isinstance(layer.module, OUTER_PRODUCT_LAYERS):
                 factors += _weight_factors(
                     layer, param.numel(), columns, curvature, num_samples
                 )
                 rescaled += _ggn_vectors(layer, param.numel(), columns, curvature)
-                if layer.unfolded and not _ggn_compact(layer, param.numel(), columns):
+                if layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
                     # a convolution in factor form: the Gram through blocks of V,
                     # products through [b, N_S, T, O]; the planner caps both
                     # (and the contraction's copy of the backpropagated vectors)
@@ -452,24 +446,6 @@ def largest_batch(
     return low
 
 
-_OUTER_PRODUCT_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
-
-
-def _check_example_inputs(example_inputs: Tensor) -> None:
-    """Refuse example inputs without a sample (the probe divides by their number)."""
-    if not isinstance(example_inputs, Tensor):
-        raise InvalidArgumentError(
-            "example_inputs must be a tensor of a few input samples, "
-            f"[n, *input_shape], got {type(example_inputs).__name__}."
-        )
-    if example_inputs.dim() == 0 or example_inputs.shape[0] < 1:
-        raise InvalidArgumentError(
-            "example_inputs must hold at least one sample along its first (batch) "
-            f"axis, [n, *input_shape], got shape {tuple(example_inputs.shape)}: "
-            "pass e.g. X[:1]."
-        )
-
-
 def _batches(num_samples: int, batch_size: int) -> list[int]:
     """Samples of the batches of a loader over ``num_samples`` samples."""
     full, rest = divmod(num_samples, batch_size)
@@ -477,7 +453,7 @@ def _batches(num_samples: int, batch_size: int) -> list[int]:
 
 
 def _shape_factors(
-    layers: Sequence[_Layer],
+    layers: Sequence[ProbedLayer],
     group: Sequence[Parameter],
     columns: int,
     blocks: Sequence[int],
@@ -503,7 +479,7 @@ def _shape_factors(
     weights = {
         id(layer.module.weight): layer
         for layer in layers
-        if isinstance(layer.module, _OUTER_PRODUCT_LAYERS)
+        if isinstance(layer.module, OUTER_PRODUCT_LAYERS)
     }
     result = []
     for param in group:
@@ -518,20 +494,13 @@ def _shape_factors(
 
 
 def _param_shape_factors(
-    param: Parameter, layer: _Layer | None, columns: int, samples: int
+    param: Parameter, layer: ProbedLayer | None, columns: int, samples: int
 ) -> ParamFactors:
     """A parameter's factors of ``V`` for ``samples`` samples, on the meta device."""
     meta = {"dtype": param.dtype, "device": "meta"}
     if layer is None:  # explicit columns
         return DenseFactors(torch.empty(samples, columns, *param.shape, **meta))
-    module = layer.module
-    if isinstance(module, Linear):
-        groups, inputs, outputs = 1, module.in_features, module.out_features
-        positions = layer.inputs // inputs
-    else:  # [N, G, T, P] unfolded inputs, [C, N, G, T, O] backpropagated vectors
-        groups, inputs = module.groups, module.weight[0].numel()
-        outputs = module.out_channels // groups
-        positions = layer.unfolded // (groups * inputs)
+    groups, positions, inputs, outputs = layer.weight_factor_shape()
     return OuterProductFactors(
         torch.empty(samples, groups, positions, inputs, **meta),
         torch.empty(columns, samples, groups, positions, outputs, **meta),
@@ -539,14 +508,33 @@ def _param_shape_factors(
     ).compact(GGN_COMPACT_RATIO)
 
 
-def _ggn_compact(layer: _Layer, numel: int, columns: int) -> bool:
-    """Whether a weight's columns of ``V`` are kept explicitly (see below)."""
-    unfolded = layer.unfolded or layer.inputs
-    return GGN_COMPACT_RATIO * columns * numel <= unfolded + columns * layer.outputs
+def _holds_v(layer: ProbedLayer, columns: int, ratio: int) -> bool:
+    """Whether a weight keeps its columns explicitly: the engine's rule.
+
+    Args:
+        layer: The probed Linear or convolution layer.
+        columns: Columns per sample (``C`` or ``M`` of ``V``, ``1`` of the
+            per-sample gradients).
+        ratio: ``GGN_COMPACT_RATIO`` for ``V``, ``COMPACT_RATIO`` for gradients.
+
+    Returns:
+        What :meth:`OuterProductFactors.compact
+        <vivit.gram.outer.OuterProductFactors.compact>` decides for them
+        (:func:`~vivit.gram.outer.holds_v_explicitly`).
+    """
+    groups, positions, in_features, out_features = layer.weight_factor_shape()
+    return holds_v_explicitly(
+        columns=columns,
+        groups=groups,
+        positions=positions,
+        in_features=in_features,
+        out_features=out_features,
+        ratio=ratio,
+    )
 
 
 def _weight_factors(
-    layer: _Layer, numel: int, columns: int, curvature: int, num_samples: int
+    layer: ProbedLayer, numel: int, columns: int, curvature: int, num_samples: int
 ) -> int:
     """Entries kept for a Linear or convolution weight: ``V`` and gradients.
 
@@ -557,85 +545,17 @@ def _weight_factors(
     A Linear layer's input is its caller's tensor, not a copy (counted with the
     activations).
     """
-    unfolded = layer.unfolded or layer.inputs
-    grad_compact = COMPACT_RATIO * numel <= unfolded + layer.outputs
+    grad_compact = _holds_v(layer, 1, COMPACT_RATIO)
     kept = _ggn_vectors(layer, numel, columns, curvature)
     kept += num_samples * (numel if grad_compact else layer.outputs)
     if layer.unfolded and not grad_compact:
         kept += num_samples * layer.unfolded
-    elif layer.unfolded and not _ggn_compact(layer, numel, columns):
+    elif layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
         kept += curvature * layer.unfolded
     return kept
 
 
-def _ggn_vectors(layer: _Layer, numel: int, columns: int, curvature: int) -> int:
+def _ggn_vectors(layer: ProbedLayer, numel: int, columns: int, curvature: int) -> int:
     """Entries of a weight's columns of ``V`` besides the inputs (``s̃`` or ``V``)."""
-    compact = _ggn_compact(layer, numel, columns)
+    compact = _holds_v(layer, columns, GGN_COMPACT_RATIO)
     return curvature * columns * (numel if compact else layer.outputs)
-
-
-def _probe(model: Module, inputs: Tensor) -> tuple[list[_Layer], int, int]:
-    """Per-sample layer sizes from a forward pass on a few samples.
-
-    Returns:
-        Every leaf module that returned a tensor, in call order, the summed output
-        size of those per sample, and the model's outputs per sample ``C``.
-    """
-    layers: list[_Layer] = []
-    outputs = 0
-    num = inputs.shape[0]
-
-    def record(module: Module, args: tuple, output: Tensor) -> None:
-        nonlocal outputs
-        if not isinstance(output, Tensor):
-            return
-        outputs += output.numel() // num
-        unfolded = 0
-        if isinstance(module, (Conv1d, Conv2d, Conv3d)):
-            positions = math.prod(output.shape[2:])
-            unfolded = module.weight[0].numel() * module.groups * positions
-        first = args[0] if args and isinstance(args[0], Tensor) else None
-        layers.append(
-            _Layer(
-                module,
-                0 if first is None else first.numel() // num,
-                output.numel() // num,
-                unfolded,
-                is_input=first is inputs,
-            )
-        )
-
-    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
-    # a forward pass draws random numbers (Dropout): the caller's stay as they were
-    with fork_rng(devices=devices), _hooks_replaced(model), no_grad():
-        handles = [m.register_forward_hook(record) for m in leaves]
-        try:
-            result = model(inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-    if not isinstance(result, Tensor) or result.dim() == 0 or len(result) != num:
-        shape = tuple(result.shape) if isinstance(result, Tensor) else type(result)
-        raise InvalidArgumentError(
-            f"The model's output for example_inputs of shape {tuple(inputs.shape)} "
-            f"is {shape}, expected a tensor with their {num} samples along its "
-            "first axis: pass example inputs with a batch axis, [n, *input_shape] "
-            "(e.g. X[:1])."
-        )
-    return layers, outputs, result[0].numel()
-
-
-@contextmanager
-def _hooks_replaced(model: Module) -> Iterator[None]:
-    """Switch off every module's forward hooks (BackPACK's store layer inputs)."""
-    saved = []
-    for module in model.modules():
-        for attr in ("_forward_pre_hooks", "_forward_hooks"):
-            saved.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, type(getattr(module, attr))())
-    try:
-        yield
-    finally:
-        for module, attr, hooks in saved:
-            setattr(module, attr, hooks)

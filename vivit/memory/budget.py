@@ -11,21 +11,37 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._memory import available_bytes, check_gram_fits
 from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
-from vivit.memory import estimate_memory
-from vivit.sources.collector import GroupCurvature
+from vivit.gram.memory import available_bytes, check_gram_fits
+from vivit.memory.estimate import estimate_memory
 
 logger = logging.getLogger("vivit")
 
 
+class KeptFactors(Protocol):
+    """A group's curvature with the factors it keeps for later products.
+
+    :class:`~vivit.sources.collector.GroupCurvature` is one; the budget reads
+    only these (the group pipeline lies below this package).
+
+    Attributes:
+        ggn_factors: Per-parameter factors of ``V``.
+        grad_factors: Per-parameter factors of the per-sample gradients, or
+            ``None``.
+    """
+
+    ggn_factors: list[ParamFactors] | None
+    grad_factors: list[ParamFactors] | None
+
+
 def stored_bytes(
-    curvatures: Iterable[GroupCurvature], counted: dict[tuple, int] | None = None
+    curvatures: Iterable[KeptFactors], counted: dict[tuple, int] | None = None
 ) -> int:
     """Bytes the factors of ``V`` and of the per-sample gradients keep alive.
 
@@ -51,7 +67,7 @@ def stored_bytes(
     return sum(new.values())
 
 
-def largest_parameter_bytes(curvatures: Iterable[GroupCurvature]) -> int:
+def largest_parameter_bytes(curvatures: Iterable[KeptFactors]) -> int:
     """Bytes of the parameter whose factors (``V`` and gradients) take the most.
 
     Merging a loader's batches (:func:`vivit.sources.blocks.merged_blocks`) copies one
@@ -184,7 +200,7 @@ class FactorBudget:
             )
             return stored
 
-    def admit(self, curvature: list[GroupCurvature], index: int) -> None:
+    def admit(self, curvature: list[KeptFactors], index: int) -> None:
         """Account for a batch's stored factors; raise if the loader cannot fit.
 
         Args:

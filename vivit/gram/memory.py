@@ -1,7 +1,10 @@
-"""Refuse Gram matrices that would not fit into memory, before they are allocated.
+"""Memory of Gram matrices and their dense eigensolver; refuse those that cannot fit.
 
-The memory of a whole request (activations, factors, eigensolver) is estimated by
-:mod:`vivit.memory`; this module holds the pieces the engine needs as well.
+The facts the run and the estimate share: free memory on a device, bytes per
+entry, the dense solver's workspace and the peak of forming Gram matrices.
+:func:`check_gram_fits` refuses Gram matrices before they are allocated. The
+memory of a whole request (activations, factors, eigensolver) is estimated by
+:mod:`vivit.memory`, which builds on these.
 """
 
 from __future__ import annotations

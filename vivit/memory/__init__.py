@@ -1,0 +1,27 @@
+"""Memory: how much a curvature request needs, before and while it runs.
+
+- :mod:`vivit.memory.estimate`: :func:`estimate_memory`,
+  :func:`estimate_data_set_memory` and :func:`largest_batch` estimate the peak
+  memory of a request before its backward pass (:class:`MemoryEstimate`), from
+  the layer sizes of a probe forward pass (:mod:`vivit.memory.probe`);
+- :mod:`vivit.memory.budget`: the memory of a pass over a data loader, checked
+  while it runs;
+- :func:`check_gram_fits` refuses Gram matrices that would not fit, as the run
+  does before it forms them (the facts live in :mod:`vivit.gram.memory`).
+"""
+
+from vivit.gram.memory import check_gram_fits
+from vivit.memory.estimate import (
+    MemoryEstimate,
+    estimate_data_set_memory,
+    estimate_memory,
+    largest_batch,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "check_gram_fits",
+    "estimate_data_set_memory",
+    "estimate_memory",
+    "largest_batch",
+]
