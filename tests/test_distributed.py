@@ -32,14 +32,8 @@ from distributed_jobs import (
 from reference import dense_ggn, dense_gradient
 
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
-from vivit.distributed import (
-    ALIGNMENT,
-    _pack_factors,
-    _Packer,
-    _unpack_factors,
-    request_fingerprint,
-    resolve_group,
-)
+from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
+from vivit.distributed.packing import Packer, pack_factors, unpack_factors
 from vivit.gram import SampleBlockFactors
 
 TESTS = Path(__file__).parent
@@ -286,8 +280,8 @@ def test_factors_in_sample_blocks_travel_block_by_block():
     ggn = LowRankGGN(model, loss_func, shards[1], process_group=False)
     weight = ggn._group(0).ggn_factors[0]
     blocks = SampleBlockFactors([weight, weight.select([0, 2])], [1.0, 0.5])
-    packer = _Packer()
-    description = _pack_factors(blocks, torch.float64, packer)
+    packer = Packer()
+    description = pack_factors(blocks, torch.float64, packer)
     # every tensor in the buffer (counted), none pickled with the description
     assert packer.payload == sum(
         t.numel() * t.element_size()
@@ -297,7 +291,7 @@ def test_factors_in_sample_blocks_travel_block_by_block():
     )
     buffer = torch.zeros(packer.size, dtype=torch.uint8)
     packer.fill(buffer)
-    rebuilt = _unpack_factors(description, buffer)
+    rebuilt = unpack_factors(description, buffer)
     assert isinstance(rebuilt, SampleBlockFactors)
     assert rebuilt.scales == blocks.scales
     assert torch.equal(rebuilt.gram(rebuilt), blocks.gram(blocks))

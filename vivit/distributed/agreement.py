@@ -1,0 +1,239 @@
+"""Whether the ranks of a group agree: on their requests, their values, success.
+
+Every rank compares what all ranks sent in one ``all_gather_object`` and, on a
+difference or a failed rank, raises the same :class:`~vivit.errors.DistributedError`
+as every other rank, so that no rank waits for data that never comes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module
+
+from vivit.errors import DistributedError
+from vivit.sources.batches import SAMPLE_SHAPE_ADVICE
+
+#: Key of the model's parameter and buffer checksums in a request's fingerprint.
+MODEL_STATE = "model state"
+
+#: Key of the targets' shape per sample in a request's fingerprint (``None`` for a
+#: loader, whose shape is known after its pass: compared in the block round).
+SAMPLE_SHAPE = "target_shape_per_sample"
+
+
+@dataclass(frozen=True, eq=False)
+class TensorChecksum:
+    """Sum and Euclidean norm of a tensor, in float64.
+
+    Equal tensors match whatever the order of summation (different numbers of
+    threads): two checksums match if both agree to ``1e-9`` of the norm.
+
+    Attributes:
+        total: Sum of the entries.
+        norm: Euclidean norm of the entries.
+    """
+
+    total: float
+    norm: float
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorChecksum:
+        """The checksum of ``tensor`` (no copy of a floating-point tensor)."""
+        tensor = tensor.detach()
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        elif not tensor.is_floating_point():
+            tensor = tensor.double()
+        return cls(
+            float(torch.sum(tensor, dtype=torch.float64)),
+            float(torch.linalg.vector_norm(tensor, dtype=torch.float64)),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorChecksum):
+            return NotImplemented
+        tolerance = 1e-9 * max(self.norm, other.norm)
+        return (
+            abs(self.total - other.total) <= tolerance
+            and abs(self.norm - other.norm) <= tolerance
+        )
+
+    __hash__ = None
+
+
+def request_fingerprint(
+    loss_func: Module | None,
+    param_groups: list[list[Tensor]],
+    model: Module | None = None,
+    **options: object,
+) -> dict[str, object]:
+    """What every rank of a group must ask for identically.
+
+    Args:
+        loss_func: The loss module (its type, options and weights), if any.
+        param_groups: The parameter groups (their shapes and types).
+        model: The network, if any: the values of its ``state_dict`` (parameters
+            and persistent buffers; :class:`TensorChecksum`) must agree too,
+            since each rank runs its shard through its own replica.
+        **options: Further options that shape the results (MC samples,
+            ``gram_dtype``, solver, engine).
+
+    Returns:
+        A picklable description, compared key by key across the ranks.
+    """
+    fingerprint: dict[str, object] = dict(options)
+    fingerprint["parameter groups"] = [
+        [(tuple(p.shape), str(p.dtype), p.device.type) for p in group]
+        for group in param_groups
+    ]
+    if model is not None:  # the state_dict: caches (non-persistent buffers) may differ
+        fingerprint[MODEL_STATE] = {
+            name: TensorChecksum.of(tensor)
+            for name, tensor in model.state_dict().items()
+            if isinstance(tensor, Tensor)
+        }
+    if loss_func is not None:
+        fingerprint["loss"] = (
+            type(loss_func).__name__,
+            {
+                name: value
+                for name, value in sorted(vars(loss_func).items())
+                if not name.startswith("_")
+                and isinstance(value, bool | int | float | str | type(None))
+            },
+            {name: b.tolist() for name, b in loss_func.named_buffers()},
+        )
+    return fingerprint
+
+
+def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
+    """Check that every rank of ``group`` holds the same ``value``.
+
+    One ``all_gather_object``; every rank must call it.
+
+    Args:
+        group: The process group.
+        what: What the value is, for the message.
+        value: This rank's value (picklable, compared with ``==``).
+
+    Raises:
+        DistributedError: On every rank, if a rank's value differs from rank 0's.
+    """
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    differences = [
+        f"rank {rank} uses {what} {theirs!r}, rank 0 {gathered[0]!r}"
+        for rank, theirs in enumerate(gathered)
+        if theirs != gathered[0]
+    ]
+    if differences:
+        raise DistributedError(
+            "; ".join(differences) + ". Every rank must pass the same options."
+        )
+
+
+def check_requests(fingerprints: Sequence[dict[str, object]]) -> None:
+    """Check that every rank asks for what rank 0 asks for.
+
+    Args:
+        fingerprints: Every rank's :func:`request_fingerprint`, in rank order.
+
+    Raises:
+        DistributedError: If a rank's request differs (naming the ranks and
+            options); the targets' shapes per sample are compared only where
+            both are known.
+    """
+    first = fingerprints[0]
+    differences = [
+        _difference(rank, key, theirs[key], first[key])
+        for rank, theirs in enumerate(fingerprints)
+        for key in first
+        if theirs.get(key) != first[key]
+        and not (key == SAMPLE_SHAPE and None in (theirs.get(key), first[key]))
+    ]
+    if differences:
+        raise DistributedError(
+            "The ranks of the process group ask for different curvature: "
+            + "; ".join(differences)
+            + ". Every rank must pass the same options (only the data differ)."
+        )
+
+
+def check_sample_shapes(shapes: Sequence[tuple[int, ...] | None]) -> None:
+    """Check that every rank's targets have rank 0's shape per sample.
+
+    Args:
+        shapes: Every rank's shape per sample, in rank order.
+
+    Raises:
+        DistributedError: If a rank's shape differs.
+    """
+    differences = [
+        _difference(rank, SAMPLE_SHAPE, shape, shapes[0])
+        for rank, shape in enumerate(shapes)
+        if shape != shapes[0]
+    ]
+    if differences:
+        raise DistributedError("; ".join(differences))
+
+
+def _difference(rank: int, key: str, theirs: object, first: object) -> str:
+    """How rank ``rank``'s request differs from rank 0's in ``key``."""
+    if key == SAMPLE_SHAPE:
+        return (
+            f"rank {rank}'s targets have the shape {theirs} per sample, rank 0's "
+            f"{first}. {SAMPLE_SHAPE_ADVICE}"
+        )
+    if key != MODEL_STATE or theirs.keys() != first.keys():
+        return f"rank {rank} asks for {key} = {theirs!r}, rank 0 for {first!r}"
+    names = [name for name in first if theirs[name] != first[name]]
+    return (
+        f"rank {rank}'s model differs from rank 0's in {', '.join(names)} (every "
+        "rank must run the same model: seed its initialisation alike or load the "
+        "same state_dict; DistributedDataParallel broadcasts rank 0's when it "
+        "wraps the model)"
+    )
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's error, sent to the other ranks in place of its message.
+
+    Attributes:
+        rank: The failing rank.
+        summary: Its error's type and message.
+    """
+
+    rank: int
+    summary: str
+
+    @classmethod
+    def of(cls, rank: int, error: BaseException) -> RankFailure:
+        """The failure of ``rank`` with ``error``."""
+        return cls(rank, f"{type(error).__name__}: {error}")
+
+
+def raise_failures(gathered: Sequence[object], world_size: int) -> None:
+    """Raise if any rank sent a :class:`RankFailure` in a round.
+
+    Args:
+        gathered: Every rank's message of the round.
+        world_size: Number of ranks.
+
+    Raises:
+        DistributedError: Naming every failed rank.
+    """
+    failures = [g for g in gathered if isinstance(g, RankFailure)]
+    if failures:
+        raise DistributedError(
+            "; ".join(
+                f"Rank {f.rank} of {world_size} failed ({f.summary})" for f in failures
+            )
+            + ". No rank computed the curvature of the union of the shards; "
+            "fix the failing rank's input (see its own error)."
+        )

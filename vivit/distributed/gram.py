@@ -1,0 +1,127 @@
+"""Who forms which block of a Gram matrix, and the Gram matrix formed together.
+
+The union's Gram matrix has one block ``V_aᵀ V_b`` per pair of ranks' sample
+blocks; every rank forms its share (:func:`gram_block_owners`), the ranks
+all-gather them, and every rank assembles the same matrix (:func:`sharded_gram`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vivit.gram import ParamFactors, SampleBlockFactors
+
+
+def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Which rank forms which Gram block ``(a, b)``, ``a ≤ b``: round robin.
+
+    Row-major order over the upper triangle, block ``i`` to rank ``i mod W``: a
+    diagonal block (half the work, symmetric) alternates with cross blocks.
+
+    Args:
+        num_blocks: Number of sample blocks (ranks).
+        world_size: Number of ranks.
+
+    Returns:
+        Each rank's blocks, in order.
+    """
+    pairs = [(a, b) for a in range(num_blocks) for b in range(a, num_blocks)]
+    return [pairs[rank::world_size] for rank in range(world_size)]
+
+
+def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
+    """Numbers sent for Gram block ``(a, b)``: a diagonal block's upper triangle.
+
+    Args:
+        rows: Gram rows of every sample block.
+        a: Row block.
+        b: Column block, ``b ≥ a``.
+
+    Returns:
+        ``rows[a]·(rows[a]+1)/2`` if ``a == b``, else ``rows[a]·rows[b]``.
+    """
+    return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
+
+
+def sharded_gram(
+    factors: Sequence[ParamFactors], group: dist.ProcessGroup
+) -> tuple[Tensor, int]:
+    """A group's Gram matrix ``Σ_p V_pᵀ V_p`` of the union, formed together.
+
+    Rank ``r`` forms the blocks :func:`gram_block_owners` gives it (summed over
+    the parameters; of a diagonal block only the upper triangle travels), the
+    ranks all-gather them, and every rank assembles the same matrix, mirrored
+    from its upper blocks (a collective: every rank calls it for the same
+    parameter groups in the same order).
+
+    Args:
+        factors: The factors of ``V`` over the union, one
+            :class:`~vivit.gram.SampleBlockFactors` per parameter with one block
+            per rank.
+        group: The process group.
+
+    Returns:
+        ``[N·C, N·C]``, identical on every rank, and the bytes of every rank's
+        buffer in the all-gather.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    per_param = [
+        f if isinstance(f, SampleBlockFactors) else SampleBlockFactors([f])
+        for f in factors
+    ]
+    rows = [block.num_rows for block in per_param[0].blocks]
+    owners = gram_block_owners(len(rows), world_size)
+    computed = [(a, b, _block_sum(per_param, a, b)) for a, b in owners[rank]]
+    device = computed[0][2].device
+    upper = [torch.triu_indices(n, n, device=device).unbind() for n in rows]
+    mine = [
+        block[upper[a]] if a == b else block.reshape(-1) for a, b, block in computed
+    ]
+    # W(W+1)/2 blocks for W ranks: every rank owns at least one
+    sizes = [sum(gram_block_entries(rows, a, b) for a, b in o) for o in owners]
+    buffer = mine[0].new_zeros(max(sizes))
+    buffer[: sizes[rank]].copy_(torch.cat(mine))
+    gathered = [torch.empty_like(buffer) for _ in range(world_size)]
+    dist.all_gather(gathered, buffer, group=group)
+    gram = _assemble(gathered, owners, rows, upper)
+    return gram, buffer.numel() * buffer.element_size()
+
+
+def _block_sum(per_param: Sequence[SampleBlockFactors], a: int, b: int) -> Tensor:
+    """Gram block ``(a, b)`` summed over the parameters."""
+    block = per_param[0].block_gram(a, b)
+    for param in per_param[1:]:
+        block.add_(param.block_gram(a, b))
+    return block
+
+
+def _assemble(
+    gathered: Sequence[Tensor],
+    owners: Sequence[Sequence[tuple[int, int]]],
+    rows: Sequence[int],
+    upper: Sequence[tuple[Tensor, Tensor]],
+) -> Tensor:
+    """The Gram matrix from every rank's buffer of blocks, mirrored to full."""
+    bounds = [0]
+    for size in rows:
+        bounds.append(bounds[-1] + size)
+    gram = gathered[0].new_empty(bounds[-1], bounds[-1])
+    for owned, data in zip(owners, gathered, strict=True):
+        offset = 0
+        for a, b in owned:
+            size = gram_block_entries(rows, a, b)
+            entries = data[offset : offset + size]
+            offset += size
+            block = gram[bounds[a] : bounds[a + 1], bounds[b] : bounds[b + 1]]
+            if a == b:
+                block[upper[a]] = entries
+                block[upper[a][1], upper[a][0]] = entries
+            else:
+                block.copy_(entries.view(rows[a], rows[b]))
+                mirror = gram[bounds[b] : bounds[b + 1], bounds[a] : bounds[a + 1]]
+                mirror.copy_(block.T)
+    return gram

@@ -1,0 +1,76 @@
+"""Which process group a construction exchanges over, and which module it runs."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+
+from vivit.errors import InvalidArgumentError
+
+
+def resolve_group(process_group: object) -> dist.ProcessGroup | None:
+    """The process group whose shards form the union, or ``None`` to run locally.
+
+    Args:
+        process_group: ``None``: the default group if ``torch.distributed`` is
+            initialised, else local; ``False``: local (each rank on its own
+            batch); a ``ProcessGroup``: that group.
+
+    Returns:
+        The group, or ``None`` if there is nothing to exchange (local, or a group
+        of one rank).
+
+    Raises:
+        InvalidArgumentError: If ``process_group`` is none of these, or this
+            process is not a member of the group.
+    """
+    if process_group is False:
+        return None
+    if (
+        dist.is_available()
+        and type(process_group) is int
+        and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    ):  # what torch.distributed.new_group returns on the ranks outside the group
+        raise InvalidArgumentError(
+            "This process is not a member of process_group (new_group returned "
+            "GroupMember.NON_GROUP_MEMBER on this rank): call with process_group "
+            "only on the group's ranks, or pass process_group=False here."
+        )
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    elif dist.is_available() and isinstance(process_group, dist.ProcessGroup):
+        group = process_group
+    else:
+        raise InvalidArgumentError(
+            "process_group must be None (the default group if torch.distributed is "
+            "initialised), False (this process alone) or a "
+            f"torch.distributed.ProcessGroup, got {type(process_group).__name__}."
+        )
+    if dist.get_rank(group) < 0:
+        raise InvalidArgumentError(
+            "This process is not a member of process_group: pass a group it "
+            "belongs to, or process_group=False."
+        )
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def local_module(model: Module) -> Module:
+    """The module to run the engines on: a ``DistributedDataParallel``'s ``.module``.
+
+    DDP's forward pass prepares a gradient all-reduce for the next backward pass;
+    the curvature's backward pass must not trigger it (the ranks' shards are
+    exchanged by :class:`~vivit.distributed.exchange.ShardExchange` instead). The
+    wrapped module holds the same parameters.
+
+    Args:
+        model: The network, possibly wrapped.
+
+    Returns:
+        The wrapped module, or ``model`` itself.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    return model

@@ -1,0 +1,109 @@
+"""Where each rank's samples sit in the union, and what an exchange cost."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vivit.engines.base import BatchInfo
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each rank's samples sit in the union (rank order).
+
+    Every result over samples (rows of ``γ`` and ``λ``, Gram-space entries)
+    covers the union; these ranges pick a rank's own.
+
+    Attributes:
+        rank: This process's rank in the group (``0`` locally).
+        world_size: Number of ranks (``1`` locally).
+        samples: Each rank's samples as positions in the union batch (rows of
+            ``γ`` with ``subsampling_grad=None``; indices for
+            ``subsampling_grad``).
+        ggn_samples: Each rank's GGN samples (its subsampling) as positions among
+            the union's GGN samples (rows of ``λ``; Gram-space entries
+            ``n·C + c`` of these ``n``).
+    """
+
+    rank: int
+    world_size: int
+    samples: tuple[range, ...]
+    ggn_samples: tuple[range, ...]
+
+    @property
+    def local_samples(self) -> range:
+        """This rank's samples, as positions in the union batch."""
+        return self.samples[self.rank]
+
+    @property
+    def local_ggn_samples(self) -> range:
+        """This rank's GGN samples, as positions among the union's GGN samples."""
+        return self.ggn_samples[self.rank]
+
+    @classmethod
+    def of_batches(
+        cls, batches: Sequence[BatchInfo], rank: int, world_size: int
+    ) -> ShardLayout:
+        """The layout of blocks in rank order (one block per rank, or one rank).
+
+        Args:
+            batches: The blocks' batch contexts, in order.
+            rank: This process's rank.
+            world_size: Number of ranks.
+
+        Returns:
+            The layout; locally a single "rank" spans every block.
+        """
+        per_rank = [batches] if world_size == 1 else [[batch] for batch in batches]
+        samples, ggn_samples = [], []
+        start = ggn_start = 0
+        for owned in per_rank:
+            size = sum(b.batch_size for b in owned)
+            ggn_size = sum(len(b.ggn_samples) for b in owned)
+            samples.append(range(start, start + size))
+            ggn_samples.append(range(ggn_start, ggn_start + ggn_size))
+            start, ggn_start = start + size, ggn_start + ggn_size
+        return cls(rank, world_size, tuple(samples), tuple(ggn_samples))
+
+
+@dataclass
+class ExchangeReport:
+    """What one construction sent and received (all zero locally).
+
+    Attributes:
+        world_size: Number of ranks.
+        payload_bytes: Bytes of every rank's tensors (rank order), before
+            alignment and padding: the cost model of ``docs/math.rst``
+            ("Several processes").
+        buffer_bytes: Length of every rank's buffer in the all-gather (the
+            longest payload with its tensors aligned to
+            :data:`~vivit.distributed.packing.ALIGNMENT`).
+        metadata_bytes: Pickled bytes of this rank's messages in the
+            ``all_gather_object`` rounds.
+        seconds: Wall time of the agreement rounds and of packing, exchanging
+            and rebuilding the blocks on this rank (includes waiting for the
+            slowest rank's backward pass).
+        gram_buffer_bytes: Length of every rank's buffer of Gram blocks, summed
+            over the Gram matrices formed together.
+        gram_seconds: Wall time of forming them (this rank's blocks and the
+            all-gather).
+    """
+
+    world_size: int = 1
+    payload_bytes: list[int] = field(default_factory=lambda: [0])
+    buffer_bytes: int = 0
+    metadata_bytes: int = 0
+    seconds: float = 0.0
+    gram_buffer_bytes: int = 0
+    gram_seconds: float = 0.0
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends, each buffer to every other rank (factors, Grams)."""
+        return (self.buffer_bytes + self.gram_buffer_bytes) * (self.world_size - 1)
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes this rank receives: every other rank's buffers."""
+        return self.sent_bytes

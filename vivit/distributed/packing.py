@@ -1,0 +1,203 @@
+"""A rank's block of samples as one flat byte buffer, and back, bit for bit.
+
+The tensors travel in the buffer (:class:`Packer`); a picklable description
+(factor classes, batch context, slots of the tensors) travels alongside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vivit.engines.base import BatchInfo, EngineOutput
+from vivit.gram import ParamFactors, SampleBlockFactors
+from vivit.sources.batches import BlockResult
+from vivit.sources.collector import GroupCurvature
+
+#: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
+ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in an exchanged byte buffer."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class Packer:
+    """Lays out tensors in one byte buffer and describes them by slots.
+
+    Attributes:
+        size: Bytes of the buffer so far (every tensor aligned to
+            :data:`ALIGNMENT`).
+        payload: Bytes of the tensors themselves.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: list[tuple[int, Tensor]] = []
+        self.size = 0
+        self.payload = 0
+
+    def add(self, tensor: Tensor) -> _Slot:
+        """Place ``tensor`` after the previous ones; where it will sit."""
+        tensor = tensor.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        slot = _Slot(self.size, nbytes, tensor.dtype, tuple(tensor.shape))
+        self._tensors.append((self.size, tensor))
+        self.payload += nbytes
+        self.size += -(-nbytes // ALIGNMENT) * ALIGNMENT
+        return slot
+
+    def fill(self, buffer: Tensor) -> None:
+        """Copy the tensors' bytes into ``buffer`` (``uint8``, at least ``size``)."""
+        for offset, tensor in self._tensors:
+            data = tensor.contiguous().reshape(-1).view(torch.uint8)
+            buffer[offset : offset + data.numel()].copy_(data)
+
+
+def _unpack(slot: _Slot, buffer: Tensor) -> Tensor:
+    data = buffer[slot.offset : slot.offset + slot.nbytes]
+    return data.view(slot.dtype).reshape(slot.shape)
+
+
+def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> tuple:
+    """Describe factors by their class and attributes, tensors cast to ``dtype``.
+
+    The factors are held in ``gram_dtype``; they were computed in the model's
+    type ``dtype``, so casting back is exact and halves the bytes of float32
+    factors accumulated in float64. Factors held per block of samples (a rank's
+    batches whose factors took different forms) describe each block.
+
+    Args:
+        factors: One parameter's factors.
+        dtype: The type they were computed in.
+        packer: Receives their tensors.
+
+    Returns:
+        The picklable description :func:`unpack_factors` rebuilds them from.
+    """
+    if isinstance(factors, SampleBlockFactors):
+        blocks = [pack_factors(block, dtype, packer) for block in factors.blocks]
+        return SampleBlockFactors, blocks, list(factors.scales)
+    state = {
+        name: packer.add(value.to(dtype) if value.is_floating_point() else value)
+        if isinstance(value, Tensor)
+        else value
+        for name, value in vars(factors).items()
+    }
+    return type(factors), factors.dtype, state
+
+
+def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
+    """The factors :func:`pack_factors` described, in the type they were held in.
+
+    Args:
+        description: What :func:`pack_factors` returned.
+        buffer: The filled byte buffer.
+
+    Returns:
+        The factors (views of ``buffer`` where no cast was needed).
+    """
+    cls, held_dtype, state = description
+    if cls is SampleBlockFactors:  # (cls, blocks, scales)
+        blocks = [unpack_factors(block, buffer) for block in held_dtype]
+        return SampleBlockFactors(blocks, state)
+    factors = cls.__new__(cls)
+    factors.__dict__.update(
+        {
+            name: _unpack(value, buffer) if isinstance(value, _Slot) else value
+            for name, value in state.items()
+        }
+    )
+    return factors.to(held_dtype)
+
+
+def pack_block(block: BlockResult, packer: Packer) -> dict:
+    """Describe a block: its groups' factors and batch contexts, and its loss.
+
+    Args:
+        block: A rank's block of samples.
+        packer: Receives its tensors.
+
+    Returns:
+        The picklable description :func:`unpack_block` rebuilds it from.
+    """
+    groups = []
+    for curvature in block.curvature:
+        dtype = curvature.factor_dtype
+        groups.append(
+            {
+                "batch": curvature.batch,
+                "factor_dtype": dtype,
+                "ggn": [pack_factors(f, dtype, packer) for f in curvature.ggn_factors],
+                "grad": [
+                    pack_factors(f, dtype, packer) for f in curvature.grad_factors
+                ],
+            }
+        )
+    return {"groups": groups, "loss": packer.add(block.output.loss)}
+
+
+def unpack_block(
+    description: dict, buffer: Tensor, param_groups: list[list[Tensor]]
+) -> BlockResult:
+    """The block :func:`pack_block` described, its gradients from its factors.
+
+    Args:
+        description: What :func:`pack_block` returned.
+        buffer: The filled byte buffer.
+        param_groups: The parameter groups, to attach to the curvature.
+
+    Returns:
+        The block (no Gram matrices).
+    """
+    curvature = [
+        GroupCurvature(
+            params=params,
+            batch=group["batch"],
+            factor_dtype=group["factor_dtype"],
+            gram=None,
+            ggn_factors=[unpack_factors(f, buffer) for f in group["ggn"]],
+            grad_factors=[unpack_factors(f, buffer) for f in group["grad"]],
+        )
+        for params, group in zip(param_groups, description["groups"], strict=True)
+    ]
+    gradients = [
+        block_gradient(factors, group.batch, buffer.device).to(param.dtype)
+        for group in curvature
+        for factors, param in zip(group.grad_factors, group.params, strict=True)
+    ]
+    loss = _unpack(description["loss"], buffer)
+    return BlockResult(curvature, EngineOutput(loss=loss, gradients=gradients))
+
+
+def block_gradient(
+    grad_factors: ParamFactors, batch: BatchInfo, device: torch.device
+) -> Tensor:
+    """``∇L_b = R_b Σ_n ∇ℓ_n`` of a block from its per-sample gradient factors.
+
+    The per-sample gradients are those of ``ℓ_n`` (``docs/math.rst``, "Losses"),
+    so the gradient of the block's loss needs no exchange of its own.
+
+    Args:
+        grad_factors: One parameter's per-sample gradient factors (one column per
+            sample).
+        batch: The block's batch context (its ``R``).
+        device: The factors' device.
+
+    Returns:
+        The gradient, shaped like the parameter.
+    """
+    ones = torch.full(
+        (1, grad_factors.num_rows),
+        batch.reduction_factor(),
+        dtype=grad_factors.dtype,
+        device=device,
+    )
+    return grad_factors.vmp(ones)[0]
