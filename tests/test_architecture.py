@@ -46,7 +46,7 @@ LAYERS = [
             "vivit.memory",
             "vivit.budget",
             "vivit.streaming",
-            "vivit.computation",
+            "vivit.compat",
             "vivit.linalg.eigh",
             "vivit.linalg.eigvalsh",
             "vivit.optim",

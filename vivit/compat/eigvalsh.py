@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vivit.computation import GroupComputation
+from vivit.compat.computation import GroupComputation
 from vivit.linalg.solvers import gram_eigvalsh
 from vivit.sources.collector import GroupCurvature
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from vivit._validation import check_subsampling
-from vivit.computation import (
+from vivit.compat.computation import (
     GroupComputation,
     Selection,
     selected_directional_derivatives,

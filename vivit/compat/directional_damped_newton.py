@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from vivit._validation import check_damping
-from vivit.computation import to_class_major
+from vivit.compat.computation import to_class_major
+from vivit.compat.directional_derivatives import DirectionalDerivativesComputation
 from vivit.directional.gram_space import damped_newton_step
-from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
 from vivit.sources.collector import GroupCurvature
 
 
