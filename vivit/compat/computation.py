@@ -1,25 +1,18 @@
-"""Shared machinery of the ViViT-compatible computation classes.
+"""The BackPACK protocol every ViViT-compatible computation class follows.
 
 A computation hands out a BackPACK extension and an extension hook; the hook turns
 each parameter group's curvature into the computation's result as soon as the
-group is complete, and :meth:`GroupComputation.get_result` returns it.
-
-These classes behave as ViViT 1.0 (``vivit-for-pytorch``) does: any criterion
-works, eigenvalues are returned as computed, and Gram-space vectors they hand out
-are ordered class-major (entry ``c·N + n``), as ViViT's were. The Gram pipeline
-underneath is sample-major (``n·C + c``); :func:`to_class_major` converts at the
-boundary.
+group is complete, and :meth:`GroupComputation.get_result` returns it. The classes
+behave as ViViT 1.0 (``vivit-for-pytorch``) does; :class:`CriterionComputation`
+works on the eigenpairs a group's criterion selects (:mod:`vivit.compat.selection`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
-from warnings import warn
 
 import torch
-from torch import Tensor
 from torch.nn import Module
 
 from vivit._validation import (
@@ -29,155 +22,18 @@ from vivit._validation import (
     check_params,
     check_subsampling,
 )
-from vivit.directional.gram_space import directional_derivatives
-from vivit.directional.results import DirectionalDerivatives
+from vivit.compat.selection import Selection, select_eigenpairs
 from vivit.engines.backpack import ContributionHook, GramGGN
-from vivit.engines.base import BatchInfo
-from vivit.errors import InvalidArgumentError, ResultNotReadyError
-from vivit.linalg.solvers import check_gram_dtype, gram_eigh, numerical_zero_tolerance
+from vivit.errors import ResultNotReadyError
+from vivit.linalg.solvers import check_gram_dtype
 from vivit.sources.collector import GroupCollector, GroupCurvature
-
-
-def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
-    """Reorder the rows of Gram-space vectors from sample-major to class-major.
-
-    Row ``n·C + c`` (vivit's Gram pipeline) becomes row ``c·N + n`` (ViViT 1.0,
-    BackPACK's layout ``[C, N, ...]``).
-
-    Args:
-        gram_vectors: Vectors as columns, ``[N·C, K]``, sample-major.
-        columns_per_sample: ``C`` (``M`` with Monte-Carlo sampling).
-
-    Returns:
-        The same vectors, ``[N·C, K]``, class-major.
-    """
-    rows, num_vectors = gram_vectors.shape
-    num_samples = rows // columns_per_sample
-    return (
-        gram_vectors.reshape(num_samples, columns_per_sample, num_vectors)
-        .transpose(0, 1)
-        .reshape(rows, num_vectors)
-    )
-
-
-def criterion_indices(keep: object, num_evals: int) -> Tensor:
-    """Turn what a criterion returned into indices of the eigenvalues it keeps.
-
-    Accepts what indexing the eigenvalues accepted in ViViT 1.0: a sequence or
-    1-d tensor of integer indices (negative ones count from the end), or a boolean
-    mask over all eigenvalues.
-
-    Args:
-        keep: The criterion's return value.
-        num_evals: Number of eigenvalues the criterion received.
-
-    Returns:
-        Indices, ``[K]`` (long).
-
-    Raises:
-        ValueError: If ``keep`` is none of these, or an index is out of range.
-    """
-    try:
-        indices = torch.as_tensor(keep)
-    except (TypeError, ValueError, RuntimeError):
-        indices = None
-    if indices is not None and indices.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    if indices is not None and indices.dtype == torch.bool:
-        if indices.shape == (num_evals,):
-            return indices.nonzero().flatten().cpu()
-        indices = None
-    if (
-        indices is None
-        or indices.dim() != 1
-        or indices.is_floating_point()
-        or indices.is_complex()
-    ):
-        raise InvalidArgumentError(
-            'A group\'s "criterion" must return the indices of the eigenvalues to '
-            "keep (a list or 1-d tensor of ints, e.g. [evals.numel() - 1] for the "
-            f"largest) or a boolean mask over all {num_evals} of them; got {keep!r}."
-        )
-    indices = indices.to(torch.long).cpu()
-    outside = indices[(indices < -num_evals) | (indices >= num_evals)]
-    if outside.numel():
-        raise InvalidArgumentError(
-            f'The "criterion" returned indices {outside.tolist()} outside the '
-            f"{num_evals} eigenvalues it received (valid: 0 to {num_evals - 1}, or "
-            "negative from the end)."
-        )
-    return indices
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The Gram eigenpairs a group's criterion selected.
-
-    Attributes:
-        evals: Selected eigenvalues as computed (possibly numerically zero or
-            negative), ``[K]``, in the order the criterion gave.
-        gram_evecs: Their Gram eigenvectors, sample-major, ``[N·C, K]``.
-        tolerance: The Gram matrix's numerical-zero tolerance; directions with
-            eigenvalues at or below it are zero vectors.
-    """
-
-    evals: Tensor
-    gram_evecs: Tensor
-    tolerance: float
-
-    @property
-    def resolved(self) -> Tensor:
-        """Which selected eigenvalues lie above the tolerance, ``[K]`` (bool)."""
-        return self.evals > self.tolerance
-
-
-def selected_directional_derivatives(
-    vt_grads: Tensor,
-    selection: Selection,
-    batch: BatchInfo,
-    grad_samples: Sequence[int] | None = None,
-) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along every selected direction.
-
-    Along a direction that is a zero vector (eigenvalue at or below the
-    tolerance) all derivatives are zero; the eigenvalue is kept as computed.
-
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        selection: The selected eigenpairs.
-        batch: Batch context of the Gram matrix.
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        The directional derivatives, ``K`` columns.
-    """
-    resolved = selection.resolved
-    part = directional_derivatives(
-        vt_grads,
-        selection.gram_evecs[:, resolved],
-        selection.evals[resolved],
-        batch,
-        grad_samples,
-    )
-
-    def scatter(values: Tensor) -> Tensor:
-        full = values.new_zeros(*values.shape[:-1], resolved.numel())
-        full[..., resolved] = values
-        return full
-
-    return DirectionalDerivatives(
-        evals=selection.evals,
-        gammas=scatter(part.gammas),
-        lambdas=scatter(part.lambdas),
-        gamma_bar=scatter(part.gamma_bar),
-    )
 
 
 class GroupComputation:
     """Base class: extension, hook, and results keyed by parameter group.
 
     Sub-classes set :attr:`required_keys` and the collector options, and implement
-    :meth:`compute`.
+    :meth:`compute`, which documents the result.
 
     Args:
         subsampling: Samples whose curvature is used; ``None`` for all.
@@ -196,6 +52,7 @@ class GroupComputation:
         subsampling: Sequence[int] | None = None,
         mc_samples: int = 0,
         verbose: bool = False,
+        *,
         gram_dtype: torch.dtype | None = None,
     ):
         self._subsampling = check_subsampling(subsampling)
@@ -271,7 +128,18 @@ class GroupComputation:
         """
         raise NotImplementedError
 
-    def _result(self, group: dict) -> Any:
+    def get_result(self, group: dict) -> Any:
+        """The group's result after the backward pass.
+
+        Args:
+            group: The parameter group.
+
+        Returns:
+            What :meth:`compute` made of the group's curvature.
+
+        Raises:
+            ResultNotReadyError: If the backward pass has not run for this group.
+        """
         try:
             return self._results[id(group)]
         except KeyError:
@@ -283,36 +151,37 @@ class GroupComputation:
                 "curvature (their layer is not extended or not part of the loss)."
             ) from None
 
-    def _select(
-        self, group: dict, curvature: GroupCurvature, warn_small_eigvals: float
-    ) -> Selection:
-        """Decompose the Gram matrix and keep the eigenpairs the criterion selects.
 
-        As in ViViT 1.0: the criterion receives all eigenvalues (ascending) and may
-        return any indices; the selected eigenvalues are kept as computed, and a
-        ``UserWarning`` is raised if one is smaller in magnitude than
-        ``warn_small_eigvals``.
+class CriterionComputation(GroupComputation):
+    """Base class of computations along the eigenpairs a group's criterion selects.
 
-        Args:
-            group: Parameter group with a ``"criterion"``.
-            curvature: The group's curvature.
-            warn_small_eigvals: Warn if a kept eigenvalue is smaller in magnitude.
+    Each parameter group carries ``"params"`` and ``"criterion"``.
 
-        Returns:
-            The selected eigenpairs and the numerical-zero tolerance.
-        """
-        evals, evecs = gram_eigh(curvature.gram)
-        tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
-        keep = criterion_indices(group["criterion"](evals), evals.numel())
-        keep = keep.to(evals.device)
-        evals, evecs = evals[keep], evecs[:, keep]
-        if (evals.abs() < warn_small_eigvals).any():
-            warn(
-                f"Some selected eigenvalues are smaller than {warn_small_eigvals} in "
-                "magnitude. Their transformation to parameter space divides by the "
-                "eigenvalue's square root and is numerically unstable; consider a "
-                "more restrictive criterion. Directions of eigenvalues at or below "
-                f"the numerical-zero tolerance {tolerance:.3g} are zero vectors.",
-                stacklevel=2,
-            )
-        return Selection(evals=evals, gram_evecs=evecs, tolerance=tolerance)
+    Args:
+        subsampling: Samples whose curvature is used; ``None`` for all.
+        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        verbose: Print what happens during backpropagation.
+        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
+            smaller in magnitude. ``0`` disables the warning.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's).
+    """
+
+    required_keys = ("params", "criterion")
+
+    def __init__(
+        self,
+        subsampling: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+        *,
+        gram_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(subsampling, mc_samples, verbose, gram_dtype=gram_dtype)
+        self._warn_small_eigvals = warn_small_eigvals
+
+    def _select(self, group: dict, curvature: GroupCurvature) -> Selection:
+        return select_eigenpairs(
+            curvature, group["criterion"], self._warn_small_eigvals
+        )

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from vivit._validation import check_damping
-from vivit.compat.computation import to_class_major
 from vivit.compat.directional_derivatives import DirectionalDerivativesComputation
+from vivit.compat.selection import to_class_major
 from vivit.directional.gram_space import damped_newton_step
 from vivit.sources.collector import GroupCurvature
 
@@ -42,7 +42,16 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
         return super().get_extension_hook(param_groups)
 
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
-        """Compute the group's result from its curvature (see ``get_result``)."""
+        """The damped Newton step of the group.
+
+        Args:
+            group: The parameter group.
+            curvature: Its Gram matrix, factors and ``Vᵀ∇ℓ_n``.
+
+        Returns:
+            The step, one tensor per parameter, shaped like the parameter and in
+            its dtype.
+        """
         selection, directional = self._directional(group, curvature)
         damping, evals = group["damping"], selection.evals
         if callable(damping):
@@ -68,18 +77,3 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
             damping,
         ).step
         return curvature.in_param_dtypes(step)
-
-    def get_result(self, group: dict) -> list[Tensor]:
-        """The damped Newton step of a group after the backward pass.
-
-        Args:
-            group: The parameter group.
-
-        Returns:
-            The step, one tensor per parameter, shaped like the parameter and in
-            its dtype.
-
-        Raises:
-            ResultNotReadyError: If the backward pass has not run for this group.
-        """
-        return self._result(group)

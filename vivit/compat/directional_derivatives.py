@@ -8,17 +8,14 @@ import torch
 from torch import Tensor
 
 from vivit._validation import check_subsampling
-from vivit.compat.computation import (
-    GroupComputation,
-    Selection,
-    selected_directional_derivatives,
-)
+from vivit.compat.computation import CriterionComputation
+from vivit.compat.selection import Selection, selected_directional_derivatives
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.backpack import GramGGN
 from vivit.sources.collector import GroupCurvature
 
 
-class DirectionalDerivativesComputation(GroupComputation):
+class DirectionalDerivativesComputation(CriterionComputation):
     """Provide a BackPACK extension and hook for 1ˢᵗ/2ⁿᵈ directional derivatives.
 
     The directions are GGN eigenvectors ``e_k`` selected by each group's
@@ -57,7 +54,6 @@ class DirectionalDerivativesComputation(GroupComputation):
             returned in it.
     """
 
-    required_keys = ("params", "criterion")
     compute_gradients = True
 
     def __init__(
@@ -73,11 +69,11 @@ class DirectionalDerivativesComputation(GroupComputation):
         self._subsampling_grad = check_subsampling(
             subsampling_grad, name="subsampling_grad"
         )
-        self._warn_small_eigvals = warn_small_eigvals
         super().__init__(
-            subsampling=subsampling_ggn,
-            mc_samples=mc_samples_ggn,
-            verbose=verbose,
+            subsampling_ggn,
+            mc_samples_ggn,
+            verbose,
+            warn_small_eigvals,
             gram_dtype=gram_dtype,
         )
 
@@ -95,29 +91,23 @@ class DirectionalDerivativesComputation(GroupComputation):
     def _directional(
         self, group: dict, curvature: GroupCurvature
     ) -> tuple[Selection, DirectionalDerivatives]:
-        selection = self._select(group, curvature, self._warn_small_eigvals)
+        selection = self._select(group, curvature)
         return selection, selected_directional_derivatives(
             curvature.vt_grads, selection, curvature.batch, self.gradient_samples()
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
-        """Compute the group's result from its curvature (see ``get_result``)."""
-        _, directional = self._directional(group, curvature)
-        return directional.gammas, directional.lambdas
-
-    def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
-        """Directional derivatives of a group after the backward pass.
+        """Directional derivatives of the group.
 
         Args:
             group: The parameter group.
+            curvature: Its Gram matrix and ``Vᵀ∇ℓ_n``.
 
         Returns:
             ``γ`` of shape ``[N_grad, K]`` (``γ[n, k]``: sample ``n`` of the gradient
             samples, direction ``k``) and ``λ`` of shape ``[N_ggn, K]``; directions
             ordered as the criterion selected them (ascending for ascending
             indices); zero columns for numerically zero or negative eigenvalues.
-
-        Raises:
-            ResultNotReadyError: If the backward pass has not run for this group.
         """
-        return self._result(group)
+        _, directional = self._directional(group, curvature)
+        return directional.gammas, directional.lambdas

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import Tensor
 
-from vivit.compat.computation import GroupComputation
+from vivit.compat.computation import CriterionComputation
 from vivit.linalg.solvers import gram_to_param
 from vivit.sources.collector import GroupCurvature
 
 
-class EighComputation(GroupComputation):
+class EighComputation(CriterionComputation):
     """Provide a BackPACK extension and hook to compute GGN eigenpairs.
 
     Each parameter group carries ``"params"`` and ``"criterion"``, a function that
@@ -51,44 +48,16 @@ class EighComputation(GroupComputation):
             returned in the parameters' dtype.
     """
 
-    required_keys = ("params", "criterion")
     keep_factors = True
-
-    def __init__(
-        self,
-        subsampling: Sequence[int] | None = None,
-        mc_samples: int = 0,
-        verbose: bool = False,
-        warn_small_eigvals: float = 1e-4,
-        *,
-        gram_dtype: torch.dtype | None = None,
-    ):
-        super().__init__(
-            subsampling=subsampling,
-            mc_samples=mc_samples,
-            verbose=verbose,
-            gram_dtype=gram_dtype,
-        )
-        self._warn_small_eigvals = warn_small_eigvals
 
     def compute(
         self, group: dict, curvature: GroupCurvature
     ) -> tuple[Tensor, list[Tensor]]:
-        """Compute the group's result from its curvature (see ``get_result``)."""
-        selection = self._select(group, curvature, self._warn_small_eigvals)
-        evecs = gram_to_param(
-            curvature.ggn_factors,
-            selection.gram_evecs,
-            selection.evals,
-            selection.tolerance,
-        )
-        return selection.evals, curvature.in_param_dtypes(evecs)
-
-    def get_result(self, group: dict) -> tuple[Tensor, list[Tensor]]:
         """Eigenvalues and eigenvectors of the group's GGN block.
 
         Args:
             group: The parameter group.
+            curvature: Its Gram matrix and factors.
 
         Returns:
             Selected eigenvalues ``[K]`` (in the order the criterion selected
@@ -96,8 +65,12 @@ class EighComputation(GroupComputation):
             ``[K, *p.shape]`` per parameter of the group: eigenvector ``k`` is
             ``[evecs_p[k] for evecs_p in evecs]``, of unit norm, or zero if
             ``evals[k]`` is numerically zero or negative.
-
-        Raises:
-            ResultNotReadyError: If the backward pass has not run for this group.
         """
-        return self._result(group)
+        selection = self._select(group, curvature)
+        evecs = gram_to_param(
+            curvature.ggn_factors,
+            selection.gram_evecs,
+            selection.evals,
+            selection.tolerance,
+        )
+        return selection.evals, curvature.in_param_dtypes(evecs)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import Tensor
 
 from vivit.compat.computation import GroupComputation
@@ -38,37 +35,16 @@ class EigvalshComputation(GroupComputation):
             float32 model (see :class:`vivit.LowRankGGN`).
     """
 
-    def __init__(
-        self,
-        subsampling: Sequence[int] | None = None,
-        mc_samples: int = 0,
-        verbose: bool = False,
-        *,
-        gram_dtype: torch.dtype | None = None,
-    ):
-        super().__init__(
-            subsampling=subsampling,
-            mc_samples=mc_samples,
-            verbose=verbose,
-            gram_dtype=gram_dtype,
-        )
-
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
-        """Compute the group's result from its curvature (see ``get_result``)."""
-        return gram_eigvalsh(curvature.gram)
-
-    def get_result(self, group: dict) -> Tensor:
-        """Eigenvalues of the group's GGN block after the backward pass.
+        """Eigenvalues of the group's GGN block.
 
         Args:
             group: The parameter group.
+            curvature: Its Gram matrix.
 
         Returns:
             All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending,
             as computed: the GGN's non-zero eigenvalues plus numerical zeros
             (possibly slightly negative through rounding), in ``gram_dtype``.
-
-        Raises:
-            ResultNotReadyError: If the backward pass has not run for this group.
         """
-        return self._result(group)
+        return gram_eigvalsh(curvature.gram)
