@@ -50,7 +50,7 @@ LAYERS = [
         [
             "vivit.lowrank",
             "vivit.streaming",
-            "vivit.computation",
+            "vivit.compat",
             "vivit.linalg.eigh",
             "vivit.linalg.eigvalsh",
             "vivit.optim",

@@ -32,7 +32,7 @@ from vivit import (
     EigvalshComputation,
     LowRankGGN,
 )
-from vivit.computation import to_class_major
+from vivit.compat.selection import to_class_major
 from vivit.linalg.solvers import numerical_zero_tolerance
 
 PROBLEMS = select(architecture=["mlp_relu", "cnn", "residual"], loss="ce")

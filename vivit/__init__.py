@@ -12,6 +12,12 @@ Front doors:
   extension + hook API for use inside a training loop.
 """
 
+from vivit.compat import (
+    DirectionalDampedNewtonComputation,
+    DirectionalDerivativesComputation,
+    EighComputation,
+    EigvalshComputation,
+)
 from vivit.directional.results import DirectionalDerivatives
 from vivit.errors import (
     BatchNormTrainingError,
@@ -40,11 +46,7 @@ from vivit.errors import (
     VivitError,
     ZeroStepWarning,
 )
-from vivit.linalg.eigh import EighComputation
-from vivit.linalg.eigvalsh import EigvalshComputation
 from vivit.lowrank import LowRankGGN
-from vivit.optim.directional_damped_newton import DirectionalDampedNewtonComputation
-from vivit.optim.directional_derivatives import DirectionalDerivativesComputation
 from vivit.streaming import StreamingGGN
 
 __all__ = [

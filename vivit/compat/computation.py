@@ -1,0 +1,187 @@
+"""The BackPACK protocol every ViViT-compatible computation class follows.
+
+A computation hands out a BackPACK extension and an extension hook; the hook turns
+each parameter group's curvature into the computation's result as soon as the
+group is complete, and :meth:`GroupComputation.get_result` returns it. The classes
+behave as ViViT 1.0 (``vivit-for-pytorch``) does; :class:`CriterionComputation`
+works on the eigenpairs a group's criterion selects (:mod:`vivit.compat.selection`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from vivit._validation import (
+    check_grad_mode,
+    check_mc_samples,
+    check_param_groups,
+    check_params,
+    check_subsampling,
+)
+from vivit.compat.selection import Selection, select_eigenpairs
+from vivit.engines.backpack import ContributionHook, GramGGN
+from vivit.errors import ResultNotReadyError
+from vivit.linalg.solvers import check_gram_dtype
+from vivit.sources.collector import GroupCollector, GroupCurvature
+
+
+class GroupComputation:
+    """Base class: extension, hook, and results keyed by parameter group.
+
+    Sub-classes set :attr:`required_keys` and the collector options, and implement
+    :meth:`compute`, which documents the result.
+
+    Args:
+        subsampling: Samples whose curvature is used; ``None`` for all.
+        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        verbose: Print what happens during backpropagation.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's); see :class:`vivit.LowRankGGN`.
+    """
+
+    required_keys: tuple[str, ...] = ("params",)
+    keep_factors = False
+    compute_gradients = False
+
+    def __init__(
+        self,
+        subsampling: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        verbose: bool = False,
+        *,
+        gram_dtype: torch.dtype | None = None,
+    ):
+        self._subsampling = check_subsampling(subsampling)
+        self._mc_samples = check_mc_samples(mc_samples)
+        self._verbose = verbose
+        check_gram_dtype(gram_dtype)
+        self._gram_dtype = gram_dtype
+        self._results: dict[int, Any] = {}
+
+    def get_extension(self) -> GramGGN:
+        """Instantiate the BackPACK extension for this computation.
+
+        Returns:
+            Extension to pass to ``with backpack(...)``.
+        """
+        return GramGGN(
+            mc_samples=self._mc_samples,
+            subsampling=self._subsampling,
+            compute_gradients=self.compute_gradients,
+            gram_dtype=self._gram_dtype,
+        )
+
+    def get_extension_hook(self, param_groups: list[dict]) -> Callable[[Module], None]:
+        """Instantiate the BackPACK extension hook that computes the results.
+
+        Args:
+            param_groups: Groups as for a ``torch.optim.Optimizer``: dicts with
+                ``"params"`` (and the keys the computation requires). Each group
+                defines one diagonal block of the GGN.
+
+        Returns:
+            Hook to pass as ``extension_hook`` to ``with backpack(...)``.
+        """
+        check_grad_mode(f"{type(self).__name__}.get_extension_hook")
+        check_param_groups(param_groups, self.required_keys)
+        check_params([p for group in param_groups for p in group["params"]], {})
+        for group in param_groups:
+            self._results.pop(id(group), None)
+
+        def on_complete(index: int, curvature: GroupCurvature) -> None:
+            group = param_groups[index]
+            if self._verbose:
+                print(f"Group {id(group)}: all parameters seen, computing the result")
+            self._results[id(group)] = self.compute(group, curvature)
+
+        collector = GroupCollector(
+            [group["params"] for group in param_groups],
+            on_complete,
+            keep_factors=self.keep_factors,
+            vt_grads=self.compute_gradients,
+            gradient_samples=self.gradient_samples(),
+            gram_dtype=self._gram_dtype,
+        )
+        return ContributionHook(collector)
+
+    def gradient_samples(self) -> list[int] | None:
+        """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all).
+
+        Returns:
+            Sample indices or ``None``.
+        """
+        return None
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> Any:
+        """Turn a group's curvature into this computation's result.
+
+        Args:
+            group: The parameter group.
+            curvature: Its Gram matrix and factors.
+
+        Returns:
+            The group's result.
+        """
+        raise NotImplementedError
+
+    def get_result(self, group: dict) -> Any:
+        """The group's result after the backward pass.
+
+        Args:
+            group: The parameter group.
+
+        Returns:
+            What :meth:`compute` made of the group's curvature.
+
+        Raises:
+            ResultNotReadyError: If the backward pass has not run for this group.
+        """
+        try:
+            return self._results[id(group)]
+        except KeyError:
+            raise ResultNotReadyError(
+                "No result for this parameter group: pass the group to "
+                "get_extension_hook, run loss.backward() inside "
+                "`with backpack(extension, extension_hook=hook)`, then ask for the "
+                "result. If you did, some of the group's parameters received no "
+                "curvature (their layer is not extended or not part of the loss)."
+            ) from None
+
+
+class CriterionComputation(GroupComputation):
+    """Base class of computations along the eigenpairs a group's criterion selects.
+
+    Each parameter group carries ``"params"`` and ``"criterion"``.
+
+    Args:
+        subsampling: Samples whose curvature is used; ``None`` for all.
+        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        verbose: Print what happens during backpropagation.
+        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
+            smaller in magnitude. ``0`` disables the warning.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's).
+    """
+
+    required_keys = ("params", "criterion")
+
+    def __init__(
+        self,
+        subsampling: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+        *,
+        gram_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(subsampling, mc_samples, verbose, gram_dtype=gram_dtype)
+        self._warn_small_eigvals = warn_small_eigvals
+
+    def _select(self, group: dict, curvature: GroupCurvature) -> Selection:
+        return select_eigenpairs(
+            curvature, group["criterion"], self._warn_small_eigvals
+        )

@@ -1,0 +1,79 @@
+"""Directionally damped Newton steps during backpropagation (ViViT-compatible)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from vivit._validation import check_damping
+from vivit.compat.directional_derivatives import DirectionalDerivativesComputation
+from vivit.compat.selection import to_class_major
+from vivit.directional.gram_space import damped_newton_step
+from vivit.sources.collector import GroupCurvature
+
+
+class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
+    """Provide a BackPACK extension and hook for directionally damped Newton steps.
+
+    ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the eigenvectors each group's
+    ``"criterion"`` selects, with ``γ̄_k`` the directional gradient of the loss on
+    the gradient samples and ``δ_k`` from the group's ``"damping"``, a callable
+    ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K], lambdas [N_ggn, K]) →
+    [K]`` (see :mod:`vivit.optim.damping`) or, beyond ViViT, a constant ``δ ≥ 0``.
+    The step is formed with one product with ``V``.
+
+    As in ViViT 1.0, the damping receives the selected eigenvalues as computed and
+    the Gram eigenvectors ordered class-major (row ``c·N + n`` is output ``c`` of
+    sample ``n`` of the GGN samples). A direction whose eigenvalue is at or below
+    the numerical-zero tolerance is the zero vector: its ``γ`` and ``λ`` are zero
+    and it contributes no step.
+
+    Arguments are those of :class:`DirectionalDerivativesComputation`.
+    """
+
+    required_keys = ("params", "criterion", "damping")
+    keep_factors = True
+
+    def get_extension_hook(self, param_groups: list[dict]):  # noqa: D102
+        for group in param_groups:
+            check_damping(group.get("damping"), name='group["damping"]')
+        return super().get_extension_hook(param_groups)
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
+        """The damped Newton step of the group.
+
+        Args:
+            group: The parameter group.
+            curvature: Its Gram matrix, factors and ``Vᵀ∇ℓ_n``.
+
+        Returns:
+            The step, one tensor per parameter, shaped like the parameter and in
+            its dtype.
+        """
+        selection, directional = self._directional(group, curvature)
+        damping, evals = group["damping"], selection.evals
+        if callable(damping):
+            class_major = to_class_major(
+                selection.gram_evecs, curvature.batch.columns_per_sample
+            )
+            dampings = (
+                damping(evals, class_major, directional.gammas, directional.lambdas)
+                if evals.numel()
+                else evals.new_zeros(0)
+            )
+            damping = lambda *_: dampings  # noqa: E731 (already evaluated)
+        # Zero-vector directions (γ̄ = 0, zero coefficients) get a zero step; a
+        # placeholder eigenvalue 1 keeps the step's division by √λ finite there.
+        resolved = selection.resolved
+        directional = dataclasses.replace(
+            directional, evals=torch.where(resolved, evals, 1.0)
+        )
+        step = damped_newton_step(
+            curvature.ggn_factors,
+            selection.gram_evecs * resolved,
+            directional,
+            damping,
+        ).step
+        return curvature.in_param_dtypes(step)

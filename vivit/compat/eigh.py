@@ -1,0 +1,76 @@
+"""GGN eigenvalues and eigenvectors during backpropagation (ViViT-compatible)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vivit.compat.computation import CriterionComputation
+from vivit.linalg.solvers import gram_to_param
+from vivit.sources.collector import GroupCurvature
+
+
+class EighComputation(CriterionComputation):
+    """Provide a BackPACK extension and hook to compute GGN eigenpairs.
+
+    Each parameter group carries ``"params"`` and ``"criterion"``, a function that
+    receives the Gram matrix's eigenvalues (ascending) and returns the indices of
+    those whose eigenvectors are computed, e.g. ``lambda evals: [evals.numel() - 1]``
+    for the leading one, or ``lambda evals: list(range(evals.numel()))`` for all.
+
+    As in ViViT 1.0 any selection works: the selected eigenvalues are returned as
+    computed, including numerically zero or (through rounding) negative ones.
+    An eigenvalue at or below the numerical-zero tolerance
+    (:func:`~vivit.linalg.solvers.numerical_zero_tolerance`) has no resolvable
+    direction; its eigenvector is the zero vector (finite, never NaN).
+
+    Usage::
+
+        computation = EighComputation()
+        groups = [{"params": list(model.parameters()), "criterion": top_3}]
+        with backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ):
+            loss.backward()
+        evals, evecs = computation.get_result(groups[0])
+
+    Args:
+        subsampling: Indices of the samples whose curvature is used (``None``: all).
+        mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its Monte-Carlo
+            estimate with ``M`` samples per datum.
+        verbose: Print what happens during backpropagation.
+        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
+            smaller in magnitude (its eigenvector divides by ``√λ``). ``0``
+            disables the warning.
+        gram_dtype: Type of the Gram matrix and its products (``None``: the
+            model's); ``torch.float64`` resolves the small eigenvalues of a
+            float32 model (see :class:`vivit.LowRankGGN`). Eigenvectors are
+            returned in the parameters' dtype.
+    """
+
+    keep_factors = True
+
+    def compute(
+        self, group: dict, curvature: GroupCurvature
+    ) -> tuple[Tensor, list[Tensor]]:
+        """Eigenvalues and eigenvectors of the group's GGN block.
+
+        Args:
+            group: The parameter group.
+            curvature: Its Gram matrix and factors.
+
+        Returns:
+            Selected eigenvalues ``[K]`` (in the order the criterion selected
+            them; ascending for ascending indices) and the eigenvectors, one tensor
+            ``[K, *p.shape]`` per parameter of the group: eigenvector ``k`` is
+            ``[evecs_p[k] for evecs_p in evecs]``, of unit norm, or zero if
+            ``evals[k]`` is numerically zero or negative.
+        """
+        selection = self._select(group, curvature)
+        evecs = gram_to_param(
+            curvature.ggn_factors,
+            selection.gram_evecs,
+            selection.evals,
+            selection.tolerance,
+        )
+        return selection.evals, curvature.in_param_dtypes(evecs)

@@ -1,0 +1,50 @@
+"""GGN eigenvalues during backpropagation (ViViT-compatible)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from vivit.compat.computation import GroupComputation
+from vivit.linalg.solvers import gram_eigvalsh
+from vivit.sources.collector import GroupCurvature
+
+
+class EigvalshComputation(GroupComputation):
+    """Provide a BackPACK extension and hook to compute GGN eigenvalues.
+
+    Usage::
+
+        computation = EigvalshComputation()
+        groups = [{"params": list(model.parameters())}]
+        with backpack(
+            computation.get_extension(),
+            extension_hook=computation.get_extension_hook(groups),
+        ):
+            loss.backward()
+        evals = computation.get_result(groups[0])
+
+    Args:
+        subsampling: Indices of the samples whose curvature is used. ``None`` uses
+            the whole mini-batch. The GGN is then that of the same loss on those
+            samples alone (mean over them for ``reduction="mean"``).
+        mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its unbiased
+            Monte-Carlo estimate with ``M`` samples per datum.
+        verbose: Print what happens during backpropagation.
+        gram_dtype: Type of the Gram matrix and its eigenvalues (``None``: the
+            model's); ``torch.float64`` resolves the small eigenvalues of a
+            float32 model (see :class:`vivit.LowRankGGN`).
+    """
+
+    def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
+        """Eigenvalues of the group's GGN block.
+
+        Args:
+            group: The parameter group.
+            curvature: Its Gram matrix.
+
+        Returns:
+            All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending,
+            as computed: the GGN's non-zero eigenvalues plus numerical zeros
+            (possibly slightly negative through rounding), in ``gram_dtype``.
+        """
+        return gram_eigvalsh(curvature.gram)

@@ -1,0 +1,197 @@
+"""The Gram eigenpairs a parameter group's criterion selects, by ViViT 1.0's rules.
+
+The criterion receives all eigenvalues and may pick any (:func:`select_eigenpairs`);
+what is computed along the picked directions (:func:`selected_directional_derivatives`)
+treats those of numerically zero eigenvalues as zero vectors. Gram-space vectors
+are handed out class-major (entry ``c·N + n``), as ViViT's were; the Gram pipeline
+underneath is sample-major (``n·C + c``), and :func:`to_class_major` converts at
+the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from warnings import warn
+
+import torch
+from torch import Tensor
+
+from vivit.directional.gram_space import directional_derivatives
+from vivit.directional.results import DirectionalDerivatives
+from vivit.engines.base import BatchInfo
+from vivit.errors import InvalidArgumentError
+from vivit.linalg.solvers import gram_eigh, numerical_zero_tolerance
+from vivit.sources.collector import GroupCurvature
+
+
+def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
+    """Reorder the rows of Gram-space vectors from sample-major to class-major.
+
+    Row ``n·C + c`` (vivit's Gram pipeline) becomes row ``c·N + n`` (ViViT 1.0,
+    BackPACK's layout ``[C, N, ...]``).
+
+    Args:
+        gram_vectors: Vectors as columns, ``[N·C, K]``, sample-major.
+        columns_per_sample: ``C`` (``M`` with Monte-Carlo sampling).
+
+    Returns:
+        The same vectors, ``[N·C, K]``, class-major.
+    """
+    rows, num_vectors = gram_vectors.shape
+    num_samples = rows // columns_per_sample
+    return (
+        gram_vectors.reshape(num_samples, columns_per_sample, num_vectors)
+        .transpose(0, 1)
+        .reshape(rows, num_vectors)
+    )
+
+
+def criterion_indices(keep: object, num_evals: int) -> Tensor:
+    """Turn what a criterion returned into indices of the eigenvalues it keeps.
+
+    Accepts what indexing the eigenvalues accepted in ViViT 1.0: a sequence or
+    1-d tensor of integer indices (negative ones count from the end), or a boolean
+    mask over all eigenvalues.
+
+    Args:
+        keep: The criterion's return value.
+        num_evals: Number of eigenvalues the criterion received.
+
+    Returns:
+        Indices, ``[K]`` (long).
+
+    Raises:
+        ValueError: If ``keep`` is none of these, or an index is out of range.
+    """
+    try:
+        indices = torch.as_tensor(keep)
+    except (TypeError, ValueError, RuntimeError):
+        indices = None
+    if indices is not None and indices.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    if indices is not None and indices.dtype == torch.bool:
+        if indices.shape == (num_evals,):
+            return indices.nonzero().flatten().cpu()
+        indices = None
+    if (
+        indices is None
+        or indices.dim() != 1
+        or indices.is_floating_point()
+        or indices.is_complex()
+    ):
+        raise InvalidArgumentError(
+            'A group\'s "criterion" must return the indices of the eigenvalues to '
+            "keep (a list or 1-d tensor of ints, e.g. [evals.numel() - 1] for the "
+            f"largest) or a boolean mask over all {num_evals} of them; got {keep!r}."
+        )
+    indices = indices.to(torch.long).cpu()
+    outside = indices[(indices < -num_evals) | (indices >= num_evals)]
+    if outside.numel():
+        raise InvalidArgumentError(
+            f'The "criterion" returned indices {outside.tolist()} outside the '
+            f"{num_evals} eigenvalues it received (valid: 0 to {num_evals - 1}, or "
+            "negative from the end)."
+        )
+    return indices
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The Gram eigenpairs a group's criterion selected.
+
+    Attributes:
+        evals: Selected eigenvalues as computed (possibly numerically zero or
+            negative), ``[K]``, in the order the criterion gave.
+        gram_evecs: Their Gram eigenvectors, sample-major, ``[N·C, K]``.
+        tolerance: The Gram matrix's numerical-zero tolerance; directions with
+            eigenvalues at or below it are zero vectors.
+    """
+
+    evals: Tensor
+    gram_evecs: Tensor
+    tolerance: float
+
+    @property
+    def resolved(self) -> Tensor:
+        """Which selected eigenvalues lie above the tolerance, ``[K]`` (bool)."""
+        return self.evals > self.tolerance
+
+
+def select_eigenpairs(
+    curvature: GroupCurvature,
+    criterion: Callable[[Tensor], object],
+    warn_small_eigvals: float,
+) -> Selection:
+    """Decompose the Gram matrix and keep the eigenpairs the criterion selects.
+
+    As in ViViT 1.0: the criterion receives all eigenvalues (ascending) and may
+    return any indices; the selected eigenvalues are kept as computed, and a
+    ``UserWarning`` is raised if one is smaller in magnitude than
+    ``warn_small_eigvals``.
+
+    Args:
+        curvature: The group's curvature.
+        criterion: The group's ``"criterion"``.
+        warn_small_eigvals: Warn if a kept eigenvalue is smaller in magnitude.
+
+    Returns:
+        The selected eigenpairs and the numerical-zero tolerance.
+    """
+    evals, evecs = gram_eigh(curvature.gram)
+    tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
+    keep = criterion_indices(criterion(evals), evals.numel())
+    keep = keep.to(evals.device)
+    evals, evecs = evals[keep], evecs[:, keep]
+    if (evals.abs() < warn_small_eigvals).any():
+        warn(
+            f"Some selected eigenvalues are smaller than {warn_small_eigvals} in "
+            "magnitude. Their transformation to parameter space divides by the "
+            "eigenvalue's square root and is numerically unstable; consider a "
+            "more restrictive criterion. Directions of eigenvalues at or below "
+            f"the numerical-zero tolerance {tolerance:.3g} are zero vectors.",
+            stacklevel=3,
+        )
+    return Selection(evals=evals, gram_evecs=evecs, tolerance=tolerance)
+
+
+def selected_directional_derivatives(
+    vt_grads: Tensor,
+    selection: Selection,
+    batch: BatchInfo,
+    grad_samples: Sequence[int] | None = None,
+) -> DirectionalDerivatives:
+    """``γ``, ``λ`` and ``γ̄`` along every selected direction.
+
+    Along a direction that is a zero vector (eigenvalue at or below the
+    tolerance) all derivatives are zero; the eigenvalue is kept as computed.
+
+    Args:
+        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
+        selection: The selected eigenpairs.
+        batch: Batch context of the Gram matrix.
+        grad_samples: The gradient samples (``None``: the whole mini-batch).
+
+    Returns:
+        The directional derivatives, ``K`` columns.
+    """
+    resolved = selection.resolved
+    part = directional_derivatives(
+        vt_grads,
+        selection.gram_evecs[:, resolved],
+        selection.evals[resolved],
+        batch,
+        grad_samples,
+    )
+
+    def scatter(values: Tensor) -> Tensor:
+        full = values.new_zeros(*values.shape[:-1], resolved.numel())
+        full[..., resolved] = values
+        return full
+
+    return DirectionalDerivatives(
+        evals=selection.evals,
+        gammas=scatter(part.gammas),
+        lambdas=scatter(part.lambdas),
+        gamma_bar=scatter(part.gamma_bar),
+    )
