@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 from torch import Tensor
 
-from vivit.errors import SolverNotConvergedError
+from vivit import SolverNotConvergedError
 from vivit.linalg import iterative
 
 TOP_K = (1, 3, 10)

@@ -1,7 +1,7 @@
 """Peak memory of each phase of an exact top-10 request, with and without chunks.
 
 ``LowRankGGN(...)`` (forward and backward pass), ``gram()`` (forming the Gram
-matrix) and ``eigh(top_k=10)``, each measured as in ``tests/measure_memory.py``:
+matrix) and ``eigh(top_k=10)``, each measured as in ``tests/memory/measure_memory.py``:
 glibc serves allocations of at least 128 KiB with their own ``mmap``, so the
 resident set follows the live tensors; before the request the garbage collector
 runs, ``malloc_trim(0)`` returns free heap memory, and ``VmHWM`` is reset after

@@ -27,7 +27,6 @@ from problems import make_problem
 
 from vivit import LowRankGGN
 from vivit.linalg import top_k as top_k_module
-from vivit.linalg.group_products import num_params
 
 #: (problem, N) pairs measured by default.
 CASES = {
@@ -83,7 +82,7 @@ def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
     auto = top_k_module.choose_solver(
         size,
         top_k,
-        num_params=num_params(factors),
+        num_params=sum(p.numel() for p in model.parameters()),
         dtype=X.dtype,
         device=X.device,
         factors=factors,

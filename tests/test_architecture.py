@@ -2,12 +2,14 @@
 
 Each module of ``vivit`` belongs to one layer; it may import from its own layer and
 the layers above it, never from a layer below. BackPACK is imported only inside
-``vivit/engines/backpack``.
+``vivit/engines/backpack``. The studies (``exp/``) and the benchmarks
+(``benchmarks/``) import only the public API that ``docs/api.rst`` documents.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,106 @@ def test_the_check_can_fail():
     """A lower layer importing a higher one is caught."""
     assert layer_of("vivit.lowrank") > layer_of("vivit.engines.func.engine")
     assert layer_of("vivit.sources.collector") > layer_of("vivit.linalg.solvers")
+
+
+#: The page that defines the public API ("what this page documents").
+API_PAGE = ROOT / "docs" / "api.rst"
+#: ``.. automodule:: vivit.x`` documents a module, ``.. autoclass:: vivit.x.Name``
+#: (``autofunction``, ``autoexception``, ...) a name of module ``vivit.x``.
+_DIRECTIVE = re.compile(r"^\.\. auto(\w+):: (vivit[\w.]*)", re.MULTILINE)
+#: ``vivit.x.y`` in the prose: an import path the page promises (the ViViT paths).
+_IMPORT_PATH = re.compile(r"``(vivit(?:\.\w+)+)``")
+
+
+def public_modules(page: str) -> set[str]:
+    """``vivit`` and the modules ``page`` (reStructuredText) documents."""
+    modules = {"vivit"}
+    for kind, target in _DIRECTIVE.findall(page):
+        modules.add(target if kind == "module" else target.rpartition(".")[0])
+    modules.update(_IMPORT_PATH.findall(page))
+    return modules
+
+
+PUBLIC = public_modules(API_PAGE.read_text())
+
+
+def private_imports(source: str, public: set[str]) -> list[str]:
+    """What ``source`` imports from ``vivit`` outside the modules ``public``.
+
+    ``import vivit.x`` needs ``vivit.x`` public; ``from vivit.x import y`` needs
+    ``vivit.x`` or the submodule ``vivit.x.y`` public. No component of the path may
+    start with ``_``.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            paths = [(alias.name, {alias.name}) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            paths = [
+                (
+                    f"{node.module}.{alias.name}",
+                    {node.module, f"{node.module}.{alias.name}"},
+                )
+                for alias in node.names
+            ]
+        else:
+            continue
+        for path, allowed_by in paths:
+            if path.split(".")[0] != "vivit":
+                continue
+            if any(part.startswith("_") for part in path.split(".")) or not (
+                allowed_by & public
+            ):
+                found.append(path)
+    return found
+
+
+CLIENTS = sorted(
+    path
+    for folder in ("exp", "benchmarks")
+    for path in (ROOT / folder).rglob("*.py")
+    if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+)
+
+
+@pytest.mark.parametrize("path", CLIENTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_studies_and_benchmarks_import_only_the_public_api(path):
+    private = private_imports(path.read_text(), PUBLIC)
+    assert not private, (
+        f"{path.relative_to(ROOT)} imports {', '.join(private)}: not in the public "
+        "API (docs/api.rst)"
+    )
+
+
+def test_the_public_api_check_can_fail():
+    """The page's modules are found, and imports past them are caught."""
+    page = """
+.. automodule:: vivit.linalg.top_k
+.. autoclass:: vivit.linalg.iterative.SolverReport
+.. autoexception:: vivit.VivitError
+Also importable from ``vivit.linalg.eigh``.
+"""
+    public = public_modules(page)
+    assert public == {
+        "vivit",
+        "vivit.linalg.top_k",
+        "vivit.linalg.iterative",
+        "vivit.linalg.eigh",
+    }
+    assert {"vivit", "vivit.memory", "vivit.linalg.top_k"} <= PUBLIC
+    source = """
+import vivit._memory
+from vivit.linalg.solvers import numerical_zero_tolerance
+from vivit.linalg.top_k import _private_helper
+import vivit.linalg
+from vivit import LowRankGGN
+from vivit.linalg import top_k
+from vivit.linalg.eigh import EighComputation
+import torch
+"""
+    assert private_imports(source, public) == [
+        "vivit._memory",
+        "vivit.linalg.solvers.numerical_zero_tolerance",
+        "vivit.linalg.top_k._private_helper",
+        "vivit.linalg",
+    ]

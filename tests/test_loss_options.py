@@ -1,13 +1,13 @@
 """Every supported loss option end to end: LowRankGGN against the dense GGN.
 
 The reference is the dense float64 GGN of ``loss_func`` exactly as the module
-computes it (``tests/reference.py``: torch.func Hessian of the module's output),
-on the GGN samples alone. Checked per option, both reductions, with and without
+computes it (``tests/fixtures/reference.py``: torch.func Hessian of the module's
+output), on the GGN samples alone. Checked per option, both reductions, with and without
 subsampling: the eigenvalues, the gradient, the batch relations
 ``γ̄_k = e_kᵀ ∇L_{S_grad}`` (the loss on the gradient samples alone) and
 ``R_S Σ_n λ_nk = λ_k``, and the ViViT-compatible hook API.
 
-Tolerances as in ``tests/checks.py`` (float64: 1e-10·λ_max for eigenvalues);
+Tolerances as in ``tests/fixtures/checks.py`` (float64: 1e-10·λ_max for eigenvalues);
 directional quantities 1e-9 relative to the largest entry: float64 products over
 D ≤ 80 parameters, while a wrong normalization (a counted ignored sample, an
 ignored weight) is an O(1e-1) relative error.
@@ -18,10 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 from backpack import backpack, extend
-from checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals, flat_evecs
-from reference import dense_ggn, dense_gradient
 from torch import nn
 
+from tests.fixtures.checks import (
+    EIGVAL_RTOL,
+    assert_eigenpairs,
+    assert_top_eigvals,
+    flat_evecs,
+)
+from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import EigvalshComputation, LowRankGGN
 
 pytestmark = pytest.mark.filterwarnings(

@@ -2,10 +2,15 @@
 
 import pytest
 import torch
-from checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals, layer_groups
-from problems import PROBLEMS, prepare, problem_ids
-from reference import dense_ggn, dense_gradient
 
+from tests.fixtures.checks import (
+    EIGVAL_RTOL,
+    assert_eigenpairs,
+    assert_top_eigvals,
+    layer_groups,
+)
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids
+from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
 

@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 from backpack import backpack, extend
-from checks import EIGVAL_RTOL, assert_top_eigvals
-from reference import dense_ggn
 from torch import nn
 
+from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.reference import dense_ggn
 from vivit import (
     EighComputation,
     EigvalshComputation,

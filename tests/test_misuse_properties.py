@@ -9,8 +9,8 @@ subsampling, ``mc_samples``, generators and grad contexts (none, ``no_grad``,
 ``inference_mode``). The property: the call either raises a
 :class:`vivit.VivitError` (never another exception), or it returns eigenvalues
 that are finite and, for the exact GGN, equal the dense float64 reference of the
-same numbers (tolerances of ``tests/checks.py``); a call that carries a fault never
-returns. A second property calls the methods of a valid ``LowRankGGN`` with
+same numbers (tolerances of ``tests/fixtures/checks.py``); a call that carries a
+fault never returns. A second property calls the methods of a valid ``LowRankGGN`` with
 malformed ``top_k``, ``group``, ``damping`` and ``subsampling_grad``: a finite
 result for valid arguments, a library error otherwise.
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 from backpack import extend
-from checks import EIGVAL_RTOL, assert_top_eigvals
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from reference import dense_ggn
 from torch import nn
 
+from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN, VivitError
 
 SETTINGS = settings(

@@ -4,7 +4,7 @@ Hypothesis draws an architecture (an optional Conv1d/Conv2d front, then an MLP o
 1–3 Linear layers with widths 2–5 and one activation among Tanh/ReLU/Sigmoid), a
 batch (N = 1–5 samples, C = 2–4 outputs), the loss (MSE/CE), its reduction and a
 subsampling, all in float64, and compares ``LowRankGGN`` with the dense GGN of
-``reference.py``:
+``tests/fixtures/reference.py``:
 
 - the Gram matrix's eigenvalues are the GGN's leading ones, |Δ| ≤ 1e-10 λ_max;
 - ``eigh`` returns eigenpairs: ‖G e − λ e‖ ≤ 1e-8 λ_max (1e-8 λ for λ ≥ 1e-4 λ_max:
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import (
+from torch import nn
+
+from tests.fixtures.reference import (
     dense_ggn,
     flatten_params,
     per_sample_gradients,
     reduction_factor,
 )
-from torch import nn
-
 from vivit import LowRankGGN
 
 DTYPE = torch.float64

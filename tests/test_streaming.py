@@ -4,7 +4,7 @@ Against LowRankGGN over the same loader (stored factors) and the dense float64
 reference of the concatenated batch. The Krylov solver stops at a relative
 residual of ``1e-12`` (float64 default), so eigenvalues agree to ``1e-10·λ_max``
 and eigenvectors are checked by their residuals with the dense GGN
-(``tests/checks.py``); products with the Gram matrix are exact sums in another
+(``tests/fixtures/checks.py``); products with the Gram matrix are exact sums in another
 order, ``1e-10`` relative.
 """
 
@@ -14,12 +14,17 @@ import warnings
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_rel, assert_top_eigvals, layer_groups
-from problems import prepare, select
-from reference import dense_ggn, dense_gradient
-from test_data_loader import split
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.fixtures.checks import (
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    layer_groups,
+)
+from tests.fixtures.problems import prepare, select
+from tests.fixtures.reference import dense_ggn, dense_gradient
+from tests.sources.test_data_loader import split
 from vivit import (
     GradientContextError,
     GroupIndexError,

@@ -3,17 +3,17 @@
 With ``planner.MEMORY_BUDGET_BYTES`` at 8 bytes no intermediate fits: the planner
 takes the route with the smallest block, and ``V`` of every Linear and convolution
 weight is formed one output feature at a time. The results must still be those of
-the dense float64 GGN (``tests/reference.py``). With ``compact=False`` convolution
-weights keep their factor form instead of ``V`` (see
+the dense float64 GGN (``tests/fixtures/reference.py``). With ``compact=False``
+convolution weights keep their factor form instead of ``V`` (see
 ``OuterProductFactors.compact``), so the chunked Gram of every layer type runs.
 """
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_top_eigvals
-from problems import prepare, problem_ids, select
-from reference import dense_ggn, per_sample_gradients
 
+from tests.fixtures.checks import assert_eigenpairs, assert_top_eigvals
+from tests.fixtures.problems import prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn, per_sample_gradients
 from vivit import LowRankGGN
 from vivit.gram import OuterProductFactors, planner
 
@@ -22,7 +22,7 @@ ARCHITECTURES = ["cnn", "conv1d", "conv3d", "sequence_linear"]
 PROBLEMS = select(architecture=ARCHITECTURES, loss="ce", reduction="mean") + select(
     architecture=ARCHITECTURES, loss="mse", reduction="sum"
 )
-#: float64 throughout: eigenvalues to 1e-10·λ_max as in tests/checks.py.
+#: float64 throughout: eigenvalues to 1e-10·λ_max as in tests/fixtures/checks.py.
 RTOL = 1e-10
 
 

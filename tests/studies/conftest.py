@@ -5,15 +5,14 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-for path in (HERE.parents[1] / "exp", HERE):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+EXP = Path(__file__).resolve().parents[2] / "exp"
+if str(EXP) not in sys.path:
+    sys.path.insert(0, str(EXP))
 
 pytest.importorskip("matplotlib", reason="the studies need matplotlib (study extra)")
 pytest.importorskip("sklearn", reason="the studies need scikit-learn (study extra)")
 
-from study_helpers import FACTORIES, Runner  # noqa: E402
+from tests.studies.study_helpers import FACTORIES, Runner  # noqa: E402
 
 
 @pytest.fixture

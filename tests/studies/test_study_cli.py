@@ -8,7 +8,8 @@ import pytest
 import torch
 from studies import newton, noise, spectrum
 from studies.models import mlp
-from study_helpers import ROOT
+
+from tests.studies.study_helpers import ROOT
 
 
 @pytest.mark.parametrize("study", ["spectrum", "noise", "newton"])

@@ -3,7 +3,8 @@ transformer and char-lstm, sequence data in ``--data``."""
 
 import pytest
 import torch
-from study_helpers import read_results
+
+from tests.studies.study_helpers import read_results
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from studies.data import load_dataset
 from studies.models import build_model
-from study_helpers import read_results, run_tiny
 
+from tests.studies.study_helpers import read_results, run_tiny
 from vivit import LowRankGGN
 
 TEST_FRACTION, N_BATCH, C = 0.02, 12, 10

@@ -4,7 +4,8 @@ import math
 
 import pytest
 from studies import newton
-from study_helpers import read_results, run_tiny
+
+from tests.studies.study_helpers import read_results, run_tiny
 
 
 @pytest.fixture(scope="module")

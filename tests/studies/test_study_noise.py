@@ -2,7 +2,8 @@
 
 import pytest
 from studies import noise
-from study_helpers import read_results, run_tiny
+
+from tests.studies.study_helpers import read_results, run_tiny
 
 K = 3
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from study_helpers import read_results, run_tiny
+
+from tests.studies.study_helpers import read_results, run_tiny
 
 METHODS = ("exact", "mc", "subsample", "block_diagonal")
 N, C, K = 12, 10, 3

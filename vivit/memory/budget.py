@@ -127,7 +127,7 @@ class FactorBudget:
     convolution inputs, backward transients). The sum must fit into the memory
     available before the first batch; otherwise the run stops with the estimate
     and the alternatives, after the first batch when the loader has a length.
-    ``tests/test_data_loader_memory.py`` checks the estimate against the
+    ``tests/memory/test_data_loader_memory.py`` checks the estimate against the
     measured peak. A request for the dense solver (``num_grams``) also checks,
     after the first batch, that the Gram matrices of all samples will fit
     (``B`` times the first batch's rows). With ``chunk_size`` every chunk is

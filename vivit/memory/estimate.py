@@ -35,7 +35,7 @@ mini-batch size. ``solver="auto"`` is resolved by
 would hold (on the meta device: no entries), so the estimate is for the solver
 the request runs. Entries are counted in the parameters' data type, the iterative
 solvers' Krylov bases in float64. The estimate leaves out the model, the data and
-the loaded libraries; ``tests/test_memory.py`` checks it against the measured
+the loaded libraries; ``tests/memory/test_memory.py`` checks it against the measured
 increase of resident memory within a factor of 1.5.
 
 :func:`largest_batch` searches the largest mini-batch whose estimate fits a budget.

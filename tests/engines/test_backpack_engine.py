@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backpack import backpack, extend
-from checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals
-from problems import prepare, select
-from reference import dense_ggn
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from tests.fixtures.checks import EIGVAL_RTOL, assert_eigenpairs, assert_top_eigvals
+from tests.fixtures.problems import prepare, select
+from tests.fixtures.reference import dense_ggn
 from vivit import (
     BatchNormTrainingError,
     EigvalshComputation,

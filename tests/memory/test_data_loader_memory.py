@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from measure_memory import run_worker
-from problems import prepare, select
-from test_data_loader import split
 
 import vivit.gram.memory
 import vivit.memory.budget
+from tests.fixtures.problems import prepare, select
+from tests.memory.measure_memory import run_worker
+from tests.sources.test_data_loader import split
 from vivit import FactorsTooLargeError, GramTooLargeError, LowRankGGN
 
 #: The estimate must lie within this factor of the measured peak increase of

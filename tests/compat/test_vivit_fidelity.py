@@ -20,11 +20,11 @@ import warnings
 import pytest
 import torch
 from backpack import backpack, extend
-from checks import assert_eigenpairs, flat_evecs
-from problems import prepare, problem_ids, select
-from reference import dense_ggn, per_sample_ggns, per_sample_gradients
 from torch.func import functional_call, jacrev
 
+from tests.fixtures.checks import assert_eigenpairs, flat_evecs
+from tests.fixtures.problems import prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn, per_sample_ggns, per_sample_gradients
 from vivit import (
     DirectionalDampedNewtonComputation,
     DirectionalDerivativesComputation,

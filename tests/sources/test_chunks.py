@@ -1,29 +1,34 @@
 """``LowRankGGN(..., chunk_size=B)``: the backward pass in chunks of samples.
 
-Chunking must not change any result: the chunked GGN is the GGN of the loss on the
-whole mini-batch (``docs/math.rst``, "Data sets and processes"). Checked against
-the unchunked object (Gram matrix, loss, gradient, ``γ``, Newton steps) and
-against the dense float64 GGN of ``tests/reference.py`` (eigenvalues, eigenpairs of
-every solver), on several architectures, both losses and reductions, both engines,
-parameter groups, and subsamplings that fall into every chunk, into some chunks
-only, and that visit the chunks out of order.
+Chunking must not change any result: the chunked GGN is the GGN of the loss on the whole
+mini-batch (``docs/math.rst``, "Data sets and processes"). Checked against the unchunked
+object (Gram matrix, loss, gradient, ``γ``, Newton steps) and against the dense float64
+GGN of ``tests/fixtures/reference.py`` (eigenvalues, eigenpairs of every solver), on
+several architectures, both losses and reductions, both engines, parameter groups, and
+subsamplings that fall into every chunk, into some chunks only, and that visit the
+chunks out of order.
 
 Tolerances (float64): the chunked and unchunked Gram matrices hold the same
 products summed in a different order and rescaled by ``√(R_union/R_chunk)``, so
 they agree to a few ulps of their largest entry (measured ≤ 1e-15 relative);
 ``1e-12`` relative leaves room, while a wrong scale or a missing or misplaced
-sample is an O(1) error. Eigenpairs against the dense GGN: ``tests/checks.py``.
+sample is an O(1) error. Eigenpairs against the dense GGN: ``tests/fixtures/checks.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_rel, assert_top_eigvals, layer_groups
-from func_problems import FUNC_PROBLEMS
-from problems import default_dtype, prepare, problem_ids, select
-from reference import dense_ggn
 
+from tests.fixtures.checks import (
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    layer_groups,
+)
+from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.problems import default_dtype, prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 from vivit.errors import (
     InvalidArgumentError,

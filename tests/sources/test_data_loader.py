@@ -3,14 +3,14 @@
 The GGN of a loader is that of the loss on all its samples together
 (``docs/math.rst``, "Data sets and processes"): every quantity must equal the
 dense float64 torch.func reference of the concatenated batch
-(``tests/reference.py``) and LowRankGGN on the concatenated batch.
+(``tests/fixtures/reference.py``) and LowRankGGN on the concatenated batch.
 
 Tolerances (float64 throughout unless said otherwise): the loader and the single
 batch compute the same sums in a different order (per-batch forward passes,
 cross-Gram blocks instead of one Gram), so they agree to rounding, ``1e-10``
 relative to the largest entry (measured ≤ 1e-13); a wrong scaling
 ``√(R_union/R_block)`` or weight ``R_union/R_block`` is an O(1) relative error.
-Eigenvalues against the reference as in ``tests/checks.py``.
+Eigenvalues against the reference as in ``tests/fixtures/checks.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ import sys
 
 import pytest
 import torch
-from checks import (
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import vivit.sources.blocks
+from tests.fixtures.checks import (
     EIGVAL_RTOL,
     assert_eigenpairs,
     assert_rel,
@@ -27,13 +31,9 @@ from checks import (
     flat_evecs,
     layer_groups,
 )
-from func_problems import FUNC_PROBLEMS
-from problems import prepare, select
-from reference import dense_ggn, dense_gradient, per_sample_gradients
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import vivit.sources.blocks
+from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.problems import prepare, select
+from tests.fixtures.reference import dense_ggn, dense_gradient, per_sample_gradients
 from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
 
 REL = 1e-10

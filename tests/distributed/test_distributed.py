@@ -1,6 +1,6 @@
 """Several processes: gloo groups of 2 and 3 ranks on CPU, spawned from the tests.
 
-Each job starts one process per rank (``tests/distributed_jobs.py``), which runs
+Each job starts one process per rank (``tests/distributed/jobs.py``), which runs
 every scenario of the job on its shard; here the results are compared with the
 single-process results on the union of the shards (concatenated batch; for MC a
 loader over the shards in rank order, whose block ``b`` draws from the same
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checks import align_signs, assert_rel
-from distributed_jobs import (
+
+from tests.distributed.jobs import (
     BYTES_SCENARIO,
     JOBS,
     SCENARIOS,
@@ -29,14 +29,14 @@ from distributed_jobs import (
     setup,
     train_reference,
 )
-from reference import dense_ggn, dense_gradient
-
+from tests.fixtures.checks import align_signs, assert_rel
+from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
 from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
 from vivit.distributed.packing import Packer, pack_factors, unpack_factors
 from vivit.gram import SampleBlockFactors
 
-TESTS = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 #: Seconds a whole job may take (typically 5-10 s) before it is killed.
 JOB_TIMEOUT = 120
 
@@ -46,9 +46,9 @@ def launch(world_size: int, out: Path) -> list[dict]:
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]),
+        PYTHONPATH=str(ROOT),
     )
-    command = [sys.executable, str(TESTS / "distributed_jobs.py"), str(world_size)]
+    command = [sys.executable, "-m", "tests.distributed.jobs", str(world_size)]
     processes = [
         subprocess.Popen(
             [*command, str(rank), str(world_size), str(out / "rendezvous"), str(out)],

@@ -11,11 +11,11 @@ reference's rounding).
 
 import pytest
 import torch
-from checks import EIGVAL_RTOL, assert_top_eigvals, flat_evecs
-from problems import PROBLEMS, prepare, problem_ids, select
-from reference import dense_ggn
 
 import vivit.sources.stored
+from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals, flat_evecs
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn
 from vivit import InvalidArgumentError, LowRankGGN, SolverNotConvergedError
 from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import iterative
@@ -79,8 +79,8 @@ def test_mc_and_subsampling(problem, options):
     generator = torch.Generator().manual_seed(3)
     dense = LowRankGGN(model, loss_func, (X, y), generator=generator, **options)
     # the MC estimate's reference is the dense solver on the same samples (the dense
-    # solver is tested against torch.func in test_lowrank.py); exact subsampling is
-    # compared with the reference GGN of the subset itself
+    # solver is tested against torch.func in tests/test_lowrank.py); exact subsampling
+    # is compared with the reference GGN of the subset itself
     G = (
         dense_ggn(model, loss_func, X, y, subsampling=options["subsampling"])
         if "subsampling" in options

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from measure_memory import run_worker
-from problems import prepare, select
 from torch import nn
 
 import vivit.gram.memory
 import vivit.linalg.top_k
+from tests.fixtures.problems import prepare, select
+from tests.memory.measure_memory import run_worker
 from vivit import GramTooLargeError, LowRankGGN
 from vivit.errors import (
     BatchNormTrainingError,

@@ -1,6 +1,7 @@
-"""What every rank of a gloo group runs for ``tests/test_distributed.py``.
+"""What every rank of a gloo group runs for ``test_distributed.py``.
 
-Run as ``python distributed_jobs.py JOB RANK WORLD_SIZE RENDEZVOUS_FILE OUT_DIR``:
+Run from the repository root as
+``python -m tests.distributed.jobs JOB RANK WORLD_SIZE RENDEZVOUS_FILE OUT_DIR``:
 each rank computes every scenario of the job on its shard and saves the results
 (``OUT_DIR/rank{RANK}.pt``); the test compares them with the single-process
 results on the union and with each other. The scenarios are defined here once,
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from problems import ARCHITECTURES
 from torch import Tensor, nn
 
+from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
 from vivit.optim import DampedNewton
 from vivit.sources.blocks import block_generator

@@ -3,11 +3,11 @@
 import pytest
 import torch
 from backpack import backpack
-from checks import assert_eigenpairs, assert_top_eigvals, layer_groups
-from problems import PROBLEMS, prepare, problem_ids, select
-from reference import dense_ggn
 
 import vivit
+from tests.fixtures.checks import assert_eigenpairs, assert_top_eigvals, layer_groups
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn
 from vivit.linalg.eigh import EighComputation
 from vivit.linalg.eigvalsh import EigvalshComputation
 

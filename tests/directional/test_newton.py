@@ -21,14 +21,14 @@ from typing import NamedTuple
 import pytest
 import torch
 from backpack import backpack
-from problems import Setup, get_problem, prepare
-from reference import (
+
+from tests.fixtures.problems import Setup, get_problem, prepare
+from tests.fixtures.reference import (
     flatten_params,
     per_sample_ggns,
     per_sample_gradients,
     reduction_factor,
 )
-
 from vivit import DirectionalDampedNewtonComputation, LowRankGGN
 from vivit.optim import ConstantDamping, NewtonStep
 

@@ -1,6 +1,6 @@
 """The func engine against dense float64 references and against the BackPACK engine.
 
-References (``tests/reference.py``) use only ``torch.func`` on the whole batch,
+References (``tests/fixtures/reference.py``) use only ``torch.func`` on the whole batch,
 independently of both engines: the dense GGN ``G = R Σ_n J_nᵀ H_n J_n``, per-sample
 gradients ``∇ℓ_n`` and per-sample GGNs ``G_n`` (``docs/math.rst``, "Ground truth
 for tests"). Directions are the engine's own eigenvectors, certified by their
@@ -9,11 +9,10 @@ dense formulas along them (``docs/math.rst``, "Directional derivatives", "Damped
 Newton step").
 
 Tolerances (float64, ε ≈ 2.2e-16, D ≤ 200, Gram side ≤ 60): eigenvalues within
-1e-10·λ_max and residuals ≤ 1e-8·λ (``checks.py``); γ, λ and steps within 1e-10
-of the largest reference entry. The errors of the Gram eigendecomposition and of
-the products stay around 1e-13 relative, while a wrong scale (R, √R, N, C), a
-missing sample, a dropped use of a shared weight or a missing cross term is an
-O(1) error.
+1e-10·λ_max and residuals ≤ 1e-8·λ (``tests/fixtures/checks.py``); γ, λ and steps within
+1e-10 of the largest reference entry. The errors of the Gram eigendecomposition and of
+the products stay around 1e-13 relative, while a wrong scale (R, √R, N, C), a missing
+sample, a dropped use of a shared weight or a missing cross term is an O(1) error.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from checks import (
+from torch import nn
+
+from tests.fixtures.checks import (
     align_signs,
     assert_eigenpairs,
     assert_rel,
@@ -33,17 +34,15 @@ from checks import (
     flat_evecs,
     layer_groups,
 )
-from func_problems import FUNC_PROBLEMS, TwiceLinear
-from problems import PROBLEMS, Setup, prepare, problem_ids
-from reference import (
+from tests.fixtures.func_problems import FUNC_PROBLEMS, TwiceLinear
+from tests.fixtures.problems import PROBLEMS, Setup, prepare, problem_ids
+from tests.fixtures.reference import (
     dense_ggn,
     dense_gradient,
     per_sample_ggns,
     per_sample_gradients,
     reduction_factor,
 )
-from torch import nn
-
 from vivit import LowRankGGN, SampleCouplingError
 from vivit.engines.func import FuncEngine
 from vivit.engines.func.vjp import BatchedVJP

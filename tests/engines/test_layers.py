@@ -7,10 +7,10 @@ appears once, so a layer whose module extension is missing or wrong fails here.
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_top_eigvals
-from reference import dense_ggn
 from torch import nn
 
+from tests.fixtures.checks import assert_eigenpairs, assert_top_eigvals
+from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 from vivit.engines.backpack import GramGGN
 
@@ -181,6 +181,7 @@ def test_max_pooling_reuses_the_forward_indices(monkeypatch, subsampling):
         loss_func = nn.CrossEntropyLoss()
         G = dense_ggn(net, loss_func, inputs, targets, subsampling=subsampling)
         ggn = LowRankGGN(net, loss_func, (inputs, targets), subsampling=subsampling)
-        # float64 throughout: the spectra agree to rounding (see checks.py)
+        # float64 throughout: the spectra agree to rounding
+        # (see tests/fixtures/checks.py)
         assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
         assert not any(hasattr(m, POOL_INDICES) for m in net.modules())

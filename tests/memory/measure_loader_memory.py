@@ -1,6 +1,6 @@
 """Worker of ``test_data_loader_memory.py``: a loader's stored factors, measured.
 
-Run as ``python tests/measure_loader_memory.py``; prints one JSON line per loader
+Run as ``python tests/memory/measure_loader_memory.py``; prints one JSON line per loader
 with the measured peak increase of resident memory while ``LowRankGGN`` passes
 over it (``measure_memory.peak_increase``: every allocation of 128 KiB or more
 served by its own ``mmap``) and the estimate the library refuses with, taken

@@ -10,11 +10,11 @@ order ``ε·‖V‖²·‖v‖·√D``, far below ``1e-10·‖G‖·‖v‖``. T
 import numpy
 import pytest
 import torch
-from checks import flat_evecs
-from problems import PROBLEMS, prepare, problem_ids, select
-from reference import dense_ggn
 from scipy.sparse.linalg import eigsh
 
+from tests.fixtures.checks import flat_evecs
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 
 #: Every architecture with both losses and both reductions (one loss per reduction).

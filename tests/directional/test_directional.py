@@ -27,15 +27,22 @@ from typing import NamedTuple
 import pytest
 import torch
 from backpack import backpack
-from checks import align_signs, assert_rel
-from problems import ARCHITECTURES, Problem, Setup, get_problem, prepare, problem_ids
-from reference import (
+
+from tests.fixtures.checks import align_signs, assert_rel
+from tests.fixtures.problems import (
+    ARCHITECTURES,
+    Problem,
+    Setup,
+    get_problem,
+    prepare,
+    problem_ids,
+)
+from tests.fixtures.reference import (
     dense_gradient,
     per_sample_ggns,
     per_sample_gradients,
     reduction_factor,
 )
-
 from vivit import (
     DirectionalDerivatives,
     DirectionalDerivativesComputation,

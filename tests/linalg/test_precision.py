@@ -4,7 +4,7 @@ A float32 model trained until its softmax saturates has a GGN spectrum spanning
 more than ten orders of magnitude. Its float32 Gram matrix resolves nothing below
 about ``N·C·ε₃₂·λ_max``; accumulated in float64 from the same float32 factors it
 resolves the spectrum down to float64 rounding. The reference is the dense float64
-GGN of the same weights and data (``tests/reference.py``).
+GGN of the same weights and data (``tests/fixtures/reference.py``).
 
 Bound (``docs/math.rst``, "Precision and the numerical zero"): float32 factors
 ``V̂ = V + δV`` with ``‖δV‖₂ ≲ c·ε₃₂·σ_max`` move each singular value by at most
@@ -22,9 +22,9 @@ import functools
 import pytest
 import torch
 from backpack import backpack, extend
-from reference import dense_ggn
 from torch import nn
 
+from tests.fixtures.reference import dense_ggn
 from vivit import DirectionalDerivativesComputation, EigvalshComputation, LowRankGGN
 
 EPS32 = torch.finfo(torch.float32).eps

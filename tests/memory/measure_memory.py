@@ -1,6 +1,6 @@
 """Worker of ``test_memory.py``: measure the peak memory of requests in a fresh process.
 
-Run as ``python tests/measure_memory.py``; prints one JSON line per request with
+Run as ``python tests/memory/measure_memory.py``; prints one JSON line per request with
 the measured increase of resident memory and the estimate.
 
 Measurement: glibc's malloc is told to serve every allocation of at least 128 KiB

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import assert_eigenpairs, assert_top_eigvals, flat_evecs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import dense_ggn, per_sample_gradients, reduction_factor
 from torch import nn
 
+from tests.fixtures.checks import assert_eigenpairs, assert_top_eigvals, flat_evecs
+from tests.fixtures.reference import dense_ggn, per_sample_gradients, reduction_factor
 from vivit import LowRankGGN
 
 pytestmark = pytest.mark.filterwarnings(
@@ -128,7 +128,8 @@ def test_func_engine_on_random_sequence_models(case):
     assert_eigenpairs(evals, evecs, G)
 
     # the leading directions: eigenvectors of tiny eigenvalues carry the error
-    # ε·λ_max/√λ of V ẽ/√λ (checks.py), which the step does not need to match
+    # ε·λ_max/√λ of V ẽ/√λ (tests/fixtures/checks.py), which the step does not need
+    # to match
     evals, evecs = ggn.eigh(top_k=3)
     E = flat_evecs(evecs)
     grads = per_sample_gradients(model, loss_func, X, y)

@@ -1,0 +1,1 @@
+"""Tests of vivit, in folders that mirror the package's."""

@@ -1,0 +1,1 @@
+"""Tests of the ViViT-compatible computation classes."""

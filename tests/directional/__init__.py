@@ -1,0 +1,1 @@
+"""Tests of directional derivatives and Newton steps along GGN eigenvectors."""

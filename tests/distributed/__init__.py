@@ -1,0 +1,1 @@
+"""Tests of several processes: gloo groups spawned on CPU."""

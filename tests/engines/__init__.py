@@ -1,0 +1,1 @@
+"""Tests of the BackPACK and func engines and the layers they support."""

@@ -1,0 +1,1 @@
+"""Tests of the Gram eigensolvers, the GGN operator and the Gram precision."""

@@ -1,0 +1,1 @@
+"""Tests of the memory estimates, the batch search and the refusals."""

@@ -1,0 +1,1 @@
+"""Tests of the DampedNewton optimizer, its dampings and its guards."""

@@ -1,0 +1,1 @@
+"""Tests of curvature sources: chunks of samples and data loaders."""
