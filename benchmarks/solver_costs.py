@@ -52,7 +52,7 @@ def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
     data = (X, y)
     backward, ggn = cpu_time(lambda: LowRankGGN(model, loss_func, data), repeats)
     factors = ggn._group(0).ggn_factors
-    size = ggn._size(0)
+    size = factors[0].num_rows
 
     def gram():
         ggn._group(0).gram = None

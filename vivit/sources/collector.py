@@ -18,11 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.nn import Parameter
+from torch.nn import Module, Parameter
 
-from vivit._validation import check_subsampling
+from vivit._validation import (
+    check_model,
+    check_params,
+    check_subsampling,
+    param_group_lists,
+)
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors
+from vivit.losses import check_loss_function
 
 
 @dataclass
@@ -229,3 +235,30 @@ class GroupCollector:
             How many parameters are still missing.
         """
         return len(self._missing[group])
+
+
+def checked_param_groups(
+    model: Module, loss_func: Module, param_groups: object
+) -> tuple[list[list[Parameter]], dict[int, str]]:
+    """Check the model and the loss function; the parameter groups as lists.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        param_groups: Lists of parameters (``None``: one group with every
+            trainable parameter of the model).
+
+    Returns:
+        The groups, and each parameter's name in the model (by ``id``) for
+        messages.
+
+    Raises:
+        VivitError: For a model or loss function the library cannot use, or
+            malformed, 16-bit or non-finite parameters.
+    """
+    check_model(model)
+    check_loss_function(loss_func)
+    groups = param_group_lists(param_groups, model)
+    names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
+    check_params([p for group in groups for p in group], names)
+    return groups, names

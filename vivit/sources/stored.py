@@ -22,7 +22,6 @@ from vivit._validation import (
     check_finite,
     check_group_index,
     check_inputs_match,
-    check_model,
     check_params,
     check_subsampling,
     param_group_lists,
@@ -40,7 +39,6 @@ from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
-from vivit.losses import check_loss_function
 from vivit.memory.budget import FactorBudget
 from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
@@ -61,7 +59,7 @@ from vivit.sources.blocks import (
     merged_blocks,
 )
 from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
-from vivit.sources.collector import GroupCurvature
+from vivit.sources.collector import GroupCurvature, checked_param_groups
 
 #: The blocks of one construction: each run with the loader's batch it belongs to
 #: (``None`` for one mini-batch, which an error then does not name).
@@ -284,8 +282,7 @@ class StoredFactors:
         Returns:
             The stored factors.
         """
-        check_model(model)
-        check_loss_function(loss_func)
+        param_groups, names = checked_param_groups(model, loss_func, param_groups)
         single = is_batch(data)
         if single:
             data = check_batch(data)
@@ -294,9 +291,6 @@ class StoredFactors:
                 "subsampling selects samples of one mini-batch; with a data loader, "
                 "pass a loader over the samples whose curvature you want."
             )
-        param_groups = param_group_lists(param_groups, model)
-        names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
-        check_params([p for group in param_groups for p in group], names)
         if single:
             check_inputs_match(data[0], list(model.parameters()))
             check_subsampling(options.subsampling, data[0].shape[0])

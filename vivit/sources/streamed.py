@@ -28,9 +28,6 @@ from vivit._validation import (
     check_batch,
     check_grad_mode,
     check_group_index,
-    check_model,
-    check_params,
-    param_group_lists,
 )
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import resolve_engine
@@ -41,7 +38,6 @@ from vivit.errors import (
 )
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
-from vivit.losses import check_loss_function
 from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,
@@ -56,6 +52,7 @@ from vivit.sources.batches import (
 )
 from vivit.sources.blocks import UnionOutput, block_requests, block_scale, union_batch
 from vivit.sources.chunks import run_chunk, split_batch
+from vivit.sources.collector import checked_param_groups
 
 
 def fingerprint(batch: Sequence[Tensor]) -> str:
@@ -305,8 +302,7 @@ class StreamedFactors:
         param_groups: Sequence[Sequence[Parameter]] | None,
         options: CurvatureOptions,
     ):
-        check_model(model)
-        check_loss_function(loss_func)
+        self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
         if is_batch(data):
             data = [check_batch(data)]
         elif isinstance(data, Iterator):
@@ -316,9 +312,6 @@ class StreamedFactors:
                 "a list of batches or a DataLoader."
             )
         _check_streamable(options)
-        self.param_groups = param_group_lists(param_groups, model)
-        names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
-        check_params([p for group in self.param_groups for p in group], names)
         engine = resolve_engine(options.engine, model, loss_func)
         self.engine = engine.name
         self.passes = 0
