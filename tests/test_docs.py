@@ -36,3 +36,16 @@ def test_docs_build_without_warnings(tmp_path):
         "UnsupportedLayerError",
     ):
         assert name in api
+    # every method a front door answers is documented on it, and only those
+    for documented in (
+        "vivit.options.CurvatureOptions",
+        "vivit.results.CurvatureResults",
+        "vivit.LowRankGGN.from_options",
+        "vivit.LowRankGGN.gram",
+        "vivit.LowRankGGN.eigh",
+        "vivit.StreamingGGN.eigh",
+        "vivit.StreamingGGN.operator",
+    ):
+        assert f'id="{documented}"' in api, documented
+    for refused in ("gram", "eigvalsh", "zero_tolerance"):
+        assert f'id="vivit.StreamingGGN.{refused}"' not in api, refused
