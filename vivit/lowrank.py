@@ -11,7 +11,7 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
 from vivit.distributed import ShardExchange, local_module, resolve_group
-from vivit.engines.base import Engine
+from vivit.engines.base import Engine, OutputSelector
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature
@@ -133,6 +133,14 @@ class LowRankGGN(CurvatureResults):
             ``None``: the whole batch at once. With Monte-Carlo sampling each
             chunk draws from its own stream (seeded like a loader's batches), so
             chunking changes the draws, not their distribution.
+        output: What the loss is computed from when the model returns more than
+            a tensor: ``None`` (default; the model must return the output
+            tensor), the attribute or key of a structured output (``"logits"``
+            of a ``ModelOutput`` or a dict, a named tuple's field), or a
+            function of the model's return value (``lambda out: out[0]``). The
+            curvature is that of ``loss_func(selected, targets)``. A model that
+            returns anything but a tensor without it is refused, naming the
+            type and its fields.
 
     Attributes:
         loss: The loss on the mini-batch, or on all samples of a loader
@@ -174,6 +182,7 @@ class LowRankGGN(CurvatureResults):
         progress: bool | None = None,
         process_group: ProcessGroup | bool | None = None,
         chunk_size: int | None = None,
+        output: OutputSelector = None,
     ):
         group = resolve_group(process_group)
         with ShardExchange(group) as shards:  # a failure raises on every rank
@@ -190,6 +199,7 @@ class LowRankGGN(CurvatureResults):
                 progress=progress,
                 process_group=False if group is None else group,
                 chunk_size=chunk_size,
+                output=output,
             )
             source = StoredFactors.run(
                 local_module(model), loss_func, data, param_groups, options, shards

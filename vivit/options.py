@@ -29,7 +29,7 @@ from vivit._validation import (
     check_subsampling,
 )
 from vivit.distributed.group import resolve_group
-from vivit.engines.base import Engine
+from vivit.engines.base import Engine, OutputSelector, check_output_selector
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.iterative import check_seed, check_tolerance
@@ -60,6 +60,8 @@ class CurvatureOptions:
         progress: Progress bar of a pass over a data loader.
         process_group: As passed: ``None``, ``False`` or a ``ProcessGroup``.
         chunk_size: Most samples per backward pass (``None``: whole batches).
+        output: Selects the output tensor from what the model returns
+            (:func:`~vivit.engines.base.select_output`).
         group: The resolved process group (``None``: this process alone).
 
     Raises:
@@ -80,6 +82,7 @@ class CurvatureOptions:
     progress: bool | None = None
     process_group: ProcessGroup | bool | None = None
     chunk_size: int | None = None
+    output: OutputSelector = None
     group: ProcessGroup | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class CurvatureOptions:
         check_engine(self.engine)
         check_progress(self.progress)
         check_chunk_size(self.chunk_size)
+        check_output_selector(self.output)
         object.__setattr__(self, "group", resolve_group(self.process_group))
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
-from vivit.engines.base import Engine
+from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import InvalidArgumentError
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
@@ -88,6 +88,7 @@ class StreamingGGN(CurvatureResults):
             alone. A process group (the union of the ranks' loaders) is refused.
         chunk_size: As for :class:`~vivit.LowRankGGN`: every batch of every pass
             runs in chunks of at most this many samples.
+        output: As for :class:`~vivit.LowRankGGN`.
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -118,6 +119,7 @@ class StreamingGGN(CurvatureResults):
         progress: bool | None = None,
         process_group: ProcessGroup | bool | None = False,
         chunk_size: int | None = None,
+        output: OutputSelector = None,
     ):
         check_grad_mode("StreamingGGN")
         options = CurvatureOptions(
@@ -132,6 +134,7 @@ class StreamingGGN(CurvatureResults):
             progress=progress,
             process_group=process_group,
             chunk_size=chunk_size,
+            output=output,
         )
         self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
         super().__init__(self._stream, options)

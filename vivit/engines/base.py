@@ -11,8 +11,9 @@ the loss and the mini-batch gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,8 +21,141 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.losses import LossNormalization
+
+#: What picks the tensor the loss is computed from out of a model's output:
+#: ``None`` (the model returns that tensor), the key, attribute or position of a
+#: structured output (``"logits"``, ``0``), or a function applied to the output.
+OutputSelector = str | int | Callable[[object], Tensor] | None
+
+
+def check_output_selector(output: object) -> None:
+    """Check an ``output`` option.
+
+    Args:
+        output: ``None``, a non-empty string, an int or a callable.
+
+    Raises:
+        InvalidArgumentError: If it is none of these.
+    """
+    if (
+        output is None
+        or callable(output)
+        or (isinstance(output, str) and output)
+        or (isinstance(output, int) and not isinstance(output, bool))
+    ):
+        return
+    raise InvalidArgumentError(
+        "output must be None (the model returns the output tensor), the key or "
+        "attribute of the model's structured output (output='logits'), a position "
+        "in a returned tuple (output=0), or a function of the model's output "
+        f"(output=lambda out: out[0]), got {output!r}."
+    )
+
+
+def selects_by_name(selector: OutputSelector) -> bool:
+    """Whether ``selector`` picks a tensor the model returned (no computation).
+
+    Args:
+        selector: An ``output`` option.
+
+    Returns:
+        ``True`` for ``None``, a key, attribute or position; ``False`` for a
+        function, which may compute from the output.
+    """
+    return not callable(selector)
+
+
+def select_output(output: object, selector: OutputSelector = None) -> Tensor:
+    """The tensor the loss is computed from, out of what the model returned.
+
+    Args:
+        output: The model's return value.
+        selector: ``None``: ``output`` must be a tensor; a string: the key or
+            attribute of a structured output (a dict, a ``ModelOutput``, a named
+            tuple, a dataclass); an int: the position in a tuple or list; a
+            callable: applied to ``output``.
+
+    Returns:
+        The selected output tensor.
+
+    Raises:
+        InvalidArgumentError: If the model returned something other than a tensor
+            and no selector was given (naming its type and fields), if the
+            selector names no field of it, or if the selection is not a tensor.
+    """
+    if selector is None:
+        if isinstance(output, Tensor):
+            return output
+        raise InvalidArgumentError(
+            f"The model returned {_describe(output)}, not a tensor: say which "
+            f"tensor the loss is computed from with {_example(output)} (or a "
+            "function of the model's output, output=lambda out: ...)."
+        )
+    if callable(selector):
+        selected = selector(output)
+        what = "output=<function>"
+    else:
+        selected = _field(output, selector)
+        what = f"output={selector!r}"
+    if not isinstance(selected, Tensor):
+        raise InvalidArgumentError(
+            f"{what} selected {_describe(selected)} from the model's output "
+            f"({_describe(output)}); it must select the output tensor."
+        )
+    return selected
+
+
+def _field(output: object, key: str | int) -> object:
+    """``output[key]`` of a mapping or sequence, else ``output.key``."""
+    if isinstance(output, Mapping) and key in output:
+        return output[key]
+    if isinstance(key, int) and isinstance(output, (tuple, list)):
+        if -len(output) <= key < len(output):
+            return output[key]
+    elif (
+        isinstance(key, str)
+        and not isinstance(output, Mapping)
+        and hasattr(output, key)
+    ):
+        return getattr(output, key)
+    raise InvalidArgumentError(
+        f"output={key!r} names no field of the model's output, "
+        f"{_describe(output)}: pass {_example(output)} or a function of it."
+    )
+
+
+def _fields(output: object) -> list[str]:
+    """The keys or named fields of a structured output."""
+    if isinstance(output, Mapping):
+        return [str(key) for key in output]
+    if dataclasses.is_dataclass(output):
+        return [f.name for f in dataclasses.fields(output)]
+    return [str(name) for name in getattr(output, "_fields", ())]
+
+
+def _describe(output: object) -> str:
+    """``a tuple of 2 entries``, ``a dict with fields ['logits', 'loss']``, ..."""
+    cls = type(output)
+    name = cls.__name__ if cls.__module__ == "builtins" else cls.__qualname__
+    fields = _fields(output)
+    if fields:
+        return f"a {name} with fields {fields}"
+    if isinstance(output, (tuple, list)):
+        return f"a {name} of {len(output)} entries"
+    return f"a {name}"
+
+
+def _example(output: object) -> str:
+    """``output='logits'`` for a structured output, ``output=0`` for a tuple."""
+    fields = _fields(output)
+    if fields:
+        return f"output={'logits' if 'logits' in fields else fields[0]!r}"
+    if isinstance(output, (tuple, list)):
+        return "output=0 (the position in the returned tuple)"
+    return "output='logits' (a key or attribute)"
 
 
 @dataclass(frozen=True)
@@ -104,6 +238,8 @@ class CurvatureRequest:
             Gram matrices cannot fit is refused before the backward pass.
         gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
             the factors').
+        output: Selects the output tensor from the model's return value
+            (:func:`select_output`).
     """
 
     param_groups: list[list[Parameter]]
@@ -113,6 +249,7 @@ class CurvatureRequest:
     compute_gradients: bool = True
     num_grams: int | None = None
     gram_dtype: torch.dtype | None = None
+    output: OutputSelector = None
 
     @property
     def grams_formed(self) -> int:

@@ -6,7 +6,7 @@ import logging
 
 from torch.nn import Module
 
-from vivit.engines.base import Engine
+from vivit.engines.base import Engine, OutputSelector, selects_by_name
 from vivit.errors import InvalidArgumentError
 
 #: The names an ``engine`` argument accepts.
@@ -32,18 +32,28 @@ def check_engine(engine: object) -> None:
     )
 
 
-def resolve_engine(engine: str | Engine, model: Module, loss_func: Module) -> Engine:
+def resolve_engine(
+    engine: str | Engine,
+    model: Module,
+    loss_func: Module,
+    output: OutputSelector = None,
+) -> Engine:
     """The engine to run.
 
     ``"auto"`` picks the BackPACK engine when it can run the model and the loss
-    (:func:`vivit.engines.backpack.unsupported_reason`: every layer supported, a
-    forward its converter handles, no weight used twice), else the func engine,
-    and logs the choice and the reason (logger ``"vivit"``, level INFO).
+    exactly (:func:`vivit.engines.backpack.unsupported_reason`: every layer
+    supported, a forward its converter handles, no weight used twice, no hooks,
+    parametrizations or ``no_grad`` blocks that make the forward differ from its
+    layers) and the output is selected by name, not by a function (which may
+    compute from the model's output, where BackPACK cannot follow); else the
+    func engine. It logs the choice and the reason (logger ``"vivit"``, level
+    INFO). Nothing runs the model.
 
     Args:
         engine: A name of :data:`ENGINE_NAMES` or an engine instance.
         model: The network.
         loss_func: The loss module.
+        output: The ``output`` option (:func:`~vivit.engines.base.select_output`).
 
     Returns:
         The engine.
@@ -62,6 +72,13 @@ def resolve_engine(engine: str | Engine, model: Module, loss_func: Module) -> En
     from vivit.engines.backpack import unsupported_reason
 
     reason = unsupported_reason(model, loss_func)
+    if reason is None and not selects_by_name(output):
+        reason = (
+            "The output is selected by a function (output=<function>), which may "
+            "compute from the model's output; BackPACK follows only a tensor the "
+            "model returns (select it by name or position: output='logits', "
+            "output=0)."
+        )
     if reason is None:
         logger.info("engine='auto': BackPACK supports the model; using 'backpack'.")
         return BackpackEngine()

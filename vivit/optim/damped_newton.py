@@ -23,7 +23,7 @@ from vivit._validation import (
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
 from vivit.distributed import agree_across_ranks
-from vivit.engines.base import Engine
+from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import (
     InvalidArgumentError,
     NonFiniteError,
@@ -158,6 +158,8 @@ class DampedNewton(Optimizer):
         chunk_size: Most samples per backward pass for steps given ``data`` (see
             :class:`~vivit.LowRankGGN`; ``None``: the whole batch); the step is
             that of the whole batch.
+        output: For steps given ``data``, as for :class:`~vivit.LowRankGGN`
+            (closures compute the loss themselves).
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -189,6 +191,7 @@ class DampedNewton(Optimizer):
         engine: str | Engine = "auto",
         process_group: ProcessGroup | bool | None = None,
         chunk_size: int | None = None,
+        output: OutputSelector = None,
     ):
         check_grad_mode("DampedNewton")
         check_lr(lr)
@@ -206,6 +209,7 @@ class DampedNewton(Optimizer):
             engine=engine,
             process_group=process_group,
             chunk_size=chunk_size,
+            output=output,
         )
         check_damping(damping)
         check_trust_fraction(trust_fraction)

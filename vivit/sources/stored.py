@@ -295,7 +295,7 @@ class StoredFactors:
             check_inputs_match(data[0], list(model.parameters()))
             check_subsampling(options.subsampling, data[0].shape[0])
         request = _request(param_groups, options)
-        chosen = resolve_engine(options.engine, model, loss_func)
+        chosen = resolve_engine(options.engine, model, loss_func, options.output)
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
@@ -406,6 +406,7 @@ def _request(
         # others form them on demand, checked then (StoredGroup.form_gram)
         num_grams=len(param_groups) if options.solver == "dense" else 0,
         gram_dtype=options.gram_dtype,
+        output=options.output,
     )
 
 

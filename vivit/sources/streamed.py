@@ -312,7 +312,7 @@ class StreamedFactors:
                 "a list of batches or a DataLoader."
             )
         _check_streamable(options)
-        engine = resolve_engine(options.engine, model, loss_func)
+        engine = resolve_engine(options.engine, model, loss_func, options.output)
         self.engine = engine.name
         self.passes = 0
         self._model, self._data, self._options = model, data, options
@@ -465,6 +465,7 @@ def _block_runner(
         compute_gradients=False,
         num_grams=0,
         gram_dtype=options.gram_dtype,
+        output=options.output,
     )
     requests = block_requests(request)
 

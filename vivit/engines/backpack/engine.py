@@ -9,7 +9,7 @@ the extension saved it) and hands it to the group pipeline.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from backpack import backpack
@@ -19,14 +19,21 @@ from torch.nn import Module
 from vivit._validation import check_batch_norms, check_finite
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.hooks import extended
+from vivit.engines.backpack.support import FUNC_HINT
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
     Engine,
     EngineOutput,
+    OutputSelector,
     ParamContribution,
+    select_output,
 )
-from vivit.errors import GradientContextError, InvalidArgumentError
+from vivit.errors import (
+    GradientContextError,
+    InvalidArgumentError,
+    UnsupportedLayerError,
+)
 from vivit.losses import LossCurvature
 
 
@@ -79,7 +86,7 @@ class BackpackEngine(Engine):
         with extended(model, loss_func) as (net, loss_module):
 
             def compute_loss() -> Tensor:
-                output = net(inputs)
+                output = _returned_output(net(inputs), request.output)
                 check_finite(output, "model output")
                 LossCurvature(loss_module, output, targets)  # names bad targets
                 return loss_module(output, targets)
@@ -157,6 +164,44 @@ class BackpackEngine(Engine):
             for tensor, grad in saved:
                 tensor.grad = grad
         return EngineOutput(loss=loss.detach(), gradients=gradients)
+
+
+def _returned_output(returned: object, selector: OutputSelector) -> Tensor:
+    """The selected output, which must be a tensor the model returned.
+
+    BackPACK hands the loss's curvature to the model's last layer as it is: a
+    selection that computes from the model's output (``lambda out: 2 * out[0]``,
+    a property that slices) would be skipped.
+
+    Raises:
+        UnsupportedLayerError: If the selection is not one of the returned
+            tensors.
+    """
+    output = select_output(returned, selector)
+    if not any(output is tensor for tensor in _tensors_in(returned)):
+        raise UnsupportedLayerError(
+            f"The BackPACK engine cannot handle this model: the output selected by "
+            f"output={'<function>' if callable(selector) else repr(selector)} is "
+            "computed from what the model returns, not one of the returned tensors; "
+            "BackPACK would skip that computation. Select a returned tensor (by "
+            f"name or position), or use engine='func', which handles it. {FUNC_HINT}"
+        )
+    return output
+
+
+def _tensors_in(returned: object, depth: int = 3) -> list[Tensor]:
+    """The tensors a (nested) structured output holds."""
+    if isinstance(returned, Tensor):
+        return [returned]
+    if depth == 0:
+        return []
+    if isinstance(returned, Mapping):
+        entries = list(returned.values())
+    elif isinstance(returned, (tuple, list)):
+        entries = list(returned)
+    else:
+        entries = list(getattr(returned, "__dict__", {}).values())
+    return [t for entry in entries for t in _tensors_in(entry, depth - 1)]
 
 
 def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:

@@ -17,7 +17,15 @@ naming the innermost layer or function and where the forward calls it:
 - a weight used more than once in one forward pass (a layer called twice, weights
   tied between layers): BackPACK keeps one contribution per parameter, so the
   second would be lost,
-- a forward ``torch.fx`` cannot trace (control flow on tensor values).
+- a forward ``torch.fx`` cannot trace (control flow on tensor values),
+- a forward that differs from the chain of layers BackPACK backpropagates
+  through: forward hooks or pre-hooks of the user's (they may change a layer's
+  input or output, which BackPACK assumes are the layer's own; hooks on the
+  model or a container would not even run in a converted model), parametrized
+  layers (``torch.nn.utils.parametrize``, weight normalization, pruning: the
+  parameter is not the weight the layer uses), and layers or functions called
+  with gradients disabled (``torch.no_grad()`` inside ``forward``, which the
+  converter would drop).
 
 :func:`unsupported_reason` is what the ``"auto"`` engine choice asks;
 :func:`runnable_model` raises it as an error, or returns the module BackPACK runs
@@ -34,6 +42,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from backpack import hook_store_io
 from backpack.custom_module.graph_utils import (
     BackpackTracer,
     convert_module_to_backpack,
@@ -43,13 +52,21 @@ from torch.fx import Graph, Node
 from torch.fx.node import _get_qualified_name
 from torch.nn import Module, Parameter, Sequential
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.utils.parametrize import is_parametrized
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.weight_norm import WeightNorm
 
+from vivit.engines.backpack.pooling import store_pool_indices
 from vivit.engines.backpack.table import (
     LOSSES,
     supported_layer_names,
     supported_types,
 )
 from vivit.errors import SharedWeightError, UnsupportedLayerError
+
+#: Forward hooks that only record (BackPACK's and the library's own).
+_OWN_HOOKS = (hook_store_io, store_pool_indices)
 
 #: What every refusal ends with: the engine that can.
 FUNC_HINT = (
@@ -58,6 +75,8 @@ FUNC_HINT = (
 )
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+#: The library's own frames (its tracer) are not the user's call site either.
+_VIVIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 @dataclass(frozen=True)
@@ -134,20 +153,30 @@ def analyse(model: Module) -> Analysis:
     Returns:
         The obstacles and whether the model must be converted.
     """
+    changes = _forward_changes(model)
     chain = _sequential_chain(model)
     if chain is not None:
-        return _analyse_calls(model, [(name, "") for name in chain])
+        analysis = _analyse_calls(model, [(name, "") for name in chain])
+        analysis.obstacles.extend(changes)
+        return analysis
     try:
-        graph = _trace(model)
+        with torch.enable_grad():  # the forward's own grad mode is recorded
+            graph = _trace(model)
     except Exception as error:  # torch.fx raises many kinds of errors
         message = (
             f"its forward cannot be traced by torch.fx ({type(error).__name__}: "
             f"{error}), which BackPACK needs to follow the computation from layer "
             "to layer"
         )
-        return Analysis([Obstacle(UnsupportedLayerError, message)], True)
+        return Analysis([Obstacle(UnsupportedLayerError, message), *changes], True)
     calls = [(n.target, _where(n)) for n in graph.nodes if n.op == "call_module"]
     analysis = _analyse_calls(model, calls)
+    analysis.obstacles.extend(changes)
+    analysis.obstacles.extend(
+        _without_gradients(node)
+        for node in graph.nodes
+        if not node.meta.get(_GRAD_ENABLED, True)
+    )
     for node in graph.nodes:
         if node.op in ("call_function", "call_method"):
             analysis.needs_conversion = True
@@ -258,9 +287,27 @@ def inplace_flags(model: Module) -> dict[Module, bool]:
 
 
 # Tracing ---------------------------------------------------------------------------
+#: Node metadata: whether gradients were enabled where the forward called it.
+_GRAD_ENABLED = "vivit_grad_enabled"
+
+
+class _GradModeTracer(BackpackTracer):
+    """BackPACK's tracer, recording the grad mode each node was created in.
+
+    Tracing runs the forward's Python code, ``with torch.no_grad():`` blocks
+    included, so the grad mode at node creation is the forward's; the graph
+    itself does not record it (and the converted model would drop it).
+    """
+
+    def create_node(self, *args, **kwargs) -> Node:  # noqa: D102
+        node = super().create_node(*args, **kwargs)
+        node.meta[_GRAD_ENABLED] = torch.is_grad_enabled()
+        return node
+
+
 def _trace(model: Module) -> Graph:
     """The forward as BackPACK's converter sees it, with the call site of each node."""
-    tracer = BackpackTracer()
+    tracer = _GradModeTracer()
     tracer.record_stack_traces = True
     return tracer.trace(model)
 
@@ -322,6 +369,8 @@ def _analyse_calls(model: Module, calls: list[tuple[str, str]]) -> Analysis:
     analysis = Analysis(_shared_weights(model, targets))
     for target, where in calls:
         layer = model.get_submodule(target)
+        if is_parametrized(layer):
+            continue  # named by _forward_changes
         if type(layer) not in supported_types():
             analysis.obstacles.append(_unsupported_layer(target, layer, where))
         elif isinstance(layer, _ConvNd) and (
@@ -373,7 +422,9 @@ def _user_frame(stack_trace: str | None) -> str | None:
     """``file.py:12`` of the innermost call in the user's code, if recorded."""
     frames = _FRAME.findall(stack_trace or "")
     user = [
-        (path, line) for path, line in frames if not path.startswith(("<", _TORCH_DIR))
+        (path, line)
+        for path, line in frames
+        if not path.startswith(("<", _TORCH_DIR, _VIVIT_DIR))
     ]
     if not user:
         return None
@@ -487,4 +538,93 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
     return (
         f"{subject} used {len(layers)} times in one forward pass ({how}), and "
         "BackPACK keeps one contribution per parameter: it would drop the others"
+    )
+
+
+# Forwards that are not the chain of layers ------------------------------------------
+def _forward_changes(model: Module) -> list[Obstacle]:
+    """Hooks and parametrizations that make the forward differ from its layers.
+
+    BackPACK backpropagates through each layer's own function, from the layer's
+    output to its input, and hands a parameter the contribution of the tensor the
+    layer uses. A forward hook that changes the output, a pre-hook that changes
+    the input or computes the weight (pruning, ``torch.nn.utils.weight_norm``)
+    and a parametrization (``torch.nn.utils.parametrize``) break that; the
+    library's and BackPACK's own hooks (which only record) do not.
+    """
+    obstacles = []
+    for name, module in model.named_modules():
+        where = f"`{name}` ({type(module).__name__})" if name else "the model"
+        if is_parametrized(module):
+            tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
+            obstacles.append(
+                Obstacle(
+                    UnsupportedLayerError,
+                    f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
+                    "computed from the parameters under `parametrizations`), and "
+                    "BackPACK hands curvature only to the tensors a layer uses",
+                )
+            )
+        for hook in module._forward_pre_hooks.values():
+            obstacles.append(_pre_hook(where, hook))
+        for hook in module._forward_hooks.values():
+            if hook not in _OWN_HOOKS:
+                obstacles.append(
+                    Obstacle(
+                        UnsupportedLayerError,
+                        f"{where} has the forward hook {_hook_name(hook)}, which may "
+                        "change its output; BackPACK backpropagates through the "
+                        "layer's own function and would miss the change",
+                    )
+                )
+    global_hooks = [*_global_forward_pre_hooks.values(), *_global_forward_hooks]
+    if global_hooks:
+        obstacles.append(
+            Obstacle(
+                UnsupportedLayerError,
+                "global module forward hooks are registered "
+                "(torch.nn.modules.module.register_module_forward_hook), which may "
+                "change every layer's input or output; BackPACK would miss that",
+            )
+        )
+    return obstacles
+
+
+def _pre_hook(where: str, hook: object) -> Obstacle:
+    """The obstacle of a forward pre-hook: a pruning, a weight norm, or another."""
+    if isinstance(hook, BasePruningMethod):
+        what = (
+            f"{where} is pruned (torch.nn.utils.prune: `weight = weight_orig * "
+            "weight_mask` is computed by a forward pre-hook, and BackPACK hands "
+            "curvature only to the tensors a layer uses, not to `weight_orig`)"
+        )
+    elif isinstance(hook, WeightNorm):
+        what = (
+            f"{where} is weight-normalized (torch.nn.utils.weight_norm: the weight "
+            "is computed from `weight_g` and `weight_v` by a forward pre-hook, and "
+            "BackPACK hands curvature only to the tensors a layer uses)"
+        )
+    else:
+        what = (
+            f"{where} has the forward pre-hook {_hook_name(hook)}, which may change "
+            "its input; BackPACK backpropagates through the layer's own function "
+            "and would miss the change"
+        )
+    return Obstacle(UnsupportedLayerError, what)
+
+
+def _hook_name(hook: object) -> str:
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    return f"`{name}`"
+
+
+def _without_gradients(node: Node) -> Obstacle:
+    what = (
+        f"layer `{node.target}`" if node.op == "call_module" else _function_name(node)
+    )
+    return Obstacle(
+        UnsupportedLayerError,
+        f"the {what}{_where(node)} runs with gradients disabled (torch.no_grad() "
+        "inside the forward): autograd does not differentiate through it, and "
+        "BackPACK's conversion of the forward would",
     )

@@ -1,7 +1,10 @@
 """Factor forms of Linear and convolution weights from forward hooks.
 
 During a forward pass, :class:`LayerCapture` records the input ``a`` and output
-``z`` of every call of a Linear or convolution layer whose weight is requested.
+``z`` of every call of a Linear or convolution layer whose weight is requested:
+the input after the layer's forward pre-hooks, the output before its forward
+hooks (whatever they do to ``z`` is part of the graph the vectors are
+backpropagated through).
 Backpropagating the columns of the loss-Hessian root to ``z`` gives the vectors
 ``s̃``; the weight's columns of ``V`` are then ``Σ_t s̃[t] a[t]ᵀ`` and never need to
 be formed (``docs/math.rst``, "Layer structure"). A layer called several times (a
@@ -135,7 +138,11 @@ class LayerCapture:
     def recording(self) -> Iterator[None]:
         """Record calls inside the block; the hooks are removed afterwards."""
         self.calls = []
-        handles = [m.register_forward_hook(self._record) for m in self.layers]
+        # first among the layer's forward hooks: the layer's own output, before
+        # a user's hook changes it (the change is then part of the graph above)
+        handles = [
+            m.register_forward_hook(self._record, prepend=True) for m in self.layers
+        ]
         try:
             yield
         finally:

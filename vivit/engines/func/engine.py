@@ -19,17 +19,27 @@ and its square root") together with the per-sample output gradients ``∂ℓ_n/�
 Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
 MC), ``w`` activation entries per sample (measured in the first forward pass) and
 ``D`` entries of the parameters without a factor form, the engine processes ``B``
-samples at a time. Per chunk: one forward pass; one vmapped backward pass of the
-``V`` vectors (each holding the chunk's samples) to the recorded layer outputs,
-memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V`` one-hot vectors to
-the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B`` times the necessary
-work. ``B`` is the largest chunk whose memory stays below ``memory_budget`` entries,
-at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are split further if even one
-sample does not fit. In total: about four forward passes of the batch (loss and
-gradient, the sample-independence check, a probe, the chunks), the work of
-``V`` backward passes of the batch (``B·V`` with ``D > 0``), ``N·V`` rows of ``D``
-entries for the parameters without a factor form, and factor forms of
-``N·V·(T·O) + N·T·P`` entries per Linear or convolution weight.
+samples at a time. ``B`` is the largest chunk whose memory stays below
+``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
+split further if even one sample does not fit. Per chunk: one vmapped backward
+pass of the ``V`` vectors (each holding the chunk's samples) to the recorded
+layer outputs, memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V``
+one-hot vectors to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B``
+times the necessary work. In total: the work of ``V`` backward passes of the
+batch (``B·V`` with ``D > 0``), ``N·V`` rows of ``D`` entries for the parameters
+without a factor form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per
+Linear or convolution weight.
+
+Forward passes (calls of the model). Two when one chunk holds the batch
+(``B = N``): the first computes the loss, the gradient and the factors (its
+graph is kept for the backward passes of the vectors); the second, without
+gradients, checks that the samples are independent
+(:func:`~vivit.engines.func.independence.check_samples_independent`), which one
+evaluation cannot show. With ``B < N``, each chunk runs a forward pass of its
+own ``B`` samples besides (together one more pass over the batch): the graph of
+the whole batch would hold the memory the chunks save, and the one-hot backward
+pass through it would do ``N/B`` times the work. User hooks see every call; the
+check's runs without gradients.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from vivit.engines.base import (
     Engine,
     EngineOutput,
     ParamContribution,
+    select_output,
 )
 from vivit.engines.func.capture import LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
@@ -113,9 +124,8 @@ class FuncEngine(Engine):
         check_loss_function(loss_func)
         check_layers(model)
         params = request.params
-        width = _ActivationWidth(model)
-        with width.measuring():
-            output = model(inputs)
+        forward = _Forward(model, params, request.output)
+        output = forward(inputs, measure=True)
         check_finite(output, "model output")
         loss_curvature = LossCurvature(loss_func, output, targets)  # names bad input
         loss = loss_func(output, targets)
@@ -124,24 +134,38 @@ class FuncEngine(Engine):
                 f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
                 "scalar loss: use reduction='mean' or 'sum'."
             )
-        output_grad, *grads = torch.autograd.grad(
-            loss, [output, *params], allow_unused=True
-        )
-        gradients = [
-            torch.zeros_like(p) if g is None else g.detach()
-            for p, g in zip(params, grads, strict=True)
-        ]
-        output = output.detach()
-        batch = _batch_info(loss_curvature, output, request)
+        batch = _batch_info(loss_curvature, output.detach(), request)
         check_gram_fits(
             len(batch.ggn_samples) * batch.columns_per_sample,
             request.grams_formed,
             request.gram_dtype or output.dtype,
             output.device,
         )
-        check_samples_independent(model, inputs, output)
+        calls_of = forward.capture.factor_params(output)
+        dense = [p for p in params if id(p) not in calls_of]
+        chunk, per_pass = self._chunking(
+            len(inputs),
+            batch.columns_per_sample + request.compute_gradients,
+            forward.width.per_sample,
+            sum(p.numel() for p in dense),
+        )
+        # the graph of the first forward pass serves the chunk of the whole batch
+        reuse = chunk >= len(inputs)
+        output_grad, *grads = torch.autograd.grad(
+            loss, [output, *params], allow_unused=True, retain_graph=reuse
+        )
+        gradients = [
+            torch.zeros_like(p) if g is None else g.detach()
+            for p, g in zip(params, grads, strict=True)
+        ]
+        check_samples_independent(forward.unrecorded, inputs, output.detach())
         vectors = self._vectors(loss_curvature, output_grad, batch, request)
-        collected = self._collect(model, inputs, params, vectors, width.per_sample)
+        factor = set(calls_of)
+        first = (output, calls_of) if reuse else None
+        del calls_of  # chunks: the whole batch's layer calls are not kept
+        collected = self._collect(
+            forward, inputs, dense, vectors, (chunk, per_pass), factor, first
+        )
         for param in params:
             sink.add(param, _contribution(param, collected[id(param)], batch, request))
         return EngineOutput(loss=loss.detach(), gradients=gradients)
@@ -184,32 +208,34 @@ class FuncEngine(Engine):
 
     def _collect(
         self,
-        model: Module,
+        forward: _Forward,
         inputs: Tensor,
-        params: list[Parameter],
+        dense: list[Parameter],
         vectors: Tensor,
-        width: int,
+        chunking: tuple[int, int],
+        factor: set[int],
+        first: tuple[Tensor, dict[int, list[LayerCall]]] | None,
     ) -> dict[int, _Collected]:
-        collected = {id(p): _Collected() for p in params}
-        capture = LayerCapture(model, params)
+        """Every parameter's factors, ``chunk`` samples at a time.
+
+        ``chunking`` is ``(samples per chunk, vectors per backward pass)``;
+        ``factor`` the parameters with a factor form in the first forward pass
+        of the whole batch. ``first`` is that pass's output and layer calls when
+        one chunk holds the whole batch: its graph is reused, so the batch is
+        evaluated once. Otherwise each chunk runs its own forward pass (the graph
+        of the whole batch would need the memory the chunks save), which must
+        use the layers as the first did.
+        """
+        chunk, per_pass = chunking
+        collected = {id(p): _Collected() for p in forward.capture.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
-        factor: set[int] | None = None
-        num_samples, num_vectors = inputs.shape[0], vectors.shape[0]
-        start = 0
-        chunk = num_samples
-        while start < num_samples:
-            with capture.recording():
-                output = model(inputs[start : start + chunk])
-            calls_of = capture.factor_params(output)
-            if factor is None:
-                factor = set(calls_of)
-                dense = [p for p in params if id(p) not in factor]
-                chunk, per_pass = self._chunking(
-                    num_samples, num_vectors, width, sum(p.numel() for p in dense)
-                )
-                if chunk < output.shape[0]:  # the probe was too large: redo it
-                    continue
-            elif set(calls_of) != factor:
+        for start in range(0, len(inputs), chunk):
+            if first is not None:
+                output, calls_of = first
+            else:
+                output = forward(inputs[start : start + chunk])
+                calls_of = forward.capture.factor_params(output)
+            if set(calls_of) != factor:
                 raise UnsupportedLayerError(
                     "The model uses its Linear or convolution layers differently for "
                     "different chunks of the mini-batch (data-dependent control "
@@ -223,15 +249,14 @@ class FuncEngine(Engine):
                     output, [c.output for c in _calls(calls_of)], block, per_pass
                 ),
                 calls_of,
-                params,
+                forward.capture.params,
                 collected,
             )
             if dense:
                 columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
                 for param, cols in zip(dense, columns, strict=True):
-                    cols = cols.reshape(output.shape[0], num_vectors, *param.shape)
+                    cols = cols.reshape(output.shape[0], len(vectors), *param.shape)
                     collected[id(param)].columns.append(cols)
-            start += output.shape[0]
         return collected
 
     @staticmethod
@@ -306,6 +331,47 @@ def _contribution(
         else None
     )
     return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+
+
+class _Forward:
+    """The model's forward pass as the engine runs it: factor-form layers recorded.
+
+    Args:
+        model: The network.
+        params: The requested parameters.
+        selector: Picks the output tensor from the model's return value.
+
+    Attributes:
+        capture: Records the calls of factor-form layers (the last pass's).
+        width: Entries the leaf layers produced per sample (measured once).
+    """
+
+    def __init__(self, model: Module, params: list[Parameter], selector):
+        self.model = model
+        self.selector = selector
+        self.capture = LayerCapture(model, params)
+        self.width = _ActivationWidth(model)
+
+    def __call__(self, inputs: Tensor, measure: bool = False) -> Tensor:
+        """The selected model output of ``inputs``, layer calls recorded.
+
+        Args:
+            inputs: A batch of inputs.
+            measure: Also measure the activation width.
+
+        Returns:
+            The output tensor the loss is computed from.
+        """
+        with ExitStack() as stack:
+            stack.enter_context(self.capture.recording())
+            if measure:
+                stack.enter_context(self.width.measuring())
+            return select_output(self.model(inputs), self.selector)
+
+    def unrecorded(self, inputs: Tensor) -> Tensor:
+        """The selected output without recording or gradients (checks)."""
+        with torch.no_grad():
+            return select_output(self.model(inputs), self.selector)
 
 
 class _ActivationWidth:
