@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import vivit.options
 from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
@@ -283,3 +284,107 @@ def test_directional_derivatives_and_newton_steps(problem):
             assert_rel(a, b, 1e-8)
     # the eigenpairs are kept: one pass for γ, one for each step
     assert streaming.passes == passes + 2 * 2
+
+
+@pytest.mark.parametrize("problem", PROBLEMS[:2], ids=str)
+def test_chunks_change_nothing_exact(problem):
+    """Chunks of every batch are blocks of their own (``docs/math.rst``, "Data
+    sets and processes"): the same loss, gradient and products as whole batches
+    and as stored factors of the same chunks, to rounding (``REL``)."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [3, X.shape[0] - 3])
+    chunked = StreamingGGN(model, loss_func, batches, chunk_size=2)
+    whole = StreamingGGN(model, loss_func, batches)
+    stored = LowRankGGN(model, loss_func, batches, chunk_size=2)
+    assert chunked.passes == 1 and chunked.num_rows == stored.gram().shape[0]
+    for other in (whole, stored):
+        assert_rel(chunked.loss, other.loss, REL)
+        for a, b in zip(chunked.gradient(), other.gradient(), strict=True):
+            assert_rel(a, b, REL)
+    U = torch.randn(chunked.num_rows, 2, dtype=torch.float64)
+    expected = stored.gram() @ U
+    assert_rel(chunked.gram_matmul(U), expected, REL)
+    assert_rel(whole.gram_matmul(U), expected, REL)
+    assert chunked.passes == 3  # chunks add no pass
+    assert_rel(chunked.eigh(top_k=2)[0], stored.eigh(top_k=2)[0], REL)
+
+
+def test_chunks_draw_the_monte_carlo_samples_of_stored_chunks():
+    """Block ``b`` (the ``b``-th chunk over all batches) draws from stream
+    ``s + b`` in both sources; chunks are other blocks than whole batches."""
+    (problem,) = select(architecture="mlp_tanh", loss="mse", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [3, X.shape[0] - 3])
+
+    def build(cls, chunk_size):
+        return cls(
+            model,
+            loss_func,
+            batches,
+            mc_samples=2,
+            generator=torch.Generator().manual_seed(5),
+            chunk_size=chunk_size,
+        )
+
+    streaming = build(StreamingGGN, 2)
+    U = torch.randn(streaming.num_rows, 2, dtype=torch.float64)
+    product = streaming.gram_matmul(U)
+    assert_rel(product, build(LowRankGGN, 2).gram() @ U, REL)
+    other_draws = build(LowRankGGN, None).gram() @ U
+    assert (product - other_draws).abs().max() > 1e-3 * other_draws.abs().max()
+
+
+def test_refusals_name_what_needs_the_gram_matrix(monkeypatch):
+    (problem,) = select(architecture="mlp_tanh", loss="ce", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 3])
+    ggn = StreamingGGN(model, loss_func, batches)
+    never_forms = "StreamingGGN never forms the Gram matrix"
+    for refused in (
+        ggn.gram,
+        ggn.eigvalsh,
+        ggn.zero_tolerance,
+        lambda: ggn.eigh(top_k=None),
+        lambda: ggn.directional_derivatives(top_k=None),
+        lambda: ggn.newton(top_k=None),
+        lambda: ggn.operator().pinv_matvec(torch.zeros(ggn.operator().shape[0])),
+    ):
+        with pytest.raises(InvalidArgumentError, match=never_forms):
+            refused()
+    for solver in ("dense", "iterative"):
+        with pytest.raises(InvalidArgumentError, match=f"solver='{solver}' needs the"):
+            ggn.eigh(top_k=2, solver=solver)
+    assert ggn.passes == 1  # every refusal before a pass
+
+    class Unread:
+        def __iter__(self):
+            raise AssertionError("the data were read before the options were refused")
+
+    for solver in ("dense", "iterative"):  # refused before the first pass
+        with pytest.raises(InvalidArgumentError, match=f"solver='{solver}' needs the"):
+            StreamingGGN(model, loss_func, Unread(), solver=solver)
+    with pytest.raises(InvalidArgumentError, match="subsampling selects samples"):
+        StreamingGGN(model, loss_func, Unread(), subsampling=[0, 1])
+    group = object()  # what resolve_group answers for a group of several ranks
+    monkeypatch.setattr(vivit.options, "resolve_group", lambda process_group: group)
+    with pytest.raises(InvalidArgumentError, match="a process group .* not supported"):
+        StreamingGGN(model, loss_func, Unread(), process_group=group)
+
+
+def test_operator_products_cost_two_passes():
+    """``G v = V (Vᵀ v)``: one pass for ``Vᵀ v``, one for ``V ·``; ``G_K⁺ v`` as
+    many once the eigenpairs are kept."""
+    (problem,) = select(architecture="cnn", loss="mse", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    ggn = StreamingGGN(model, loss_func, split(X, y, [1, 3]))
+    op = ggn.operator()
+    v = torch.randn(op.shape[0], 2, dtype=torch.float64)
+    passes = ggn.passes
+    op.matvec(v)
+    assert ggn.passes == passes + 2
+    op.to_scipy() @ v.numpy()
+    assert ggn.passes == passes + 4
+    ggn.eigh(top_k=2)
+    passes = ggn.passes
+    op.pinv_matvec(v, top_k=2)
+    assert ggn.passes == passes + 2

@@ -97,8 +97,9 @@ class StreamingGGN(CurvatureResults):
 
     Raises:
         VivitError: As :class:`~vivit.LowRankGGN` for malformed arguments or
-            batches; :class:`~vivit.InvalidArgumentError` for an iterator, a
-            subsampling or a process group.
+            batches; :class:`~vivit.InvalidArgumentError` for an iterator, the
+            solver ``"dense"`` or ``"iterative"``, a subsampling or a process
+            group (before the first pass).
     """
 
     def __init__(

@@ -179,12 +179,7 @@ class StreamedGroup:
         return "matrix_free"
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        if solver in ("dense", "iterative"):
-            raise InvalidArgumentError(
-                f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "
-                "forms: use solver='auto' or 'matrix_free' (block Krylov on "
-                "products by passes over the data), or LowRankGGN over the loader."
-            )
+        _check_streamable_solver(solver)
 
     def directional_gradients(  # noqa: D102
         self,
@@ -291,7 +286,8 @@ class StreamedFactors:
 
     Raises:
         InvalidArgumentError: For an iterator or generator (passed over once), a
-            curvature subsampling or a process group.
+            solver that needs the Gram matrix, a curvature subsampling or a
+            process group.
     """
 
     def __init__(
@@ -430,8 +426,19 @@ class StreamedFactors:
             self.bounds.append(self.bounds[-1] + count)
 
 
+def _check_streamable_solver(solver: str) -> None:
+    """Refuse a solver that needs the Gram matrix, naming what to do instead."""
+    if solver in ("dense", "iterative"):
+        raise InvalidArgumentError(
+            f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "
+            "forms: use solver='auto' or 'matrix_free' (block Krylov on "
+            "products by passes over the data), or LowRankGGN over the loader."
+        )
+
+
 def _check_streamable(options: CurvatureOptions) -> None:
     """Refuse the options a stream over a loader cannot honour, naming them."""
+    _check_streamable_solver(options.solver)
     if options.subsampling is not None:
         raise InvalidArgumentError(
             "subsampling selects samples of one mini-batch, which StreamingGGN "
