@@ -1,0 +1,316 @@
+"""The results layer (``vivit.results``) over every curvature source.
+
+Each result is written once, over a source protocol; here it is checked over
+every source (``SOURCES``: a new source is tested by adding one entry) on a
+loader of two batches of unequal size, against the dense float64 reference of
+the concatenated batch (``tests/fixtures/reference.py``), on several
+architectures and both reductions.
+
+Eigenpairs are checked against the dense GGN (eigenvalues, residuals). Every
+other result is checked against its formula in ``docs/math.rst`` evaluated with
+the reference's per-sample gradients and GGNs along the source's *own*
+eigenvectors ``e_k`` and eigenvalues ``λ_k`` (signs and the basis of a repeated
+eigenvalue are then those of the source):
+
+* "Directional derivatives and curvature noise": ``γ_nk = e_kᵀ∇ℓ_n`` and
+  ``γ̄_k = R_S Σ_{n∈S} γ_nk = e_kᵀ∇L_S`` hold for any ``e_k = V ẽ_k / √λ_k``;
+  ``λ_nk = e_kᵀG_n e_k`` is computed as ``λ_k / R · ‖ẽ_k[n]‖²``, which equals it
+  for an exact Gram eigenvector. For a residual ``r = G̃ẽ_k − λ_kẽ_k``, sample
+  ``n``'s rows of ``G̃ẽ_k = Vᵀ V ẽ_k`` are ``√R S_nᵀ J_n V ẽ_k``, so
+  ``e_kᵀG_n e_k = ‖λ_kẽ_k[n] + r[n]‖² / (R λ_k)`` differs from the computed value
+  by at most ``(2‖r‖ + ‖r‖²/λ_k) / R``; "Precision and the numerical zero" bounds
+  ``‖r‖ ≤ ρ·λ_max`` with ``ρ`` the residual the solver reports.
+* "Damped Newton step in the eigenspace": ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k``
+  (scaled by ``lr``), and "Trust region of a Newton step" for ``max_decrease``.
+* The pseudo-inverse ``G_K⁺ w = Σ_k e_k e_kᵀ w / λ_k`` and ``G v = V Vᵀ v``
+  ("Precision and the numerical zero", last paragraph).
+
+Tolerances (float64, ε ≈ 2.2e-16, D ≤ 183, N·C ≤ 24): the Gram eigenvalues are
+within ``N·C·ε·λ_max`` (dense) or ``tol·λ_max`` (iterative, ``tol = 1e-12``) of
+the exact ones ("Precision and the numerical zero"), products with ``V`` and the
+reference's sums over ``D`` entries round at ``~1e-13`` relative, so ``REL =
+1e-10`` of the largest entry leaves margin, while a wrong ``R``, ``√R`` or a
+missing sample is an O(1) error.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy
+import pytest
+import torch
+from torch import Tensor
+
+import vivit.results
+from tests.fixtures.checks import (
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    flat_evecs,
+)
+from tests.fixtures.problems import Setup, get_problem, prepare
+from tests.fixtures.reference import (
+    dense_ggn,
+    dense_gradient,
+    per_sample_ggns,
+    per_sample_gradients,
+    reduction_factor,
+)
+from tests.sources.test_data_loader import split
+from vivit import LowRankGGN, StreamingGGN
+
+
+@dataclass(frozen=True)
+class Source:
+    """A front door over one curvature source.
+
+    Attributes:
+        build: ``build(model, loss_func, loader, **options)``.
+        route: What ``solver_report`` names its solver on products with ``V``.
+    """
+
+    build: type
+    route: str
+
+    def __str__(self) -> str:
+        return self.build.__name__
+
+
+SOURCES = [Source(LowRankGGN, "matrix_free"), Source(StreamingGGN, "streaming")]
+PROBLEMS = [
+    get_problem(name)
+    for name in (
+        "mlp_tanh-ce-mean",
+        "cnn-mse-sum",
+        "residual-ce-sum",
+        "batchnorm1d-mse-mean",
+        "conv1d-ce-mean",
+    )
+]
+REL = 1e-10
+TOP_K = 3
+SUB_GRAD = [3, 0, 2]  # unsorted: γ's rows follow it
+
+
+class Reference(NamedTuple):
+    setup: Setup
+    batches: list[tuple[Tensor, Tensor]]
+    ggn: Tensor  # [D, D] G
+    gradient: Tensor  # [D] ∇L
+    grads: Tensor  # [N, D] ∇ℓ_n
+    ggns: Tensor  # [N, D, D] G_n
+    loss: Tensor
+
+
+@functools.cache
+def reference(name: str) -> Reference:
+    """The float64 problem, a loader of two batches, its dense quantities."""
+    setup = prepare(get_problem(name), torch.float64)
+    model, loss_func, X, y = setup
+    with torch.no_grad():
+        loss = loss_func(model(X), y)
+    return Reference(
+        setup,
+        split(X, y, [2, X.shape[0] - 2]),
+        dense_ggn(model, loss_func, X, y),
+        dense_gradient(model, loss_func, X, y),
+        per_sample_gradients(model, loss_func, X, y),
+        per_sample_ggns(model, loss_func, X, y),
+        loss,
+    )
+
+
+def build(source: Source, ref: Reference, **options):
+    model, loss_func, _, _ = ref.setup
+    return source.build(model, loss_func, ref.batches, **options)
+
+
+def flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.flatten() for t in tensors])
+
+
+parametrize_problems = pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+parametrize_sources = pytest.mark.parametrize("source", SOURCES, ids=str)
+
+
+@parametrize_sources
+@parametrize_problems
+def test_eigh_loss_and_gradient(problem, source):
+    ref = reference(problem.name)
+    ggn = build(source, ref)
+    assert_rel(ggn.loss, ref.loss, REL)
+    assert_rel(flat(ggn.gradient()), ref.gradient, REL)
+    evals, evecs = ggn.eigh(TOP_K)
+    assert evals.shape == (TOP_K,)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(ref.ggn), REL)
+    assert_eigenpairs(evals, evecs, ref.ggn)
+
+
+@parametrize_sources
+@parametrize_problems
+def test_directional_derivatives(problem, source):
+    ref = reference(problem.name)
+    ggn = build(source, ref)
+    evals, evecs = ggn.eigh(TOP_K)
+    E = flat_evecs(evecs)  # [K, D]
+    d = ggn.directional_derivatives(TOP_K, subsampling_grad=SUB_GRAD)
+    assert torch.equal(d.evals, evals)
+
+    gammas = ref.grads[SUB_GRAD] @ E.T
+    assert_rel(d.gammas, gammas, REL)
+    R_grad = reduction_factor(ref.setup.loss_func, len(SUB_GRAD))
+    assert_rel(d.gamma_bar, R_grad * gammas.sum(0), REL)
+
+    lambdas = torch.einsum("kd,nde,ke->nk", E, ref.ggns, E)
+    R = reduction_factor(ref.setup.loss_func, ref.grads.shape[0])
+    residual = ggn.solver_report().residual * evals.max()  # ‖r‖ ≤ ρ·λ_max
+    bound = (2 * residual + residual**2 / evals) / R
+    torch.testing.assert_close(
+        d.lambdas, lambdas, rtol=0, atol=REL * lambdas.abs().max() + bound.max()
+    )
+    assert_rel(R * d.lambdas.sum(0), evals, REL)  # ‖ẽ_k‖ = 1
+
+
+@parametrize_sources
+@parametrize_problems
+def test_newton(problem, source):
+    ref = reference(problem.name)
+    ggn = build(source, ref)
+    evals, evecs = ggn.eigh(TOP_K)
+    E = flat_evecs(evecs)
+    R_grad = reduction_factor(ref.setup.loss_func, len(SUB_GRAD))
+    gamma_bar = R_grad * ref.grads[SUB_GRAD].sum(0) @ E.T  # e_kᵀ∇L_S
+
+    def expected_step(dampings, lr):
+        return -lr * (gamma_bar / (evals + dampings)) @ E
+
+    def predicted_decrease(dampings, lr):
+        gain = lr / (evals + dampings)
+        return (gamma_bar**2 * gain * (1 - 0.5 * evals * gain)).sum()
+
+    newton = ggn.newton(TOP_K, damping=0.1, subsampling_grad=SUB_GRAD)
+    assert torch.equal(newton.dampings, torch.full_like(evals, 0.1))
+    assert_rel(newton.gamma_bar, gamma_bar, REL)
+    assert_rel(flat(newton.step), expected_step(newton.dampings, 1.0), REL)
+
+    lr = 0.5
+    max_decrease = 0.1 * predicted_decrease(torch.zeros_like(evals), lr).item()
+    newton = ggn.newton(
+        TOP_K,
+        damping=0.0,
+        subsampling_grad=SUB_GRAD,
+        lr=lr,
+        max_decrease=max_decrease,
+    )
+    assert (newton.dampings > 0).all()  # the trust region binds
+    # bisection to 2⁻⁶⁰ relative in μ; γ̄ enters squared, to REL
+    torch.testing.assert_close(
+        predicted_decrease(newton.dampings, lr).item(),
+        max_decrease,
+        rtol=1e-9,
+        atol=0,
+    )
+    assert_rel(flat(newton.step), expected_step(newton.dampings, lr), REL)
+
+
+@parametrize_sources
+@parametrize_problems
+def test_operator(problem, source):
+    ref = reference(problem.name)
+    ggn = build(source, ref)
+    G = ref.ggn
+    D = G.shape[0]
+    v = torch.randn(
+        D, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    op = ggn.operator()
+    assert op.shape == (D, D)
+    scale = G.norm(2) * v.norm()
+    torch.testing.assert_close(op.matvec(v), G @ v, atol=REL * scale, rtol=0)
+    linear = op.to_scipy()
+    numpy.testing.assert_allclose(
+        linear @ v.numpy(), (G @ v).numpy(), atol=REL * scale.item(), rtol=0
+    )
+
+    evals, evecs = ggn.eigh(TOP_K)
+    E = flat_evecs(evecs)
+    expected = E.T @ ((E @ v) / evals[:, None])  # Σ_k e_k e_kᵀ v / λ_k
+    torch.testing.assert_close(
+        op.pinv_matvec(v, top_k=TOP_K),
+        expected,
+        atol=REL * v.norm() / evals.min(),
+        rtol=0,
+    )
+
+
+@parametrize_problems
+def test_sources_agree(problem):
+    """What needs no eigenvector is the same number from every source."""
+    ref = reference(problem.name)
+    ggns = [build(source, ref) for source in SOURCES]
+    v = torch.randn(
+        ref.ggn.shape[0],
+        generator=torch.Generator().manual_seed(1),
+        dtype=torch.float64,
+    )
+    first, *others = ggns
+    for other in others:
+        assert_rel(other.loss, first.loss, REL)
+        assert_rel(flat(other.gradient()), flat(first.gradient()), REL)
+        assert_rel(other.eigh(TOP_K)[0], first.eigh(TOP_K)[0], REL)
+        assert_rel(other.operator().matvec(v), first.operator().matvec(v), REL)
+
+
+class Recorded:
+    """The tolerances and seeds the results layer hands the eigensolver."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[float | None, int]] = []
+        solve = vivit.results.leading_eigenpairs
+
+        def recording(*args, **kwargs):
+            self.calls.append((kwargs["tol"], kwargs["seed"]))
+            return solve(*args, **kwargs)
+
+        monkeypatch.setattr(vivit.results, "leading_eigenpairs", recording)
+
+
+@parametrize_sources
+def test_per_call_tolerance_and_seed(monkeypatch, source):
+    ref = reference("mlp_tanh-ce-mean")
+    ggn = build(source, ref, solver="matrix_free", solver_tol=1e-4, solver_seed=3)
+    recorded = Recorded(monkeypatch)
+    exact = torch.linalg.eigvalsh(ref.ggn)
+
+    evals, _ = ggn.eigh(2)
+    assert recorded.calls == [(1e-4, 3)]  # the constructor's
+    report = ggn.solver_report()
+    assert (report.solver, report.requested) == (source.route, source.route)
+    assert report.tolerance == 1e-4 and report.residual <= 1e-4
+    # within ‖r‖ ≤ tol·λ_max of an eigenvalue ("Precision and the numerical zero")
+    assert_top_eigvals(evals, exact, 1e-4)
+
+    evals, _ = ggn.eigh(2, tol=1e-11, seed=7)
+    assert recorded.calls[1:] == [(1e-11, 7)]
+    assert ggn.solver_report().tolerance == 1e-11
+    assert_top_eigvals(evals, exact, 1e-11 + REL)
+
+    ggn.eigh(2)
+    ggn.eigh(2, tol=1e-4, seed=3)  # the constructor's, named: the same pairs
+    ggn.eigh(2, tol=1e-11, seed=7)
+    assert len(recorded.calls) == 2, "kept per tolerance and seed"
+    ggn.eigh(2, seed=4)
+    assert recorded.calls[2:] == [(1e-4, 4)]
+
+
+@parametrize_sources
+def test_solver_report_names_the_route(source):
+    ggn = build(source, reference("cnn-mse-sum"))
+    assert ggn.solver_report() is None
+    ggn.eigh(2, solver="matrix_free")
+    report = ggn.solver_report()
+    assert (report.solver, report.requested) == (source.route, source.route)
+    assert report.converged and report.residual <= report.tolerance
