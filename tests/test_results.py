@@ -132,7 +132,9 @@ def flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([t.flatten() for t in tensors])
 
 
-parametrize_problems = pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+parametrize_problems = pytest.mark.parametrize(
+    "problem", PROBLEMS, ids=[p.name for p in PROBLEMS]
+)
 parametrize_sources = pytest.mark.parametrize("source", SOURCES, ids=str)
 
 
@@ -314,3 +316,22 @@ def test_solver_report_names_the_route(source):
     report = ggn.solver_report()
     assert (report.solver, report.requested) == (source.route, source.route)
     assert report.converged and report.residual <= report.tolerance
+
+
+@parametrize_sources
+@parametrize_problems
+def test_results_after_more_pairs_were_computed(problem, source):
+    """Asking for more pairs replaces the kept ones: a later request for fewer
+    uses the new pairs throughout, so that ``γ̄_k`` and the direction ``e_k`` of
+    a Newton step have the same sign (a step built from one solve's ``γ̄`` and
+    another's ``e_k`` goes uphill along every direction whose sign differs)."""
+    ref = reference(problem.name)
+    ggn = build(source, ref)
+    ggn.eigh(TOP_K - 1)
+    ggn.eigh(TOP_K)
+    evals, evecs = ggn.eigh(TOP_K - 1)
+    E = flat_evecs(evecs)
+    gamma_bar = ref.gradient @ E.T
+    newton = ggn.newton(TOP_K - 1, damping=0.1)
+    assert_rel(newton.gamma_bar, gamma_bar, REL)
+    assert_rel(flat(newton.step), -(gamma_bar / (evals + 0.1)) @ E, REL)

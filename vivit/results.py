@@ -177,6 +177,11 @@ class CurvatureResults:
                     source, top_k, resolved, solver, tol, seed
                 )
                 self._leading[key] = leading
+                # directions kept from the pairs replaced here would mix two
+                # solves (their signs may differ)
+                self._directions_in_params = {
+                    k: v for k, v in self._directions_in_params.items() if k[0] != group
+                }
             evals, evecs = leading
         # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
         gram = source.formed_gram()
