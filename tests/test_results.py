@@ -335,3 +335,30 @@ def test_results_after_more_pairs_were_computed(problem, source):
     newton = ggn.newton(TOP_K - 1, damping=0.1)
     assert_rel(newton.gamma_bar, gamma_bar, REL)
     assert_rel(flat(newton.step), -(gamma_bar / (evals + 0.1)) @ E, REL)
+
+
+@parametrize_problems
+def test_monte_carlo(problem):
+    """MC: the same draws in every source (block ``b`` from stream ``s + b``,
+    "Data sets and processes"), so the same eigenvalues; ``γ``, ``γ̄`` and the
+    step follow their formulas along each source's own directions, and
+    ``R Σ_n λ_nk = λ_k`` holds for the sampled GGN."""
+    ref = reference(problem.name)
+    R = reduction_factor(ref.setup.loss_func, ref.grads.shape[0])
+    first = None
+    for source in SOURCES:
+        ggn = build(
+            source, ref, mc_samples=2, generator=torch.Generator().manual_seed(3)
+        )
+        evals, evecs = ggn.eigh(TOP_K)
+        E = flat_evecs(evecs)
+        first = evals if first is None else first
+        assert_rel(evals, first, REL)
+        newton = ggn.newton(TOP_K, damping=0.1, subsampling_grad=SUB_GRAD)
+        d = newton.directional
+        gammas = ref.grads[SUB_GRAD] @ E.T
+        assert_rel(d.gammas, gammas, REL)
+        gamma_bar = reduction_factor(ref.setup.loss_func, len(SUB_GRAD)) * gammas.sum(0)
+        assert_rel(d.gamma_bar, gamma_bar, REL)
+        assert_rel(R * d.lambdas.sum(0), evals, REL)
+        assert_rel(flat(newton.step), -(gamma_bar / (evals + 0.1)) @ E, REL)
