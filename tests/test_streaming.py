@@ -34,6 +34,7 @@ from vivit import (
     ModelChangedError,
     NondeterministicDataError,
     RandomForwardWarning,
+    SolverNotConvergedError,
     StreamingGGN,
 )
 
@@ -388,3 +389,16 @@ def test_operator_products_cost_two_passes():
     passes = ggn.passes
     op.pinv_matvec(v, top_k=2)
     assert ggn.passes == passes + 2
+
+
+def test_a_solve_that_does_not_converge_is_reported_as_such():
+    """The default solver has no Gram matrix to fall back to: a tolerance below
+    the rounding floor raises the solver's error, not a warning about a dense
+    fallback followed by a refusal that asks for ``top_k``."""
+    (problem,) = select(architecture="residual", loss="ce", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    ggn = StreamingGGN(model, loss_func, split(X, y, [2, 3]), solver_tol=1e-18)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(SolverNotConvergedError, match="did not reach"):
+            ggn.eigh(top_k=3)

@@ -209,7 +209,8 @@ class CurvatureResults:
             solver,
             lambda: source.form_gram(workspace),
             size=size,
-            requested=requested,
+            # products by passes over the data: no Gram matrix to fall back to
+            requested=requested if source.route == "matrix_free" else solver,
             dtype=source.dtype,
             device=source.device,
             tol=tol,
