@@ -128,8 +128,23 @@ def build(source: Source, ref: Reference, **options):
     return source.build(model, loss_func, ref.batches, **options)
 
 
+def reference_and_source(problem, source: Source):
+    """The problem's reference and the source over its loader."""
+    ref = reference(problem.name)
+    return ref, build(source, ref)
+
+
 def flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([t.flatten() for t in tensors])
+
+
+def own_directions(ggn, ref: Reference) -> tuple[Tensor, Tensor, Tensor]:
+    """The source's ``λ_k``, its ``e_k`` as rows ``[K, D]``, and ``γ̄_k = e_kᵀ∇L_S``
+    (the loss on ``SUB_GRAD`` alone) from the reference's per-sample gradients."""
+    evals, evecs = ggn.eigh(TOP_K)
+    E = flat_evecs(evecs)
+    R_grad = reduction_factor(ref.setup.loss_func, len(SUB_GRAD))
+    return evals, E, R_grad * ref.grads[SUB_GRAD].sum(0) @ E.T
 
 
 parametrize_problems = pytest.mark.parametrize(
@@ -141,8 +156,7 @@ parametrize_sources = pytest.mark.parametrize("source", SOURCES, ids=str)
 @parametrize_sources
 @parametrize_problems
 def test_eigh_loss_and_gradient(problem, source):
-    ref = reference(problem.name)
-    ggn = build(source, ref)
+    ref, ggn = reference_and_source(problem, source)
     assert_rel(ggn.loss, ref.loss, REL)
     assert_rel(flat(ggn.gradient()), ref.gradient, REL)
     evals, evecs = ggn.eigh(TOP_K)
@@ -154,17 +168,12 @@ def test_eigh_loss_and_gradient(problem, source):
 @parametrize_sources
 @parametrize_problems
 def test_directional_derivatives(problem, source):
-    ref = reference(problem.name)
-    ggn = build(source, ref)
-    evals, evecs = ggn.eigh(TOP_K)
-    E = flat_evecs(evecs)  # [K, D]
+    ref, ggn = reference_and_source(problem, source)
+    evals, E, gamma_bar = own_directions(ggn, ref)
     d = ggn.directional_derivatives(TOP_K, subsampling_grad=SUB_GRAD)
     assert torch.equal(d.evals, evals)
-
-    gammas = ref.grads[SUB_GRAD] @ E.T
-    assert_rel(d.gammas, gammas, REL)
-    R_grad = reduction_factor(ref.setup.loss_func, len(SUB_GRAD))
-    assert_rel(d.gamma_bar, R_grad * gammas.sum(0), REL)
+    assert_rel(d.gammas, ref.grads[SUB_GRAD] @ E.T, REL)
+    assert_rel(d.gamma_bar, gamma_bar, REL)
 
     lambdas = torch.einsum("kd,nde,ke->nk", E, ref.ggns, E)
     R = reduction_factor(ref.setup.loss_func, ref.grads.shape[0])
@@ -179,12 +188,8 @@ def test_directional_derivatives(problem, source):
 @parametrize_sources
 @parametrize_problems
 def test_newton(problem, source):
-    ref = reference(problem.name)
-    ggn = build(source, ref)
-    evals, evecs = ggn.eigh(TOP_K)
-    E = flat_evecs(evecs)
-    R_grad = reduction_factor(ref.setup.loss_func, len(SUB_GRAD))
-    gamma_bar = R_grad * ref.grads[SUB_GRAD].sum(0) @ E.T  # e_kᵀ∇L_S
+    ref, ggn = reference_and_source(problem, source)
+    evals, E, gamma_bar = own_directions(ggn, ref)
 
     def expected_step(dampings, lr):
         return -lr * (gamma_bar / (evals + dampings)) @ E
@@ -221,8 +226,7 @@ def test_newton(problem, source):
 @parametrize_sources
 @parametrize_problems
 def test_operator(problem, source):
-    ref = reference(problem.name)
-    ggn = build(source, ref)
+    ref, ggn = reference_and_source(problem, source)
     G = ref.ggn
     D = G.shape[0]
     v = torch.randn(
@@ -325,8 +329,7 @@ def test_results_after_more_pairs_were_computed(problem, source):
     uses the new pairs throughout, so that ``γ̄_k`` and the direction ``e_k`` of
     a Newton step have the same sign (a step built from one solve's ``γ̄`` and
     another's ``e_k`` goes uphill along every direction whose sign differs)."""
-    ref = reference(problem.name)
-    ggn = build(source, ref)
+    ref, ggn = reference_and_source(problem, source)
     ggn.eigh(TOP_K - 1)
     ggn.eigh(TOP_K)
     evals, evecs = ggn.eigh(TOP_K - 1)
@@ -350,15 +353,12 @@ def test_monte_carlo(problem):
         ggn = build(
             source, ref, mc_samples=2, generator=torch.Generator().manual_seed(3)
         )
-        evals, evecs = ggn.eigh(TOP_K)
-        E = flat_evecs(evecs)
+        evals, E, gamma_bar = own_directions(ggn, ref)
         first = evals if first is None else first
         assert_rel(evals, first, REL)
         newton = ggn.newton(TOP_K, damping=0.1, subsampling_grad=SUB_GRAD)
         d = newton.directional
-        gammas = ref.grads[SUB_GRAD] @ E.T
-        assert_rel(d.gammas, gammas, REL)
-        gamma_bar = reduction_factor(ref.setup.loss_func, len(SUB_GRAD)) * gammas.sum(0)
+        assert_rel(d.gammas, ref.grads[SUB_GRAD] @ E.T, REL)
         assert_rel(d.gamma_bar, gamma_bar, REL)
         assert_rel(R * d.lambdas.sum(0), evals, REL)
         assert_rel(flat(newton.step), -(gamma_bar / (evals + 0.1)) @ E, REL)
