@@ -44,6 +44,8 @@ MALFORMED = [
     ("process_group", "world", InvalidArgumentError, "process_group must be None"),
     ("chunk_size", 0, InvalidArgumentError, "chunk_size must be a positive integer"),
     ("chunk_size", True, InvalidArgumentError, "chunk_size must be a positive integer"),
+    ("output", "", InvalidArgumentError, "output must be None"),
+    ("output", 1.5, InvalidArgumentError, "output must be None"),
 ]
 OPTIONS = {name for name, *_ in MALFORMED}
 assert {f.name for f in dataclasses.fields(CurvatureOptions) if f.init} == OPTIONS, (
