@@ -60,10 +60,13 @@ from vivit.sources.blocks import (
 )
 from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
 from vivit.sources.collector import GroupCurvature, checked_param_groups
+from vivit.sources.ownership import CallerMemory
 
 #: The blocks of one construction: each run with the loader's batch it belongs to
-#: (``None`` for one mini-batch, which an error then does not name).
-Runs = Iterable[tuple[int | None, BlockRun]]
+#: (``None`` for one mini-batch, which an error then does not name) and the
+#: caller's tensors it reads (``None``: unknown, see
+#: :class:`~vivit.sources.ownership.CallerMemory`).
+Runs = Iterable[tuple[int | None, BlockRun, Sequence[Tensor] | None]]
 
 
 class StoredGroup:
@@ -189,10 +192,12 @@ class StoredFactors:
         shards = shards or ShardExchange(None)
         blocks: list[list[GroupCurvature]] = []
         union = UnionOutput()
+        caller_memory = CallerMemory()
         with engine_context(param_groups):
-            for batch, run in runs:
+            for batch, run, caller in runs:
                 with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, param_groups, options.gram_dtype)
+                caller_memory.note(block.curvature, caller)
                 if budget:
                     budget.admit(block.curvature, batch)
                 union.add(block.curvature[0].batch, block.output)
@@ -200,6 +205,7 @@ class StoredFactors:
                 del block  # the list holds the factors (released when merged)
             loss, gradients = union.result()  # refuses a loader without batches
         curvature = merged_blocks(blocks, options.subsampling)
+        caller_memory.own(curvature)  # before the exchange: ranks hold copies too
         if shards.group is not None:
             # this rank's samples as one block; then every rank's, in rank order
             local = BlockResult(curvature, EngineOutput(loss, gradients))
@@ -340,8 +346,13 @@ class StoredFactors:
 
         # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
         # "Several processes"); in one process from stream b
+        model_memory = (*model.parameters(), *model.buffers())
         runs = (
-            (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
+            (
+                batch_index,
+                chunk_run(shards.rank + shards.world_size * index, chunk),
+                (*chunk.batch, *model_memory),
+            )
             for index, (batch_index, chunk) in enumerate(chunks)
         )
         return cls(
@@ -388,7 +399,8 @@ class StoredFactors:
         # MC: a batch's stream, as for a model and data
         request = block_requests(_request(param_groups, options))(0)
         compute_loss = loss if callable(loss) else lambda: loss
-        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink))
+        # the caller's inputs are unknown: every factor tensor is copied once
+        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink), None)
         return cls(param_groups, options, engine.name, [run], {})
 
 

@@ -127,7 +127,10 @@ class BatchFingerprints:
                     + ": streaming combines every batch of every pass, so the "
                     "loader must yield the same batches in the same order each "
                     "time. Use DataLoader(..., shuffle=False) without random "
-                    "transforms (or a fixed list of batches)."
+                    "transforms (or a fixed list of batches), and do not change "
+                    "its tensors in place after construction (normalise or "
+                    "augment a copy): a batch changed in place since pass 1 is "
+                    "refused, never used."
                 )
             count += 1
             yield batch
