@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
 from tqdm.auto import tqdm
 
 from vivit._validation import check_batch, check_finite, check_inputs_match
@@ -106,6 +106,7 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
                     "data must be a pair (inputs, targets) of tensors, "
                     f"{_dict_summary(batch)}."
                 )
+            check_batched(batch, model)
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
             shape = tuple(batch[1].shape[1:])
@@ -116,6 +117,51 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
                     f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
                 )
         yield batch
+
+
+#: Layers whose unbatched input is recognisable: dimensions of one sample's input.
+_SAMPLE_DIMS = {Linear: 1, Conv1d: 2, Conv2d: 3, Conv3d: 4}
+
+
+def check_batched(batch: object, model: Module) -> None:
+    """Refuse inputs that are one unbatched sample of the model's first layer.
+
+    Torch layers accept one sample without a batch axis (``[I]`` for a Linear
+    layer, ``[C, H, W]`` for a 2d convolution); the library reads the first axis
+    of the inputs as the samples, so such an input would be taken for a batch of
+    its first axis's length and fail deep in an engine, or compute the GGN of
+    other samples. The first Linear or convolution layer of the model (in the
+    order of ``model.modules()``) tells: inputs with one sample's dimensions
+    whose first axis is the layer's input features or channels.
+
+    Runs before :func:`~vivit._validation.check_batch`, whose message about the
+    targets' batch axis would not name the cause.
+
+    Args:
+        batch: A mini-batch ``(inputs, targets)`` (not yet checked).
+        model: The network.
+
+    Raises:
+        InvalidArgumentError: For an unbatched sample, saying what to pass.
+    """
+    inputs = batch[0] if isinstance(batch, tuple | list) and batch else None
+    if not isinstance(inputs, Tensor) or not inputs.is_floating_point():
+        return
+    layer = next((m for m in model.modules() if type(m) in _SAMPLE_DIMS), None)
+    if layer is None or inputs.dim() != _SAMPLE_DIMS[type(layer)]:
+        return
+    features = layer.in_features if isinstance(layer, Linear) else layer.in_channels
+    if inputs.shape[0] != features:
+        return
+    raise InvalidArgumentError(
+        f"The inputs have shape {tuple(inputs.shape)}: one sample without a batch "
+        f"axis for the model's first layer {layer}, whose batched inputs are "
+        f"[N, {', '.join(map(str, inputs.shape))}]. The first axis of inputs and "
+        "targets holds the samples: stack the samples into one batch "
+        "(torch.stack(inputs), torch.stack(targets)), let a DataLoader(dataset, "
+        "batch_size=...) do it, or give each sample a batch axis of one "
+        "(x.unsqueeze(0), y.unsqueeze(0))."
+    )
 
 
 def _dict_summary(batch: Mapping) -> str:

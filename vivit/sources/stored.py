@@ -44,6 +44,7 @@ from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,
     BlockRun,
+    check_batched,
     engine_context,
     is_batch,
     iterate_batches,
@@ -291,6 +292,7 @@ class StoredFactors:
         param_groups, names = checked_param_groups(model, loss_func, param_groups)
         single = is_batch(data)
         if single:
+            check_batched(data, model)
             data = check_batch(data)
         elif options.subsampling is not None:
             raise InvalidArgumentError(

@@ -42,6 +42,7 @@ from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,
     RandomState,
+    check_batched,
     engine_context,
     is_batch,
     iterate_batches,
@@ -307,6 +308,7 @@ class StreamedFactors:
     ):
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
         if is_batch(data):
+            check_batched(data, model)
             data = [check_batch(data)]
         elif isinstance(data, Iterator):
             raise InvalidArgumentError(
