@@ -133,6 +133,15 @@ class LowRankGGN(CurvatureResults):
             ``None``: the whole batch at once. With Monte-Carlo sampling each
             chunk draws from its own stream (seeded like a loader's batches), so
             chunking changes the draws, not their distribution.
+        max_batches: Most batches of a data loader the pass reads (``None``:
+            until it ends); the GGN is that of the first ``max_batches`` batches.
+            A loader without ``len`` (a generator, a ``DataLoader`` over an
+            ``IterableDataset``) cannot say whether it ends; one over an infinite
+            stream never does: bound it with ``max_batches``. Without it such a
+            pass runs, and its progress bar (``progress=None``: after two
+            seconds, terminal or not) says that the loader has no length and how
+            to bound it: a finite generator is as valid as a list, so it is not
+            refused (user guide, "Data loaders").
 
     Attributes:
         loss: The loss on the mini-batch, or on all samples of a loader
@@ -174,6 +183,7 @@ class LowRankGGN(CurvatureResults):
         progress: bool | None = None,
         process_group: ProcessGroup | bool | None = None,
         chunk_size: int | None = None,
+        max_batches: int | None = None,
     ):
         group = resolve_group(process_group)
         with ShardExchange(group) as shards:  # a failure raises on every rank
@@ -190,6 +200,7 @@ class LowRankGGN(CurvatureResults):
                 progress=progress,
                 process_group=False if group is None else group,
                 chunk_size=chunk_size,
+                max_batches=max_batches,
             )
             source = StoredFactors.run(
                 local_module(model), loss_func, data, param_groups, options, shards

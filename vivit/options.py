@@ -60,6 +60,8 @@ class CurvatureOptions:
         progress: Progress bar of a pass over a data loader.
         process_group: As passed: ``None``, ``False`` or a ``ProcessGroup``.
         chunk_size: Most samples per backward pass (``None``: whole batches).
+        max_batches: Most batches of a data loader a pass reads (``None``: until
+            it ends).
         group: The resolved process group (``None``: this process alone).
 
     Raises:
@@ -80,6 +82,7 @@ class CurvatureOptions:
     progress: bool | None = None
     process_group: ProcessGroup | bool | None = None
     chunk_size: int | None = None
+    max_batches: int | None = None
     group: ProcessGroup | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class CurvatureOptions:
         check_engine(self.engine)
         check_progress(self.progress)
         check_chunk_size(self.chunk_size)
+        _check_max_batches(self.max_batches)
         object.__setattr__(self, "group", resolve_group(self.process_group))
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(
@@ -114,3 +118,19 @@ class CurvatureOptions:
             The new options.
         """
         return dataclasses.replace(self, **changes)
+
+
+def _check_max_batches(max_batches: object) -> None:
+    """Refuse a ``max_batches`` that is not ``None`` or a positive integer."""
+    if max_batches is None:
+        return
+    if (
+        isinstance(max_batches, bool)
+        or not isinstance(max_batches, int)
+        or (max_batches < 1)
+    ):
+        raise InvalidArgumentError(
+            f"max_batches must be a positive int (the most batches of the data "
+            f"loader a pass reads) or None (until the loader ends), got "
+            f"{max_batches!r}."
+        )

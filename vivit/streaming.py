@@ -88,6 +88,9 @@ class StreamingGGN(CurvatureResults):
             alone. A process group (the union of the ranks' loaders) is refused.
         chunk_size: As for :class:`~vivit.LowRankGGN`: every batch of every pass
             runs in chunks of at most this many samples.
+        max_batches: As for :class:`~vivit.LowRankGGN`: every pass reads the
+            first ``max_batches`` batches of the loader (which must yield the
+            same ones each time).
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -118,6 +121,7 @@ class StreamingGGN(CurvatureResults):
         progress: bool | None = None,
         process_group: ProcessGroup | bool | None = False,
         chunk_size: int | None = None,
+        max_batches: int | None = None,
     ):
         check_grad_mode("StreamingGGN")
         options = CurvatureOptions(
@@ -132,6 +136,7 @@ class StreamingGGN(CurvatureResults):
             progress=progress,
             process_group=process_group,
             chunk_size=chunk_size,
+            max_batches=max_batches,
         )
         self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
         super().__init__(self._stream, options)

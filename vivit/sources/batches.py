@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch import Tensor
@@ -39,6 +40,12 @@ SAMPLE_SHAPE_ADVICE = (
     "targets set to ignore_index), or compute each length on its own."
 )
 
+
+#: What the progress bar of a pass over a loader without ``len`` says.
+UNBOUNDED_NOTE = (
+    "the loader has no len: the pass reads until it ends; an infinite "
+    "IterableDataset never does, pass max_batches"
+)
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -73,12 +80,16 @@ def is_batch(data: object) -> bool:
     )
 
 
-def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tensor]]:
+def iterate_batches(
+    data: object, model: Module, max_batches: int | None = None
+) -> Iterator[tuple[Tensor, Tensor]]:
     """The batches of a data loader, each checked like a mini-batch.
 
     Args:
         data: An iterable of ``(inputs, targets)`` batches (e.g. a ``DataLoader``).
         model: The network (its parameters give the expected dtype and device).
+        max_batches: Most batches read (``None``: until the loader ends; a
+            loader over an infinite ``IterableDataset`` never does).
 
     Yields:
         ``(inputs, targets)`` of every batch.
@@ -99,7 +110,7 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         )
     params = list(model.parameters())
     first_shape = None
-    for index, batch in enumerate(data):
+    for index, batch in enumerate(islice(data, max_batches)):
         with naming_batch(index):
             if isinstance(batch, Mapping):
                 raise InvalidArgumentError(
@@ -303,14 +314,24 @@ def run_block(
     return BlockResult([curvature[g] for g in range(len(curvature))], output)
 
 
-def num_batches(data: object) -> int | None:
-    """Number of batches of a loader, if it knows it (``len``), else ``None``."""
+def num_batches(data: object, max_batches: int | None = None) -> int | None:
+    """Batches a pass over a loader reads, if known, else ``None``.
+
+    Args:
+        data: The loader.
+        max_batches: Most batches a pass reads (``None``: all).
+
+    Returns:
+        Its ``len`` (at most ``max_batches``), ``max_batches`` for a loader
+        without ``len``, or ``None`` if neither is known.
+    """
     if not isinstance(data, Sized):
-        return None
+        return max_batches
     try:
-        return len(data)
+        length = len(data)
     except TypeError:  # e.g. a DataLoader over an IterableDataset
-        return None
+        return max_batches
+    return length if max_batches is None else min(length, max_batches)
 
 
 def progress_bar(
@@ -323,7 +344,11 @@ def progress_bar(
         total: Number of batches, if known.
         progress: ``True`` always shows the bar, ``False`` never; ``None`` shows it
             only if stderr is a terminal and the pass takes longer than
-            :data:`PROGRESS_DELAY` seconds (and removes it when done).
+            :data:`PROGRESS_DELAY` seconds (and removes it when done). A pass of
+            unknown length (``total=None``: a loader without ``len`` and no
+            ``max_batches``) may never end: under ``None`` its bar appears after
+            the delay whether or not stderr is a terminal, and says why
+            (:data:`UNBOUNDED_NOTE`).
         description: Text in front of the bar.
 
     Returns:
@@ -331,12 +356,14 @@ def progress_bar(
     """
     if progress is False:
         return batches
+    if total is None:
+        description += f" ({UNBOUNDED_NOTE})"
     return tqdm(
         batches,
         total=total,
         desc=description,
         unit="batch",
-        disable=None if progress is None else False,
+        disable=None if progress is None and total is not None else False,
         delay=PROGRESS_DELAY if progress is None else 0.0,
         leave=progress is True,
     )

@@ -322,7 +322,7 @@ class StoredFactors:
             None
             if single
             else FactorBudget(
-                num_batches(data),
+                num_batches(data, options.max_batches),
                 model,
                 options.mc_samples,
                 request.num_grams,
@@ -428,8 +428,8 @@ def _loader_pass(
 ) -> Iterable[tuple[Tensor, Tensor]]:
     """A loader's checked batches, watched by the budget, with a progress bar."""
     return progress_bar(
-        budget.watch(iterate_batches(data, model)),
-        num_batches(data),
+        budget.watch(iterate_batches(data, model, options.max_batches)),
+        num_batches(data, options.max_batches),
         options.progress,
         "LowRankGGN: pass over the data",
     )

@@ -373,10 +373,13 @@ class StreamedFactors:
         check_grad_mode("StreamingGGN")
         self._check_model_unchanged()
         self.passes += 1
-        batches = self._fingerprints.check(iterate_batches(self._data, self._model))
+        max_batches = self._options.max_batches
+        batches = self._fingerprints.check(
+            iterate_batches(self._data, self._model, max_batches)
+        )
         batches = progress_bar(
             batches,
-            num_batches(self._data),
+            num_batches(self._data, max_batches),
             self._options.progress,
             f"StreamingGGN: pass {self.passes} ({description})",
         )
