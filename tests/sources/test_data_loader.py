@@ -214,17 +214,41 @@ def test_union_normalization_with_ignored_targets_and_class_weights(seq):
     assert_matches_reference(loader, model, loss_func, X, y)
 
 
-def test_batch_with_every_target_ignored_is_refused_naming_it():
-    """Its mean loss is 0/0; dropping it changes nothing (its weights are 0)."""
+@pytest.mark.parametrize("front_door", [LowRankGGN, StreamingGGN])
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_batch_with_every_target_ignored_carries_no_weight(
+    reduction, engine, front_door
+):
+    """Its own mean is 0/0, the union's is defined: zero columns, loss, gradient.
+
+    The batch's samples have weight ``0`` in the mean over all samples
+    (``docs/math.rst``, "Data sets and processes"); the loader's GGN, loss,
+    gradient and ``γ`` are those of the concatenated batch (used to be
+    refused under the mean). A loader whose every target is ignored stays
+    refused under the mean.
+    """
     model, loss_func = _classifier()
+    loss_func.reduction = reduction
     X = torch.randn(6, 3, dtype=torch.float64)
     y = torch.tensor([0, 1, -100, -100, 2, 3])
-    with pytest.raises(InvalidTargetsError, match="Batch 1 of the data loader.*0/0"):
-        LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
-    # the sum reduction has no 0/0: the batch adds nothing
-    loss_func.reduction = "sum"
-    loader = LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
-    assert_same_ggn(loader, LowRankGGN(model, loss_func, (X, y)))
+    loader = front_door(model, loss_func, split(X, y, [2, 2, 2]), engine=engine)
+    G = dense_ggn(model, loss_func, X, y)
+    evals, evecs = loader.eigh(top_k=3)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
+    assert_eigenpairs(evals, evecs, G)
+    gradient = torch.cat([g.flatten() for g in loader.gradient()])
+    assert_rel(gradient, dense_gradient(model, loss_func, X, y), REL)
+    assert_rel(loader.loss, loss_func(model(X), y).detach(), REL)
+    # γ of every sample (zero for the ignored ones), as on the concatenated batch
+    gammas = loader.directional_derivatives(top_k=3).gammas
+    single = LowRankGGN(model, loss_func, (X, y)).directional_derivatives(top_k=3)
+    assert_rel(gammas.abs(), single.gammas.abs(), 1e-8)
+    assert (gammas[2:4] == 0).all()
+    if reduction == "mean":
+        ignored = torch.full_like(y, -100)
+        with pytest.raises(InvalidTargetsError, match="Every target of every batch"):
+            front_door(model, loss_func, split(X, ignored, [2, 2, 2]), engine=engine)
 
 
 def test_float32_model_with_float64_gram():

@@ -204,7 +204,9 @@ class StoredFactors:
                 union.add(block.curvature[0].batch, block.output)
                 blocks.append(block.curvature)
                 del block  # the list holds the factors (released when merged)
-            loss, gradients = union.result()  # refuses a loader without batches
+            # refuses a loader without batches, and one whose every target is
+            # ignored (a rank's shard: after the exchange)
+            loss, gradients = union.result(part=shards.group is not None)
         curvature = merged_blocks(blocks, options.subsampling)
         caller_memory.own(curvature)  # before the exchange: ranks hold copies too
         if shards.group is not None:
@@ -342,8 +344,10 @@ class StoredFactors:
             block_request = dataclasses.replace(
                 blocks_request(index), subsampling=chunk.subsampling
             )
+            # a lone mini-batch: its loss is the union's (refused if 0/0)
+            combined = not single or chunk.samples is not None or shards.group
             return lambda sink: run_chunk(
-                chosen, model, loss_func, chunk, block_request, sink
+                chosen, model, loss_func, chunk, block_request, sink, bool(combined)
             )
 
         # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
