@@ -121,6 +121,16 @@ def assert_matches_reference(ggn: LowRankGGN, model, loss_func, X, y, params=Non
     assert_rel(ggn.loss, loss_func(model(X), y).detach(), REL)
 
 
+def assert_leading_match_reference(ggn, model, loss_func, X, y):
+    """The top 3 eigenpairs and the gradient: those of the dense reference."""
+    G = dense_ggn(model, loss_func, X, y)
+    evals, evecs = ggn.eigh(top_k=3)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
+    assert_eigenpairs(evals, evecs, G)
+    gradient = torch.cat([g.flatten() for g in ggn.gradient()])
+    assert_rel(gradient, dense_gradient(model, loss_func, X, y), REL)
+
+
 @pytest.mark.parametrize("engine", ["backpack", "func"])
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
 def test_loader_equals_concatenated_batch(problem, engine):
@@ -233,12 +243,7 @@ def test_batch_with_every_target_ignored_carries_no_weight(
     X = torch.randn(6, 3, dtype=torch.float64)
     y = torch.tensor([0, 1, -100, -100, 2, 3])
     loader = front_door(model, loss_func, split(X, y, [2, 2, 2]), engine=engine)
-    G = dense_ggn(model, loss_func, X, y)
-    evals, evecs = loader.eigh(top_k=3)
-    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
-    assert_eigenpairs(evals, evecs, G)
-    gradient = torch.cat([g.flatten() for g in loader.gradient()])
-    assert_rel(gradient, dense_gradient(model, loss_func, X, y), REL)
+    assert_leading_match_reference(loader, model, loss_func, X, y)
     assert_rel(loader.loss, loss_func(model(X), y).detach(), REL)
     # γ of every sample (zero for the ignored ones), as on the concatenated batch
     gammas = loader.directional_derivatives(top_k=3).gammas
@@ -481,12 +486,7 @@ def test_max_batches_bounds_an_infinite_loader(problem, engine, front_door):
     ggn = front_door(model, loss_func, loader, engine=engine, max_batches=3)
     first = list(itertools.islice(EndlessBatches(X, y, 2), 3))  # N=4: a repeat
     X3, y3 = (torch.cat(parts) for parts in zip(*first, strict=True))
-    G = dense_ggn(model, loss_func, X3, y3)
-    evals, evecs = ggn.eigh(top_k=3)
-    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
-    assert_eigenpairs(evals, evecs, G)
-    gradient = torch.cat([g.flatten() for g in ggn.gradient()])
-    assert_rel(gradient, dense_gradient(model, loss_func, X3, y3), REL)
+    assert_leading_match_reference(ggn, model, loss_func, X3, y3)
 
 
 def test_max_batches_of_a_finite_loader():
