@@ -9,6 +9,8 @@ operations on O(1) numbers.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -350,3 +352,19 @@ def test_refused_targets(loss_func, output, targets, error, words):
         LossCurvature(loss_func, output, targets)
     for word in words:
         assert word in str(info.value)
+
+
+@pytest.mark.parametrize("positions", [(4,), (2, 3)], ids=["T", "HxW"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_logits_flattened_over_positions_are_named(positions, reduction):
+    """Logits ``[N·T, C]`` with targets ``[N, T]``: the message gives ``[N, C, T]``."""
+    N, C = 3, 5
+    output = torch.randn(N * math.prod(positions), C, dtype=torch.float64)
+    targets = torch.randint(0, C, (N, *positions))
+    layout = f"reshape({N}, {', '.join(map(str, positions))}, {C}).movedim(-1, 1)"
+    with pytest.raises(InvalidTargetsError, match=r"\[N, C, \*T\]") as error:
+        LossCurvature(nn.CrossEntropyLoss(reduction=reduction), output, targets)
+    assert layout in str(error.value)
+    # the advice is right: in that layout the targets fit
+    logits = output.reshape(N, *positions, C).movedim(-1, 1)
+    LossCurvature(nn.CrossEntropyLoss(reduction=reduction), logits, targets)

@@ -9,7 +9,7 @@ from tests.fixtures.checks import (
     assert_top_eigvals,
     layer_groups,
 )
-from tests.fixtures.problems import PROBLEMS, prepare, problem_ids
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
@@ -154,3 +154,36 @@ def test_gradient_and_batch_directional_gradient(problem, subsampling):
     E = torch.cat([e.flatten(start_dim=1) for e in evecs], dim=1)
     gamma_bar = ggn.directional_derivatives(top_k=3).gamma_bar
     torch.testing.assert_close(gamma_bar, E @ grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize(
+    "problem",
+    [
+        *select(architecture="mlp_tanh", loss="ce", reduction="mean"),
+        *select(architecture="cnn", loss="mse", reduction="sum"),
+    ],
+    ids=lambda p: p.name,
+)
+def test_solver_report_of_a_reused_full_decomposition(problem, engine):
+    """``eigh(top_k)`` answered from the full decomposition reports ``"dense"``.
+
+    After ``eigvalsh()`` a request with ``solver="auto"`` reuses the full
+    decomposition; the report names it (not an earlier request's solver), with
+    the residual of the returned pairs: a backward-stable dense eigensolver's,
+    at most ``N·C·ε·λ_max`` (``docs/math.rst``, "Precision and the numerical
+    zero").
+    """
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    G = dense_ggn(model, loss_func, X, y)
+    ggn = LowRankGGN(model, loss_func, (X, y), engine=engine)
+    ggn.eigh(top_k=2, solver="iterative")
+    assert ggn.solver_report().solver == "iterative"
+    ggn.eigvalsh()
+    evals, evecs = ggn.eigh(top_k=3)
+    assert_eigenpairs(evals, evecs, G)
+    report = ggn.solver_report()
+    assert (report.solver, report.requested) == ("dense", "auto")
+    assert report.converged and report.tolerance is None and report.fallback is None
+    rows = ggn.gram().shape[0]
+    assert 0 <= report.residual <= rows * torch.finfo(torch.float64).eps

@@ -383,7 +383,7 @@ def _cross_entropy(
             f"CrossEntropyLoss got class-index targets of shape "
             f"{tuple(targets.shape)} for a model output of shape "
             f"{tuple(output.shape)}; expected {expected} (or probability targets "
-            f"of shape {tuple(output.shape)})."
+            f"of shape {tuple(output.shape)}).{_flattened_positions(output, targets)}"
         )
     y = targets.cpu().long()
     counted = y != loss_func.ignore_index
@@ -418,6 +418,22 @@ def _cross_entropy(
     else:
         normalization = _uniform(reduction, output.shape[0])
     return _Structure("ce", kappa * mass, normalization)
+
+
+def _flattened_positions(output: Tensor, targets: Tensor) -> str:
+    """Advice for logits ``[N·T, C]`` of sequences ``[N, T]`` (else ``""``)."""
+    if output.dim() != 2 or targets.dim() < 2 or targets.numel() != output.shape[0]:
+        return ""
+    samples, positions = targets.shape[0], tuple(targets.shape[1:])
+    sizes = ", ".join(map(str, positions))
+    return (
+        f" The output looks like the logits of {samples} samples with "
+        f"{'×'.join(map(str, positions))} positions each, flattened into its "
+        "first axis: the first axis must be the samples (the GGN's per-sample "
+        "structure, and the mean over positions, follow it). Return the logits "
+        f"as [N, C, *T], e.g. logits.reshape({samples}, {sizes}, "
+        f"{output.shape[1]}).movedim(-1, 1), with targets {tuple(targets.shape)}."
+    )
 
 
 # ----------------------------------------------------------------------------------

@@ -141,6 +141,15 @@ class LowRankGGN(CurvatureResults):
             curvature is that of ``loss_func(selected, targets)``. A model that
             returns anything but a tensor without it is refused, naming the
             type and its fields.
+        max_batches: Most batches of a data loader the pass reads (``None``:
+            until it ends); the GGN is that of the first ``max_batches`` batches.
+            A loader without ``len`` (a generator, a ``DataLoader`` over an
+            ``IterableDataset``) cannot say whether it ends; one over an infinite
+            stream never does: bound it with ``max_batches``. Without it such a
+            pass runs, and its progress bar (``progress=None``: after two
+            seconds, terminal or not) says that the loader has no length and how
+            to bound it: a finite generator is as valid as a list, so it is not
+            refused (user guide, "Data loaders").
 
     Attributes:
         loss: The loss on the mini-batch, or on all samples of a loader
@@ -183,6 +192,7 @@ class LowRankGGN(CurvatureResults):
         process_group: ProcessGroup | bool | None = None,
         chunk_size: int | None = None,
         output: OutputSelector = None,
+        max_batches: int | None = None,
     ):
         group = resolve_group(process_group)
         with ShardExchange(group) as shards:  # a failure raises on every rank
@@ -200,6 +210,7 @@ class LowRankGGN(CurvatureResults):
                 process_group=False if group is None else group,
                 chunk_size=chunk_size,
                 output=output,
+                max_batches=max_batches,
             )
             source = StoredFactors.run(
                 local_module(model), loss_func, data, param_groups, options, shards

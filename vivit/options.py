@@ -62,6 +62,8 @@ class CurvatureOptions:
         chunk_size: Most samples per backward pass (``None``: whole batches).
         output: Selects the output tensor from what the model returns
             (:func:`~vivit.engines.base.select_output`).
+        max_batches: Most batches of a data loader a pass reads (``None``: until
+            it ends).
         group: The resolved process group (``None``: this process alone).
 
     Raises:
@@ -83,6 +85,7 @@ class CurvatureOptions:
     process_group: ProcessGroup | bool | None = None
     chunk_size: int | None = None
     output: OutputSelector = None
+    max_batches: int | None = None
     group: ProcessGroup | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,7 @@ class CurvatureOptions:
         check_progress(self.progress)
         check_chunk_size(self.chunk_size)
         check_output_selector(self.output)
+        _check_max_batches(self.max_batches)
         object.__setattr__(self, "group", resolve_group(self.process_group))
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(
@@ -118,3 +122,19 @@ class CurvatureOptions:
             The new options.
         """
         return dataclasses.replace(self, **changes)
+
+
+def _check_max_batches(max_batches: object) -> None:
+    """Refuse a ``max_batches`` that is not ``None`` or a positive integer."""
+    if max_batches is None:
+        return
+    if (
+        isinstance(max_batches, bool)
+        or not isinstance(max_batches, int)
+        or (max_batches < 1)
+    ):
+        raise InvalidArgumentError(
+            f"max_batches must be a positive int (the most batches of the data "
+            f"loader a pass reads) or None (until the loader ends), got "
+            f"{max_batches!r}."
+        )

@@ -45,6 +45,7 @@ from vivit.linalg.top_k import (
     check_solver,
     iterative_workspace_bytes,
     leading_eigenpairs,
+    relative_residual,
 )
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, GroupSource
@@ -137,7 +138,10 @@ class CurvatureResults:
         Returns:
             The solver used, its relative residual ``max_k ‖G̃ũ_k − λ_kũ_k‖ /
             λ_max`` and tolerance, iterations and any fallback; ``None`` before the
-            first request with ``top_k`` (full decompositions are LAPACK's).
+            first request with ``top_k`` (full decompositions are LAPACK's). A
+            request with ``top_k`` answered from the full decomposition (one
+            exists and the solver is ``"auto"``) reports ``"dense"``, with the
+            residual of the pairs it returned.
         """
         self._source.group(group)
         return self._reports.get(group)
@@ -164,7 +168,8 @@ class CurvatureResults:
             check_seed(seed)
         source = self._source.group(group)
         source.check_solver(solver)
-        if top_k is None or (solver == "auto" and group in self._decompositions):
+        full = top_k is None or (solver == "auto" and group in self._decompositions)
+        if full:
             evals, evecs = self._gram_eigh(group)
         else:
             resolved = solver if solver != "auto" else source.choose_solver(top_k)
@@ -187,7 +192,16 @@ class CurvatureResults:
         gram = source.formed_gram()
         trace = None if gram is None else gram.trace().item()
         keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
-        return evals[keep], evecs[:, keep]
+        evals, evecs = evals[keep], evecs[:, keep]
+        if full and top_k is not None:  # leading pairs of the full decomposition
+            self._reports[group] = SolverReport(
+                solver="dense",
+                requested=solver,
+                residual=relative_residual(gram @ evecs, evals, evecs),
+                tolerance=None,
+                converged=True,
+            )
+        return evals, evecs
 
     def _compute_leading(
         self,

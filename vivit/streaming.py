@@ -89,6 +89,9 @@ class StreamingGGN(CurvatureResults):
         chunk_size: As for :class:`~vivit.LowRankGGN`: every batch of every pass
             runs in chunks of at most this many samples.
         output: As for :class:`~vivit.LowRankGGN`.
+        max_batches: As for :class:`~vivit.LowRankGGN`: every pass reads the
+            first ``max_batches`` batches of the loader (which must yield the
+            same ones each time).
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -121,6 +124,7 @@ class StreamingGGN(CurvatureResults):
         process_group: ProcessGroup | bool | None = False,
         chunk_size: int | None = None,
         output: OutputSelector = None,
+        max_batches: int | None = None,
     ):
         check_grad_mode("StreamingGGN")
         options = CurvatureOptions(
@@ -136,6 +140,7 @@ class StreamingGGN(CurvatureResults):
             process_group=process_group,
             chunk_size=chunk_size,
             output=output,
+            max_batches=max_batches,
         )
         self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
         super().__init__(self._stream, options)

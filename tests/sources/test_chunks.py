@@ -200,18 +200,31 @@ def test_invalid_chunk_size(chunk_size):
         LowRankGGN(model, loss_func, (X, y), chunk_size=chunk_size)
 
 
-def test_chunk_whose_targets_are_all_ignored_is_named():
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+def test_chunk_whose_targets_are_all_ignored_carries_no_weight(engine):
+    """A chunk with every target ignored: zero columns, zero loss (issue 19).
+
+    Its own mean is ``0/0``; in the loss on the whole batch its samples have
+    weight ``0`` (``docs/math.rst``, "Data sets and processes"): the chunked
+    GGN is the unchunked one (used to be refused, "use a larger chunk_size").
+    """
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, _, X, _ = prepare(problem, torch.float64)
     loss_func = torch.nn.CrossEntropyLoss(ignore_index=-1)
     y = torch.tensor([0, 1, -1, -1, 2])
-    whole = LowRankGGN(model, loss_func, (X, y))  # counted targets in the batch
+    whole = LowRankGGN(model, loss_func, (X, y), engine=engine)
     assert whole.gram().shape == (15, 15)
-    with pytest.raises(InvalidTargetsError, match="samples 2 to 3 .*chunk_size"):
-        LowRankGGN(model, loss_func, (X, y), chunk_size=2)
+    chunked = LowRankGGN(model, loss_func, (X, y), chunk_size=2, engine=engine)
+    assert_rel(chunked.gram(), whole.gram(), REL)
+    assert (chunked.gram()[6:12] == 0).all()  # samples 2 and 3: zero columns
+    assert_rel(chunked.loss, whole.loss, REL)
+    G = dense_ggn(model, loss_func, X, y)
+    assert_top_eigvals(chunked.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
+    with pytest.raises(InvalidTargetsError, match="Every target of every batch"):
+        LowRankGGN(model, loss_func, (X, torch.full((5,), -1)), chunk_size=2)
 
 
-def test_errors_in_chunks_name_the_batch_and_advise_only_where_chunking_matters():
+def test_errors_in_chunks_name_the_batch_and_samples():
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)  # N = 5
     wrong = y.clone()
@@ -224,9 +237,8 @@ def test_errors_in_chunks_name_the_batch_and_advise_only_where_chunking_matters(
     with pytest.raises(InvalidTargetsError, match="^Batch 1 of the data loader: Chunk"):
         LowRankGGN(model, loss_func, loader, chunk_size=2)
     # the last chunk (1 sample) of chunk_size=2 is not called chunk_size=1
-    ignore = torch.nn.CrossEntropyLoss(ignore_index=-1)
-    with pytest.raises(InvalidTargetsError, match="samples 4 to 4 .*larger chunk_size"):
-        LowRankGGN(model, ignore, (X, torch.tensor([0, 1, 2, 0, -1])), chunk_size=2)
+    with pytest.raises(InvalidTargetsError, match="samples 4 to 4 .*class index 7"):
+        LowRankGGN(model, loss_func, (X, torch.tensor([0, 1, 2, 0, 7])), chunk_size=2)
 
 
 @pytest.mark.parametrize("engine", ["backpack", "func"])

@@ -15,13 +15,15 @@ Eigenvalues against the reference as in ``tests/fixtures/checks.py``.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+import vivit.sources.batches
 import vivit.sources.blocks
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
@@ -35,6 +37,7 @@ from tests.fixtures.func_problems import FUNC_PROBLEMS
 from tests.fixtures.problems import prepare, select
 from tests.fixtures.reference import dense_ggn, dense_gradient, per_sample_gradients
 from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
+from vivit.sources.batches import UNBOUNDED_NOTE
 
 REL = 1e-10
 #: Uneven batch sizes for a mini-batch of ``N`` samples (the tests' N are 3 to 6).
@@ -116,6 +119,16 @@ def assert_matches_reference(ggn: LowRankGGN, model, loss_func, X, y, params=Non
     gradient = torch.cat([g.flatten() for g in ggn.gradient()])
     assert_rel(gradient, dense_gradient(model, loss_func, X, y, params=params), REL)
     assert_rel(ggn.loss, loss_func(model(X), y).detach(), REL)
+
+
+def assert_leading_match_reference(ggn, model, loss_func, X, y):
+    """The top 3 eigenpairs and the gradient: those of the dense reference."""
+    G = dense_ggn(model, loss_func, X, y)
+    evals, evecs = ggn.eigh(top_k=3)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[X.dtype])
+    assert_eigenpairs(evals, evecs, G)
+    gradient = torch.cat([g.flatten() for g in ggn.gradient()])
+    assert_rel(gradient, dense_gradient(model, loss_func, X, y), REL)
 
 
 @pytest.mark.parametrize("engine", ["backpack", "func"])
@@ -211,17 +224,36 @@ def test_union_normalization_with_ignored_targets_and_class_weights(seq):
     assert_matches_reference(loader, model, loss_func, X, y)
 
 
-def test_batch_with_every_target_ignored_is_refused_naming_it():
-    """Its mean loss is 0/0; dropping it changes nothing (its weights are 0)."""
+@pytest.mark.parametrize("front_door", [LowRankGGN, StreamingGGN])
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_batch_with_every_target_ignored_carries_no_weight(
+    reduction, engine, front_door
+):
+    """Its own mean is 0/0, the union's is defined: zero columns, loss, gradient.
+
+    The batch's samples have weight ``0`` in the mean over all samples
+    (``docs/math.rst``, "Data sets and processes"); the loader's GGN, loss,
+    gradient and ``γ`` are those of the concatenated batch (used to be
+    refused under the mean). A loader whose every target is ignored stays
+    refused under the mean.
+    """
     model, loss_func = _classifier()
+    loss_func.reduction = reduction
     X = torch.randn(6, 3, dtype=torch.float64)
     y = torch.tensor([0, 1, -100, -100, 2, 3])
-    with pytest.raises(InvalidTargetsError, match="Batch 1 of the data loader.*0/0"):
-        LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
-    # the sum reduction has no 0/0: the batch adds nothing
-    loss_func.reduction = "sum"
-    loader = LowRankGGN(model, loss_func, split(X, y, [2, 2, 2]))
-    assert_same_ggn(loader, LowRankGGN(model, loss_func, (X, y)))
+    loader = front_door(model, loss_func, split(X, y, [2, 2, 2]), engine=engine)
+    assert_leading_match_reference(loader, model, loss_func, X, y)
+    assert_rel(loader.loss, loss_func(model(X), y).detach(), REL)
+    # γ of every sample (zero for the ignored ones), as on the concatenated batch
+    gammas = loader.directional_derivatives(top_k=3).gammas
+    single = LowRankGGN(model, loss_func, (X, y)).directional_derivatives(top_k=3)
+    assert_rel(gammas.abs(), single.gammas.abs(), 1e-8)
+    assert (gammas[2:4] == 0).all()
+    if reduction == "mean":
+        ignored = torch.full_like(y, -100)
+        with pytest.raises(InvalidTargetsError, match="Every target of every batch"):
+            front_door(model, loss_func, split(X, ignored, [2, 2, 2]), engine=engine)
 
 
 def test_float32_model_with_float64_gram():
@@ -414,3 +446,82 @@ def test_a_model_error_in_a_batch_names_the_batch():
     with pytest.raises(RuntimeError) as info:
         LowRankGGN(model, torch.nn.CrossEntropyLoss(), batches)
     assert "(in batch 1 of the data loader)" in getattr(info.value, "__notes__", [])
+
+
+class EndlessBatches(IterableDataset):
+    """An infinite stream of the batches of ``(X, y)``, cycling (no ``len``)."""
+
+    def __init__(self, X, y, size):
+        self.X, self.y, self.size = X, y, size
+
+    def __iter__(self):
+        for start in itertools.cycle(range(0, self.X.shape[0], self.size)):
+            yield self.X[start : start + self.size], self.y[start : start + self.size]
+
+
+class ListedBatches(IterableDataset):
+    """The batches of a list, as a dataset without ``len``."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        yield from self.batches
+
+
+@pytest.mark.parametrize("front_door", [LowRankGGN, StreamingGGN])
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize(
+    "problem",
+    [
+        *select(architecture="mlp_tanh", loss="ce", reduction="mean"),
+        *select(architecture="cnn", loss="mse", reduction="sum"),
+    ],
+    ids=str,
+)
+def test_max_batches_bounds_an_infinite_loader(problem, engine, front_door):
+    """``max_batches=B``: the GGN of the loader's first ``B`` batches (issue 19)."""
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 4 or 5
+    loader = DataLoader(EndlessBatches(X, y, 2), batch_size=None)
+    ggn = front_door(model, loss_func, loader, engine=engine, max_batches=3)
+    first = list(itertools.islice(EndlessBatches(X, y, 2), 3))  # N=4: a repeat
+    X3, y3 = (torch.cat(parts) for parts in zip(*first, strict=True))
+    assert_leading_match_reference(ggn, model, loss_func, X3, y3)
+
+
+def test_max_batches_of_a_finite_loader():
+    """At most ``len(loader)`` batches are read; the option is checked."""
+    (problem,) = select(architecture="mlp_relu", loss="mse", reduction="mean")
+    model, loss_func, X, y = prepare(problem, torch.float64)  # N = 6
+    batches = split(X, y, [2, 2, 2])
+    assert_same_ggn(
+        LowRankGGN(model, loss_func, batches, max_batches=10),
+        LowRankGGN(model, loss_func, (X, y)),
+    )
+    first = LowRankGGN(model, loss_func, batches, max_batches=1)
+    assert first.gram().shape[0] == 2 * 3
+    for bad in (0, -1, 1.5, True, "3"):
+        with pytest.raises(InvalidArgumentError, match="max_batches must be"):
+            LowRankGGN(model, loss_func, batches, max_batches=bad)
+        with pytest.raises(InvalidArgumentError, match="max_batches must be"):
+            StreamingGGN(model, loss_func, batches, max_batches=bad)
+
+
+@pytest.mark.parametrize("front_door", [LowRankGGN, StreamingGGN])
+def test_unbounded_pass_says_so(front_door, capsys, monkeypatch):
+    """A loader without ``len``: the bar (``progress=None``, no terminal) says why.
+
+    A bounded pass on a non-terminal stays silent, as before.
+    """
+    monkeypatch.setattr(vivit.sources.batches, "PROGRESS_DELAY", 0.0)
+    (problem,) = select(architecture="mlp_tanh", loss="mse", reduction="sum")
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    batches = split(X, y, [2, 1, 2])
+    front_door(model, loss_func, batches)
+    assert capsys.readouterr().err == ""
+    endless = DataLoader(EndlessBatches(X, y, 2), batch_size=None)
+    front_door(model, loss_func, endless, max_batches=2)
+    assert capsys.readouterr().err == ""
+    unsized = DataLoader(ListedBatches(batches), batch_size=None)  # finite, no len
+    front_door(model, loss_func, unsized)
+    assert UNBOUNDED_NOTE in capsys.readouterr().err

@@ -12,7 +12,7 @@ loss on all samples copies no factors.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -85,10 +85,11 @@ class SampleBlockFactors(ParamFactors):
     def tensors(self) -> list[Tensor]:  # noqa: D102
         return [t for block in self.blocks for t in block.tensors()]
 
-    def to(self, dtype: torch.dtype) -> SampleBlockFactors:  # noqa: D102
-        if dtype == self.dtype:
+    def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:  # noqa: D102
+        blocks = [block.map_tensors(function) for block in self.blocks]
+        if all(new is old for new, old in zip(blocks, self.blocks, strict=True)):
             return self
-        return SampleBlockFactors([b.to(dtype) for b in self.blocks], self.scales)
+        return SampleBlockFactors(blocks, self.scales)
 
     def scaled(self, factor: float) -> SampleBlockFactors:  # noqa: D102
         return SampleBlockFactors(self.blocks, [factor * s for s in self.scales])

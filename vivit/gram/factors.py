@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -68,9 +68,26 @@ class ParamFactors(ABC):
         """
         if dtype == self.dtype:
             return self
+        return self.map_tensors(lambda tensor: tensor.to(dtype))
+
+    def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:
+        """The same factors with every tensor replaced by ``function(tensor)``.
+
+        Args:
+            function: Maps a tensor of the factors to one of the same shape (a
+                cast, a copy).
+
+        Returns:
+            ``self`` if ``function`` returns every tensor itself, else a shallow
+            copy holding the new tensors.
+        """
+        tensors = self._tensors()
+        mapped = {name: function(value) for name, value in tensors.items()}
+        if all(mapped[name] is value for name, value in tensors.items()):
+            return self
         converted = copy.copy(self)
-        for name, value in self._tensors().items():
-            setattr(converted, name, value.to(dtype))
+        for name, value in mapped.items():
+            setattr(converted, name, value)
         return converted
 
     @abstractmethod

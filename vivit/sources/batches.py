@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
 from tqdm.auto import tqdm
 
 from vivit._validation import check_batch, check_finite, check_inputs_match
@@ -39,6 +40,12 @@ SAMPLE_SHAPE_ADVICE = (
     "targets set to ignore_index), or compute each length on its own."
 )
 
+
+#: What the progress bar of a pass over a loader without ``len`` says.
+UNBOUNDED_NOTE = (
+    "the loader has no len: the pass reads until it ends; an infinite "
+    "IterableDataset never does, pass max_batches"
+)
 
 #: Runs an engine on one block of samples into a sink.
 BlockRun = Callable[[ContributionSink], EngineOutput]
@@ -73,12 +80,16 @@ def is_batch(data: object) -> bool:
     )
 
 
-def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tensor]]:
+def iterate_batches(
+    data: object, model: Module, max_batches: int | None = None
+) -> Iterator[tuple[Tensor, Tensor]]:
     """The batches of a data loader, each checked like a mini-batch.
 
     Args:
         data: An iterable of ``(inputs, targets)`` batches (e.g. a ``DataLoader``).
         model: The network (its parameters give the expected dtype and device).
+        max_batches: Most batches read (``None``: until the loader ends; a
+            loader over an infinite ``IterableDataset`` never does).
 
     Yields:
         ``(inputs, targets)`` of every batch.
@@ -99,13 +110,14 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
         )
     params = list(model.parameters())
     first_shape = None
-    for index, batch in enumerate(data):
+    for index, batch in enumerate(islice(data, max_batches)):
         with naming_batch(index):
             if isinstance(batch, Mapping):
                 raise InvalidArgumentError(
                     "data must be a pair (inputs, targets) of tensors, "
                     f"{_dict_summary(batch)}."
                 )
+            check_batched(batch, model)
             batch = check_batch(batch)
             check_inputs_match(batch[0], params)
             shape = tuple(batch[1].shape[1:])
@@ -116,6 +128,51 @@ def iterate_batches(data: object, model: Module) -> Iterator[tuple[Tensor, Tenso
                     f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
                 )
         yield batch
+
+
+#: Layers whose unbatched input is recognisable: dimensions of one sample's input.
+_SAMPLE_DIMS = {Linear: 1, Conv1d: 2, Conv2d: 3, Conv3d: 4}
+
+
+def check_batched(batch: object, model: Module) -> None:
+    """Refuse inputs that are one unbatched sample of the model's first layer.
+
+    Torch layers accept one sample without a batch axis (``[I]`` for a Linear
+    layer, ``[C, H, W]`` for a 2d convolution); the library reads the first axis
+    of the inputs as the samples, so such an input would be taken for a batch of
+    its first axis's length and fail deep in an engine, or compute the GGN of
+    other samples. The first Linear or convolution layer of the model (in the
+    order of ``model.modules()``) tells: inputs with one sample's dimensions
+    whose first axis is the layer's input features or channels.
+
+    Runs before :func:`~vivit._validation.check_batch`, whose message about the
+    targets' batch axis would not name the cause.
+
+    Args:
+        batch: A mini-batch ``(inputs, targets)`` (not yet checked).
+        model: The network.
+
+    Raises:
+        InvalidArgumentError: For an unbatched sample, saying what to pass.
+    """
+    inputs = batch[0] if isinstance(batch, tuple | list) and batch else None
+    if not isinstance(inputs, Tensor) or not inputs.is_floating_point():
+        return
+    layer = next((m for m in model.modules() if type(m) in _SAMPLE_DIMS), None)
+    if layer is None or inputs.dim() != _SAMPLE_DIMS[type(layer)]:
+        return
+    features = layer.in_features if isinstance(layer, Linear) else layer.in_channels
+    if inputs.shape[0] != features:
+        return
+    raise InvalidArgumentError(
+        f"The inputs have shape {tuple(inputs.shape)}: one sample without a batch "
+        f"axis for the model's first layer {layer}, whose batched inputs are "
+        f"[N, {', '.join(map(str, inputs.shape))}]. The first axis of inputs and "
+        "targets holds the samples: stack the samples into one batch "
+        "(torch.stack(inputs), torch.stack(targets)), let a DataLoader(dataset, "
+        "batch_size=...) do it, or give each sample a batch axis of one "
+        "(x.unsqueeze(0), y.unsqueeze(0))."
+    )
 
 
 def _dict_summary(batch: Mapping) -> str:
@@ -257,14 +314,24 @@ def run_block(
     return BlockResult([curvature[g] for g in range(len(curvature))], output)
 
 
-def num_batches(data: object) -> int | None:
-    """Number of batches of a loader, if it knows it (``len``), else ``None``."""
+def num_batches(data: object, max_batches: int | None = None) -> int | None:
+    """Batches a pass over a loader reads, if known, else ``None``.
+
+    Args:
+        data: The loader.
+        max_batches: Most batches a pass reads (``None``: all).
+
+    Returns:
+        Its ``len`` (at most ``max_batches``), ``max_batches`` for a loader
+        without ``len``, or ``None`` if neither is known.
+    """
     if not isinstance(data, Sized):
-        return None
+        return max_batches
     try:
-        return len(data)
+        length = len(data)
     except TypeError:  # e.g. a DataLoader over an IterableDataset
-        return None
+        return max_batches
+    return length if max_batches is None else min(length, max_batches)
 
 
 def progress_bar(
@@ -277,7 +344,11 @@ def progress_bar(
         total: Number of batches, if known.
         progress: ``True`` always shows the bar, ``False`` never; ``None`` shows it
             only if stderr is a terminal and the pass takes longer than
-            :data:`PROGRESS_DELAY` seconds (and removes it when done).
+            :data:`PROGRESS_DELAY` seconds (and removes it when done). A pass of
+            unknown length (``total=None``: a loader without ``len`` and no
+            ``max_batches``) may never end: under ``None`` its bar appears after
+            the delay whether or not stderr is a terminal, and says why
+            (:data:`UNBOUNDED_NOTE`).
         description: Text in front of the bar.
 
     Returns:
@@ -285,12 +356,14 @@ def progress_bar(
     """
     if progress is False:
         return batches
+    if total is None:
+        description += f" ({UNBOUNDED_NOTE})"
     return tqdm(
         batches,
         total=total,
         desc=description,
         unit="batch",
-        disable=None if progress is None else False,
+        disable=None if progress is None and total is not None else False,
         delay=PROGRESS_DELAY if progress is None else 0.0,
         leave=progress is True,
     )

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from vivit.engines.base import BatchInfo, CurvatureRequest, EngineOutput
-from vivit.errors import InvalidArgumentError
+from vivit.errors import InvalidArgumentError, InvalidTargetsError
 from vivit.gram import (
     DenseFactors,
     OuterProductFactors,
@@ -260,20 +260,34 @@ class UnionOutput:
             [a + b for a, b in zip(self._sum.gradients, term.gradients, strict=True)],
         )
 
-    def result(self) -> tuple[Tensor, list[Tensor]]:
+    def result(self, part: bool = False) -> tuple[Tensor, list[Tensor]]:
         """The loss and gradient on all samples (one block's as they are).
+
+        Args:
+            part: The samples are part of a larger union (a rank's shard), which
+                may carry the weight these samples lack.
 
         Raises:
             InvalidArgumentError: If no block was added.
+            InvalidTargetsError: If the samples carry no weight under a mean
+                (every target ignored) and are not ``part`` of a larger union.
         """
         if self._first is None:
             raise InvalidArgumentError(
                 "The data loader yielded no batch: pass at least one (inputs, "
                 "targets) batch."
             )
+        union = union_batch(self.batches)
+        if not part and union.reduction == "mean" and union.reduction_factor() == 0:
+            raise InvalidTargetsError(
+                "Every target of every batch (and chunk, and rank's shard) is "
+                "ignored (equals the loss's ignore_index): the mean loss on all "
+                "samples is 0/0 (NaN) and has no curvature. Pass samples with at "
+                "least one counted target."
+            )
         if len(self.batches) == 1:
             return self._first.loss, self._first.gradients
-        union = union_batch(self.batches).reduction_factor()
+        union = union.reduction_factor()
         return union * self._sum.loss, [union * g for g in self._sum.gradients]
 
 

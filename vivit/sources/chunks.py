@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import CrossEntropyLoss, Module, Parameter
 
 from vivit.engines.base import (
     ContributionSink,
@@ -36,6 +36,7 @@ from vivit.engines.base import (
     ParamContribution,
 )
 from vivit.errors import InvalidTargetsError
+from vivit.losses import LossNormalization
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,17 @@ def run_chunk(
     chunk: SampleChunk,
     request: CurvatureRequest,
     sink: ContributionSink,
+    combined: bool = True,
 ) -> EngineOutput:
     """Run the engine on one chunk (its request's subsampling is the chunk's).
+
+    A block whose every target is ignored under a mean cross-entropy has the
+    loss ``0/0`` on its own, but carries no weight in the loss on all samples
+    (``docs/math.rst``, "Data sets and processes"): it runs with the summed loss
+    (``0``, its Hessian roots ``0``) and is handed on with sample weights ``0``,
+    so that it contributes zero columns of ``V``, zero loss and zero gradient,
+    and the union's ``R`` comes from the other blocks
+    (:class:`~vivit.sources.blocks.UnionOutput` refuses a union without weight).
 
     Args:
         engine: The engine.
@@ -77,32 +87,64 @@ def run_chunk(
         request: The chunk's request.
         sink: The group pipeline's sink; a chunk without curvature samples hands
             on each contribution without its columns of ``V``.
+        combined: Whether the block is combined with others (chunks, a loader's
+            batches, ranks' shards); a lone mini-batch whose every target is
+            ignored is refused by the loss as it is.
 
     Returns:
         The chunk's loss and gradient (of the loss on the chunk alone).
 
     Raises:
-        InvalidTargetsError: For malformed targets of a chunk, naming its samples;
-            if every target of a chunk is ignored (its loss is ``0/0``, though
-            the whole batch's need not be), with the advice to use larger chunks.
+        InvalidTargetsError: For malformed targets of a chunk, naming its samples.
     """
     if not chunk.has_curvature:
         sink = _WithoutCurvature(sink)
+    if combined and _every_target_ignored(loss_func, chunk.batch[1]):
+        loss_func, sink = _summed(loss_func), _Weightless(sink)
     try:
         return engine.run(model, loss_func, chunk.batch, request, sink)
     except InvalidTargetsError as error:
         if chunk.samples is None:
             raise
-        # the loss's own messages call an empty mean 0/0 (vivit.losses)
-        advice = (
-            " Each chunk is a loss of its own: use a larger chunk_size, or None."
-            if "0/0" in str(error)
-            else ""
-        )
         raise InvalidTargetsError(
             f"Chunk of samples {chunk.samples.start} to {chunk.samples.stop - 1} "
-            f"(positions count from the chunk's first sample): {error}{advice}"
+            f"(positions count from the chunk's first sample): {error}"
         ) from None
+
+
+def _every_target_ignored(loss_func: Module, targets: Tensor) -> bool:
+    """Whether a mean cross-entropy ignores every target of a block."""
+    return (
+        isinstance(loss_func, CrossEntropyLoss)
+        and loss_func.reduction == "mean"
+        and not targets.is_floating_point()
+        and bool((targets == loss_func.ignore_index).all())
+    )
+
+
+def _summed(loss_func: CrossEntropyLoss) -> CrossEntropyLoss:
+    """The same cross-entropy with reduction ``"sum"`` (defined on any block)."""
+    return CrossEntropyLoss(
+        weight=loss_func.weight,
+        ignore_index=loss_func.ignore_index,
+        reduction="sum",
+        label_smoothing=loss_func.label_smoothing,
+    )
+
+
+class _Weightless:
+    """Passes contributions on as those of samples of weight ``0`` (mean)."""
+
+    def __init__(self, sink: ContributionSink):
+        self._sink = sink
+
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        batch = contribution.batch
+        weights = (0.0,) * batch.batch_size
+        batch = dataclasses.replace(
+            batch, normalization=LossNormalization("mean", weights)
+        )
+        self._sink.add(param, dataclasses.replace(contribution, batch=batch))
 
 
 class _WithoutCurvature:

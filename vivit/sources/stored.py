@@ -44,6 +44,7 @@ from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,
     BlockRun,
+    check_batched,
     engine_context,
     is_batch,
     iterate_batches,
@@ -60,10 +61,13 @@ from vivit.sources.blocks import (
 )
 from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
 from vivit.sources.collector import GroupCurvature, checked_param_groups
+from vivit.sources.ownership import CallerMemory
 
 #: The blocks of one construction: each run with the loader's batch it belongs to
-#: (``None`` for one mini-batch, which an error then does not name).
-Runs = Iterable[tuple[int | None, BlockRun]]
+#: (``None`` for one mini-batch, which an error then does not name) and the
+#: caller's tensors it reads (``None``: unknown, see
+#: :class:`~vivit.sources.ownership.CallerMemory`).
+Runs = Iterable[tuple[int | None, BlockRun, Sequence[Tensor] | None]]
 
 
 class StoredGroup:
@@ -189,17 +193,22 @@ class StoredFactors:
         shards = shards or ShardExchange(None)
         blocks: list[list[GroupCurvature]] = []
         union = UnionOutput()
+        caller_memory = CallerMemory()
         with engine_context(param_groups):
-            for batch, run in runs:
+            for batch, run, caller in runs:
                 with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, param_groups, options.gram_dtype)
+                caller_memory.note(block.curvature, caller)
                 if budget:
                     budget.admit(block.curvature, batch)
                 union.add(block.curvature[0].batch, block.output)
                 blocks.append(block.curvature)
                 del block  # the list holds the factors (released when merged)
-            loss, gradients = union.result()  # refuses a loader without batches
+            # refuses a loader without batches, and one whose every target is
+            # ignored (a rank's shard: after the exchange)
+            loss, gradients = union.result(part=shards.group is not None)
         curvature = merged_blocks(blocks, options.subsampling)
+        caller_memory.own(curvature)  # before the exchange: ranks hold copies too
         if shards.group is not None:
             # this rank's samples as one block; then every rank's, in rank order
             local = BlockResult(curvature, EngineOutput(loss, gradients))
@@ -285,6 +294,7 @@ class StoredFactors:
         param_groups, names = checked_param_groups(model, loss_func, param_groups)
         single = is_batch(data)
         if single:
+            check_batched(data, model)
             data = check_batch(data)
         elif options.subsampling is not None:
             raise InvalidArgumentError(
@@ -314,7 +324,7 @@ class StoredFactors:
             None
             if single
             else FactorBudget(
-                num_batches(data),
+                num_batches(data, options.max_batches),
                 model,
                 options.mc_samples,
                 request.num_grams,
@@ -334,14 +344,21 @@ class StoredFactors:
             block_request = dataclasses.replace(
                 blocks_request(index), subsampling=chunk.subsampling
             )
+            # a lone mini-batch: its loss is the union's (refused if 0/0)
+            combined = not single or chunk.samples is not None or shards.group
             return lambda sink: run_chunk(
-                chosen, model, loss_func, chunk, block_request, sink
+                chosen, model, loss_func, chunk, block_request, sink, bool(combined)
             )
 
         # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
         # "Several processes"); in one process from stream b
+        model_memory = (*model.parameters(), *model.buffers())
         runs = (
-            (batch_index, chunk_run(shards.rank + shards.world_size * index, chunk))
+            (
+                batch_index,
+                chunk_run(shards.rank + shards.world_size * index, chunk),
+                (*chunk.batch, *model_memory),
+            )
             for index, (batch_index, chunk) in enumerate(chunks)
         )
         return cls(
@@ -388,7 +405,8 @@ class StoredFactors:
         # MC: a batch's stream, as for a model and data
         request = block_requests(_request(param_groups, options))(0)
         compute_loss = loss if callable(loss) else lambda: loss
-        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink))
+        # the caller's inputs are unknown: every factor tensor is copied once
+        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink), None)
         return cls(param_groups, options, engine.name, [run], {})
 
 
@@ -415,8 +433,8 @@ def _loader_pass(
 ) -> Iterable[tuple[Tensor, Tensor]]:
     """A loader's checked batches, watched by the budget, with a progress bar."""
     return progress_bar(
-        budget.watch(iterate_batches(data, model)),
-        num_batches(data),
+        budget.watch(iterate_batches(data, model, options.max_batches)),
+        num_batches(data, options.max_batches),
         options.progress,
         "LowRankGGN: pass over the data",
     )

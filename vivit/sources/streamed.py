@@ -42,6 +42,7 @@ from vivit.options import CurvatureOptions
 from vivit.sources.batches import (
     BlockResult,
     RandomState,
+    check_batched,
     engine_context,
     is_batch,
     iterate_batches,
@@ -127,7 +128,10 @@ class BatchFingerprints:
                     + ": streaming combines every batch of every pass, so the "
                     "loader must yield the same batches in the same order each "
                     "time. Use DataLoader(..., shuffle=False) without random "
-                    "transforms (or a fixed list of batches)."
+                    "transforms (or a fixed list of batches), and do not change "
+                    "its tensors in place after construction (normalise or "
+                    "augment a copy): a batch changed in place since pass 1 is "
+                    "refused, never used."
                 )
             count += 1
             yield batch
@@ -300,6 +304,7 @@ class StreamedFactors:
     ):
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
         if is_batch(data):
+            check_batched(data, model)
             data = [check_batch(data)]
         elif isinstance(data, Iterator):
             raise InvalidArgumentError(
@@ -364,10 +369,13 @@ class StreamedFactors:
         check_grad_mode("StreamingGGN")
         self._check_model_unchanged()
         self.passes += 1
-        batches = self._fingerprints.check(iterate_batches(self._data, self._model))
+        max_batches = self._options.max_batches
+        batches = self._fingerprints.check(
+            iterate_batches(self._data, self._model, max_batches)
+        )
         batches = progress_bar(
             batches,
-            num_batches(self._data),
+            num_batches(self._data, max_batches),
             self._options.progress,
             f"StreamingGGN: pass {self.passes} ({description})",
         )
