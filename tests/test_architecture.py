@@ -36,12 +36,12 @@ LAYERS = [
         ],
     ),
     ("engines", ["vivit.engines"]),
+    ("options", ["vivit.options", "vivit.distributed.group"]),
     ("memory", ["vivit.memory"]),
     ("computations", ["vivit.directional", "vivit.optim.damping"]),
     (
         "group pipeline",
         [
-            "vivit.options",
             "vivit.sources",
             "vivit.distributed",
         ],

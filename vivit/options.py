@@ -28,7 +28,7 @@ from vivit._validation import (
     check_progress,
     check_subsampling,
 )
-from vivit.distributed import resolve_group
+from vivit.distributed.group import resolve_group
 from vivit.engines.base import Engine
 from vivit.engines.choice import check_engine
 from vivit.errors import InvalidArgumentError
