@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vivit import LowRankGGN
-from vivit.memory import estimate_memory
+from vivit.memory import estimate_data_set_memory, estimate_memory
 
 M_MMAP_THRESHOLD = -3
 
@@ -88,31 +88,72 @@ def mlp() -> nn.Module:
     )
 
 
-#: (name, model, input shape, N, LowRankGGN options, estimate options, solvers)
+def layer_norm_mlp() -> nn.Module:
+    """LayerNorm has no BackPACK extension: ``engine="auto"`` runs func."""
+    return nn.Sequential(
+        nn.Linear(784, 128),
+        nn.LayerNorm(128),
+        nn.ReLU(),
+        nn.Linear(128, 64),
+        nn.LayerNorm(64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+GRAM64 = {"gram_dtype": torch.float64}
+#: (name, model, input shape, N, loader batch size or None, options, solvers); the
+#: options go by the same names to LowRankGGN and the estimate
 REQUESTS = [
-    ("cnn", cnn, (3, 32, 32), 32, {}, {}, ["dense", "matrix_free"]),
-    ("cnn-mc", cnn, (3, 32, 32), 32, {"mc_samples": 1}, {"mc_samples": 1}, ["auto"]),
+    ("cnn", cnn, (3, 32, 32), 32, None, {}, ["dense", "matrix_free"]),
+    ("cnn-mc", cnn, (3, 32, 32), 32, None, {"mc_samples": 1}, ["auto"]),
     (
         "cnn-subsampled",
         cnn,
         (3, 32, 32),
         32,
+        None,
         {"subsampling": list(range(16))},
-        {"num_curvature_samples": 16},
         ["matrix_free"],
     ),
-    ("3c3d-like", cnn3c3d, (3, 32, 32), 128, {}, {}, ["matrix_free"]),
+    ("3c3d-like", cnn3c3d, (3, 32, 32), 128, None, {}, ["matrix_free"]),
     (
         "3c3d-like-chunked",
         cnn3c3d,
         (3, 32, 32),
         128,
-        {"chunk_size": 16},
+        None,
         {"chunk_size": 16},
         ["matrix_free", "dense"],
     ),
-    ("mlp", mlp, (784,), 128, {}, {}, ["iterative", "matrix_free"]),
-    ("mlp-groups", mlp, (784,), 64, {"groups": True}, {"groups": True}, ["dense"]),
+    ("3c3d-like-chunk-1", cnn3c3d, (3, 32, 32), 64, None, {"chunk_size": 1}, ["auto"]),
+    ("mlp", mlp, (784,), 128, None, {}, ["iterative", "matrix_free"]),
+    ("mlp-groups", mlp, (784,), 128, None, {"groups": True}, ["dense"]),
+    ("mlp-float64-gram", mlp, (784,), 128, None, GRAM64, ["dense"]),
+    ("cnn-float64-gram", cnn, (3, 32, 32), 32, None, GRAM64, ["matrix_free"]),
+    ("cnn-func", cnn, (3, 32, 32), 32, None, {"engine": "func"}, ["dense"]),
+    (
+        "cnn-func-float64-gram",
+        cnn,
+        (3, 32, 32),
+        32,
+        None,
+        {"engine": "func", **GRAM64},
+        ["iterative"],
+    ),
+    (
+        "3c3d-like-func-chunked",
+        cnn3c3d,
+        (3, 32, 32),
+        64,
+        None,
+        {"engine": "func", "chunk_size": 16},
+        ["matrix_free"],
+    ),
+    ("layer-norm-mlp", layer_norm_mlp, (784,), 128, None, {}, ["auto"]),
+    ("mlp-loader", mlp, (784,), 512, 64, {}, ["auto"]),
+    ("cnn-loader-float64-gram", cnn, (3, 32, 32), 64, 16, GRAM64, ["dense"]),
+    ("cnn-loader-func", cnn, (3, 32, 32), 64, 16, {"engine": "func"}, ["auto"]),
 ]
 #: Samples of the warm-up request (same code paths, little memory).
 WARM_UP = 16
@@ -144,23 +185,36 @@ def run_worker(path: Path) -> list[dict]:
 
 def main() -> None:
     prepare_measurement()
-    for name, build, shape, N, options, estimate_options, solvers in REQUESTS:
+    for name, build, shape, N, loader_batch, options, solvers in REQUESTS:
         model = build()
         X, y = torch.randn(N, *shape), torch.randint(0, 10, (N,))
         loss_func = nn.CrossEntropyLoss()
-        groups = [list(m.parameters()) for m in model if list(m.parameters())]
-        for opts in (options, estimate_options):
-            if opts.pop("groups", False):
-                opts["param_groups"] = groups
-        data, warm_up = (X, y), (X[:WARM_UP], y[:WARM_UP])
+        options = dict(options)
+        if options.pop("groups", False):
+            options["param_groups"] = [
+                list(m.parameters()) for m in model if list(m.parameters())
+            ]
+        if loader_batch is None:
+            data, warm_up = (X, y), (X[:WARM_UP], y[:WARM_UP])
+        else:
+            data = [
+                (X[i : i + loader_batch], y[i : i + loader_batch])
+                for i in range(0, N, loader_batch)
+            ]
+            warm_up = data[:2]
         warm_options = {k: v for k, v in options.items() if k != "subsampling"}
         for solver in solvers:
             run_request(model, loss_func, warm_up, solver, warm_options)
             measured = peak_increase(
                 partial(run_request, model, loss_func, data, solver, options)
             )
-            estimate = estimate_memory(
-                model, X[:2], N, top_k=10, solver=solver, **estimate_options
+            request = {"loss_func": loss_func, "top_k": 10, "solver": solver}
+            estimate = (
+                estimate_memory(model, X[:2], N, **request, **options)
+                if loader_batch is None
+                else estimate_data_set_memory(
+                    model, X[:2], N, loader_batch, **request, **options
+                )
             )
             print(
                 json.dumps(
@@ -168,6 +222,7 @@ def main() -> None:
                         "request": f"{name}-{solver}",
                         "measured": measured,
                         "estimate": estimate.total,
+                        "engine": estimate.engine,
                     }
                 )
             )

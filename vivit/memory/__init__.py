@@ -3,11 +3,13 @@
 - :mod:`vivit.memory.estimate`: :func:`estimate_memory`,
   :func:`estimate_data_set_memory` and :func:`largest_batch` estimate the peak
   memory of a request before its backward pass (:class:`MemoryEstimate`), from
-  the layer sizes of a probe forward pass (:mod:`vivit.memory.probe`);
+  the layer sizes of a probe forward pass (:mod:`vivit.memory.probe`), for the
+  run's options, engine and factor forms (:mod:`vivit.memory.forms`);
 - :mod:`vivit.memory.budget`: the memory of a pass over a data loader, checked
   while it runs;
 - :func:`check_gram_fits` refuses Gram matrices that would not fit, as the run
-  does before it forms them (the facts live in :mod:`vivit.gram.memory`).
+  does before it forms them (the facts live in :mod:`vivit.gram.memory`, among
+  them what this process can still allocate).
 """
 
 from vivit.gram.memory import check_gram_fits

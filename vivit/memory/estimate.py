@@ -1,49 +1,47 @@
 """How much memory a curvature request needs, before the backward pass runs.
 
 :func:`estimate_memory` adds what is alive at the peak of ``LowRankGGN(...)``
-followed by ``eigh(top_k)`` (shapes as in ``docs/math.rst``). The samples are
-run by the engine in blocks of ``B`` samples (``B = N``, or ``chunk_size``, or a
-loader's batch size in :func:`estimate_data_set_memory`):
+followed by ``eigh(top_k)``; :func:`estimate_data_set_memory` does so for a data
+loader and :func:`largest_batch` searches the largest mini-batch whose estimate
+fits a budget. The estimate is the cost model of the run: it takes the run's
+options by their names (checked by building
+:class:`~vivit.options.CurvatureOptions`, as the run does), resolves the engine
+with the run's :func:`~vivit.engines.choice.resolve_engine`, counts the factor
+forms that engine keeps (:mod:`vivit.memory.forms`), splits the samples into the
+run's blocks (``chunk_size``, a loader's batches, and the func engine's own
+chunks from :meth:`FuncEngine.chunking <vivit.engines.func.FuncEngine.chunking>`),
+keeps the factors in ``gram_dtype`` as the collector casts them, and resolves
+``solver="auto"`` with the run's :func:`~vivit.linalg.top_k.choose_solver` on
+factors of the shapes the request holds. The samples are run in blocks of ``B``
+(``B = N``, or ``chunk_size``, or a loader's batch size):
 
 - **activations**: the forward pass's layer outputs of one block,
-  ``B · Σ_layers out`` entries (autograd keeps them for the backward pass), and
-  the inputs of Linear layers that the factors of the other blocks keep;
-- **factors**: per Linear or convolution weight the columns of ``V`` and the
-  per-sample gradients, each as its factors (the backpropagated vectors ``s̃``,
-  ``N_S · C · out`` entries, ``C`` → ``M`` with Monte-Carlo sampling, or ``N ·
-  out``, and a convolution's unfolded input, ``N · T · P``) or explicitly
-  (``N_S · C · numel``, ``N · numel``): ``V`` where that is no larger
-  (``GGN_COMPACT_RATIO``), the gradients where it is at most ``1 /
-  COMPACT_RATIO`` as large (the engine's rule,
-  :func:`~vivit.gram.outer.holds_v_explicitly`); every other parameter keeps
-  its columns of ``V`` and per-sample gradients (``(N_S · C + N) · numel``);
-  all for every sample;
-- the larger of the **backward pass's transient** (at every layer the
-  backpropagated ``[C, N_B, *shape]`` quantities at its input and output, ``N_B``
-  the block's curvature samples, plus a convolution's unfolded input of the
-  block while its factors are formed; in several blocks, or the copies of the
-  columns of ``V`` rescaled while the blocks are combined) and the
-  **eigensolver's** share: the Gram
-  matrices it forms (``(N_S·C)²`` entries each, none for ``"matrix_free"``) and
-  its workspace, with the largest intermediate of a convolution in factor form
-  (forming the Gram matrix through blocks of ``V``, or ``V``-products), which
-  :mod:`vivit.gram.planner` caps at its budget (256 MiB).
+  ``B · Σ_layers out`` entries, and the inputs of Linear layers that the other
+  blocks' BackPACK factors keep;
+- **factors**: every requested parameter's factors of ``V`` and of the
+  per-sample gradients, in the forms its engine keeps (:mod:`vivit.memory.forms`),
+  in ``gram_dtype`` where given;
+- the larger of the **backward pass's transient** (BackPACK: at every layer the
+  backpropagated ``[C, N_B, *shape]`` quantities at its input and output plus a
+  convolution's unfolded input of the block; func: the raw chunks it holds until
+  its run ends and its chunk's vectorised backward pass; in several blocks, or
+  the copies of one parameter's factors while the blocks are merged) and the
+  **eigensolver's** share: the Gram matrices it forms (``(N_S·C)²`` entries
+  each, none for ``"matrix_free"``) and its workspace, with the largest
+  intermediate of a convolution in factor form, which :mod:`vivit.gram.planner`
+  caps at its budget (256 MiB).
 
-``N_S`` is the number of curvature samples (the subsampling), ``N`` the
-mini-batch size. ``solver="auto"`` is resolved by
-:func:`~vivit.linalg.top_k.choose_solver` on factors of the shapes the request
-would hold (on the meta device: no entries), so the estimate is for the solver
-the request runs. Entries are counted in the parameters' data type, the iterative
-solvers' Krylov bases in float64. The estimate leaves out the model, the data and
-the loaded libraries; ``tests/memory/test_memory.py`` checks it against the measured
-increase of resident memory within a factor of 1.5.
-
-:func:`largest_batch` searches the largest mini-batch whose estimate fits a budget.
+The estimate leaves out the model, the data and the loaded libraries: it is the
+growth of the process's memory. ``tests/memory/test_memory.py`` checks it against
+the measured peak growth of resident memory within the factor
+:data:`ESTIMATE_FACTOR` either way, over both engines, ``gram_dtype``, chunks,
+loaders and the three solvers (``docs/math.rst``, "Memory of a request").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +50,14 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import (
     check_batch_norms,
-    check_chunk_size,
     check_inputs_match,
-    check_mc_samples,
     check_model,
     check_params,
+    check_subsampling,
     param_group_lists,
 )
+from vivit.engines.base import Engine
+from vivit.engines.choice import resolve_engine
 from vivit.errors import InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
@@ -66,8 +65,14 @@ from vivit.gram import (
     ParamFactors,
     SampleBlockFactors,
 )
-from vivit.gram.memory import dense_workspace_bytes, gram_bytes, itemsize
-from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
+from vivit.gram.memory import (
+    available_bytes,
+    dense_workspace_bytes,
+    gram_bytes,
+    itemsize,
+    resident_bytes,
+)
+from vivit.gram.outer import GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
     check_solver,
@@ -75,12 +80,20 @@ from vivit.linalg.top_k import (
     iterative_workspace_bytes,
     solver_block_size,
 )
-from vivit.memory.probe import (
-    OUTER_PRODUCT_LAYERS,
-    ProbedLayer,
-    check_example_inputs,
-    probe,
+from vivit.memory.forms import (
+    Counts,
+    backpack_entries,
+    func_entries,
+    holds_v,
+    kind,
 )
+from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
+from vivit.options import CurvatureOptions
+
+#: Measured peak growth of resident memory over the estimate lies within
+#: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
+#: request"; checked by ``tests/memory/test_memory.py``).
+ESTIMATE_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -89,15 +102,17 @@ class MemoryEstimate:
 
     Attributes:
         activations: Layer outputs of the forward pass.
-        factors: Factors of ``V`` and of the per-sample gradients kept for products.
-        backward: Transient backpropagated quantities of the backward pass (in
-            blocks: or the rescaled copies of the blocks' columns of ``V`` while
-            they are combined, whichever is larger).
+        factors: Factors of ``V`` and of the per-sample gradients kept for
+            products (in ``gram_dtype`` where given).
+        backward: Transient of the engine's backward pass (in blocks: or the
+            copies of one parameter's factors while the blocks are merged,
+            whichever is larger).
         grams: Gram matrices the eigensolver forms.
         solver_workspace: The eigensolver's workspace, or the temporaries of
             forming a Gram matrix where those are larger.
         solver: The solver the estimate is for (``"auto"`` resolved).
         num_rows: Side length ``N·C`` of the Gram matrix.
+        engine: The engine the estimate is for (``"auto"`` resolved).
     """
 
     activations: int
@@ -107,6 +122,7 @@ class MemoryEstimate:
     solver_workspace: int
     solver: str
     num_rows: int
+    engine: str = "backpack"
 
     @property
     def total(self) -> int:
@@ -123,80 +139,75 @@ def estimate_memory(
     example_inputs: Tensor,
     batch_size: int,
     *,
+    loss_func: Module | None = None,
     param_groups: Sequence[Sequence[Parameter]] | None = None,
-    mc_samples: int = 0,
-    num_curvature_samples: int | None = None,
     top_k: int | None = 10,
-    solver: str = "auto",
-    chunk_size: int | None = None,
+    num_curvature_samples: int | None = None,
+    options: CurvatureOptions | None = None,
+    **option_values: object,
 ) -> MemoryEstimate:
     """Estimate the peak memory of ``LowRankGGN(...)`` followed by ``eigh(top_k)``.
 
     Runs the model on ``example_inputs`` (one or a few samples, without gradients
     and with the modules' hooks switched off, so BackPACK's stored inputs are left
     alone) to learn the layer shapes; nothing of size ``batch_size`` is allocated.
-    The estimate is for the model's parameter data type and device.
+    The estimate is for the model's parameter data type and device, and is the
+    growth of the process's memory (what it holds already is not counted).
 
     Example::
 
-        estimate = estimate_memory(model, X[:1], batch_size=512, top_k=10)
-        print(estimate.total / 2**20, "MiB with the", estimate.solver, "solver")
+        estimate = estimate_memory(
+            model, X[:1], batch_size=512, loss_func=loss_func, top_k=10,
+            gram_dtype=torch.float64, chunk_size=64,
+        )
+        print(estimate.total / 2**20, "MiB:", estimate.engine, estimate.solver)
 
     Args:
         model: The network (BatchNorm in eval mode).
         example_inputs: A few input samples, ``[n, *input_shape]``.
         batch_size: Mini-batch size ``N`` of the request.
+        loss_func: The request's loss module; ``engine="auto"`` is resolved with
+            it as the run resolves it (``None``: a loss BackPACK supports).
         param_groups: As for :class:`~vivit.LowRankGGN` (``None``: one group).
-        mc_samples: As for :class:`~vivit.LowRankGGN`.
-        num_curvature_samples: Size of the subsampling (``None``: ``N``).
         top_k: Number of leading eigenpairs asked for (``None``: all).
-        solver: As for :class:`~vivit.LowRankGGN`; ``"auto"`` is resolved as the
-            request's ``eigh(top_k)`` resolves it: the same cost model, the work
-            of the factors the request would hold (their shapes), the memory
-            available now; with several groups, the solver of the largest group.
-            The factors are the BackPACK engine's (the func engine holds no
-            convolution's ``V`` explicitly, so its choice may differ).
-        chunk_size: As for :class:`~vivit.LowRankGGN`: the backward pass's
-            transient and the activations are those of a chunk (with at most
-            ``min(chunk_size, num_curvature_samples)`` curvature samples), the
-            kept factors and the Gram matrix those of the whole batch.
+        num_curvature_samples: Size of a subsampling whose indices are not
+            known yet (``None``: that of ``subsampling``, or ``N``).
+        options: The request's options as one object (e.g. a
+            :class:`~vivit.optim.DampedNewton`'s); keywords replace its fields.
+        **option_values: The options of :class:`~vivit.LowRankGGN` by their
+            names (``mc_samples``, ``subsampling``, ``gram_dtype``, ``solver``,
+            ``engine``, ``chunk_size``, ...), checked as the run checks them
+            (:class:`~vivit.options.CurvatureOptions`). ``solver="auto"`` is
+            resolved as the request's ``eigh(top_k)`` resolves it (with several
+            groups, for the largest group); ``chunk_size`` bounds the backward
+            pass's transient and the activations to those of a chunk, while the
+            kept factors and the Gram matrix are those of the whole batch.
 
     Returns:
         The estimate; ``.total`` is the peak in bytes.
 
     Raises:
-        InvalidArgumentError: For a ``batch_size``, ``top_k``, ``mc_samples``,
-            ``solver`` or ``chunk_size`` that a request would refuse, a
-            ``num_curvature_samples`` outside ``[1, batch_size]``, or
-            ``example_inputs`` without a sample along a batch axis.
+        InvalidArgumentError: For a ``batch_size``, ``top_k`` or option that a
+            request would refuse, an unknown option, a ``num_curvature_samples``
+            outside ``[1, batch_size]``, or ``example_inputs`` without a sample
+            along a batch axis.
         ParamGroupError: For parameter groups a request would refuse, or a model
             without trainable parameters.
         UnsupportedDtypeError: For parameters a request would refuse (16-bit).
         BatchNormTrainingError: For BatchNorm in training mode.
     """
     _check_size(batch_size, "batch_size")
-    if num_curvature_samples is not None:
-        _check_size(num_curvature_samples, "num_curvature_samples")
-        if num_curvature_samples > batch_size:
-            raise InvalidArgumentError(
-                f"num_curvature_samples={num_curvature_samples} exceeds the "
-                f"batch_size={batch_size}: the curvature samples are a subset of "
-                "the mini-batch; pass at most batch_size (or None for all)."
-            )
-    check_chunk_size(chunk_size)
-    block = batch_size if chunk_size is None else min(chunk_size, batch_size)
+    options = request_options(options, option_values)
+    curvature = _curvature_samples(num_curvature_samples, options, batch_size)
+    block = batch_size if options.chunk_size is None else options.chunk_size
     return _estimate(
         model,
         example_inputs,
-        batch_size,
-        block,
-        model_inputs_kept=False,
-        loader_batch=None,
+        _Blocks(batch_size, curvature, min(block, batch_size), loader_batch=None),
+        loss_func=loss_func,
+        options=options,
         param_groups=param_groups,
-        mc_samples=mc_samples,
-        num_curvature_samples=num_curvature_samples,
         top_k=top_k,
-        solver=solver,
     )
 
 
@@ -206,11 +217,11 @@ def estimate_data_set_memory(
     num_samples: int,
     batch_size: int,
     *,
+    loss_func: Module | None = None,
     param_groups: Sequence[Sequence[Parameter]] | None = None,
-    mc_samples: int = 0,
     top_k: int | None = 10,
-    solver: str = "auto",
-    chunk_size: int | None = None,
+    options: CurvatureOptions | None = None,
+    **option_values: object,
 ) -> MemoryEstimate:
     """Estimate the peak memory of the GGN of a data set given as a loader.
 
@@ -232,11 +243,12 @@ def estimate_data_set_memory(
         example_inputs: A few input samples, ``[n, *input_shape]``.
         num_samples: Samples of the data set (all of them curvature samples).
         batch_size: Samples per batch of the loader.
+        loss_func: As for :func:`estimate_memory`.
         param_groups: As for :class:`~vivit.LowRankGGN` (``None``: one group).
-        mc_samples: As for :class:`~vivit.LowRankGGN`.
         top_k: Number of leading eigenpairs asked for (``None``: all).
-        solver: As for :func:`estimate_memory`.
-        chunk_size: As for :class:`~vivit.LowRankGGN` (``None``: whole batches).
+        options: As for :func:`estimate_memory`.
+        **option_values: As for :func:`estimate_memory` (not ``subsampling``,
+            which a loader does not take).
 
     Returns:
         The estimate; ``.total`` is the peak in bytes.
@@ -250,21 +262,80 @@ def estimate_data_set_memory(
     """
     _check_size(num_samples, "num_samples")
     _check_size(batch_size, "batch_size")
-    check_chunk_size(chunk_size)
-    block = min(batch_size, num_samples, chunk_size or batch_size)
+    options = request_options(options, option_values)
+    if options.subsampling is not None:
+        raise InvalidArgumentError(
+            "subsampling selects samples of one mini-batch; a data loader takes "
+            "none: estimate a loader over the samples whose curvature you want."
+        )
+    block = min(batch_size, num_samples, options.chunk_size or batch_size)
     return _estimate(
         model,
         example_inputs,
-        num_samples,
-        block,
-        model_inputs_kept=True,
-        loader_batch=batch_size,
+        _Blocks(num_samples, num_samples, block, loader_batch=batch_size),
+        loss_func=loss_func,
+        options=options,
         param_groups=param_groups,
-        mc_samples=mc_samples,
-        num_curvature_samples=None,
         top_k=top_k,
-        solver=solver,
     )
+
+
+def request_options(
+    options: CurvatureOptions | None, values: Mapping[str, object]
+) -> CurvatureOptions:
+    """The request's options, checked as the run checks them.
+
+    Args:
+        options: Options built before (``None``: the defaults, this process
+            alone).
+        values: Options by name; they replace those of ``options``.
+
+    Returns:
+        The checked options.
+
+    Raises:
+        InvalidArgumentError: For an unknown name, or ``options`` that are not a
+            :class:`~vivit.options.CurvatureOptions`; any error building the
+            options raises (a malformed value).
+    """
+    names = {f.name for f in dataclasses.fields(CurvatureOptions) if f.init}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise InvalidArgumentError(
+            f"Unknown option(s) {unknown}: the estimate takes LowRankGGN's options "
+            f"by their names, {sorted(names)}, and param_groups, top_k, loss_func."
+        )
+    if options is None:
+        return CurvatureOptions(**{"process_group": False, **values})
+    if not isinstance(options, CurvatureOptions):
+        raise InvalidArgumentError(
+            "options must be a vivit.options.CurvatureOptions, got "
+            f"{type(options).__name__}."
+        )
+    return options.replace(**values) if values else options
+
+
+def _curvature_samples(
+    num_curvature_samples: int | None, options: CurvatureOptions, batch_size: int
+) -> int:
+    """``N_S``: the subsampling's size (checked against the batch), or ``N``."""
+    if num_curvature_samples is not None and options.subsampling is not None:
+        raise InvalidArgumentError(
+            "Pass subsampling or num_curvature_samples, not both: "
+            "num_curvature_samples stands for a subsampling not known yet."
+        )
+    if options.subsampling is not None:
+        return len(check_subsampling(options.subsampling, batch_size))
+    if num_curvature_samples is None:
+        return batch_size
+    _check_size(num_curvature_samples, "num_curvature_samples")
+    if num_curvature_samples > batch_size:
+        raise InvalidArgumentError(
+            f"num_curvature_samples={num_curvature_samples} exceeds the "
+            f"batch_size={batch_size}: the curvature samples are a subset of "
+            "the mini-batch; pass at most batch_size (or None for all)."
+        )
+    return num_curvature_samples
 
 
 def _check_size(size: int, name: str) -> None:
@@ -272,170 +343,277 @@ def _check_size(size: int, name: str) -> None:
         raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}.")
 
 
+@dataclass(frozen=True)
+class _Blocks:
+    """How a request's samples reach the engine.
+
+    Attributes:
+        samples: ``N``, every sample.
+        curvature: ``N_S``, the curvature samples.
+        block: Samples per engine run (a chunk, a loader's batch).
+        loader_batch: The loader's batch size (``None``: one mini-batch, its
+            chunks views of the caller's inputs).
+    """
+
+    samples: int
+    curvature: int
+    block: int
+    loader_batch: int | None
+
+    def counts(self, columns: int, cast: bool) -> tuple[Counts, Counts]:
+        """The counts of all samples, and of one block."""
+        whole = Counts(self.samples, self.curvature, columns, cast)
+        block = Counts(self.block, min(self.block, self.curvature), columns, cast)
+        return whole, block
+
+
 def _estimate(
     model: Module,
     example_inputs: Tensor,
-    num_samples: int,
-    block: int,
+    blocks: _Blocks,
     *,
-    model_inputs_kept: bool,
-    loader_batch: int | None,
+    loss_func: Module | None,
+    options: CurvatureOptions,
     param_groups: Sequence[Sequence[Parameter]] | None,
-    mc_samples: int,
-    num_curvature_samples: int | None,
     top_k: int | None,
-    solver: str,
 ) -> MemoryEstimate:
-    """The estimate for ``num_samples`` samples run in blocks of ``block``.
-
-    ``model_inputs_kept``: whether the blocks' inputs are tensors of their own
-    that the factors of Linear layers keep (a loader's batches), rather than views
-    of the caller's inputs (a batch and its chunks). ``loader_batch``: the
-    loader's batch size, whose factors stay apart (``None``: one batch, whose
-    chunks are merged).
-    """
+    """The estimate for the request's samples in ``blocks``."""
     check_model(model)
     param_groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
     check_params([p for group in param_groups for p in group], names, allow_meta=True)
-    check_solver(solver, top_k)
-    check_mc_samples(mc_samples)
+    check_solver(options.solver, top_k)
     check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
+    engine = resolve_engine(options.engine, model, loss_func)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
-    entry = itemsize(dtype)
+    kept_dtype = options.gram_dtype or dtype
+    entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
     layers, outputs_per_sample, columns = probe(model, example_inputs)
-    columns = mc_samples or columns
-    curvature = num_samples if num_curvature_samples is None else num_curvature_samples
-    block_curvature = min(block, curvature)
-    size = curvature * columns
+    columns = options.mc_samples or columns
+    whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
+    size = blocks.curvature * columns
+    func = engine.name == "func"
+    entries = func_entries if func else backpack_entries
 
-    factors = 0
-    backward = 0
-    kept_inputs = 0  # per sample: Linear layers' inputs, kept by their factors
+    requested = {id(p) for group in param_groups for p in group}
+    params = _probed_params(layers, requested, model)
+    kept = [entries(layer, name, param, whole) for layer, name, param in params]
+    raw = sum(entries(layer, name, param, block).raw for layer, name, param in params)
+    # per sample: Linear inputs the BackPACK factors keep without a copy
+    caller_inputs = sum(
+        e.caller_inputs
+        for (layer, _, _), e in zip(params, kept, strict=True)
+        if blocks.loader_batch is not None or not layer.is_input
+    )
+    if func:
+        # at the end of a run its raw chunks and the block's factors are alive;
+        # its chunks' backward passes ran before those factors existed
+        block_kept = sum(entries(lay, name, p, block).kept for lay, name, p in params)
+        chunk = _func_transient(engine, layers, params, block, outputs_per_sample)
+        backward = raw * entry + max(0, chunk * entry - block_kept * kept_entry)
+    else:
+        backward = _backpack_transient(layers, block) * entry
+    if blocks.block < blocks.samples:
+        # blocks merged one parameter at a time: rescaled V and the concatenation
+        backward = max(backward, max(e.ggn + e.kept for e in kept) * kept_entry)
+
     gram_route = product_route = 0  # largest intermediates of Gram, V-products
-    rescaled = 0  # entries of V that combining blocks copies (s̃, explicit V)
-    budget = budget_entries(dtype)
-    for layer in layers:
-        # the vectors backpropagated through the layer, and a convolution's
-        # unfolded input while its factors are formed
-        backward = max(
-            backward,
-            columns * block_curvature * (layer.inputs + layer.outputs)
-            + block * layer.unfolded,
-        )
-        for name, param in layer.module.named_parameters(recurse=False):
-            if not param.requires_grad:
-                continue
-            if name == "weight" and isinstance(layer.module, OUTER_PRODUCT_LAYERS):
-                factors += _weight_factors(
-                    layer, param.numel(), columns, curvature, num_samples
-                )
-                rescaled += _ggn_vectors(layer, param.numel(), columns, curvature)
-                if layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
-                    # a convolution in factor form: the Gram through blocks of V,
-                    # products through [b, N_S, T, O]; the planner caps both
-                    # (and the contraction's copy of the backpropagated vectors)
-                    copy = columns * curvature * layer.outputs
-                    gram_route = max(
-                        gram_route, min(budget, size * param.numel()) + copy
-                    )
-                    product_route = max(product_route, curvature * layer.outputs)
-                if not layer.unfolded and (model_inputs_kept or not layer.is_input):
-                    kept_inputs += layer.inputs
-            else:
-                factors += (columns * curvature + num_samples) * param.numel()
-                rescaled += columns * curvature * param.numel()
-    if block < num_samples:
-        # the blocks are combined: their columns of V rescaled into copies
-        backward = max(backward, rescaled)
+    budget = budget_entries(kept_dtype)
+    for (layer, name, param), _ in zip(params, kept, strict=True):
+        if (
+            kind(layer, name) == "weight"
+            and layer.unfolded
+            and (func or not holds_v(layer, columns, GGN_COMPACT_RATIO))
+        ):
+            # a convolution in factor form: the Gram through blocks of V,
+            # products through [b, N_S, T, O]; the planner caps both
+            # (and the contraction's copy of the backpropagated vectors)
+            copy = columns * blocks.curvature * layer.outputs
+            gram_route = max(gram_route, min(budget, size * param.numel()) + copy)
+            product_route = max(product_route, blocks.curvature * layer.outputs)
 
     group = max(param_groups, key=lambda group: sum(p.numel() for p in group))
     largest_group = sum(p.numel() for p in group)
+    solver = options.solver
     if solver == "auto":
-        blocks = (
-            [curvature] if loader_batch is None else _batches(curvature, loader_batch)
+        sizes = (
+            [blocks.curvature]
+            if blocks.loader_batch is None
+            else _batches(blocks.curvature, blocks.loader_batch)
         )
         solver = choose_solver(
             size,
             top_k,
             num_params=largest_group,
-            dtype=dtype,
+            dtype=kept_dtype,
             device=device,
-            factors=_shape_factors(layers, group, columns, blocks),
+            factors=_shape_factors(layers, group, columns, sizes, kept_dtype, func),
         )
     if solver == "dense":
-        workspace = dense_workspace_bytes(size, top_k, dtype, device)
+        workspace = dense_workspace_bytes(size, top_k, kept_dtype, device)
     else:
         products = largest_group if solver == "matrix_free" else None
-        workspace = iterative_workspace_bytes(size, top_k, dtype, products)
+        workspace = iterative_workspace_bytes(size, top_k, kept_dtype, products)
     if solver == "matrix_free":
         width = solver_block_size("matrix_free", top_k, size)
         grams = 0
-        workspace += min(budget, width * product_route) * entry
+        workspace += min(budget, width * product_route) * kept_entry
     else:
-        grams = len(param_groups) * size**2 * entry
-        workspace = gram_bytes(size, len(param_groups), workspace, dtype) - grams
+        grams = len(param_groups) * size**2 * kept_entry
+        workspace = gram_bytes(size, len(param_groups), workspace, kept_dtype) - grams
         # while formed: the group's sum, a parameter's block, the route's blocks
         formation = size**2 + gram_route
-        workspace = max(workspace, formation * entry)
+        workspace = max(workspace, formation * kept_entry)
     # a block's layer outputs, and the inputs the other blocks' factors keep (in
     # one block, those inputs are among its layer outputs or the caller's inputs)
-    activations = block * outputs_per_sample
-    if block < num_samples:
-        activations += (num_samples - block) * kept_inputs
+    activations = blocks.block * outputs_per_sample
+    if blocks.block < blocks.samples:
+        activations += (blocks.samples - blocks.block) * caller_inputs
     return MemoryEstimate(
         activations=activations * entry,
-        factors=factors * entry,
-        backward=backward * entry,
+        factors=sum(e.kept for e in kept) * kept_entry,
+        backward=backward,
         grams=grams,
         solver_workspace=workspace,
         solver=solver,
         num_rows=size,
+        engine=engine.name,
     )
+
+
+def _probed_params(
+    layers: Sequence[ProbedLayer], requested: set[int], model: Module
+) -> list[tuple[ProbedLayer | None, str, Parameter]]:
+    """Every requested parameter once, with the first layer call that owns it.
+
+    Parameters no leaf layer owns (used in a custom forward) come without one.
+    """
+    params = []
+    seen: set[int] = set()
+    for layer in layers:
+        for name, param in layer.module.named_parameters(recurse=False):
+            if id(param) in requested and id(param) not in seen:
+                seen.add(id(param))
+                params.append((layer, name, param))
+    for param in model.parameters():
+        if id(param) in requested and id(param) not in seen:
+            seen.add(id(param))
+            params.append((None, "", param))
+    return params
+
+
+def _backpack_transient(layers: Sequence[ProbedLayer], block: Counts) -> int:
+    """Entries of BackPACK's backward pass at its largest layer.
+
+    The backpropagated ``[C, N_B, *shape]`` quantities at the layer's input and
+    output, and a convolution's unfolded input of the block.
+    """
+    return max(
+        (
+            block.columns * block.curvature * (layer.inputs + layer.outputs)
+            + block.samples * layer.unfolded
+            for layer in layers
+        ),
+        default=0,
+    )
+
+
+def _func_transient(
+    engine: Engine,
+    layers: Sequence[ProbedLayer],
+    params: Sequence[tuple[ProbedLayer | None, str, Parameter]],
+    block: Counts,
+    width: int,
+) -> int:
+    """Entries of one of the func engine's own chunks (see its cost model).
+
+    The chunk's forward graph, and the larger of its vectorised backward pass to
+    the layer outputs (with the vectors there) and the one-hot pass to the
+    parameters without a factor form (with their columns).
+    """
+    dense = sum(p.numel() for layer, name, p in params if kind(layer, name) == "other")
+    vectors = block.vectors
+    samples, per_pass = engine.chunking(block.samples, vectors, width, dense)
+    at_outputs = sum(
+        layer.outputs for layer in layers if kind(layer, "weight") != "other"
+    )
+    to_layers = (min(vectors, per_pass) * width + vectors * at_outputs) * samples
+    one_hot = (
+        min(samples * vectors, per_pass) * (samples * width + dense)
+        + samples * vectors * dense
+        if dense
+        else 0
+    )
+    return samples * width + max(to_layers, one_hot)
 
 
 def largest_batch(
     model: Module,
     example_inputs: Tensor,
-    budget_bytes: int,
+    budget_bytes: int | None = None,
     *,
+    count_resident: bool = True,
     max_batch_size: int = 2**20,
-    **request,
+    **request: object,
 ) -> int:
     """The largest mini-batch whose estimated peak memory fits a budget.
+
+    The estimate is the growth of the process's memory; a budget is a statement
+    about the process ("it fits in 8 GiB"): by default what the process holds
+    now counts against it.
+
+    Example::
+
+        N = largest_batch(model, X[:1], 8 * 2**30, loss_func=loss_func, top_k=10)
 
     Args:
         model: The network.
         example_inputs: A few input samples (see :func:`estimate_memory`).
-        budget_bytes: Memory available for the request.
+        budget_bytes: Memory the process may hold in all (``None``: what it can
+            still allocate now, :func:`vivit.gram.memory.available_bytes`:
+            the least of free memory, its memory control group's and its
+            address-space limit).
+        count_resident: Whether ``budget_bytes`` includes what the process holds
+            now (its resident set on the CPU, PyTorch's reserved memory on a
+            GPU: :func:`vivit.gram.memory.resident_bytes`); ``False``: the
+            budget is for the request alone, on top of that.
         max_batch_size: Upper end of the search.
-        **request: Keywords of :func:`estimate_memory` (``top_k``, ``solver``,
-            ``mc_samples``, ``param_groups``, ``chunk_size``);
-            ``num_curvature_samples`` is not allowed (it would not grow with the
-            batch).
+        **request: Keywords of :func:`estimate_memory` (``loss_func``,
+            ``top_k``, ``param_groups``, ``options`` and the options by name);
+            not ``num_curvature_samples`` nor ``subsampling`` (they would not
+            grow with the batch).
 
     Returns:
         The batch size (``0`` if not even one sample fits).
 
     Raises:
-        ValueError: If the budget is not positive or a keyword is not allowed.
+        InvalidArgumentError: If the budget is not positive or a keyword is not
+            allowed.
     """
-    if not budget_bytes > 0:
+    if budget_bytes is not None and not budget_bytes > 0:
         raise InvalidArgumentError(
             f"budget_bytes must be positive, got {budget_bytes!r}."
         )
-    if "num_curvature_samples" in request:
-        raise InvalidArgumentError(
-            "largest_batch searches the mini-batch size; num_curvature_samples "
-            "would stay fixed. Leave it out."
-        )
+    for fixed in ("num_curvature_samples", "subsampling"):
+        if fixed in request:
+            raise InvalidArgumentError(
+                f"largest_batch searches the mini-batch size; {fixed} would stay "
+                "fixed. Leave it out."
+            )
+    device = next(model.parameters()).device
+    if budget_bytes is None:
+        budget = available_bytes(device)
+    else:
+        budget = budget_bytes - (resident_bytes(device) if count_resident else 0)
 
     def fits(batch_size: int) -> bool:
         estimate = estimate_memory(model, example_inputs, batch_size, **request)
-        return estimate.total <= budget_bytes
+        return estimate.total <= budget
 
+    if budget <= 0:
+        return 0
     low, high = 0, 1
     while high <= max_batch_size and fits(high):
         low, high = high, 2 * high
@@ -457,12 +635,14 @@ def _shape_factors(
     group: Sequence[Parameter],
     columns: int,
     blocks: Sequence[int],
+    dtype: torch.dtype,
+    func: bool,
 ) -> list[ParamFactors]:
     """A group's factors of ``V`` as the request holds them, on the meta device.
 
     The same classes the engine builds (a weight of a Linear or convolution in
-    factor form, or explicitly where :meth:`OuterProductFactors.compact
-    <vivit.gram.outer.OuterProductFactors.compact>` holds it so, every other
+    factor form, for BackPACK explicitly where :meth:`OuterProductFactors.compact
+    <vivit.gram.outer.OuterProductFactors.compact>` holds it so; every other
     parameter explicitly; a loader's batches apart), with tensors that have
     shapes but no entries: their ``gram_work`` and ``product_work`` are those of
     the request, so ``"auto"`` chooses the solver it would.
@@ -472,6 +652,8 @@ def _shape_factors(
         group: The group's parameters.
         columns: Columns of ``V`` per sample, ``C`` or ``M``.
         blocks: Curvature samples of each block whose factors stay apart.
+        dtype: Type of the kept factors (``gram_dtype`` or the parameters').
+        func: Whether the func engine builds them (no weight held explicitly).
 
     Returns:
         One set of factors per parameter of the group.
@@ -479,13 +661,13 @@ def _shape_factors(
     weights = {
         id(layer.module.weight): layer
         for layer in layers
-        if isinstance(layer.module, OUTER_PRODUCT_LAYERS)
+        if kind(layer, "weight") == "weight"
     }
     result = []
     for param in group:
         layer = weights.get(id(param))
         per_block = {
-            samples: _param_shape_factors(param, layer, columns, samples)
+            samples: _param_shape_factors(param, layer, columns, samples, dtype, func)
             for samples in set(blocks)
         }
         parts = [per_block[samples] for samples in blocks]
@@ -494,68 +676,21 @@ def _shape_factors(
 
 
 def _param_shape_factors(
-    param: Parameter, layer: ProbedLayer | None, columns: int, samples: int
+    param: Parameter,
+    layer: ProbedLayer | None,
+    columns: int,
+    samples: int,
+    dtype: torch.dtype,
+    func: bool,
 ) -> ParamFactors:
     """A parameter's factors of ``V`` for ``samples`` samples, on the meta device."""
-    meta = {"dtype": param.dtype, "device": "meta"}
+    meta = {"dtype": dtype, "device": "meta"}
     if layer is None:  # explicit columns
         return DenseFactors(torch.empty(samples, columns, *param.shape, **meta))
     groups, positions, inputs, outputs = layer.weight_factor_shape()
-    return OuterProductFactors(
+    factors = OuterProductFactors(
         torch.empty(samples, groups, positions, inputs, **meta),
         torch.empty(columns, samples, groups, positions, outputs, **meta),
         param.shape,
-    ).compact(GGN_COMPACT_RATIO)
-
-
-def _holds_v(layer: ProbedLayer, columns: int, ratio: int) -> bool:
-    """Whether a weight keeps its columns explicitly: the engine's rule.
-
-    Args:
-        layer: The probed Linear or convolution layer.
-        columns: Columns per sample (``C`` or ``M`` of ``V``, ``1`` of the
-            per-sample gradients).
-        ratio: ``GGN_COMPACT_RATIO`` for ``V``, ``COMPACT_RATIO`` for gradients.
-
-    Returns:
-        What :meth:`OuterProductFactors.compact
-        <vivit.gram.outer.OuterProductFactors.compact>` decides for them
-        (:func:`~vivit.gram.outer.holds_v_explicitly`).
-    """
-    groups, positions, in_features, out_features = layer.weight_factor_shape()
-    return holds_v_explicitly(
-        columns=columns,
-        groups=groups,
-        positions=positions,
-        in_features=in_features,
-        out_features=out_features,
-        ratio=ratio,
     )
-
-
-def _weight_factors(
-    layer: ProbedLayer, numel: int, columns: int, curvature: int, num_samples: int
-) -> int:
-    """Entries kept for a Linear or convolution weight: ``V`` and gradients.
-
-    Each of the two is kept as its factors (unfolded input, shared by both, and
-    the vectors at the layer output) or as explicit columns
-    (``OuterProductFactors.compact``): ``V`` where that is no larger, the
-    gradients where it is at most ``1 / COMPACT_RATIO`` as large.
-    A Linear layer's input is its caller's tensor, not a copy (counted with the
-    activations).
-    """
-    grad_compact = _holds_v(layer, 1, COMPACT_RATIO)
-    kept = _ggn_vectors(layer, numel, columns, curvature)
-    kept += num_samples * (numel if grad_compact else layer.outputs)
-    if layer.unfolded and not grad_compact:
-        kept += num_samples * layer.unfolded
-    elif layer.unfolded and not _holds_v(layer, columns, GGN_COMPACT_RATIO):
-        kept += curvature * layer.unfolded
-    return kept
-
-
-def _ggn_vectors(layer: ProbedLayer, numel: int, columns: int, curvature: int) -> int:
-    """Entries of a weight's columns of ``V`` besides the inputs (``s̃`` or ``V``)."""
-    compact = _holds_v(layer, columns, GGN_COMPACT_RATIO)
-    return curvature * columns * (numel if compact else layer.outputs)
+    return factors if func else factors.compact(GGN_COMPACT_RATIO)

@@ -143,7 +143,7 @@ class FuncEngine(Engine):
         )
         calls_of = forward.capture.factor_params(output)
         dense = [p for p in params if id(p) not in calls_of]
-        chunk, per_pass = self._chunking(
+        chunk, per_pass = self.chunking(
             len(inputs),
             batch.columns_per_sample + request.compute_gradients,
             forward.width.per_sample,
@@ -192,8 +192,22 @@ class FuncEngine(Engine):
         per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
         return torch.cat([columns, per_sample_grad.unsqueeze(0)])
 
-    def _chunking(self, num_samples: int, num_vectors: int, width: int, dense: int):
-        """Samples per chunk and vectors per backward pass (see the cost model)."""
+    def chunking(
+        self, num_samples: int, num_vectors: int, width: int, dense: int
+    ) -> tuple[int, int]:
+        """Samples per chunk and vectors per backward pass (see the cost model).
+
+        :mod:`vivit.memory` estimates a request's memory with it.
+
+        Args:
+            num_samples: Samples of the batch ``N``.
+            num_vectors: Vectors per sample ``V``.
+            width: Activation entries per sample ``w``.
+            dense: Entries ``D`` of the parameters without a factor form.
+
+        Returns:
+            ``B`` and the vectors per backward pass.
+        """
 
         def memory(samples: int) -> int:
             factor = num_vectors * samples * width

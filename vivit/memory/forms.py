@@ -1,0 +1,163 @@
+"""Entries each engine keeps per parameter: the factor forms the run builds.
+
+:mod:`vivit.memory.estimate` sums these over the probed layers. Counts are tensor
+entries; ``N`` samples, ``N_S`` curvature samples, ``C`` columns per sample
+(``M`` with Monte-Carlo sampling), ``V = C + 1`` vectors per sample, and per
+Linear or convolution weight ``G`` groups, ``T`` positions, ``P`` inputs and
+``O`` outputs per group (``docs/math.rst``, "Memory of a request").
+
+- **BackPACK** (:mod:`vivit.engines.backpack`): a weight keeps ``V`` and the
+  per-sample gradients each as factors (``s̃``: ``N_S·C·G·T·O`` and
+  ``N·G·T·O``, a convolution's unfolded input ``N·G·T·P`` shared by both) or
+  explicitly (``N_S·C·numel``, ``N·numel``), as
+  :meth:`~vivit.gram.OuterProductFactors.compact` decides; a Linear layer's
+  input is its caller's tensor (counted with the activations) unless the
+  factors are cast to ``gram_dtype``; every other parameter keeps its columns,
+  ``(N_S·C + N)·numel``.
+- **func** (:mod:`vivit.engines.func`): never explicit for a weight; it
+  concatenates the chunks' vectors ``[V, N, G, T, O]`` and inputs
+  ``[N, G, T, P]`` (copies, a Linear layer's input too), hands on the
+  per-sample gradients as views of them and ``V`` as copies of the curvature
+  samples' rows (``N_S·C·G·T·O``, ``N_S·G·T·P``); a weight's bias keeps
+  ``[V, N, G·O]`` and ``N_S·C·G·O``; every other parameter ``(V·N + N_S·C)·numel``.
+  Its raw chunks (model type) stay alive until the run ends: per weight the
+  vectors twice (weight and bias) and the inputs, per other parameter
+  ``V·N·numel``.
+- ``gram_dtype``: the collector casts each factor to it; only the viewed rows
+  are copied (``V·N`` becomes ``N``), and the factors the engine handed on are
+  freed (they are part of the run's transient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.nn import Parameter
+
+from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
+from vivit.memory.probe import OUTER_PRODUCT_LAYERS, ProbedLayer
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Sample counts of a request (or of one block of it).
+
+    Attributes:
+        samples: ``N``, samples whose per-sample gradients are kept.
+        curvature: ``N_S``, samples whose columns of ``V`` are kept.
+        columns: ``C`` or ``M``, columns of ``V`` per sample.
+        cast: Whether the factors are cast to another type (``gram_dtype``).
+    """
+
+    samples: int
+    curvature: int
+    columns: int
+    cast: bool
+
+    @property
+    def vectors(self) -> int:
+        """``V = C + 1``: vectors backpropagated per sample (with the gradient)."""
+        return self.columns + 1
+
+
+@dataclass(frozen=True)
+class ParamEntries:
+    """What a parameter's factors take, in entries.
+
+    Attributes:
+        kept: Kept after the run (``V`` and per-sample gradients).
+        ggn: Those of ``V`` alone (rescaled and copied when blocks are merged).
+        raw: Held by the engine for one block until its run ends (model type).
+        caller_inputs: A Linear layer's input that the factors keep without a
+            copy (per sample; counted with the activations).
+    """
+
+    kept: int
+    ggn: int
+    raw: int = 0
+    caller_inputs: int = 0
+
+
+def kind(layer: ProbedLayer | None, name: str) -> str:
+    """``"weight"``, ``"bias"`` (of a Linear or convolution layer) or ``"other"``."""
+    outer = layer is not None and isinstance(layer.module, OUTER_PRODUCT_LAYERS)
+    return name if outer and name in ("weight", "bias") else "other"
+
+
+def backpack_entries(
+    layer: ProbedLayer, name: str, param: Parameter, counts: Counts
+) -> ParamEntries:
+    """A parameter's entries as the BackPACK engine keeps them."""
+    numel = param.numel()
+    n, n_s, c = counts.samples, counts.curvature, counts.columns
+    if kind(layer, name) != "weight":
+        return ParamEntries(kept=(n_s * c + n) * numel, ggn=n_s * c * numel)
+    v_explicit = holds_v(layer, c, GGN_COMPACT_RATIO)
+    grad_explicit = holds_v(layer, 1, COMPACT_RATIO)
+    ggn = n_s * c * (numel if v_explicit else layer.outputs)
+    kept = ggn + n * (numel if grad_explicit else layer.outputs)
+    # the inputs: a convolution's unfolded copy, or a Linear layer's own
+    # (the caller's tensor, copied only where cast)
+    rows = n if not grad_explicit else (0 if v_explicit else n_s)
+    caller = 0
+    if layer.unfolded:
+        kept += rows * layer.unfolded
+    elif counts.cast:
+        kept += (n * (not grad_explicit) + n_s * (not v_explicit)) * layer.inputs
+    elif rows:
+        caller = layer.inputs
+    return ParamEntries(kept=kept, ggn=ggn, caller_inputs=caller)
+
+
+def func_entries(
+    layer: ProbedLayer | None, name: str, param: Parameter, counts: Counts
+) -> ParamEntries:
+    """A parameter's entries as the func engine keeps them."""
+    n, n_s, c, v = counts.samples, counts.curvature, counts.columns, counts.vectors
+    full = n if counts.cast else v * n  # the gradients: a view of all vectors
+    part = kind(layer, name)
+    if part == "other":
+        numel = param.numel()
+        return ParamEntries(
+            kept=(full + n_s * c) * numel, ggn=n_s * c * numel, raw=v * n * numel
+        )
+    groups, positions, inputs, outputs = layer.weight_factor_shape()
+    if part == "bias":
+        per = groups * outputs
+        return ParamEntries(
+            kept=(full + n_s * c) * per,
+            ggn=n_s * c * per,
+            raw=v * n * layer.outputs,
+        )
+    vectors = groups * positions * outputs
+    layer_inputs = groups * positions * inputs
+    return ParamEntries(
+        kept=(full + n_s * c) * vectors + (n + n_s) * layer_inputs,
+        ggn=n_s * c * vectors,
+        raw=v * n * vectors + n * layer_inputs,
+    )
+
+
+def holds_v(layer: ProbedLayer, columns: int, ratio: int) -> bool:
+    """Whether a weight keeps its columns explicitly: the BackPACK engine's rule.
+
+    Args:
+        layer: The probed Linear or convolution layer.
+        columns: Columns per sample (``C`` or ``M`` of ``V``, ``1`` of the
+            per-sample gradients).
+        ratio: ``GGN_COMPACT_RATIO`` for ``V``, ``COMPACT_RATIO`` for gradients.
+
+    Returns:
+        What :meth:`OuterProductFactors.compact
+        <vivit.gram.outer.OuterProductFactors.compact>` decides for them
+        (:func:`~vivit.gram.outer.holds_v_explicitly`).
+    """
+    groups, positions, in_features, out_features = layer.weight_factor_shape()
+    return holds_v_explicitly(
+        columns=columns,
+        groups=groups,
+        positions=positions,
+        in_features=in_features,
+        out_features=out_features,
+        ratio=ratio,
+    )
