@@ -44,6 +44,8 @@ MALFORMED = [
     ("process_group", "world", InvalidArgumentError, "process_group must be None"),
     ("chunk_size", 0, InvalidArgumentError, "chunk_size must be a positive integer"),
     ("chunk_size", True, InvalidArgumentError, "chunk_size must be a positive integer"),
+    ("max_batches", 0, InvalidArgumentError, "max_batches must be a positive int"),
+    ("max_batches", 2.0, InvalidArgumentError, "max_batches must be a positive int"),
     ("output", "", InvalidArgumentError, "output must be None"),
     ("output", 1.5, InvalidArgumentError, "output must be None"),
 ]

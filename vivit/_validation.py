@@ -730,3 +730,26 @@ def check_progress(progress: object) -> None:
         raise InvalidArgumentError(
             f"progress must be True, False or None (automatic), got {progress!r}."
         )
+
+
+def check_max_batches(max_batches: object) -> None:
+    """Check that ``max_batches`` is a positive integer or ``None``.
+
+    Args:
+        max_batches: Most batches of a data loader a pass reads (``None``: all).
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if max_batches is None:
+        return
+    if (
+        isinstance(max_batches, bool)
+        or not isinstance(max_batches, int)
+        or (max_batches < 1)
+    ):
+        raise InvalidArgumentError(
+            f"max_batches must be a positive int (the most batches of the data "
+            f"loader a pass reads) or None (until the loader ends), got "
+            f"{max_batches!r}."
+        )

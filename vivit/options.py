@@ -24,6 +24,7 @@ import torch
 from vivit._validation import (
     check_chunk_size,
     check_generator,
+    check_max_batches,
     check_mc_samples,
     check_progress,
     check_subsampling,
@@ -103,7 +104,7 @@ class CurvatureOptions:
         check_progress(self.progress)
         check_chunk_size(self.chunk_size)
         check_output_selector(self.output)
-        _check_max_batches(self.max_batches)
+        check_max_batches(self.max_batches)
         object.__setattr__(self, "group", resolve_group(self.process_group))
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(
@@ -122,19 +123,3 @@ class CurvatureOptions:
             The new options.
         """
         return dataclasses.replace(self, **changes)
-
-
-def _check_max_batches(max_batches: object) -> None:
-    """Refuse a ``max_batches`` that is not ``None`` or a positive integer."""
-    if max_batches is None:
-        return
-    if (
-        isinstance(max_batches, bool)
-        or not isinstance(max_batches, int)
-        or (max_batches < 1)
-    ):
-        raise InvalidArgumentError(
-            f"max_batches must be a positive int (the most batches of the data "
-            f"loader a pass reads) or None (until the loader ends), got "
-            f"{max_batches!r}."
-        )
