@@ -77,7 +77,7 @@ def eigenpairs(ref: Reference, ggn: LowRankGGN, top_k, samples):
     n = ref.setup.inputs.shape[0] if samples is None else len(samples)
     ggns = ref.ggns if samples is None else ref.ggns[samples]
     G = reduction_factor(ref.setup.loss_func, n) * ggns.sum(0)
-    assert_eigenpairs(evals, evecs, G, ggn.eigvalsh().numel())
+    assert_eigenpairs(evals, evecs, G, ggn.gram().shape[0])
     return evals, E
 
 
