@@ -28,7 +28,12 @@ import pytest
 import torch
 from backpack import backpack
 
-from tests.fixtures.checks import align_signs, assert_eigenpairs, assert_rel
+from tests.fixtures.checks import (
+    EIGVEC_PRODUCT_REL,
+    align_signs,
+    assert_eigenpairs,
+    assert_rel,
+)
 from tests.fixtures.problems import (
     ARCHITECTURES,
     Problem,
@@ -56,7 +61,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 DTYPE = torch.float64
-REL = 1e-10
+REL = EIGVEC_PRODUCT_REL
 TOP_K = 3
 SUB_GGN = [0, 2, 3]
 SUB_GRAD = [3, 1, 2]  # different from SUB_GGN and unsorted: rows follow this order

@@ -22,7 +22,7 @@ import pytest
 import torch
 from backpack import backpack
 
-from tests.fixtures.checks import assert_eigenpairs
+from tests.fixtures.checks import EIGVEC_PRODUCT_REL, assert_eigenpairs
 from tests.fixtures.problems import Setup, get_problem, prepare
 from tests.fixtures.reference import (
     flatten_params,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 DTYPE = torch.float64
-REL = 1e-10
+REL = EIGVEC_PRODUCT_REL
 TOP_K = 3
 SUB_GGN = [0, 2, 3]
 SUB_GRAD = [1, 3, 2]

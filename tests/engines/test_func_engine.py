@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tests.fixtures.checks import (
+    EIGVEC_PRODUCT_REL,
     align_signs,
     assert_eigenpairs,
     assert_rel,
@@ -58,7 +59,7 @@ pytestmark = [
     ),
 ]
 
-REL = 1e-10
+REL = EIGVEC_PRODUCT_REL
 TOP_K = 3
 
 

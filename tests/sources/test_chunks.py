@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.fixtures.checks import (
+    REORDERED_REL,
     assert_eigenpairs,
     assert_rel,
     assert_top_eigvals,
@@ -42,7 +43,7 @@ pytestmark = [
 ]
 
 #: Chunked against unchunked, float64 (see the module docstring).
-REL = 1e-12
+REL = REORDERED_REL
 ARCHITECTURES = ["mlp_tanh", "cnn", "conv1d", "batchnorm1d", "residual"]
 #: Both losses and both reductions, each architecture twice (keeps the file fast).
 PROBLEMS = select(architecture=ARCHITECTURES, loss="ce", reduction="mean") + select(

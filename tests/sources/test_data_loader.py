@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import vivit.sources.blocks
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
+    EIGVEC_PRODUCT_REL,
     assert_eigenpairs,
     assert_rel,
     assert_top_eigvals,
@@ -36,7 +37,7 @@ from tests.fixtures.problems import prepare, select
 from tests.fixtures.reference import dense_ggn, dense_gradient, per_sample_gradients
 from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
 
-REL = 1e-10
+REL = EIGVEC_PRODUCT_REL
 #: Uneven batch sizes for a mini-batch of ``N`` samples (the tests' N are 3 to 6).
 SIZES = {3: [2, 1], 4: [1, 3], 5: [2, 1, 2], 6: [3, 1, 2]}
 
