@@ -9,7 +9,8 @@ dense formulas along them (``docs/math.rst``, "Directional derivatives", "Damped
 Newton step").
 
 Tolerances (float64, ε ≈ 2.2e-16, D ≤ 200, Gram side ≤ 60): eigenvalues within
-1e-10·λ_max and residuals ≤ 1e-8·λ (``tests/fixtures/checks.py``); γ, λ and steps within
+1e-10·λ_max and residuals within their bound N·C·ε·λ_max·√(λ_max/λ) (``docs/math.rst``,
+"Tolerances of the tests"; ``tests/fixtures/checks.py``); γ, λ and steps within
 1e-10 of the largest reference entry. The errors of the Gram eigendecomposition and of
 the products stay around 1e-13 relative, while a wrong scale (R, √R, N, C), a missing
 sample, a dropped use of a shared weight or a missing cross term is an O(1) error.
