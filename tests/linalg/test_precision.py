@@ -11,9 +11,9 @@ Bound (``docs/math.rst``, "Precision and the numerical zero"): float32 factors
 ``‖δV‖₂`` (Weyl), so ``λ = σ²`` moves by ``2c·ε₃₂·√(λ·λ_max)``: a relative error
 of ``2c·ε₃₂·√(λ_max/λ)``, about ``2c·1.2e-3`` at ``λ = 1e-8·λ_max``. Every
 eigenvalue ``≥ 1e-8·λ_max`` must stay within ``10·ε₃₂·√(λ_max/λ)`` relative,
-i.e. ``2c ≤ 10`` (measured on this problem: at most 2, reached at the top of the
-spectrum; the float32 Gram exceeds it by a factor of more than 100 below
-``1e-4·λ_max``).
+i.e. ``2c ≤ 10`` (measured on this problem: at most 4.1 over 1 and 2 threads and
+MKL's code paths, whose training also differs; the float32 Gram reaches 900 to
+1800 times ``ε₃₂·√(λ_max/λ)`` below ``1e-4·λ_max``).
 """
 
 import copy
@@ -24,6 +24,8 @@ import torch
 from backpack import backpack, extend
 from torch import nn
 
+from tests.fixtures.checks import assert_eigenpairs
+from tests.fixtures.problems import get_problem, prepare
 from tests.fixtures.reference import dense_ggn
 from vivit import DirectionalDerivativesComputation, EigvalshComputation, LowRankGGN
 
@@ -95,11 +97,14 @@ def test_float64_accumulation_resolves_the_small_end(reduction):
     # rounded once (docs/math.rst); from a float32 root they reached 2.2e-12·λ_max.
     assert (evals[:-rank].abs() <= tolerance).all()
 
-    # the float32 Gram matrix of the same factors fails the same bound
+    # the float32 Gram matrix of the same factors fails the same bound by far: a
+    # measured spread, 911 to 1819 times ε₃₂·√(λ_max/λ) over 1 and 2 threads and
+    # MKL's AVX-512, AVX2, SSE4.2 and COMPATIBLE paths (docs/math.rst,
+    # "Precision and the numerical zero"); compared at 100, a margin of 9
     ggn32 = LowRankGGN(model, loss_func, (X, y))
     evals32 = ggn32.eigvalsh()
     errors32, bound32 = relative_errors(evals32, reference)
-    assert (errors32 / bound32).max() > 100 * MULTIPLE
+    assert (errors32 / bound32).max() > 10 * MULTIPLE
     assert (evals32 > ggn32.zero_tolerance()).sum() <= (
         reference >= 1e-5 * lam_max
     ).sum()
@@ -167,3 +172,24 @@ def test_factors_to_converts_every_product():
         assert converted.vmp(u).dtype == torch.float64
         if wide is not None:  # float32 numbers, float64 arithmetic: same results
             torch.testing.assert_close(converted.gram(), wide.gram(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_eigenpairs_within_bound_after_ulp_perturbation(seed):
+    """Another CPU rounds otherwise: weights perturbed by one ulp (2e-16 relative)
+    emulate it. The sigmoid MLP's spectrum spans six decades, so the residual of
+    ``e_k = V ẽ_k/√λ_k`` grows like ``λ_max·√(λ_max/λ_k)`` (``docs/math.rst``,
+    "Precision and the numerical zero", "Eigenvectors"): a residual bound relative
+    to ``λ_k`` (the former ``1e-8·λ_k``) fails for seeds 2 and 4, the bound holds.
+    """
+    model, loss_func, X, y = prepare(get_problem("mlp_sigmoid-ce-mean"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            p.mul_(1 + 2e-16 * noise)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    evals, evecs = ggn.eigh()
+    assert evals.min() < 1e-5 * evals.max()  # the small end is resolved
+    G = dense_ggn(model, loss_func, X, y)
+    assert_eigenpairs(evals, evecs, G, ggn.eigvalsh().numel())
