@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backpack import extend
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
@@ -224,3 +225,18 @@ def test_forward_calls_of_auto_choosing_func(factory, forwards):
     loss_func, X, y = _data("mean")
     assert LowRankGGN(model, loss_func, (X, y)).engine == "func"
     assert calls[0] == forwards
+
+
+#: The cases a layer shows by itself (hooks, parametrizations): a loss computed
+#: elsewhere is checked layer by layer as the backward pass reaches them.
+LAYER_CASES = [case for case in CASES if case not in ("no_grad", "detach")]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_from_loss_refuses_what_the_model_path_refuses(case):
+    """A closure's loss through a hooked or parametrized layer: no silent GGN."""
+    model = extend(CASES[case][0]())
+    loss_func = extend(nn.CrossEntropyLoss())
+    _, X, y = _data("mean")
+    with pytest.raises(UnsupportedLayerError, match="BackPACK engine cannot handle"):
+        LowRankGGN.from_loss(lambda: loss_func(model(X), y), [list(model.parameters())])

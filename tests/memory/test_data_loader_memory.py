@@ -11,6 +11,7 @@ from tests.fixtures.problems import prepare, select
 from tests.memory.measure_memory import run_worker
 from tests.sources.test_data_loader import split
 from vivit import FactorsTooLargeError, GramTooLargeError, LowRankGGN
+from vivit.options import CurvatureOptions
 
 #: The estimate must lie within this factor of the measured peak increase of
 #: resident memory (measured 1.06–1.25: MLP and CNN, exact and MC, float64 Gram).
@@ -88,7 +89,9 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     ggn = LowRankGGN(model, loss_func, Counting(batches, sized=False))
     assert ggn.gram().shape == (12, 12)
     one = first_batch_bytes(model, loss_func, batches)
-    batch_pass = vivit.memory.budget.batch_pass_bytes(model, batches[0][0], 0)
+    batch_pass = vivit.memory.budget.batch_pass_bytes(
+        model, batches[0][0], CurvatureOptions(), loss_func
+    )
     # room for one batch's pass and 2.5 batches of factors: the third is refused
     monkeypatch.setattr(
         vivit.memory.budget,

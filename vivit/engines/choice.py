@@ -50,7 +50,8 @@ def resolve_engine(
     INFO). Nothing runs the model.
 
     Args:
-        engine: A name of :data:`ENGINE_NAMES` or an engine instance.
+        engine: A name of :data:`ENGINE_NAMES` or an engine instance (checked
+            by :class:`~vivit.options.CurvatureOptions`).
         model: The network.
         loss_func: The loss module.
         output: The ``output`` option (:func:`~vivit.engines.base.select_output`).
@@ -58,7 +59,6 @@ def resolve_engine(
     Returns:
         The engine.
     """
-    check_engine(engine)
     if isinstance(engine, Engine):
         return engine
     from vivit.engines.func import FuncEngine

@@ -10,16 +10,17 @@ sets and processes").
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Module, Parameter
 
 from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, check_gram_fits
 from vivit.memory.estimate import estimate_memory
+from vivit.options import CurvatureOptions
 
 logger = logging.getLogger("vivit")
 
@@ -91,13 +92,24 @@ def _storage_sizes(factors: Iterable[ParamFactors]) -> dict[tuple, int]:
     return storages
 
 
-def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
+def batch_pass_bytes(
+    model: Module,
+    inputs: Tensor,
+    options: CurvatureOptions,
+    loss_func: Module | None = None,
+    param_groups: Sequence[Sequence[Parameter]] | None = None,
+) -> int:
     """Estimated peak of one batch's pass before any Gram matrix is formed.
+
+    The pass is estimated with the request's own options (engine, ``gram_dtype``,
+    Monte-Carlo samples), as the run makes it.
 
     Args:
         model: The network.
-        inputs: The batch's inputs.
-        mc_samples: Monte-Carlo samples per datum of the request.
+        inputs: The batch's inputs (one chunk's with ``chunk_size``).
+        options: The request's checked options.
+        loss_func: The loss module (resolves ``engine="auto"`` as the run does).
+        param_groups: The request's parameter groups.
 
     Returns:
         Bytes: activations, the batch's factors with their temporaries (such as
@@ -108,9 +120,10 @@ def batch_pass_bytes(model: Module, inputs: Tensor, mc_samples: int) -> int:
         model,
         inputs[:1],
         inputs.shape[0],
-        mc_samples=mc_samples,
+        loss_func=loss_func,
+        param_groups=param_groups,
         top_k=None,
-        solver="dense",
+        options=options.replace(solver="dense", chunk_size=None),
     )
     return one.activations + one.factors + one.backward
 
@@ -137,25 +150,30 @@ class FactorBudget:
     Args:
         total: Number of batches ``B`` (``None``: unknown).
         model: The network (its parameters' device).
-        mc_samples: Monte-Carlo samples per datum of the request.
+        options: The request's checked options (its ``chunk_size``: most
+            samples per backward pass).
         num_grams: Gram matrices the request forms (``0``: on demand only).
-        chunk_size: Most samples per backward pass (``None``: whole batches).
+        loss_func: The loss module, for the estimate of one batch's pass.
+        param_groups: The request's parameter groups, likewise.
     """
 
     def __init__(
         self,
         total: int | None,
         model: Module,
-        mc_samples: int,
+        options: CurvatureOptions,
         num_grams: int = 0,
-        chunk_size: int | None = None,
+        loss_func: Module | None = None,
+        param_groups: Sequence[Sequence[Parameter]] | None = None,
     ):
-        self._chunk_size = chunk_size
+        self._options = options
+        self._loss_func = loss_func
+        self._param_groups = param_groups
+        self._chunk_size = options.chunk_size
         self._counted: dict[tuple, int] = {}
         self._total = total
         self._num_grams = num_grams
         self._model = model
-        self._mc_samples = mc_samples
         self._device = next(model.parameters()).device
         self._available = available_bytes(self._device)
         self._stored = 0
@@ -190,7 +208,13 @@ class FactorBudget:
         in for its pass, and the logger ``"vivit"`` says so.
         """
         try:
-            return batch_pass_bytes(self._model, self._first_inputs, self._mc_samples)
+            return batch_pass_bytes(
+                self._model,
+                self._first_inputs,
+                self._options,
+                self._loss_func,
+                self._param_groups,
+            )
         except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
             logger.info(
                 "Cannot estimate the memory of one batch's pass (%s: %s); the memory "

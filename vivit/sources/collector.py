@@ -63,12 +63,12 @@ class GroupCurvature:
         """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples.
 
         Args:
-            samples: Gradient samples (positions in the mini-batch; ``None``: all).
+            samples: Gradient samples (positions in the mini-batch, checked;
+                ``None``: all).
 
         Returns:
             The products, from the kept factors.
         """
-        samples = check_subsampling(samples, self.batch.batch_size, "subsampling_grad")
         key = None if samples is None else tuple(samples)
         if key not in self._vt_grads:
             self._vt_grads[key] = sum(

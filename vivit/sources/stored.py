@@ -326,9 +326,10 @@ class StoredFactors:
             else FactorBudget(
                 num_batches(data, options.max_batches),
                 model,
-                options.mc_samples,
+                options,
                 request.num_grams,
-                options.chunk_size,
+                loss_func,
+                param_groups,
             )
         )
         batches = [data] if single else _loader_pass(data, model, budget, options)

@@ -13,11 +13,16 @@ from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
 from vivit._validation import (
-    check_mc_samples,
     check_subsampling,
     warn_random_forward,
 )
-from vivit.engines.backpack.support import FUNC_HINT, analyse, refusal
+from vivit.engines.backpack.support import (
+    FUNC_HINT,
+    analyse,
+    global_hook_obstacles,
+    module_forward_changes,
+    refusal,
+)
 from vivit.engines.backpack.table import (
     LOSSES,
     module_extensions,
@@ -57,8 +62,8 @@ class GramGGN(SqrtGGN):
         gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
             the model's); used for the same check.
 
-    Raises:
-        ValueError: If ``mc_samples`` is negative or not an integer.
+    The arguments come checked (by :class:`~vivit.options.CurvatureOptions`, or
+    by the ViViT-compatible classes of :mod:`vivit.compat`).
     """
 
     def __init__(
@@ -69,7 +74,7 @@ class GramGGN(SqrtGGN):
         num_grams: int = 1,
         gram_dtype: torch.dtype | None = None,
     ):
-        self._mc_samples = check_mc_samples(mc_samples)
+        self._mc_samples = mc_samples
         self.compute_gradients = compute_gradients
         self.num_grams = num_grams
         self.gram_dtype = gram_dtype
@@ -79,7 +84,7 @@ class GramGGN(SqrtGGN):
             if mc_samples == 0
             else LossHessianStrategy.SAMPLING
         )
-        super().__init__(strategy, SAVEFIELD, check_subsampling(subsampling))
+        super().__init__(strategy, SAVEFIELD, subsampling)
         # The engine's own table replaces every entry of SqrtGGN's; layers outside
         # it are refused in __call__ before BackPACK looks anything up.
         for layer, module_extension in module_extensions().items():
@@ -119,6 +124,12 @@ class GramGGN(SqrtGGN):
             check_loss_function(module)  # names unsupported losses and options
         if type(module) not in supported_types():
             raise unsupported_layer_error(module)
+        # a loss computed elsewhere (from_loss, the ViViT classes) is held to the
+        # rule a model is checked by before its forward pass
+        where = f"The {type(module).__name__} layer"
+        changes = module_forward_changes(module, where) + global_hook_obstacles()
+        if changes:
+            raise refusal(changes)
         warn_random_forward(module)
         if is_loss(module):  # every backward pass starts at the loss
             if not hasattr(module, "output"):  # BackPACK keeps the latest call's

@@ -555,39 +555,67 @@ def _forward_changes(model: Module) -> list[Obstacle]:
     obstacles = []
     for name, module in model.named_modules():
         where = f"`{name}` ({type(module).__name__})" if name else "the model"
-        if is_parametrized(module):
-            tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
-            obstacles.append(
-                Obstacle(
-                    UnsupportedLayerError,
-                    f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
-                    "computed from the parameters under `parametrizations`), and "
-                    "BackPACK hands curvature only to the tensors a layer uses",
-                )
-            )
-        for hook in module._forward_pre_hooks.values():
-            obstacles.append(_pre_hook(where, hook))
-        for hook in module._forward_hooks.values():
-            if hook not in _OWN_HOOKS:
-                obstacles.append(
-                    Obstacle(
-                        UnsupportedLayerError,
-                        f"{where} has the forward hook {_hook_name(hook)}, which may "
-                        "change its output; BackPACK backpropagates through the "
-                        "layer's own function and would miss the change",
-                    )
-                )
-    global_hooks = [*_global_forward_pre_hooks.values(), *_global_forward_hooks]
-    if global_hooks:
+        obstacles.extend(module_forward_changes(module, where))
+    return obstacles + global_hook_obstacles()
+
+
+def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
+    """The hooks and parametrizations of one module (see :func:`_forward_changes`).
+
+    The BackPACK extension checks every layer its backward pass reaches with
+    this, so that a loss computed elsewhere (``LowRankGGN.from_loss``, the
+    ViViT-compatible classes) is held to the same rule as a model.
+
+    Args:
+        module: The layer.
+        where: How messages name it.
+
+    Returns:
+        Its obstacles (the global module hooks are not its own: see
+        :func:`global_hook_obstacles`).
+    """
+    obstacles = []
+    if is_parametrized(module):
+        tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
         obstacles.append(
             Obstacle(
                 UnsupportedLayerError,
-                "global module forward hooks are registered "
-                "(torch.nn.modules.module.register_module_forward_hook), which may "
-                "change every layer's input or output; BackPACK would miss that",
+                f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
+                "computed from the parameters under `parametrizations`), and "
+                "BackPACK hands curvature only to the tensors a layer uses",
             )
         )
+    for hook in module._forward_pre_hooks.values():
+        obstacles.append(_pre_hook(where, hook))
+    for hook in module._forward_hooks.values():
+        if hook not in _OWN_HOOKS:
+            obstacles.append(
+                Obstacle(
+                    UnsupportedLayerError,
+                    f"{where} has the forward hook {_hook_name(hook)}, which may "
+                    "change its output; BackPACK backpropagates through the "
+                    "layer's own function and would miss the change",
+                )
+            )
     return obstacles
+
+
+def global_hook_obstacles() -> list[Obstacle]:
+    """The obstacle of global module forward hooks, if any are registered.
+
+    Returns:
+        One obstacle, or none.
+    """
+    if not (_global_forward_pre_hooks or _global_forward_hooks):
+        return []
+    return [
+        Obstacle(
+            UnsupportedLayerError,
+            "global module forward hooks are registered "
+            "(torch.nn.modules.module.register_module_forward_hook), which may "
+            "change every layer's input or output; BackPACK would miss that",
+        )
+    ]
 
 
 def _pre_hook(where: str, hook: object) -> Obstacle:

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import check_finite, check_mc_samples, check_subsampling
+from vivit._validation import check_finite
 from vivit.engines.base import (
     BatchInfo,
     ContributionSink,
@@ -67,7 +67,7 @@ from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.gram.memory import check_gram_fits
-from vivit.losses import LossCurvature, check_loss_function
+from vivit.losses import LossCurvature
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
 DEFAULT_MEMORY_BUDGET = 2**27
@@ -121,7 +121,6 @@ class FuncEngine(Engine):
         sink: ContributionSink,
     ) -> EngineOutput:
         inputs, targets = data
-        check_loss_function(loss_func)
         check_layers(model)
         params = request.params
         forward = _Forward(model, params, request.output)
@@ -303,9 +302,9 @@ def _batch_info(
     loss_curvature: LossCurvature, output: Tensor, request: CurvatureRequest
 ) -> BatchInfo:
     batch_size = output.shape[0]
-    subsampling = check_subsampling(request.subsampling, batch_size)
+    subsampling = request.subsampling
     samples = tuple(range(batch_size)) if subsampling is None else tuple(subsampling)
-    mc_samples = check_mc_samples(request.mc_samples)
+    mc_samples = request.mc_samples
     return BatchInfo(
         normalization=loss_curvature.normalization,
         ggn_samples=samples,
