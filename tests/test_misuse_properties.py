@@ -6,7 +6,11 @@ size (including 0), loss (supported options, soft and negative targets, ignored
 targets, a loss function, an unsupported module or reduction), non-finite values
 in inputs, targets or parameters, every shape of ``param_groups`` misuse,
 subsampling, ``mc_samples``, generators and grad contexts (none, ``no_grad``,
-``inference_mode``). The property: the call either raises a
+``inference_mode``), and models whose forward is not the chain of its layers or
+whose data change after the construction (a forward hook that doubles a layer's
+output, a pruned layer, a ``no_grad`` block inside ``forward``, a tuple output
+selected with ``output=0``, inputs and parameters changed in place after the
+construction: :data:`VARIANTS`). The property: the call either raises a
 :class:`vivit.VivitError` (never another exception), or it returns eigenvalues
 that are finite and, for the exact GGN, equal the dense float64 reference of the
 same numbers (tolerances of ``tests/fixtures/checks.py``); a call that carries a
@@ -27,6 +31,7 @@ from backpack import extend
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.utils import prune
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
 from tests.fixtures.reference import dense_ggn
@@ -88,6 +93,7 @@ class Call:
     context: str | None
     via_closure: bool
     seed: int
+    variant: str | None = None
     faults: tuple[str, ...] = ()
 
 
@@ -118,6 +124,10 @@ def _apply(call: Call, faults: list[str]) -> Call:
     return call
 
 
+#: Valid models the library must handle exactly (or refuse by name): the
+#: differentiated function is not the chain of layers, or the data change later.
+VARIANTS = ["hook-double", "pruned", "no_grad-block", "tuple-output", "mutated-after"]
+
 calls = st.builds(
     _apply,
     st.builds(
@@ -135,6 +145,7 @@ calls = st.builds(
         context=st.sampled_from([None, "no_grad"]),
         via_closure=st.booleans(),
         seed=st.integers(0, 3),
+        variant=st.sampled_from([None, None, None, *VARIANTS]),
     ),
     st.lists(st.sampled_from(FAULTS), max_size=2),
 )
@@ -187,12 +198,56 @@ def _param_groups(call: Call, model: nn.Module):
     }[call.groups]
 
 
+class NoGradBlock(nn.Module):
+    """The layers of ``net``, the first one run without gradients."""
+
+    def __init__(self, net: nn.Sequential):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        with torch.no_grad():
+            hidden = self.net[0](x)
+        return self.net[2](self.net[1](hidden))
+
+
+class TupleOutput(nn.Module):
+    """``net``'s output and its sum, as a tuple (selected with ``output=0``)."""
+
+    def __init__(self, net: nn.Sequential):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, out.sum()
+
+
+def _variant(call: Call, net: nn.Sequential) -> nn.Module:
+    """The model of the call's variant, built around ``net``."""
+    if call.variant == "hook-double":
+        net[0].register_forward_hook(lambda module, args, out: 2 * out)
+    elif call.variant == "pruned":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(call.seed)
+            prune.random_unstructured(net[0], "weight", amount=0.5)
+    elif call.variant == "no_grad-block":
+        return NoGradBlock(net)
+    elif call.variant == "tuple-output":
+        return TupleOutput(net)
+    return net
+
+
+def _output(call: Call):
+    return 0 if call.variant == "tuple-output" else None
+
+
 def _build(call: Call):
     gen = torch.Generator().manual_seed(call.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(call.seed)
-        model = nn.Sequential(nn.Linear(2, 4), nn.Sigmoid(), nn.Linear(4, C))
-    model = model.to(call.dtype)
+        net = nn.Sequential(nn.Linear(2, 4), nn.Sigmoid(), nn.Linear(4, C))
+    net = net.to(call.dtype)
     inputs = torch.randn(call.batch_size, 2, generator=gen).to(call.dtype)
     loss_func, targets = _loss_and_targets(call, gen)
     if call.batch_size:
@@ -204,7 +259,8 @@ def _build(call: Call):
             targets[-1, 0] = float("nan")
     if call.corruption in ("nan-param", "inf-param"):
         with torch.no_grad():
-            model[2].weight[1, 1] = float("nan" if "nan" in call.corruption else "inf")
+            net[2].weight[1, 1] = float("nan" if "nan" in call.corruption else "inf")
+    model = _variant(call, net)
     subsampling = {
         None: None,
         "valid": list(range(call.batch_size))[::-2] or [0],
@@ -218,6 +274,28 @@ def _build(call: Call):
         "int": 0,
     }[call.generator]
     return model, loss_func, inputs, targets, subsampling, generator
+
+
+@contextlib.contextmanager
+def _changed_in_place(call: Call, model: nn.Module, inputs, targets):
+    """Inputs, targets and parameters changed in place (variant "mutated-after")
+    while the results are computed; restored for the reference afterwards."""
+    if call.variant != "mutated-after":
+        yield
+        return
+    tensors = [inputs, *model.parameters()]
+    if targets.is_floating_point():
+        tensors.append(targets)
+    saved = [t.detach().clone() for t in tensors]
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.mul_(3.0).add_(1.0)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, saved, strict=True):
+                tensor.copy_(value)
 
 
 def _context(call: Call):
@@ -234,13 +312,19 @@ def _run(call: Call, model, loss_func, inputs, targets, subsampling, generator):
     kwargs["generator"] = generator
     if not call.via_closure:
         return LowRankGGN(
-            model, loss_func, (inputs, targets), param_groups=groups, **kwargs
+            model,
+            loss_func,
+            (inputs, targets),
+            param_groups=groups,
+            output=_output(call),
+            **kwargs,
         )
     if isinstance(loss_func, nn.Module):
         loss_func = extend(loss_func)
     model = extend(model)
+    select = (lambda out: out[0]) if call.variant == "tuple-output" else (lambda o: o)
     return LowRankGGN.from_loss(
-        lambda: loss_func(model(inputs), targets),
+        lambda: loss_func(select(model(inputs)), targets),
         groups if groups is not None else [list(model.parameters())],
         **kwargs,
     )
@@ -255,7 +339,8 @@ def _reference(call, model, loss_func, inputs, targets, subsampling, ggn):
         and (targets[index] == loss_func.ignore_index).all()
     ):
         return None  # the loss on these samples is 0/0: no curvature
-    G = dense_ggn(model, loss_func, inputs, targets, params, subsampling)
+    select = (lambda out: out[0]) if call.variant == "tuple-output" else None
+    G = dense_ggn(model, loss_func, inputs, targets, params, subsampling, select)
     return torch.linalg.eigvalsh(G)
 
 
@@ -266,7 +351,8 @@ def test_malformed_calls_give_the_dense_result_or_a_library_error(call):
     try:
         with _context(call):
             ggn = _run(call, model, loss_func, inputs, targets, subsampling, generator)
-            evals = ggn.eigvalsh()
+            with _changed_in_place(call, model, inputs, targets):
+                evals = ggn.eigvalsh()
     except VivitError as error:
         event(f"raised {type(error).__name__}")
         return
