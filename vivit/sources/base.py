@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from vivit._validation import check_group_index
 from vivit.engines.base import BatchInfo
 from vivit.linalg.group_products import VProducts
 
@@ -90,18 +91,35 @@ class GroupSource(Protocol):
         """
 
 
-class CurvatureSource(Protocol):
+class CurvatureSource:
     """The curvature of a loss on a set of samples, per parameter group.
+
+    A source sets the attributes and fills :attr:`groups` with one
+    :class:`GroupSource` per parameter group.
 
     Attributes:
         param_groups: The parameter groups.
         loss: The loss on all samples (detached).
         engine: Name of the engine that computed the factors.
+        groups: Each group's source, in group order.
     """
 
     param_groups: list[list[Parameter]]
     loss: Tensor
     engine: str
+    groups: list[GroupSource]
 
     def group(self, index: int) -> GroupSource:
-        """The curvature of group ``index`` (checked)."""
+        """The curvature of group ``index``.
+
+        Args:
+            index: Position of the group.
+
+        Returns:
+            The group's source.
+
+        Raises:
+            GroupIndexError: If there is no such group.
+        """
+        check_group_index(index, len(self.param_groups))
+        return self.groups[index]

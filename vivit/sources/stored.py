@@ -20,7 +20,6 @@ from torch.nn import Module, Parameter
 from vivit._validation import (
     check_batch,
     check_finite,
-    check_group_index,
     check_inputs_match,
     check_params,
     check_subsampling,
@@ -41,6 +40,7 @@ from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
 from vivit.options import CurvatureOptions
+from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
     BlockResult,
     BlockRun,
@@ -147,7 +147,7 @@ class StoredGroup:
         return directional_gradients(vt_grads, gram_evecs, evals)
 
 
-class StoredFactors:
+class StoredFactors(CurvatureSource):
     """The stored factors of every parameter group (a curvature source).
 
     Build with :meth:`run` (a model, a loss function and data) or
@@ -224,30 +224,15 @@ class StoredFactors:
         self.communication = shards.report
         self.loss = loss
         gradients = iter(gradients)
-        self._groups = []
+        self.groups = []
         for index, (group, part) in enumerate(
             zip(param_groups, curvature, strict=True)
         ):
             gradient = [next(gradients) for _ in group]
             _check_gradient(group, gradient, names)
-            self._groups.append(StoredGroup(index, part, gradient))
+            self.groups.append(StoredGroup(index, part, gradient))
         if shards.group is not None and options.solver != "matrix_free":
             self._form_grams_together(shards)
-
-    def group(self, index: int) -> StoredGroup:
-        """The stored factors of group ``index``.
-
-        Args:
-            index: Position of the group.
-
-        Returns:
-            The group's source.
-
-        Raises:
-            GroupIndexError: If there is no such group.
-        """
-        check_group_index(index, len(self.param_groups))
-        return self._groups[index]
 
     def _form_grams_together(self, shards: ShardExchange) -> None:
         """Under a process group, form the Gram matrices now, split over the ranks.
@@ -258,13 +243,13 @@ class StoredFactors:
         rank (formed there on demand).
         """
         fits = []
-        for group in self._groups:
+        for group in self.groups:
             try:
                 check_gram_fits(group.num_rows, 1, group.dtype, group.device, 0)
                 fits.append(True)
             except GramTooLargeError:
                 fits.append(False)
-        for group, fit in zip(self._groups, shards.all_true(fits), strict=True):
+        for group, fit in zip(self.groups, shards.all_true(fits), strict=True):
             if fit:
                 group.set_gram(shards.gram(group.curvature.ggn_factors))
 

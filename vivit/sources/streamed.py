@@ -27,7 +27,6 @@ from torch.nn import Module, Parameter
 from vivit._validation import (
     check_batch,
     check_grad_mode,
-    check_group_index,
 )
 from vivit.engines.base import CurvatureRequest, Engine
 from vivit.engines.choice import resolve_engine
@@ -39,6 +38,7 @@ from vivit.errors import (
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
 from vivit.options import CurvatureOptions
+from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
     BlockResult,
     RandomState,
@@ -269,7 +269,7 @@ class StreamedGroup:
         self._source.run_pass(visit_block, what)
 
 
-class StreamedFactors:
+class StreamedFactors(CurvatureSource):
     """Factors recomputed in every pass over a re-iterable loader (a source).
 
     The construction makes one pass (loss, gradient, each block's
@@ -325,22 +325,7 @@ class StreamedFactors:
         self._random_start = RandomState.capture(self.param_groups)
         self._model_state = model_fingerprint(model)
         self._first_pass()
-        self._groups = [StreamedGroup(self, g) for g in range(len(self.param_groups))]
-
-    def group(self, index: int) -> StreamedGroup:
-        """The products of group ``index``.
-
-        Args:
-            index: Position of the group.
-
-        Returns:
-            The group's source.
-
-        Raises:
-            GroupIndexError: If there is no such group.
-        """
-        check_group_index(index, len(self.param_groups))
-        return self._groups[index]
+        self.groups = [StreamedGroup(self, g) for g in range(len(self.param_groups))]
 
     @property
     def num_rows(self) -> int:
