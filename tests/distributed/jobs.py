@@ -51,6 +51,8 @@ class Scenario:
         solver: The constructor's solver (``"matrix_free"``: no Gram matrix is
             formed at construction).
         loader: Each rank passes a loader over its shard (batches ``LOADERS``).
+        ignored_shard: Every target of rank 0's shard is ignored (cross-entropy):
+            its shard carries no weight, the union's mean is still defined.
     """
 
     architecture: str
@@ -62,6 +64,7 @@ class Scenario:
     subsample: bool = False
     solver: str = "auto"
     loader: bool = False
+    ignored_shard: bool = False
 
 
 SCENARIOS = {
@@ -69,6 +72,9 @@ SCENARIOS = {
         "mlp_tanh", "ce", "mean", "backpack", layer_groups=True, subsample=True
     ),
     "mlp-ce_weighted-func": Scenario("mlp_tanh", "ce_weighted", "mean", "func"),
+    "mlp-ce-ignored-shard-backpack": Scenario(
+        "mlp_tanh", "ce", "mean", "backpack", ignored_shard=True
+    ),
     "conv1d-mse-sum-backpack-mc": Scenario(
         "conv1d", "mse", "sum", "backpack", mc_samples=2
     ),
@@ -126,6 +132,8 @@ def setup(scenario: Scenario, world_size: int, seed: int = 0):
             targets[::3] = -100  # ignored: sample weights differ across ranks
             weight = torch.rand(C, dtype=torch.float64) + 0.5
             loss_func = nn.CrossEntropyLoss(weight=weight, reduction=scenario.reduction)
+        if scenario.ignored_shard:
+            targets[: SHARDS[world_size][0]] = -100
     shards = list(
         zip(
             inputs.split(SHARDS[world_size]),
