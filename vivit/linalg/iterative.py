@@ -296,8 +296,10 @@ def block_krylov_eigh(
         f"The iterative eigensolver did not reach the relative residual {tol:.1e} "
         f"for the top {top_k} eigenpairs of the {size} x {size} Gram matrix: best "
         f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
-        "products). Use solver='dense' (exact, O((N·C)^3)), a larger tol (at least "
-        "the rounding floor of the data type, about 100·eps), or float64."
+        "products). Use a larger tol (at least the rounding floor of the data "
+        "type, about 100·eps), float64 (gram_dtype=torch.float64), or, where the "
+        "Gram matrix can be formed (LowRankGGN), solver='dense' (exact, "
+        "O((N·C)^3))."
     )
 
 
