@@ -31,12 +31,8 @@ class LowRankGGN(CurvatureResults):
     needs are removed again; hooks the caller installed with ``backpack.extend``
     stay), and so are the ``.grad`` of inputs and parameters.
 
-    An engine computes the factors (see :doc:`/architecture`): ``"backpack"``
-    (BackPACK's layers, composed by ``nn.Sequential`` or a custom forward its
-    converter handles); ``"func"`` (any model whose samples are independent:
-    transformers, LSTMs, shared weights, GroupNorm); ``"auto"`` picks BackPACK when
-    it supports the model and no weight is shared, else func, and logs the choice
-    (logger ``"vivit"``, level INFO).
+    An engine computes the factors (``engine``, see
+    :class:`~vivit.options.CurvatureOptions`). Every option is described there.
 
     Example::
 
@@ -45,10 +41,7 @@ class LowRankGGN(CurvatureResults):
 
     Args:
         model: The network. BatchNorm and dropout layers must be in eval mode.
-            With ``engine="backpack"``, a layer or function BackPACK cannot
-            backpropagate through, or a weight used twice in the forward pass,
-            raises :class:`~vivit.UnsupportedLayerError`
-            (:class:`~vivit.SharedWeightError`) naming it.
+            A layer the engine cannot handle raises naming it (``engine``).
         loss_func: A ``torch.nn`` loss module (MSELoss, CrossEntropyLoss,
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
         data: ``(inputs, targets)`` of the mini-batch, or an iterable of such
@@ -62,94 +55,22 @@ class LowRankGGN(CurvatureResults):
             with the alternatives, among them :class:`~vivit.StreamingGGN`).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
-        mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
-            Monte-Carlo estimate with ``M`` samples per datum (``N·M`` instead of
-            ``N·C`` Gram rows).
-        subsampling: Indices of the samples whose curvature is used (``None``:
-            all). The GGN is then that of the same loss on those samples alone.
-            Not with a data loader (pass a loader over the samples instead).
-        generator: Random generator that makes MC sampling reproducible. Over a
-            data loader, batch ``b`` draws its samples from a generator seeded
-            with ``s + b``, ``s`` one draw from ``generator`` (under a process
-            group of ``W`` ranks, batch ``b`` of rank ``r`` from ``s + r + W·b``,
-            ``s`` rank 0's draw). ``None``: ``s`` is one draw from torch's global
-            generator, which it advances, so that every call draws new samples.
-        gram_dtype: Floating-point type in which the Gram matrix and every
-            product that feeds the eigensolver or the directional derivatives
-            (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
-            model's. ``torch.float64`` for a float32 model accumulates the float32
-            factors in float64: the resolvable spectrum then reaches down to
-            float64 rounding (``N·C·ε₆₄·λ_max``) instead of ``N·C·ε₃₂·λ_max``,
-            each eigenvalue carrying a relative error of at most about
-            ``ε₃₂·√(λ_max/λ)`` from the float32 factors (``docs/math.rst``,
-            "Precision and the numerical zero"), for twice the memory of the
-            Gram matrix and the kept factors. Gram-space results
-            (Gram matrix, eigenvalues, ``γ``, ``λ``) come in ``gram_dtype``;
-            parameter-space results (eigenvectors, steps, the gradient) in the
-            parameters' dtype.
-        solver: Default eigensolver for a few leading eigenpairs (``top_k``):
-            ``"auto"`` (chosen by a cost model, see :mod:`vivit.linalg.top_k`),
-            ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
-            on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
-            with ``V``; the Gram matrix is never formed). Every method that takes
-            ``top_k`` also takes ``solver`` to override it. Requests for all
-            eigenpairs (``top_k=None``, :meth:`eigvalsh`) always decompose the
-            Gram matrix densely.
-        solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
-            iterative solvers (default ``max(100·ε, 1e-12)`` of the data type).
-        solver_seed: Seed of the iterative solvers' random start block; the
-            results are deterministic for a given seed.
-        engine: ``"auto"``, ``"backpack"``, ``"func"``, or an engine instance
-            (e.g. ``vivit.engines.func.FuncEngine(memory_budget=...)``).
-        progress: Progress bar (on stderr) of the pass over a data loader:
-            ``True`` always, ``False`` never, ``None`` when stderr is a terminal
-            and the pass takes more than two seconds. No bar for one mini-batch.
-
-        process_group: Several processes (``torch.distributed``): each rank
-            passes its own shard as ``data`` (one batch, or a loader of any
-            number of batches; sizes and numbers may differ across ranks) and
-            every rank gets the results of the union of all ranks' samples in
-            rank order (rank 0's batches in order, then rank 1's, ...),
-            identical on every rank (user guide, "Several processes"). Each
-            rank combines its loader's batches into one block before the
-            exchange; an empty loader or a malformed batch on one rank raises
-            on every rank.
-            ``None`` (default): the default group if ``torch.distributed`` is
-            initialised, else this process alone; ``False``: this process alone
-            (independent per-rank computations); or a ``ProcessGroup``.
-            ``subsampling`` then indexes the rank's own batch; a failure on one
-            rank raises on every rank (:class:`~vivit.DistributedError` on the
-            others). The Gram matrices are formed at construction, their blocks
-            split over the ranks (not with ``solver="matrix_free"``); nothing
-            after the construction communicates. A ``DistributedDataParallel``
-            model runs as its ``.module``.
-        chunk_size: Most samples per backward pass: the batch (every batch of a
-            loader) is split into consecutive chunks of at most this many
-            samples, each run by the engine on its own and combined exactly
-            (``docs/math.rst``, "Data sets and processes"). Bounds the peak
-            memory of the backward pass, which grows with the chunk, not with
-            ``N`` (the kept factors and the Gram matrix still grow with ``N``;
-            :func:`vivit.memory.estimate_memory` takes ``chunk_size`` too).
-            ``None``: the whole batch at once. With Monte-Carlo sampling each
-            chunk draws from its own stream (seeded like a loader's batches), so
-            chunking changes the draws, not their distribution.
-        output: What the loss is computed from when the model returns more than
-            a tensor: ``None`` (default; the model must return the output
-            tensor), the attribute or key of a structured output (``"logits"``
-            of a ``ModelOutput`` or a dict, a named tuple's field), or a
-            function of the model's return value (``lambda out: out[0]``). The
-            curvature is that of ``loss_func(selected, targets)``. A model that
-            returns anything but a tensor without it is refused, naming the
-            type and its fields.
-        max_batches: Most batches of a data loader the pass reads (``None``:
-            until it ends); the GGN is that of the first ``max_batches`` batches.
-            A loader without ``len`` (a generator, a ``DataLoader`` over an
-            ``IterableDataset``) cannot say whether it ends; one over an infinite
-            stream never does: bound it with ``max_batches``. Without it such a
-            pass runs, and its progress bar (``progress=None``: after two
-            seconds, terminal or not) says that the loader has no length and how
-            to bound it: a finite generator is as valid as a list, so it is not
-            refused (user guide, "Data loaders").
+        mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+        subsampling: As for :class:`~vivit.options.CurvatureOptions`.
+        generator: As for :class:`~vivit.options.CurvatureOptions`.
+        gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
+        solver: As for :class:`~vivit.options.CurvatureOptions`.
+        solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
+        solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
+        engine: As for :class:`~vivit.options.CurvatureOptions`.
+        progress: As for :class:`~vivit.options.CurvatureOptions`.
+        process_group: As for :class:`~vivit.options.CurvatureOptions`. The
+            Gram matrices are formed at construction, their blocks split over the
+            ranks (not with ``solver="matrix_free"``); nothing after the
+            construction communicates.
+        chunk_size: As for :class:`~vivit.options.CurvatureOptions`.
+        output: As for :class:`~vivit.options.CurvatureOptions`.
+        max_batches: As for :class:`~vivit.options.CurvatureOptions`.
 
     Attributes:
         loss: The loss on the mini-batch, or on all samples of a loader
@@ -284,13 +205,13 @@ class LowRankGGN(CurvatureResults):
         Args:
             loss: The mini-batch loss, or a function that computes it.
             param_groups: Lists of parameters, one GGN block each.
-            mc_samples: As for the constructor.
-            subsampling: As for the constructor.
-            generator: As for the constructor.
-            gram_dtype: As for the constructor.
-            solver: As for the constructor.
-            solver_tol: As for the constructor.
-            solver_seed: As for the constructor.
+            mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+            subsampling: As for :class:`~vivit.options.CurvatureOptions`.
+            generator: As for :class:`~vivit.options.CurvatureOptions`.
+            gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
+            solver: As for :class:`~vivit.options.CurvatureOptions`.
+            solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
+            solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
 
         Returns:
             The low-rank GGN of that loss.

@@ -45,27 +45,113 @@ if TYPE_CHECKING:
 class CurvatureOptions:
     """The options of a curvature request, checked when the object is built.
 
-    The meaning of each option is documented once, at
-    :class:`~vivit.LowRankGGN`; :class:`~vivit.StreamingGGN` takes the same names.
+    Every option is documented here, once. The front doors
+    (:class:`~vivit.LowRankGGN`, :class:`~vivit.StreamingGGN`,
+    :class:`~vivit.optim.DampedNewton`) take the same names and say only what
+    differs for them.
 
     Attributes:
-        mc_samples: ``0`` for the exact GGN, ``M > 0`` for Monte-Carlo samples.
-        subsampling: Curvature samples of one mini-batch (``None``: all).
-        generator: Random generator of the Monte-Carlo samples.
-        gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's).
-        solver: Default eigensolver for a few leading eigenpairs.
-        solver_tol: Relative residual bound of the iterative solvers.
-        solver_seed: Seed of the iterative solvers' start block.
-        engine: ``"auto"``, ``"backpack"``, ``"func"`` or an engine instance.
-        progress: Progress bar of a pass over a data loader.
-        process_group: As passed: ``None``, ``False`` or a ``ProcessGroup``.
-        chunk_size: Most samples per backward pass (``None``: whole batches).
-        output: Selects the output tensor from what the model returns
-            (:func:`~vivit.engines.base.select_output`).
-        max_batches: Most batches of a data loader a pass reads (``None``: until
-            it ends).
-        group: The resolved process group (``None``: this process alone).
+        mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
+            Monte-Carlo estimate with ``M`` samples per datum (``N·M`` instead of
+            ``N·C`` Gram rows).
+        subsampling: Indices of the samples whose curvature is used (``None``:
+            all). The GGN is then that of the same loss on those samples alone.
+            Not with a data loader (pass a loader over the samples instead).
+            Stored as a tuple.
+        generator: Random generator that makes MC sampling reproducible. Over a
+            data loader, batch ``b`` draws its samples from a generator seeded
+            with ``s + b``, ``s`` one draw from ``generator`` (under a process
+            group of ``W`` ranks, batch ``b`` of rank ``r`` from ``s + r + W·b``,
+            ``s`` rank 0's draw). ``None``: ``s`` is one draw from torch's global
+            generator, which it advances, so that every call draws new samples.
+        gram_dtype: Floating-point type in which the Gram matrix and every
+            product that feeds the eigensolver or the directional derivatives
+            (``Vᵀ V``, ``Vᵀ∇ℓ_n``, ``V u``) are accumulated; ``None`` uses the
+            model's (its parameters'). ``torch.float64`` for a float32 model
+            accumulates the float32 factors in float64: the resolvable spectrum
+            then reaches down to float64 rounding (``N·C·ε₆₄·λ_max``) instead of
+            ``N·C·ε₃₂·λ_max``, each eigenvalue carrying a relative error of at
+            most about ``ε₃₂·√(λ_max/λ)`` from the float32 factors
+            (``docs/math.rst``, "Precision and the numerical zero"), for twice
+            the memory of the Gram matrix and the kept factors. Gram-space
+            results (Gram matrix, eigenvalues, ``γ``, ``λ``) come in
+            ``gram_dtype``; parameter-space results (eigenvectors, steps, the
+            gradient) in the parameters' dtype.
+        solver: Default eigensolver for a few leading eigenpairs (``top_k``):
+            ``"auto"`` (chosen by a cost model, see :mod:`vivit.linalg.top_k`),
+            ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
+            on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
+            with ``V``; the Gram matrix is never formed). Every method that takes
+            ``top_k`` also takes ``solver`` to override it. Requests for all
+            eigenpairs (``top_k=None``, :meth:`~vivit.LowRankGGN.eigvalsh`)
+            always decompose the Gram matrix densely.
+        solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
+            iterative solvers (default ``max(100·ε, 1e-12)`` of the data type);
+            a method that takes ``tol`` overrides it per call.
+        solver_seed: Seed of the iterative solvers' random start block; the
+            results are deterministic for a given seed. A method that takes
+            ``seed`` overrides it per call.
+        engine: What computes the layer factors (see :doc:`/architecture`):
+            ``"backpack"`` (BackPACK's layers, composed by ``nn.Sequential`` or a
+            custom forward its converter handles); ``"func"`` (any model whose
+            samples are independent: transformers, LSTMs, shared weights,
+            GroupNorm); ``"auto"`` picks BackPACK when it supports the model and
+            no weight is shared, else func, and logs the choice (logger
+            ``"vivit"``, level INFO); or an engine instance (e.g.
+            ``vivit.engines.func.FuncEngine(memory_budget=...)``). With
+            ``"backpack"``, a layer or function BackPACK cannot backpropagate
+            through, or a weight used twice in the forward pass, raises
+            :class:`~vivit.UnsupportedLayerError`
+            (:class:`~vivit.SharedWeightError`) naming it.
+        progress: Progress bar (on stderr) of a pass over a data loader:
+            ``True`` always, ``False`` never, ``None`` when stderr is a terminal
+            and the pass takes more than two seconds. No bar for one mini-batch.
+        process_group: Several processes (``torch.distributed``): each rank
+            passes its own shard as ``data`` (one batch, or a loader of any
+            number of batches; sizes and numbers may differ across ranks) and
+            every rank gets the results of the union of all ranks' samples in
+            rank order (rank 0's batches in order, then rank 1's, ...),
+            identical on every rank (user guide, "Several processes"). Each
+            rank combines its loader's batches into one block before the
+            exchange; an empty loader or a malformed batch on one rank raises
+            on every rank. ``None`` (default): the default group if
+            ``torch.distributed`` is initialised, else this process alone;
+            ``False``: this process alone (independent per-rank computations);
+            or a ``ProcessGroup``. ``subsampling`` then indexes the rank's own
+            batch; a failure on one rank raises on every rank
+            (:class:`~vivit.DistributedError` on the others). A
+            ``DistributedDataParallel`` model runs as its ``.module``. Not with
+            ``chunk_size`` (each rank exchanges its shard as one block).
+        chunk_size: Most samples per backward pass: the batch (every batch of a
+            loader) is split into consecutive chunks of at most this many
+            samples, each run by the engine on its own and combined exactly
+            (``docs/math.rst``, "Data sets and processes"). Bounds the peak
+            memory of the backward pass, which grows with the chunk, not with
+            ``N`` (the kept factors and the Gram matrix still grow with ``N``;
+            :func:`vivit.memory.estimate_memory` takes ``chunk_size`` too).
+            ``None``: the whole batch at once. With Monte-Carlo sampling each
+            chunk draws from its own stream (seeded like a loader's batches), so
+            chunking changes the draws, not their distribution. Not with a
+            process group.
+        output: What the loss is computed from when the model returns more than
+            a tensor: ``None`` (default; the model must return the output
+            tensor), the attribute or key of a structured output (``"logits"``
+            of a ``ModelOutput`` or a dict, a named tuple's field), or a
+            function of the model's return value (``lambda out: out[0]``;
+            :func:`~vivit.engines.base.select_output`). The curvature is that of
+            ``loss_func(selected, targets)``. A model that returns anything but
+            a tensor without it is refused, naming the type and its fields.
+        max_batches: Most batches of a data loader a pass reads (``None``:
+            until it ends); the GGN is that of the first ``max_batches`` batches.
+            A loader without ``len`` (a generator, a ``DataLoader`` over an
+            ``IterableDataset``) cannot say whether it ends; one over an infinite
+            stream never does: bound it with ``max_batches``. Without it such a
+            pass runs, and its progress bar (``progress=None``: after two
+            seconds, terminal or not) says that the loader has no length and how
+            to bound it: a finite generator is as valid as a list, so it is not
+            refused (user guide, "Data loaders").
+        group: The resolved process group (``None``: this process alone); not
+            an argument.
 
     Raises:
         VivitError: When built, for the first option that is malformed

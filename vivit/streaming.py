@@ -41,7 +41,8 @@ class StreamingGGN(CurvatureResults):
     product of :meth:`operator` one or two. The leading eigenpairs and their
     eigenvectors are kept per group, solver, tolerance and seed.
 
-    It takes :class:`~vivit.LowRankGGN`'s options and answers its methods, with
+    It takes the options of :class:`~vivit.LowRankGGN`
+    (:class:`~vivit.options.CurvatureOptions`) and answers its methods, with
     what needs the whole Gram matrix refused by name: :meth:`gram`,
     :meth:`eigvalsh`, :meth:`zero_tolerance`, ``top_k=None`` and the solvers
     ``"dense"`` and ``"iterative"`` (:class:`~vivit.InvalidArgumentError`).
@@ -68,30 +69,30 @@ class StreamingGGN(CurvatureResults):
             batches, a ``DataLoader``), or one batch; not an iterator or
             generator.
         param_groups: As for :class:`~vivit.LowRankGGN`.
-        mc_samples: As for :class:`~vivit.LowRankGGN`; block ``b`` draws the same
-            samples in every pass (and the same as ``LowRankGGN`` over the loader
-            with the same ``generator`` and ``chunk_size``).
+        mc_samples: As for :class:`~vivit.options.CurvatureOptions`; block ``b`` draws
+            the same samples in every pass (and the same as ``LowRankGGN`` over the
+            loader with the same ``generator`` and ``chunk_size``).
         subsampling: Refused (a stream covers every sample of its loader: pass
             a loader over the samples whose curvature you want).
-        generator: As for :class:`~vivit.LowRankGGN`.
-        gram_dtype: As for :class:`~vivit.LowRankGGN`: type of every product.
+        generator: As for :class:`~vivit.options.CurvatureOptions`.
+        gram_dtype: As for :class:`~vivit.options.CurvatureOptions`: type of every
+            product.
         solver: ``"auto"`` or ``"matrix_free"``: block Krylov on the products
             (reported as ``"streaming"``).
-        solver_tol: As for :class:`~vivit.LowRankGGN` (each call may override
-            it with ``tol``).
-        solver_seed: As for :class:`~vivit.LowRankGGN` (each call may override
-            it with ``seed``).
-        engine: As for :class:`~vivit.LowRankGGN`.
-        progress: Progress bar of every pass, as for :class:`~vivit.LowRankGGN`.
+        solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
+        solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
+        engine: As for :class:`~vivit.options.CurvatureOptions`.
+        progress: As for :class:`~vivit.options.CurvatureOptions`: the bar of every
+            pass.
         process_group: ``False`` (default) or ``None`` without an initialised
             ``torch.distributed``: each process streams over its own loader
             alone. A process group (the union of the ranks' loaders) is refused.
-        chunk_size: As for :class:`~vivit.LowRankGGN`: every batch of every pass
-            runs in chunks of at most this many samples.
-        output: As for :class:`~vivit.LowRankGGN`.
-        max_batches: As for :class:`~vivit.LowRankGGN`: every pass reads the
-            first ``max_batches`` batches of the loader (which must yield the
-            same ones each time).
+        chunk_size: As for :class:`~vivit.options.CurvatureOptions`: every batch of
+            every pass runs in chunks of at most this many samples.
+        output: As for :class:`~vivit.options.CurvatureOptions`.
+        max_batches: As for :class:`~vivit.options.CurvatureOptions`: every pass reads
+            the first ``max_batches`` batches of the loader (which must yield the same
+            ones each time).
 
     Attributes:
         loss: The loss on all samples (detached).

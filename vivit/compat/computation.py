@@ -40,7 +40,7 @@ class GroupComputation:
         mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
         verbose: Print what happens during backpropagation.
         gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's); see :class:`vivit.LowRankGGN`.
+            model's); see :class:`vivit.options.CurvatureOptions`.
     """
 
     required_keys: tuple[str, ...] = ("params",)

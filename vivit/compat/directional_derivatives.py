@@ -50,8 +50,8 @@ class DirectionalDerivativesComputation(CriterionComputation):
             smaller in magnitude. ``0`` disables the warning.
         gram_dtype: Type of the Gram matrix and its products (``None``: the
             model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.LowRankGGN`). ``γ`` and ``λ`` are
-            returned in it.
+            float32 model (see :class:`vivit.options.CurvatureOptions`). ``γ`` and
+            ``λ`` are returned in it.
     """
 
     compute_gradients = True

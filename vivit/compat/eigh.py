@@ -44,8 +44,8 @@ class EighComputation(CriterionComputation):
             disables the warning.
         gram_dtype: Type of the Gram matrix and its products (``None``: the
             model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.LowRankGGN`). Eigenvectors are
-            returned in the parameters' dtype.
+            float32 model (see :class:`vivit.options.CurvatureOptions`).
+            Eigenvectors are returned in the parameters' dtype.
     """
 
     keep_factors = True

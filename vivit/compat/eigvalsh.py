@@ -32,7 +32,7 @@ class EigvalshComputation(GroupComputation):
         verbose: Print what happens during backpropagation.
         gram_dtype: Type of the Gram matrix and its eigenvalues (``None``: the
             model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.LowRankGGN`).
+            float32 model (see :class:`vivit.options.CurvatureOptions`).
     """
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:

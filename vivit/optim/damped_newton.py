@@ -1,4 +1,60 @@
-"""A ``torch.optim.Optimizer`` that takes directionally damped Newton steps."""
+"""A ``torch.optim.Optimizer`` that takes directionally damped Newton steps.
+
+:class:`DampedNewton`'s defaults and why (``docs/guide.rst``, "Damped Newton
+steps", has the numbers):
+
+- ``top_k=None``: every numerically non-zero direction. Much of a network's
+  gradient lies outside the few sharpest directions (on the digits MLP at
+  initialisation, half of it lies outside the top 10), so a step
+  restricted to ``top_k`` directions leaves most of the descent untouched and
+  trains much more slowly.
+- ``damping=1.0`` (on the scale of the eigenvalues; for a mean-reduced loss,
+  per sample): a direction with curvature ``λ_k ≪ 1`` moves like a gradient
+  step with learning rate ``1``, one with ``λ_k ≫ 1`` takes its Newton step.
+  No direction moves farther than ``γ̄_k / δ``, however flat it is.
+- ``trust_fraction=0.25``: the GGN's quadratic model may predict a decrease
+  of at most a quarter of the mini-batch loss per step. The losses are
+  non-negative, so a model that promises more than the loss itself is used
+  far outside where it holds (flat directions, ``λ_k → 0``, ask for huge
+  steps). Where the bound binds, the smallest common damping ``μ`` added to
+  every direction meets it (a Levenberg-Marquardt damping; it shortens the
+  flattest directions most). This makes any damping rule safe, including
+  ``damping=0`` and :class:`~vivit.optim.damping.BootstrapDamping`.
+- ``lr=1.0``: the (damped) Newton step itself. With ``lr > 1`` each damping
+  is raised to at least ``(lr − 1) λ_k`` (unless ``trust_fraction=None``),
+  so that no direction is carried past the minimum of its quadratic model
+  (no direction predicts an increase of the loss).
+
+A step to which no direction contributes (no curvature, as with a saturated
+softmax; every direction skipped by the damping; zero gradient) is zero and
+warns with :class:`~vivit.ZeroStepWarning`. A non-finite loss or step is
+never written into the parameters: the step raises and leaves them unchanged.
+
+The curvature needs BatchNorm layers in eval mode, so the step never updates
+their running statistics; refresh them yourself (e.g. a no-grad forward pass
+in train mode) if they should follow the data.
+
+``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
+can differ between parameter groups (as in ``torch.optim``); each group is
+one block of a block-diagonal GGN, with its own trust region. ``mc_samples``
+and ``subsampling`` shape the single backward pass and hold for all groups.
+Each group's settings are checked when it is added (by the constructor or
+:meth:`DampedNewton.add_param_group`) and again at every step, for values
+changed in ``param_groups`` since.
+
+Data-parallel training (``torch.distributed``, user guide "Several
+processes"): every rank calls ``step(data=its_shard)``; each step is the
+damped Newton step of the loss on the union of the shards, identical on
+every rank, so replicas that start equal stay equal. The model may be
+wrapped in ``DistributedDataParallel`` (the curvature runs on its
+``.module``). Closures are refused under a process group: their loss is
+one process's.
+
+After a step, :attr:`DampedNewton.last_steps` holds one
+:class:`~vivit.directional.NewtonStep` per group (eigenvalues, ``γ``, ``λ``,
+``γ̄``, the dampings used after the trust region, the step applied) and, with
+``keep_directions=True``, :attr:`DampedNewton.last_directions` the eigenvectors.
+"""
 
 from __future__ import annotations
 
@@ -69,63 +125,14 @@ class DampedNewton(Optimizer):
         for inputs, targets in loader:
             optimizer.step(lambda: loss_func(model(inputs), targets))
 
-    Defaults and why (``docs/guide.rst``, "Damped Newton steps", has the numbers):
-
-    - ``top_k=None``: every numerically non-zero direction. Much of a network's
-      gradient lies outside the few sharpest directions (on the digits MLP at
-      initialisation, half of it lies outside the top 10), so a step
-      restricted to ``top_k`` directions leaves most of the descent untouched and
-      trains much more slowly.
-    - ``damping=1.0`` (on the scale of the eigenvalues; for a mean-reduced loss,
-      per sample): a direction with curvature ``λ_k ≪ 1`` moves like a gradient
-      step with learning rate ``1``, one with ``λ_k ≫ 1`` takes its Newton step.
-      No direction moves farther than ``γ̄_k / δ``, however flat it is.
-    - ``trust_fraction=0.25``: the GGN's quadratic model may predict a decrease
-      of at most a quarter of the mini-batch loss per step. The losses are
-      non-negative, so a model that promises more than the loss itself is used
-      far outside where it holds (flat directions, ``λ_k → 0``, ask for huge
-      steps). Where the bound binds, the smallest common damping ``μ`` added to
-      every direction meets it (a Levenberg-Marquardt damping; it shortens the
-      flattest directions most). This makes any damping rule safe, including
-      ``damping=0`` and :class:`~vivit.optim.damping.BootstrapDamping`.
-    - ``lr=1.0``: the (damped) Newton step itself. With ``lr > 1`` each damping
-      is raised to at least ``(lr − 1) λ_k`` (unless ``trust_fraction=None``),
-      so that no direction is carried past the minimum of its quadratic model
-      (no direction predicts an increase of the loss).
-
-    A step to which no direction contributes (no curvature, as with a saturated
-    softmax; every direction skipped by the damping; zero gradient) is zero and
-    warns with :class:`~vivit.ZeroStepWarning`. A non-finite loss or step is
-    never written into the parameters: the step raises and leaves them unchanged.
-
-    The curvature needs BatchNorm layers in eval mode, so the step never updates
-    their running statistics; refresh them yourself (e.g. a no-grad forward pass
-    in train mode) if they should follow the data.
-
-    ``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
-    can differ between parameter groups (as in ``torch.optim``); each group is
-    one block of a block-diagonal GGN, with its own trust region. ``mc_samples``
-    and ``subsampling`` shape the single backward pass and hold for all groups.
-    Each group's settings are checked when it is added (by the constructor or
-    :meth:`add_param_group`) and again at every step, for values changed in
-    ``param_groups`` since.
-
-    Data-parallel training (``torch.distributed``, user guide "Several
-    processes"): every rank calls ``step(data=its_shard)``; each step is the
-    damped Newton step of the loss on the union of the shards, identical on
-    every rank, so replicas that start equal stay equal. The model may be
-    wrapped in ``DistributedDataParallel`` (the curvature runs on its
-    ``.module``). Closures are refused under a process group: their loss is
-    one process's.
-
-    After a step, :attr:`last_steps` holds one :class:`~vivit.directional.NewtonStep`
-    per group (eigenvalues, ``γ``, ``λ``, ``γ̄``, the dampings used after the
-    trust region, the step applied) and, with ``keep_directions=True``,
-    :attr:`last_directions` the eigenvectors.
+    Its defaults and why, zero and non-finite steps, BatchNorm, settings per
+    parameter group, data-parallel training and :attr:`last_steps`: see
+    :mod:`vivit.optim.damped_newton`.
 
     Args:
-        params: Parameters or parameter groups.
-        lr: Scale of the Newton step.
+        params: Parameters or parameter groups; each group is one block of a
+            block-diagonal GGN, with its own settings and trust region.
+        lr: Scale of the Newton step (``1.0``: the damped Newton step itself).
         damping: Constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs, gammas,
             lambdas) → [K]`` such as :class:`~vivit.optim.damping.BootstrapDamping`.
         top_k: Number of leading eigendirections; ``None`` uses every numerically
@@ -137,29 +144,24 @@ class DampedNewton(Optimizer):
             the dampings unchanged, with no protection against huge steps; a
             step whose model promises a decrease beyond a non-negative loss then
             warns with :class:`~vivit.UnboundedStepWarning`.
-        mc_samples: ``0`` for the exact GGN, else ``M`` MC samples per datum.
-        subsampling: Samples whose curvature defines the GGN (``None``: all).
-        generator: Random generator for reproducible MC sampling.
+        mc_samples: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
+        subsampling: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
+        generator: As for :class:`~vivit.options.CurvatureOptions`.
         keep_directions: Keep the last step's eigenvectors in parameter space.
-        gram_dtype: Type the Gram matrix and its products are accumulated in (see
-            :class:`~vivit.LowRankGGN`; ``None``: the parameters').
-        solver: Eigensolver for ``top_k`` directions (see
-            :class:`~vivit.LowRankGGN`): ``"auto"``, ``"dense"``, ``"iterative"``
-            or ``"matrix_free"``.
+        gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
+        solver: As for :class:`~vivit.options.CurvatureOptions`: the eigensolver for
+            ``top_k`` directions.
         model: The network, for steps given ``data`` instead of a closure.
         loss_func: The loss module, for steps given ``data``.
-        engine: Engine for steps given ``data`` (see
-            :class:`~vivit.LowRankGGN`); closures always use BackPACK.
-        process_group: The processes whose shards make up each step's batch
-            (see :class:`~vivit.LowRankGGN`): ``None`` the default group if
-            ``torch.distributed`` is initialised, ``False`` this process alone,
-            or a ``ProcessGroup``. Under a group, steps take ``data`` (this
-            rank's shard: a batch or a loader), not a closure.
-        chunk_size: Most samples per backward pass for steps given ``data`` (see
-            :class:`~vivit.LowRankGGN`; ``None``: the whole batch); the step is
-            that of the whole batch.
-        output: For steps given ``data``, as for :class:`~vivit.LowRankGGN`
-            (closures compute the loss themselves).
+        engine: As for :class:`~vivit.options.CurvatureOptions`, for steps given
+            ``data``; closures always use BackPACK.
+        process_group: As for :class:`~vivit.options.CurvatureOptions`: the processes
+            whose shards make up each step's batch. Under a group, steps take ``data``
+            (this rank's shard: a batch or a loader), not a closure.
+        chunk_size: As for :class:`~vivit.options.CurvatureOptions`, for steps given
+            ``data``; the step is that of the whole batch.
+        output: As for :class:`~vivit.options.CurvatureOptions`, for steps given
+            ``data`` (closures compute the loss themselves).
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
