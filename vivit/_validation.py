@@ -71,7 +71,7 @@ def check_subsampling(
         outside = [i for i in indices if not 0 <= i < batch_size]
         if outside:
             raise InvalidSubsamplingError(
-                f"{name} holds indices {outside} outside the "
+                f"{name} holds indices {outside} outside the mini-batch of "
                 f"{batch_size} samples (valid: 0 to {batch_size - 1})."
             )
     return indices
