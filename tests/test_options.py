@@ -192,3 +192,10 @@ def test_from_options_does_not_check_again(monkeypatch):
     ggn = LowRankGGN.from_options(model, loss_func, (X, y), None, options)
     ggn.eigh(top_k=2)
     assert counted.snapshot() == dict.fromkeys(counted.calls, 0)
+
+
+def test_replace_refuses_what_is_not_an_option():
+    options = CurvatureOptions()
+    for name in ("group", "mc_sample"):
+        with pytest.raises(InvalidArgumentError, match="not options of a curvature"):
+            options.replace(**{name: 1})

@@ -207,5 +207,16 @@ class CurvatureOptions:
 
         Returns:
             The new options.
+
+        Raises:
+            InvalidArgumentError: For a name that is not an option (``group`` is
+                resolved from ``process_group``, not set).
         """
+        names = {f.name for f in dataclasses.fields(self) if f.init}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise InvalidArgumentError(
+                f"{unknown} are not options of a curvature request; the options "
+                f"are {sorted(names)}."
+            )
         return dataclasses.replace(self, **changes)
