@@ -11,7 +11,7 @@ and a subsampling, in float64. Through ``engine="auto"`` (which must pick func):
 - ``eigh`` returns eigenpairs of the dense GGN (``checks.assert_eigenpairs``);
 - the Newton step along the 3 leading directions with a constant damping is
   −Σ_k γ̄_k / (λ_k + δ) e_k, within
-  1e-10 relative (the same margins as ``test_func_engine.py``).
+  ``DIRECTION_REL`` relative (nearly repeated eigenvalues, docs/math.rst).
 
 The examples are derandomized (no example database), so the run is reproducible.
 """
@@ -24,7 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.fixtures.checks import assert_eigenpairs, assert_top_eigvals, flat_evecs
+from tests.fixtures.checks import (
+    DIRECTION_REL,
+    EIGVAL_RTOL,
+    assert_eigenpairs,
+    assert_top_eigvals,
+    flat_evecs,
+    record,
+)
 from tests.fixtures.reference import dense_ggn, per_sample_gradients, reduction_factor
 from vivit import LowRankGGN
 
@@ -123,7 +130,9 @@ def test_func_engine_on_random_sequence_models(case):
     ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
     assert ggn.engine == "func"
     G = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
-    assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
+    assert_top_eigvals(
+        ggn.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64]
+    )
     evals, evecs = ggn.eigh()
     assert_eigenpairs(evals, evecs, G, ggn.eigvalsh().numel())
 
@@ -136,4 +145,7 @@ def test_func_engine_on_random_sequence_models(case):
     gamma_bar = reduction_factor(loss_func, len(X)) * (grads @ E.T).sum(0)
     expected = (-gamma_bar / (evals + 0.5)) @ E
     step = torch.cat([s.flatten() for s in ggn.newton_step(top_k=3, damping=0.5)])
-    assert (step - expected).norm() <= 1e-10 * max(expected.norm(), 1e-30)
+    # random models have nearly repeated eigenvalues (symmetric weights): DIRECTION_REL
+    tolerance = DIRECTION_REL * max(expected.norm().item(), 1e-30)
+    record((step - expected).norm().item(), tolerance)
+    assert (step - expected).norm() <= tolerance

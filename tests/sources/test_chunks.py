@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from tests.fixtures.checks import (
+    EIGVAL_RTOL,
+    EIGVEC_PRODUCT_REL,
     REORDERED_REL,
     assert_eigenpairs,
     assert_rel,
@@ -81,13 +83,13 @@ def assert_same(chunked: LowRankGGN, whole: LowRankGGN, group: int = 0) -> None:
         ggn.directional_derivatives(group=group, subsampling_grad=[1, 0]).gammas
         for ggn in (chunked, whole)
     ]
-    assert_rel(gammas[0] @ gammas[0].T, gammas[1] @ gammas[1].T, 1e-10)
+    assert_rel(gammas[0] @ gammas[0].T, gammas[1] @ gammas[1].T, EIGVEC_PRODUCT_REL)
     steps = [
         ggn.newton_step(group=group, damping=0.1, subsampling_grad=[1, 0])
         for ggn in (chunked, whole)
     ]
     for a, b in zip(*steps, strict=True):
-        assert_rel(a, b, 1e-10)
+        assert_rel(a, b, EIGVEC_PRODUCT_REL)
 
 
 #: (problem, engine): the func engine runs every problem but the converted
@@ -118,7 +120,9 @@ def test_chunked_equals_whole_and_dense_ggn(problem, subsampling, engine):
         )
     assert_same(chunked, whole)
     G = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
-    assert_top_eigvals(chunked.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
+    assert_top_eigvals(
+        chunked.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64]
+    )
     for solver in ("dense", "iterative", "matrix_free"):
         evals, evecs = chunked.eigh(top_k=2, solver=solver)
         report = chunked.solver_report()
@@ -222,7 +226,9 @@ def test_chunk_whose_targets_are_all_ignored_carries_no_weight(engine):
     assert (chunked.gram()[6:12] == 0).all()  # samples 2 and 3: zero columns
     assert_rel(chunked.loss, whole.loss, REL)
     G = dense_ggn(model, loss_func, X, y)
-    assert_top_eigvals(chunked.eigvalsh(), torch.linalg.eigvalsh(G), 1e-10)
+    assert_top_eigvals(
+        chunked.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64]
+    )
     with pytest.raises(InvalidTargetsError, match="Every target of every batch"):
         LowRankGGN(model, loss_func, (X, torch.full((5,), -1)), chunk_size=2)
 

@@ -3,9 +3,13 @@
 import pytest
 from studies import noise
 
+from tests.fixtures.checks import EIGVEC_PRODUCT_REL32, record
 from tests.studies.study_helpers import read_results, run_tiny
 
 K = 3
+#: Mean of λ_nk against λ_k in the float32 study: a measured spread kept with a
+#: stated margin of at least 10×.
+MEAN_REL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,8 @@ def test_checkpoints(results):
         assert all(v >= 0 for v in c["gamma_var"] + c["lambda_var"])
         assert all(v is None or v >= 0 for v in c["gamma_snr"] + c["lambda_snr"])
         assert all(v >= 0 for v in c["lambda_mean"])
-        assert 0 <= c["gradient_fraction_in_top_k"] <= 1 + 1e-4
+        fraction = c["gradient_fraction_in_top_k"]
+        assert 0 <= fraction <= 1 + EIGVEC_PRODUCT_REL32  # float32 directions
         for key in ("train_loss", "test_loss", "test_accuracy", "probe_loss"):
             assert key in c
 
@@ -44,7 +49,8 @@ def test_lambda_means_add_up_to_eigenvalues(results):
     """R Σ_n λ_nk = λ_k: for a mean-reduced loss the mean of λ_nk is λ_k."""
     for c in results["results"]["checkpoints"]:
         for mean, value in zip(c["lambda_mean"], c["eigenvalues"], strict=True):
-            assert mean == pytest.approx(value, rel=1e-3)
+            record(abs(mean - value), MEAN_REL * value)
+            assert mean == pytest.approx(value, rel=MEAN_REL)
 
 
 def test_figure(output, results):

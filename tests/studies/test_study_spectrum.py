@@ -5,10 +5,14 @@ import math
 import pytest
 import torch
 
+from tests.fixtures.checks import EIGVAL_RTOL, EIGVEC_PRODUCT_REL32, record
 from tests.studies.study_helpers import read_results, run_tiny
 
 METHODS = ("exact", "mc", "subsample", "block_diagonal")
 N, C, K = 12, 10, 3
+#: Trace of the block-diagonal vs the exact float32 spectrum: a measured spread
+#: (issue 19), kept with a stated margin of at least 10× (see the report's run).
+TRACE_REL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +47,13 @@ def test_exact_eigenvalues_positive_and_sorted(results):
     top = exact["top_eigenvalues"]
     assert len(top) == K and all(v > 0 for v in top)
     assert top == evals[:K] or all(
-        math.isclose(a, b, rel_tol=1e-4) for a, b in zip(top, evals[:K], strict=True)
+        math.isclose(a, b, rel_tol=EIGVAL_RTOL[torch.float32])
+        for a, b in zip(top, evals[:K], strict=True)
     )
     assert 0 < exact["num_nonzero"] <= N * (C - 1)
     assert exact["max_relative_error"] == 0
-    assert exact["subspace_overlap"] == pytest.approx(1, abs=1e-4)
+    # float32 eigenvectors of the same Gram matrix (docs/math.rst, "Tolerances")
+    assert exact["subspace_overlap"] == pytest.approx(1, abs=EIGVEC_PRODUCT_REL32)
 
 
 def test_approximations(results):
@@ -61,7 +67,8 @@ def test_approximations(results):
         assert len(method["relative_errors"]) == K
         assert math.isfinite(method["max_relative_error"])
         assert 0 <= method["mean_relative_error"] <= method["max_relative_error"]
-        assert -1e-6 <= method["subspace_overlap"] <= 1 + 1e-4
+        overlap = method["subspace_overlap"]
+        assert -EIGVEC_PRODUCT_REL32 <= overlap <= 1 + EIGVEC_PRODUCT_REL32
         assert method["time_s"]["total"] > 0
         evals = method["eigenvalues"]
         assert evals == sorted(evals, reverse=True)
@@ -72,7 +79,8 @@ def test_block_diagonal_keeps_the_trace(results):
     methods = results["results"]["methods"]
     exact = sum(methods["exact"]["eigenvalues"])
     blocks = sum(methods["block_diagonal"]["eigenvalues"])
-    assert blocks == pytest.approx(exact, rel=1e-3)
+    record(abs(blocks - exact), TRACE_REL * exact)
+    assert blocks == pytest.approx(exact, rel=TRACE_REL)
 
 
 def test_figure_and_model_written(output, results):
@@ -142,7 +150,7 @@ def test_float32_model_accumulates_its_gram_in_float64(results, run, tmp_path):
     assert exact32["num_nonzero"] <= exact["num_nonzero"]
     # the leading eigenvalues agree to float32 rounding of the Gram matrix
     for a, b in zip(exact32["top_eigenvalues"], exact["top_eigenvalues"], strict=True):
-        assert a == pytest.approx(b, rel=1e-4)
+        assert a == pytest.approx(b, rel=EIGVAL_RTOL[torch.float32])
 
 
 def test_auto_gram_dtype_falls_back_when_float64_does_not_fit(monkeypatch):
