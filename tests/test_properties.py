@@ -24,7 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.fixtures.checks import assert_eigenpairs
+from tests.fixtures.checks import (
+    EIGVAL_RTOL,
+    assert_eigenpairs,
+    assert_within,
+)
 from tests.fixtures.reference import (
     dense_ggn,
     flatten_params,
@@ -158,7 +162,7 @@ def test_eigvalsh_matches_dense(case):
     assert (evals.diff() >= 0).all()
     m = min(evals.numel(), G.shape[0])  # the rest are zeros of one or the other
     scale = expected.abs().max().item()
-    torch.testing.assert_close(evals[-m:], expected[-m:], rtol=0, atol=1e-10 * scale)
+    assert_within(evals[-m:], expected[-m:], EIGVAL_RTOL[torch.float64] * scale)
 
 
 @SETTINGS
