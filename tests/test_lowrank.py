@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
@@ -10,6 +11,8 @@ from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
     assert_top_eigvals,
+    assert_within,
+    flat_evecs,
     layer_groups,
 )
 from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
@@ -193,3 +196,31 @@ def test_solver_report_of_a_reused_full_decomposition(problem, engine):
     assert report.converged and report.tolerance is None and report.fallback is None
     rows = ggn.gram().shape[0]
     assert 0 <= report.residual <= rows * torch.finfo(torch.float64).eps
+
+
+def test_auto_keeps_its_directions_after_a_full_decomposition():
+    """Repeated top eigenvalues: later requests use the directions ``eigh`` gave.
+
+    The GGN of a Linear layer under the squared error is ``Σ_n x_n x_nᵀ ⊗ I_C``
+    (times ``2R``): every eigenvalue is repeated ``C`` times, so the leading
+    direction is not unique. Once a full decomposition exists, ``"auto"`` must
+    still answer ``top_k=1`` with the direction it returned before, and the
+    Newton step must use it.
+    """
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2).double()
+    X = torch.tensor([[1.2645, -0.6874], [0.1604, -0.6065]], dtype=torch.float64)
+    y = torch.tensor([[-0.7831, 1.0622], [-0.2613, 1.0667]], dtype=torch.float64)
+    ggn = LowRankGGN(model, nn.MSELoss(), (X, y))
+    evals, evecs = ggn.eigh(top_k=1)
+    ggn.eigvalsh()  # the full decomposition now exists
+    again_evals, again = ggn.eigh(top_k=1)
+    assert torch.equal(again_evals, evals)
+    assert all(torch.equal(a, e) for a, e in zip(again, evecs, strict=True))
+    E = flat_evecs(evecs)
+    gradient = torch.cat([g.flatten() for g in ggn.gradient()])
+    damping = 0.1
+    expected = -((E @ gradient) / (evals + damping)) @ E
+    step = torch.cat([s.flatten() for s in ggn.newton_step(1, damping=damping)])
+    scale = ((E @ gradient).abs() / (evals + damping)).sum().item()
+    assert_within(step, expected, EIGVEC_PRODUCT_REL * scale)

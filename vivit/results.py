@@ -73,6 +73,7 @@ class CurvatureResults:
         self.engine = source.engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._auto_solvers: dict[tuple, str] = {}
         self._directions_in_params: dict[tuple, list[Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
 
@@ -156,9 +157,10 @@ class CurvatureResults:
     ) -> tuple[Tensor, Tensor]:
         """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
 
-        Uses the full decomposition if it is needed, or exists and the solver is
-        ``"auto"``; otherwise computes (and caches per solver, tolerance and
-        seed) only the leading eigenpairs.
+        Uses leading pairs computed before by the same solver (``"auto"``: the
+        one it chose first), tolerance and seed if they hold enough pairs; else
+        the full decomposition if it is needed, or exists and the solver is
+        ``"auto"``; else computes (and keeps) only the leading eigenpairs.
         """
         if solver is None:  # the default applies to requests for a few pairs
             solver = "auto" if top_k is None else self._options.solver
@@ -168,20 +170,23 @@ class CurvatureResults:
             check_seed(seed)
         source = self._source.group(group)
         source.check_solver(solver)
-        full = top_k is None or (solver == "auto" and group in self._decompositions)
+        tol = self._options.solver_tol if tol is None else tol
+        seed = self._options.solver_seed if seed is None else seed
+        leading = self._kept_leading(group, top_k, solver, tol, seed)
+        full = leading is None and (
+            top_k is None or (solver == "auto" and group in self._decompositions)
+        )
         if full:
             evals, evecs = self._gram_eigh(group)
         else:
-            resolved = solver if solver != "auto" else source.choose_solver(top_k)
-            tol = self._options.solver_tol if tol is None else tol
-            seed = self._options.solver_seed if seed is None else seed
-            key = (group, resolved, tol, seed)
-            leading = self._leading.get(key)
-            if leading is None or leading[0].numel() < min(top_k, source.num_rows):
+            if leading is None:
+                resolved = solver if solver != "auto" else source.choose_solver(top_k)
                 leading = self._compute_leading(
                     source, top_k, resolved, solver, tol, seed
                 )
-                self._leading[key] = leading
+                self._leading[(group, resolved, tol, seed)] = leading
+                if solver == "auto":
+                    self._auto_solvers[(group, tol, seed)] = resolved
                 # directions kept from the pairs replaced here would mix two
                 # solves (their signs may differ)
                 self._directions_in_params = {
@@ -202,6 +207,31 @@ class CurvatureResults:
                 converged=True,
             )
         return evals, evecs
+
+    def _kept_leading(
+        self,
+        group: int,
+        top_k: int | None,
+        solver: str,
+        tol: float | None,
+        seed: int,
+    ) -> tuple[Tensor, Tensor] | None:
+        """Leading pairs computed before that answer this request, if any.
+
+        ``"auto"`` stands for the solver it chose first for the group, tolerance
+        and seed, so that later requests for as many pairs or fewer use the same
+        directions as earlier ones, also after a full decomposition (where the
+        top eigenvalues are repeated, the leading directions are not unique).
+        """
+        if top_k is None:
+            return None
+        if solver == "auto":
+            solver = self._auto_solvers.get((group, tol, seed))
+        leading = self._leading.get((group, solver, tol, seed))
+        rows = self._source.group(group).num_rows
+        if leading is None or leading[0].numel() < min(top_k, rows):
+            return None
+        return leading
 
     def _compute_leading(
         self,
