@@ -15,7 +15,7 @@ documentation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -212,11 +212,25 @@ class CurvatureOptions:
             InvalidArgumentError: For a name that is not an option (``group`` is
                 resolved from ``process_group``, not set).
         """
-        names = {f.name for f in dataclasses.fields(self) if f.init}
-        unknown = sorted(set(changes) - names)
-        if unknown:
-            raise InvalidArgumentError(
-                f"{unknown} are not options of a curvature request; the options "
-                f"are {sorted(names)}."
-            )
+        check_option_names(changes)
         return dataclasses.replace(self, **changes)
+
+
+def check_option_names(names: Iterable[str], also: str = "") -> None:
+    """Refuse names that are not options of :class:`CurvatureOptions`.
+
+    Args:
+        names: The names a caller passed as options.
+        also: What else the caller takes, for the message.
+
+    Raises:
+        InvalidArgumentError: For a name that is not an option (``group`` is
+            resolved from ``process_group``, not set).
+    """
+    options = {f.name for f in dataclasses.fields(CurvatureOptions) if f.init}
+    unknown = sorted(set(names) - options)
+    if unknown:
+        raise InvalidArgumentError(
+            f"Unknown option(s) {unknown}: not options of a curvature request"
+            f"{also}; the options are {sorted(options)}."
+        )

@@ -40,7 +40,6 @@ loaders and the three solvers (``docs/math.rst``, "Memory of a request").
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -88,7 +87,7 @@ from vivit.memory.forms import (
     kind,
 )
 from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
-from vivit.options import CurvatureOptions
+from vivit.options import CurvatureOptions, check_option_names
 
 #: Measured peak growth of resident memory over the estimate lies within
 #: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
@@ -298,13 +297,9 @@ def request_options(
             :class:`~vivit.options.CurvatureOptions`; any error building the
             options raises (a malformed value).
     """
-    names = {f.name for f in dataclasses.fields(CurvatureOptions) if f.init}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise InvalidArgumentError(
-            f"Unknown option(s) {unknown}: the estimate takes LowRankGGN's options "
-            f"by their names, {sorted(names)}, and param_groups, top_k, loss_func."
-        )
+    check_option_names(
+        values, " (the estimate also takes param_groups, top_k and loss_func)"
+    )
     if options is None:
         return CurvatureOptions(**{"process_group": False, **values})
     if not isinstance(options, CurvatureOptions):
