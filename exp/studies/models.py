@@ -395,11 +395,20 @@ def layer_groups(model: nn.Module) -> list[tuple[str, list[Parameter]]]:
         model: The model.
 
     Returns:
-        ``("name (Type)", parameters)`` pairs in the order of ``model.modules()``.
+        ``("name (Type)", parameters)`` pairs in the order of ``model.modules()``;
+        a parameter shared by several layers (tied weights, e.g. an embedding and
+        the output layer) belongs to the first of them, so that every parameter
+        is in one group.
     """
     groups = []
+    seen: set[int] = set()
     for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        params = [
+            p
+            for p in module.parameters(recurse=False)
+            if p.requires_grad and id(p) not in seen
+        ]
+        seen.update(id(p) for p in params)
         if params:
             kind = type(module).__name__
             groups.append((f"{name} ({kind})" if name else kind, params))

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from studies.models import layer_groups
 
 from tests.fixtures.checks import EIGVAL_RTOL, EIGVEC_PRODUCT_REL32, record
 from tests.studies.study_helpers import read_results, run_tiny
@@ -175,3 +176,15 @@ def test_auto_gram_dtype_falls_back_when_float64_does_not_fit(monkeypatch):
     assert spectrum.choose_gram_dtype("float64", torch.float32, 10, 1, cpu) == (
         torch.float64
     )
+
+
+def test_layer_groups_hold_a_tied_weight_once():
+    """An embedding tied to the output layer is in one block, not two."""
+    embedding = torch.nn.Embedding(7, 4)
+    head = torch.nn.Linear(4, 7)
+    head.weight = embedding.weight
+    model = torch.nn.Sequential(embedding, torch.nn.Tanh(), head)
+    groups = layer_groups(model)
+    ids = [id(p) for _, params in groups for p in params]
+    assert sorted(ids) == sorted({id(p) for p in model.parameters()})
+    assert [name for name, _ in groups] == ["0 (Embedding)", "2 (Linear)"]
