@@ -23,8 +23,8 @@ factors of the shapes the request holds. The samples are run in blocks of ``B``
   in ``gram_dtype`` where given;
 - the larger of the **backward pass's transient** (BackPACK: at every layer the
   backpropagated ``[C, N_B, *shape]`` quantities at its input and output plus a
-  convolution's unfolded input of the block; func: the raw chunks it holds until
-  its run ends and its chunk's vectorised backward pass; in several blocks, or
+  convolution's unfolded input of the block; func: its chunk's vectorised
+  backward pass where that exceeds the block's factors; in several blocks, or
   the copies of one parameter's factors while the blocks are merged) and the
   **eigensolver's** share: the Gram matrices it forms (``(N_S·C)²`` entries
   each, none for ``"matrix_free"``) and its workspace, with the largest
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -390,12 +391,16 @@ def _estimate(
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
     func = engine.name == "func"
-    entries = func_entries if func else backpack_entries
-
     requested = {id(p) for group in param_groups for p in group}
     params = _probed_params(layers, requested, model)
+    entries = backpack_entries
+    if func:
+        dense = sum(p.numel() for lay, name, p in params if kind(lay, name) == "other")
+        samples, _ = engine.chunking(
+            block.samples, block.vectors, outputs_per_sample, dense
+        )
+        entries = partial(func_entries, own_chunks=samples < block.samples)
     kept = [entries(layer, name, param, whole) for layer, name, param in params]
-    raw = sum(entries(layer, name, param, block).raw for layer, name, param in params)
     # per sample: Linear inputs the BackPACK factors keep without a copy
     caller_inputs = sum(
         e.caller_inputs
@@ -403,11 +408,10 @@ def _estimate(
         if blocks.loader_batch is not None or not layer.is_input
     )
     if func:
-        # at the end of a run its raw chunks and the block's factors are alive;
-        # its chunks' backward passes ran before those factors existed
+        # its chunks' backward passes run while the block's factors are filled
         block_kept = sum(entries(lay, name, p, block).kept for lay, name, p in params)
         chunk = _func_transient(engine, layers, params, block, outputs_per_sample)
-        backward = raw * entry + max(0, chunk * entry - block_kept * kept_entry)
+        backward = max(0, chunk * entry - block_kept * kept_entry)
     else:
         backward = _backpack_transient(layers, block) * entry
     if blocks.block < blocks.samples:

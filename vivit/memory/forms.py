@@ -15,14 +15,15 @@ Linear or convolution weight ``G`` groups, ``T`` positions, ``P`` inputs and
   factors are cast to ``gram_dtype``; every other parameter keeps its columns,
   ``(N_S·C + N)·numel``.
 - **func** (:mod:`vivit.engines.func`): never explicit for a weight; it
-  concatenates the chunks' vectors ``[V, N, G, T, O]`` and inputs
-  ``[N, G, T, P]`` (copies, a Linear layer's input too), hands on the
-  per-sample gradients as views of them and ``V`` as copies of the curvature
-  samples' rows (``N_S·C·G·T·O``, ``N_S·G·T·P``); a weight's bias keeps
-  ``[V, N, G·O]`` and ``N_S·C·G·O``; every other parameter ``(V·N + N_S·C)·numel``.
-  Its raw chunks (model type) stay alive until the run ends: per weight the
-  vectors twice (weight and bias) and the inputs, per other parameter
-  ``V·N·numel``.
+  keeps the vectors ``[V, N, G, T, O]`` and inputs ``[N, G, T, P]`` (its own
+  chunks written into place; a Linear layer's input is its caller's tensor,
+  counted with the activations, unless the engine ran in several chunks of its
+  own) and hands on the per-sample gradients and ``V`` as views of them; only
+  with a subsampling ``V`` copies the curvature samples' rows
+  (``N_S·C·G·T·O``, ``N_S·G·T·P``). A weight's bias keeps the vectors summed
+  over the positions, ``[V, N, G·O]`` (the same rule for ``V``); every other
+  parameter ``(V·N + N_S·C)·numel`` (``V`` copied to be contiguous). Nothing
+  else outlives the chunk it came from.
 - ``gram_dtype``: the collector casts each factor to it; only the viewed rows
   are copied (``V·N`` becomes ``N``), and the factors the engine handed on are
   freed (they are part of the run's transient).
@@ -67,14 +68,12 @@ class ParamEntries:
     Attributes:
         kept: Kept after the run (``V`` and per-sample gradients).
         ggn: Those of ``V`` alone (rescaled and copied when blocks are merged).
-        raw: Held by the engine for one block until its run ends (model type).
         caller_inputs: A Linear layer's input that the factors keep without a
             copy (per sample; counted with the activations).
     """
 
     kept: int
     ggn: int
-    raw: int = 0
     caller_inputs: int = 0
 
 
@@ -110,31 +109,39 @@ def backpack_entries(
 
 
 def func_entries(
-    layer: ProbedLayer | None, name: str, param: Parameter, counts: Counts
+    layer: ProbedLayer | None,
+    name: str,
+    param: Parameter,
+    counts: Counts,
+    *,
+    own_chunks: bool = False,
 ) -> ParamEntries:
-    """A parameter's entries as the func engine keeps them."""
+    """A parameter's entries as the func engine keeps them.
+
+    ``own_chunks``: the engine runs the block in several chunks of its own
+    (:meth:`FuncEngine.chunking <vivit.engines.func.FuncEngine.chunking>`), so a
+    Linear layer's inputs are copied into place.
+    """
     n, n_s, c, v = counts.samples, counts.curvature, counts.columns, counts.vectors
     full = n if counts.cast else v * n  # the gradients: a view of all vectors
     part = kind(layer, name)
     if part == "other":
         numel = param.numel()
-        return ParamEntries(
-            kept=(full + n_s * c) * numel, ggn=n_s * c * numel, raw=v * n * numel
-        )
+        return ParamEntries(kept=(full + n_s * c) * numel, ggn=n_s * c * numel)
+    # V: a view of the vectors, unless cast or subsampled (then its rows copied)
+    rows = n_s if counts.cast or n_s < n else 0
     groups, positions, inputs, outputs = layer.weight_factor_shape()
     if part == "bias":
         per = groups * outputs
-        return ParamEntries(
-            kept=(full + n_s * c) * per,
-            ggn=n_s * c * per,
-            raw=v * n * layer.outputs,
-        )
+        return ParamEntries(kept=(full + rows * c) * per, ggn=n_s * c * per)
     vectors = groups * positions * outputs
     layer_inputs = groups * positions * inputs
+    # the gradients' inputs: the caller's tensor for a Linear layer in one chunk
+    copied = counts.cast or bool(layer.unfolded) or own_chunks
     return ParamEntries(
-        kept=(full + n_s * c) * vectors + (n + n_s) * layer_inputs,
+        kept=(full + rows * c) * vectors + (rows + n * copied) * layer_inputs,
         ggn=n_s * c * vectors,
-        raw=v * n * vectors + n * layer_inputs,
+        caller_inputs=0 if copied else layer.inputs,
     )
 
 

@@ -28,7 +28,8 @@ one-hot vectors to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B
 times the necessary work. In total: the work of ``V`` backward passes of the
 batch (``B·V`` with ``D > 0``), ``N·V`` rows of ``D`` entries for the parameters
 without a factor form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per
-Linear or convolution weight.
+Linear or convolution weight (``V`` and the per-sample gradients view them; its
+bias keeps their sum over the positions; the chunks are written into place).
 
 Forward passes (calls of the model). Two when one chunk holds the batch
 (``B = N``): the first computes the loss, the gradient and the factors (its
@@ -45,7 +46,7 @@ check's runs without gradients.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -79,11 +80,15 @@ DENSE_CHUNK = 4
 
 @dataclass
 class _Collected:
-    """What the chunks leave for one parameter."""
+    """What the chunks leave for one parameter, over the whole batch.
 
-    layer_inputs: list[Tensor] = field(default_factory=list)  # [B, G, T, P]
-    vectors: list[Tensor] = field(default_factory=list)  # [V, B, G, T, O]
-    columns: list[Tensor] = field(default_factory=list)  # [B, V, *shape]
+    Each chunk's part is written into place as it arrives (see :func:`_place`),
+    so no chunk outlives its own pass; with one chunk, its tensors are kept.
+    """
+
+    layer_inputs: Tensor | None = None  # weight: [N, G, T, P]
+    vectors: Tensor | None = None  # weight: [V, N, G, T, O]; bias: [V, N, G, O]
+    columns: Tensor | None = None  # no factor form: [N, V, *shape]
 
 
 class FuncEngine(Engine):
@@ -165,8 +170,12 @@ class FuncEngine(Engine):
         collected = self._collect(
             forward, inputs, dense, vectors, (chunk, per_pass), factor, first
         )
+        del vectors, first
         for param in params:
-            sink.add(param, _contribution(param, collected[id(param)], batch, request))
+            # popped: what the sink does not keep is freed parameter by parameter
+            entry = collected.pop(id(param))
+            sink.add(param, _contribution(param, entry, batch, request))
+            del entry
         return EngineOutput(loss=loss.detach(), gradients=gradients)
 
     @staticmethod
@@ -184,8 +193,12 @@ class FuncEngine(Engine):
         root = loss_curvature.sqrt_hessian(
             samples, request.mc_samples, request.generator
         )
-        columns = root.new_zeros(root.shape[0], *output_grad.shape)
-        columns[:, samples] = root
+        rows = _rows(batch.ggn_samples, output_grad.shape[0])
+        if isinstance(rows, slice):  # every sample: the root as it is
+            columns = root
+        else:
+            columns = root.new_zeros(root.shape[0], *output_grad.shape)
+            columns[:, rows] = root
         if not request.compute_gradients:
             return columns
         per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
@@ -240,6 +253,7 @@ class FuncEngine(Engine):
         use the layers as the first did.
         """
         chunk, per_pass = chunking
+        total = len(inputs)
         collected = {id(p): _Collected() for p in forward.capture.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
         for start in range(0, len(inputs), chunk):
@@ -264,12 +278,15 @@ class FuncEngine(Engine):
                 calls_of,
                 forward.capture.params,
                 collected,
+                (start, total),
             )
             if dense:
                 columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
                 for param, cols in zip(dense, columns, strict=True):
                     cols = cols.reshape(output.shape[0], len(vectors), *param.shape)
-                    collected[id(param)].columns.append(cols)
+                    entry = collected[id(param)]
+                    entry.columns = _place(entry.columns, cols, start, total, dim=0)
+                del columns, cols
         return collected
 
     @staticmethod
@@ -278,19 +295,66 @@ class FuncEngine(Engine):
         calls_of: dict[int, list[LayerCall]],
         params: list[Parameter],
         collected: dict[int, _Collected],
+        place: tuple[int, int],
     ) -> None:
-        """Keep the factors of the chunk's vectors at the recorded layer outputs."""
+        """Keep the factors of the chunk's vectors at the recorded layer outputs.
+
+        ``place`` is the chunk's first sample and the batch's samples. A weight
+        and its bias share the vectors of their calls; the bias keeps only their
+        sum over the positions.
+        """
+        start, total = place
         index = {id(c): i for i, c in enumerate(_calls(calls_of))}
+        shared: dict[tuple[int, ...], Tensor] = {}
         for param in params:
             uses = calls_of.get(id(param))
             if uses is None:
                 continue
-            parts = [uses[0].output_vectors(at_outputs[index[id(c)]]) for c in uses]
+            key = tuple(id(c) for c in uses)
+            if key not in shared:
+                parts = [uses[0].output_vectors(at_outputs[index[id(c)]]) for c in uses]
+                shared[key] = _cat(parts, dim=3)
+            vectors = shared[key]
             entry = collected[id(param)]
-            entry.vectors.append(torch.cat(parts, dim=3))
             if param is uses[0].module.weight:
-                layer_inputs = [c.layer_inputs() for c in uses]
-                entry.layer_inputs.append(torch.cat(layer_inputs, dim=2))
+                entry.vectors = _place(entry.vectors, vectors, start, total, dim=1)
+                layer_inputs = _cat([c.layer_inputs() for c in uses], dim=2)
+                entry.layer_inputs = _place(
+                    entry.layer_inputs, layer_inputs, start, total, dim=0
+                )
+            else:  # bias: summed over the positions
+                entry.vectors = _place(
+                    entry.vectors, vectors.sum(3), start, total, dim=1
+                )
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    """``torch.cat``, without copying a single contiguous part."""
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _place(
+    whole: Tensor | None, part: Tensor, start: int, total: int, dim: int
+) -> Tensor:
+    """A chunk's ``part`` (samples from ``start`` along ``dim``) in the batch's tensor.
+
+    A part of the whole batch is kept as it is (contiguous); otherwise the batch's
+    tensor is allocated with the first chunk and each part copied into place, so
+    no list of the chunks' parts is kept besides it.
+    """
+    if part.shape[dim] == total:
+        return part.contiguous()
+    if whole is None:
+        shape = list(part.shape)
+        shape[dim] = total
+        whole = part.new_empty(shape)
+    whole.narrow(dim, start, part.shape[dim]).copy_(part)
+    return whole
+
+
+def _rows(samples: tuple[int, ...], total: int) -> slice | list[int]:
+    """Index of the curvature samples: a view (``slice``) if they are every sample."""
+    return slice(None) if samples == tuple(range(total)) else list(samples)
 
 
 def _calls(calls_of: dict[int, list[LayerCall]]) -> list[LayerCall]:
@@ -316,17 +380,22 @@ def _batch_info(
 def _contribution(
     param: Parameter, entry: _Collected, batch: BatchInfo, request: CurvatureRequest
 ) -> ParamContribution:
-    """Assemble a parameter's factors from its chunks."""
+    """Assemble a parameter's factors (views of its collected tensors where it can).
+
+    Without a subsampling, ``V`` and the per-sample gradients view the same
+    vectors and inputs (explicit columns: ``V`` is copied to be contiguous).
+    """
     columns = batch.columns_per_sample
-    samples = list(batch.ggn_samples)
-    if entry.columns:
-        dense = torch.cat(entry.columns)  # [N, V, *shape]
-        ggn = DenseFactors(dense[samples, :columns])
+    if entry.columns is not None:
+        dense = entry.columns  # [N, V, *shape]
+        samples = _rows(batch.ggn_samples, dense.shape[0])
+        ggn = DenseFactors(dense[samples, :columns].contiguous())
         grad = DenseFactors(dense[:, columns:]) if request.compute_gradients else None
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)
-    vectors = torch.cat(entry.vectors, dim=1)  # [V, N, G, T, O]
-    if entry.layer_inputs:  # weight: outer-product factors
-        layer_inputs = torch.cat(entry.layer_inputs)
+    vectors = entry.vectors  # weight: [V, N, G, T, O]; bias: [V, N, G, O]
+    samples = _rows(batch.ggn_samples, vectors.shape[1])
+    if entry.layer_inputs is not None:  # weight: outer-product factors
+        layer_inputs = entry.layer_inputs
         ggn = OuterProductFactors(
             layer_inputs[samples], vectors[:columns, samples], param.shape
         )
@@ -336,7 +405,7 @@ def _contribution(
             else None
         )
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)
-    summed = vectors.sum(3).flatten(start_dim=2)  # bias: [V, N, G·O]
+    summed = vectors.flatten(start_dim=2)  # bias: [V, N, G·O]
     ggn = DenseFactors(summed[:columns, samples].transpose(0, 1))
     grad = (
         DenseFactors(summed[columns:].transpose(0, 1))

@@ -48,7 +48,10 @@ class BatchedVJP:
                 result.append(
                     chunk.new_zeros(len(chunk), *x.shape) if grad is None else grad
                 )
-        return [torch.cat(parts).detach() for parts in results]
+        return [
+            (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
+            for parts in results
+        ]
 
     def _chunk(self, output, inputs, chunk) -> list[Tensor | None]:
         if self.batched is None:
