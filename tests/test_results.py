@@ -373,3 +373,26 @@ def test_monte_carlo(problem):
         assert_rel(d.gamma_bar, gamma_bar, REL)
         assert_rel(R * d.lambdas.sum(0), evals, REL)
         assert_rel(flat(newton.step), -(gamma_bar / (evals + 0.1)) @ E, REL)
+
+
+@parametrize_sources
+def test_results_handed_out_are_the_callers_to_change(source):
+    """Changing a returned tensor in place changes no later result (issue 19)."""
+    ref, ggn = reference_and_source(PROBLEMS[0], source)
+    evals, evecs = ggn.eigh(TOP_K)
+    gradient = ggn.gradient()
+    expected = (evals.clone(), [e.clone() for e in evecs], flat(gradient).clone())
+    returned = [evals, *evecs, *gradient]
+    if source.build is LowRankGGN:
+        gram, all_evals = ggn.gram(), ggn.eigvalsh()
+        expected_gram, expected_all = gram.clone(), all_evals.clone()
+        returned += [gram, all_evals]
+    for tensor in returned:
+        tensor.mul_(-3.0).add_(1.0)
+    evals_again, evecs_again = ggn.eigh(TOP_K)
+    assert torch.equal(evals_again, expected[0])
+    assert all(torch.equal(a, e) for a, e in zip(evecs_again, expected[1], strict=True))
+    assert torch.equal(flat(ggn.gradient()), expected[2])
+    if source.build is LowRankGGN:
+        assert torch.equal(ggn.gram(), expected_gram)
+        assert torch.equal(ggn.eigvalsh(), expected_all)

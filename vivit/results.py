@@ -32,7 +32,7 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.gram.memory import dense_workspace_bytes
+from vivit.gram.memory import dense_workspace_bytes, itemsize
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator
 from vivit.linalg.solvers import (
@@ -87,11 +87,14 @@ class CurvatureResults:
         Returns:
             ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
             entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
+            A copy: changing it changes no later result.
 
         Raises:
-            GramTooLargeError: If it would not fit into memory.
+            GramTooLargeError: If it and its copy would not fit into memory.
         """
-        return self._source.group(group).form_gram(0)
+        source = self._source.group(group)
+        square = source.num_rows**2 * itemsize(source.dtype)
+        return source.form_gram(square).clone()
 
     def _gram_eigh(self, group: int) -> tuple[Tensor, Tensor]:
         source = self._source.group(group)
@@ -110,9 +113,9 @@ class CurvatureResults:
 
         Returns:
             ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
-            tolerance are zeros of the GGN).
+            tolerance are zeros of the GGN); a copy, as every result.
         """
-        return self._gram_eigh(group)[0]
+        return self._gram_eigh(group)[0].clone()
 
     def zero_tolerance(self, group: int = 0) -> float:
         """Eigenvalues at or below this value are numerically zero.
@@ -356,9 +359,9 @@ class CurvatureResults:
 
         Returns:
             One tensor per parameter of the group, shaped like it (gradient of the
-            loss on all samples, whatever the curvature subsampling).
+            loss on all samples, whatever the curvature subsampling); copies.
         """
-        return self._source.group(group).gradient
+        return [g.clone() for g in self._source.group(group).gradient]
 
     def _directional(
         self,
@@ -515,5 +518,10 @@ class CurvatureResults:
 
 
 def _in_param_dtypes(tensors: Sequence[Tensor], source: GroupSource) -> list[Tensor]:
-    """Parameter-space results (eigenvectors, a step) in their parameters' dtypes."""
-    return [t.to(p.dtype) for t, p in zip(tensors, source.params, strict=True)]
+    """Parameter-space results (eigenvectors, a step) in their parameters' dtypes.
+
+    Always new tensors: kept directions are never handed out to be changed.
+    """
+    return [
+        t.to(p.dtype, copy=True) for t, p in zip(tensors, source.params, strict=True)
+    ]
