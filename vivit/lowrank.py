@@ -116,9 +116,13 @@ class LowRankGGN(CurvatureResults):
         max_batches: int | None = None,
     ):
         group = resolve_group(process_group)
-        with ShardExchange(group) as shards:  # a failure raises on every rank
-            check_grad_mode("LowRankGGN")
-            options = CurvatureOptions(
+        self._build(
+            model,
+            loss_func,
+            data,
+            param_groups,
+            group,
+            lambda: CurvatureOptions(
                 mc_samples=mc_samples,
                 subsampling=subsampling,
                 generator=generator,
@@ -132,11 +136,8 @@ class LowRankGGN(CurvatureResults):
                 chunk_size=chunk_size,
                 output=output,
                 max_batches=max_batches,
-            )
-            source = StoredFactors.run(
-                local_module(model), loss_func, data, param_groups, options, shards
-            )
-        self._init(source, options)
+            ),
+        )
 
     @classmethod
     def from_options(
@@ -162,14 +163,31 @@ class LowRankGGN(CurvatureResults):
         Returns:
             The low-rank GGN.
         """
-        with ShardExchange(options.group) as shards:
-            check_grad_mode("LowRankGGN")
-            source = StoredFactors.run(
-                local_module(model), loss_func, data, param_groups, options, shards
-            )
         ggn = cls.__new__(cls)
-        ggn._init(source, options)
+        ggn._build(model, loss_func, data, param_groups, options.group, lambda: options)
         return ggn
+
+    def _build(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: object,
+        param_groups: Sequence[Sequence[Parameter]] | None,
+        group: ProcessGroup | None,
+        options: Callable[[], CurvatureOptions],
+    ) -> None:
+        """Build the options and run the source inside the ranks' exchange.
+
+        ``options`` is called inside the exchange, so that an option refused on
+        one rank raises on every rank.
+        """
+        with ShardExchange(group) as shards:
+            check_grad_mode("LowRankGGN")
+            checked = options()
+            source = StoredFactors.run(
+                local_module(model), loss_func, data, param_groups, checked, shards
+            )
+        self._init(source, checked)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""

@@ -49,6 +49,7 @@ from vivit.linalg.top_k import (
 )
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, GroupSource
+from vivit.sources.collector import in_param_dtypes
 
 
 class CurvatureResults:
@@ -76,6 +77,7 @@ class CurvatureResults:
         self._auto_solvers: dict[tuple, str] = {}
         self._directions_in_params: dict[tuple, list[Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
+        self._full_reports: dict[tuple, SolverReport] = {}
 
     # Gram space ---------------------------------------------------------------
     def gram(self, group: int = 0) -> Tensor:
@@ -202,13 +204,16 @@ class CurvatureResults:
         keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
         evals, evecs = evals[keep], evecs[:, keep]
         if full and top_k is not None:  # leading pairs of the full decomposition
-            self._reports[group] = SolverReport(
-                solver="dense",
-                requested=solver,
-                residual=relative_residual(gram @ evecs, evals, evecs),
-                tolerance=None,
-                converged=True,
-            )
+            key = (group, evals.numel(), solver)
+            if key not in self._full_reports:  # one residual per request size
+                self._full_reports[key] = SolverReport(
+                    solver="dense",
+                    requested=solver,
+                    residual=relative_residual(gram @ evecs, evals, evecs),
+                    tolerance=None,
+                    converged=True,
+                )
+            self._reports[group] = self._full_reports[key]
         return evals, evecs
 
     def _kept_leading(
@@ -320,7 +325,7 @@ class CurvatureResults:
         source = self._source.group(group)
         key = (group, top_k, solver, tol, seed)
         evecs = self._param_directions(source, evals, gram_evecs, key)
-        return evals, _in_param_dtypes(evecs, source)
+        return evals, in_param_dtypes(evecs, source.params)
 
     def operator(self, group: int = 0) -> GGNOperator:
         """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.
@@ -477,7 +482,7 @@ class CurvatureResults:
         return NewtonStep(
             directional=directional,
             dampings=dampings,
-            step=_in_param_dtypes(step, source),
+            step=in_param_dtypes(step, source.params),
         )
 
     def newton_step(
@@ -515,13 +520,3 @@ class CurvatureResults:
             tol=tol,
             seed=seed,
         ).step
-
-
-def _in_param_dtypes(tensors: Sequence[Tensor], source: GroupSource) -> list[Tensor]:
-    """Parameter-space results (eigenvectors, a step) in their parameters' dtypes.
-
-    Always new tensors: kept directions are never handed out to be changed.
-    """
-    return [
-        t.to(p.dtype, copy=True) for t, p in zip(tensors, source.params, strict=True)
-    ]

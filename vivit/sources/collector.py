@@ -87,7 +87,25 @@ class GroupCurvature:
         Returns:
             The tensors, each in its parameter's dtype.
         """
-        return [t.to(p.dtype) for t, p in zip(tensors, self.params, strict=True)]
+        return in_param_dtypes(tensors, self.params)
+
+
+def in_param_dtypes(
+    tensors: Sequence[Tensor], params: Sequence[Parameter]
+) -> list[Tensor]:
+    """Parameter-space results (eigenvectors, a step) in their parameters' dtypes.
+
+    Always new tensors, never ``tensors`` themselves: what a caller receives is
+    not a cache of the library's.
+
+    Args:
+        tensors: One tensor per parameter, possibly in a wider ``gram_dtype``.
+        params: The parameters.
+
+    Returns:
+        The tensors, each in its parameter's dtype.
+    """
+    return [t.to(p.dtype, copy=True) for t, p in zip(tensors, params, strict=True)]
 
 
 def gradient_cross_gram(
