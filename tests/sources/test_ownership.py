@@ -212,3 +212,24 @@ def test_streaming_refuses_changed_data_or_model(engine):
         model[0].weight.mul_(2.0)
     with pytest.raises(ModelChangedError):
         ggn.eigh(top_k=3)  # a new request: a pass
+
+
+@pytest.mark.parametrize("engine", ["backpack", "func"])
+@pytest.mark.parametrize("problem", PROBLEMS[:2], ids=lambda p: p.name)
+def test_loader_that_refills_one_buffer(problem, engine):
+    """A loader that writes every batch into the same tensors (a reused buffer)."""
+    model, loss_func, X, y = prepare(problem, torch.float64)
+    half = X.shape[0] // 2
+    buffer_x, buffer_y = X[:half].clone(), y[:half].clone()
+
+    def refilled():
+        for start in (0, half):
+            buffer_x.copy_(X[start : start + half])
+            buffer_y.copy_(y[start : start + half])
+            yield buffer_x, buffer_y
+
+    ggn = LowRankGGN(model, loss_func, refilled(), engine=engine)
+    G = dense_ggn(model, loss_func, X[: 2 * half], y[: 2 * half])
+    assert_top_eigvals(
+        ggn.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64]
+    )

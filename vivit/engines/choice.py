@@ -36,7 +36,7 @@ def resolve_engine(
     engine: str | Engine,
     model: Module,
     loss_func: Module,
-    output: OutputSelector = None,
+    output: OutputSelector,
 ) -> Engine:
     """The engine to run.
 

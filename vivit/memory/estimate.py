@@ -382,7 +382,7 @@ def _estimate(
     check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
-    engine = resolve_engine(options.engine, model, loss_func)
+    engine = resolve_engine(options.engine, model, loss_func, options.output)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
@@ -470,9 +470,18 @@ def _estimate(
     activations = blocks.block * outputs_per_sample
     if blocks.block < blocks.samples:
         activations += (blocks.samples - blocks.block) * caller_inputs
+    # one block of the caller's inputs: the factors that keep them get a copy
+    # (vivit.sources.ownership); blocks of several are concatenated anyway
+    owned = 0
+    if blocks.block == blocks.samples and blocks.loader_batch is None:
+        owned = blocks.samples * sum(
+            e.caller_inputs
+            for (layer, _, _), e in zip(params, kept, strict=True)
+            if layer.is_input
+        )
     return MemoryEstimate(
         activations=activations * entry,
-        factors=sum(e.kept for e in kept) * kept_entry,
+        factors=(sum(e.kept for e in kept) + owned) * kept_entry,
         backward=backward,
         grams=grams,
         solver_workspace=workspace,

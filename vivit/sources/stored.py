@@ -199,6 +199,8 @@ class StoredFactors(CurvatureSource):
                 with nullcontext() if batch is None else naming_batch(batch):
                     block = run_block(run, param_groups, options.gram_dtype)
                 caller_memory.note(block.curvature, caller)
+                if batch is not None:  # a loader may refill its tensors next batch
+                    caller_memory.own(block.curvature)
                 if budget:
                     budget.admit(block.curvature, batch)
                 union.add(block.curvature[0].batch, block.output)
@@ -208,8 +210,9 @@ class StoredFactors(CurvatureSource):
             # ignored (a rank's shard: after the exchange)
             loss, gradients = union.result(part=shards.group is not None)
         curvature = merged_blocks(blocks, options.subsampling)
-        caller_memory.own(curvature)  # before the exchange: ranks hold copies too
-        if shards.group is not None:
+        if shards.group is None:  # the exchange rebuilds every block from bytes
+            caller_memory.own(curvature)
+        else:
             # this rank's samples as one block; then every rank's, in rank order
             local = BlockResult(curvature, EngineOutput(loss, gradients))
             union = UnionOutput()

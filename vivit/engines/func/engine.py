@@ -170,13 +170,17 @@ class FuncEngine(Engine):
         collected = self._collect(
             forward, inputs, dense, vectors, (chunk, per_pass), factor, first
         )
-        del vectors, first
+        # the forward graph (its saved activations, the recorded layer outputs)
+        # is not needed while the sink forms Gram blocks: free it first
+        del vectors, first, output
+        loss = loss.detach()
+        forward.capture.calls = []
         for param in params:
             # popped: what the sink does not keep is freed parameter by parameter
             entry = collected.pop(id(param))
             sink.add(param, _contribution(param, entry, batch, request))
             del entry
-        return EngineOutput(loss=loss.detach(), gradients=gradients)
+        return EngineOutput(loss=loss, gradients=gradients)
 
     @staticmethod
     def _vectors(
