@@ -22,7 +22,7 @@ Linear or convolution weight ``G`` groups, ``T`` positions, ``P`` inputs and
   with a subsampling ``V`` copies the curvature samples' rows
   (``N_S·C·G·T·O``, ``N_S·G·T·P``). A weight's bias keeps the vectors summed
   over the positions, ``[V, N, G·O]`` (the same rule for ``V``); every other
-  parameter ``(V·N + N_S·C)·numel`` (``V`` copied to be contiguous). Nothing
+  parameter ``(N + N_S·C)·numel`` (``V`` and the gradients copied). Nothing
   else outlives the chunk it came from.
 - ``gram_dtype``: the collector casts each factor to it; only the viewed rows
   are copied (``V·N`` becomes ``N``), and the factors the engine handed on are
@@ -125,9 +125,9 @@ def func_entries(
     n, n_s, c, v = counts.samples, counts.curvature, counts.columns, counts.vectors
     full = n if counts.cast else v * n  # the gradients: a view of all vectors
     part = kind(layer, name)
-    if part == "other":
+    if part == "other":  # V and the gradients copied out of all vectors' columns
         numel = param.numel()
-        return ParamEntries(kept=(full + n_s * c) * numel, ggn=n_s * c * numel)
+        return ParamEntries(kept=(n + n_s * c) * numel, ggn=n_s * c * numel)
     # V: a view of the vectors, unless cast or subsampled (then its rows copied)
     rows = n_s if counts.cast or n_s < n else 0
     groups, positions, inputs, outputs = layer.weight_factor_shape()

@@ -387,14 +387,20 @@ def _contribution(
     """Assemble a parameter's factors (views of its collected tensors where it can).
 
     Without a subsampling, ``V`` and the per-sample gradients view the same
-    vectors and inputs (explicit columns: ``V`` is copied to be contiguous).
+    vectors and inputs (explicit columns: ``V`` and the gradients are copied, so
+    that the columns of all vectors are freed).
     """
     columns = batch.columns_per_sample
     if entry.columns is not None:
         dense = entry.columns  # [N, V, *shape]
         samples = _rows(batch.ggn_samples, dense.shape[0])
+        # both parts copied, so that the [N, V, *shape] columns are freed
         ggn = DenseFactors(dense[samples, :columns].contiguous())
-        grad = DenseFactors(dense[:, columns:]) if request.compute_gradients else None
+        grad = (
+            DenseFactors(dense[:, columns:].clone())
+            if request.compute_gradients
+            else None
+        )
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)
     vectors = entry.vectors  # weight: [V, N, G, T, O]; bias: [V, N, G, O]
     samples = _rows(batch.ggn_samples, vectors.shape[1])
