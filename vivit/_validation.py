@@ -86,16 +86,32 @@ def check_chunk_size(chunk_size: int | None) -> None:
     Raises:
         InvalidArgumentError: Otherwise.
     """
-    if chunk_size is None:
+    check_positive_int(
+        chunk_size, "chunk_size", "samples per backward pass", "the whole batch"
+    )
+
+
+def check_positive_int(
+    value: object, name: str, meaning: str = "", none: str | None = None
+) -> None:
+    """Check that ``value`` is a positive ``int`` (not a bool), or ``None``.
+
+    Args:
+        value: The argument.
+        name: Its name in the message.
+        meaning: What it counts, for the message.
+        none: What ``None`` stands for; ``None`` refuses ``None``.
+
+    Raises:
+        InvalidArgumentError: Otherwise.
+    """
+    if value is None and none is not None:
         return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = f" ({meaning})" if meaning else ""
+        alternative = f" or None ({none})" if none is not None else ""
         raise InvalidArgumentError(
-            f"chunk_size must be a positive integer or None, got {chunk_size!r}."
-        )
-    if chunk_size < 1:
-        raise InvalidArgumentError(
-            f"chunk_size must be a positive integer (samples per backward pass) or "
-            f"None for the whole batch, got {chunk_size}."
+            f"{name} must be a positive integer{what}{alternative}, got {value!r}."
         )
 
 
@@ -741,15 +757,9 @@ def check_max_batches(max_batches: object) -> None:
     Raises:
         InvalidArgumentError: Otherwise.
     """
-    if max_batches is None:
-        return
-    if (
-        isinstance(max_batches, bool)
-        or not isinstance(max_batches, int)
-        or (max_batches < 1)
-    ):
-        raise InvalidArgumentError(
-            f"max_batches must be a positive int (the most batches of the data "
-            f"loader a pass reads) or None (until the loader ends), got "
-            f"{max_batches!r}."
-        )
+    check_positive_int(
+        max_batches,
+        "max_batches",
+        "the most batches of the data loader a pass reads",
+        "until the loader ends",
+    )

@@ -14,6 +14,7 @@ import scipy.linalg
 import torch
 from torch import Tensor
 
+from vivit._validation import check_positive_int
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.gram.memory import uses_subset_solver
@@ -173,12 +174,7 @@ def check_top_k(top_k: int | None) -> None:
     Raises:
         InvalidArgumentError: If it is neither.
     """
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
-    ):
-        raise InvalidArgumentError(
-            f"top_k must be a positive integer or None, got {top_k!r}."
-        )
+    check_positive_int(top_k, "top_k", none="every non-zero eigenpair")
 
 
 #: Types the Gram matrix may be accumulated in (LAPACK's real symmetric solvers).

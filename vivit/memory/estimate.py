@@ -53,6 +53,7 @@ from vivit._validation import (
     check_inputs_match,
     check_model,
     check_params,
+    check_positive_int,
     check_subsampling,
     param_group_lists,
 )
@@ -335,8 +336,7 @@ def _curvature_samples(
 
 
 def _check_size(size: int, name: str) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {size!r}.")
+    check_positive_int(size, name)
 
 
 @dataclass(frozen=True)

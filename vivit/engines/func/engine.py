@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import check_finite
+from vivit._validation import check_finite, check_positive_int
 from vivit.engines.base import (
     BatchInfo,
     ContributionSink,
@@ -105,15 +105,7 @@ class FuncEngine(Engine):
     name = "func"
 
     def __init__(self, memory_budget: int = DEFAULT_MEMORY_BUDGET):
-        if (
-            isinstance(memory_budget, bool)
-            or not isinstance(memory_budget, int)
-            or memory_budget < 1
-        ):
-            raise InvalidArgumentError(
-                "memory_budget must be a positive int (tensor entries), got "
-                f"{memory_budget!r}."
-            )
+        check_positive_int(memory_budget, "memory_budget", "tensor entries")
         self.memory_budget = memory_budget
 
     @torch.enable_grad()  # curvature needs the graph, whatever the caller's context
