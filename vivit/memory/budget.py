@@ -196,7 +196,7 @@ class FactorBudget:
         first = True
         for batch in batches:
             if first:
-                self._first_inputs = batch[0][: self._chunk_size]
+                self._first_inputs = take_samples(batch[0], slice(self._chunk_size))
                 first = False
             yield batch
 
