@@ -85,18 +85,3 @@ def call_model(model: Module, inputs: ModelInputs) -> object:
     if isinstance(inputs, Mapping):
         return model(**inputs)
     return model(inputs)
-
-
-def describe_inputs(inputs: ModelInputs) -> str:
-    """``shape (4, 3)`` or ``{'input_ids': (4, 7), ...}`` for messages.
-
-    Args:
-        inputs: A batch's inputs.
-
-    Returns:
-        The shapes, named for a mapping.
-    """
-    if isinstance(inputs, Mapping):
-        shapes = {key: tuple(value.shape) for key, value in inputs.items()}
-        return f"shapes {shapes}"
-    return f"shape {tuple(inputs.shape)}"
