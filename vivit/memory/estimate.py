@@ -386,7 +386,7 @@ def _estimate(
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
-    layers, outputs_per_sample, columns = probe(model, example_inputs)
+    layers, outputs_per_sample, columns = probe(model, example_inputs, options.output)
     columns = options.mc_samples or columns
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns

@@ -39,6 +39,7 @@ from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
+from vivit.model_inputs import input_tensors, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -291,7 +292,7 @@ class StoredFactors(CurvatureSource):
             )
         if single:
             check_inputs_match(data[0], list(model.parameters()))
-            check_subsampling(options.subsampling, data[0].shape[0])
+            check_subsampling(options.subsampling, num_samples(data[0]))
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
         fingerprint = request_fingerprint(
@@ -346,7 +347,7 @@ class StoredFactors(CurvatureSource):
             (
                 batch_index,
                 chunk_run(shards.rank + shards.world_size * index, chunk),
-                (*chunk.batch, *model_memory),
+                (*input_tensors(chunk.batch[0]), chunk.batch[1], *model_memory),
             )
             for index, (batch_index, chunk) in enumerate(chunks)
         )

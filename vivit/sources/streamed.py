@@ -37,6 +37,7 @@ from vivit.errors import (
 )
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
+from vivit.model_inputs import ModelInputs, input_tensors
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -97,7 +98,7 @@ class BatchFingerprints:
         self._first: list[str] = []
         self._pass = 0
 
-    def check(self, batches: Iterable[tuple[Tensor, Tensor]]) -> Iterator:
+    def check(self, batches: Iterable[tuple[ModelInputs, Tensor]]) -> Iterator:
         """The batches of one pass, each checked against the first pass.
 
         Args:
@@ -113,7 +114,8 @@ class BatchFingerprints:
         self._pass += 1
         count = 0
         for index, batch in enumerate(batches):
-            digest = fingerprint(batch)
+            inputs, targets = batch
+            digest = fingerprint([*input_tensors(inputs), targets])
             if self._pass == 1:
                 self._first.append(digest)
             elif index >= len(self._first) or digest != self._first[index]:

@@ -69,6 +69,7 @@ from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature
+from vivit.model_inputs import ModelInputs, call_model, num_samples, take_samples
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
 DEFAULT_MEMORY_BUDGET = 2**27
@@ -113,7 +114,7 @@ class FuncEngine(Engine):
         self,
         model: Module,
         loss_func: Module,
-        data: tuple[Tensor, Tensor],
+        data: tuple[ModelInputs, Tensor],
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
@@ -140,13 +141,13 @@ class FuncEngine(Engine):
         calls_of = forward.capture.factor_params(output)
         dense = [p for p in params if id(p) not in calls_of]
         chunk, per_pass = self.chunking(
-            len(inputs),
+            num_samples(inputs),
             batch.columns_per_sample + request.compute_gradients,
             forward.width.per_sample,
             sum(p.numel() for p in dense),
         )
         # the graph of the first forward pass serves the chunk of the whole batch
-        reuse = chunk >= len(inputs)
+        reuse = chunk >= num_samples(inputs)
         output_grad, *grads = torch.autograd.grad(
             loss, [output, *params], allow_unused=True, retain_graph=reuse
         )
@@ -249,14 +250,14 @@ class FuncEngine(Engine):
         use the layers as the first did.
         """
         chunk, per_pass = chunking
-        total = len(inputs)
+        total = num_samples(inputs)
         collected = {id(p): _Collected() for p in forward.capture.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
-        for start in range(0, len(inputs), chunk):
+        for start in range(0, total, chunk):
             if first is not None:
                 output, calls_of = first
             else:
-                output = forward(inputs[start : start + chunk])
+                output = forward(take_samples(inputs, slice(start, start + chunk)))
                 calls_of = forward.capture.factor_params(output)
             if set(calls_of) != factor:
                 raise UnsupportedLayerError(
@@ -436,11 +437,11 @@ class _Forward:
         self.capture = LayerCapture(model, params)
         self.width = _ActivationWidth(model)
 
-    def __call__(self, inputs: Tensor, measure: bool = False) -> Tensor:
+    def __call__(self, inputs: ModelInputs, measure: bool = False) -> Tensor:
         """The selected model output of ``inputs``, layer calls recorded.
 
         Args:
-            inputs: A batch of inputs.
+            inputs: A batch of inputs (a tensor or a dict of keyword tensors).
             measure: Also measure the activation width.
 
         Returns:
@@ -450,12 +451,12 @@ class _Forward:
             stack.enter_context(self.capture.recording())
             if measure:
                 stack.enter_context(self.width.measuring())
-            return select_output(self.model(inputs), self.selector)
+            return select_output(call_model(self.model, inputs), self.selector)
 
-    def unrecorded(self, inputs: Tensor) -> Tensor:
+    def unrecorded(self, inputs: ModelInputs) -> Tensor:
         """The selected output without recording or gradients (checks)."""
         with torch.no_grad():
-            return select_output(self.model(inputs), self.selector)
+            return select_output(call_model(self.model, inputs), self.selector)
 
 
 class _ActivationWidth:
