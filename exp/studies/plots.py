@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -93,19 +94,15 @@ def spectrum_figure(methods: dict[str, dict], top_k: int) -> Figure:
     return figure
 
 
-def noise_figure(checkpoints: list[dict], top_k: int) -> Figure:
-    """Top eigenvalues, SNRs per direction and the loss over training.
+def _direction_panels(axes: object, checkpoints: list[dict], top_k: int) -> None:
+    """Eigenvalues, SNR of γ and SNR of λ per direction over the steps.
 
     Args:
+        axes: The 2x2 axes; the panels go to all but the lower right one.
         checkpoints: Per checkpoint: ``step``, ``eigenvalues``, ``gamma_snr``,
-            ``lambda_snr`` (descending eigenvalue order), ``train_loss``,
-            ``test_loss``.
+            ``lambda_snr`` (descending eigenvalue order; ``None`` left out).
         top_k: Number of directions.
-
-    Returns:
-        The figure (2x2 panels).
     """
-    figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
     steps = [c["step"] for c in checkpoints]
     cmap = plt.get_cmap("viridis")
     panels = (
@@ -129,6 +126,23 @@ def noise_figure(checkpoints: list[dict], top_k: int) -> Figure:
                 )
         axis.set(yscale="log", ylabel=ylabel, title=title)
         axis.legend(fontsize="small", title="rank")
+
+
+def noise_figure(checkpoints: list[dict], top_k: int) -> Figure:
+    """Top eigenvalues, SNRs per direction and the loss over training.
+
+    Args:
+        checkpoints: Per checkpoint: ``step``, ``eigenvalues``, ``gamma_snr``,
+            ``lambda_snr`` (descending eigenvalue order), ``train_loss``,
+            ``test_loss``.
+        top_k: Number of directions.
+
+    Returns:
+        The figure (2x2 panels).
+    """
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    steps = [c["step"] for c in checkpoints]
+    _direction_panels(axes, checkpoints, top_k)
     loss = axes[1, 1]
     loss.plot(steps, [c["train_loss"] for c in checkpoints], label="train", marker=".")
     loss.plot(steps, [c["test_loss"] for c in checkpoints], label="test", marker=".")
@@ -192,5 +206,34 @@ def newton_figure(optimizers: dict[str, dict]) -> Figure:
     acc.set(xlabel="step", ylabel="test accuracy", title="test accuracy")
     for axis in (by_step, by_time, acc):
         axis.legend(fontsize="small")
+    figure.tight_layout()
+    return figure
+
+
+def monitor_figure(records: list[dict]) -> Figure:
+    """A curvature monitor's records over training.
+
+    Args:
+        records: Records of :class:`vivit.analysis.CurvatureMonitor` (``step``,
+            ``eigenvalues``, ``gamma_snr``, ``lambda_snr`` descending,
+            ``gradient_share``, ``newton_angle_deg``).
+
+    Returns:
+        The figure (2x2 panels).
+    """
+    figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    _direction_panels(axes, records, max(len(r["eigenvalues"]) for r in records))
+    steps = [r["step"] for r in records]
+    lines = axes[1, 1]
+    for key, scale, label in (
+        ("gradient_share", 100, "gradient in the top-k span [%]"),
+        ("newton_angle_deg", 1, "angle of the Newton step to −∇L [°]"),
+    ):
+        values = [math.nan if r[key] is None else scale * r[key] for r in records]
+        lines.plot(steps, values, marker=".", label=label)
+    lines.set(ylim=(0, 102), title="gradient and Newton step")
+    lines.legend(fontsize="small")
+    for axis in axes[1]:
+        axis.set_xlabel("SGD step")
     figure.tight_layout()
     return figure

@@ -22,6 +22,7 @@ TINY = {
     ],  # fmt: skip
     "noise": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
     "newton": ["--steps", "6", "--eval-every", "3", "--batch-size", "16"],
+    "monitor": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
 }
 
 
