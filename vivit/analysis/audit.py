@@ -338,56 +338,47 @@ def audit_approximations(
     exact_time = time.perf_counter() - started
     gradient = flat_rows([g.unsqueeze(0) for g in exact_ggn.gradient()], 1)[0]
 
-    def mc_row(samples: int) -> Callable[[], ApproximateCurvature]:
-        generator = torch.Generator(params[0].device).manual_seed(seed)
-        return lambda: low_rank_curvature(
-            ggn(mc_samples=samples, generator=generator), params, top_k, damping
-        )
+    def low_rank_row(**options) -> Callable[[], ApproximateCurvature]:
+        return lambda: low_rank_curvature(ggn(**options), params, top_k, damping)
 
     def kronecker_row(kind: str) -> Callable[[], ApproximateCurvature]:
         return lambda: kronecker_factored_curvature(
             kind, model, loss_func, (inputs, targets), params, gradient, top_k, damping
         )
 
+    single_rows = {
+        "subsampled": (
+            f"subsampled ({len(subsampling)} of {num_samples})",
+            low_rank_row(subsampling=subsampling),
+        ),
+        "block_diagonal": (
+            f"block-diagonal ({len(blocks)} blocks)",
+            low_rank_row(param_groups=blocks),
+        ),
+        "diagonal": (
+            "diagonal",
+            lambda: diagonal_curvature(
+                exact_diagonal(exact_ggn), gradient, top_k, damping
+            ),
+        ),
+        **{kind: (kind.upper(), kronecker_row(kind)) for kind in KRONECKER_FACTORED},
+    }
     jobs: list[tuple[str, str, Callable[[], ApproximateCurvature]]] = []
     for name in names:
-        if name == "mc":
+        if name == "mc":  # one row per sample count, each from the seed
             jobs += [
-                (f"mc-{m}", f"MC ({m} sample{'s' * (m > 1)})", mc_row(m))
+                (
+                    f"mc-{m}",
+                    f"MC ({m} sample{'s' * (m > 1)})",
+                    low_rank_row(
+                        mc_samples=m,
+                        generator=torch.Generator(params[0].device).manual_seed(seed),
+                    ),
+                )
                 for m in mc_counts
             ]
-        elif name == "subsampled":
-            jobs.append(
-                (
-                    name,
-                    f"subsampled ({len(subsampling)} of {num_samples})",
-                    lambda: low_rank_curvature(
-                        ggn(subsampling=subsampling), params, top_k, damping
-                    ),
-                )
-            )
-        elif name == "block_diagonal":
-            jobs.append(
-                (
-                    name,
-                    f"block-diagonal ({len(blocks)} blocks)",
-                    lambda: low_rank_curvature(
-                        ggn(param_groups=blocks), params, top_k, damping
-                    ),
-                )
-            )
-        elif name == "diagonal":
-            jobs.append(
-                (
-                    name,
-                    "diagonal",
-                    lambda: diagonal_curvature(
-                        exact_diagonal(exact_ggn), gradient, top_k, damping
-                    ),
-                )
-            )
         else:
-            jobs.append((name, name.upper(), kronecker_row(name)))
+            jobs.append((name, *single_rows[name]))
 
     rows = []
     for name, label, compute in tqdm(jobs, desc="Approximations", disable=not progress):
