@@ -12,8 +12,11 @@ loading (:mod:`studies.data`, :mod:`studies.models`) and output handling
   and Adam from the same initialisation on the same batches.
 - :mod:`studies.monitor`: :class:`vivit.analysis.CurvatureMonitor` during SGD
   training, its records drawn and its overhead measured.
+- :mod:`studies.approximations`: which approximation (Monte-Carlo, subsampled,
+  block-diagonal, diagonal, KFAC, EKFAC) recovers the exact top-k eigenpairs and
+  damped Newton step (:func:`vivit.analysis.audit_approximations`).
 
 Run them from the repository root, e.g. ``python exp/spectrum.py --help``.
 """
 
-STUDIES = ("spectrum", "noise", "newton", "monitor")
+STUDIES = ("spectrum", "noise", "newton", "monitor", "approximations")

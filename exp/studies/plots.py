@@ -237,3 +237,46 @@ def monitor_figure(records: list[dict]) -> Figure:
         axis.set_xlabel("SGD step")
     figure.tight_layout()
     return figure
+
+
+def approximations_figure(rows: list[dict]) -> Figure:
+    """Eigenvalue errors, principal-angle cosines and step cosines per approximation.
+
+    Args:
+        rows: :meth:`vivit.analysis.ApproximationAudit.as_rows` (``label``,
+            ``status``, ``relative_errors``, ``principal_cosines``,
+            ``step_cosine``); rows without numbers are left out.
+
+    Returns:
+        The figure (three panels).
+    """
+    figure, (errors, angles, steps) = plt.subplots(
+        1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.3, 1.3, 1]}
+    )
+    computed = [row for row in rows if row["status"] == "ok"]
+    for row in computed:
+        ranks = range(1, len(row["relative_errors"]) + 1)
+        errors.plot(ranks, row["relative_errors"], marker=".", label=row["label"])
+        angles.plot(ranks, row["principal_cosines"], marker=".", label=row["label"])
+    errors.set(
+        yscale="log",
+        xlabel="rank i",
+        ylabel="|λ̂_i − λ_i| / λ_i",
+        title="top-k eigenvalues: relative errors",
+    )
+    angles.set(
+        ylim=(-0.02, 1.02),
+        xlabel="principal angle i",
+        ylabel="cos θ_i",
+        title="top-k eigenspace: principal-angle cosines",
+    )
+    labels = [row["label"] for row in computed]
+    cosines = [row["step_cosine"] or 0.0 for row in computed]
+    steps.barh(labels, cosines, color="tab:gray")
+    steps.invert_yaxis()
+    steps.set(
+        xlim=(min(0.0, *cosines), 1), xlabel="cos(ŝ, s)", title="damped Newton step"
+    )
+    errors.legend(fontsize="small")
+    figure.tight_layout()
+    return figure

@@ -1,5 +1,9 @@
-"""Analyses built on the front doors: curvature while a network trains.
+"""Analyses built on the front doors: what the exact Gram matrix shows.
 
+- :func:`audit_approximations`: which approximation of the GGN (Monte-Carlo,
+  subsampled, block-diagonal, diagonal, KFAC, EKFAC) recovers the exact top-k
+  eigenpairs and damped Newton step of a mini-batch, as an
+  :class:`ApproximationAudit` table.
 - :class:`CurvatureMonitor`: a callback for a training loop that, every ``k``
   steps, records the GGN's top eigenvalues, the gradient's share in their span,
   the signal-to-noise ratios of ``γ`` and ``λ`` per direction and the angle of the
@@ -9,12 +13,22 @@
   PyTorch Lightning or Hugging Face Trainer callback (packages imported lazily).
 """
 
+from vivit.analysis.audit import (
+    APPROXIMATIONS,
+    ApproximationAudit,
+    AuditRow,
+    audit_approximations,
+)
 from vivit.analysis.monitor import CurvatureMonitor
 from vivit.analysis.monitor_adapters import huggingface_callback, lightning_callback
 from vivit.analysis.monitor_record import read_records
 
 __all__ = [
+    "APPROXIMATIONS",
+    "ApproximationAudit",
+    "AuditRow",
     "CurvatureMonitor",
+    "audit_approximations",
     "huggingface_callback",
     "lightning_callback",
     "read_records",
