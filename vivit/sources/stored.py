@@ -82,6 +82,7 @@ class StoredGroup:
 
     route = "matrix_free"
     keeps_directions = False
+    parameter_space = False
 
     def __init__(self, index: int, curvature: GroupCurvature, gradient: list[Tensor]):
         factors = curvature.ggn_factors
@@ -135,7 +136,13 @@ class StoredGroup:
         )
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        """Every solver runs on stored factors."""
+        if solver == "implicit":
+            raise InvalidArgumentError(
+                "solver='implicit' is a route chosen at construction: this "
+                "LowRankGGN keeps factors of V, on which every other solver runs. "
+                "Build LowRankGGN(..., solver='implicit') for products that need "
+                "no V, or pass 'auto', 'dense', 'iterative' or 'matrix_free'."
+            )
 
     def directional_gradients(  # noqa: D102
         self,

@@ -158,6 +158,7 @@ class StreamedGroup:
 
     route = "streaming"
     keeps_directions = True
+    parameter_space = False
 
     def __init__(self, source: StreamedFactors, index: int):
         self._source = source
@@ -423,6 +424,12 @@ class StreamedFactors(CurvatureSource):
 
 def _check_streamable_solver(solver: str) -> None:
     """Refuse a solver that needs the Gram matrix, naming what to do instead."""
+    if solver == "implicit":
+        raise InvalidArgumentError(
+            "solver='implicit' is a route of LowRankGGN: build LowRankGGN(model, "
+            "loss_func, loader, solver='implicit'), which keeps no factors either "
+            "and passes over the loader in every product."
+        )
     if solver in ("dense", "iterative"):
         raise InvalidArgumentError(
             f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "
