@@ -185,6 +185,7 @@ def test_the_page_draws_the_layers_in_the_order_of_the_data_flow():
         "sources",
         "results",
         "front doors",
+        "analysis",
         "studies",
     ]
     where = layer_of(LAYERS)
