@@ -22,6 +22,16 @@ TINY = {
     ],  # fmt: skip
     "noise": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
     "newton": ["--steps", "6", "--eval-every", "3", "--batch-size", "16"],
+    "hierarchy": [
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "12",
+        "--lanczos-steps",
+        "10",
+        "--probes",
+        "4",
+    ],  # fmt: skip
 }
 
 
