@@ -27,8 +27,6 @@ import torch
 
 from studies.cli import (
     base_parser,
-    momentum,
-    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -40,7 +38,12 @@ from studies.errors import StudyError
 from studies.models import layer_groups
 from studies.plots import hierarchy_figure
 from studies.report import number, write
-from studies.spectrum import choose_gram_dtype, train_or_load
+from studies.spectrum import (
+    add_gram_dtype_option,
+    add_training_options,
+    choose_gram_dtype,
+    train_or_load,
+)
 from studies.training import evaluate_splits
 from vivit import InvalidArgumentError
 from vivit.analysis import (
@@ -65,19 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = base_parser(STUDY, __doc__.split("\n\n", 1)[0])
     study = parser.add_argument_group("hierarchy study")
-    study.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the curvature is computed (ignored with "
-        "--checkpoint; 0 studies the initialisation).",
-    )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_training_options(study)
     study.add_argument(
         "--weighting",
         choices=("probabilities", "plain"),
@@ -103,13 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1e-3,
         help="η of the Wasserstein bound (it holds with probability 1 − η).",
     )
-    study.add_argument(
-        "--gram-dtype",
-        choices=("auto", "model", "float64"),
-        default="auto",
-        help="Type the Gram matrices are accumulated in: 'model' (the --dtype), "
-        "'float64', or 'auto' (float64 if they fit into memory).",
-    )
+    add_gram_dtype_option(study)
     return parser
 
 

@@ -196,6 +196,17 @@ def newton_figure(optimizers: dict[str, dict]) -> Figure:
     return figure
 
 
+def _spectrum_axes(axes, title: str) -> None:
+    """Log-log axes of eigenvalues against their descending rank."""
+    axes.set(
+        xscale="log",
+        yscale="log",
+        xlabel="rank (descending)",
+        ylabel="eigenvalue",
+        title=title,
+    )
+
+
 def hierarchy_figure(results: dict) -> Figure:
     """The hierarchy's spectra, the layers' spectra, SLQ's counts against the exact.
 
@@ -216,13 +227,7 @@ def hierarchy_figure(results: dict) -> Figure:
     for name, label in labels.items():
         style = {"lw": 2.5, "color": "black"} if name == "full" else {"lw": 1.3}
         parts.plot(*_positive(results["spectra"][name]), label=label, **style)
-    parts.set(
-        xscale="log",
-        yscale="log",
-        xlabel="rank (descending)",
-        ylabel="eigenvalue",
-        title="Papyan's hierarchy (non-zero spectra)",
-    )
+    _spectrum_axes(parts, "Papyan's hierarchy (non-zero spectra)")
     parts.legend(fontsize="small")
     tolerance = results["zero_tolerance"]
     for name, spectrum in results["layers"].items():
@@ -231,13 +236,7 @@ def hierarchy_figure(results: dict) -> Figure:
     layers.plot(
         *_positive(results["spectra"]["full"]), lw=2.5, color="black", label="full GGN"
     )
-    layers.set(
-        xscale="log",
-        yscale="log",
-        xlabel="rank (descending)",
-        ylabel="eigenvalue",
-        title="Per-layer GGN blocks",
-    )
+    _spectrum_axes(layers, "Per-layer GGN blocks")
     layers.legend(fontsize="x-small")
     slq = results["density"]
     exact = sorted(v for v in results["spectra"]["full"] if v > 0)

@@ -14,6 +14,7 @@ every direction of a part enters, down to the numerical zero).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -29,10 +30,10 @@ from tests.fixtures.checks import (
     assert_within,
     layer_groups,
 )
-from tests.fixtures.problems import Setup, prepare, problem_ids, select
+from tests.fixtures.problems import Setup, get_problem, prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn, eigh_reference
 from vivit import InvalidArgumentError, LowRankGGN
-from vivit.analysis import Hierarchy, hierarchy
+from vivit.analysis import Hierarchy, SpectrumPart, hierarchy
 
 PROBLEMS = select(
     architecture=["mlp_tanh", "mlp_relu", "conv1d", "residual", "batchnorm1d"],
@@ -228,3 +229,30 @@ def test_bad_input_is_refused():
         c.parts.part("class")
     with pytest.raises(InvalidArgumentError, match="top_k must be a positive"):
         c.parts.overlap("class_means", 0)
+
+
+def test_a_part_without_non_zero_eigenvalues_has_overlap_zero():
+    c = case("mlp_tanh-ce-mean", "plain")
+    empty = SpectrumPart(torch.zeros(0), c.parts.gram.new_zeros(len(c.parts.gram), 0))
+    parts = dataclasses.replace(c.parts, class_means=empty)
+    assert parts.overlap("class_means", 3) == 0.0
+    assert c.parts.overlap("class_means", 3) > 0
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_float32_model(weighting):
+    """A float32 model's float32 Gram matrix: the parts' eigenvalues within
+    ``EIGVAL_RTOL[float32]·λ_max`` of the dense float64 parts of the same numbers."""
+    c = case("mlp_relu-ce-sum", weighting)
+    model, loss_func, X, y = prepare(get_problem("mlp_relu-ce-sum"), torch.float32)
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=layer_groups(model))
+    probabilities = None if c.probabilities is None else c.probabilities.float()
+    parts = hierarchy(ggn, y, probabilities=probabilities)
+    assert parts.gram.dtype == torch.float32
+    lam_max = c.parts.full.eigenvalues[0].item()
+    rtol = EIGVAL_RTOL[torch.float32]
+    for name in ("full", *PARTS):
+        dense = c.G if name == "full" else c.dense[name]
+        reference = torch.linalg.eigvalsh(dense)
+        evals = parts.part(name).eigenvalues.flip(0)
+        assert_top_eigvals(evals, reference, rtol * lam_max / reference.abs().max())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vivit._validation import check_positive_int
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.solvers import gram_eigh, numerical_zero_tolerance
 from vivit.results import CurvatureResults
@@ -108,9 +109,10 @@ class Hierarchy:
     def overlap(self, name: str, top_k: int, full_top_k: int | None = None) -> float:
         """How much of a part's top eigenspace lies in the GGN's top eigenspace.
 
-        ``‖E_fullᵀ E_part‖_F² / top_k`` for the part's ``top_k`` and the full
-        GGN's ``full_top_k`` leading eigenvectors: 1 if the part's space lies
-        inside the full one, 0 if orthogonal to it.
+        ``‖E_fullᵀ E_part‖_F² / k`` for the part's ``k = top_k`` and the full
+        GGN's ``full_top_k`` leading eigenvectors (``k`` fewer if the part has
+        fewer non-zero eigenvalues): 1 if the part's space lies inside the full
+        one, 0 if orthogonal to it.
 
         Args:
             name: The part (see :meth:`part`).
@@ -125,13 +127,10 @@ class Hierarchy:
         Raises:
             InvalidArgumentError: For a count that is not a positive integer.
         """
-        for value, what in ((top_k, "top_k"), (full_top_k, "full_top_k")):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise InvalidArgumentError(
-                    f"{what} must be a positive integer, got {value!r}."
-                )
+        check_positive_int(top_k, "top_k", "leading eigenvectors of the part")
+        check_positive_int(
+            full_top_k, "full_top_k", "leading eigenvectors of the GGN", none="top_k"
+        )
         cosines = self.cosines(name, top_k)[
             : top_k if full_top_k is None else full_top_k
         ]
