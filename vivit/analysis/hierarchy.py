@@ -155,6 +155,11 @@ def hierarchy(
     each group's own spectrum comes with it: one backward pass gives the
     hierarchy and the per-layer spectra.
 
+    Cost: the groups' Gram matrices (formed if not yet) and their
+    eigendecompositions (the groups' spectra), one more ``N·C × N·C``
+    eigendecomposition for the full GGN and one for the within-class part; at
+    most about five ``N·C × N·C`` matrices at once beyond what ``ggn`` holds.
+
     Example::
 
         ggn = LowRankGGN(model, CrossEntropyLoss(), (X, y),
@@ -183,8 +188,9 @@ def hierarchy(
     indices = list(range(len(ggn.param_groups))) if groups is None else list(groups)
     if not indices:
         raise InvalidArgumentError("groups is empty; name at least one group index.")
-    grams = [ggn.gram(g) for g in indices]
-    gram = torch.stack(grams).sum(0) if len(grams) > 1 else grams[0]
+    gram = ggn.gram(indices[0])
+    for g in indices[1:]:
+        gram += ggn.gram(g)
     num_rows = gram.shape[0]
     classes = _check_labels(labels, num_rows)
     weights = _column_weights(labels, classes, probabilities, gram.dtype)
