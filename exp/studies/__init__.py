@@ -15,8 +15,10 @@ loading (:mod:`studies.data`, :mod:`studies.models`) and output handling
 - :mod:`studies.approximations`: which approximation (Monte-Carlo, subsampled,
   block-diagonal, diagonal, KFAC, EKFAC) recovers the exact top-k eigenpairs and
   damped Newton step (:func:`vivit.analysis.audit_approximations`).
+- :mod:`studies.hierarchy`: Papyan's class-mean, cross-class and within-class parts
+  of the GGN, per-layer spectra and the SLQ density against the exact spectrum.
 
 Run them from the repository root, e.g. ``python exp/spectrum.py --help``.
 """
 
-STUDIES = ("spectrum", "noise", "newton", "monitor", "approximations")
+STUDIES = ("spectrum", "noise", "newton", "monitor", "approximations", "hierarchy")

@@ -280,3 +280,72 @@ def approximations_figure(rows: list[dict]) -> Figure:
     errors.legend(fontsize="small")
     figure.tight_layout()
     return figure
+
+
+def _spectrum_axes(axes, title: str) -> None:
+    """Log-log axes of eigenvalues against their descending rank."""
+    axes.set(
+        xscale="log",
+        yscale="log",
+        xlabel="rank (descending)",
+        ylabel="eigenvalue",
+        title=title,
+    )
+
+
+def hierarchy_figure(results: dict) -> Figure:
+    """The hierarchy's spectra, the layers' spectra, SLQ's counts against the exact.
+
+    Args:
+        results: The hierarchy study's results (``spectra``, ``layers``,
+            ``zero_tolerance``, ``density`` with ``nodes``, ``weights``).
+
+    Returns:
+        The figure (three panels).
+    """
+    figure, (parts, layers, density) = plt.subplots(1, 3, figsize=(16, 4.2))
+    labels = {
+        "full": "full GGN",
+        "class_means": "class means",
+        "cross_class": "cross-class means",
+        "within_class": "within-class",
+    }
+    for name, label in labels.items():
+        style = {"lw": 2.5, "color": "black"} if name == "full" else {"lw": 1.3}
+        parts.plot(*_positive(results["spectra"][name]), label=label, **style)
+    _spectrum_axes(parts, "Papyan's hierarchy (non-zero spectra)")
+    parts.legend(fontsize="small")
+    tolerance = results["zero_tolerance"]
+    for name, spectrum in results["layers"].items():
+        nonzero = [v for v in spectrum if v > tolerance]
+        layers.plot(*_positive(nonzero), lw=1.3, label=name)
+    layers.plot(
+        *_positive(results["spectra"]["full"]), lw=2.5, color="black", label="full GGN"
+    )
+    _spectrum_axes(layers, "Per-layer GGN blocks")
+    layers.legend(fontsize="x-small")
+    slq = results["density"]
+    exact = sorted(v for v in results["spectra"]["full"] if v > 0)
+    nodes = sorted(zip(slq["nodes"], slq["weights"], strict=True))
+    grid = [exact[0] * (exact[-1] / exact[0]) ** (i / 400) for i in range(401)]
+    above_exact = [sum(v > x for v in exact) for x in grid]
+    above_slq = [sum(w for n, w in nodes if n > x) for x in grid]
+    density.plot(grid, above_exact, lw=2.5, color="black", label="exact")
+    density.plot(
+        grid,
+        above_slq,
+        lw=1.5,
+        color="tab:red",
+        label=f"SLQ ({slq['lanczos_steps']} steps, {slq['probes']} probes)",
+    )
+    density.set(
+        xscale="log",
+        yscale="log",
+        xlabel="x",
+        ylabel="eigenvalues above x",
+        title=f"Spectral density by SLQ: W1 = {slq['wasserstein_distance']:.2g} "
+        f"(bound {slq['wasserstein_bound']:.2g})",
+    )
+    density.legend(fontsize="small")
+    figure.tight_layout()
+    return figure

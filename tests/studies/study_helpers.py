@@ -34,6 +34,16 @@ TINY = {
         "1",
         "4",
     ],  # fmt: skip
+    "hierarchy": [
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "12",
+        "--lanczos-steps",
+        "10",
+        "--probes",
+        "4",
+    ],  # fmt: skip
 }
 
 
