@@ -156,6 +156,20 @@ def test_shared_linear_keeps_factor_form():
     assert weight_factors._T == 2  # one position per use
 
 
+def test_batch_norm_keeps_factor_form(monkeypatch):
+    """BatchNorm's columns come from the vectors at its output: no one-hot pass, one
+    chunk of the whole batch (test_func_problem checks them against the dense GGN).
+    """
+
+    def refuse(vectors):
+        raise AssertionError("BatchNorm pushed back one sample at a time")
+
+    monkeypatch.setattr("vivit.engines.func.engine.one_hot_per_sample", refuse)
+    model, loss_func, X, y = func_reference("resnet-block-ce-mean").setup
+    ggn = LowRankGGN(model, loss_func, (X, y), mc_samples=1, engine="func")
+    assert ggn.gram().shape == (len(X), len(X))
+
+
 @pytest.mark.parametrize("name", ["transformer-mse-sum", "twice-bce-sum"])
 def test_chunks_give_the_same_result(name):
     """A tiny memory budget (one sample, one vector at a time) changes nothing."""
@@ -316,7 +330,8 @@ def test_chunk_dependent_computation_is_refused_with_a_vivit_error():
 
 
 @pytest.mark.parametrize(
-    "name, mc_samples", [("lstm-ce-mean", 2), ("twice-bce-sum", 1)]
+    "name, mc_samples",
+    [("lstm-ce-mean", 2), ("twice-bce-sum", 1), ("resnet-block-ce-mean", 1)],
 )
 def test_func_mc_unbiased(name, mc_samples):
     """tr(VᵀV) = tr(G^MC) is an unbiased estimate of tr(G); γ and R Σ_n λ_nk exact."""

@@ -85,6 +85,7 @@ from vivit.memory.forms import (
     Counts,
     backpack_entries,
     func_entries,
+    func_one_hot,
     holds_v,
     kind,
 )
@@ -395,7 +396,7 @@ def _estimate(
     params = _probed_params(layers, requested, model)
     entries = backpack_entries
     if func:
-        dense = sum(p.numel() for lay, name, p in params if kind(lay, name) == "other")
+        dense = sum(p.numel() for lay, name, p in params if func_one_hot(lay, name))
         samples, _ = engine.chunking(
             block.samples, block.vectors, outputs_per_sample, dense
         )
@@ -541,11 +542,11 @@ def _func_transient(
     the layer outputs (with the vectors there) and the one-hot pass to the
     parameters without a factor form (with their columns).
     """
-    dense = sum(p.numel() for layer, name, p in params if kind(layer, name) == "other")
+    dense = sum(p.numel() for layer, name, p in params if func_one_hot(layer, name))
     vectors = block.vectors
     samples, per_pass = engine.chunking(block.samples, vectors, width, dense)
     at_outputs = sum(
-        layer.outputs for layer in layers if kind(layer, "weight") != "other"
+        layer.outputs for layer in layers if not func_one_hot(layer, "weight")
     )
     to_layers = (min(vectors, per_pass) * width + vectors * at_outputs) * samples
     one_hot = (

@@ -22,7 +22,9 @@ Linear or convolution weight ``G`` groups, ``T`` positions, ``P`` inputs and
   with a subsampling ``V`` copies the curvature samples' rows
   (``N_S·C·G·T·O``, ``N_S·G·T·P``). A weight's bias keeps the vectors summed
   over the positions, ``[V, N, G·O]`` (the same rule for ``V``); every other
-  parameter ``(N + N_S·C)·numel`` (``V`` and the gradients copied). Nothing
+  parameter ``(N + N_S·C)·numel`` (``V`` and the gradients copied; BatchNorm's
+  from the vectors at its output, the others' from a one-hot pass,
+  :func:`func_one_hot`). Nothing
   else outlives the chunk it came from.
 - ``gram_dtype``: the collector casts each factor to it; only the viewed rows
   are copied (``V·N`` becomes ``N``), and the factors the engine handed on are
@@ -34,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.nn import Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
 from vivit.memory.probe import OUTER_PRODUCT_LAYERS, ProbedLayer
@@ -81,6 +84,17 @@ def kind(layer: ProbedLayer | None, name: str) -> str:
     """``"weight"``, ``"bias"`` (of a Linear or convolution layer) or ``"other"``."""
     outer = layer is not None and isinstance(layer.module, OUTER_PRODUCT_LAYERS)
     return name if outer and name in ("weight", "bias") else "other"
+
+
+def func_one_hot(layer: ProbedLayer | None, name: str) -> bool:
+    """Whether the func engine pushes a parameter's vectors back one sample at a time.
+
+    Linear and convolution weights and biases, and BatchNorm's (evaluation mode),
+    take their columns from the vectors at the layer output instead
+    (:mod:`vivit.engines.func.capture`).
+    """
+    scale = layer is not None and isinstance(layer.module, _BatchNorm)
+    return kind(layer, name) == "other" and not (scale and name in ("weight", "bias"))
 
 
 def backpack_entries(

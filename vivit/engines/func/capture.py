@@ -12,6 +12,11 @@ shared weight) stacks its calls along the position axis ``T``:
 ``Σ_u Σ_t s̃ᵘ[t] aᵘ[t]ᵀ`` is exactly the sum of the contributions of the uses,
 cross terms between the uses included in every Gram block.
 
+BatchNorm layers in evaluation mode are recorded too: their output is
+``γ ⊙ x̂ + β`` with the input ``x̂`` normalized by the running statistics, so the
+columns of ``V_γ`` are ``Σ_t s̃[t] ⊙ x̂[t]`` and those of ``V_β`` ``Σ_t s̃[t]``
+(``docs/math.rst``, "Layer structure"), from the same vectors ``s̃``.
+
 A parameter gets a factor form only if every one of its uses in the autograd graph
 is a recorded call (see :func:`count_uses`); otherwise the engine falls back to its
 dense columns, which are exact for any use.
@@ -28,9 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.nn.modules.batchnorm import _BatchNorm
 
 #: Layers whose weight has the outer-product factor form.
 FACTOR_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
+#: Layers whose weight is an entry-wise scale of the normalized input (evaluation
+#: mode: :func:`vivit._validation.check_batch_norm` refuses batch statistics).
+SCALE_LAYERS = (_BatchNorm,)
 _CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
@@ -55,26 +64,55 @@ class LayerCall:
         return (self.inputs._version, self.output._version) == self.versions
 
     def layer_inputs(self) -> Tensor:
-        """The layer input in factor layout ``[B, G, T, P]``."""
+        """The layer input in factor layout ``[B, G, T, P]``.
+
+        For a BatchNorm layer: its normalized input ``x̂``, ``[B, 1, T, O]``.
+        """
         if isinstance(self.module, Linear):
             return self.inputs.reshape(
                 self.inputs.shape[0], 1, -1, self.inputs.shape[-1]
             )
+        if isinstance(self.module, SCALE_LAYERS):
+            return normalized_input(self.module, self.inputs)
         unfolded = unfold_conv_input(self.module, self.inputs)  # [B, I·k, T]
         groups = self.module.groups
         unfolded = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
         return unfolded.transpose(2, 3)
 
     def output_vectors(self, vectors: Tensor) -> Tensor:
-        """Vectors ``[V, B, *out]`` at the layer output as ``[V, B, G, T, O]``."""
+        """Vectors ``[V, B, *out]`` at the layer output as ``[V, B, G, T, O]``.
+
+        A BatchNorm layer's channels are its ``O`` output features (``G = 1``).
+        """
         num, batch = vectors.shape[:2]
         if isinstance(self.module, Linear):
             return vectors.reshape(num, batch, 1, -1, vectors.shape[-1])
-        groups = self.module.groups
-        vectors = vectors.reshape(
-            num, batch, groups, self.module.out_channels // groups, -1
-        )
-        return vectors.transpose(3, 4)
+        if isinstance(self.module, SCALE_LAYERS):
+            groups, features = 1, self.module.num_features
+        else:
+            groups = self.module.groups
+            features = self.module.out_channels // groups
+        return vectors.reshape(num, batch, groups, features, -1).transpose(3, 4)
+
+
+def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
+    """A BatchNorm input normalized by the running statistics, ``[B, 1, T, O]``.
+
+    ``x̂ = (x - μ) / √(σ² + ε)`` per channel (``O`` channels, ``T`` positions): the
+    layer's output is ``γ ⊙ x̂ + β`` in evaluation mode.
+
+    Args:
+        module: A ``torch.nn.BatchNorm{1,2,3}d`` with running statistics.
+        inputs: Its input ``[B, O, *spatial]``.
+
+    Returns:
+        ``x̂`` with the channels last.
+    """
+    flat = inputs.reshape(inputs.shape[0], module.num_features, -1)
+    scale = torch.rsqrt(module.running_var + module.eps).to(inputs.dtype)
+    mean = module.running_mean.to(inputs.dtype)
+    normalized = (flat - mean[:, None]) * scale[:, None]
+    return normalized.transpose(1, 2).unsqueeze(1)
 
 
 def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
@@ -131,7 +169,7 @@ class LayerCapture:
         self.layers = [
             m
             for m in self.model.modules()
-            if isinstance(m, FACTOR_LAYERS) and id(m.weight) in requested
+            if isinstance(m, FACTOR_LAYERS + SCALE_LAYERS) and id(m.weight) in requested
         ]
 
     @contextmanager

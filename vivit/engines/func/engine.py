@@ -10,11 +10,14 @@ and its square root") together with the per-sample output gradients ``∂ℓ_n/�
 * Linear and convolution weights keep layer inputs and backpropagated vectors
   (:class:`~vivit.gram.OuterProductFactors`), their biases the vectors summed over
   positions; a layer called several times stacks its calls along the positions.
-* Every other parameter (normalization layers, embeddings, attention's in-projection,
-  LSTM weights, parameters used outside such layers) gets its columns of ``V``
-  explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's
-  contributions at a parameter, so each sample's vectors are pushed back in an
-  otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
+  BatchNorm layers (evaluation mode) keep ``Σ_t s̃[t] ⊙ x̂[t]`` for their weight
+  and ``Σ_t s̃[t]`` for their bias, ``x̂`` the normalized input (their columns
+  of ``V``, as small as the parameters).
+* Every other parameter (other normalization layers, embeddings, attention's
+  in-projection, LSTM weights, parameters used outside such layers) gets its
+  columns of ``V`` explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a
+  batch's contributions at a parameter, so each sample's vectors are pushed back
+  in an otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
 
 Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
 MC), ``w`` activation entries per sample (measured in the first forward pass) and
@@ -62,7 +65,7 @@ from vivit.engines.base import (
     ParamContribution,
     select_output,
 )
-from vivit.engines.func.capture import LayerCall, LayerCapture
+from vivit.engines.func.capture import SCALE_LAYERS, LayerCall, LayerCapture
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
@@ -313,7 +316,14 @@ class FuncEngine(Engine):
                 shared[key] = _cat(parts, dim=3)
             vectors = shared[key]
             entry = collected[id(param)]
-            if param is uses[0].module.weight:
+            if param is uses[0].module.weight and isinstance(
+                uses[0].module, SCALE_LAYERS
+            ):  # a scale of the normalized input x̂: Σ_t s̃[t] ⊙ x̂[t]
+                normalized = _cat([c.layer_inputs() for c in uses], dim=2)
+                entry.vectors = _place(
+                    entry.vectors, (vectors * normalized).sum(3), start, total, dim=1
+                )
+            elif param is uses[0].module.weight:
                 entry.vectors = _place(entry.vectors, vectors, start, total, dim=1)
                 layer_inputs = _cat([c.layer_inputs() for c in uses], dim=2)
                 entry.layer_inputs = _place(
