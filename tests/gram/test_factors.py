@@ -20,7 +20,10 @@ SHAPES = [  # (N, C, G, T, O, P)
     (2, 3, 1, 4, 3, 2),  # Linear on sequences
     (3, 2, 2, 5, 2, 3),  # grouped convolution
 ]
-ROUTES = {"gram": ["through_v", "pairs"], "vmp": ["through_v", "factored"]}
+ROUTES = {
+    "gram": ["through_v", "pairs", "sample_pairs"],
+    "vmp": ["through_v", "factored"],
+}
 
 
 def random_factors(N, C, G, T, O, P, seed=0):
@@ -175,6 +178,50 @@ def test_pairs_in_sample_blocks(budget, blocks, monkeypatch):
     assert_rel(factors.gram(other), vt @ vt2.T, REORDERED_REL)
     assert calls.count("ngtp,mgup->nmgtu") == blocks
     assert_rel(factors.gram(), vt @ vt.T, REORDERED_REL)
+
+
+@pytest.mark.parametrize(("budget", "blocks"), [(8, 3), (2 * 176 * 8, 2)])
+def test_sample_pairs_in_sample_blocks(budget, blocks, monkeypatch):
+    """The sample-pair route works on blocks of samples within the budget."""
+    N, C, G, T, O, P = 3, 2, 2, 2, 3, 2
+    factors, a, s = random_factors(N, C, G, T, O, P)
+    other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)
+    # one sample's intermediates with `other`: 2·4·T·(3·O + T) = 176 entries
+    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
+    force(monkeypatch, "sample_pairs")
+    calls = []
+    original = torch.einsum
+
+    def spy(equation, *operands):
+        calls.append(equation)
+        return original(equation, *operands)
+
+    monkeypatch.setattr("vivit.gram.outer.einsum", spy)
+    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
+    assert_rel(factors.gram(other), vt @ vt2.T, REORDERED_REL)
+    assert calls.count("ntp,mup->mntu") == G * blocks
+    assert_rel(factors.gram(), vt @ vt.T, REORDERED_REL)
+
+
+@pytest.mark.parametrize(
+    ("T", "O", "P", "route"),
+    [
+        (64, 64, 576, "through_v"),
+        (16, 128, 1152, "sample_pairs"),
+        (4, 256, 2304, "pairs"),
+    ],
+    ids=["8x8", "4x4", "2x2"],
+)
+def test_planner_routes_of_resnet18_convolutions(T, O, P, route):
+    """ResNet-18's 3x3 convolutions at 32x32 (N = 64, C = 10): the measured fastest.
+
+    One thread, seconds of through_v / pairs / sample_pairs: 8x8 1.2 / 42 / 5.6,
+    4x4 4.2 / 3.4 / 1.8, 2x2 17 / 0.31 / 0.91 (``COPY_WORK`` in vivit/gram/outer.py).
+    """
+    a = torch.zeros(64, 1, T, P)
+    s = torch.zeros(10, 64, 1, T, O)
+    factors = OuterProductFactors(a, s, torch.Size([O, P]))
+    assert factors._gram_route(factors).name == route
 
 
 def test_gram_stays_within_budget_when_no_route_fits(monkeypatch):

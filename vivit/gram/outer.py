@@ -18,7 +18,7 @@ from vivit.gram import planner
 from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors
-from vivit.gram.symmetric import self_gram
+from vivit.gram.symmetric import NUM_BLOCKS, self_gram
 
 #: Per-sample gradients: ``V`` replaces the factors where it has at most this many
 #: times fewer entries (forming it may be paid for nothing, see ``compact``).
@@ -26,6 +26,12 @@ COMPACT_RATIO = 4
 #: The GGN's ``V``: replaces the factors wherever it is no larger, since every Gram
 #: matrix and eigenvector forms it anyway (``compact``).
 GGN_COMPACT_RATIO = 1
+#: Multiply-adds one entry of the "sample_pairs" route's intermediate costs besides
+#: its products: it is written by one batched product and copied into the layout
+#: of the next. Measured on ResNet-18's convolutions (one thread, N = 64, C = 10):
+#: the route beats "pairs" 3x at T = 16 positions (6.2x fewer multiply-adds) and
+#: loses 1.7x at T = 4 (2.9x fewer); 32 puts the break-even between the two.
+COPY_WORK = 32
 
 
 def holds_v_explicitly(
@@ -152,6 +158,8 @@ class OuterProductFactors(ParamFactors):
         route = self._gram_route(other)
         if route.name == "through_v":
             return self._gram_through_v(other, self._gram_features_per_chunk(other))
+        if route.name == "sample_pairs":
+            return self._gram_sample_pairs(other, self._sample_pairs_per_chunk(other))
         return self._gram_pairs(other, self._samples_per_chunk(other))
 
     def gram_work(self) -> int:  # noqa: D102
@@ -182,8 +190,40 @@ class OuterProductFactors(ParamFactors):
             + r1 * r2 * G * T * T,
             memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
-        name = planner.choose(through_v, pairs, dtype=self._a.dtype)
-        return through_v if name == "through_v" else pairs
+        routes = {
+            r.name: r for r in (through_v, pairs, self._sample_pairs_route(other))
+        }
+        return routes[planner.choose(*routes.values(), dtype=self._a.dtype)]
+
+    def _sample_pairs_route(self, other: OuterProductFactors) -> planner.Route:
+        """The cost of :meth:`_gram_sample_pairs` (with its copies, see COPY_WORK)."""
+        n1, n2 = self.num_samples, other.num_samples
+        C, D = self.num_columns, other.num_columns
+        G, T, O, P = self._G, self._T, self._O, self._P
+        intermediate = n1 * n2 * G * T * D * O
+        return planner.Route(
+            "sample_pairs",
+            flops=n1 * n2 * G * T * T * P
+            + T * intermediate
+            + C * intermediate
+            + COPY_WORK * intermediate,
+            memory=self._sample_pairs_per_chunk(other) * 2 * n2 * T * (D * O + T),
+        )
+
+    def _sample_pairs_per_chunk(self, other: OuterProductFactors) -> int:
+        """Samples of ``self`` per block of :meth:`_gram_sample_pairs`.
+
+        Args:
+            other: Second set of factors.
+
+        Returns:
+            A number of samples, at least one.
+        """
+        budget = planner.budget_entries(self._a.dtype)
+        per_sample = (
+            2 * other.num_samples * self._T * (other.num_columns * self._O + self._T)
+        )
+        return max(1, min(self.num_samples, budget // per_sample))
 
     def _samples_per_chunk(self, other: OuterProductFactors) -> int:
         """Samples of ``self`` whose pairwise products with ``other`` fit the budget.
@@ -279,6 +319,51 @@ class OuterProductFactors(ParamFactors):
             outputs = einsum("cngto,dmguo->ncmdgtu", s, other._s)
             block = einsum("ncmdgtu,nmgtu->ncmd", outputs, inputs)
             gram[start * C : end * C] = block.reshape((end - start) * C, -1)
+        return gram
+
+    def _gram_sample_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
+        """``G̃[(n,c),(m,d)] = Σ_{g,t,u} s̃_nc[g,t]ᵀ (k_nm[g,t,u] s̃_md[g,u])``.
+
+        ``k_nm[g,t,u] = a_n[g,t]·a_m[g,u]`` are the inputs' position-pair products.
+        Weighting the other operand's vectors by them first,
+        ``z_nm[g,t,d] = Σ_u k_nm[g,t,u] s̃_md[g,u]``, costs ``C`` times fewer
+        multiply-adds than the products of all pairs of vectors of ``pairs``
+        (``docs/math.rst``, "Layer structure"). Computed for a block of
+        ``samples`` samples ``n`` at a time; of ``Vᵀ V`` only the blocks of the
+        lower triangle (at least ``NUM_BLOCKS`` of them), mirrored.
+
+        Args:
+            other: Second set of factors of the same parameter.
+            samples: Samples of ``self`` per block (see
+                :meth:`_sample_pairs_per_chunk`).
+
+        Returns:
+            Gram block, shape ``[self.num_rows, other.num_rows]``.
+        """
+        C, D = self.num_columns, other.num_columns
+        T, O = self._T, self._O
+        symmetric = other is self
+        if symmetric:  # blocks of the lower triangle, mirrored (as ``self_gram``)
+            samples = min(samples, -(-self.num_samples // NUM_BLOCKS))
+        gram = self._a.new_zeros(self.num_rows, other.num_rows)
+        for g in range(self._G):
+            # [m, u, (d, o)]: the other operand's vectors, by sample
+            vectors = other._s[:, :, g].permute(1, 2, 0, 3)
+            for start in range(0, self.num_samples, samples):
+                end = min(start + samples, self.num_samples)
+                n = end - start
+                M = end if symmetric else other.num_samples
+                kernel = einsum("ntp,mup->mntu", self._a[start:end, g], other._a[:M, g])
+                weighted = torch.bmm(
+                    kernel.reshape(M, n * T, T), vectors[:M].reshape(M, T, D * O)
+                )
+                # [n, (t, o), (m, d)]: contracted with each sample's own vectors
+                weighted = weighted.view(M, n, T, D, O).permute(1, 2, 4, 0, 3)
+                own = self._s[:, start:end, g].transpose(0, 1).reshape(n, C, T * O)
+                block = torch.bmm(own, weighted.reshape(n, T * O, M * D))
+                gram[start * C : end * C, : M * D] += block.reshape(n * C, M * D)
+        if symmetric:
+            gram = gram.tril() + gram.tril(-1).T
         return gram
 
     def _product_route(self, num_vectors: int) -> planner.Route:
