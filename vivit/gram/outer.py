@@ -26,11 +26,14 @@ COMPACT_RATIO = 4
 #: The GGN's ``V``: replaces the factors wherever it is no larger, since every Gram
 #: matrix and eigenvector forms it anyway (``compact``).
 GGN_COMPACT_RATIO = 1
-#: Multiply-adds one entry of the "sample_pairs" route's intermediate costs besides
-#: its products: it is written by one batched product and copied into the layout
-#: of the next. Measured on ResNet-18's convolutions (one thread, N = 64, C = 10):
-#: the route beats "pairs" 3x at T = 16 positions (6.2x fewer multiply-adds) and
-#: loses 1.7x at T = 4 (2.9x fewer); 32 puts the break-even between the two.
+#: Multiply-adds one entry of a large intermediate costs besides its products: it
+#: is written to memory and read back (the "sample_pairs" Gram route's, copied
+#: once more into the layout of its next product; ``V`` formed by "through_v" for
+#: ``V u``). Measured on ResNet-18's convolutions (one thread, N = 64): the
+#: Gram route beats "pairs" 3x at T = 16 positions (C = 10: 6.2x fewer
+#: multiply-adds) and loses 1.7x at T = 4 (2.9x fewer); ``V u`` for 10 vectors
+#: with C = 1 at T = 4 takes 0.095 s through ``V`` (3x fewer multiply-adds) and
+#: 0.029 s factored. 32 puts both break-evens between the measured cases.
 COPY_WORK = 32
 
 
@@ -378,7 +381,7 @@ class OuterProductFactors(ParamFactors):
         )
         through_v = planner.Route(
             "through_v",
-            flops=self._form_v_flops() + K * self._v_size(),
+            flops=self._form_v_flops() + (K + COPY_WORK) * self._v_size(),
             memory=self._v_size(),
         )
         name = planner.choose(factored, through_v, dtype=self._a.dtype)
