@@ -113,6 +113,25 @@ def test_results_do_not_track_gradients():
     assert not any(t.requires_grad for t in results)
 
 
+def test_eigenvectors_are_formed_once_and_are_the_callers(monkeypatch):
+    """``eigh`` hands out the ``V ũ`` it formed, not a copy (ResNet-18's top 10:
+    447 MB each); a second call forms new ones, whatever the caller did."""
+    model, loss_func, X, y = prepare(PROBLEMS[0], torch.float64)
+    ggn = LowRankGGN(model, loss_func, (X, y))
+
+    def refuse(tensors, params):
+        raise AssertionError("the eigenvectors were copied")
+
+    monkeypatch.setattr("vivit.results.in_param_dtypes", refuse)
+    _, first = ggn.eigh(top_k=2)
+    expected = [e.clone() for e in first]
+    for e in first:
+        e.zero_()
+    _, second = ggn.eigh(top_k=2)
+    for e, kept in zip(second, expected, strict=True):
+        torch.testing.assert_close(e, kept, rtol=0, atol=0)
+
+
 def test_float32_decomposition_falls_back_to_float64(monkeypatch):
     model, loss_func, X, y = prepare(PROBLEMS[0], torch.float32)
     ggn = LowRankGGN(model, loss_func, (X, y))

@@ -336,7 +336,11 @@ class CurvatureResults:
         source = self._source.group(group)
         key = (group, top_k, solver, tol, seed)
         evecs = self._param_directions(source, evals, gram_evecs, key)
-        return evals, in_param_dtypes(evecs, source.params)
+        if source.keeps_directions or source.parameter_space:
+            # views of kept results: the caller gets copies
+            return evals, in_param_dtypes(evecs, source.params)
+        # formed for this call (V ũ, as large as top_k models): not copied again
+        return evals, [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
 
     def operator(self, group: int = 0) -> GGNOperator:
         """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.

@@ -29,7 +29,8 @@ factors of the shapes the request holds. The samples are run in blocks of ``B``
   **eigensolver's** share: the Gram matrices it forms (``(N_S·C)²`` entries
   each, none for ``"matrix_free"``) and its workspace, with the largest
   intermediate of a convolution in factor form, which :mod:`vivit.gram.planner`
-  caps at its budget (256 MiB).
+  caps at its budget (256 MiB), or the ``top_k`` eigenvectors in parameter
+  space where they are larger (ResNet-18's top 10: 447 MB).
 
 The estimate leaves out the model, the data and the loaded libraries: it is the
 growth of the process's memory. ``tests/memory/test_memory.py`` checks it against
@@ -466,6 +467,10 @@ def _estimate(
         # while formed: the group's sum, a parameter's block, the route's blocks
         formation = size**2 + gram_route
         workspace = max(workspace, formation * kept_entry)
+    # the eigenvectors V ũ / √λ of the largest group, in the parameters' type,
+    # formed after the solve (its workspace freed) while the Gram matrices live
+    directions = min(size, size if top_k is None else top_k) * largest_group
+    workspace = max(workspace, directions * entry)
     # a block's layer outputs, and the inputs the other blocks' factors keep (in
     # one block, those inputs are among its layer outputs or the caller's inputs)
     activations = blocks.block * outputs_per_sample
