@@ -157,15 +157,24 @@ def test_through_v_in_feature_blocks(shape, budget, blocks, monkeypatch):
     assert_rel(cross, vt @ vt2.T, REORDERED_REL)
 
 
-@pytest.mark.parametrize(("budget", "blocks"), [(8, 3), (2 * 112 * 8, 2)])
-def test_pairs_in_sample_blocks(budget, blocks, monkeypatch):
-    """The pairwise route works on blocks of samples within the budget."""
+@pytest.mark.parametrize(
+    ("route", "equation", "budget", "blocks"),
+    [
+        ("pairs", "ngtp,mgup->nmgtu", 8, 3),
+        # one sample's pairwise products with `other`: (C·12 + 4)·G·T·T = 112
+        ("pairs", "ngtp,mgup->nmgtu", 2 * 112 * 8, 2),
+        ("sample_pairs", "ntp,mup->mntu", 8, 3),
+        # one sample's intermediates with `other`: 2·4·T·(3·O + T) = 176
+        ("sample_pairs", "ntp,mup->mntu", 2 * 176 * 8, 2),
+    ],
+)
+def test_sample_blocks_within_budget(route, equation, budget, blocks, monkeypatch):
+    """The routes through sample pairs work on blocks of samples within the budget."""
     N, C, G, T, O, P = 3, 2, 1, 2, 3, 2
     factors, a, s = random_factors(N, C, G, T, O, P)
     other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)
-    # one sample's pairwise products with `other`: (C·12 + 4)·G·T·T = 112 entries
     monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
-    force(monkeypatch, "pairs")
+    force(monkeypatch, route)
     calls = []
     original = torch.einsum
 
@@ -176,30 +185,7 @@ def test_pairs_in_sample_blocks(budget, blocks, monkeypatch):
     monkeypatch.setattr("vivit.gram.outer.einsum", spy)
     vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
     assert_rel(factors.gram(other), vt @ vt2.T, REORDERED_REL)
-    assert calls.count("ngtp,mgup->nmgtu") == blocks
-    assert_rel(factors.gram(), vt @ vt.T, REORDERED_REL)
-
-
-@pytest.mark.parametrize(("budget", "blocks"), [(8, 3), (2 * 176 * 8, 2)])
-def test_sample_pairs_in_sample_blocks(budget, blocks, monkeypatch):
-    """The sample-pair route works on blocks of samples within the budget."""
-    N, C, G, T, O, P = 3, 2, 2, 2, 3, 2
-    factors, a, s = random_factors(N, C, G, T, O, P)
-    other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)
-    # one sample's intermediates with `other`: 2·4·T·(3·O + T) = 176 entries
-    monkeypatch.setattr(planner, "MEMORY_BUDGET_BYTES", budget)
-    force(monkeypatch, "sample_pairs")
-    calls = []
-    original = torch.einsum
-
-    def spy(equation, *operands):
-        calls.append(equation)
-        return original(equation, *operands)
-
-    monkeypatch.setattr("vivit.gram.outer.einsum", spy)
-    vt, vt2 = explicit_vt(a, s), explicit_vt(a2, s2)
-    assert_rel(factors.gram(other), vt @ vt2.T, REORDERED_REL)
-    assert calls.count("ntp,mup->mntu") == G * blocks
+    assert calls.count(equation) == blocks
     assert_rel(factors.gram(), vt @ vt.T, REORDERED_REL)
 
 

@@ -214,33 +214,28 @@ class OuterProductFactors(ParamFactors):
         )
 
     def _sample_pairs_per_chunk(self, other: OuterProductFactors) -> int:
-        """Samples of ``self`` per block of :meth:`_gram_sample_pairs`.
-
-        Args:
-            other: Second set of factors.
-
-        Returns:
-            A number of samples, at least one.
-        """
-        budget = planner.budget_entries(self._a.dtype)
-        per_sample = (
+        """Samples of ``self`` per block of :meth:`_gram_sample_pairs`."""
+        return self._samples_within_budget(
             2 * other.num_samples * self._T * (other.num_columns * self._O + self._T)
         )
-        return max(1, min(self.num_samples, budget // per_sample))
 
     def _samples_per_chunk(self, other: OuterProductFactors) -> int:
-        """Samples of ``self`` whose pairwise products with ``other`` fit the budget.
+        """Samples of ``self`` whose pairwise products with ``other`` fit the budget."""
+        return self._samples_within_budget(
+            (self.num_columns * other.num_rows + other.num_samples)
+            * (self._G * self._T * self._T)
+        )
+
+    def _samples_within_budget(self, per_sample: int) -> int:
+        """Samples of ``self`` whose intermediates fit the planner's budget.
 
         Args:
-            other: Second set of factors.
+            per_sample: Entries of the intermediates per sample of ``self``.
 
         Returns:
             A number of samples, at least one.
         """
         budget = planner.budget_entries(self._a.dtype)
-        per_sample = (self.num_columns * other.num_rows + other.num_samples) * (
-            self._G * self._T * self._T
-        )
         return max(1, min(self.num_samples, budget // per_sample))
 
     def _features_per_chunk(self, rows: int) -> int:
