@@ -249,12 +249,12 @@ class UnionOutput:
             output: Its loss and gradient (of the loss on the block alone).
         """
         self.batches.append(batch)
-        if self._first is None:
+        if self._first is None:  # one block's are used as they are: no sum yet
             self._first = output
-        term = _unnormalized(output, batch)
-        if self._sum is None:
-            self._sum = term
             return
+        if self._sum is None:
+            self._sum = _unnormalized(self._first, self.batches[0])
+        term = _unnormalized(output, batch)
         self._sum = EngineOutput(
             self._sum.loss + term.loss,
             [a + b for a, b in zip(self._sum.gradients, term.gradients, strict=True)],
