@@ -57,6 +57,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+            mc_per: As for :class:`~vivit.options.CurvatureOptions`.
         subsampling: As for :class:`~vivit.options.CurvatureOptions`.
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
@@ -103,6 +104,7 @@ class LowRankGGN(CurvatureResults):
         *,
         param_groups: Sequence[Sequence[Parameter]] | None = None,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
@@ -125,6 +127,7 @@ class LowRankGGN(CurvatureResults):
             group,
             lambda: CurvatureOptions(
                 mc_samples=mc_samples,
+                mc_per=mc_per,
                 subsampling=subsampling,
                 generator=generator,
                 gram_dtype=gram_dtype,
@@ -213,6 +216,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Sequence[Sequence[Parameter]],
         *,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
@@ -232,6 +236,7 @@ class LowRankGGN(CurvatureResults):
             loss: The mini-batch loss, or a function that computes it.
             param_groups: Lists of parameters, one GGN block each.
             mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+            mc_per: As for :class:`~vivit.options.CurvatureOptions`.
             subsampling: As for :class:`~vivit.options.CurvatureOptions`.
             generator: As for :class:`~vivit.options.CurvatureOptions`.
             gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
@@ -249,6 +254,7 @@ class LowRankGGN(CurvatureResults):
         check_grad_mode("LowRankGGN.from_loss")
         options = CurvatureOptions(
             mc_samples=mc_samples,
+            mc_per=mc_per,
             subsampling=subsampling,
             generator=generator,
             gram_dtype=gram_dtype,

@@ -40,13 +40,15 @@ loaders and the three solvers (``docs/math.rst``, "Memory of a request").
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import CrossEntropyLoss, Module, Parameter
 
 from vivit._validation import (
     check_batch_norms,
@@ -59,7 +61,7 @@ from vivit._validation import (
 )
 from vivit.engines.base import Engine
 from vivit.engines.choice import resolve_engine
-from vivit.errors import InvalidArgumentError
+from vivit.errors import FactorsTooLargeError, InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
     OuterProductFactors,
@@ -89,9 +91,12 @@ from vivit.memory.forms import (
     kind,
 )
 from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
+from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions, check_option_names
 
 #: Measured peak growth of resident memory over the estimate lies within
+logger = logging.getLogger("vivit")
+
 #: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
 #: request"; checked by ``tests/memory/test_memory.py``).
 ESTIMATE_FACTOR = 1.5
@@ -209,6 +214,82 @@ def estimate_memory(
         options=options,
         param_groups=param_groups,
         top_k=top_k,
+    )
+
+
+def check_batch_fits(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+) -> None:
+    """Refuse one mini-batch whose stored factors cannot fit, before it runs.
+
+    The backward pass of the batch keeps every requested parameter's factors;
+    their estimate (activations, factors and the backward pass's transient of
+    :func:`estimate_memory`) divided by :data:`ESTIMATE_FACTOR` is a lower bound
+    of what the run needs (``docs/math.rst``, "Memory of a request"). If even
+    that exceeds the memory the process can still allocate, the run is refused
+    before anything large is allocated. The Gram matrix and the eigensolver come
+    later and are checked when formed (:class:`~vivit.GramTooLargeError`).
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (``engine`` resolved to an instance, so it
+            is not resolved twice).
+
+    Raises:
+        FactorsTooLargeError: If the lower bound exceeds the available memory.
+        Where the estimate cannot probe the model (e.g. a layer called with
+        keyword arguments), the batch runs unchecked and the logger ``"vivit"``
+        says so (level INFO).
+    """
+    batch_size = num_samples(inputs)
+    try:
+        estimate = estimate_memory(
+            model,
+            take_samples(inputs, slice(1)),
+            batch_size,
+            loss_func=loss_func,
+            param_groups=param_groups,
+            top_k=1,
+            options=options,
+        )
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
+            "without the check before its backward pass.",
+            type(error).__name__,
+            error,
+        )
+        return
+    needed = estimate.activations + estimate.factors + estimate.backward
+    device = param_groups[0][0].device
+    available = available_bytes(device)
+    if needed <= ESTIMATE_FACTOR * available:
+        return
+    gib = 2**30
+    raise FactorsTooLargeError(
+        f"The backward pass of this mini-batch of {batch_size} samples keeps "
+        f"factors of V with {estimate.num_rows} columns (N·C, N·C·T for sequences "
+        f"of T positions): estimated {needed / gib:.1f} GiB (factors "
+        f"{estimate.factors / gib:.1f} GiB, activations "
+        f"{estimate.activations / gib:.1f} GiB, backward pass "
+        f"{estimate.backward / gib:.1f} GiB; at least "
+        f"{needed / ESTIMATE_FACTOR / gib:.1f} GiB), but only "
+        f"{available / gib:.1f} GiB are available on {device}. "
+        "Refused before running. Store fewer columns: Monte-Carlo sample the loss "
+        "Hessian (mc_samples=1: N·T columns per token, N with mc_per='sequence'), "
+        "use the curvature of fewer samples (subsampling=[...]), a smaller batch, "
+        "or chunk_size=... (bounds the backward pass, not the kept factors); or "
+        "keep no factors at all: solver='implicit' (GGN-vector products) or "
+        "vivit.StreamingGGN(model, loss_func, [(X, y)]).eigh(top_k=...), which "
+        "recomputes them in every pass. vivit.memory.estimate_memory(...) "
+        "estimates a request before running it."
     )
 
 
@@ -386,8 +467,10 @@ def _estimate(
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
-    layers, outputs_per_sample, columns = probe(model, example_inputs, options.output)
-    columns = options.mc_samples or columns
+    layers, outputs_per_sample, sample_shape = probe(
+        model, example_inputs, options.output
+    )
+    columns = columns_per_sample(sample_shape, loss_func, options)
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
     func = engine.name == "func"
@@ -489,6 +572,26 @@ def _estimate(
         num_rows=size,
         engine=engine.name,
     )
+
+
+def columns_per_sample(
+    sample_shape: tuple[int, ...], loss_func: Module | None, options: CurvatureOptions
+) -> int:
+    """Columns of ``V`` per sample for a model output of ``sample_shape`` per sample.
+
+    ``C`` (every output entry, ``C·T`` for sequences) exact, ``M`` with Monte
+    Carlo, ``M·T`` per token for cross-entropy on sequences (``docs/math.rst``,
+    "Losses").
+    """
+    if not options.mc_samples:
+        return math.prod(sample_shape)
+    if (
+        isinstance(loss_func, CrossEntropyLoss)
+        and options.mc_per == "token"
+        and len(sample_shape) > 1
+    ):
+        return options.mc_samples * math.prod(sample_shape[1:])
+    return options.mc_samples
 
 
 def _probed_params(

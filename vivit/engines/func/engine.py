@@ -14,7 +14,7 @@ and its square root") together with the per-sample output gradients ``∂ℓ_n/�
   LSTM weights, parameters used outside such layers) gets its columns of ``V``
   explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's
   contributions at a parameter, so each sample's vectors are pushed back in an
-  otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
+  otherwise zero batch (:class:`~vivit.engines.func.columns.OneHotPerSample`).
 
 Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
 MC), ``w`` activation entries per sample (measured in the first forward pass) and
@@ -63,8 +63,9 @@ from vivit.engines.base import (
     select_output,
 )
 from vivit.engines.func.capture import LayerCall, LayerCapture
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
+from vivit.engines.func.vjp import BatchedVJP
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.gram.memory import check_gram_fits
@@ -181,25 +182,26 @@ class FuncEngine(Engine):
         output_grad: Tensor,
         batch: BatchInfo,
         request: CurvatureRequest,
-    ) -> Tensor:
+    ) -> VectorStack:
         """Vectors to backpropagate, ``[V, N, *out]``: root columns, then ``∂ℓ_n/∂f_n``.
 
-        Samples outside the curvature subsampling get zero root columns.
+        Samples outside the curvature subsampling get zero root columns. Formed
+        a block at a time as the backward passes take them.
         """
-        samples = list(batch.ggn_samples)
-        root = loss_curvature.sqrt_hessian(
-            samples, request.mc_samples, request.generator
+        root = loss_curvature.root(
+            list(batch.ggn_samples),
+            request.mc_samples,
+            request.generator,
+            request.mc_per,
         )
-        rows = _rows(batch.ggn_samples, output_grad.shape[0])
-        if isinstance(rows, slice):  # every sample: the root as it is
-            columns = root
-        else:
-            columns = root.new_zeros(root.shape[0], *output_grad.shape)
-            columns[:, rows] = root
-        if not request.compute_gradients:
-            return columns
-        per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
-        return torch.cat([columns, per_sample_grad.unsqueeze(0)])
+        gradients = (
+            output_grad.detach() * batch.per_sample_gradient_scale
+            if request.compute_gradients
+            else None
+        )
+        return VectorStack(
+            root, batch.ggn_samples, gradients, range(output_grad.shape[0])
+        )
 
     def chunking(
         self, num_samples: int, num_vectors: int, width: int, dense: int
@@ -267,7 +269,7 @@ class FuncEngine(Engine):
                     "sample chunk. Pass a larger memory_budget to process the batch "
                     "at once."
                 )
-            block = vectors[:, start : start + output.shape[0]]
+            block = vectors.samples(start, start + output.shape[0])
             self._factor_chunk(
                 to_layers(
                     output, [c.output for c in _calls(calls_of)], block, per_pass
@@ -278,7 +280,7 @@ class FuncEngine(Engine):
                 (start, total),
             )
             if dense:
-                columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
+                columns = to_params(output, dense, OneHotPerSample(block), per_pass)
                 for param, cols in zip(dense, columns, strict=True):
                     cols = cols.reshape(output.shape[0], len(vectors), *param.shape)
                     entry = collected[id(param)]
@@ -369,7 +371,9 @@ def _batch_info(
     return BatchInfo(
         normalization=loss_curvature.normalization,
         ggn_samples=samples,
-        columns_per_sample=mc_samples or output[0].numel(),
+        columns_per_sample=loss_curvature.columns_per_sample(
+            mc_samples, request.mc_per
+        ),
         mc_samples=mc_samples,
     )
 

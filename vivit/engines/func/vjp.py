@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
+
 
 class BatchedVJP:
     """``Jᵀ v`` of a graph's output for stacks of vectors ``v``.
@@ -25,14 +27,19 @@ class BatchedVJP:
         self.batched: bool | None = None
 
     def __call__(
-        self, output: Tensor, inputs: Sequence[Tensor], vectors: Tensor, chunk_size: int
+        self,
+        output: Tensor,
+        inputs: Sequence[Tensor],
+        vectors: Tensor | VectorStack | OneHotPerSample,
+        chunk_size: int,
     ) -> list[Tensor]:
         """``Jᵀ v`` of ``output`` w.r.t. each input.
 
         Args:
             output: A tensor of the graph, shape ``[*out]``.
             inputs: Tensors of the graph to differentiate with respect to.
-            vectors: ``[V, *out]``.
+            vectors: ``[V, *out]``: a tensor, or a stack that forms the
+                vectors it is sliced for (:mod:`vivit.engines.func.columns`).
             chunk_size: At most this many vectors per vmapped backward pass.
 
         Returns:
@@ -42,7 +49,9 @@ class BatchedVJP:
         if not inputs:
             return []
         results: list[list[Tensor]] = [[] for _ in inputs]
-        for chunk in vectors.split(max(chunk_size, 1)):
+        step = max(chunk_size, 1)
+        for start in range(0, len(vectors), step):
+            chunk = vectors[start : start + step]
             grads = self._chunk(output, inputs, chunk)
             for result, grad, x in zip(results, grads, inputs, strict=True):
                 result.append(
@@ -106,24 +115,3 @@ def _looped(output, inputs, chunk) -> list[Tensor | None]:
         None if parts[0] is None else torch.stack(parts)
         for parts in zip(*per_vector, strict=True)
     ]
-
-
-def one_hot_per_sample(vectors: Tensor) -> Tensor:
-    """Place each sample's vectors in an otherwise zero batch.
-
-    Backpropagating vector ``[b, v]`` of the result through a batch gives sample
-    ``b``'s own ``J_bᵀ v`` at the parameters, where autograd would otherwise sum
-    over the samples.
-
-    Args:
-        vectors: ``[V, B, *out]``.
-
-    Returns:
-        ``[B·V, B, *out]``; entry ``b·V + v`` holds ``vectors[v, b]`` at sample
-        ``b`` and zeros elsewhere.
-    """
-    num, batch = vectors.shape[:2]
-    placed = vectors.new_zeros(batch, num, *vectors.shape[1:])
-    index = torch.arange(batch, device=vectors.device)
-    placed[index, :, index] = vectors.transpose(0, 1)
-    return placed.reshape(batch * num, *vectors.shape[1:])
