@@ -301,3 +301,28 @@ def test_a_batch_that_fits_runs(monkeypatch):
         lambda device: kept // vivit.memory.estimate.ESTIMATE_FACTOR + 1,
     )
     LowRankGGN(model, loss_func, (X, y), engine="backpack").gram()
+
+
+class _PositionalConv(nn.Module):
+    """A parameter outside every leaf layer (a position embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = _conv_lm()
+        self.position = nn.Parameter(torch.randn(2, T + 2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.conv(x + self.position)
+
+
+def test_a_parameter_outside_the_leaf_layers_is_estimated(monkeypatch):
+    """The estimate (and so the refusal) covers a model-owned parameter."""
+    _, loss_func, X, y = _problem("sum")
+    model = _PositionalConv()
+    needs = vivit.memory.estimate.estimate_memory(
+        model, X[:1], N, loss_func=loss_func, engine="func"
+    )
+    assert needs.factors > 0
+    monkeypatch.setattr(vivit.memory.estimate, "available_bytes", lambda device: 0)
+    with pytest.raises(FactorsTooLargeError):
+        LowRankGGN(model, loss_func, (X, y))

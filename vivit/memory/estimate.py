@@ -488,7 +488,8 @@ def _estimate(
     caller_inputs = sum(
         e.caller_inputs
         for (layer, _, _), e in zip(params, kept, strict=True)
-        if blocks.loader_batch is not None or not layer.is_input
+        # a parameter no leaf layer owns (layer None) keeps its columns only
+        if blocks.loader_batch is not None or layer is None or not layer.is_input
     )
     if func:
         # its chunks' backward passes run while the block's factors are filled
@@ -560,7 +561,7 @@ def _estimate(
         owned = blocks.samples * sum(
             e.caller_inputs
             for (layer, _, _), e in zip(params, kept, strict=True)
-            if layer.is_input
+            if layer is not None and layer.is_input
         )
     return MemoryEstimate(
         activations=activations * entry,
