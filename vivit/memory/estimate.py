@@ -223,6 +223,7 @@ def check_batch_fits(
     inputs: ModelInputs,
     param_groups: Sequence[Sequence[Parameter]],
     options: CurvatureOptions,
+    engine: Engine,
 ) -> None:
     """Refuse one mini-batch whose stored factors cannot fit, before it runs.
 
@@ -239,8 +240,8 @@ def check_batch_fits(
         loss_func: The loss module.
         inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
         param_groups: The checked parameter groups.
-        options: The checked options (``engine`` resolved to an instance, so it
-            is not resolved twice).
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
 
     Raises:
         FactorsTooLargeError: If the lower bound exceeds the available memory.
@@ -249,15 +250,18 @@ def check_batch_fits(
         says so (level INFO).
     """
     batch_size = num_samples(inputs)
+    curvature = batch_size if options.subsampling is None else len(options.subsampling)
+    block = min(options.chunk_size or batch_size, batch_size)
     try:
-        estimate = estimate_memory(
+        estimate = _estimate(
             model,
             take_samples(inputs, slice(1)),
-            batch_size,
+            _Blocks(batch_size, curvature, block, loader_batch=None),
             loss_func=loss_func,
+            options=options,
             param_groups=param_groups,
             top_k=1,
-            options=options,
+            engine=engine,
         )
     except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
         logger.info(
@@ -453,8 +457,12 @@ def _estimate(
     options: CurvatureOptions,
     param_groups: Sequence[Sequence[Parameter]] | None,
     top_k: int | None,
+    engine: Engine | None = None,
 ) -> MemoryEstimate:
-    """The estimate for the request's samples in ``blocks``."""
+    """The estimate for the request's samples in ``blocks``.
+
+    ``engine`` is the run's where it resolved it already (else resolved here).
+    """
     check_model(model)
     param_groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
@@ -463,7 +471,8 @@ def _estimate(
     check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
+    if engine is None:
+        engine = resolve_engine(options.engine, model, loss_func, options.output)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)

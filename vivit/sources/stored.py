@@ -304,9 +304,7 @@ class StoredFactors(CurvatureSource):
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
         if single and shards.group is None:
-            check_batch_fits(
-                model, loss_func, data[0], param_groups, options.replace(engine=chosen)
-            )
+            check_batch_fits(model, loss_func, data[0], param_groups, options, chosen)
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
