@@ -60,7 +60,7 @@ def _ggn_matrix(ggn: LowRankGGN, num_params: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_root_blocks_are_the_whole_root(dtype):
+def test_root_blocks_are_the_whole_root(dtype, monkeypatch):
     """Any split of the columns gives the whole root's numbers, bit for bit."""
     gen = torch.Generator().manual_seed(0)
     output = torch.randn(N, C, 2, 3, generator=gen, dtype=dtype)
@@ -72,6 +72,10 @@ def test_root_blocks_are_the_whole_root(dtype):
     for step in (1, 4, 7):
         parts = [root[k : k + step] for k in range(0, len(root), step)]
         assert torch.equal(torch.cat(parts), whole)
+    # the whole root formed in blocks of a few columns (LossRoot's own blocks)
+    monkeypatch.setattr(vivit.losses, "ROOT_BLOCK_ENTRIES", 100)
+    assert torch.equal(root[:], whole)
+    assert torch.equal(root[2:], whole[2:])
     # column c·P + p is non-zero at position p only
     flat = whole.reshape(C, 6, 3, C, 6)
     off = ~torch.eye(6, dtype=torch.bool)
@@ -120,10 +124,32 @@ def test_exact_sequence_ggn(reduction, engine, subsampling):
 # ----------------------------------------------------------------------------------
 
 
+def _mc_estimates(model, loss_func, X, y, mc_per, runs, generator, subsampling=None):
+    """``runs`` MC estimates of ``G`` (one draw each), ``[runs, D, D]``."""
+    num_params = sum(p.numel() for p in model.parameters())
+    return torch.stack(
+        [
+            _ggn_matrix(
+                LowRankGGN(
+                    model,
+                    loss_func,
+                    (X, y),
+                    mc_samples=1,
+                    mc_per=mc_per,
+                    subsampling=subsampling,
+                    generator=generator,
+                ),
+                num_params,
+            )
+            for _ in range(runs)
+        ]
+    )
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("engine", ["backpack", "func"])
 def test_mc_column_counts(reduction, engine):
-    """Per token N·M·T Gram rows, per sequence N·M; the engines agree draw for draw."""
+    """Per token N·M·T Gram rows, per sequence N·M: the sums of the same draws."""
     model, loss_func, X, y = _problem(reduction)
     grams = {}
     for mc_per, rows in (("token", N * 2 * T), ("sequence", N * 2)):
@@ -157,61 +183,30 @@ def test_mc_is_unbiased(reduction, mc_per, subsampling):
     per entry.
     """
     model, loss_func, X, y = _problem(reduction)
-    num_params = sum(p.numel() for p in model.parameters())
-    gen = torch.Generator().manual_seed(0)
     runs = 200
-    estimates = torch.stack(
-        [
-            _ggn_matrix(
-                LowRankGGN(
-                    model,
-                    loss_func,
-                    (X, y),
-                    mc_samples=1,
-                    mc_per=mc_per,
-                    subsampling=subsampling,
-                    generator=gen,
-                ),
-                num_params,
-            )
-            for _ in range(runs)
-        ]
-    )
+    gen = torch.Generator().manual_seed(0)
+    estimates = _mc_estimates(model, loss_func, X, y, mc_per, runs, gen, subsampling)
     exact = dense_ggn(model, loss_func, X, y, subsampling=subsampling)
     standard_error = estimates.std(0) / runs**0.5
-    assert_within(estimates.mean(0), exact, 5 * standard_error + 1e-12)
-    # and the mean is informative: within 10 % of the largest entry
-    assert (estimates.mean(0) - exact).abs().max() < 0.1 * exact.abs().max()
+    # entries without variance are exact up to reordered sums (math.rst, tolerances)
+    floor = REORDERED_REL * exact.abs().max()
+    assert_within(estimates.mean(0), exact, 5 * standard_error + floor)
+    # narrower than a factor-2 error of the largest entry: the check has power
+    assert (5 * standard_error).max() < 0.5 * exact.abs().max()
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_mc_per_token_has_the_smaller_error(reduction):
     """Same draws: per token drops the cross terms between positions (math.rst)."""
     model, loss_func, X, y = _problem(reduction)
-    num_params = sum(p.numel() for p in model.parameters())
     exact = dense_ggn(model, loss_func, X, y)
     errors = {}
     for mc_per in ("token", "sequence"):
         gen = torch.Generator().manual_seed(0)
-        errors[mc_per] = sum(
-            (
-                _ggn_matrix(
-                    LowRankGGN(
-                        model,
-                        loss_func,
-                        (X, y),
-                        mc_samples=1,
-                        mc_per=mc_per,
-                        generator=gen,
-                    ),
-                    num_params,
-                )
-                - exact
-            )
-            .square()
-            .sum()
-            for _ in range(20)
-        )
+        estimates = _mc_estimates(model, loss_func, X, y, mc_per, 20, gen)
+        errors[mc_per] = (estimates - exact).square().sum()
+    # measured ratio 0.13 (both reductions: R scales both alike); 0.5 is the
+    # margin, and equal variances (ratio ≈ 1) would fail
     assert errors["token"] < 0.5 * errors["sequence"]
 
 

@@ -14,12 +14,16 @@ Interface::
     check_loss_function(loss_func)               # before the forward pass
     curvature = LossCurvature(loss_func, output, targets)   # validates the targets
     curvature.normalization.reduction_factor(samples)       # R of the loss on samples
-    curvature.sqrt_hessian(samples, mc_samples, generator)  # √R_S · S_n
+    curvature.root(samples, mc_samples, generator, mc_per)  # √R_S · S_n, lazily
+    curvature.sqrt_hessian(samples, mc_samples, generator, mc_per)  # all at once
 
-``sqrt_hessian`` has BackPACK's layout ``[K, |S|, *output.shape[1:]]`` with
-``K = output[0].numel()`` (exact; for ``[N, C, *T]`` outputs entry ``c·T + t``) or
-``K = M`` (Monte Carlo). Its ``R_S`` is that of the same loss evaluated on the
-samples ``S`` alone, so the GGN of a subsampling is exact, and
+The root has BackPACK's layout ``[K, |S|, *output.shape[1:]]`` with
+``K = output[0].numel()`` (exact; for ``[N, C, *T]`` outputs entry ``c·T + t``,
+non-zero at position ``t`` only), ``K = M·T`` (Monte Carlo per token, entry
+``m·T + t``) or ``K = M`` (per sequence). :meth:`LossCurvature.root` forms a
+block of columns when sliced, never the whole root unless asked. Its ``R_S`` is
+that of the same loss evaluated on the samples ``S`` alone, so the GGN of a
+subsampling is exact, and
 ``L = R Σ_n ℓ_n`` holds with the per-sample losses ``ℓ_n`` of ``docs/math.rst``.
 :class:`LossNormalization` is the one place where ``R`` is computed.
 """
@@ -283,6 +287,11 @@ class LossCurvature:
         return self.root(samples, mc_samples, generator, mc_per)[:]
 
 
+#: Entries of the unit root formed at once (float64 for a float32 output) when
+#: many columns are asked for: 2**22, 32 MiB.
+ROOT_BLOCK_ENTRIES = 2**22
+
+
 class LossRoot:
     """A loss-Hessian root ``[K, |S|, *out]``, formed a block of columns at a time.
 
@@ -343,8 +352,23 @@ class LossRoot:
             raise InvalidArgumentError(
                 f"A loss root is indexed by consecutive columns, got step {step}."
             )
-        unit = self._unit(start, max(start, stop), self._rows)
-        return unit * self._factor[self._rows].unsqueeze(0)
+        stop = max(start, stop)
+        factor = self._factor[self._rows].unsqueeze(0)
+        per_column = max(1, self.shape[1:].numel())
+        step = max(1, ROOT_BLOCK_ENTRIES // per_column)
+        if stop - start <= step:
+            return self._unit(start, stop, self._rows) * factor
+        # many columns (BackPACK takes them all): the float64 unit root of one
+        # block of columns at a time, written into the result
+        root = factor.new_empty(stop - start, *self.shape[1:])
+        for first in range(start, stop, step):
+            last = min(stop, first + step)
+            torch.mul(
+                self._unit(first, last, self._rows),
+                factor,
+                out=root[first - start : last - start],
+            )
+        return root
 
 
 # ----------------------------------------------------------------------------------
