@@ -14,6 +14,8 @@ parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs",
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -583,11 +585,25 @@ def warn_fewer_eigenpairs(
         why = (
             f"{rows - found} of the Gram matrix's {rows} eigenvalues are numerical "
             "zeros (at or below the tolerance of docs/math.rst, 'Precision and the "
-            "numerical zero'): the GGN has rank at most N·(C - 1) for cross-entropy"
+            "numerical zero'; cross-entropy's GGN has rank at most N·(C - 1), "
+            "N·(C - 1)·T on sequences)"
         )
     warnings.warn(
         f"top_k={top_k} eigenpairs were asked for, but only {found} exist: {why}. "
         f"The {found} that exist are returned.",
         FewerEigenpairsWarning,
-        stacklevel=4,
+        stacklevel=_outside_the_package(),
     )
+
+
+def _outside_the_package() -> int:
+    """``stacklevel`` of the first caller outside ``vivit`` (of the warning's caller).
+
+    The results reach the eigenpairs through calls of different depths (``eigh``,
+    ``directional_derivatives``, ``newton_step``, the compat classes).
+    """
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -48,19 +48,23 @@ class BatchedVJP:
         """
         if not inputs:
             return []
-        results: list[list[Tensor]] = [[] for _ in inputs]
-        step = max(chunk_size, 1)
-        for start in range(0, len(vectors), step):
+        total, step = len(vectors), max(chunk_size, 1)
+        if total <= step:  # one pass: its products are the result
+            grads = self._chunk(output, inputs, vectors[:])
+            return [
+                x.new_zeros(total, *x.shape) if grad is None else grad.detach()
+                for grad, x in zip(grads, inputs, strict=True)
+            ]
+        # several passes: each written into the result, no list of parts besides
+        results = [x.new_zeros(total, *x.shape) for x in inputs]
+        for start in range(0, total, step):
             chunk = vectors[start : start + step]
             grads = self._chunk(output, inputs, chunk)
-            for result, grad, x in zip(results, grads, inputs, strict=True):
-                result.append(
-                    chunk.new_zeros(len(chunk), *x.shape) if grad is None else grad
-                )
-        return [
-            (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
-            for parts in results
-        ]
+            for result, grad in zip(results, grads, strict=True):
+                if grad is not None:
+                    result[start : start + len(chunk)] = grad
+            del chunk, grads
+        return results
 
     def _chunk(self, output, inputs, chunk) -> list[Tensor | None]:
         if self.batched is None:
