@@ -16,9 +16,11 @@ and its square root") together with the per-sample output gradients ``∂ℓ_n/�
   contributions at a parameter, so each sample's vectors are pushed back in an
   otherwise zero batch (:class:`~vivit.engines.func.columns.OneHotPerSample`).
 
-Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
-MC), ``w`` activation entries per sample (measured in the first forward pass) and
-``D`` entries of the parameters without a factor form, the engine processes ``B``
+Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``C·T + 1``
+for cross-entropy on ``[N, C, *T]``; ``M + 1`` with MC, ``M·T + 1`` per token),
+formed a pass's vectors at a time (:mod:`vivit.engines.func.columns`), ``w``
+activation entries per sample (measured in the first forward pass) and ``D``
+entries of the parameters without a factor form, the engine processes ``B``
 samples at a time. ``B`` is the largest chunk whose memory stays below
 ``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
 split further if even one sample does not fit. Per chunk: one vmapped backward
