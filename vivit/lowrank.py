@@ -16,6 +16,7 @@ from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature
 from vivit.sources.implicit import ImplicitFactors
+from vivit.sources.route import RouteChoice, choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -85,6 +86,10 @@ class LowRankGGN(CurvatureResults):
             the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
             (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
+        route: The route that ran and why (:class:`~vivit.sources.route.
+            RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
+            (GGN-vector products), which ``solver="auto"`` chooses for a
+            mini-batch by memory and cost (:mod:`vivit.sources.route`).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -188,24 +193,29 @@ class LowRankGGN(CurvatureResults):
         with ShardExchange(group) as shards:
             check_grad_mode("LowRankGGN")
             checked = options()
-            if checked.solver == "implicit":  # no engine, no V: G v by JVP and VJP
-                source = ImplicitFactors(
-                    local_module(model), loss_func, data, param_groups, checked
-                )
+            module = local_module(model)
+            route = choose_route(module, loss_func, data, param_groups, checked)
+            if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
+                checked = checked.replace(solver="implicit")
+                source = ImplicitFactors(module, loss_func, data, param_groups, checked)
             else:
                 source = StoredFactors.run(
-                    local_module(model), loss_func, data, param_groups, checked, shards
+                    module, loss_func, data, param_groups, checked, shards
                 )
-        self._init(source, checked)
+        self._init(source, checked, route)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""
         return self._source.group(group).curvature
 
     def _init(
-        self, source: StoredFactors | ImplicitFactors, options: CurvatureOptions
+        self,
+        source: StoredFactors | ImplicitFactors,
+        options: CurvatureOptions,
+        route: RouteChoice,
     ) -> None:
         super().__init__(source, options)
+        self.route = route
         self.shards = source.shards
         self.communication = source.communication
 
@@ -287,5 +297,5 @@ class LowRankGGN(CurvatureResults):
 
         source = StoredFactors.from_loss(loss, param_groups, options, BackpackEngine())
         ggn = cls.__new__(cls)
-        ggn._init(source, options)
+        ggn._init(source, options, RouteChoice("gram", "from_loss: BackPACK's factors"))
         return ggn

@@ -217,6 +217,65 @@ def estimate_memory(
     )
 
 
+def batch_estimate(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> MemoryEstimate | None:
+    """The estimate of one mini-batch's Gram route, from a one-sample probe.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
+
+    Returns:
+        The estimate (for one leading eigenpair), or ``None`` where the model
+        cannot be probed (e.g. a layer called with keyword arguments); the logger
+        ``"vivit"`` then says why (level INFO).
+    """
+    batch_size = num_samples(inputs)
+    curvature = batch_size if options.subsampling is None else len(options.subsampling)
+    block = min(options.chunk_size or batch_size, batch_size)
+    try:
+        return _estimate(
+            model,
+            take_samples(inputs, slice(1)),
+            _Blocks(batch_size, curvature, block, loader_batch=None),
+            loss_func=loss_func,
+            options=options,
+            param_groups=param_groups,
+            top_k=1,
+            engine=engine,
+        )
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
+            "without the check before its backward pass.",
+            type(error).__name__,
+            error,
+        )
+        return None
+
+
+def kept_bytes(estimate: MemoryEstimate) -> int:
+    """Bytes the backward pass of a batch holds at its peak (no Gram matrix yet).
+
+    Args:
+        estimate: The batch's estimate.
+
+    Returns:
+        Its activations, the kept factors and the backward pass's transient.
+    """
+    return estimate.activations + estimate.factors + estimate.backward
+
+
 def check_batch_fits(
     model: Module,
     loss_func: Module,
@@ -249,29 +308,11 @@ def check_batch_fits(
         keyword arguments), the batch runs unchecked and the logger ``"vivit"``
         says so (level INFO).
     """
-    batch_size = num_samples(inputs)
-    curvature = batch_size if options.subsampling is None else len(options.subsampling)
-    block = min(options.chunk_size or batch_size, batch_size)
-    try:
-        estimate = _estimate(
-            model,
-            take_samples(inputs, slice(1)),
-            _Blocks(batch_size, curvature, block, loader_batch=None),
-            loss_func=loss_func,
-            options=options,
-            param_groups=param_groups,
-            top_k=1,
-            engine=engine,
-        )
-    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
-        logger.info(
-            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
-            "without the check before its backward pass.",
-            type(error).__name__,
-            error,
-        )
+    estimate = batch_estimate(model, loss_func, inputs, param_groups, options, engine)
+    if estimate is None:
         return
-    needed = estimate.activations + estimate.factors + estimate.backward
+    batch_size = num_samples(inputs)
+    needed = kept_bytes(estimate)
     device = param_groups[0][0].device
     available = available_bytes(device)
     if needed <= ESTIMATE_FACTOR * available:
