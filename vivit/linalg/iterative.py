@@ -334,8 +334,10 @@ class _KrylovBasis:
 
     def __init__(self, block: Tensor, image: Tensor, capacity: int):
         size = block.shape[0]
-        self._basis = block.new_empty(size, capacity)
-        self._images = block.new_empty(size, capacity)
+        # Q and A Q stored transposed, one basis vector per row: a new block
+        # writes (and first touches) only its own rows, and Q[:, :m] is contiguous
+        self._basis_rows = block.new_empty(capacity, size)
+        self._image_rows = block.new_empty(capacity, size)
         self._projected = block.new_empty(capacity, capacity)
         self._filled = 0
         self._last = slice(0, 0)
@@ -349,17 +351,17 @@ class _KrylovBasis:
             image: ``A`` times them.
         """
         new = slice(self._filled, self._filled + block.shape[1])
-        self._basis[:, new] = block
-        self._images[:, new] = image
+        self._basis_rows[new] = block.T
+        self._image_rows[new] = image.T
         self._filled, self._last = new.stop, new
-        coupling = self._basis[:, : new.stop].T @ image
+        coupling = self._basis_rows[: new.stop] @ image
         self._projected[: new.stop, new] = coupling
         self._projected[new, : new.stop] = coupling.T
 
     @property
     def room(self) -> int:
         """Columns the basis can still take."""
-        return self._basis.shape[1] - self._filled
+        return self._basis_rows.shape[0] - self._filled
 
     def expansion(self) -> tuple[Tensor | None, Tensor]:
         """The next block: ``A`` times the last one minus its part in ``Q``.
@@ -375,8 +377,8 @@ class _KrylovBasis:
             ``R`` orthonormalized (``None`` if the Krylov space is exhausted: an
             invariant subspace), which may not fit into the basis, and ``Rᵀ R``.
         """
-        basis = self._basis[:, : self._filled]
-        new, residual_gram = _orthonormalize(basis, self._images[:, self._last])
+        basis = self._basis_rows[: self._filled].T
+        new, residual_gram = _orthonormalize(basis, self._image_rows[self._last].T)
         return (new if new.shape[1] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -423,7 +425,8 @@ class _KrylovBasis:
             Both ``[R, c]``.
         """
         m = self._filled
-        return self._basis[:, :m] @ coefficients, self._images[:, :m] @ coefficients
+        basis, images = self._basis_rows[:m], self._image_rows[:m]
+        return basis.T @ coefficients, images.T @ coefficients
 
 
 def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor]:
