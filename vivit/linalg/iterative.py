@@ -378,7 +378,9 @@ class _KrylovBasis:
             invariant subspace), which may not fit into the basis, and ``Rᵀ R``.
         """
         basis = self._basis_rows[: self._filled].T
-        new, residual_gram = _orthonormalize(basis, self._image_rows[self._last].T)
+        image = self._image_rows[self._last].T
+        coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
+        new, residual_gram = _orthonormalize(basis, image, coupling)
         return (new if new.shape[1] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -429,7 +431,9 @@ class _KrylovBasis:
         return basis.T @ coefficients, images.T @ coefficients
 
 
-def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor]:
+def _orthonormalize(
+    basis: Tensor | None, block: Tensor, coefficients: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Orthonormal columns spanning ``block`` minus its part in ``span(basis)``.
 
     Projection twice (classical Gram-Schmidt with reorthogonalization), then
@@ -440,6 +444,8 @@ def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor
     Args:
         basis: Orthonormal columns, or ``None``.
         block: Columns to orthonormalize.
+        coefficients: ``basisᵀ block`` if already computed (the first
+            projection then costs one pass over the basis instead of two).
 
     Returns:
         ``[size, b']`` with ``b' ≤ b``, and the Gram matrix ``Rᵀ R`` of the block
@@ -453,7 +459,10 @@ def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor
     for projections in (2, 1):
         if basis is not None:
             for _ in range(projections):
-                block = block - basis @ (basis.T @ block)
+                if coefficients is None:
+                    coefficients = basis.T @ block
+                block = block - basis @ coefficients
+                coefficients = None
         gram = block.T @ block
         if projections == 2:
             residual_gram = gram
