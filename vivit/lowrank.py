@@ -14,7 +14,7 @@ from vivit.distributed import ShardExchange, local_module, resolve_group
 from vivit.engines.base import Engine, OutputSelector
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
-from vivit.sources.collector import GroupCurvature
+from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.implicit import ImplicitFactors
 from vivit.sources.route import RouteChoice, choose_route
 from vivit.sources.stored import StoredFactors
@@ -194,13 +194,14 @@ class LowRankGGN(CurvatureResults):
             check_grad_mode("LowRankGGN")
             checked = options()
             module = local_module(model)
-            route = choose_route(module, loss_func, data, param_groups, checked)
+            groups, _ = checked_param_groups(module, loss_func, param_groups)
+            route = choose_route(module, loss_func, data, groups, checked)
             if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
                 checked = checked.replace(solver="implicit")
-                source = ImplicitFactors(module, loss_func, data, param_groups, checked)
+                source = ImplicitFactors(module, loss_func, data, groups, checked)
             else:
                 source = StoredFactors.run(
-                    module, loss_func, data, param_groups, checked, shards
+                    module, loss_func, data, groups, checked, shards
                 )
         self._init(source, checked, route)
 

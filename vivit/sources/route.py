@@ -27,7 +27,6 @@ reason are kept as :class:`RouteChoice` (``LowRankGGN.route``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch.nn import Module, Parameter
@@ -40,7 +39,6 @@ from vivit.memory.estimate import ESTIMATE_FACTOR, batch_estimate, kept_bytes
 from vivit.model_inputs import num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.batches import check_batched, is_batch
-from vivit.sources.collector import checked_param_groups
 from vivit.sources.implicit import implicit_obstacle
 
 #: Leading eigenpairs the choice is made for (the library's usual ``top_k``).
@@ -49,12 +47,16 @@ ROUTE_TOP_K = 10
 #: :data:`ROUTE_TOP_K` pairs (:data:`~vivit.linalg.top_k.EXPECTED_BLOCKS` blocks
 #: of ``k`` vectors).
 EXPECTED_PRODUCTS = EXPECTED_BLOCKS * ROUTE_TOP_K
-#: Forward+backward passes of the batch that one implicit product costs (a JVP
-#: and a VJP; ``benchmarks/README.md``, "Choosing the route").
+#: Forward+backward passes of the batch that one implicit product vector costs,
+#: its share of the solver's linear algebra included (measured 1.0 to 3.7 for the
+#: JVP and VJP alone on GPT-2 shapes and the char-LSTM; ``benchmarks/README.md``,
+#: "The implicit route on language models").
 IMPLICIT_PASSES_PER_PRODUCT = 3.0
 #: Forward+backward passes of the batch that one column of ``V`` per sample costs
-#: the Gram route (its backward pass and the Gram matrix of its factors).
-GRAM_PASSES_PER_COLUMN = 0.5
+#: the Gram route, its backward pass and Gram matrix included (measured 2.5 for
+#: the 3c3d CNN with BackPACK, ``N`` = 32 to 128, and 7 for the char-LSTM with
+#: the func engine, whose LSTM weights have explicit columns).
+GRAM_PASSES_PER_COLUMN = 4.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def choose_route(
     model: Module,
     loss_func: Module,
     data: object,
-    param_groups: Sequence[Sequence[Parameter]] | None,
+    param_groups: list[list[Parameter]],
     options: CurvatureOptions,
 ) -> RouteChoice:
     """The route of a request (see the module docstring for the rules).
@@ -90,7 +92,7 @@ def choose_route(
         model: The network.
         loss_func: The loss module.
         data: One mini-batch or an iterable of them.
-        param_groups: As the caller passed them.
+        param_groups: The checked parameter groups.
         options: The checked options.
 
     Returns:
@@ -116,11 +118,10 @@ def _compare_routes(
     model: Module,
     loss_func: Module,
     data: object,
-    param_groups: Sequence[Sequence[Parameter]] | None,
+    groups: list[list[Parameter]],
     options: CurvatureOptions,
 ) -> RouteChoice:
     """Memory first, then passes: the route for one mini-batch."""
-    groups, _ = checked_param_groups(model, loss_func, param_groups)
     check_batched(data, model)  # the checks of the Gram route, in its order
     inputs = check_batch(data)[0]
     check_inputs_match(inputs, list(model.parameters()))
