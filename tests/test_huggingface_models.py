@@ -27,13 +27,11 @@ from vivit import InvalidTargetsError, LowRankGGN
 from vivit.huggingface import (
     IGNORE_INDEX,
     causal_lm_targets,
-    hide_broken_torchvision,
     split_labels,
     token_logits,
 )
 
-hide_broken_torchvision()
-transformers = pytest.importorskip("transformers")
+hf_models = pytest.importorskip("tests.fixtures.hf_models", exc_type=ImportError)
 
 #: torch.func has no batching rule for SDPA's CPU backward: slower, still exact
 pytestmark = pytest.mark.filterwarnings(
@@ -41,53 +39,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 RTOL = EIGVAL_RTOL[torch.float64]
 EXAMPLE = Path(__file__).parents[1] / "exp" / "huggingface.py"
-N, T, VOCAB, CLASSES = 3, 5, 7, 3
-
-
-def _gpt2():
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB, n_positions=8
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _bert():
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=8,
-        max_position_embeddings=8,
-        num_labels=CLASSES,
-    )
-    return transformers.BertForSequenceClassification(config)
-
-
-def _vit():
-    config = transformers.ViTConfig(
-        image_size=4,
-        patch_size=2,
-        num_channels=1,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=8,
-        num_labels=CLASSES,
-    )
-    return transformers.ViTForImageClassification(config)
-
-
-def _resnet():
-    config = transformers.ResNetConfig(
-        num_channels=1,
-        embedding_size=4,
-        hidden_sizes=[4],
-        depths=[1],
-        layer_type="basic",
-        num_labels=CLASSES,
-    )
-    return transformers.ResNetForImageClassification(config)
+N, T, VOCAB, CLASSES = 3, 5, hf_models.VOCAB, hf_models.CLASSES
 
 
 def _padded_tokens():
@@ -104,12 +56,12 @@ def _problem(name: str):
     if name == "gpt2":
         inputs = _padded_tokens()
         targets = causal_lm_targets(**inputs)
-        return _gpt2(), inputs, targets, token_logits
+        return hf_models.gpt2(), inputs, targets, token_logits
     targets = torch.randint(0, CLASSES, (N,))
     if name == "bert":
-        return _bert(), _padded_tokens(), targets, "logits"
+        return hf_models.bert(), _padded_tokens(), targets, "logits"
     pixel_values = torch.randn(N, 1, 4, 4, dtype=torch.float64)
-    model = _vit() if name == "vit" else _resnet()
+    model = hf_models.vit() if name == "vit" else hf_models.resnet()
     return model, {"pixel_values": pixel_values}, targets, "logits"
 
 
@@ -190,7 +142,7 @@ def test_split_labels_give_the_model_s_own_loss_and_the_reference_ggn(name, redu
     ``docs/math.rst``, "Precision and the numerical zero").
     """
     torch.manual_seed(0)
-    model = (_gpt2() if name == "gpt2" else _bert()).double().eval()
+    model = (hf_models.gpt2() if name == "gpt2" else hf_models.bert()).double().eval()
     batches = _collated_batches(name)
     shift, output = (True, token_logits) if name == "gpt2" else (False, "logits")
     loader = split_labels(batches, shift=shift)

@@ -250,10 +250,13 @@ def next_token_targets(inputs: ModelInputs, source: str) -> Tensor:
         StudyError: If there are no token ids to predict.
     """
     if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+        found = list(inputs) if isinstance(inputs, Mapping) else "inputs"
         raise StudyError(
-            f"{source} has no 'targets': give one class index per sample [N] or per "
-            "position [N, T], or keyword inputs with 'input_ids' (then the targets "
-            "are the next tokens, as for a causal language model)."
+            f"{source} has no 'targets' (found {found}): give 'inputs' and 'targets', "
+            "or the model's keyword inputs with 'targets' (one class index per "
+            "sample [N] or per position [N, T]), or with 'input_ids' and no "
+            "'targets' (the next tokens are the targets, as for a causal language "
+            "model)."
         )
     return causal_lm_targets(inputs["input_ids"], inputs.get("attention_mask"))
 

@@ -20,8 +20,8 @@ from tests.fixtures.reference import dense_ggn
 from tests.studies.study_helpers import read_results
 from vivit.huggingface import IGNORE_INDEX, token_logits
 
-hf_factories = pytest.importorskip(
-    "tests.studies.hf_factories", exc_type=ImportError
+hf_models = pytest.importorskip(
+    "tests.fixtures.hf_models", exc_type=ImportError
 )  # needs transformers
 
 from studies.data import load_dataset  # noqa: E402
@@ -31,8 +31,8 @@ from studies.training import accuracy  # noqa: E402
 pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop:UserWarning"
 )
-FACTORIES = hf_factories.__file__
-VOCAB, T, CLASSES = hf_factories.VOCAB, hf_factories.POSITIONS, hf_factories.CLASSES
+FACTORIES = hf_models.__file__
+VOCAB, T, CLASSES = hf_models.VOCAB, 5, hf_models.CLASSES
 
 
 def _tokens(num: int) -> dict[str, np.ndarray]:
@@ -85,7 +85,7 @@ def test_gpt2_spectrum_is_the_reference_ggn_of_its_next_tokens(
     assert status == 0, err
     results = read_results(tmp_path / "o")
     data = load_dataset(token_file, 0.2, 0)
-    model = hf_factories.gpt2().double().eval()
+    model = hf_models.gpt2().double().eval()
     model.load_state_dict(torch.load(tmp_path / "o" / "model.pt"))
     reference = dense_ggn(
         model, nn.CrossEntropyLoss(), data.test_inputs, data.test_targets,
