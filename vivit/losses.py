@@ -519,6 +519,7 @@ def _cross_entropy(
             f"{tuple(targets.shape)} for a model output of shape "
             f"{tuple(output.shape)}; expected {expected} (or probability targets "
             f"of shape {tuple(output.shape)}).{_flattened_positions(output, targets)}"
+            f"{_classes_last(output, targets)}"
         )
     y = targets.cpu().long()
     counted = y != loss_func.ignore_index
@@ -568,6 +569,17 @@ def _flattened_positions(output: Tensor, targets: Tensor) -> str:
         "structure, and the mean over positions, follow it). Return the logits "
         f"as [N, C, *T], e.g. logits.reshape({samples}, {sizes}, "
         f"{output.shape[1]}).movedim(-1, 1), with targets {tuple(targets.shape)}."
+    )
+
+
+def _classes_last(output: Tensor, targets: Tensor) -> str:
+    """Advice for logits ``[N, *T, C]`` (Hugging Face's) of targets ``[N, *T]``."""
+    if output.dim() < 3 or tuple(targets.shape) != tuple(output.shape[:-1]):
+        return ""
+    return (
+        " The output looks like logits with the classes on the last axis, as "
+        "Hugging Face models return them: move them to dim 1 with "
+        "output=vivit.huggingface.token_logits (or logits.movedim(-1, 1))."
     )
 
 
