@@ -21,7 +21,7 @@ import torch
 from tests.engines.test_func_engine import func_reference
 from tests.fixtures.checks import REORDERED_REL, assert_rel
 from vivit import LowRankGGN
-from vivit.engines.func import FuncEngine
+from vivit.engines.func import FuncEngine, vjp
 from vivit.engines.func.functional import FunctionCapture
 from vivit.gram import (
     DenseFactors,
@@ -30,7 +30,9 @@ from vivit.gram import (
     SumFactors,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:There is a performance drop:UserWarning"
+)
 
 VARIANTS = {
     "exact": {},
@@ -123,7 +125,7 @@ def _dense_entries(monkeypatch, name: str) -> tuple[torch.nn.Module, list]:
 
 
 def test_causal_lm_forms(monkeypatch):
-    """Tied table: sum of lookup and output layer; only the position table falls back."""
+    """Tied table: lookup plus output layer; only the position table falls back."""
     seen, forms = _dense_entries(monkeypatch, "causal-lm-ce-mean")
     tied = forms["tokens.weight"]
     assert isinstance(tied, SumFactors)
@@ -143,3 +145,53 @@ def test_sequence_first_conv1d_forms(monkeypatch):
         assert isinstance(forms[name], OuterProductFactors)
         assert forms[name].transposed
     assert isinstance(forms["attention.in_proj_weight"], OuterProductFactors)
+
+
+@pytest.mark.parametrize("variant", ["exact", "mc", "subsampled", "chunked"])
+def test_vectorized_fallback_matches_one_hot_batches(variant, explicit, monkeypatch):
+    """Explicit columns by vmap over the samples = by one-hot batches."""
+    taken = []
+    per_sample = vjp.per_sample_vjp
+
+    def spy(*args, **kwargs):
+        columns = per_sample(*args, **kwargs)
+        taken.append(columns is not None)
+        return columns
+
+    monkeypatch.setattr(f"{FuncEngine.__module__}.per_sample_vjp", spy)
+    results = []
+    for vectorized in (True, False):
+        monkeypatch.setattr(
+            vjp.ExplicitColumns,
+            "__init__",
+            lambda self, flag=vectorized: setattr(self, "vectorized", flag),
+        )
+        results.append(explicit("causal-lm-ce-sum", VARIANTS[variant]))
+    assert taken and all(taken)  # only the first run's: the second never vmaps
+    (_, by_vmap, by_vmap_grad), (_, one_hot, one_hot_grad) = results
+    for columns, reference in zip(
+        by_vmap + by_vmap_grad, one_hot + one_hot_grad, strict=True
+    ):
+        assert_rel(columns.materialize(), reference.materialize(), REORDERED_REL)
+
+
+def test_explicit_columns_route():
+    """One chunk: one-hot batches; several: the faster, one-hot if vmap fails."""
+    calls = []
+
+    def vectorized():
+        calls.append("vmap")
+        return [torch.zeros(1)]
+
+    def one_hot():
+        calls.append("one-hot")
+        return [torch.ones(1)]
+
+    route = vjp.ExplicitColumns()
+    assert route(vectorized, one_hot, more_chunks=False)[0] == 1
+    assert calls == ["one-hot"] and route.vectorized is None
+    route(vectorized, one_hot, more_chunks=True)  # times both
+    assert calls[1:] == ["vmap", "one-hot"] and route.vectorized is not None
+    failing = vjp.ExplicitColumns()
+    assert failing(lambda: None, one_hot, more_chunks=True)[0] == 1
+    assert failing.vectorized is False

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -70,7 +71,12 @@ from vivit.engines.func.functional import (
     sample_rows,
 )
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
+from vivit.engines.func.vjp import (
+    BatchedVJP,
+    ExplicitColumns,
+    one_hot_per_sample,
+    per_sample_vjp,
+)
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import (
     DenseFactors,
@@ -275,6 +281,7 @@ class FuncEngine(Engine):
         total = len(inputs)
         collected = {id(p): _Collected() for p in forward.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
+        explicit = ExplicitColumns()
         for start in range(0, len(inputs), chunk):
             block = vectors[:, start : start + chunk]
             if first is not None:
@@ -309,7 +316,19 @@ class FuncEngine(Engine):
                 (start, total),
             )
             if dense:
-                columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
+                columns = explicit(
+                    partial(
+                        forward.per_sample_columns,
+                        dense,
+                        inputs[start : start + chunk],
+                        block,
+                        per_pass,
+                    ),
+                    partial(
+                        _one_hot_columns, to_params, output, dense, block, per_pass
+                    ),
+                    more_chunks=start + chunk < total,
+                )
                 for param, cols in zip(dense, columns, strict=True):
                     cols = cols.reshape(output.shape[0], len(vectors), *param.shape)
                     entry = collected[id(param)]
@@ -402,12 +421,29 @@ def _use_factors(
     return use.kind, (inputs[:, None], at_rows[:, :, None])
 
 
+def _one_hot_columns(
+    to_params: BatchedVJP,
+    output: Tensor,
+    dense: list[Parameter],
+    block: Tensor,
+    per_pass: int,
+) -> list[Tensor]:
+    """Each sample's columns of ``dense``, its vectors in an otherwise zero batch."""
+    return to_params(output, dense, one_hot_per_sample(block), per_pass)
+
+
 def _gather(tensor: Tensor, rows: Tensor) -> Tensor:
-    """``tensor[..., R, F]`` at rows ``[B, T]``; row index ``R`` gives zeros."""
-    padded = torch.cat(
-        [tensor, tensor.new_zeros(*tensor.shape[:-2], 1, tensor.shape[-1])], dim=-2
-    )
-    return padded[..., rows, :]
+    """``tensor[..., R, F]`` at rows ``[B, T]``; row index ``R`` gives zeros.
+
+    Sample-major rows without padding (``rows`` is ``0, …, R - 1``) are a view.
+    """
+    count = tensor.shape[-2]
+    if rows.numel() == count and torch.equal(
+        rows.flatten(), torch.arange(count, device=rows.device)
+    ):
+        return tensor.reshape(*tensor.shape[:-2], *rows.shape, tensor.shape[-1])
+    zero = tensor.new_zeros(*tensor.shape[:-2], 1, tensor.shape[-1])
+    return torch.cat([tensor, zero], dim=-2)[..., rows, :]
 
 
 def _read_rows(
@@ -572,6 +608,30 @@ class _Forward:
             if measure:
                 stack.enter_context(self.width.measuring())
             return select_output(self.model(inputs), self.selector)
+
+    def per_sample_columns(
+        self, dense: list[Parameter], inputs: Tensor, vectors: Tensor, per_pass: int
+    ) -> list[Tensor] | None:
+        """Explicit columns of ``dense``, vectorized over the samples.
+
+        Args:
+            dense: The parameters without a factor form.
+            inputs: The chunk's inputs ``[B, *in]``.
+            vectors: ``[V, B, *out]``.
+            per_pass: Vectors per vmapped pullback.
+
+        Returns:
+            ``[B, V, *param.shape]`` per parameter, or ``None`` where the model
+            cannot run under ``vmap`` (:func:`~vivit.engines.func.vjp.per_sample_vjp`).
+        """
+        names = {id(p): name for name, p in self.model.named_parameters()}
+
+        def sample_output(values: list[Tensor], x: Tensor) -> Tensor:
+            replaced = {names[id(p)]: v for p, v in zip(dense, values, strict=True)}
+            output = torch.func.functional_call(self.model, replaced, (x[None],))
+            return select_output(output, self.selector)[0]
+
+        return per_sample_vjp(sample_output, dense, inputs, vectors, per_pass)
 
     def forget(self) -> None:
         """Drop the last pass's records (they hold its graph)."""
