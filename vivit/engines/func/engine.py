@@ -356,6 +356,7 @@ class FuncEngine(Engine):
         uses_of, rows_of = found
         start, total = place
         at = {id(c): g for c, g in zip(calls, at_outputs, strict=True)}
+        gathered: dict[int, Tensor] = {}  # a weight and its bias share the rows
         for param in params:
             uses = uses_of.get(id(param))
             if uses is None:
@@ -363,7 +364,10 @@ class FuncEngine(Engine):
             forms: dict[str, list[tuple[Tensor, Tensor]]] = {}
             columns = None
             for use in uses:
-                form, part = _use_factors(param, use, at[id(use)], rows_of)
+                if isinstance(use, FunctionUse) and id(use) not in gathered:
+                    vectors = use.rows(at[id(use)])
+                    gathered[id(use)] = _gather(vectors, rows_of[id(use)])
+                form, part = _use_factors(param, use, at[id(use)], gathered, rows_of)
                 if form is None:
                     columns = part if columns is None else columns + part
                 else:
@@ -386,7 +390,11 @@ class FuncEngine(Engine):
 
 
 def _use_factors(
-    param: Parameter, use: Use, vectors: Tensor, rows_of: Rows
+    param: Parameter,
+    use: Use,
+    vectors: Tensor,
+    gathered: dict[int, Tensor],
+    rows_of: Rows,
 ) -> tuple[str | None, tuple[Tensor, Tensor] | Tensor]:
     """A parameter's part of ``V`` from one use, and the form it has.
 
@@ -394,6 +402,8 @@ def _use_factors(
         param: The parameter.
         use: One of its recorded uses.
         vectors: The chunk's vectors at the use's output, ``[V, *z]``.
+        gathered: The vectors at each function's output, each sample's rows
+            gathered, ``[V, B, T, F]``.
         rows_of: The rows each sample owns of every function's output.
 
     Returns:
@@ -406,8 +416,8 @@ def _use_factors(
         if param is use.module.weight:
             return "conv", (use.layer_inputs(), per_group)
         return None, per_group.sum(3).flatten(2).transpose(0, 1)
+    at_rows = gathered[id(use)]  # [V, B, T, F]
     rows = rows_of[id(use)]
-    at_rows = _gather(use.rows(vectors), rows)  # [V, B, T, F]
     if param is not use.weight:  # a bias: the vectors summed over the positions
         return None, at_rows.sum(2).transpose(0, 1)
     if use.kind == "embedding":
@@ -607,7 +617,11 @@ class _Forward:
             stack.enter_context(self.functions)
             if measure:
                 stack.enter_context(self.width.measuring())
-            return select_output(self.model(inputs), self.selector)
+            output = select_output(self.model(inputs), self.selector)
+        if measure:  # activations outside leaf modules (attention, addmm)
+            calls = {id(u): u for u in self.functions.uses}.values()
+            self.width.at_least(sum(u.output.numel() for u in calls) // len(inputs))
+        return output
 
     def per_sample_columns(
         self, dense: list[Parameter], inputs: Tensor, vectors: Tensor, per_pass: int
@@ -717,6 +731,7 @@ class _ActivationWidth:
         self._model = model
         self._entries = 0
         self._samples = 1
+        self._floor = 0
 
     def measuring(self) -> ExitStack:
         """Context in which the forward pass is measured (hooks removed on exit)."""
@@ -733,7 +748,11 @@ class _ActivationWidth:
                 self._entries += tensor.numel()
                 self._samples = tensor.shape[0]
 
+    def at_least(self, entries: int) -> None:
+        """Count at least ``entries`` per sample (outputs of recorded functions)."""
+        self._floor = max(self._floor, entries)
+
     @property
     def per_sample(self) -> int:
         """Entries per sample (at least 1)."""
-        return max(1, self._entries // max(self._samples, 1))
+        return max(1, self._floor, self._entries // max(self._samples, 1))
