@@ -1,35 +1,48 @@
 """The func engine: curvature factors of any model whose samples are independent.
 
 No ``backpack.extend`` and nothing left on the caller's model: temporary forward
-hooks record the inputs and outputs of Linear and convolution layers, and
-``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in a
-loop where that is faster, see :class:`~vivit.engines.func.vjp.BatchedVJP`) pushes
-back the columns of the loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN
-and its square root") together with the per-sample output gradients ``∂ℓ_n/∂f_n``:
+hooks record the inputs and outputs of convolution layers, a ``TorchFunctionMode``
+the calls of ``F.linear``, ``torch.addmm``, ``F.embedding`` and the normalizations
+(:mod:`~vivit.engines.func.functional`), and ``torch.autograd.grad`` (vmapped over
+stacked vectors, ``is_grads_batched``, or in a loop where that is faster, see
+:class:`~vivit.engines.func.vjp.BatchedVJP`) pushes back the columns of the
+loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN and its square root")
+together with the per-sample output gradients ``∂ℓ_n/∂f_n`` and probe vectors
+that tell which sample owns each row of a recorded output:
 
-* Linear and convolution weights keep layer inputs and backpropagated vectors
-  (:class:`~vivit.gram.OuterProductFactors`), their biases the vectors summed over
-  positions; a layer called several times stacks its calls along the positions.
-* Every other parameter (normalization layers, embeddings, attention's in-projection,
-  LSTM weights, parameters used outside such layers) gets its columns of ``V``
-  explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's
-  contributions at a parameter, so each sample's vectors are pushed back in an
-  otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
+* weights of the recorded calls keep inputs (token indices) and backpropagated
+  vectors (:class:`~vivit.gram.OuterProductFactors`,
+  :class:`~vivit.gram.EmbeddingFactors`; their sum,
+  :class:`~vivit.gram.SumFactors`, for a parameter used in several forms),
+  biases the vectors summed over positions, normalization weights
+  ``Σ_t x̂[t] ⊙ s̃[t]``; calls of one form stack along the positions.
+* Every other parameter (LSTM weights, a table looked up for every sample alike,
+  parameters used in other operations) gets its columns of ``V`` explicitly
+  (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's contributions at a
+  parameter, so each sample's vectors are pushed back in an otherwise zero batch
+  (:func:`~vivit.engines.func.vjp.one_hot_per_sample`), or a vmap over the
+  samples of one sample's pullback does it in one pass, whichever is faster
+  (:class:`~vivit.engines.func.vjp.ExplicitColumns`).
 
 Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
 MC), ``w`` activation entries per sample (measured in the first forward pass) and
 ``D`` entries of the parameters without a factor form, the engine processes ``B``
 samples at a time. ``B`` is the largest chunk whose memory stays below
 ``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
-split further if even one sample does not fit. Per chunk: one vmapped backward
-pass of the ``V`` vectors (each holding the chunk's samples) to the recorded
-layer outputs, memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V``
-one-hot vectors to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B``
-times the necessary work. In total: the work of ``V`` backward passes of the
-batch (``B·V`` with ``D > 0``), ``N·V`` rows of ``D`` entries for the parameters
-without a factor form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per
-Linear or convolution weight (``V`` and the per-sample gradients view them; its
-bias keeps their sum over the positions; the chunks are written into place).
+split further if even one sample does not fit. ``w`` counts the outputs of the
+leaf modules, at least those of the recorded calls. Per chunk: one vmapped
+backward pass of the ``V`` vectors (each holding the chunk's samples; with
+recorded calls, ``1 + ⌈log₁₆ B⌉`` probe vectors besides, except for the chunk of
+the whole batch, whose rows the probes found before) to the recorded outputs,
+memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V`` one-hot vectors
+to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B`` times the
+necessary work, or its vectorized twin (a forward pass under ``vmap`` besides).
+In total: the work of ``V`` backward passes of the batch (``B·V`` with
+``D > 0``), ``N·V`` rows of ``D`` entries for the parameters without a factor
+form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per weight (``V`` and
+the per-sample gradients view them, where each sample's rows are consecutive;
+otherwise a gathered copy; a bias keeps their sum over the positions; the
+chunks are written into place).
 
 Forward passes (calls of the model). Two when one chunk holds the batch
 (``B = N``): the first computes the loss, the gradient and the factors (its
