@@ -88,6 +88,92 @@ class CharLSTM(nn.Module):
         return self.head(self.lstm(self.embedding(x))[0]).transpose(1, 2)
 
 
+class CausalBlock(nn.Module):
+    """GPT-2's block: pre-norm causal self-attention and a GELU MLP of width 4d."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attention = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        mask = torch.triu(torch.full((T, T), float("-inf"), device=x.device), 1)
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class CausalLM(nn.Module):
+    """A GPT-2-shaped language model in ``torch.nn`` (no ``transformers`` needed).
+
+    Token and learned position embeddings, ``layers`` causal blocks, a final
+    LayerNorm and the output layer tied to the token embedding, as GPT-2 has them.
+    Inputs ``[N, T]`` token indices, outputs ``[N, vocab, T]`` (class axis 1, as
+    ``CrossEntropyLoss`` wants it).
+    """
+
+    def __init__(self, vocab: int, d: int, layers: int, T: int, heads: int = 4):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Embedding(T, d)
+        self.blocks = nn.Sequential(*(CausalBlock(d, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        h = self.blocks(self.tokens(x) + self.positions(positions))
+        return self.head(self.norm(h)).transpose(1, 2)
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, a shortcut."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(outputs)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(outputs)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or inputs != outputs:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 1, stride, bias=False),
+                nn.BatchNorm2d(outputs),
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+def resnet18() -> nn.Module:
+    """ResNet-18 (11.2 M parameters) for 3x32x32 inputs, BatchNorm in eval mode.
+
+    The ImageNet stem (7x7 convolution, stride 2, max pooling) as in Hugging
+    Face's and torchvision's ResNet-18, four stages of two basic blocks (64, 128,
+    256, 512 channels), global average pooling and a linear layer to 10 classes.
+    """
+    stages, inputs = [], 64
+    for outputs, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        stages += [BasicBlock(inputs, outputs, stride), BasicBlock(outputs, outputs, 1)]
+        inputs = outputs
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1),
+        *stages,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(512, NUM_CLASSES),
+    )
+    return model.eval()
+
+
 @dataclass(frozen=True)
 class Problem:
     """A network, its input shape and the batch sizes to benchmark.
@@ -99,6 +185,7 @@ class Problem:
         quick_batch_sizes: Batch sizes of ``--quick``.
         tokens: Inputs are class-index tokens and targets one class per position
             (character model) instead of random floats and one class per sample.
+        num_classes: Classes of the output (the vocabulary of a token model).
     """
 
     build: Callable[[], nn.Module]
@@ -106,6 +193,7 @@ class Problem:
     batch_sizes: tuple[int, ...]
     quick_batch_sizes: tuple[int, ...]
     tokens: bool = False
+    num_classes: int = NUM_CLASSES
 
 
 #: Benchmarked problems (cross-entropy loss, random inputs, 10 classes).
@@ -115,6 +203,17 @@ PROBLEMS: dict[str, Problem] = {
     "3c3d": Problem(cnn_3c3d, (3, 32, 32), (32, 64, 128), (4, 16)),
     "transformer": Problem(PreNormBlock, (16, 32), (8, 32, 128), (4,)),
     "char-lstm": Problem(CharLSTM, (16,), (2, 8, 32), (2,), tokens=True),
+    "resnet18": Problem(resnet18, (3, 32, 32), (64, 128), (8,)),
+    # GPT-2 shapes of issue 16: layers, width, vocabulary, sequence length
+    "gpt2-2l-64-v128": Problem(
+        lambda: CausalLM(128, 64, 2, 16), (16,), (4,), (4,), True, 128
+    ),
+    "gpt2-4l-128-v500": Problem(
+        lambda: CausalLM(500, 128, 4, 64), (64,), (8,), (2,), True, 500
+    ),
+    "gpt2-4l-128-v50257": Problem(
+        lambda: CausalLM(50257, 128, 4, 64), (64,), (8,), (2,), True, 50257
+    ),
 }
 DEFAULT_PROBLEMS = ("mlp-relu", "3c3d")
 
@@ -128,8 +227,8 @@ def make_problem(
     model = problem.build().to(device)
     if problem.tokens:
         shape = (batch_size, *problem.input_shape)
-        X = torch.randint(0, NUM_CLASSES, shape, device=device)
-        y = torch.randint(0, NUM_CLASSES, shape, device=device)
+        X = torch.randint(0, problem.num_classes, shape, device=device)
+        y = torch.randint(0, problem.num_classes, shape, device=device)
     else:
         X = torch.randn(batch_size, *problem.input_shape, device=device)
         y = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)

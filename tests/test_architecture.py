@@ -185,9 +185,11 @@ def test_the_page_draws_the_layers_in_the_order_of_the_data_flow():
         "sources",
         "results",
         "front doors",
+        "analysis",
         "studies",
     ]
     where = layer_of(LAYERS)
+    assert where["vivit/analysis/monitor.py"] > where["vivit/lowrank.py"]
     assert where["vivit/lowrank.py"] > where["vivit/results.py"]
     assert where["vivit/results.py"] > where["vivit/sources/stored.py"]
     assert where["vivit/sources/stored.py"] > where["vivit/options.py"]

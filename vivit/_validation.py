@@ -7,7 +7,7 @@ says what was given and what is expected.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -27,6 +27,7 @@ from vivit.errors import (
     RandomForwardWarning,
     UnsupportedDtypeError,
 )
+from vivit.model_inputs import ModelInputs
 
 #: Floating-point types the computations run in.
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
@@ -449,18 +450,20 @@ def check_grad_mode(front_door: str) -> None:
         )
 
 
-def check_batch(data: object) -> tuple[Tensor, Tensor]:
+def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
     """Check a mini-batch ``(inputs, targets)`` before the forward pass.
 
     Args:
-        data: The mini-batch.
+        data: The mini-batch; its inputs a tensor or a dict of tensors, the
+            model's keyword arguments (:mod:`vivit.model_inputs`).
 
     Returns:
         ``inputs, targets``.
 
     Raises:
-        InvalidArgumentError: If it is not a pair of tensors, or the batch is
-            empty.
+        InvalidArgumentError: If it is not a pair of inputs and a targets tensor,
+            a dict of inputs holds something other than tensors or its tensors
+            differ in batch size, or the batch is empty.
         InvalidTargetsError: If inputs and targets differ in batch size.
         GradientContextError: If a tensor was created in inference mode.
         UnsupportedDtypeError: For 16-bit inputs.
@@ -469,33 +472,71 @@ def check_batch(data: object) -> tuple[Tensor, Tensor]:
     if (
         not isinstance(data, tuple | list)
         or len(data) != 2
-        or not all(isinstance(t, Tensor) for t in data)
+        or not isinstance(data[0], Tensor | Mapping)
+        or not isinstance(data[1], Tensor)
     ):
         raise InvalidArgumentError(
-            f"data must be a pair (inputs, targets) of tensors, got "
+            f"data must be a pair (inputs, targets) of tensors (the inputs may be a "
+            f"dict of tensors, the model's keyword arguments), got "
             f"{_type_summary(data)}."
         )
     inputs, targets = data
-    if inputs.dim() == 0 or inputs.shape[0] == 0:
+    _check_input_dict(inputs)
+    named = _named_inputs(inputs)
+    first_name, first = named[0]
+    if first.dim() == 0 or first.shape[0] == 0:
         raise InvalidArgumentError(
-            f"The mini-batch is empty (inputs of shape {tuple(inputs.shape)}): pass "
-            "at least one sample, the batch along the first axis."
+            f"The mini-batch is empty ({first_name} of shape {tuple(first.shape)}): "
+            "pass at least one sample, the batch along the first axis."
         )
-    if targets.dim() == 0 or targets.shape[0] != inputs.shape[0]:
+    if targets.dim() == 0 or targets.shape[0] != first.shape[0]:
         raise InvalidTargetsError(
-            f"inputs hold {inputs.shape[0]} samples (shape {tuple(inputs.shape)}) "
-            f"but targets have shape {tuple(targets.shape)}: one target per sample "
-            "is expected along the first axis."
+            f"{first_name} hold {first.shape[0]} samples (shape "
+            f"{tuple(first.shape)}) but targets have shape {tuple(targets.shape)}: "
+            "one target per sample is expected along the first axis."
         )
-    for name, tensor in (("inputs", inputs), ("targets", targets)):
+    for name, tensor in (*named, ("targets", targets)):
         if tensor.is_inference():
             raise GradientContextError(
                 f"The {name} were created inside torch.inference_mode() and cannot "
                 f"enter a backward pass: pass {name}.clone() made outside it."
             )
-    check_dtype(inputs, "inputs")
-    check_finite(inputs, "inputs")
+    for name, tensor in named:
+        check_dtype(tensor, name)
+        check_finite(tensor, name)
     return inputs, targets
+
+
+def _check_input_dict(inputs: ModelInputs) -> None:
+    """A dict of inputs: non-empty, string keys, tensors with one batch size."""
+    if not isinstance(inputs, Mapping):
+        return
+    if not inputs or not all(
+        isinstance(key, str) and isinstance(value, Tensor)
+        for key, value in inputs.items()
+    ):
+        kinds = {key: type(value).__name__ for key, value in inputs.items()}
+        raise InvalidArgumentError(
+            "Inputs given as a dict are the model's keyword arguments "
+            f"(model(**inputs)) and must map names to tensors, got {kinds}: drop "
+            "the entries that are not tensors (e.g. labels or flags) or bind them "
+            "to the model with functools.partial."
+        )
+    sizes = {
+        key: value.shape[0] if value.dim() else None for key, value in inputs.items()
+    }
+    if len(set(sizes.values())) != 1:
+        raise InvalidArgumentError(
+            f"The tensors of the inputs differ in their first axis, {sizes}: every "
+            "input tensor holds the samples along its first axis."
+        )
+
+
+def _named_inputs(inputs: ModelInputs) -> list[tuple[str, Tensor]]:
+    """The input tensors with their names for messages."""
+    if isinstance(inputs, Mapping):
+        return [(f"inputs[{key!r}]", value) for key, value in inputs.items()]
+    return [("inputs", inputs)]
 
 
 def _type_summary(data: object) -> str:
@@ -566,29 +607,32 @@ def check_params(
         )
 
 
-def check_inputs_match(inputs: Tensor, params: Sequence[Tensor]) -> None:
+def check_inputs_match(inputs: ModelInputs, params: Sequence[Tensor]) -> None:
     """Check that floating inputs have the parameters' dtype and device.
 
     Args:
-        inputs: The mini-batch inputs.
+        inputs: The mini-batch inputs (a tensor or a dict of tensors).
         params: The model's parameters.
 
     Raises:
         InvalidArgumentError: If the dtype or device differs.
     """
-    if not params or not inputs.is_floating_point():
+    if not params:
         return
     param = params[0]
-    if inputs.dtype != param.dtype:
-        raise InvalidArgumentError(
-            f"The inputs have dtype {inputs.dtype}, the parameters {param.dtype}: "
-            f"cast the inputs with inputs.to({param.dtype})."
-        )
-    if inputs.device != param.device:
-        raise InvalidArgumentError(
-            f"The inputs are on {inputs.device}, the parameters on {param.device}: "
-            f"move them with inputs.to('{param.device}')."
-        )
+    for name, tensor in _named_inputs(inputs):
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dtype != param.dtype:
+            raise InvalidArgumentError(
+                f"The {name} have dtype {tensor.dtype}, the parameters "
+                f"{param.dtype}: cast them with {name}.to({param.dtype})."
+            )
+        if tensor.device != param.device:
+            raise InvalidArgumentError(
+                f"The {name} are on {tensor.device}, the parameters on "
+                f"{param.device}: move them with {name}.to('{param.device}')."
+            )
 
 
 def check_generator(generator: object) -> None:

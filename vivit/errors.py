@@ -114,3 +114,11 @@ class SharedWeightError(UnsupportedLayerError):
 
 class DistributedError(VivitError, RuntimeError):
     """Another rank of a process group failed, or the ranks' requests differ."""
+
+
+class MissingPackageError(VivitError, ImportError):
+    """An optional package a feature needs is not installed (named, with pip's line)."""
+
+
+class MissingPackageWarning(UserWarning):
+    """An optional output whose package is not installed: it is skipped."""

@@ -15,6 +15,7 @@ from vivit.engines.base import Engine, OutputSelector
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature
+from vivit.sources.implicit import ImplicitFactors
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -184,16 +185,23 @@ class LowRankGGN(CurvatureResults):
         with ShardExchange(group) as shards:
             check_grad_mode("LowRankGGN")
             checked = options()
-            source = StoredFactors.run(
-                local_module(model), loss_func, data, param_groups, checked, shards
-            )
+            if checked.solver == "implicit":  # no engine, no V: G v by JVP and VJP
+                source = ImplicitFactors(
+                    local_module(model), loss_func, data, param_groups, checked
+                )
+            else:
+                source = StoredFactors.run(
+                    local_module(model), loss_func, data, param_groups, checked, shards
+                )
         self._init(source, checked)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""
         return self._source.group(group).curvature
 
-    def _init(self, source: StoredFactors, options: CurvatureOptions) -> None:
+    def _init(
+        self, source: StoredFactors | ImplicitFactors, options: CurvatureOptions
+    ) -> None:
         super().__init__(source, options)
         self.shards = source.shards
         self.communication = source.communication

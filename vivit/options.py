@@ -81,7 +81,11 @@ class CurvatureOptions:
             ``"auto"`` (chosen by a cost model, see :mod:`vivit.linalg.top_k`),
             ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
             on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
-            with ``V``; the Gram matrix is never formed). Every method that takes
+            with ``V``; the Gram matrix is never formed) or ``"implicit"``
+            (:class:`~vivit.LowRankGGN` only, chosen at construction: no engine
+            runs and no ``V`` exists; block Krylov on ``G v = Jᵀ H J v`` by a JVP
+            and a VJP through the model, ``docs/math.rst``, "Implicit
+            GGN-vector products"; ``"auto"`` never picks it). Every method that takes
             ``top_k`` also takes ``solver`` to override it. Requests for all
             eigenpairs (``top_k=None``, :meth:`~vivit.LowRankGGN.eigvalsh`)
             always decompose the Gram matrix densely.

@@ -28,13 +28,14 @@ from vivit._validation import (
 from vivit.directional.gram_space import (
     Damping,
     batch_directional_gradient,
+    damped_step_sizes,
     directional_curvatures,
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.gram.memory import dense_workspace_bytes, itemsize
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
-from vivit.linalg.operator import GGNOperator
+from vivit.linalg.operator import GGNOperator, GramSpaceProducts
 from vivit.linalg.solvers import (
     direction_coefficients,
     gram_eigh,
@@ -236,7 +237,10 @@ class CurvatureResults:
         if solver == "auto":
             solver = self._auto_solvers.get((group, tol, seed))
         leading = self._leading.get((group, solver, tol, seed))
-        rows = self._source.group(group).num_rows
+        source = self._source.group(group)
+        rows = source.num_rows
+        if source.parameter_space:  # at most D pairs in parameter space
+            rows = min(rows, source.num_params)
         if leading is None or leading[0].numel() < min(top_k, rows):
             return None
         return leading
@@ -250,25 +254,29 @@ class CurvatureResults:
         tol: float | None,
         seed: int,
     ) -> tuple[Tensor, Tensor]:
-        size = source.num_rows
+        if source.parameter_space:  # block Krylov on G itself, D rows
+            size, products = source.num_params, source.flat_ggn_matmul
+        else:
+            size, products = source.num_rows, source.products.gram_matmul
         if solver == "dense":
             workspace = dense_workspace_bytes(size, top_k, source.dtype, source.device)
         else:
             workspace = iterative_workspace_bytes(size, top_k, source.dtype)
+        # products by passes over the data: no Gram matrix to fall back to
+        no_gram = source.route in ("matrix_free", "implicit")
         evals, evecs, report = leading_eigenpairs(
-            source.products.gram_matmul,
+            products,
             top_k,
             solver,
             lambda: source.form_gram(workspace),
             size=size,
-            # products by passes over the data: no Gram matrix to fall back to
-            requested=requested if source.route == "matrix_free" else solver,
+            requested=requested if no_gram else solver,
             dtype=source.dtype,
             device=source.device,
             tol=tol,
             seed=seed,
         )
-        if report.solver == "matrix_free" and source.route != "matrix_free":
+        if report.solver == "matrix_free" and source.route == "streaming":
             # products by passes over the data (StreamingGGN)
             report = dataclasses.replace(
                 report, solver=source.route, requested=source.route
@@ -282,11 +290,14 @@ class CurvatureResults:
         """The eigenvectors ``e_k = V ẽ_k / √λ_k`` in the products' type.
 
         Kept between calls (under ``key``) where each product passes over the
-        data; none is formed for no direction.
+        data; none is formed for no direction. A parameter-space source's
+        directions are the eigenvectors already.
         """
         if key in self._directions_in_params:
             return self._directions_in_params[key]
-        if evals.numel() == 0:
+        if source.parameter_space:
+            evecs = source.unflatten(gram_evecs)
+        elif evals.numel() == 0:
             evecs = [evals.new_zeros(0, *p.shape) for p in source.params]
         else:
             coefficients = direction_coefficients(gram_evecs, evals).T.contiguous()
@@ -349,8 +360,13 @@ class CurvatureResults:
             The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
         """
         source = self._source.group(group)
+        products = (
+            source.products
+            if source.parameter_space
+            else GramSpaceProducts(source.products)
+        )
         return GGNOperator(
-            source.products,
+            products,
             source.params,
             lambda top_k, solver: self._directions(top_k, group, solver),
         )
@@ -383,16 +399,24 @@ class CurvatureResults:
             subsampling_grad, source.batch.batch_size, "subsampling_grad"
         )
         key = (group, top_k, solver, tol, seed)
-        gammas = source.directional_gradients(
-            gram_evecs,
-            evals,
-            lambda: self._param_directions(source, evals, gram_evecs, key),
-            samples,
-        )
+        if source.parameter_space:  # one pass: J_n e_k of every sample
+            gammas, lambdas = source.directional_derivatives(
+                self._param_directions(source, evals, gram_evecs, key)
+            )
+            if samples is not None:
+                gammas = gammas[list(samples)]
+        else:
+            gammas = source.directional_gradients(
+                gram_evecs,
+                evals,
+                lambda: self._param_directions(source, evals, gram_evecs, key),
+                samples,
+            )
+            lambdas = directional_curvatures(gram_evecs, evals, source.batch)
         directional = DirectionalDerivatives(
             evals=evals,
             gammas=gammas,
-            lambdas=directional_curvatures(gram_evecs, evals, source.batch),
+            lambdas=lambdas,
             gamma_bar=batch_directional_gradient(gammas, source.batch, samples),
         )
         return gram_evecs, directional
@@ -471,14 +495,20 @@ class CurvatureResults:
         gram_evecs, directional = self._directional(
             top_k, group, subsampling_grad, solver, tol, seed
         )
-        dampings, u = newton_coefficients_damped(
-            gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-        )
         source = self._source.group(group)
-        if directional.evals.numel() > 0:
-            step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
-        else:  # no direction: no product
-            step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
+        if source.parameter_space:  # Δθ = Σ_k t_k e_k, one matrix product
+            dampings, sizes = damped_step_sizes(
+                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+            )
+            step = [s[0] for s in source.unflatten((gram_evecs @ sizes).unsqueeze(1))]
+        else:
+            dampings, u = newton_coefficients_damped(
+                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+            )
+            if directional.evals.numel() > 0:
+                step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
+            else:  # no direction: no product
+                step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
         return NewtonStep(
             directional=directional,
             dampings=dampings,

@@ -1,6 +1,6 @@
 """Curvature studies with vivit: one command each, JSON results and figures.
 
-Three studies share one command-line interface (:mod:`studies.cli`), data and model
+The studies share one command-line interface (:mod:`studies.cli`), data and model
 loading (:mod:`studies.data`, :mod:`studies.models`) and output handling
 (:mod:`studies.report`):
 
@@ -10,8 +10,15 @@ loading (:mod:`studies.data`, :mod:`studies.models`) and output handling
   derivatives along the top eigenvectors during SGD training.
 - :mod:`studies.newton`: DampedNewton (constant and bootstrap damping) against SGD
   and Adam from the same initialisation on the same batches.
+- :mod:`studies.monitor`: :class:`vivit.analysis.CurvatureMonitor` during SGD
+  training, its records drawn and its overhead measured.
+- :mod:`studies.approximations`: which approximation (Monte-Carlo, subsampled,
+  block-diagonal, diagonal, KFAC, EKFAC) recovers the exact top-k eigenpairs and
+  damped Newton step (:func:`vivit.analysis.audit_approximations`).
+- :mod:`studies.hierarchy`: Papyan's class-mean, cross-class and within-class parts
+  of the GGN, per-layer spectra and the SLQ density against the exact spectrum.
 
 Run them from the repository root, e.g. ``python exp/spectrum.py --help``.
 """
 
-STUDIES = ("spectrum", "noise", "newton")
+STUDIES = ("spectrum", "noise", "newton", "monitor", "approximations", "hierarchy")

@@ -27,6 +27,7 @@ _DISTRIBUTIONS = (
     "scipy",
     "scikit-learn",
     "matplotlib",
+    "curvlinops-for-pytorch",
 )
 
 

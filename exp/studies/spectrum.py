@@ -82,19 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="Number of leading eigenpairs whose recovery is measured.",
     )
-    study.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the curvature is computed (ignored with "
-        "--checkpoint; 0 studies the initialisation).",
-    )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_training_options(study)
     study.add_argument(
         "--mc-samples",
         type=positive_int,
@@ -130,7 +118,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="Blocks of the block-diagonal approximation: one per layer (weight and "
         "bias together) or one per parameter tensor.",
     )
-    study.add_argument(
+    add_gram_dtype_option(study)
+    return parser
+
+
+def add_training_options(group: argparse._ArgumentGroup) -> None:
+    """``--train-steps``, ``--lr`` and ``--momentum``, read by :func:`train_or_load`.
+
+    Args:
+        group: The study's argument group.
+    """
+    group.add_argument(
+        "--train-steps",
+        type=non_negative_int,
+        default=100,
+        help="SGD steps before the curvature is computed (ignored with "
+        "--checkpoint; 0 studies the initialisation).",
+    )
+    group.add_argument(
+        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
+    )
+    group.add_argument(
+        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
+    )
+
+
+def add_gram_dtype_option(group: argparse._ArgumentGroup) -> None:
+    """``--gram-dtype``, read by :func:`choose_gram_dtype`.
+
+    Args:
+        group: The study's argument group.
+    """
+    group.add_argument(
         "--gram-dtype",
         choices=("auto", "model", "float64"),
         default="auto",
@@ -139,7 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         "memory in float64, else the model's). A float32 Gram matrix resolves no "
         "eigenvalue below about N*C*1.2e-7 times the largest.",
     )
-    return parser
 
 
 def choose_gram_dtype(

@@ -21,7 +21,7 @@ import torch
 from tests.engines.test_func_engine import func_reference
 from tests.fixtures.checks import REORDERED_REL, assert_rel
 from vivit import LowRankGGN
-from vivit.engines.func import FuncEngine, vjp
+from vivit.engines.func import FuncEngine, functional, vjp
 from vivit.engines.func.functional import FunctionCapture
 from vivit.gram import (
     DenseFactors,
@@ -84,6 +84,8 @@ def explicit(monkeypatch):
         "causal-lm-ce-sum",
         "conv1d-mse-sum",
         "conv1d-bce-mean",
+        "padded-conv1d-ce-sum",
+        "padded-conv1d-mse-mean",
         "transformer-ce-mean",
     ],
 )
@@ -195,3 +197,24 @@ def test_explicit_columns_route():
     failing = vjp.ExplicitColumns()
     assert failing(lambda: None, one_hot, more_chunks=True)[0] == 1
     assert failing.vectorized is False
+
+
+@pytest.mark.parametrize("batch", [5, 20], ids=["one-digit", "two-digits"])
+def test_sample_rows_reads_owners_and_refuses_shared_rows(batch):
+    """Rows in [T, N] order are each read as their sample's; rows that every
+    sample reaches (a table added to all) have no owner (docs/math.rst, "Layer
+    structure")."""
+    gen = torch.Generator().manual_seed(0)
+    positions, features = 3, 4
+    x = torch.randn(batch, positions, features, generator=gen, requires_grad=True)
+    table = torch.randn(positions, features, generator=gen, requires_grad=True)
+    seq_first = x.transpose(0, 1) * 1.5  # row t·N + n belongs to sample n
+    output = torch.tanh(seq_first.transpose(0, 1) + table).sum(-1)
+    probes = functional.probe_vectors(output.detach()[None], gen)
+    at_rows, at_table = torch.autograd.grad(
+        output, [seq_first, table], probes, is_grads_batched=True
+    )
+    rows = functional.sample_rows(at_rows.reshape(len(probes), -1, features), batch)
+    expected = torch.arange(positions)[None] * batch + torch.arange(batch)[:, None]
+    assert torch.equal(rows, expected)
+    assert functional.sample_rows(at_table, batch) is None

@@ -22,6 +22,28 @@ TINY = {
     ],  # fmt: skip
     "noise": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
     "newton": ["--steps", "6", "--eval-every", "3", "--batch-size", "16"],
+    "monitor": ["--steps", "4", "--every", "2", "--batch-size", "12", "--top-k", "3"],
+    "approximations": [
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "12",
+        "--top-k",
+        "3",
+        "--mc-samples",
+        "1",
+        "4",
+    ],  # fmt: skip
+    "hierarchy": [
+        "--train-steps",
+        "5",
+        "--batch-size",
+        "12",
+        "--lanczos-steps",
+        "10",
+        "--probes",
+        "4",
+    ],  # fmt: skip
 }
 
 

@@ -6,13 +6,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from studies import newton, noise, spectrum
+from studies import hierarchy, newton, noise, spectrum
 from studies.models import mlp
 
 from tests.studies.study_helpers import ROOT
 
 
-@pytest.mark.parametrize("study", ["spectrum", "noise", "newton"])
+@pytest.mark.parametrize("study", ["spectrum", "noise", "newton", "hierarchy"])
 def test_help_from_the_repository_root(study):
     """``python exp/<study>.py --help`` works and explains every option."""
     done = subprocess.run(
@@ -23,7 +23,12 @@ def test_help_from_the_repository_root(study):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    module = {"spectrum": spectrum, "noise": noise, "newton": newton}[study]
+    module = {
+        "spectrum": spectrum,
+        "noise": noise,
+        "newton": newton,
+        "hierarchy": hierarchy,
+    }[study]
     for action in module.build_parser()._actions:
         for option in action.option_strings:
             assert option in done.stdout

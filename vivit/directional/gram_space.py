@@ -124,6 +124,27 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
         )
 
 
+def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Tensor:
+    """``t_k = −γ̄_k / (λ_k + δ_k)``, the step along each direction (``0`` if skipped).
+
+    Args:
+        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
+        gamma_bar: Batch directional gradients, ``[K]``.
+        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+
+    Returns:
+        ``t``, shape ``[K]``.
+
+    Raises:
+        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
+            shape.
+    """
+    check_dampings(dampings, evals)
+    return torch.where(
+        torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
+    )
+
+
 def newton_coefficients(
     gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
 ) -> Tensor:
@@ -145,11 +166,7 @@ def newton_coefficients(
         InvalidArgumentError: If a damping is negative or NaN, or has the wrong
             shape.
     """
-    check_dampings(dampings, evals)
-    step_sizes = torch.where(
-        torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
-    )
-    return gram_evecs @ (step_sizes / evals.sqrt())
+    return gram_evecs @ (newton_step_sizes(evals, gamma_bar, dampings) / evals.sqrt())
 
 
 def predicted_decrease(
@@ -221,6 +238,62 @@ def trust_region_dampings(
 _BISECTION_STEPS = 60
 
 
+def damped_step_sizes(
+    directions: Tensor,
+    directional: DirectionalDerivatives,
+    damping: float | Damping,
+    *,
+    lr: float = 1.0,
+    max_decrease: float | None = None,
+    stacklevel: int = 4,
+) -> tuple[Tensor, Tensor]:
+    """The dampings of a damped Newton step and its steps along the directions.
+
+    ``lr · Δθ = Σ_k t_k e_k`` with ``t_k = −lr γ̄_k / (λ_k + δ_k)``; with
+    ``max_decrease`` the damping rule's dampings are raised by
+    :func:`trust_region_dampings`. Warns with
+    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
+
+    Args:
+        directions: The directions' coordinates handed to a :data:`Damping`
+            rule: Gram eigenvectors ``[N·C, K]`` (parameter-space eigenvectors
+            ``[D, K]`` on the implicit route).
+        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
+        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
+        lr: Scale of the step.
+        max_decrease: Largest decrease of the loss the GGN's quadratic model may
+            predict for the step (``None``: no bound).
+        stacklevel: Of the warning (the caller's caller by default).
+
+    Returns:
+        The dampings used, ``[K]``, and ``lr · t``, ``[K]``.
+
+    Raises:
+        InvalidArgumentError: If ``lr`` is not a positive finite number,
+            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
+            invalid.
+    """
+    check_damping(damping)
+    check_lr(lr)
+    check_max_decrease(max_decrease)
+    evals = directional.evals
+    if evals.numel() > 0 and callable(damping):
+        dampings = damping(evals, directions, directional.gammas, directional.lambdas)
+    elif callable(damping):  # no direction: nothing for the rule to choose
+        dampings = evals.new_empty(0)
+    else:
+        dampings = torch.full_like(evals, float(damping))
+    dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
+    check_dampings(dampings, evals)
+    if max_decrease is not None:
+        dampings = trust_region_dampings(
+            evals, directional.gamma_bar, dampings, lr, max_decrease
+        )
+    sizes = lr * newton_step_sizes(evals, directional.gamma_bar, dampings)
+    warn_if_zero_step(evals, directional.gamma_bar, dampings, stacklevel=stacklevel)
+    return dampings, sizes
+
+
 def newton_coefficients_damped(
     gram_evecs: Tensor,
     directional: DirectionalDerivatives,
@@ -231,9 +304,7 @@ def newton_coefficients_damped(
 ) -> tuple[Tensor, Tensor]:
     """The dampings of a damped Newton step and its Gram-space vector ``u``.
 
-    ``lr · Δθ = V u``; with ``max_decrease`` the damping rule's dampings are
-    raised by :func:`trust_region_dampings`. Warns with
-    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
+    ``lr · Δθ = V u`` with ``u = Σ_k t_k ẽ_k / √λ_k`` (:func:`damped_step_sizes`).
 
     Args:
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
@@ -251,25 +322,15 @@ def newton_coefficients_damped(
             ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
             invalid.
     """
-    check_damping(damping)
-    check_lr(lr)
-    check_max_decrease(max_decrease)
-    evals = directional.evals
-    if evals.numel() > 0 and callable(damping):
-        dampings = damping(evals, gram_evecs, directional.gammas, directional.lambdas)
-    elif callable(damping):  # no direction: nothing for the rule to choose
-        dampings = evals.new_empty(0)
-    else:
-        dampings = torch.full_like(evals, float(damping))
-    dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
-    check_dampings(dampings, evals)
-    if max_decrease is not None:
-        dampings = trust_region_dampings(
-            evals, directional.gamma_bar, dampings, lr, max_decrease
-        )
-    u = lr * newton_coefficients(gram_evecs, evals, directional.gamma_bar, dampings)
-    warn_if_zero_step(evals, directional.gamma_bar, dampings, stacklevel=4)
-    return dampings, u
+    dampings, sizes = damped_step_sizes(
+        gram_evecs,
+        directional,
+        damping,
+        lr=lr,
+        max_decrease=max_decrease,
+        stacklevel=5,
+    )
+    return dampings, gram_evecs @ (sizes / directional.evals.sqrt())
 
 
 def damped_newton_step(

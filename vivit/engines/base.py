@@ -24,6 +24,7 @@ from torch.nn import Module, Parameter
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.losses import LossNormalization
+from vivit.model_inputs import ModelInputs
 
 #: What picks the tensor the loss is computed from out of a model's output:
 #: ``None`` (the model returns that tensor), the key, attribute or position of a
@@ -297,7 +298,7 @@ class Engine(ABC):
         self,
         model: Module,
         loss_func: Module,
-        data: tuple[Tensor, Tensor],
+        data: tuple[ModelInputs, Tensor],
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
@@ -308,7 +309,8 @@ class Engine(ABC):
         Args:
             model: The network.
             loss_func: The loss module.
-            data: ``(inputs, targets)`` of the mini-batch.
+            data: ``(inputs, targets)`` of the mini-batch; the inputs a tensor
+                or a dict of tensors (:func:`vivit.model_inputs.call_model`).
             request: Parameter groups and curvature options.
             sink: Receives every requested parameter's contribution.
 

@@ -1,8 +1,9 @@
 """The low-rank GGN of a parameter group as a linear operator.
 
 Every product goes through products with ``V`` (``docs/math.rst``, "Layer
-structure" and "The Gram matrix and exact eigenpairs"); neither ``G`` nor ``V`` of
-the group is formed:
+structure" and "The Gram matrix and exact eigenpairs"), or through the implicit
+products ``G v = Jᵀ H J v`` of ``solver="implicit"`` (``docs/math.rst``,
+"Implicit GGN-vector products"); ``G`` is never formed. Through ``V``:
 
 - ``G w = V (Vᵀ w)``;
 - on the leading eigenspace, with Gram eigenpairs ``(λ_k, ũ_k)`` and
@@ -20,6 +21,7 @@ operators are, for ``scipy.sparse.linalg.eigsh``, ``cg`` and friends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy
 import torch
@@ -31,22 +33,70 @@ from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.group_products import VProducts
 
-#: ``(top_k, solver) → (evals [K], gram_evecs [N·C, K])``: the leading numerically
-#: non-zero eigenpairs of the Gram matrix.
+#: ``(top_k, solver) → (evals [K], directions)``: the leading numerically non-zero
+#: eigenpairs, the directions as the products take them (Gram eigenvectors
+#: ``[N·C, K]``, or parameter-space eigenvectors ``[D, K]``).
 Eigenpairs = Callable[[int | None, str | None], tuple[Tensor, Tensor]]
 
 
-class GGNOperator:
-    """``G = V Vᵀ`` of one parameter group, applied through products with ``V``.
+class OperatorProducts(Protocol):
+    """``G w`` and ``G_K⁺ w`` of one parameter group in parameter-list format.
 
-    Obtained from :meth:`vivit.LowRankGGN.operator` (products through the stored
-    factors) or :meth:`vivit.StreamingGGN.operator` (two passes over the data per
-    product).
+    Attributes:
+        dtype: Type the products run in.
+    """
+
+    dtype: torch.dtype
+
+    def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
+        """``G w`` for one tensor ``[K, *p.shape]`` per parameter."""
+
+    def pinv_matmul(
+        self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
+    ) -> list[Tensor]:
+        """``Σ_k e_k e_kᵀ w / λ_k`` of the eigenpairs (:data:`Eigenpairs`)."""
+
+
+class GramSpaceProducts:
+    """:class:`OperatorProducts` through products with ``V``.
+
+    ``G w = V (Vᵀ w)``; with Gram eigenpairs ``(λ_k, ũ_k)``,
+    ``G_K⁺ w = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
 
     Args:
         products: ``V·u`` and ``Vᵀ·w`` of the group.
+    """
+
+    def __init__(self, products: VProducts):
+        self._products = products
+        self.dtype = products.dtype
+
+    def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:  # noqa: D102
+        return self._products.v_matmul(self._products.vt_matmul(vectors))
+
+    def pinv_matmul(  # noqa: D102
+        self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
+    ) -> list[Tensor]:
+        # in float64: λ² underflows float32 for small resolved eigenvalues (a
+        # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
+        products = self._products.vt_matmul(vectors)
+        projections = products.double() @ directions.double()
+        scales = evals.double() ** -2
+        coefficients = (projections * scales) @ directions.double().T
+        return self._products.v_matmul(coefficients.to(products.dtype))
+
+
+class GGNOperator:
+    """``G`` of one parameter group, applied through products; never formed.
+
+    Obtained from :meth:`vivit.LowRankGGN.operator` (products through the stored
+    factors, or implicit products with ``solver="implicit"``) or
+    :meth:`vivit.StreamingGGN.operator` (two passes over the data per product).
+
+    Args:
+        products: ``G w`` and ``G_K⁺ w`` of the group.
         params: The group's parameters (shapes, data type, device).
-        eigenpairs: Leading Gram eigenpairs, for :meth:`pinv_matvec`.
+        eigenpairs: Leading eigenpairs, for :meth:`pinv_matvec`.
 
     Attributes:
         shape: ``(D, D)``.
@@ -57,7 +107,7 @@ class GGNOperator:
 
     def __init__(
         self,
-        products: VProducts,
+        products: OperatorProducts,
         params: Sequence[Parameter],
         eigenpairs: Eigenpairs,
     ):
@@ -81,7 +131,7 @@ class GGNOperator:
             ``G v`` in the format of ``vectors``.
         """
         rows, restore = self._to_rows(vectors)
-        return restore(self._products.v_matmul(self._products.vt_matmul(rows)))
+        return restore(self._products.ggn_matmul(rows))
 
     def pinv_matvec(
         self,
@@ -101,16 +151,9 @@ class GGNOperator:
         Returns:
             ``Σ_k e_k e_kᵀ v / λ_k`` in the format of ``vectors``.
         """
-        evals, gram_evecs = self._eigenpairs(top_k, solver)
+        evals, directions = self._eigenpairs(top_k, solver)
         rows, restore = self._to_rows(vectors)
-        # in float64: λ² underflows float32 for small resolved eigenvalues (a
-        # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
-        products = self._products.vt_matmul(rows)
-        projections = products.double() @ gram_evecs.double()
-        scales = evals.double() ** -2
-        coefficients = (projections * scales) @ gram_evecs.double().T
-        coefficients = coefficients.to(products.dtype)
-        result = self._products.v_matmul(coefficients)
+        result = self._products.pinv_matmul(rows, evals, directions)
         for part in result:
             check_finite(
                 part,

@@ -14,6 +14,12 @@ rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
 ``"matrix_free"``
     The same iteration on ``G̃ U = Σ_p V_pᵀ (V_p U)``: the Gram matrix is never
     formed; a product costs the factors' two ``V``-products, at most ``2·R·D``.
+``"implicit"``
+    The same iteration on ``G`` itself in the group's parameter space (``D``
+    rows), each product ``G v = Jᵀ H J v`` a JVP and a VJP through the model
+    per block of samples (:mod:`vivit.sources.implicit`); neither ``V`` nor
+    the Gram matrix exists. A route chosen at construction
+    (``LowRankGGN(..., solver="implicit")``); ``"auto"`` never picks it.
 
 The cost model behind ``"auto"`` (all quantities known before any work):
 
@@ -87,7 +93,7 @@ from vivit.linalg.iterative import (
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
 #: The accepted values of ``solver``.
-SOLVERS = ("auto", "dense", "iterative", "matrix_free")
+SOLVERS = ("auto", "dense", "iterative", "matrix_free", "implicit")
 #: Blocks the cost model expects an iterative solve to multiply: measured 6–17
 #: (``b = k`` and ``b = 2·k``, top-10 and top-1 on the benchmarks' MLPs and CNN).
 EXPECTED_BLOCKS = 15
@@ -125,7 +131,7 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
     if not isinstance(solver, str) or solver not in SOLVERS:
         raise InvalidArgumentError(f"solver must be one of {SOLVERS}, got {solver!r}.")
     check_top_k(top_k)
-    if top_k is None and solver in ("iterative", "matrix_free"):
+    if top_k is None and solver in ("iterative", "matrix_free", "implicit"):
         raise InvalidArgumentError(
             f"solver={solver!r} computes a few leading eigenpairs: pass top_k "
             "(e.g. top_k=10), or use solver='dense' for all of them."
@@ -135,22 +141,22 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
     """Block size ``b`` of an iterative solver (at most ``R``).
 
-    ``"matrix_free"``: ``b = k`` (a ``V``-product costs the same per vector at
-    any block width, so the fewest products win:
+    ``"matrix_free"`` and ``"implicit"``: ``b = k`` (a product costs the same
+    per vector at any block width, so the fewest products win:
     :func:`~vivit.linalg.iterative.default_block_size`). ``"iterative"``:
     ``b = max(2·k, k + GRAM_OVERSAMPLING)``: a product with a Gram matrix larger
     than the cache costs a pass over it, so wider blocks (fewer passes) win
     although they need more products.
 
     Args:
-        solver: ``"iterative"`` or ``"matrix_free"``.
+        solver: ``"iterative"``, ``"matrix_free"`` or ``"implicit"``.
         top_k: Number of leading eigenpairs.
-        size: Side length ``R`` of the Gram matrix.
+        size: Side length ``R`` of the Gram matrix (``D`` for ``"implicit"``).
 
     Returns:
         ``b``.
     """
-    if solver == "matrix_free":
+    if solver in ("matrix_free", "implicit"):
         return default_block_size(top_k, size)
     return min(size, max(2 * top_k, top_k + GRAM_OVERSAMPLING))
 
@@ -335,10 +341,11 @@ def leading_eigenpairs(
         products: ``U ↦ G̃ U`` without the Gram matrix (``[N·C, K]`` columns),
             for the matrix-free solver.
         top_k: Number of leading eigenpairs.
-        solver: ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
+        solver: ``"dense"``, ``"iterative"``, ``"matrix_free"`` or
+            ``"implicit"`` (``products`` are then ``G V`` in parameter space).
         gram: Returns the Gram matrix, forming it if needed (not called by the
-            matrix-free solver).
-        size: Side length ``N·C`` of the Gram matrix.
+            matrix-free and implicit solvers).
+        size: Side length ``N·C`` of the Gram matrix (``D`` for ``"implicit"``).
         requested: The solver the caller asked for; under ``"auto"`` an iterative
             solve that does not converge falls back to ``"dense"``.
         dtype: Data type of the factors' products.

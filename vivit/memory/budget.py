@@ -20,6 +20,7 @@ from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, check_gram_fits
 from vivit.memory.estimate import estimate_memory
+from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions
 
 logger = logging.getLogger("vivit")
@@ -94,7 +95,7 @@ def _storage_sizes(factors: Iterable[ParamFactors]) -> dict[tuple, int]:
 
 def batch_pass_bytes(
     model: Module,
-    inputs: Tensor,
+    inputs: ModelInputs,
     options: CurvatureOptions,
     loss_func: Module | None = None,
     param_groups: Sequence[Sequence[Parameter]] | None = None,
@@ -118,8 +119,8 @@ def batch_pass_bytes(
     """
     one = estimate_memory(
         model,
-        inputs[:1],
-        inputs.shape[0],
+        take_samples(inputs, slice(0, 1)),
+        num_samples(inputs),
         loss_func=loss_func,
         param_groups=param_groups,
         top_k=None,
@@ -195,7 +196,7 @@ class FactorBudget:
         first = True
         for batch in batches:
             if first:
-                self._first_inputs = batch[0][: self._chunk_size]
+                self._first_inputs = take_samples(batch[0], slice(self._chunk_size))
                 first = False
             yield batch
 

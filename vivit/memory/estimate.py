@@ -390,7 +390,7 @@ def _estimate(
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
-    layers, outputs_per_sample, columns = probe(model, example_inputs)
+    layers, outputs_per_sample, columns = probe(model, example_inputs, options.output)
     columns = options.mc_samples or columns
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
@@ -401,7 +401,7 @@ def _estimate(
     forms: dict = {}
     if func:
         forms, function_outputs = function_forms(
-            model, example_inputs, [p for _, _, p in params]
+            model, example_inputs, [p for _, _, p in params], options.output
         )
         # activations outside leaf modules (attention, addmm): as the engine
         outputs_per_sample = max(outputs_per_sample, function_outputs)

@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.random import fork_rng
 
+from vivit.engines.base import OutputSelector, select_output
 from vivit.engines.func.capture import count_uses
 from vivit.engines.func.functional import (
     FunctionCapture,
@@ -53,6 +54,7 @@ from vivit.engines.func.functional import (
 from vivit.engines.func.vjp import BatchedVJP
 from vivit.gram.outer import COMPACT_RATIO, GGN_COMPACT_RATIO, holds_v_explicitly
 from vivit.memory.probe import OUTER_PRODUCT_LAYERS, ProbedLayer
+from vivit.model_inputs import ModelInputs, call_model, input_tensors, num_samples
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,10 @@ class FormPart:
 
 
 def function_forms(
-    model: Module, example_inputs: Tensor, params: list[Parameter]
+    model: Module,
+    example_inputs: ModelInputs,
+    params: list[Parameter],
+    selector: OutputSelector = None,
 ) -> tuple[dict[int, tuple[FormPart, ...]], int]:
     """The forms the func engine finds at the function level, from example inputs.
 
@@ -130,8 +135,9 @@ def function_forms(
 
     Args:
         model: The network.
-        example_inputs: A few input samples.
+        example_inputs: A few input samples (or a dict of them).
         params: The requested parameters.
+        selector: Picks the output tensor from the model's return value.
 
     Returns:
         Map from ``id(param)`` to its factor forms (empty: explicit columns
@@ -140,16 +146,17 @@ def function_forms(
         are pushed back to).
     """
     capture = FunctionCapture(params)
-    num = example_inputs.shape[0]
-    devices = [example_inputs.device] if example_inputs.device.type == "cuda" else []
+    num = num_samples(example_inputs)
+    device = input_tensors(example_inputs)[0].device
+    devices = [device] if device.type == "cuda" else []
     with fork_rng(devices=devices), torch.enable_grad():
         with capture:
-            output = model(example_inputs)
+            output = select_output(call_model(model, example_inputs), selector)
         uses_of: dict[int, list] = {}
         for use in capture.uses:
             for param in use.params():
                 uses_of.setdefault(id(param), []).append(use)
-        if not uses_of or not isinstance(output, Tensor):
+        if not uses_of:
             return {}, 0
         calls = list({id(u): u for us in uses_of.values() for u in us}.values())
         counted = count_uses(output, [p for p in params if id(p) in uses_of])

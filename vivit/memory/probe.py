@@ -9,7 +9,7 @@ were), so nothing of the request's batch size is allocated.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,7 +17,9 @@ from torch import Tensor, no_grad
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 from torch.random import fork_rng
 
+from vivit.engines.base import OutputSelector, select_output
 from vivit.errors import InvalidArgumentError
+from vivit.model_inputs import ModelInputs, call_model, input_tensors, num_samples
 
 #: Layers whose weight keeps its columns of ``V`` as factors
 #: (:class:`~vivit.gram.OuterProductFactors`).
@@ -60,20 +62,28 @@ class ProbedLayer:
         return groups, positions, inputs, outputs
 
 
-def check_example_inputs(example_inputs: Tensor) -> None:
+def check_example_inputs(example_inputs: ModelInputs) -> None:
     """Refuse example inputs without a sample (the probe divides by their number).
 
     Args:
-        example_inputs: The caller's example inputs.
+        example_inputs: The caller's example inputs: a tensor, or a dict of
+            tensors (the model's keyword arguments).
 
     Raises:
-        InvalidArgumentError: For anything but a tensor with a sample along its
-            first axis.
+        InvalidArgumentError: For anything but a tensor (or a non-empty dict of
+            tensors) with a sample along its first axis.
     """
+    if isinstance(example_inputs, Mapping):
+        tensors = list(example_inputs.values())
+        if tensors and all(isinstance(t, Tensor) for t in tensors):
+            for tensor in tensors:
+                check_example_inputs(tensor)
+            return
     if not isinstance(example_inputs, Tensor):
         raise InvalidArgumentError(
             "example_inputs must be a tensor of a few input samples, "
-            f"[n, *input_shape], got {type(example_inputs).__name__}."
+            "[n, *input_shape], or a dict of such tensors (the model's keyword "
+            f"arguments), got {type(example_inputs).__name__}."
         )
     if example_inputs.dim() == 0 or example_inputs.shape[0] < 1:
         raise InvalidArgumentError(
@@ -83,12 +93,16 @@ def check_example_inputs(example_inputs: Tensor) -> None:
         )
 
 
-def probe(model: Module, inputs: Tensor) -> tuple[list[ProbedLayer], int, int]:
+def probe(
+    model: Module, inputs: ModelInputs, selector: OutputSelector = None
+) -> tuple[list[ProbedLayer], int, int]:
     """Per-sample layer sizes from a forward pass on a few samples.
 
     Args:
         model: The network.
-        inputs: A few input samples, ``[n, *input_shape]``.
+        inputs: A few input samples, ``[n, *input_shape]`` (or a dict of them).
+        selector: Picks the output tensor from the model's return value
+            (:func:`~vivit.engines.base.select_output`).
 
     Returns:
         Every leaf module that returned a tensor, in call order, the summed output
@@ -100,7 +114,8 @@ def probe(model: Module, inputs: Tensor) -> tuple[list[ProbedLayer], int, int]:
     """
     layers: list[ProbedLayer] = []
     outputs = 0
-    num = inputs.shape[0]
+    num = num_samples(inputs)
+    given = input_tensors(inputs)
 
     def record(module: Module, args: tuple, output: Tensor) -> None:
         nonlocal outputs
@@ -118,27 +133,26 @@ def probe(model: Module, inputs: Tensor) -> tuple[list[ProbedLayer], int, int]:
                 0 if first is None else first.numel() // num,
                 output.numel() // num,
                 unfolded,
-                is_input=first is inputs,
+                is_input=any(first is tensor for tensor in given),
             )
         )
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    devices = [given[0].device] if given[0].device.type == "cuda" else []
     # a forward pass draws random numbers (Dropout): the caller's stay as they were
     with fork_rng(devices=devices), _hooks_replaced(model), no_grad():
         handles = [m.register_forward_hook(record) for m in leaves]
         try:
-            result = model(inputs)
+            result = select_output(call_model(model, inputs), selector)
         finally:
             for handle in handles:
                 handle.remove()
-    if not isinstance(result, Tensor) or result.dim() == 0 or len(result) != num:
-        shape = tuple(result.shape) if isinstance(result, Tensor) else type(result)
+    if result.dim() == 0 or len(result) != num:
         raise InvalidArgumentError(
-            f"The model's output for example_inputs of shape {tuple(inputs.shape)} "
-            f"is {shape}, expected a tensor with their {num} samples along its "
-            "first axis: pass example inputs with a batch axis, [n, *input_shape] "
-            "(e.g. X[:1])."
+            f"The model's output for example_inputs of shape "
+            f"{tuple(given[0].shape)} is {tuple(result.shape)}, expected a tensor "
+            f"with their {num} samples along its first axis: pass example inputs "
+            "with a batch axis, [n, *input_shape] (e.g. X[:1])."
         )
     return layers, outputs, result[0].numel()
 

@@ -2,8 +2,10 @@
 
 :mod:`vivit.results` computes every result (eigenvalues, eigenpairs, directional
 derivatives, Newton steps, the operator) once, over this protocol. A source
-answers it its own way: stored factors of ``V`` (:mod:`vivit.sources.stored`)
-or factors recomputed in passes over a loader (:mod:`vivit.sources.streamed`).
+answers it its own way: stored factors of ``V`` (:mod:`vivit.sources.stored`),
+factors recomputed in passes over a loader (:mod:`vivit.sources.streamed`), or
+implicit products in parameter space (:mod:`vivit.sources.implicit`,
+:class:`ParameterGroupSource`).
 Shapes follow ``docs/math.rst``: ``N·C`` Gram-space rows (``N·M`` with
 Monte-Carlo sampling), ``D`` parameters.
 """
@@ -39,6 +41,10 @@ class GroupSource(Protocol):
             :meth:`~vivit.LowRankGGN.solver_report`).
         keeps_directions: Whether parameter-space eigenvectors are worth keeping
             between calls (each product is a pass over the data).
+        parameter_space: Whether the leading eigenpairs are computed on ``G`` in
+            parameter space rather than on the Gram matrix (then the source is a
+            :class:`ParameterGroupSource` and the "Gram eigenvectors" the results
+            layer passes around are the eigenvectors, flat columns ``[D, K]``).
     """
 
     index: int
@@ -52,6 +58,7 @@ class GroupSource(Protocol):
     products: VProducts
     route: str
     keeps_directions: bool
+    parameter_space: bool
 
     def formed_gram(self) -> Tensor | None:
         """The Gram matrix if it was formed, else ``None``."""
@@ -89,6 +96,28 @@ class GroupSource(Protocol):
                 per parameter (called only by sources that need them).
             samples: Gradient samples (checked; ``None``: all).
         """
+
+
+class ParameterGroupSource(GroupSource, Protocol):
+    """A group whose products are ``G v`` in parameter space (no ``V``, no Gram).
+
+    ``num_rows`` counts the output entries of its curvature samples (``N·C``);
+    :meth:`form_gram` refuses.
+
+    Attributes:
+        num_params: ``D``, the group's parameters.
+    """
+
+    num_params: int
+
+    def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
+        """``G V`` for flat columns ``[D, K]``: ``[D, K]``."""
+
+    def unflatten(self, columns: Tensor) -> list[Tensor]:
+        """Flat columns ``[D, K]`` as one tensor ``[K, *p.shape]`` per parameter."""
+
+    def directional_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``γ [N, K]`` of every sample and ``λ [N_ggn, K]`` along ``evecs``."""
 
 
 class CurvatureSource:

@@ -37,6 +37,7 @@ from vivit.engines.base import (
 )
 from vivit.errors import InvalidTargetsError
 from vivit.losses import LossNormalization
+from vivit.model_inputs import ModelInputs, num_samples, take_samples
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class SampleChunk:
             ``V`` are dropped (:func:`run_chunk`).
     """
 
-    batch: tuple[Tensor, Tensor]
+    batch: tuple[ModelInputs, Tensor]
     subsampling: list[int] | None
     samples: range | None = None
     has_curvature: bool = True
@@ -160,7 +161,7 @@ class _WithoutCurvature:
 
 
 def split_batch(
-    batch: tuple[Tensor, Tensor],
+    batch: tuple[ModelInputs, Tensor],
     chunk_size: int | None,
     subsampling: Sequence[int] | None = None,
 ) -> list[SampleChunk]:
@@ -176,13 +177,14 @@ def split_batch(
         The chunks, each with its part of the subsampling.
     """
     inputs, targets = batch
-    size = inputs.shape[0]
+    size = num_samples(inputs)
     if chunk_size is None or chunk_size >= size:
         return [SampleChunk(batch, None if subsampling is None else list(subsampling))]
     chunks = []
     for start in range(0, size, chunk_size):
         stop = min(start + chunk_size, size)
-        part, samples = (inputs[start:stop], targets[start:stop]), range(start, stop)
+        part = (take_samples(inputs, slice(start, stop)), targets[start:stop])
+        samples = range(start, stop)
         if subsampling is None:
             chunks.append(SampleChunk(part, None, samples))
             continue

@@ -39,6 +39,7 @@ from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
+from vivit.model_inputs import input_tensors, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -81,6 +82,7 @@ class StoredGroup:
 
     route = "matrix_free"
     keeps_directions = False
+    parameter_space = False
 
     def __init__(self, index: int, curvature: GroupCurvature, gradient: list[Tensor]):
         factors = curvature.ggn_factors
@@ -134,7 +136,13 @@ class StoredGroup:
         )
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        """Every solver runs on stored factors."""
+        if solver == "implicit":
+            raise InvalidArgumentError(
+                "solver='implicit' is a route chosen at construction: this "
+                "LowRankGGN keeps factors of V, on which every other solver runs. "
+                "Build LowRankGGN(..., solver='implicit') for products that need "
+                "no V, or pass 'auto', 'dense', 'iterative' or 'matrix_free'."
+            )
 
     def directional_gradients(  # noqa: D102
         self,
@@ -291,7 +299,7 @@ class StoredFactors(CurvatureSource):
             )
         if single:
             check_inputs_match(data[0], list(model.parameters()))
-            check_subsampling(options.subsampling, data[0].shape[0])
+            check_subsampling(options.subsampling, num_samples(data[0]))
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
         fingerprint = request_fingerprint(
@@ -346,7 +354,7 @@ class StoredFactors(CurvatureSource):
             (
                 batch_index,
                 chunk_run(shards.rank + shards.world_size * index, chunk),
-                (*chunk.batch, *model_memory),
+                (*input_tensors(chunk.batch[0]), chunk.batch[1], *model_memory),
             )
             for index, (batch_index, chunk) in enumerate(chunks)
         )

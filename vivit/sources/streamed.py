@@ -37,6 +37,7 @@ from vivit.errors import (
 )
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
+from vivit.model_inputs import ModelInputs, input_tensors
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -97,7 +98,7 @@ class BatchFingerprints:
         self._first: list[str] = []
         self._pass = 0
 
-    def check(self, batches: Iterable[tuple[Tensor, Tensor]]) -> Iterator:
+    def check(self, batches: Iterable[tuple[ModelInputs, Tensor]]) -> Iterator:
         """The batches of one pass, each checked against the first pass.
 
         Args:
@@ -113,7 +114,8 @@ class BatchFingerprints:
         self._pass += 1
         count = 0
         for index, batch in enumerate(batches):
-            digest = fingerprint(batch)
+            inputs, targets = batch
+            digest = fingerprint([*input_tensors(inputs), targets])
             if self._pass == 1:
                 self._first.append(digest)
             elif index >= len(self._first) or digest != self._first[index]:
@@ -156,6 +158,7 @@ class StreamedGroup:
 
     route = "streaming"
     keeps_directions = True
+    parameter_space = False
 
     def __init__(self, source: StreamedFactors, index: int):
         self._source = source
@@ -421,6 +424,12 @@ class StreamedFactors(CurvatureSource):
 
 def _check_streamable_solver(solver: str) -> None:
     """Refuse a solver that needs the Gram matrix, naming what to do instead."""
+    if solver == "implicit":
+        raise InvalidArgumentError(
+            "solver='implicit' is a route of LowRankGGN: build LowRankGGN(model, "
+            "loss_func, loader, solver='implicit'), which keeps no factors either "
+            "and passes over the loader in every product."
+        )
     if solver in ("dense", "iterative"):
         raise InvalidArgumentError(
             f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "

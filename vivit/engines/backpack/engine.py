@@ -35,6 +35,7 @@ from vivit.errors import (
     UnsupportedLayerError,
 )
 from vivit.losses import LossCurvature
+from vivit.model_inputs import ModelInputs, call_model
 
 
 class ContributionHook:
@@ -76,7 +77,7 @@ class BackpackEngine(Engine):
         self,
         model: Module,
         loss_func: Module,
-        data: tuple[Tensor, Tensor],
+        data: tuple[ModelInputs, Tensor],
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
@@ -86,7 +87,7 @@ class BackpackEngine(Engine):
         with extended(model, loss_func) as (net, loss_module):
 
             def compute_loss() -> Tensor:
-                output = _returned_output(net(inputs), request.output)
+                output = _returned_output(call_model(net, inputs), request.output)
                 check_finite(output, "model output")
                 LossCurvature(loss_module, output, targets)  # names bad targets
                 return loss_module(output, targets)

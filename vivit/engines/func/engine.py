@@ -32,7 +32,7 @@ samples at a time. ``B`` is the largest chunk whose memory stays below
 split further if even one sample does not fit. ``w`` counts the outputs of the
 leaf modules, at least those of the recorded calls. Per chunk: one vmapped
 backward pass of the ``V`` vectors (each holding the chunk's samples; with
-recorded calls, ``1 + ⌈log₁₆ B⌉`` probe vectors besides, except for the chunk of
+recorded calls, ``2·(1 + ⌈log₁₆ B⌉)`` probe vectors besides, except for the chunk of
 the whole batch, whose rows the probes found before) to the recorded outputs,
 memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V`` one-hot vectors
 to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B`` times the
@@ -58,6 +58,7 @@ check's runs without gradients.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
@@ -100,6 +101,13 @@ from vivit.gram import (
 )
 from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature
+from vivit.model_inputs import (
+    ModelInputs,
+    call_model,
+    map_inputs,
+    num_samples,
+    take_samples,
+)
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
 DEFAULT_MEMORY_BUDGET = 2**27
@@ -153,7 +161,7 @@ class FuncEngine(Engine):
         self,
         model: Module,
         loss_func: Module,
-        data: tuple[Tensor, Tensor],
+        data: tuple[ModelInputs, Tensor],
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
@@ -181,13 +189,13 @@ class FuncEngine(Engine):
         rows_of = forward.resolve_rows(output, uses_of)
         dense = [p for p in params if id(p) not in uses_of]
         chunk, per_pass = self.chunking(
-            len(inputs),
+            num_samples(inputs),
             batch.columns_per_sample + request.compute_gradients,
             forward.width.per_sample,
             sum(p.numel() for p in dense),
         )
         # the graph of the first forward pass serves the chunk of the whole batch
-        reuse = chunk >= len(inputs)
+        reuse = chunk >= num_samples(inputs)
         output_grad, *grads = torch.autograd.grad(
             loss, [output, *params], allow_unused=True, retain_graph=reuse
         )
@@ -291,16 +299,16 @@ class FuncEngine(Engine):
         vectors pushed back with the chunk's vectors.
         """
         chunk, per_pass = chunking
-        total = len(inputs)
+        total = num_samples(inputs)
         collected = {id(p): _Collected() for p in forward.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
         explicit = ExplicitColumns()
-        for start in range(0, len(inputs), chunk):
+        for start in range(0, total, chunk):
             block = vectors[:, start : start + chunk]
             if first is not None:
                 output, uses_of, rows_of = first
             else:
-                output = forward(inputs[start : start + chunk])
+                output = forward(take_samples(inputs, slice(start, start + chunk)))
                 # those that lost their form over the whole batch keep it lost
                 found = forward.factor_uses(output)
                 uses_of = {k: found[k] for k in factor if k in found}
@@ -333,7 +341,7 @@ class FuncEngine(Engine):
                     partial(
                         forward.per_sample_columns,
                         dense,
-                        inputs[start : start + chunk],
+                        take_samples(inputs, slice(start, start + chunk)),
                         block,
                         per_pass,
                     ),
@@ -614,11 +622,11 @@ class _Forward:
         # draws the probe vectors; the caller's generators are left alone
         self.generator = torch.Generator(device=params[0].device).manual_seed(0)
 
-    def __call__(self, inputs: Tensor, measure: bool = False) -> Tensor:
+    def __call__(self, inputs: ModelInputs, measure: bool = False) -> Tensor:
         """The selected model output of ``inputs``, layer calls recorded.
 
         Args:
-            inputs: A batch of inputs.
+            inputs: A batch of inputs (a tensor or a dict of keyword tensors).
             measure: Also measure the activation width.
 
         Returns:
@@ -630,20 +638,25 @@ class _Forward:
             stack.enter_context(self.functions)
             if measure:
                 stack.enter_context(self.width.measuring())
-            output = select_output(self.model(inputs), self.selector)
+            output = select_output(call_model(self.model, inputs), self.selector)
         if measure:  # activations outside leaf modules (attention, addmm)
             calls = {id(u): u for u in self.functions.uses}.values()
-            self.width.at_least(sum(u.output.numel() for u in calls) // len(inputs))
+            entries = sum(u.output.numel() for u in calls)
+            self.width.at_least(entries // num_samples(inputs))
         return output
 
     def per_sample_columns(
-        self, dense: list[Parameter], inputs: Tensor, vectors: Tensor, per_pass: int
+        self,
+        dense: list[Parameter],
+        inputs: ModelInputs,
+        vectors: Tensor,
+        per_pass: int,
     ) -> list[Tensor] | None:
         """Explicit columns of ``dense``, vectorized over the samples.
 
         Args:
             dense: The parameters without a factor form.
-            inputs: The chunk's inputs ``[B, *in]``.
+            inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
             vectors: ``[V, B, *out]``.
             per_pass: Vectors per vmapped pullback.
 
@@ -653,9 +666,11 @@ class _Forward:
         """
         names = {id(p): name for name, p in self.model.named_parameters()}
 
-        def sample_output(values: list[Tensor], x: Tensor) -> Tensor:
+        def sample_output(values: list[Tensor], x: ModelInputs) -> Tensor:
             replaced = {names[id(p)]: v for p, v in zip(dense, values, strict=True)}
-            output = torch.func.functional_call(self.model, replaced, (x[None],))
+            one = map_inputs(x, lambda tensor: tensor[None])
+            args, kwargs = ((), one) if isinstance(one, Mapping) else ((one,), {})
+            output = torch.func.functional_call(self.model, replaced, args, kwargs)
             return select_output(output, self.selector)[0]
 
         return per_sample_vjp(sample_output, dense, inputs, vectors, per_pass)
@@ -726,10 +741,10 @@ class _Forward:
             del uses_of[key]
         return rows_of
 
-    def unrecorded(self, inputs: Tensor) -> Tensor:
+    def unrecorded(self, inputs: ModelInputs) -> Tensor:
         """The selected output without recording or gradients (checks)."""
         with torch.no_grad():
-            return select_output(self.model(inputs), self.selector)
+            return select_output(call_model(self.model, inputs), self.selector)
 
 
 def _unresolved(uses: list[Use], rows_of: Rows) -> bool:

@@ -211,75 +211,95 @@ def _make(
 def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
     """Vectors that tell which sample owns each row of a recorded output.
 
-    Probe 0 is a random vector ``r`` of all samples; probe ``j ≥ 1`` is ``r`` with
-    sample ``b``'s part scaled by ``2^{d_j(b)}``, ``d_j`` the ``j``-th base-16
-    digit of ``b``. Pushed back, each row of ``z`` receives sample ``b``'s part
-    alone (the samples are independent), and scaling by a power of two commutes
-    exactly with every linear operation, so the ratio of probe ``j`` to probe 0
-    at a row is ``2^{d_j(b)}`` of its owner ``b``.
+    Two families, each of a random vector ``r`` of all samples and, for the
+    ``j``-th base-16 digit ``d_j(b)`` of each sample index, ``r`` with sample
+    ``b``'s part scaled by ``2^{d_j(b)}``. Pushed back, a row of ``z`` that one
+    sample ``b`` owns receives ``b``'s part alone (the samples are independent),
+    and scaling by a power of two commutes with every rounded operation of a
+    linear map, so at that row probe ``j`` is ``2^{d_j(b)}`` times ``r``'s, entry
+    by entry (:func:`sample_rows`).
 
     Args:
         block: The vectors of a chunk, ``[V, B, *out]``.
         generator: Draws ``r`` (the global generator is left alone).
 
     Returns:
-        The probes, ``[1 + J, B, *out]``.
+        The probes, ``[2·(1 + J), B, *out]``, the two families one after the other.
     """
     batch = block.shape[1]
     digits = max(1, math.ceil(math.log(max(batch, 2), PROBE_BASE)))
-    r = torch.randn(
-        block.shape[1:], generator=generator, dtype=block.dtype, device=block.device
-    )
     index = torch.arange(batch, device=block.device)
-    probes = [r]
-    for j in range(digits):
-        digit = (index // PROBE_BASE**j) % PROBE_BASE
-        scale = torch.pow(2.0, digit.to(block.dtype))
-        probes.append(r * scale.reshape(batch, *[1] * (r.dim() - 1)))
+    probes = []
+    for _ in range(2):
+        r = torch.randn(
+            block.shape[1:], generator=generator, dtype=block.dtype, device=block.device
+        )
+        probes.append(r)
+        for j in range(digits):
+            digit = (index // PROBE_BASE**j) % PROBE_BASE
+            scale = torch.pow(2.0, digit.to(block.dtype))
+            probes.append(r * scale.reshape(batch, *[1] * (r.dim() - 1)))
     return torch.stack(probes)
 
 
 def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
     """Each sample's rows of a recorded output, from the probes pushed back to it.
 
+    A row is its owner's if, in both families of :func:`probe_vectors`, every
+    entry of probe ``j`` is ``2^{d_j(b)}`` times that of the family's ``r`` (up
+    to rounding: within ``√ε`` of the row's largest entry) and both families name
+    the same ``b``. A row that several samples reach receives a mixture of their
+    parts, which is no such multiple.
+
     Args:
-        probes: The probes at the output as rows, ``[1 + J, R, F]``.
+        probes: The probes at the output as rows, ``[2·(1 + J), R, F]``.
         batch: Samples of the chunk ``B``.
 
     Returns:
-        Row index ``[B, T]`` (``T`` the most rows of a sample); index ``R`` pads
-        a sample with fewer rows (a zero row). Rows no probe reaches (whose every
+        Row index ``[B, T]``, ``T`` the most rows of a sample and at least
+        ``⌈R / B⌉`` (the same for every chunk of a layout); index ``R`` pads a
+        sample with fewer rows (a zero row). Rows no probe reaches (whose every
         vector is zero) are left out. ``None`` where the owners cannot be read
         off (then the use has no factor form).
     """
-    base = probes[0]
-    rows = base.shape[0]
-    pick = base.abs().argmax(dim=1, keepdim=True)
-    reference = base.gather(1, pick)[:, 0]
-    live = reference != 0
-    owner = torch.zeros(rows, dtype=torch.long, device=base.device)
-    for j, probe in enumerate(probes[1:]):
-        ratio = probe.gather(1, pick)[:, 0][live] / reference[live]
-        digit = torch.log2(ratio.abs())
-        rounded = digit.round()
-        if len(ratio) and (
-            (ratio <= 0).any()
-            or (digit - rounded).abs().max() > 0.25
-            or rounded.min() < 0
-            or rounded.max() >= PROBE_BASE
-        ):
-            return None
-        owner[live] += rounded.long() * PROBE_BASE**j
-    if live.any() and owner[live].max() >= batch:
+    first, second = probes.chunk(2)
+    owner, other = _owners(first), _owners(second)
+    if owner is None or other is None or not torch.equal(owner, other):
+        return None
+    rows = len(owner)
+    live = owner >= 0
+    if live.any() and owner.max() >= batch:
         return None
     owner = torch.where(live, owner, torch.full_like(owner, batch))
     counts = torch.bincount(owner, minlength=batch + 1)[:batch]
-    positions = max(1, int(counts.max()))
+    positions = max(1, int(counts.max()), math.ceil(rows / batch))
     order = torch.argsort(owner, stable=True)
     sorted_owner = owner[order]
     starts = torch.cumsum(counts, 0) - counts
     keep = sorted_owner < batch
-    slot = torch.arange(rows, device=base.device)[keep] - starts[sorted_owner[keep]]
-    index = torch.full((batch, positions), rows, dtype=torch.long, device=base.device)
+    slot = torch.arange(rows, device=owner.device)[keep] - starts[sorted_owner[keep]]
+    index = torch.full((batch, positions), rows, dtype=torch.long, device=owner.device)
     index[sorted_owner[keep], slot] = order[keep]
     return index
+
+
+def _owners(family: Tensor) -> Tensor | None:
+    """Each row's owner by one family of probes (``-1``: no probe reaches it).
+
+    ``None`` if some reached row is no power-of-two multiple of ``r`` at it.
+    """
+    base = family[0]
+    largest = base.abs().amax(dim=1)
+    live = largest > 0
+    pick = base.abs().argmax(dim=1, keepdim=True)
+    reference = base.gather(1, pick)
+    tolerance = torch.finfo(base.dtype).eps ** 0.5
+    owner = torch.zeros(len(base), dtype=torch.long, device=base.device)
+    for j, probe in enumerate(family[1:]):
+        ratio = probe.gather(1, pick) / torch.where(live[:, None], reference, 1)
+        digit = torch.log2(ratio.abs()).nan_to_num().round().clamp(0, PROBE_BASE - 1)
+        residual = (probe - torch.pow(2.0, digit) * base).abs().amax(dim=1)
+        if (residual[live] > tolerance * largest[live]).any():
+            return None
+        owner += digit[:, 0].long() * PROBE_BASE**j
+    return torch.where(live, owner, torch.full_like(owner, -1))

@@ -20,6 +20,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from vivit._validation import check_batch_norm
 from vivit.errors import SampleCouplingError
+from vivit.model_inputs import ModelInputs, map_inputs, num_samples
 
 
 def check_layers(model: Module) -> None:
@@ -44,25 +45,22 @@ def check_layers(model: Module) -> None:
 
 
 def check_samples_independent(
-    forward: Callable[[Tensor], Tensor], inputs: Tensor, output: Tensor
+    forward: Callable[[ModelInputs], Tensor], inputs: ModelInputs, output: Tensor
 ) -> None:
     """Re-run the model with sample 0 replaced by sample 1; outputs must agree.
 
     Args:
         forward: The model's output of a batch, computed without gradients.
-        inputs: The mini-batch inputs.
+        inputs: The mini-batch inputs (every tensor of a dict is perturbed).
         output: The output of ``inputs`` with the same parameters (detached).
 
     Raises:
         SampleCouplingError: If an output changed.
     """
-    perturbed = inputs.clone()
-    if len(inputs) > 1:
-        perturbed[0] = inputs[1]
+    several = num_samples(inputs) > 1
+    perturbed = map_inputs(inputs, _first_replaced if several else Tensor.clone)
     again = forward(perturbed)
-    expected = output.clone()
-    if len(inputs) > 1:
-        expected[0] = output[1]
+    expected = _first_replaced(output) if several else output.clone()
     eps = torch.finfo(output.dtype).eps if output.is_floating_point() else 0.0
     tolerance = eps**0.5 * (1.0 + output.abs().max().item())
     if again.shape != expected.shape or (again - expected).abs().max() > tolerance:
@@ -73,3 +71,10 @@ def check_samples_independent(
             "structure needs independent, deterministic samples: call model.eval() "
             "(BatchNorm, dropout) and remove operations that mix the batch axis."
         )
+
+
+def _first_replaced(tensor: Tensor) -> Tensor:
+    """A copy of ``tensor`` whose sample 0 is a copy of sample 1."""
+    copy = tensor.clone()
+    copy[0] = tensor[1]
+    return copy

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from vivit.model_inputs import ModelInputs
+
 
 class BatchedVJP:
     """``Jᵀ v`` of a graph's output for stacks of vectors ``v``.
@@ -156,9 +158,9 @@ class ExplicitColumns:
 
 
 def per_sample_vjp(
-    sample_output: Callable[[list[Tensor], Tensor], Tensor],
+    sample_output: Callable[[list[Tensor], ModelInputs], Tensor],
     params: list[Tensor],
-    inputs: Tensor,
+    inputs: ModelInputs,
     vectors: Tensor,
     chunk_size: int,
 ) -> list[Tensor] | None:
@@ -173,7 +175,7 @@ def per_sample_vjp(
         sample_output: The output of one sample (its input with a batch axis of
             one) as a function of the parameters' values.
         params: The parameters.
-        inputs: The chunk's inputs ``[B, *in]``.
+        inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
         vectors: ``[V, B, *out]``.
         chunk_size: At most this many vectors per vmapped pullback.
 
@@ -186,7 +188,7 @@ def per_sample_vjp(
     """
     values = [p.detach() for p in params]
 
-    def one_sample(x: Tensor, v: Tensor) -> list[Tensor]:
+    def one_sample(x: ModelInputs, v: Tensor) -> list[Tensor]:
         _, pullback = torch.func.vjp(lambda *w: sample_output(list(w), x), *values)
         return torch.func.vmap(pullback, chunk_size=max(chunk_size, 1))(v)
 

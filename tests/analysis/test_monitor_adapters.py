@@ -1,0 +1,111 @@
+"""The monitor's Lightning and Hugging Face Trainer adapters.
+
+Without the package an adapter raises MissingPackageError naming it (runs
+everywhere). With it (not installed in CI: Lightning imports torchvision, which
+does not import beside the CPU build of torch that CI pins; see docs/guide.rst)
+the callback records at the trainer's optimizer steps and leaves training as it
+was.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from vivit import InvalidArgumentError, MissingPackageError
+from vivit.analysis import CurvatureMonitor, huggingface_callback, lightning_callback
+
+
+def _monitor(**kwargs):
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    return CurvatureMonitor(model, nn.CrossEntropyLoss(), top_k=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "adapter, module, package",
+    [
+        (lightning_callback, "lightning.pytorch", "lightning"),
+        (huggingface_callback, "transformers", "transformers"),
+    ],
+)
+def test_missing_package_is_named(monkeypatch, adapter, module, package):
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(MissingPackageError, match=f"pip install {package}"):
+        adapter(_monitor())
+
+
+def test_huggingface_needs_a_fixed_batch():
+    pytest.importorskip("transformers")
+    with pytest.raises(InvalidArgumentError, match="fixed monitoring batch"):
+        huggingface_callback(_monitor())
+
+
+def _lightning_fit(callbacks, accumulate):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.2), nn.Linear(5, 3))
+            self.loss_func = nn.CrossEntropyLoss()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, index):
+            return self.loss_func(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    pl.seed_everything(0, verbose=False)
+    module = Classifier()
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(
+        torch.randn(48, 4, generator=g), torch.randint(0, 3, (48,), generator=g)
+    )
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    monitor = CurvatureMonitor(module, module.loss_func, every=2, top_k=2)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=[lightning_callback(monitor)] if callbacks else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        deterministic=True,
+    )
+    trainer.fit(module, loader)
+    return module, monitor
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_callback(accumulate):
+    plain, _ = _lightning_fit(False, accumulate)
+    monitored, monitor = _lightning_fit(True, accumulate)
+    steps = 6 // accumulate
+    assert [r["step"] for r in monitor.records] == list(range(2, steps + 1, 2))
+    for a, b in zip(plain.parameters(), monitored.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_huggingface_callback_steps_at_global_steps():
+    """Called as the Trainer calls it: on_step_end with its state, then the end."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+    monitor = _monitor(batch=batch, every=2)
+    callback = huggingface_callback(monitor)
+    assert isinstance(callback, transformers.TrainerCallback)
+    args, control = object(), transformers.TrainerControl()
+    for step in range(1, 6):
+        state = transformers.TrainerState(global_step=step)
+        callback.on_step_end(args, state, control, model=monitor.model)
+    callback.on_train_end(args, state, control)
+    assert [r["step"] for r in monitor.records] == [2, 4]
+    assert all(r["batch"] == "fixed" for r in monitor.records)

@@ -1,0 +1,223 @@
+"""The implicit route (``solver="implicit"``) against the dense float64 reference
+and the Gram route (``docs/math.rst``, "Implicit GGN-vector products").
+
+Tolerances (:ref:`math-test-tolerances`): ``G v`` is the dense reference's sum in
+another order (``REORDERED_REL`` of ``‖G‖·‖v‖``); eigenvalues of block Krylov on
+``G`` within ``tol·λ_max`` (``EIGVAL_RTOL``, the iterative solvers' bound);
+``γ``, ``λ`` and Newton steps of the leading directions, products with
+eigenvectors (``EIGVEC_PRODUCT_REL``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fixtures.checks import (
+    EIGVAL_RTOL,
+    REORDERED_REL,
+    align_signs,
+    assert_eigenpairs,
+    assert_rel,
+    assert_top_eigvals,
+    flat_evecs,
+)
+from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.reference import dense_ggn
+from vivit import LowRankGGN, StreamingGGN
+from vivit.errors import InvalidArgumentError, ModelChangedError
+from vivit.optim import DampedNewton
+
+PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
+TOP_K = 3
+
+
+def _assert_product(actual: torch.Tensor, G: torch.Tensor, v: torch.Tensor) -> None:
+    """``G v`` within ``REORDERED_REL·‖G‖·‖v‖`` (reordered sums)."""
+    bound = REORDERED_REL * G.norm(2).item() * v.norm(dim=0).max().item()
+    assert (actual - G @ v).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_ggn_vector_products_match_dense(name):
+    s = PROBLEMS[name].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    v = torch.randn(
+        G.shape[0], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    _assert_product(ggn.operator().matvec(v), G, v)
+    assert ggn.engine == "implicit"
+
+
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_eigenpairs_match_dense(name):
+    s = PROBLEMS[name].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    evals, evecs = ggn.eigh(top_k=TOP_K)
+    report = ggn.solver_report()
+    assert report.solver == "implicit" and report.converged
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+    nc = ggn._source.group(0).num_rows
+    assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum", "twice-bce-sum"])
+@pytest.mark.parametrize("subsampling", [None, [2, 0]])
+def test_directional_and_newton_match_gram_route(name, subsampling):
+    s = PROBLEMS[name].setup()
+    data = (s.inputs, s.targets)
+    implicit = LowRankGGN(
+        s.model, s.loss_func, data, solver="implicit", subsampling=subsampling
+    )
+    gram = LowRankGGN(s.model, s.loss_func, data, subsampling=subsampling)
+    ours, theirs = implicit.newton(top_k=TOP_K), gram.newton(top_k=TOP_K)
+    assert_rel(ours.directional.evals, theirs.directional.evals)
+    assert_rel(ours.directional.lambdas, theirs.directional.lambdas)
+    gammas = theirs.directional.gammas
+    assert_rel(align_signs(ours.directional.gammas, gammas), gammas)
+    assert_rel(
+        flat_evecs([s.unsqueeze(0) for s in ours.step]),
+        flat_evecs([s.unsqueeze(0) for s in theirs.step]),
+    )
+    for a, b in zip(implicit.gradient(), gram.gradient(), strict=True):
+        assert_rel(a, b, REORDERED_REL)
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", "groupnorm-bce-mean"])
+def test_loader_and_chunks_equal_one_batch(name):
+    s = PROBLEMS[name].setup()
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    loader = [(s.inputs[:1], s.targets[:1]), (s.inputs[1:], s.targets[1:])]
+    v = torch.randn(G.shape[0], 2, dtype=torch.float64)
+    for data, chunk_size in [(loader, None), ((s.inputs, s.targets), 2)]:
+        ggn = LowRankGGN(
+            s.model, s.loss_func, data, solver="implicit", chunk_size=chunk_size
+        )
+        _assert_product(ggn.operator().matvec(v), G, v)
+        assert_rel(
+            ggn.loss, s.loss_func(s.model(s.inputs), s.targets).detach(), REORDERED_REL
+        )
+
+
+def test_subsampled_products_match_dense():
+    s = PROBLEMS["transformer-ce-mean"].setup()
+    subsampling = [3, 1]
+    ggn = LowRankGGN(
+        s.model,
+        s.loss_func,
+        (s.inputs, s.targets),
+        solver="implicit",
+        subsampling=subsampling,
+    )
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets, subsampling=subsampling)
+    v = torch.randn(G.shape[0], 2, dtype=torch.float64)
+    _assert_product(ggn.operator().matvec(v), G, v)
+
+
+def test_damped_newton_runs_implicit():
+    s = PROBLEMS["twice-mse-mean"].setup()
+    before = [p.detach().clone() for p in s.model.parameters()]
+    optimizer = DampedNewton(
+        s.model.parameters(),
+        top_k=2,
+        solver="implicit",
+        model=s.model,
+        loss_func=s.loss_func,
+    )
+    optimizer.step(data=(s.inputs, s.targets))
+    after = list(s.model.parameters())
+    assert any((a - b).abs().max() > 0 for a, b in zip(after, before, strict=True))
+
+
+def _implicit():
+    s = PROBLEMS["twice-mse-mean"].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    return s, ggn
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda g: g.gram(), "forms neither V nor the Gram"),
+        (lambda g: g.eigvalsh(), "forms neither V nor the Gram"),
+        (lambda g: g.zero_tolerance(), "forms neither V nor the Gram"),
+        (lambda g: g.eigh(), "pass top_k"),
+        (lambda g: g.eigh(top_k=2, solver="dense"), "never forms"),
+    ],
+)
+def test_refuses_what_needs_the_gram_matrix(call, match):
+    _, ggn = _implicit()
+    with pytest.raises(InvalidArgumentError, match=match):
+        call(ggn)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"mc_samples": 1}, "Monte-Carlo"),
+        ({"gram_dtype": torch.float64}, "gram_dtype"),
+        ({"engine": "backpack"}, "runs no engine"),
+    ],
+)
+def test_refuses_options(options, match):
+    s = PROBLEMS["twice-mse-mean"].setup()
+    with pytest.raises(InvalidArgumentError, match=match):
+        LowRankGGN(
+            s.model, s.loss_func, (s.inputs, s.targets), solver="implicit", **options
+        )
+
+
+def test_refuses_implicit_on_gram_routes_and_iterators():
+    s = PROBLEMS["twice-mse-mean"].setup()
+    data = (s.inputs, s.targets)
+    with pytest.raises(InvalidArgumentError, match="chosen at construction"):
+        LowRankGGN(s.model, s.loss_func, data).eigh(top_k=2, solver="implicit")
+    with pytest.raises(InvalidArgumentError, match="route of LowRankGGN"):
+        StreamingGGN(s.model, s.loss_func, [data], solver="implicit")
+    with pytest.raises(InvalidArgumentError, match="passed over once"):
+        LowRankGGN(s.model, s.loss_func, iter([data]), solver="implicit")
+
+
+def test_refuses_a_changed_model():
+    s, ggn = _implicit()
+    with torch.no_grad():
+        next(s.model.parameters()).add_(1.0)
+    with pytest.raises(ModelChangedError):
+        ggn.eigh(top_k=2)
+
+
+def test_unsupported_forward_ad_is_named():
+    class NoJVP(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return NoJVP.apply(self.lin(x))
+
+    model = Model().double()
+    x, y = (
+        torch.randn(4, 3, dtype=torch.float64),
+        torch.randn(4, 2, dtype=torch.float64),
+    )
+    ggn = LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+    with pytest.raises(NotImplementedError, match="implicit route computes J v"):
+        ggn.eigh(top_k=1)

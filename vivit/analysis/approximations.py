@@ -1,0 +1,159 @@
+"""The top-k eigenpairs and the damped Newton step of each approximation of the GGN.
+
+Every approximation ``Ĝ`` of the GGN is reduced to what the audit compares
+(``docs/math.rst``, "Approximation audit"): its ``k`` leading eigenpairs and its
+damped Newton step ``ŝ = −(Ĝ + δI)⁻¹ g`` with the mini-batch gradient ``g``, as
+float64 vectors over all audited parameters. Low-rank approximations (exact,
+Monte-Carlo, subsampled, block-diagonal) come from a :class:`~vivit.LowRankGGN`,
+the diagonal from the exact one's eigenpairs; KFAC and EKFAC live in
+:mod:`vivit.analysis.kfac`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from vivit.errors import ZeroStepWarning
+from vivit.lowrank import LowRankGGN
+
+
+@dataclass(frozen=True)
+class ApproximateCurvature:
+    """What the audit compares of one approximation ``Ĝ``, in float64.
+
+    Attributes:
+        values: Its top eigenvalues ``[k' ≤ k]``, descending (fewer than ``k``
+            where it has fewer non-zero ones).
+        vectors: Their eigenvectors as orthonormal rows ``[k', D]`` over all
+            audited parameters (zero outside a block).
+        step: Its damped Newton step ``−(Ĝ + δI)⁻¹ g``, ``[D]``.
+    """
+
+    values: Tensor
+    vectors: Tensor
+    step: Tensor
+
+
+def flat_rows(tensors: Sequence[Tensor], rows: int) -> Tensor:
+    """Tensors ``[rows, *p.shape]`` (one per parameter) as float64 ``[rows, D]``.
+
+    Args:
+        tensors: One tensor per parameter, leading axis ``rows``.
+        rows: Number of rows.
+
+    Returns:
+        The rows, each parameter flattened row-major, in the given order.
+    """
+    return torch.cat([t.detach().reshape(rows, -1).double() for t in tensors], dim=1)
+
+
+def _embedding(group: Sequence[Parameter], params: Sequence[Parameter]) -> Tensor:
+    """Positions of a group's flattened entries in the flattened ``params``."""
+    offsets, start = {}, 0
+    for p in params:
+        offsets[id(p)] = start
+        start += p.numel()
+    return torch.cat(
+        [torch.arange(offsets[id(p)], offsets[id(p)] + p.numel()) for p in group]
+    )
+
+
+def low_rank_curvature(
+    ggn: LowRankGGN, params: Sequence[Parameter], top_k: int, damping: float
+) -> ApproximateCurvature:
+    """Top-k eigenpairs and damped step of a (block-diagonal) ``LowRankGGN``.
+
+    Per group ``b`` with non-zero eigenpairs ``(λ_j, e_j)`` (all of them, from
+    :meth:`~vivit.LowRankGGN.eigh` with ``top_k=None``): the leading ``k`` of
+    all groups' pairs, and the step ``s_b = newton_step(None, b, δ) − (g_b −
+    Σ_j e_j e_jᵀ g_b) / δ``, the library's damped step on the range plus the
+    gradient's component outside it, which together are ``−(Ĝ_b + δI)⁻¹ g_b``.
+
+    Args:
+        ggn: The approximation; its groups must partition ``params``.
+        params: All audited parameters, in the order of the flattened vectors.
+        top_k: Number of leading eigenpairs.
+        damping: ``δ > 0``.
+
+    Returns:
+        The approximation's curvature.
+    """
+    size = sum(p.numel() for p in params)
+    device = ggn.gradient()[0].device
+    candidates, vectors = [], []
+    step = torch.zeros(size, dtype=torch.float64, device=device)
+    for b, group in enumerate(ggn.param_groups):
+        evals, evecs = ggn.eigh(None, b)
+        directions = flat_rows(evecs, evals.numel())
+        gradient = flat_rows([g.unsqueeze(0) for g in ggn.gradient(b)], 1)[0]
+        with warnings.catch_warnings():
+            # a group without curvature has no range part; its step is −g/δ
+            warnings.simplefilter("ignore", ZeroStepWarning)
+            on_range = ggn.newton_step(None, b, damping)
+        outside = gradient - directions.T @ (directions @ gradient)
+        index = _embedding(group, params).to(device)
+        step[index] = flat_rows([s.unsqueeze(0) for s in on_range], 1)[0]
+        step[index] -= outside / damping
+        embedded = directions.new_zeros(evals.numel(), size)
+        embedded[:, index] = directions
+        vectors.append(embedded)
+        candidates += [(float(v), b, j) for j, v in enumerate(evals.tolist())]
+    leading = sorted(candidates, reverse=True)[:top_k]
+    return ApproximateCurvature(
+        values=torch.tensor([v for v, _, _ in leading], dtype=torch.float64),
+        vectors=torch.stack([vectors[b][j] for _, b, j in leading]).cpu()
+        if leading
+        else torch.zeros(0, size, dtype=torch.float64),
+        step=step.cpu(),
+    )
+
+
+def exact_diagonal(ggn: LowRankGGN) -> Tensor:
+    """The diagonal of the exact GGN, ``diag(G)_d = Σ_j λ_j e_jd²``.
+
+    From the non-zero eigenpairs of :meth:`~vivit.LowRankGGN.eigh` (one group
+    over all parameters): ``G = Σ_j λ_j e_j e_jᵀ``; the numerically zero
+    eigenvalues left out change an entry by at most the numerical-zero
+    tolerance (``docs/math.rst``, "Approximation audit").
+
+    Args:
+        ggn: The exact GGN, one group.
+
+    Returns:
+        ``[D]`` float64 diagonal, parameters flattened in the group's order.
+    """
+    evals, evecs = ggn.eigh(None)
+    directions = flat_rows(evecs, evals.numel())
+    return (evals.double().unsqueeze(1) * directions.square()).sum(0).cpu()
+
+
+def diagonal_curvature(
+    diagonal: Tensor, gradient: Tensor, top_k: int, damping: float
+) -> ApproximateCurvature:
+    """Top-k eigenpairs and damped step of a diagonal matrix ``Ĝ = diag(d)``.
+
+    Its eigenpairs are the entries with the unit coordinate vectors; its step is
+    ``−g / (d + δ)`` entry by entry (the full inverse).
+
+    Args:
+        diagonal: ``d`` ``[D]``, non-negative.
+        gradient: ``g`` ``[D]``.
+        top_k: Number of leading eigenpairs.
+        damping: ``δ > 0``.
+
+    Returns:
+        The approximation's curvature (float64, CPU).
+    """
+    diagonal, gradient = diagonal.double().cpu(), gradient.double().cpu()
+    values, index = diagonal.topk(min(top_k, diagonal.numel()))
+    vectors = torch.zeros(index.numel(), diagonal.numel(), dtype=torch.float64)
+    vectors[torch.arange(index.numel()), index] = 1.0
+    return ApproximateCurvature(
+        values=values, vectors=vectors, step=-gradient / (diagonal + damping)
+    )

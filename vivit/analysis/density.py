@@ -1,0 +1,339 @@
+"""Spectral density of a symmetric PSD operator by stochastic Lanczos quadrature.
+
+For each of ``n_v`` random unit probes ``x``, ``k`` Lanczos steps on ``A`` give the
+Gauss quadrature of the probe's weighted spectral measure ``Σ_i (xᵀu_i)² δ_λi``:
+nodes the Ritz values ``θ_j``, weights the squared first entries of the
+tridiagonal matrix's eigenvectors. Their average estimates the spectral measure
+``(1/n) Σ_i δ_λi``; the error in Wasserstein-1 distance is bounded by Chen,
+Trogdon and Ubaru (2021) (``docs/math.rst``, "Spectral density by stochastic
+Lanczos quadrature"). Only products ``A·X`` are needed: a dense matrix (a Gram
+matrix), :meth:`vivit.LowRankGGN.operator` (products with ``V``) or any
+callable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from vivit._validation import check_positive_int
+from vivit.errors import InvalidArgumentError, NonFiniteError
+
+
+class MatrixOperator(Protocol):
+    """An operator with ``matvec`` on ``[n, b]`` blocks, a shape, type and device.
+
+    :class:`~vivit.linalg.operator.GGNOperator` is one.
+    """
+
+    shape: tuple[int, int]
+    dtype: torch.dtype
+    device: torch.device
+
+    def matvec(self, vectors: Tensor) -> Tensor: ...  # noqa: D102
+
+
+@dataclass(frozen=True)
+class SpectralDensity:
+    """The quadrature measure of stochastic Lanczos quadrature.
+
+    Every probe contributes ``k`` nodes; their weights over all probes sum to the
+    dimension ``n``, so the measure counts eigenvalues.
+
+    Attributes:
+        nodes: ``[n_v, k]`` Ritz values of each probe (a probe whose Krylov
+            space ended early pads with zero-weight nodes).
+        weights: ``[n_v, k]`` their weights, ``n/n_v`` times the squared first
+            entries of the Ritz vectors: ``weights.sum() == dim``.
+        dim: Side length ``n`` of the operator.
+        lanczos_steps: Lanczos steps ``k`` per probe.
+    """
+
+    nodes: Tensor
+    weights: Tensor
+    dim: int
+    lanczos_steps: int
+
+    @property
+    def probes(self) -> int:
+        """The number of probe vectors ``n_v``."""
+        return self.nodes.shape[0]
+
+    def density(self, grid: Tensor, width: float) -> Tensor:
+        """The measure smoothed by a Gaussian kernel: eigenvalues per unit.
+
+        ``ρ(x) = Σ_j w_j φ_σ(x − θ_j)``, ``φ_σ`` the normal density of standard
+        deviation ``σ = width``; integrates to ``dim`` over the real line.
+
+        Args:
+            grid: Points ``x`` (1-d).
+            width: ``σ > 0``.
+
+        Returns:
+            ``ρ`` at the grid points, in the grid's type.
+
+        Raises:
+            InvalidArgumentError: For a width that is not positive.
+        """
+        if not width > 0:
+            raise InvalidArgumentError(f"width must be positive, got {width!r}.")
+        grid = torch.as_tensor(grid)
+        nodes = self.nodes.flatten().to(grid.dtype)
+        weights = self.weights.flatten().to(grid.dtype)
+        scaled = (grid[:, None] - nodes[None, :]) / width
+        kernel = torch.exp(-0.5 * scaled.square()) / (width * math.sqrt(2 * math.pi))
+        return kernel @ weights
+
+    def count(self, threshold: float) -> float:
+        """Estimated number of eigenvalues above ``threshold``.
+
+        Args:
+            threshold: E.g. the numerical-zero tolerance (a rank estimate).
+
+        Returns:
+            The weight of the nodes above it.
+        """
+        return self.weights[self.nodes > threshold].sum().item()
+
+    def trace(self) -> float:
+        """Estimated trace ``Σ_j w_j θ_j``: Hutchinson's estimate with the probes.
+
+        Returns:
+            The trace estimate.
+        """
+        return (self.weights * self.nodes).sum().item()
+
+
+def spectral_density(
+    operator: Tensor | MatrixOperator | Callable[[Tensor], Tensor],
+    *,
+    lanczos_steps: int = 30,
+    probes: int | Tensor = 10,
+    seed: int = 0,
+    dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> SpectralDensity:
+    """The spectral measure of a symmetric PSD operator by stochastic Lanczos.
+
+    Runs ``lanczos_steps`` Lanczos steps from every probe at once (one product
+    with an ``[n, n_v]`` block per step) with full reorthogonalization against
+    the probe's earlier vectors (memory ``k·n·n_v`` numbers). A probe whose Krylov
+    space is exhausted stops; its quadrature is then exact.
+
+    Example::
+
+        density = spectral_density(ggn.gram(), lanczos_steps=40, probes=20)
+        rho = density.density(torch.linspace(0, 5, 500), width=0.05)
+        density = spectral_density(ggn.operator())   # parameter space, D × D
+
+    Args:
+        operator: A symmetric ``[n, n]`` tensor; an object with ``matvec`` on
+            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (as
+            :meth:`vivit.LowRankGGN.operator` returns); or a callable on
+            ``[n, b]`` blocks (then ``dim`` is required).
+        lanczos_steps: Lanczos steps ``k`` per probe (at most ``n`` run).
+        probes: Number of random probes ``n_v``, drawn uniformly from the unit
+            sphere with ``seed``; or an ``[n, n_v]`` tensor of probes (each
+            normalized).
+        seed: Seed of the random probes.
+        dim: ``n`` for a callable operator.
+        dtype: Type of the probes for a callable (default: torch's default).
+        device: Device of the probes for a callable (default: CPU).
+
+    Returns:
+        The quadrature measure (weights summing to ``n``).
+
+    Raises:
+        InvalidArgumentError: For a malformed operator, probes or counts.
+        NonFiniteError: If a product returns NaN or infinity.
+    """
+    check_positive_int(lanczos_steps, "lanczos_steps", "Lanczos steps per probe")
+    matmul, size, probe_dtype, probe_device = _as_matmul(operator, dim, dtype, device)
+    start = _probes(probes, size, seed, probe_dtype, probe_device)
+    steps = min(lanczos_steps, size)
+    alphas, betas, lengths = _lanczos(matmul, start, steps)
+    nodes = torch.zeros(start.shape[1], steps, dtype=start.dtype)
+    weights = torch.zeros_like(nodes)
+    for i, length in enumerate(lengths):
+        tridiagonal = torch.diag(alphas[:length, i])
+        off = betas[: length - 1, i]
+        tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
+        ritz, vectors = torch.linalg.eigh(tridiagonal)
+        nodes[i, :length] = ritz
+        weights[i, :length] = vectors[0].square() * (size / start.shape[1])
+    return SpectralDensity(nodes, weights, size, steps)
+
+
+def _as_matmul(
+    operator: object,
+    dim: int | None,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> tuple[Callable[[Tensor], Tensor], int, torch.dtype, torch.device]:
+    """``X ↦ A X`` on ``[n, b]`` blocks, ``n``, and the probes' type and device."""
+    if isinstance(operator, Tensor):
+        if operator.dim() != 2 or operator.shape[0] != operator.shape[1]:
+            raise InvalidArgumentError(
+                f"A matrix operator must be square, got shape {list(operator.shape)}."
+            )
+        if not operator.is_floating_point():
+            raise InvalidArgumentError(
+                f"A matrix operator must be floating-point, got {operator.dtype}."
+            )
+        matrix = operator.detach()
+        return matrix.__matmul__, matrix.shape[0], matrix.dtype, matrix.device
+    if hasattr(operator, "matvec") and hasattr(operator, "shape"):
+        return (
+            operator.matvec,
+            operator.shape[0],
+            operator.dtype,
+            torch.device(operator.device),
+        )
+    if callable(operator):
+        check_positive_int(dim, "dim", "side length of a callable operator")
+        return (
+            operator,
+            dim,
+            dtype or torch.get_default_dtype(),
+            torch.device(device or "cpu"),
+        )
+    raise InvalidArgumentError(
+        "operator must be a square tensor, an object with matvec and shape (e.g. "
+        f"LowRankGGN.operator()) or a callable with dim, got {type(operator).__name__}."
+    )
+
+
+def _probes(
+    probes: int | Tensor, size: int, seed: int, dtype: torch.dtype, device
+) -> Tensor:
+    """``[n, n_v]`` unit probes: given, or uniform on the sphere from ``seed``."""
+    if isinstance(probes, Tensor):
+        if probes.dim() != 2 or probes.shape[0] != size or probes.shape[1] == 0:
+            raise InvalidArgumentError(
+                f"probes must be an [{size}, n_v] tensor (one column per probe), "
+                f"got shape {list(probes.shape)}."
+            )
+        norms = probes.norm(dim=0)
+        if not (norms.isfinite() & (norms > 0)).all():
+            raise InvalidArgumentError("Every probe must be finite and non-zero.")
+        return (probes / norms).to(device, dtype)
+    check_positive_int(probes, "probes", "number of random probe vectors")
+    generator = torch.Generator().manual_seed(seed)
+    gaussian = torch.randn(size, probes, generator=generator, dtype=torch.float64)
+    return (gaussian / gaussian.norm(dim=0)).to(device, dtype)
+
+
+def _lanczos(
+    matmul: Callable[[Tensor], Tensor], start: Tensor, steps: int
+) -> tuple[Tensor, Tensor, list[int]]:
+    """Lanczos of every probe column at once, fully reorthogonalized.
+
+    Returns the diagonals ``α [k, n_v]``, off-diagonals ``β [k, n_v]`` and each
+    probe's number of steps (fewer where its Krylov space is exhausted: ``β``
+    below ``n·ε`` times the largest ``|α| + β`` seen).
+    """
+    size, count = start.shape
+    basis = torch.zeros(steps, size, count, dtype=start.dtype, device=start.device)
+    alphas = torch.zeros(steps, count, dtype=start.dtype)
+    betas = torch.zeros(steps, count, dtype=start.dtype)
+    lengths = [steps] * count
+    active = torch.ones(count, dtype=torch.bool, device=start.device)
+    basis[0] = start
+    scale = torch.zeros(count, dtype=start.dtype, device=start.device)
+    eps = torch.finfo(start.dtype).eps
+    for j in range(steps):
+        product = matmul(basis[j])
+        if not torch.isfinite(product).all():
+            raise NonFiniteError(
+                f"The operator returned NaN or inf in Lanczos step {j}."
+            )
+        alpha = (basis[j] * product).sum(0)
+        for _ in range(2):  # twice is enough (Giraud et al.)
+            earlier = basis[: j + 1]
+            product -= torch.einsum(
+                "jnb,jb->nb", earlier, torch.einsum("jnb,nb->jb", earlier, product)
+            )
+        beta = product.norm(dim=0)
+        scale = torch.maximum(scale, alpha.abs() + beta)
+        alphas[j] = torch.where(active, alpha, 0).cpu()
+        if j + 1 == steps:
+            break
+        ended = active & (beta <= size * eps * scale)
+        for i in ended.nonzero().flatten().tolist():
+            lengths[i] = j + 1
+        active &= ~ended
+        betas[j] = torch.where(active, beta, 0).cpu()
+        basis[j + 1] = torch.where(active, product / beta.clamp_min(eps), 0)
+    return alphas, betas, lengths
+
+
+def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float:
+    """Wasserstein-1 distance of the quadrature measure and the exact spectrum.
+
+    Both as probability measures (weights ``/ n``, each eigenvalue ``1/n``):
+    ``∫ |F_SLQ(x) − F(x)| dx`` of their cumulative distributions.
+
+    Args:
+        density: The quadrature measure.
+        eigenvalues: All ``n`` eigenvalues of the operator.
+
+    Returns:
+        The distance, in units of the eigenvalues.
+
+    Raises:
+        InvalidArgumentError: If the number of eigenvalues is not ``dim``.
+    """
+    if eigenvalues.numel() != density.dim:
+        raise InvalidArgumentError(
+            f"Pass all {density.dim} eigenvalues of the operator, got "
+            f"{eigenvalues.numel()}."
+        )
+    exact = eigenvalues.detach().flatten().to(torch.float64).cpu()
+    points = torch.cat([density.nodes.flatten().to(torch.float64).cpu(), exact])
+    masses = torch.cat(
+        [
+            density.weights.flatten().to(torch.float64).cpu() / density.dim,
+            -torch.full_like(exact, 1.0 / density.dim),
+        ]
+    )
+    order = points.argsort()
+    difference = masses[order].cumsum(0)[:-1]
+    return (difference.abs() * points[order].diff()).sum().item()
+
+
+def wasserstein_bound(
+    dim: int,
+    lanczos_steps: int,
+    probes: int,
+    spread: float,
+    failure_probability: float = 1e-3,
+) -> float:
+    """Chen, Trogdon and Ubaru's bound on the Wasserstein-1 error of SLQ.
+
+    With probability at least ``1 − η``, ``k`` Lanczos steps from each of ``n_v``
+    probes uniform on the unit sphere give
+    ``W₁ ≤ (λ_max − λ_min)·(12/(2k − 1) + √(ln(2n/η)/((n + 2)·n_v)))``, in exact
+    arithmetic (``docs/math.rst``, "Spectral density by stochastic Lanczos
+    quadrature"). With ``k ≥ n`` steps the quadrature is exact and the first term
+    is zero.
+
+    Args:
+        dim: ``n``.
+        lanczos_steps: ``k``.
+        probes: ``n_v``.
+        spread: ``λ_max − λ_min`` (or an upper bound: ``λ_max`` for a PSD
+            operator).
+        failure_probability: ``η``.
+
+    Returns:
+        The bound on the distance of the probability measures.
+    """
+    quadrature = 0.0 if lanczos_steps >= dim else 12 / (2 * lanczos_steps - 1)
+    sampling = math.sqrt(math.log(2 * dim / failure_probability) / ((dim + 2) * probes))
+    return spread * (quadrature + sampling)

@@ -1,0 +1,296 @@
+"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix.
+
+Column ``(n, c)`` of ``V`` belongs to the pair (label ``y_n``, output class ``c``).
+Projecting each pair's columns onto their (weighted) mean splits ``G = V Vᵀ``
+exactly into the class means (``c = y_n``), the cross-class means (``c ≠ y_n``)
+and the within-class deviations. Each part is ``V A Aᵀ Vᵀ`` for a Gram-space
+matrix ``A``, so its non-zero spectrum is that of ``Aᵀ G̃ A`` and its eigenvectors
+are ``V`` times Gram-space coefficients: no product with ``V`` and no further
+backward pass (``docs/math.rst``, "Hierarchy of the spectrum").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vivit._validation import check_positive_int
+from vivit.errors import InvalidArgumentError
+from vivit.linalg.solvers import gram_eigh, numerical_zero_tolerance
+from vivit.results import CurvatureResults
+
+#: The parts of :class:`Hierarchy`, in the order of the hierarchy.
+PARTS = ("class_means", "cross_class", "within_class")
+
+
+@dataclass(frozen=True)
+class SpectrumPart:
+    """The non-zero spectrum and eigenvectors of one part of the GGN.
+
+    Attributes:
+        eigenvalues: ``[K]`` eigenvalues above the numerical-zero tolerance,
+            descending.
+        coefficients: ``[N·C, K]`` Gram-space coefficients of the eigenvectors:
+            eigenvector ``k`` is ``V @ coefficients[:, k]`` (unit norm), ``V`` the
+            GGN's ``[D, N·C]`` square root.
+    """
+
+    eigenvalues: Tensor
+    coefficients: Tensor
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The GGN split into class means, cross-class means and within-class parts.
+
+    ``G = G_class + G_cross + G_within`` exactly (``docs/math.rst``, "Hierarchy of
+    the spectrum"). Obtained from :func:`hierarchy`.
+
+    Attributes:
+        full: The GGN of all analysed groups together.
+        class_means: ``Σ_a ‖w_aa‖² m_aa m_aaᵀ``: rank at most ``C``.
+        cross_class: ``Σ_{a≠c} ‖w_ac‖² m_ac m_acᵀ``: rank at most ``C(C−1)``.
+        within_class: ``Σ_{a,c}`` of the deviations from the pair means.
+        group_spectra: Every eigenvalue of each analysed group's own GGN block
+            (one parameter group each, e.g. one per layer), ascending.
+        zero_tolerance: Eigenvalues at or below it are numerically zero (that of
+            the full Gram matrix, for every part).
+        gram: The full ``[N·C, N·C]`` Gram matrix ``G̃ = Vᵀ V``.
+    """
+
+    full: SpectrumPart
+    class_means: SpectrumPart
+    cross_class: SpectrumPart
+    within_class: SpectrumPart
+    group_spectra: list[Tensor]
+    zero_tolerance: float
+    gram: Tensor
+
+    def part(self, name: str) -> SpectrumPart:
+        """A part by name.
+
+        Args:
+            name: ``"full"``, ``"class_means"``, ``"cross_class"`` or
+                ``"within_class"``.
+
+        Returns:
+            The part.
+
+        Raises:
+            InvalidArgumentError: For another name.
+        """
+        if name not in ("full", *PARTS):
+            raise InvalidArgumentError(
+                f"No part {name!r}; the parts are 'full', "
+                + ", ".join(repr(p) for p in PARTS)
+                + "."
+            )
+        return getattr(self, name)
+
+    def cosines(self, name: str, top_k: int | None = None) -> Tensor:
+        """Inner products of the full GGN's eigenvectors with a part's.
+
+        ``E_fullᵀ E_part = C_fullᵀ G̃ C_part`` from the Gram-space coefficients.
+
+        Args:
+            name: The part (see :meth:`part`).
+            top_k: Leading eigenvectors of the part (``None``: all of them).
+
+        Returns:
+            ``[K_full, top_k]``: entry ``(i, j)`` is ``e_iᵀ f_j`` for the full
+            GGN's ``i``-th and the part's ``j``-th eigenvector (descending).
+        """
+        part = self.part(name).coefficients[:, :top_k]
+        return self.full.coefficients.T @ (self.gram @ part)
+
+    def overlap(self, name: str, top_k: int, full_top_k: int | None = None) -> float:
+        """How much of a part's top eigenspace lies in the GGN's top eigenspace.
+
+        ``‖E_fullᵀ E_part‖_F² / k`` for the part's ``k = top_k`` and the full
+        GGN's ``full_top_k`` leading eigenvectors (``k`` fewer if the part has
+        fewer non-zero eigenvalues): 1 if the part's space lies inside the full
+        one, 0 if orthogonal to it.
+
+        Args:
+            name: The part (see :meth:`part`).
+            top_k: Leading eigenvectors of the part; fewer if fewer are non-zero.
+            full_top_k: Leading eigenvectors of the full GGN (default:
+                ``top_k``).
+
+        Returns:
+            The overlap in ``[0, 1]`` (``0.0`` if the part has no non-zero
+            eigenvalue).
+
+        Raises:
+            InvalidArgumentError: For a count that is not a positive integer.
+        """
+        check_positive_int(top_k, "top_k", "leading eigenvectors of the part")
+        check_positive_int(
+            full_top_k, "full_top_k", "leading eigenvectors of the GGN", none="top_k"
+        )
+        cosines = self.cosines(name, top_k)[
+            : top_k if full_top_k is None else full_top_k
+        ]
+        if cosines.shape[1] == 0:
+            return 0.0
+        return (cosines.square().sum() / cosines.shape[1]).item()
+
+
+def hierarchy(
+    ggn: CurvatureResults,
+    labels: Tensor,
+    *,
+    groups: Sequence[int] | None = None,
+    probabilities: Tensor | None = None,
+) -> Hierarchy:
+    """Split a cross-entropy GGN into Papyan's class, cross-class and within parts.
+
+    Needs the exact loss-Hessian roots (``mc_samples=0``) of a loss with one
+    class axis: the ``N·C`` Gram rows are (sample ``n``, class ``c``),
+    sample-major. The GGN analysed is that of every parameter in ``groups``
+    (their Gram matrices summed: with one group per layer, the full GGN), and
+    each group's own spectrum comes with it: one backward pass gives the
+    hierarchy and the per-layer spectra.
+
+    Cost: the groups' Gram matrices (formed if not yet) and their
+    eigendecompositions (the groups' spectra), one more ``N·C × N·C``
+    eigendecomposition for the full GGN and one for the within-class part; at
+    most about five ``N·C × N·C`` matrices at once beyond what ``ggn`` holds.
+
+    Example::
+
+        ggn = LowRankGGN(model, CrossEntropyLoss(), (X, y),
+                         param_groups=[list(m.parameters()) for m in layers])
+        parts = hierarchy(ggn, y)
+        parts.class_means.eigenvalues      # at most C
+        parts.overlap("class_means", C)    # its top space inside the GGN's top C
+
+    Args:
+        ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
+        labels: ``[N]`` integer labels ``y_n`` in ``[0, C)`` of the GGN's samples
+            (of its subsampling), in the order of the Gram rows.
+        groups: Indices of the parameter groups analysed (default: all); their
+            parameters must be disjoint, as a front door's groups are.
+        probabilities: ``[N, C]`` softmax probabilities ``p_nc`` of the samples:
+            Papyan's probability-weighted means (weights ``√p_nc`` on the
+            columns). ``None``: plain means over the samples of each label.
+
+    Returns:
+        The parts, their spectra and eigenvectors, and the groups' spectra.
+
+    Raises:
+        InvalidArgumentError: For labels or probabilities that do not match the
+            Gram matrix, or an empty ``groups``.
+    """
+    indices = list(range(len(ggn.param_groups))) if groups is None else list(groups)
+    if not indices:
+        raise InvalidArgumentError("groups is empty; name at least one group index.")
+    gram = ggn.gram(indices[0])
+    for g in indices[1:]:
+        gram += ggn.gram(g)
+    num_rows = gram.shape[0]
+    classes = _check_labels(labels, num_rows)
+    weights = _column_weights(labels, classes, probabilities, gram.dtype)
+    params = [p for g in indices for p in ggn.param_groups[g]]
+
+    evals, evecs = gram_eigh(gram)
+    tolerance = numerical_zero_tolerance(evals, factor_dtype=params[0].dtype)
+    full = _kept(evals, evecs, tolerance)
+    full = SpectrumPart(full[0], full[1] / full[0].sqrt())
+
+    means = _pair_means(labels.to(gram.device), classes, weights.to(gram.device))
+    class_means, cross_class = means
+    within = torch.eye(num_rows, dtype=gram.dtype, device=gram.device)
+    within -= class_means @ class_means.T + cross_class @ cross_class.T
+    return Hierarchy(
+        full=full,
+        class_means=_part(gram, class_means, tolerance),
+        cross_class=_part(gram, cross_class, tolerance),
+        within_class=_part(gram, within, tolerance),
+        group_spectra=[ggn.eigvalsh(g) for g in indices],
+        zero_tolerance=tolerance,
+        gram=gram,
+    )
+
+
+def _check_labels(labels: object, num_rows: int) -> int:
+    """The number of classes ``C = N·C / N``, after checking the labels."""
+    if (
+        not isinstance(labels, Tensor)
+        or labels.dim() != 1
+        or labels.is_floating_point()
+    ):
+        raise InvalidArgumentError(
+            "labels must be a 1-d integer tensor [N] of class labels, got "
+            f"{getattr(labels, 'shape', type(labels).__name__)}"
+            f"{' of ' + str(labels.dtype) if isinstance(labels, Tensor) else ''}."
+        )
+    num_samples = labels.numel()
+    if num_samples == 0 or num_rows % num_samples:
+        raise InvalidArgumentError(
+            f"The Gram matrix has {num_rows} rows, not C rows for each of the "
+            f"{num_samples} labels: pass the labels of the GGN's samples (of its "
+            "subsampling), one per sample."
+        )
+    classes = num_rows // num_samples
+    if labels.min() < 0 or labels.max() >= classes:
+        raise InvalidArgumentError(
+            f"labels must lie in [0, {classes}) (C = {classes} Gram rows per "
+            f"sample), got values from {labels.min().item()} to "
+            f"{labels.max().item()}."
+        )
+    return classes
+
+
+def _column_weights(
+    labels: Tensor, classes: int, probabilities: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """``[N·C]`` weights of the columns in their pair's mean: 1 or ``√p_nc``."""
+    shape = (labels.numel(), classes)
+    if probabilities is None:
+        return torch.ones(shape[0] * classes, dtype=dtype)
+    if not isinstance(probabilities, Tensor) or tuple(probabilities.shape) != shape:
+        raise InvalidArgumentError(
+            f"probabilities must be a tensor of shape {list(shape)} (samples, "
+            f"classes), got {getattr(probabilities, 'shape', probabilities)!r}."
+        )
+    if not probabilities.isfinite().all() or (probabilities < 0).any():
+        raise InvalidArgumentError(
+            "probabilities must be finite and non-negative (softmax outputs)."
+        )
+    return probabilities.detach().to(dtype).sqrt().flatten().cpu()
+
+
+def _pair_means(labels: Tensor, classes: int, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """Orthonormal columns ``w_ac / ‖w_ac‖`` of the pairs, for ``c = a`` and ``c ≠ a``.
+
+    Pair ``(a, c)`` holds the rows ``(n, c)`` with ``y_n = a``; its column is the
+    weights on those rows, normalized. Pairs without weight are left out.
+    """
+    rows = torch.arange(labels.numel() * classes, device=labels.device)
+    pair = labels.repeat_interleave(classes) * classes + rows % classes
+    member = torch.zeros(rows.numel(), classes * classes, dtype=weights.dtype)
+    member = member.to(weights.device)
+    member[rows, pair] = weights
+    norms = member.norm(dim=0)
+    same = torch.arange(classes * classes, device=labels.device)
+    same = same // classes == same % classes
+    kept = norms > 0
+    columns = member[:, kept] / norms[kept]
+    return columns[:, same[kept]], columns[:, ~same[kept]]
+
+
+def _kept(evals: Tensor, evecs: Tensor, tolerance: float) -> tuple[Tensor, Tensor]:
+    """Eigenpairs above the tolerance, descending."""
+    keep = evals > tolerance
+    return evals[keep].flip(0), evecs[:, keep].flip(1)
+
+
+def _part(gram: Tensor, basis: Tensor, tolerance: float) -> SpectrumPart:
+    """The part ``V A Aᵀ Vᵀ``: spectrum of ``Aᵀ G̃ A``, coefficients ``A s / √μ``."""
+    small = basis.T @ gram @ basis
+    evals, evecs = _kept(*gram_eigh((small + small.T) / 2), tolerance)
+    return SpectrumPart(evals, basis @ evecs / evals.sqrt())

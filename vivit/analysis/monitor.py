@@ -1,0 +1,231 @@
+"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop.
+
+Example::
+
+    monitor = CurvatureMonitor(model, loss_func, every=10, top_k=5,
+                               path="runs/curvature.jsonl")
+    for inputs, targets in loader:
+        optimizer.zero_grad()
+        loss_func(model(inputs), targets).backward()
+        optimizer.step()
+        monitor.step((inputs, targets))
+    monitor.close()
+
+Each monitored step builds a :class:`~vivit.LowRankGGN` of the monitored batch at
+the current parameters and records what :mod:`vivit.analysis.monitor_record`
+describes. Training is left exactly as it was: see :class:`CurvatureMonitor`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from vivit._validation import check_damping, check_model, check_positive_int
+from vivit.analysis.monitor_record import curvature_record
+from vivit.analysis.monitor_writers import JsonLinesWriter, tensorboard_writer
+from vivit.directional.gram_space import Damping
+from vivit.errors import InvalidArgumentError
+from vivit.linalg.iterative import check_seed
+from vivit.lowrank import LowRankGGN
+from vivit.options import CurvatureOptions, check_option_names
+
+Batch = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
+
+
+class CurvatureMonitor:
+    """Records the GGN's curvature every ``every`` training steps.
+
+    Call :meth:`step` once per training step, after ``optimizer.step()``; every
+    ``every``-th call (steps ``every, 2·every, ...``) builds a
+    :class:`~vivit.LowRankGGN` at the current parameters and records its top
+    eigenvalues, the gradient's share in their span, the SNRs of ``γ`` and ``λ``
+    per direction and the angle of the damped Newton step to ``−∇L``
+    (:data:`vivit.analysis.monitor_record.FIELDS` lists every field). Records go
+    to :attr:`records`, to the JSON lines file ``path`` and to TensorBoard.
+
+    Which batch: the *current* batch (``batch=None``; pass the batch the step
+    trained on to :meth:`step`) follows the data the optimizer sees, so its
+    numbers carry that batch's sampling noise; a *fixed* monitoring batch
+    (``batch=(inputs, targets)``, or a loader of several) gives curves in which
+    only the parameters change, at the cost of holding that batch.
+
+    Training is left as it was: the model's ``.grad`` (the GGN's gradient is its
+    own), every module's training flag (the model runs in evaluation mode while
+    the GGN is computed: dropout and BatchNorm must, and each module's flag is
+    restored afterwards), torch's global random number generators (Monte-Carlo
+    sampling draws from the monitor's own generator, seeded with ``seed``,
+    unless ``options`` name one) and the model's hooks.
+
+    Args:
+        model: The network being trained.
+        loss_func: Its loss module (as for :class:`~vivit.LowRankGGN`).
+        every: Steps between two records.
+        top_k: Number of leading eigendirections recorded.
+        path: JSON lines file the records are appended to (``None``: none).
+        batch: A fixed monitoring batch, or an iterable of batches (anything
+            :class:`~vivit.LowRankGGN` takes as ``data``); ``None``: the batch
+            passed to each :meth:`step`.
+        damping: Damping of the Newton step whose angle is recorded: a constant
+            ``δ ≥ 0`` or a rule (see :meth:`vivit.LowRankGGN.newton`).
+        params: The parameters whose curvature is monitored (``None``: every
+            trainable one).
+        seed: Seed of the monitor's own generator for Monte-Carlo sampling.
+        tensorboard: TensorBoard log directory (``None``: no TensorBoard). If
+            ``tensorboard`` is not installed, one warning
+            (:class:`~vivit.MissingPackageWarning`) says so and the records go
+            to the file only.
+        **options: Options of the curvature request
+            (:class:`~vivit.options.CurvatureOptions`: ``mc_samples``,
+            ``subsampling``, ``engine``, ``solver``, ``output``, ...), checked
+            once here.
+
+    Attributes:
+        records: Every record taken, in order.
+        uses_fixed_batch: Whether a fixed monitoring batch was given.
+
+    Raises:
+        InvalidArgumentError: For a malformed argument or an unknown option.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        loss_func: Module,
+        *,
+        every: int = 10,
+        top_k: int = 10,
+        path: str | Path | None = None,
+        batch: Batch | None = None,
+        damping: float | Damping = 1.0,
+        params: Sequence[Parameter] | None = None,
+        seed: int = 0,
+        tensorboard: str | Path | None = None,
+        **options: object,
+    ):
+        check_model(model)
+        check_positive_int(every, "every", "steps between two records")
+        check_positive_int(top_k, "top_k", "leading directions recorded")
+        check_damping(damping)
+        check_seed(seed)
+        check_option_names(options, " or of CurvatureMonitor")
+        checked = CurvatureOptions(**options)
+        if checked.mc_samples > 0 and checked.generator is None:
+            checked = checked.replace(generator=torch.Generator().manual_seed(seed))
+        self.model, self.loss_func = model, loss_func
+        self.every, self.top_k, self.damping = every, top_k, damping
+        self.options = checked
+        self._groups = None if params is None else [list(params)]
+        self._batch = batch
+        self.uses_fixed_batch = batch is not None
+        self.records: list[dict[str, object]] = []
+        self._steps = 0
+        self._writers = [JsonLinesWriter(path)] if path is not None else []
+        if tensorboard is not None:
+            writer = tensorboard_writer(tensorboard)
+            self._writers += [writer] if writer is not None else []
+
+    def step(
+        self, batch: Batch | None = None, *, index: int | None = None
+    ) -> dict[str, object] | None:
+        """Count a training step; record the curvature if it is a monitored one.
+
+        Args:
+            batch: The batch the step trained on (without a fixed monitoring
+                batch); must be ``None`` with one.
+            index: The step's index (e.g. a trainer's global step); ``None``:
+                the number of calls so far, this one included.
+
+        Returns:
+            The record if this step was monitored, else ``None``.
+
+        Raises:
+            InvalidArgumentError: For a missing or superfluous batch, or an index
+                that is not an integer ``≥ 0``.
+        """
+        if index is None:
+            index = self._steps + 1
+        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidArgumentError(
+                f"index must be an integer >= 0 (the step's index), got {index!r}."
+            )
+        self._steps = index
+        if index % self.every:
+            self._monitored_batch(batch)  # a wrong call fails at every step
+            return None
+        return self.record(batch, index=index)
+
+    __call__ = step
+
+    def record(
+        self, batch: Batch | None = None, *, index: int | None = None
+    ) -> dict[str, object]:
+        """Record the curvature now, whatever the step (e.g. before training).
+
+        Args:
+            batch: As for :meth:`step`.
+            index: The step index written to the record (``None``: the steps
+                counted so far).
+
+        Returns:
+            The record.
+
+        Raises:
+            InvalidArgumentError: For a missing or superfluous batch.
+        """
+        start = time.perf_counter()
+        data = self._monitored_batch(batch)
+        training = {module: module.training for module in self.model.modules()}
+        self.model.eval()
+        try:
+            ggn = LowRankGGN.from_options(
+                self.model, self.loss_func, data, self._groups, self.options
+            )
+            curvature = curvature_record(ggn, self.top_k, self.damping)
+        finally:
+            for module, flag in training.items():
+                module.training = flag
+        record = {
+            "step": self._steps if index is None else index,
+            "time": time.time(),
+            "overhead_s": time.perf_counter() - start,
+            "batch": "fixed" if self.uses_fixed_batch else "current",
+            **curvature,
+        }
+        self.records.append(record)
+        for writer in self._writers:
+            writer.write(record)
+        return record
+
+    def _monitored_batch(self, batch: Batch | None) -> Batch:
+        """The batch to monitor: the fixed one, or the one passed."""
+        if self.uses_fixed_batch and batch is not None:
+            raise InvalidArgumentError(
+                "This monitor has a fixed monitoring batch (batch= at construction): "
+                "call step() without a batch, or build it with batch=None to "
+                "monitor the batch of each step."
+            )
+        if not self.uses_fixed_batch and batch is None:
+            raise InvalidArgumentError(
+                "This monitor follows the current batch: pass the batch the step "
+                "trained on, step((inputs, targets)), or give a fixed monitoring "
+                "batch at construction (batch=...)."
+            )
+        return self._batch if self.uses_fixed_batch else batch
+
+    def close(self) -> None:
+        """Close the JSON lines file and TensorBoard's writer."""
+        for writer in self._writers:
+            writer.close()
+        self._writers = []
+
+    def __enter__(self) -> CurvatureMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

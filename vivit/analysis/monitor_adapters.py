@@ -1,0 +1,113 @@
+"""A CurvatureMonitor as a PyTorch Lightning or Hugging Face Trainer callback.
+
+Both packages are optional and imported only when an adapter is built; a missing
+one raises :class:`~vivit.MissingPackageError` naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from vivit.analysis.monitor import CurvatureMonitor
+from vivit.errors import InvalidArgumentError, MissingPackageError
+
+
+def _optional(module: str, package: str, what: str) -> ModuleType:
+    """Import ``module`` of the optional ``package``, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise MissingPackageError(
+            f"{what} needs the package {package!r}, which cannot be imported "
+            f"({error}): install it with `pip install {package}`."
+        ) from None
+
+
+def lightning_callback(monitor: CurvatureMonitor) -> Any:
+    """A Lightning ``Callback`` that steps ``monitor`` after each optimizer step.
+
+    The step index is the trainer's ``global_step`` (optimizer steps, so a step
+    with gradient accumulation is counted once); the batch is the training batch
+    (``(inputs, targets)``) unless the monitor has a fixed one. The monitor's
+    ``model`` is the network whose output ``loss_func`` takes (the
+    ``LightningModule`` itself if its ``forward`` returns it). The monitor is
+    closed when training ends.
+
+    Args:
+        monitor: The monitor.
+
+    Returns:
+        A ``lightning.pytorch.Callback`` for ``Trainer(callbacks=[...])``.
+
+    Raises:
+        MissingPackageError: If ``lightning`` cannot be imported.
+    """
+    pl = _optional("lightning.pytorch", "lightning", "The Lightning adapter")
+
+    class CurvatureMonitorCallback(pl.Callback):
+        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during ``fit``."""
+
+        def __init__(self) -> None:
+            self.monitor, self._last = monitor, None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self._last = trainer.global_step
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, index: int
+        ) -> None:
+            if trainer.global_step == self._last:  # accumulating: no step yet
+                return
+            self._last = trainer.global_step
+            data = None if monitor.uses_fixed_batch else tuple(batch)
+            monitor.step(data, index=trainer.global_step)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            monitor.close()
+
+    return CurvatureMonitorCallback()
+
+
+def huggingface_callback(monitor: CurvatureMonitor) -> Any:
+    """A Hugging Face ``TrainerCallback`` that steps ``monitor`` after each step.
+
+    The ``Trainer`` does not hand its batches to callbacks, so the monitor needs
+    a fixed monitoring batch (for a model taking a dict of tensors, the
+    ``output="logits"`` option and a batch the model and ``loss_func`` accept).
+    The step index is the trainer state's ``global_step``. The monitor is closed
+    when training ends.
+
+    Args:
+        monitor: A monitor with a fixed monitoring batch.
+
+    Returns:
+        A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``.
+
+    Raises:
+        MissingPackageError: If ``transformers`` cannot be imported.
+        InvalidArgumentError: If the monitor follows the current batch.
+    """
+    transformers = _optional(
+        "transformers", "transformers", "The Hugging Face Trainer adapter"
+    )
+    if not monitor.uses_fixed_batch:
+        raise InvalidArgumentError(
+            "The Hugging Face Trainer does not hand its batches to callbacks: build "
+            "the CurvatureMonitor with a fixed monitoring batch (batch=...)."
+        )
+
+    class CurvatureMonitorCallback(transformers.TrainerCallback):
+        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during training."""
+
+        def __init__(self) -> None:
+            self.monitor = monitor
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            monitor.step(index=state.global_step)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            monitor.close()
+
+    return CurvatureMonitorCallback()

@@ -1,0 +1,185 @@
+"""One monitoring record from a LowRankGGN, its JSON line, and reading lines back.
+
+A record holds, for the GGN of one batch at the current parameters
+(``docs/math.rst``, "Curvature during training"): the top eigenvalues
+(descending; the first is the sharpness), the gradient's share in their span
+``‖P_k ∇L‖² / ‖∇L‖² = Σ_k γ̄_k² / ‖∇L‖²``, the signal-to-noise ratios of ``γ_·k``
+and ``λ_·k`` per direction ("Directional derivatives and curvature noise"), the
+dampings and the angle between the damped Newton step and ``−∇L`` ("Damped
+Newton step in the eigenspace").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vivit.directional.gram_space import Damping
+from vivit.errors import InvalidArgumentError
+from vivit.lowrank import LowRankGGN
+
+#: Every field of a record: its JSON type and what it holds. Lists run over the
+#: directions by descending eigenvalue; ``null`` in them (and for the scalars
+#: marked so) stands for a value JSON cannot hold or that does not exist.
+FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "step": (int, "index of the training step (the monitor's count or the caller's)"),
+    "time": (float, "wall-clock time of the record, seconds since the epoch"),
+    "overhead_s": (float, "seconds spent computing this record (writing excluded)"),
+    "batch": (str, '"current" (the batch passed to step) or "fixed"'),
+    "loss": (float, "the loss on the monitored batch at the current parameters"),
+    "eigenvalues": (list, "the top-k GGN eigenvalues, descending"),
+    "gradient_norm": (float, "‖∇L‖ on the monitored batch"),
+    "gradient_share": (
+        (float, type(None)),
+        "‖P_k ∇L‖²/‖∇L‖², the gradient's share in the top-k span (null: ∇L = 0)",
+    ),
+    "gamma_snr": (list, "SNR mean²/variance of γ_·k (null: infinite, variance 0)"),
+    "lambda_snr": (list, "SNR mean²/variance of λ_·k (null: infinite, variance 0)"),
+    "dampings": (list, "δ_k of the Newton step (null: direction skipped)"),
+    "newton_angle_deg": (
+        (float, type(None)),
+        "angle between the damped Newton step and −∇L in degrees, in [0, 90] "
+        "(null: the step or the gradient is zero)",
+    ),
+}
+
+
+def _finite_or_none(values: Tensor) -> list[float | None]:
+    """Floats, with the infinities JSON cannot hold as ``None``."""
+    return [v if math.isfinite(v) else None for v in values.tolist()]
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    """One float64 vector of all entries."""
+    return torch.cat([t.detach().flatten().to(torch.float64) for t in tensors])
+
+
+def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
+    """Angle between a step and the steepest descent direction ``−∇L``.
+
+    Args:
+        step: The step, flattened.
+        gradient: The gradient, flattened.
+
+    Returns:
+        ``arccos(−stepᵀ∇L / (‖step‖‖∇L‖))`` in degrees, or ``None`` if either is
+        zero.
+    """
+    norms = step.norm() * gradient.norm()
+    if norms == 0:
+        return None
+    cosine = float(-(step @ gradient) / norms)
+    return math.degrees(math.acos(min(1.0, max(-1.0, cosine))))
+
+
+def curvature_record(
+    ggn: LowRankGGN, top_k: int, damping: float | Damping
+) -> dict[str, object]:
+    """The curvature fields of a record (all but step, time, overhead and batch).
+
+    Args:
+        ggn: The GGN of the monitored batch at the current parameters.
+        top_k: Number of leading directions.
+        damping: Damping of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
+
+    Returns:
+        Field name to its value, as :data:`FIELDS` describes.
+    """
+    newton = ggn.newton(top_k, damping=damping)
+    directional = newton.directional
+    order = directional.evals.argsort(descending=True)
+    gradient = _flat(ggn.gradient())
+    norm2 = float(gradient @ gradient)
+    in_span = float(directional.gamma_bar.to(torch.float64).pow(2).sum())
+    return {
+        "loss": float(ggn.loss),
+        "eigenvalues": directional.evals[order].tolist(),
+        "gradient_norm": math.sqrt(norm2),
+        "gradient_share": in_span / norm2 if norm2 > 0 else None,
+        "gamma_snr": _finite_or_none(directional.gamma_snr[order]),
+        "lambda_snr": _finite_or_none(directional.lambda_snr[order]),
+        "dampings": _finite_or_none(newton.dampings[order]),
+        "newton_angle_deg": newton_angle_deg(_flat(newton.step), gradient),
+    }
+
+
+def to_json_line(record: dict[str, object]) -> str:
+    """A record as one line of strict JSON (no NaN or infinity).
+
+    Args:
+        record: The record.
+
+    Returns:
+        The line, without its newline.
+    """
+    return json.dumps(record, allow_nan=False)
+
+
+def check_record(record: object, where: str) -> dict[str, object]:
+    """Check that ``record`` has every field of :data:`FIELDS` with its type.
+
+    Args:
+        record: A parsed JSON value.
+        where: Where it came from, for the message.
+
+    Returns:
+        The record.
+
+    Raises:
+        InvalidArgumentError: For anything else, naming the field.
+    """
+    if not isinstance(record, dict):
+        raise InvalidArgumentError(
+            f"{where} is not a monitoring record (a JSON object), got "
+            f"{type(record).__name__}."
+        )
+    missing = sorted(set(FIELDS) - set(record))
+    if missing:
+        raise InvalidArgumentError(
+            f"{where} lacks the field(s) {missing} of a monitoring record: is it a "
+            "file CurvatureMonitor wrote?"
+        )
+    for name, (kind, _) in FIELDS.items():
+        value = record[name]
+        allowed = kind if isinstance(kind, tuple) else (kind,)
+        numeric = float in allowed and isinstance(value, int)
+        if not (isinstance(value, allowed) or numeric) or isinstance(value, bool):
+            raise InvalidArgumentError(
+                f"{where}: field {name!r} must be "
+                f"{' or '.join(k.__name__ for k in allowed)}, got {value!r}."
+            )
+    return record
+
+
+def read_records(path: str | Path) -> list[dict[str, object]]:
+    """The records of a monitor's JSON lines file, each checked.
+
+    Args:
+        path: The file :class:`~vivit.analysis.CurvatureMonitor` wrote.
+
+    Returns:
+        One dict per non-empty line, in the file's order.
+
+    Raises:
+        InvalidArgumentError: If the file does not exist, a line is not JSON or
+            not a record (naming the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidArgumentError(f"No monitoring records at {path}: not a file.")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            parsed = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InvalidArgumentError(f"{where} is not JSON: {error}.") from None
+        records.append(check_record(parsed, where))
+    return records

@@ -1,0 +1,93 @@
+"""Products with the loss Hessian w.r.t. the model output, analytic and per position.
+
+The implicit route (``docs/math.rst``, "Implicit GGN-vector products") needs,
+per sample ``n``, ``H_n u`` for a vector ``u`` shaped like the sample's output
+and the output gradient ``∂ℓ_n/∂f_n``, never a root ``S_n`` or a ``C × C``
+matrix. ``∇²ℓ_n`` is, at every output position ``p``, ``c_np`` times the Hessian
+of the unit loss (``docs/math.rst``, "Losses"):
+
+* ``MSELoss``: ``1`` (elementwise);
+* ``BCEWithLogitsLoss``: ``σ(1 − σ)`` (elementwise);
+* ``CrossEntropyLoss``: ``diag(p) − p pᵀ`` over the class axis 1, applied as
+  ``p ⊙ u − p (pᵀ u)``.
+
+The scales ``c_np`` (class weights, ``ignore_index``, ``label_smoothing``,
+``pos_weight``, the mean over positions), the checks of the loss module and its
+targets and the normalization ``R`` are those of
+:class:`vivit.losses.LossCurvature`: this module accepts exactly what it accepts.
+Memory: a product holds a few tensors of the tangents' shape, ``[K, N, *out]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from vivit.losses import LossCurvature, LossNormalization
+
+
+class LossHessianProducts:
+    """``H_n u`` and ``∂ℓ_n/∂f_n`` of every sample of a batch, for any ``u``.
+
+    Args:
+        loss_func: A supported loss module (:func:`vivit.losses.check_loss_function`).
+        output: The model output the loss function receives, ``[N, ...]``.
+        targets: The targets it receives.
+
+    Attributes:
+        normalization: The loss's reduction and sample weights (``R``).
+
+    Raises:
+        VivitError: As :class:`vivit.losses.LossCurvature` for an unsupported
+            loss, option or targets, or a non-finite output.
+    """
+
+    def __init__(self, loss_func: Module, output: Tensor, targets: Tensor):
+        curvature = LossCurvature(loss_func, output, targets)
+        structure = curvature._structure  # the scales c_np, computed once there
+        self.normalization: LossNormalization = curvature.normalization
+        self._kind = structure.kind
+        self._loss_func = loss_func
+        self._targets = curvature.targets
+        output = curvature.output
+        self._output = output
+        self._scale = structure.scale.to(device=output.device, dtype=output.dtype)
+        if self._kind == "ce":
+            self._probs = output.softmax(1)
+            self._scale = self._scale.unsqueeze(1)  # [N, 1, *T] over the classes
+        elif self._kind == "bce":
+            sigma = output.sigmoid()
+            self._scale = self._scale * sigma * (1 - sigma)
+
+    def hessian_matmul(self, tangents: Tensor) -> Tensor:
+        """``H_n u_n`` of every sample: the Hessian of ``ℓ_n`` (not of ``L``).
+
+        Args:
+            tangents: ``[K, N, *out]``, ``K`` vectors per sample.
+
+        Returns:
+            ``[K, N, *out]``.
+        """
+        if self._kind == "ce":
+            probs = self._probs
+            projected = (probs * tangents).sum(2, keepdim=True)
+            return self._scale * probs * (tangents - projected)
+        return self._scale * tangents
+
+    def output_gradients(self) -> Tensor:
+        """``∂ℓ_n/∂f_n`` of every sample, ``[N, *out]``.
+
+        The gradient of the loss ``L = R Σ_n ℓ_n`` w.r.t. the output, divided by
+        ``R`` (a sample's output enters only its own ``ℓ_n``); zero where the
+        samples carry no weight (``R = 0``).
+
+        Returns:
+            The output gradients.
+        """
+        factor = self.normalization.reduction_factor()
+        output = self._output.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = self._loss_func(output, self._targets)
+        (gradient,) = torch.autograd.grad(loss, output)
+        return gradient / factor if factor > 0 else gradient

@@ -1,0 +1,448 @@
+"""Implicit curvature: GGN-vector products in parameter space, no ``V`` at all.
+
+The source of ``LowRankGGN(..., solver="implicit")`` (``docs/math.rst``,
+"Implicit GGN-vector products"). It runs no engine and keeps no factor: every
+product ``G v = R Σ_n J_nᵀ H_n J_n v`` passes over the data, one JVP, the
+analytic loss-Hessian products (:mod:`vivit.loss_hessians`) and one VJP per
+block of samples (:mod:`vivit.engines.func.implicit`). The leading eigenpairs
+come from block Krylov on ``G`` in the group's flattened parameter space;
+directional derivatives take one more pass (``J_n e_k`` of every sample).
+
+A block of samples is a mini-batch, a loader's batch or a chunk of either
+(``chunk_size``); the products are summed over the blocks with the
+normalization ``R`` of the loss on all (curvature) samples, as the Gram routes
+combine blocks (``docs/math.rst``, "Data sets and processes"). Every pass must
+see the same batches and the same model: each is fingerprinted as in
+:mod:`vivit.sources.streamed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+from vivit._validation import (
+    check_batch,
+    check_finite,
+    check_grad_mode,
+    check_inputs_match,
+    check_subsampling,
+)
+from vivit.distributed.layout import ExchangeReport, ShardLayout
+from vivit.engines.base import BatchInfo, EngineOutput, select_output
+from vivit.engines.func.implicit import BlockFunction
+from vivit.engines.func.independence import check_layers, check_samples_independent
+from vivit.errors import InvalidArgumentError, ModelChangedError
+from vivit.loss_hessians import LossHessianProducts
+from vivit.options import CurvatureOptions
+from vivit.sources.base import CurvatureSource
+from vivit.sources.batches import (
+    RandomState,
+    check_batched,
+    engine_context,
+    is_batch,
+    iterate_batches,
+    naming_batch,
+    num_batches,
+    progress_bar,
+)
+from vivit.sources.blocks import UnionOutput, union_batch
+from vivit.sources.chunks import split_batch
+from vivit.sources.collector import checked_param_groups
+from vivit.sources.streamed import BatchFingerprints, model_fingerprint
+
+
+@dataclass
+class ImplicitBlock:
+    """One block of samples of a pass.
+
+    Attributes:
+        inputs: The block's inputs.
+        targets: Its targets.
+        loss_func: The loss module.
+        ggn_mask: ``1`` for the block's curvature samples, else ``0``, ``[N_b]``.
+    """
+
+    inputs: Tensor
+    targets: Tensor
+    loss_func: Module
+    ggn_mask: Tensor
+
+    def hessian(self, output: Tensor) -> LossHessianProducts:
+        """The loss-Hessian products of the block's samples at ``output``.
+
+        Args:
+            output: The model output of the block (detached).
+
+        Returns:
+            ``H_n u`` and ``∂ℓ_n/∂f_n`` of the samples.
+        """
+        check_finite(output, "model output")
+        return LossHessianProducts(self.loss_func, output, self.targets)
+
+
+class ImplicitGroup:
+    """One group's curvature by implicit products (a parameter-space source).
+
+    Answers :class:`~vivit.sources.base.GroupSource` where it can; the results
+    layer asks a source with ``parameter_space`` for :meth:`ggn_matmul`,
+    :meth:`directional_derivatives` and :meth:`pinv_matmul` instead of products
+    with ``V``.
+
+    Args:
+        source: The implicit source.
+        index: Position of the group.
+    """
+
+    route = "implicit"
+    keeps_directions = True
+    parameter_space = True
+
+    def __init__(self, source: ImplicitFactors, index: int):
+        self._source = source
+        self.index = index
+        self.params = source.param_groups[index]
+        self.gradient = source.gradients[index]
+        self.batch = source.union
+        self.factor_dtype = self.params[0].dtype
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.num_rows = source.num_rows
+        self.num_params = sum(p.numel() for p in self.params)
+        self.products = self
+
+    def formed_gram(self) -> Tensor | None:  # noqa: D102
+        return None
+
+    def form_gram(self, workspace_bytes: int) -> Tensor:  # noqa: D102
+        raise InvalidArgumentError(
+            "solver='implicit' forms neither V nor the Gram matrix, so it computes "
+            "a few leading eigenpairs: pass top_k (e.g. eigh(top_k=10)). The Gram "
+            "matrix, all eigenvalues (eigvalsh, top_k=None) and the numerical-zero "
+            "tolerance need a Gram route: LowRankGGN(..., solver='auto')."
+        )
+
+    def choose_solver(self, top_k: int) -> str:  # noqa: D102
+        return "implicit"
+
+    def check_solver(self, solver: str) -> None:  # noqa: D102
+        if solver not in ("auto", "implicit"):
+            raise InvalidArgumentError(
+                f"solver={solver!r} runs on the Gram matrix or on V, which "
+                "solver='implicit' never forms: use solver='implicit' (or 'auto'), "
+                f"or build LowRankGGN(..., solver={solver!r}) for the Gram route."
+            )
+
+    def directional_gradients(  # noqa: D102
+        self,
+        gram_evecs: Tensor,
+        evals: Tensor,
+        evecs: Callable[[], list[Tensor]],
+        samples: Sequence[int] | None,
+    ) -> Tensor:
+        gammas, _ = self.directional_derivatives(evecs())
+        return gammas if samples is None else gammas[list(samples)]
+
+    # parameter space ---------------------------------------------------------
+    def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
+        """``G v = R_S Σ_{n∈S} J_nᵀ H_n J_n v``: one pass over the data.
+
+        Args:
+            vectors: One tensor ``[K, *p.shape]`` per parameter.
+
+        Returns:
+            One tensor ``[K, *p.shape]`` per parameter.
+        """
+        factor = self.batch.ggn_reduction_factor
+        result: list[Tensor] = []
+        for block, function in self._source.run_pass(self.index, "G·v"):
+            output, tangents = function.jvp(vectors)
+            mask = block.ggn_mask.to(output.dtype)
+            weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
+            curvature = block.hessian(output).hessian_matmul(tangents)
+            products = function.vjp(curvature * weights)
+            if not result:
+                result = products
+            else:
+                for total, product in zip(result, products, strict=True):
+                    total.add_(product)
+        return result
+
+    def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
+        """``G V`` for flat columns ``[D, K]`` (the eigensolver's operator).
+
+        Args:
+            vectors: ``[D, K]``, parameters flattened row-major in group order.
+
+        Returns:
+            ``[D, K]``.
+        """
+        return flatten_rows(self.ggn_matmul(self.unflatten(vectors))).T
+
+    def unflatten(self, columns: Tensor) -> list[Tensor]:
+        """Flat columns ``[D, K]`` as one tensor ``[K, *p.shape]`` per parameter.
+
+        Args:
+            columns: ``[D, K]``.
+
+        Returns:
+            The rows in parameter-list format.
+        """
+        parts = columns.T.split([p.numel() for p in self.params], dim=1)
+        return [
+            part.reshape(-1, *p.shape).contiguous()
+            for part, p in zip(parts, self.params, strict=True)
+        ]
+
+    def directional_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``γ_nk = (∂ℓ_n/∂f_n)ᵀ J_n e_k`` and ``λ_nk = (J_n e_k)ᵀ H_n J_n e_k``.
+
+        One pass, one JVP per direction and block.
+
+        Args:
+            evecs: The directions, one tensor ``[K, *p.shape]`` per parameter.
+
+        Returns:
+            ``γ`` of every sample ``[N, K]`` and ``λ`` of the curvature samples
+            ``[N_ggn, K]`` (in the subsampling's order).
+        """
+        gammas, lambdas = [], []
+        for block, function in self._source.run_pass(self.index, "γ, λ"):
+            output, tangents = function.jvp(evecs)
+            hessian = block.hessian(output)
+            gradients = hessian.output_gradients()
+            curvature = hessian.hessian_matmul(tangents)
+            gammas.append((gradients * tangents).flatten(2).sum(2).T)
+            lambdas.append((tangents * curvature).flatten(2).sum(2).T)
+        samples = list(self.batch.ggn_samples)
+        return torch.cat(gammas), torch.cat(lambdas)[samples]
+
+    def pinv_matmul(
+        self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
+    ) -> list[Tensor]:
+        """``Σ_k e_k e_kᵀ w / λ_k`` on the leading eigenspace (in float64).
+
+        Args:
+            vectors: One tensor ``[K, *p.shape]`` per parameter.
+            evals: Eigenvalues ``[k]``.
+            directions: Their eigenvectors, flat columns ``[D, k]``.
+
+        Returns:
+            One tensor ``[K, *p.shape]`` per parameter.
+        """
+        flat = flatten_rows(vectors).double().T
+        basis = directions.double()
+        result = basis @ ((basis.T @ flat) / evals.double().unsqueeze(1))
+        return self.unflatten(result.to(self.dtype))
+
+
+def flatten_rows(rows: Sequence[Tensor]) -> Tensor:
+    """Rows in parameter-list format ``[K, *p.shape]`` as one ``[K, D]`` tensor.
+
+    Args:
+        rows: One tensor ``[K, *p.shape]`` per parameter.
+
+    Returns:
+        ``[K, D]``.
+    """
+    return torch.cat([r.reshape(r.shape[0], -1) for r in rows], 1)
+
+
+class ImplicitFactors(CurvatureSource):
+    """The curvature of a loss by implicit GGN-vector products (a source).
+
+    The construction makes one pass (loss, gradient, each block's
+    normalization, the checks of the model and the targets); every product makes
+    another. Nothing of ``V`` is kept.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        data: ``(inputs, targets)``, or a re-iterable loader of such batches.
+        param_groups: Lists of parameters (``None``: every trainable one).
+        options: The checked options (``solver="implicit"``).
+
+    Attributes:
+        param_groups: The parameter groups.
+        loss: The loss on all samples (detached).
+        engine: ``"implicit"`` (no engine runs).
+        passes: Passes over the data made so far.
+        shards: The layout of this process's samples (one rank).
+        communication: An empty exchange report (nothing is exchanged).
+
+    Raises:
+        InvalidArgumentError: For options the route cannot honour (Monte-Carlo
+            sampling, a process group, ``gram_dtype``, an engine other than
+            ``"auto"``/``"func"``), an iterator as data, or a subsampling with a
+            loader.
+    """
+
+    engine = "implicit"
+
+    def __init__(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: object,
+        param_groups: Sequence[Sequence[Parameter]] | None,
+        options: CurvatureOptions,
+    ):
+        check_grad_mode("LowRankGGN")
+        _check_implicit_options(options)
+        self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
+        if is_batch(data):
+            check_batched(data, model)
+            data = check_batch(data)
+            check_inputs_match(data[0], list(model.parameters()))
+            check_subsampling(options.subsampling, data[0].shape[0])
+            data = [data]
+        elif isinstance(data, Iterator):
+            raise InvalidArgumentError(
+                "solver='implicit' passes over the data in every product, but an "
+                f"iterator or generator ({type(data).__name__}) can be passed over "
+                "once: pass a list of batches or a DataLoader."
+            )
+        elif options.subsampling is not None:
+            raise InvalidArgumentError(
+                "subsampling selects samples of one mini-batch; with a data loader, "
+                "pass a loader over the samples whose curvature you want."
+            )
+        check_layers(model)
+        self._model, self._loss_func, self._data = model, loss_func, data
+        self._options = options
+        self._fingerprints = BatchFingerprints()
+        self._random_start = RandomState.capture(self.param_groups)
+        self._model_state = model_fingerprint(model)
+        self.passes = 0
+        self._first_pass()
+        self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
+
+    def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
+        """One pass over the data: every block of samples, in order."""
+        if model_fingerprint(self._model) != self._model_state:
+            raise ModelChangedError(
+                "The model's parameters or buffers changed since this LowRankGGN "
+                "(solver='implicit') was built: every product recomputes the model, "
+                "and one with the new values would mix two models. Build a new "
+                "LowRankGGN after changing the model."
+            )
+        self.passes += 1
+        options = self._options
+        batches = self._fingerprints.check(
+            iterate_batches(self._data, self._model, options.max_batches)
+        )
+        batches = progress_bar(
+            batches,
+            num_batches(self._data, options.max_batches),
+            options.progress,
+            f"LowRankGGN (implicit): pass {self.passes} ({description})",
+        )
+        with engine_context(self.param_groups, self._random_start):
+            for index, batch in enumerate(batches):
+                chunks = split_batch(batch, options.chunk_size, options.subsampling)
+                for chunk in chunks:
+                    inputs, targets = chunk.batch
+                    mask = torch.zeros(len(inputs), dtype=torch.bool)
+                    if chunk.has_curvature:
+                        mask[chunk.subsampling or slice(None)] = True
+                    with naming_batch(index):
+                        yield ImplicitBlock(inputs, targets, self._loss_func, mask)
+
+    def run_pass(
+        self, group: int, description: str
+    ) -> Iterator[tuple[ImplicitBlock, BlockFunction]]:
+        """One pass: every block with the model output as a function of a group.
+
+        Args:
+            group: Index of the parameter group.
+            description: What the pass computes (its progress bar's text).
+
+        Yields:
+            Each block and its output as a function of the group's parameters.
+
+        Raises:
+            ModelChangedError: If the model changed since construction.
+            NondeterministicDataError: If the loader yields other batches.
+        """
+        params = self.param_groups[group]
+        for block in self._blocks(description):
+            yield (
+                block,
+                BlockFunction(self._model, params, block.inputs, self._options.output),
+            )
+
+    def _first_pass(self) -> None:
+        """Loss, gradient, each block's normalization; samples checked independent."""
+        union = UnionOutput()
+        params = [p for group in self.param_groups for p in group]
+        ggn_columns = 0
+        selector = self._options.output
+        for block in self._blocks("loss and gradient"):
+            output = select_output(self._model(block.inputs), selector)
+            hessian = block.hessian(output.detach())
+            with torch.no_grad():
+                check_samples_independent(
+                    lambda x: select_output(self._model(x), selector),
+                    block.inputs,
+                    output.detach(),
+                )
+            loss = self._loss_func(output, block.targets)
+            gradients = torch.autograd.grad(loss, params, allow_unused=True)
+            gradients = [
+                torch.zeros_like(p) if g is None else g
+                for p, g in zip(params, gradients, strict=True)
+            ]
+            ggn_samples = tuple(block.ggn_mask.nonzero().flatten().tolist())
+            batch = BatchInfo(
+                normalization=hessian.normalization,
+                ggn_samples=ggn_samples,
+                columns_per_sample=output[0].numel(),
+                mc_samples=0,
+            )
+            union.add(batch, EngineOutput(loss.detach(), gradients))
+            ggn_columns += len(ggn_samples) * batch.columns_per_sample
+        self.loss, gradients = union.result()
+        self.union = union_batch(union.batches)
+        if self._options.subsampling is not None:  # rows in the subsampling's order
+            self.union = dataclasses.replace(
+                self.union, ggn_samples=tuple(self._options.subsampling)
+            )
+        self.num_rows = ggn_columns
+        self.shards = ShardLayout.of_batches(union.batches, 0, 1)
+        self.communication = ExchangeReport(world_size=1)
+        gradients = iter(gradients)
+        self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
+
+
+def _check_implicit_options(options: CurvatureOptions) -> None:
+    """Refuse the options the implicit route cannot honour, naming what to do."""
+    if options.mc_samples:
+        raise InvalidArgumentError(
+            "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
+            "per position, never formed), which costs what a sampled one would: "
+            "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
+            "Gram route (solver='auto') for the MC estimate."
+        )
+    if options.group is not None:
+        raise InvalidArgumentError(
+            "solver='implicit' runs in this process alone: a process group is not "
+            "supported (every product would need an all-reduce in lock-step). Pass "
+            "process_group=False, or use a Gram route, whose factors are exchanged."
+        )
+    if options.gram_dtype is not None:
+        raise InvalidArgumentError(
+            "gram_dtype is the type of the Gram matrix and of the products with V, "
+            "which solver='implicit' never forms: its products run in the model's "
+            "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
+            "the model (model.double()) for float64 products."
+        )
+    if options.engine not in ("auto", "func"):
+        raise InvalidArgumentError(
+            f"solver='implicit' runs no engine (its products are torch.func's), got "
+            f"engine={options.engine!r}: drop engine, or use a Gram route."
+        )
