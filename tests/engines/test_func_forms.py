@@ -21,7 +21,7 @@ import torch
 from tests.engines.test_func_engine import func_reference
 from tests.fixtures.checks import REORDERED_REL, assert_rel
 from vivit import LowRankGGN
-from vivit.engines.func import FuncEngine, functional, vjp
+from vivit.engines.func import FuncEngine, engine, functional, vjp
 from vivit.engines.func.functional import FunctionCapture
 from vivit.gram import (
     DenseFactors,
@@ -110,38 +110,42 @@ def test_forms_match_explicit_columns(name, variant, explicit):
         assert_rel(form.select(rows).gram(), columns.select(rows).gram(), REORDERED_REL)
 
 
-def _dense_entries(monkeypatch, name: str) -> tuple[torch.nn.Module, list]:
-    """The problem's model and its parameters' GGN factors; fallback entries seen."""
-    seen = []
-    chunking = FuncEngine.chunking
-
-    def spy(self, num_samples, num_vectors, width, dense):
-        seen.append(dense)
-        return chunking(self, num_samples, num_vectors, width, dense)
-
-    monkeypatch.setattr(FuncEngine, "chunking", spy)
-    params, ggn, _ = _factors(name, {})
+def _forms(monkeypatch, name: str) -> tuple[list[str], dict]:
+    """The parameters the engine gives explicit columns, and every GGN factor."""
     model = func_reference(name).setup.model
     names = {id(p): n for n, p in model.named_parameters()}
-    return seen, {names[id(p)]: f for p, f in zip(params, ggn, strict=True)}
+    explicit = []
+    resolve = engine._Forward.resolve_rows
+
+    def spy(self, output, uses_of):
+        rows = resolve(self, output, uses_of)
+        explicit.append(
+            sorted(names[id(p)] for p in self.params if id(p) not in uses_of)
+        )
+        return rows
+
+    monkeypatch.setattr(engine._Forward, "resolve_rows", spy)
+    params, ggn, _ = _factors(name, {})
+    return explicit, {names[id(p)]: f for p, f in zip(params, ggn, strict=True)}
 
 
 def test_causal_lm_forms(monkeypatch):
     """Tied table: lookup plus output layer; only the position table falls back."""
-    seen, forms = _dense_entries(monkeypatch, "causal-lm-ce-mean")
+    explicit, forms = _forms(monkeypatch, "causal-lm-ce-mean")
     tied = forms["tokens.weight"]
     assert isinstance(tied, SumFactors)
     assert {type(p) for p in tied.parts} == {EmbeddingFactors, OuterProductFactors}
     for name in ("block.self_attn.in_proj_weight", "block.self_attn.out_proj.weight"):
         assert isinstance(forms[name], OuterProductFactors)
     # looked up for every sample alike: its rows have no single owner
-    assert seen == [forms["positions.weight"].param_shape.numel()]
+    assert explicit == [["positions.weight"]]
+    assert isinstance(forms["positions.weight"], DenseFactors)
 
 
 def test_sequence_first_conv1d_forms(monkeypatch):
     """[T, N, d] activations, merged rows and addmm's [in, out] weight: no fallback."""
-    seen, forms = _dense_entries(monkeypatch, "conv1d-mse-sum")
-    assert seen == [0]
+    explicit, forms = _forms(monkeypatch, "conv1d-mse-sum")
+    assert explicit == [[]]
     assert isinstance(forms["embedding.weight"], EmbeddingFactors)
     for name in ("mlp.weight", "head.weight"):
         assert isinstance(forms[name], OuterProductFactors)

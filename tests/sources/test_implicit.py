@@ -17,6 +17,7 @@ from torch import nn
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     REORDERED_REL,
+    REORDERED_REL32,
     align_signs,
     assert_eigenpairs,
     assert_rel,
@@ -100,6 +101,25 @@ def test_loader_and_chunks_equal_one_batch(name):
         assert_rel(
             ggn.loss, s.loss_func(s.model(s.inputs), s.targets).detach(), REORDERED_REL
         )
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum"])
+def test_float32_lstm_products_match_dense(name):
+    """oneDNN's float32 LSTM has no JVP: the native kernel runs instead.
+
+    A float32 product is the float64 one reordered and rounded in float32
+    (``REORDERED_REL32`` of ``‖G‖·‖v‖``).
+    """
+    s, s32 = PROBLEMS[name].setup(), PROBLEMS[name].setup(torch.float32)
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    ggn = LowRankGGN(
+        s32.model, s32.loss_func, (s32.inputs, s32.targets), solver="implicit"
+    )
+    v = torch.randn(G.shape[0], 2, generator=torch.Generator().manual_seed(0))
+    actual = ggn.operator().matvec(v).double()
+    bound = REORDERED_REL32 * G.norm(2).item() * v.norm(dim=0).max().item()
+    assert (actual - G @ v.double()).abs().max().item() <= bound
+    assert torch.backends.mkldnn.enabled  # restored after the passes
 
 
 def test_subsampled_products_match_dense():

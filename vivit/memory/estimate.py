@@ -40,13 +40,15 @@ loaders and the three solvers (``docs/math.rst``, "Memory of a request").
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
-from torch.nn import Linear, Module, Parameter
+from torch.nn import CrossEntropyLoss, Linear, Module, Parameter
 
 from vivit._validation import (
     check_batch_norms,
@@ -59,7 +61,7 @@ from vivit._validation import (
 )
 from vivit.engines.base import Engine
 from vivit.engines.choice import resolve_engine
-from vivit.errors import InvalidArgumentError
+from vivit.errors import FactorsTooLargeError, InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
     EmbeddingFactors,
@@ -93,9 +95,12 @@ from vivit.memory.forms import (
     kind,
 )
 from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
+from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions, check_option_names
 
 #: Measured peak growth of resident memory over the estimate lies within
+logger = logging.getLogger("vivit")
+
 #: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
 #: request"; checked by ``tests/memory/test_memory.py``).
 ESTIMATE_FACTOR = 1.5
@@ -213,6 +218,127 @@ def estimate_memory(
         options=options,
         param_groups=param_groups,
         top_k=top_k,
+    )
+
+
+def batch_estimate(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> MemoryEstimate | None:
+    """The estimate of one mini-batch's Gram route, from a one-sample probe.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
+
+    Returns:
+        The estimate (for one leading eigenpair), or ``None`` where the model
+        cannot be probed (e.g. a layer called with keyword arguments); the logger
+        ``"vivit"`` then says why (level INFO).
+    """
+    batch_size = num_samples(inputs)
+    curvature = batch_size if options.subsampling is None else len(options.subsampling)
+    block = min(options.chunk_size or batch_size, batch_size)
+    try:
+        return _estimate(
+            model,
+            take_samples(inputs, slice(1)),
+            _Blocks(batch_size, curvature, block, loader_batch=None),
+            loss_func=loss_func,
+            options=options,
+            param_groups=param_groups,
+            top_k=1,
+            engine=engine,
+        )
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
+            "without the check before its backward pass.",
+            type(error).__name__,
+            error,
+        )
+        return None
+
+
+def kept_bytes(estimate: MemoryEstimate) -> int:
+    """Bytes the backward pass of a batch holds at its peak (no Gram matrix yet).
+
+    Args:
+        estimate: The batch's estimate.
+
+    Returns:
+        Its activations, the kept factors and the backward pass's transient.
+    """
+    return estimate.activations + estimate.factors + estimate.backward
+
+
+def check_batch_fits(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> None:
+    """Refuse one mini-batch whose stored factors cannot fit, before it runs.
+
+    The backward pass of the batch keeps every requested parameter's factors;
+    their estimate (activations, factors and the backward pass's transient of
+    :func:`estimate_memory`) divided by :data:`ESTIMATE_FACTOR` is a lower bound
+    of what the run needs (``docs/math.rst``, "Memory of a request"). If even
+    that exceeds the memory the process can still allocate, the run is refused
+    before anything large is allocated. The Gram matrix and the eigensolver come
+    later and are checked when formed (:class:`~vivit.GramTooLargeError`).
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
+
+    Raises:
+        FactorsTooLargeError: If the lower bound exceeds the available memory.
+        Where the estimate cannot probe the model (e.g. a layer called with
+        keyword arguments), the batch runs unchecked and the logger ``"vivit"``
+        says so (level INFO).
+    """
+    estimate = batch_estimate(model, loss_func, inputs, param_groups, options, engine)
+    if estimate is None:
+        return
+    batch_size = num_samples(inputs)
+    needed = kept_bytes(estimate)
+    device = param_groups[0][0].device
+    available = available_bytes(device)
+    if needed <= ESTIMATE_FACTOR * available:
+        return
+    gib = 2**30
+    raise FactorsTooLargeError(
+        f"The backward pass of this mini-batch of {batch_size} samples keeps "
+        f"factors of V with {estimate.num_rows} columns (N·C, N·C·T for sequences "
+        f"of T positions): estimated {needed / gib:.1f} GiB (factors "
+        f"{estimate.factors / gib:.1f} GiB, activations "
+        f"{estimate.activations / gib:.1f} GiB, backward pass "
+        f"{estimate.backward / gib:.1f} GiB; at least "
+        f"{needed / ESTIMATE_FACTOR / gib:.1f} GiB), but only "
+        f"{available / gib:.1f} GiB are available on {device}. "
+        "Refused before running. Store fewer columns: Monte-Carlo sample the loss "
+        "Hessian (mc_samples=1: N·T columns per token, N with mc_per='sequence'), "
+        "use the curvature of fewer samples (subsampling=[...]), a smaller batch, "
+        "or chunk_size=... (bounds the backward pass, not the kept factors); or "
+        "keep no factors at all: solver='implicit' (GGN-vector products) or "
+        "vivit.StreamingGGN(model, loss_func, [(X, y)]).eigh(top_k=...), which "
+        "recomputes them in every pass. vivit.memory.estimate_memory(...) "
+        "estimates a request before running it."
     )
 
 
@@ -376,8 +502,12 @@ def _estimate(
     options: CurvatureOptions,
     param_groups: Sequence[Sequence[Parameter]] | None,
     top_k: int | None,
+    engine: Engine | None = None,
 ) -> MemoryEstimate:
-    """The estimate for the request's samples in ``blocks``."""
+    """The estimate for the request's samples in ``blocks``.
+
+    ``engine`` is the run's where it resolved it already (else resolved here).
+    """
     check_model(model)
     param_groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
@@ -386,12 +516,15 @@ def _estimate(
     check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
+    if engine is None:
+        engine = resolve_engine(options.engine, model, loss_func, options.output)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
-    layers, outputs_per_sample, columns = probe(model, example_inputs, options.output)
-    columns = options.mc_samples or columns
+    layers, outputs_per_sample, sample_shape = probe(
+        model, example_inputs, options.output
+    )
+    columns = columns_per_sample(sample_shape, loss_func, options)
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
     func = engine.name == "func"
@@ -415,7 +548,8 @@ def _estimate(
     caller_inputs = sum(
         e.caller_inputs
         for (layer, _, _), e in zip(params, kept, strict=True)
-        if layer is not None and (blocks.loader_batch is not None or not layer.is_input)
+        # a parameter no leaf layer owns (layer None) keeps its columns only
+        if blocks.loader_batch is not None or layer is None or not layer.is_input
     )
     if func:
         # its chunks' backward passes run while the block's factors are filled
@@ -505,6 +639,26 @@ def _estimate(
         num_rows=size,
         engine=engine.name,
     )
+
+
+def columns_per_sample(
+    sample_shape: tuple[int, ...], loss_func: Module | None, options: CurvatureOptions
+) -> int:
+    """Columns of ``V`` per sample for a model output of ``sample_shape`` per sample.
+
+    ``C`` (every output entry, ``C·T`` for sequences) exact, ``M`` with Monte
+    Carlo, ``M·T`` per token for cross-entropy on sequences (``docs/math.rst``,
+    "Losses").
+    """
+    if not options.mc_samples:
+        return math.prod(sample_shape)
+    if (
+        isinstance(loss_func, CrossEntropyLoss)
+        and options.mc_per == "token"
+        and len(sample_shape) > 1
+    ):
+        return options.mc_samples * math.prod(sample_shape[1:])
+    return options.mc_samples
 
 
 def _probed_params(

@@ -419,30 +419,45 @@ class ImplicitFactors(CurvatureSource):
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
 
 
-def _check_implicit_options(options: CurvatureOptions) -> None:
-    """Refuse the options the implicit route cannot honour, naming what to do."""
+def implicit_obstacle(options: CurvatureOptions) -> str | None:
+    """Why the implicit route cannot honour the options, or ``None`` if it can.
+
+    Args:
+        options: The checked options.
+
+    Returns:
+        What stands in the way and what to do, or ``None``.
+    """
     if options.mc_samples:
-        raise InvalidArgumentError(
+        return (
             "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
             "per position, never formed), which costs what a sampled one would: "
             "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
             "Gram route (solver='auto') for the MC estimate."
         )
     if options.group is not None:
-        raise InvalidArgumentError(
+        return (
             "solver='implicit' runs in this process alone: a process group is not "
             "supported (every product would need an all-reduce in lock-step). Pass "
             "process_group=False, or use a Gram route, whose factors are exchanged."
         )
     if options.gram_dtype is not None:
-        raise InvalidArgumentError(
+        return (
             "gram_dtype is the type of the Gram matrix and of the products with V, "
             "which solver='implicit' never forms: its products run in the model's "
             "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
             "the model (model.double()) for float64 products."
         )
     if options.engine not in ("auto", "func"):
-        raise InvalidArgumentError(
+        return (
             f"solver='implicit' runs no engine (its products are torch.func's), got "
             f"engine={options.engine!r}: drop engine, or use a Gram route."
         )
+    return None
+
+
+def _check_implicit_options(options: CurvatureOptions) -> None:
+    """Refuse the options the implicit route cannot honour, naming what to do."""
+    obstacle = implicit_obstacle(options)
+    if obstacle is not None:
+        raise InvalidArgumentError(obstacle)

@@ -20,13 +20,15 @@ that tell which sample owns each row of a recorded output:
   parameters used in other operations) gets its columns of ``V`` explicitly
   (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's contributions at a
   parameter, so each sample's vectors are pushed back in an otherwise zero batch
-  (:func:`~vivit.engines.func.vjp.one_hot_per_sample`), or a vmap over the
+  (:class:`~vivit.engines.func.columns.OneHotPerSample`), or a vmap over the
   samples of one sample's pullback does it in one pass, whichever is faster
   (:class:`~vivit.engines.func.vjp.ExplicitColumns`).
 
-Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
-MC), ``w`` activation entries per sample (measured in the first forward pass) and
-``D`` entries of the parameters without a factor form, the engine processes ``B``
+Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``C·T + 1``
+for cross-entropy on ``[N, C, *T]``; ``M + 1`` with MC, ``M·T + 1`` per token),
+formed a pass's vectors at a time (:mod:`vivit.engines.func.columns`), ``w``
+activation entries per sample (measured in the first forward pass) and ``D``
+entries of the parameters without a factor form, the engine processes ``B``
 samples at a time. ``B`` is the largest chunk whose memory stays below
 ``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
 split further if even one sample does not fit. ``w`` counts the outputs of the
@@ -78,6 +80,7 @@ from vivit.engines.base import (
     select_output,
 )
 from vivit.engines.func.capture import LayerCall, LayerCapture, count_uses
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
 from vivit.engines.func.functional import (
     FunctionCapture,
     FunctionUse,
@@ -85,12 +88,7 @@ from vivit.engines.func.functional import (
     sample_rows,
 )
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.vjp import (
-    BatchedVJP,
-    ExplicitColumns,
-    one_hot_per_sample,
-    per_sample_vjp,
-)
+from vivit.engines.func.vjp import BatchedVJP, ExplicitColumns, per_sample_vjp
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
 from vivit.gram import (
     DenseFactors,
@@ -229,25 +227,26 @@ class FuncEngine(Engine):
         output_grad: Tensor,
         batch: BatchInfo,
         request: CurvatureRequest,
-    ) -> Tensor:
+    ) -> VectorStack:
         """Vectors to backpropagate, ``[V, N, *out]``: root columns, then ``∂ℓ_n/∂f_n``.
 
-        Samples outside the curvature subsampling get zero root columns.
+        Samples outside the curvature subsampling get zero root columns. Formed
+        a block at a time as the backward passes take them.
         """
-        samples = list(batch.ggn_samples)
-        root = loss_curvature.sqrt_hessian(
-            samples, request.mc_samples, request.generator
+        root = loss_curvature.root(
+            list(batch.ggn_samples),
+            request.mc_samples,
+            request.generator,
+            request.mc_per,
         )
-        rows = _rows(batch.ggn_samples, output_grad.shape[0])
-        if isinstance(rows, slice):  # every sample: the root as it is
-            columns = root
-        else:
-            columns = root.new_zeros(root.shape[0], *output_grad.shape)
-            columns[:, rows] = root
-        if not request.compute_gradients:
-            return columns
-        per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
-        return torch.cat([columns, per_sample_grad.unsqueeze(0)])
+        gradients = (
+            output_grad.detach() * batch.per_sample_gradient_scale
+            if request.compute_gradients
+            else None
+        )
+        return VectorStack(
+            root, batch.ggn_samples, gradients, range(output_grad.shape[0])
+        )
 
     def chunking(
         self, num_samples: int, num_vectors: int, width: int, dense: int
@@ -280,9 +279,9 @@ class FuncEngine(Engine):
     def _collect(
         self,
         forward: _Forward,
-        inputs: Tensor,
+        inputs: ModelInputs,
         dense: list[Parameter],
-        vectors: Tensor,
+        vectors: VectorStack,
         chunking: tuple[int, int],
         factor: set[int],
         first: tuple[Tensor, dict[int, list[Use]], Rows] | None,
@@ -304,7 +303,7 @@ class FuncEngine(Engine):
         to_layers, to_params = BatchedVJP(), BatchedVJP()
         explicit = ExplicitColumns()
         for start in range(0, total, chunk):
-            block = vectors[:, start : start + chunk]
+            block = vectors.samples(start, start + chunk)
             if first is not None:
                 output, uses_of, rows_of = first
             else:
@@ -321,15 +320,11 @@ class FuncEngine(Engine):
                     "a larger memory_budget to process the batch at once."
                 )
             calls = _calls(uses_of)
-            pushed = block
-            functions = [c for c in calls if isinstance(c, FunctionUse)]
-            if rows_of is None and functions:
-                pushed = torch.cat([block, probe_vectors(block, forward.generator)])
-            at_outputs = to_layers(output, [c.output for c in calls], pushed, per_pass)
             if rows_of is None:
-                rows_of = _read_rows(calls, at_outputs, len(block), output.shape[0])
+                rows_of = _chunk_rows(calls, output, forward.generator)
+            at_outputs = to_layers(output, [c.output for c in calls], block, per_pass)
             self._factor_chunk(
-                [g[: len(block)] for g in at_outputs],
+                at_outputs,
                 calls,
                 (uses_of, rows_of),
                 forward.params,
@@ -345,9 +340,7 @@ class FuncEngine(Engine):
                         block,
                         per_pass,
                     ),
-                    partial(
-                        _one_hot_columns, to_params, output, dense, block, per_pass
-                    ),
+                    partial(to_params, output, dense, OneHotPerSample(block), per_pass),
                     more_chunks=start + chunk < total,
                 )
                 for param, cols in zip(dense, columns, strict=True):
@@ -452,17 +445,6 @@ def _use_factors(
     return use.kind, (inputs[:, None], at_rows[:, :, None])
 
 
-def _one_hot_columns(
-    to_params: BatchedVJP,
-    output: Tensor,
-    dense: list[Parameter],
-    block: Tensor,
-    per_pass: int,
-) -> list[Tensor]:
-    """Each sample's columns of ``dense``, its vectors in an otherwise zero batch."""
-    return to_params(output, dense, one_hot_per_sample(block), per_pass)
-
-
 def _gather(tensor: Tensor, rows: Tensor) -> Tensor:
     """``tensor[..., R, F]`` at rows ``[B, T]``; row index ``R`` gives zeros.
 
@@ -477,26 +459,33 @@ def _gather(tensor: Tensor, rows: Tensor) -> Tensor:
     return torch.cat([tensor, zero], dim=-2)[..., rows, :]
 
 
-def _read_rows(
-    calls: list[Use], at_outputs: list[Tensor], vectors: int, batch: int
-) -> Rows:
-    """The rows of every function's output each sample owns, from the probes.
+def _chunk_rows(calls: list[Use], output: Tensor, generator: torch.Generator) -> Rows:
+    """The rows of every function's output each sample of a chunk owns.
+
+    The probe vectors (:func:`~vivit.engines.func.functional.probe_vectors`)
+    pushed back through the chunk's graph in one pass of their own.
 
     Raises:
         UnsupportedLayerError: If they cannot be read off for a chunk although
             they could for the whole batch.
     """
+    functions = [c for c in calls if isinstance(c, FunctionUse)]
+    if not functions:
+        return {}
+    probes = probe_vectors(output.detach()[None], generator)
+    at_outputs = BatchedVJP()(
+        output, [f.output for f in functions], probes, len(probes)
+    )
     rows_of = {}
-    for call, at in zip(calls, at_outputs, strict=True):
-        if isinstance(call, FunctionUse):
-            rows = sample_rows(call.rows(at[vectors:]), batch)
-            if rows is None:
-                raise UnsupportedLayerError(
-                    f"The rows of a {call.kind} call do not belong to single samples "
-                    "in a chunk of the mini-batch although they did for the whole "
-                    "batch; pass a larger memory_budget to process it at once."
-                )
-            rows_of[id(call)] = rows
+    for use, at in zip(functions, at_outputs, strict=True):
+        rows = sample_rows(use.rows(at), output.shape[0])
+        if rows is None:
+            raise UnsupportedLayerError(
+                f"The rows of a {use.kind} call do not belong to single samples "
+                "in a chunk of the mini-batch although they did for the whole "
+                "batch; pass a larger memory_budget to process it at once."
+            )
+        rows_of[id(use)] = rows
     return rows_of
 
 
@@ -544,7 +533,9 @@ def _batch_info(
     return BatchInfo(
         normalization=loss_curvature.normalization,
         ggn_samples=samples,
-        columns_per_sample=mc_samples or output[0].numel(),
+        columns_per_sample=loss_curvature.columns_per_sample(
+            mc_samples, request.mc_per
+        ),
         mc_samples=mc_samples,
     )
 
@@ -649,7 +640,7 @@ class _Forward:
         self,
         dense: list[Parameter],
         inputs: ModelInputs,
-        vectors: Tensor,
+        vectors: VectorStack,
         per_pass: int,
     ) -> list[Tensor] | None:
         """Explicit columns of ``dense``, vectorized over the samples.
@@ -657,7 +648,7 @@ class _Forward:
         Args:
             dense: The parameters without a factor form.
             inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
-            vectors: ``[V, B, *out]``.
+            vectors: ``[V, B, *out]`` (formed here).
             per_pass: Vectors per vmapped pullback.
 
         Returns:
@@ -673,7 +664,7 @@ class _Forward:
             output = torch.func.functional_call(self.model, replaced, args, kwargs)
             return select_output(output, self.selector)[0]
 
-        return per_sample_vjp(sample_output, dense, inputs, vectors, per_pass)
+        return per_sample_vjp(sample_output, dense, inputs, vectors[:], per_pass)
 
     def forget(self) -> None:
         """Drop the last pass's records (they hold its graph)."""

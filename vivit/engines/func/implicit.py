@@ -28,28 +28,40 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
-from torch.nn import Module, Parameter
+from torch.nn import Module, Parameter, RNNBase
 
 from vivit.engines.base import OutputSelector, select_output
 from vivit.errors import UnsupportedLayerError
 
 
 @contextmanager
-def forward_mode_kernels() -> Iterator[None]:
-    """Attention kernels that have forward-mode AD rules, for the block's passes.
+def forward_mode_kernels(model: Module) -> Iterator[None]:
+    """Kernels that have forward-mode AD rules, for the block's passes.
 
     ``nn.MultiheadAttention``'s fast path and the fused scaled-dot-product
-    kernels have no JVP; the composite kernel computes the same function.
+    kernels have no JVP; the composite kernel computes the same function. On the
+    CPU, oneDNN's (MKLDNN's) float32 LSTM and GRU layers have none either: for a
+    model with a recurrent layer oneDNN is off, and PyTorch's native recurrent
+    kernel, built of operations that have JVPs, computes the same function.
+
+    Args:
+        model: The network.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    recurrent = any(isinstance(m, RNNBase) for m in model.modules())
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    if recurrent and onednn:
+        torch.backends.mkldnn.set_flags(False, None, None, None)
     try:
         with sdpa_kernel(SDPBackend.MATH):
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
+        if recurrent and onednn:
+            torch.backends.mkldnn.set_flags(True, None, None, None)
 
 
 class BlockFunction:
@@ -99,7 +111,7 @@ class BlockFunction:
         def single(*vector: Tensor) -> tuple[Tensor, Tensor]:
             return jvp(self, self._primals, vector)
 
-        with _naming_unsupported("J v (forward-mode AD, torch.func.jvp)"):
+        with _naming_unsupported(self._model, "J v (forward-mode AD, torch.func.jvp)"):
             return vmap(single, out_dims=(None, 0))(*tangents)
 
     def vjp(self, cotangents: Tensor) -> list[Tensor]:
@@ -111,16 +123,16 @@ class BlockFunction:
         Returns:
             One tensor ``[K, *p.shape]`` per parameter.
         """
-        with _naming_unsupported("Jᵀ w (reverse-mode AD, torch.func.vjp)"):
+        with _naming_unsupported(self._model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
             _, pullback = vjp(self, *self._primals)
             return list(vmap(pullback)(cotangents))
 
 
 @contextmanager
-def _naming_unsupported(what: str) -> Iterator[None]:
+def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
     """Turn torch's refusal of an operation into a refusal that says what to do."""
     try:
-        with forward_mode_kernels():
+        with forward_mode_kernels(model):
             yield
     except NotImplementedError as error:
         raise UnsupportedLayerError(

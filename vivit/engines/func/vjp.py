@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
 from vivit.model_inputs import ModelInputs
 
 
@@ -27,14 +28,19 @@ class BatchedVJP:
         self.batched: bool | None = None
 
     def __call__(
-        self, output: Tensor, inputs: Sequence[Tensor], vectors: Tensor, chunk_size: int
+        self,
+        output: Tensor,
+        inputs: Sequence[Tensor],
+        vectors: Tensor | VectorStack | OneHotPerSample,
+        chunk_size: int,
     ) -> list[Tensor]:
         """``Jᵀ v`` of ``output`` w.r.t. each input.
 
         Args:
             output: A tensor of the graph, shape ``[*out]``.
             inputs: Tensors of the graph to differentiate with respect to.
-            vectors: ``[V, *out]``.
+            vectors: ``[V, *out]``: a tensor, or a stack that forms the
+                vectors it is sliced for (:mod:`vivit.engines.func.columns`).
             chunk_size: At most this many vectors per vmapped backward pass.
 
         Returns:
@@ -43,17 +49,23 @@ class BatchedVJP:
         """
         if not inputs:
             return []
-        results: list[list[Tensor]] = [[] for _ in inputs]
-        for chunk in vectors.split(max(chunk_size, 1)):
+        total, step = len(vectors), max(chunk_size, 1)
+        if total <= step:  # one pass: its products are the result
+            grads = self._chunk(output, inputs, vectors[:])
+            return [
+                x.new_zeros(total, *x.shape) if grad is None else grad.detach()
+                for grad, x in zip(grads, inputs, strict=True)
+            ]
+        # several passes: each written into the result, no list of parts besides
+        results = [x.new_zeros(total, *x.shape) for x in inputs]
+        for start in range(0, total, step):
+            chunk = vectors[start : start + step]
             grads = self._chunk(output, inputs, chunk)
-            for result, grad, x in zip(results, grads, inputs, strict=True):
-                result.append(
-                    chunk.new_zeros(len(chunk), *x.shape) if grad is None else grad
-                )
-        return [
-            (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
-            for parts in results
-        ]
+            for result, grad in zip(results, grads, strict=True):
+                if grad is not None:
+                    result[start : start + len(chunk)] = grad
+            del chunk, grads
+        return results
 
     def _chunk(self, output, inputs, chunk) -> list[Tensor | None]:
         if self.batched is None:
@@ -116,8 +128,9 @@ class ExplicitColumns:
     Vectorized over the samples (:func:`per_sample_vjp`: one pass, but a second
     forward pass under ``vmap`` and, for operations without a batching rule such
     as attention's fused backward on the CPU, a loop inside it) or one-hot
-    batches through the chunk's graph (:func:`one_hot_per_sample`: ``B`` times
-    the work of a backward pass). With several chunks the first runs both, timed,
+    batches through the chunk's graph
+    (:class:`~vivit.engines.func.columns.OneHotPerSample`: ``B`` times the work
+    of a backward pass). With several chunks the first runs both, timed,
     and the faster is kept (the causal transformer of ``docs/guide.rst``: one-hot
     3.2 s, vectorized 7.8 s); with one chunk the one-hot batches reuse the graph
     the engine already holds. A model that cannot run under ``vmap`` always takes
@@ -168,8 +181,8 @@ def per_sample_vjp(
 
     ``torch.func.vmap`` over the samples of the pullback of one sample's output,
     itself vmapped over that sample's vectors: one vectorized pass does what the
-    one-hot batches (:func:`one_hot_per_sample`) do in ``B`` passes through the
-    whole chunk.
+    one-hot batches (:class:`~vivit.engines.func.columns.OneHotPerSample`) do in
+    ``B`` passes through the whole chunk.
 
     Args:
         sample_output: The output of one sample (its input with a batch axis of
@@ -199,24 +212,3 @@ def per_sample_vjp(
         # here is vmap's (an LSTM's fused kernel writes its batch in place)
         return None
     return [c.detach() for c in columns]
-
-
-def one_hot_per_sample(vectors: Tensor) -> Tensor:
-    """Place each sample's vectors in an otherwise zero batch.
-
-    Backpropagating vector ``[b, v]`` of the result through a batch gives sample
-    ``b``'s own ``J_bᵀ v`` at the parameters, where autograd would otherwise sum
-    over the samples.
-
-    Args:
-        vectors: ``[V, B, *out]``.
-
-    Returns:
-        ``[B·V, B, *out]``; entry ``b·V + v`` holds ``vectors[v, b]`` at sample
-        ``b`` and zeros elsewhere.
-    """
-    num, batch = vectors.shape[:2]
-    placed = vectors.new_zeros(batch, num, *vectors.shape[1:])
-    index = torch.arange(batch, device=vectors.device)
-    placed[index, :, index] = vectors.transpose(0, 1)
-    return placed.reshape(batch * num, *vectors.shape[1:])
