@@ -48,7 +48,7 @@ from functools import partial
 
 import torch
 from torch import Tensor
-from torch.nn import CrossEntropyLoss, Module, Parameter
+from torch.nn import CrossEntropyLoss, Linear, Module, Parameter
 
 from vivit._validation import (
     check_batch_norms,
@@ -64,9 +64,11 @@ from vivit.engines.choice import resolve_engine
 from vivit.errors import FactorsTooLargeError, InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
+    EmbeddingFactors,
     OuterProductFactors,
     ParamFactors,
     SampleBlockFactors,
+    SumFactors,
 )
 from vivit.gram.memory import (
     available_bytes,
@@ -85,8 +87,10 @@ from vivit.linalg.top_k import (
 )
 from vivit.memory.forms import (
     Counts,
+    FormPart,
     backpack_entries,
     func_entries,
+    function_forms,
     holds_v,
     kind,
 )
@@ -527,12 +531,18 @@ def _estimate(
     requested = {id(p) for group in param_groups for p in group}
     params = _probed_params(layers, requested, model)
     entries = backpack_entries
+    forms: dict = {}
     if func:
-        dense = sum(p.numel() for lay, name, p in params if kind(lay, name) == "other")
+        forms, function_outputs = function_forms(
+            model, example_inputs, [p for _, _, p in params], options.output
+        )
+        # activations outside leaf modules (attention, addmm): as the engine
+        outputs_per_sample = max(outputs_per_sample, function_outputs)
+        dense = _one_hot_entries(params, forms)
         samples, _ = engine.chunking(
             block.samples, block.vectors, outputs_per_sample, dense
         )
-        entries = partial(func_entries, own_chunks=samples < block.samples)
+        entries = partial(func_entries, own_chunks=samples < block.samples, forms=forms)
     kept = [entries(layer, name, param, whole) for layer, name, param in params]
     # per sample: Linear inputs the BackPACK factors keep without a copy
     caller_inputs = sum(
@@ -543,8 +553,12 @@ def _estimate(
     )
     if func:
         # its chunks' backward passes run while the block's factors are filled
-        block_kept = sum(entries(lay, name, p, block).kept for lay, name, p in params)
-        chunk = _func_transient(engine, layers, params, block, outputs_per_sample)
+        # (views of the vectors there, except the copies of gathered rows)
+        block_entries = [entries(lay, name, p, block) for lay, name, p in params]
+        block_kept = sum(e.kept - e.gathered for e in block_entries)
+        chunk = _func_transient(
+            engine, layers, params, block, (outputs_per_sample, function_outputs), forms
+        )
         backward = max(0, chunk * entry - block_kept * kept_entry)
     else:
         backward = _backpack_transient(layers, block) * entry
@@ -582,7 +596,9 @@ def _estimate(
             num_params=largest_group,
             dtype=kept_dtype,
             device=device,
-            factors=_shape_factors(layers, group, columns, sizes, kept_dtype, func),
+            factors=_shape_factors(
+                layers, group, columns, sizes, kept_dtype, func, forms
+            ),
         )
     if solver == "dense":
         workspace = dense_workspace_bytes(size, top_k, kept_dtype, device)
@@ -682,24 +698,41 @@ def _backpack_transient(layers: Sequence[ProbedLayer], block: Counts) -> int:
     )
 
 
+def _one_hot_entries(
+    params: Sequence[tuple[ProbedLayer | None, str, Parameter]], forms: dict
+) -> int:
+    """Entries ``D`` of the parameters the func engine pushes one-hot batches to."""
+    return sum(
+        p.numel()
+        for layer, name, p in params
+        if kind(layer, name) == "other" and id(p) not in forms
+    )
+
+
 def _func_transient(
     engine: Engine,
     layers: Sequence[ProbedLayer],
     params: Sequence[tuple[ProbedLayer | None, str, Parameter]],
     block: Counts,
-    width: int,
+    widths: tuple[int, int],
+    forms: dict,
 ) -> int:
     """Entries of one of the func engine's own chunks (see its cost model).
 
     The chunk's forward graph, and the larger of its vectorised backward pass to
-    the layer outputs (with the vectors there) and the one-hot pass to the
-    parameters without a factor form (with their columns).
+    the layer outputs and the recorded function calls' outputs (``widths``: the
+    activation entries per sample and those of the calls' outputs, with the
+    vectors there) and the one-hot pass to the parameters without a factor form
+    (with their columns).
     """
-    dense = sum(p.numel() for layer, name, p in params if kind(layer, name) == "other")
+    width, function_outputs = widths
+    dense = _one_hot_entries(params, forms)
     vectors = block.vectors
     samples, per_pass = engine.chunking(block.samples, vectors, width, dense)
-    at_outputs = sum(
-        layer.outputs for layer in layers if kind(layer, "weight") != "other"
+    at_outputs = function_outputs + sum(
+        layer.outputs
+        for layer in layers
+        if kind(layer, "weight") != "other" and not isinstance(layer.module, Linear)
     )
     to_layers = (min(vectors, per_pass) * width + vectors * at_outputs) * samples
     one_hot = (
@@ -799,6 +832,7 @@ def _shape_factors(
     blocks: Sequence[int],
     dtype: torch.dtype,
     func: bool,
+    forms: Mapping[int, tuple[FormPart, ...]],
 ) -> list[ParamFactors]:
     """A group's factors of ``V`` as the request holds them, on the meta device.
 
@@ -816,6 +850,8 @@ def _shape_factors(
         blocks: Curvature samples of each block whose factors stay apart.
         dtype: Type of the kept factors (``gram_dtype`` or the parameters').
         func: Whether the func engine builds them (no weight held explicitly).
+        forms: The func engine's forms at the function level
+            (:func:`~vivit.memory.forms.function_forms`).
 
     Returns:
         One set of factors per parameter of the group.
@@ -829,7 +865,11 @@ def _shape_factors(
     for param in group:
         layer = weights.get(id(param))
         per_block = {
-            samples: _param_shape_factors(param, layer, columns, samples, dtype, func)
+            samples: _function_shape_factors(
+                param, forms[id(param)], columns, samples, dtype
+            )
+            if layer is None and forms.get(id(param))
+            else _param_shape_factors(param, layer, columns, samples, dtype, func)
             for samples in set(blocks)
         }
         parts = [per_block[samples] for samples in blocks]
@@ -856,3 +896,28 @@ def _param_shape_factors(
         param.shape,
     )
     return factors if func else factors.compact(GGN_COMPACT_RATIO)
+
+
+def _function_shape_factors(
+    param: Parameter,
+    parts: tuple[FormPart, ...],
+    columns: int,
+    samples: int,
+    dtype: torch.dtype,
+) -> ParamFactors:
+    """A parameter's factor forms found at the function level, on the meta device."""
+    meta = {"dtype": dtype, "device": "meta"}
+    factors: list[ParamFactors] = []
+    for part in parts:
+        vectors = torch.empty(columns, samples, part.positions, part.outputs, **meta)
+        if part.kind == "embedding":
+            indices = torch.empty(
+                samples, part.positions, dtype=torch.long, device="meta"
+            )
+            factors.append(EmbeddingFactors(indices, vectors, param.shape))
+        else:
+            inputs = torch.empty(samples, 1, part.positions, part.inputs, **meta)
+            factors.append(
+                OuterProductFactors(inputs, vectors[:, :, None], param.shape)
+            )
+    return factors[0] if len(factors) == 1 else SumFactors(factors)

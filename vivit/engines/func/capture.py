@@ -1,7 +1,9 @@
-"""Factor forms of Linear and convolution weights from forward hooks.
+"""Factor forms of convolution weights from forward hooks.
 
 During a forward pass, :class:`LayerCapture` records the input ``a`` and output
-``z`` of every call of a Linear or convolution layer whose weight is requested:
+``z`` of every call of a convolution layer whose weight is requested (Linear
+weights and the other functions are recorded at the function level,
+:mod:`vivit.engines.func.functional`):
 the input after the layer's forward pre-hooks, the output before its forward
 hooks (whatever they do to ``z`` is part of the graph the vectors are
 backpropagated through).
@@ -13,8 +15,9 @@ shared weight) stacks its calls along the position axis ``T``:
 cross terms between the uses included in every Gram block.
 
 A parameter gets a factor form only if every one of its uses in the autograd graph
-is a recorded call (see :func:`count_uses`); otherwise the engine falls back to its
-dense columns, which are exact for any use.
+is a recorded call (see :func:`count_uses`; the engine counts both kinds of
+record); otherwise the engine falls back to its dense columns, which are exact
+for any use.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.nn import Conv1d, Conv2d, Conv3d, Module, Parameter
 
-#: Layers whose weight has the outer-product factor form.
-FACTOR_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
+#: Layers whose weight has the outer-product factor form, recorded by module hooks.
+FACTOR_LAYERS = (Conv1d, Conv2d, Conv3d)
 _CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
@@ -56,10 +59,6 @@ class LayerCall:
 
     def layer_inputs(self) -> Tensor:
         """The layer input in factor layout ``[B, G, T, P]``."""
-        if isinstance(self.module, Linear):
-            return self.inputs.reshape(
-                self.inputs.shape[0], 1, -1, self.inputs.shape[-1]
-            )
         unfolded = unfold_conv_input(self.module, self.inputs)  # [B, I·k, T]
         groups = self.module.groups
         unfolded = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
@@ -68,8 +67,6 @@ class LayerCall:
     def output_vectors(self, vectors: Tensor) -> Tensor:
         """Vectors ``[V, B, *out]`` at the layer output as ``[V, B, G, T, O]``."""
         num, batch = vectors.shape[:2]
-        if isinstance(self.module, Linear):
-            return vectors.reshape(num, batch, 1, -1, vectors.shape[-1])
         groups = self.module.groups
         vectors = vectors.reshape(
             num, batch, groups, self.module.out_channels // groups, -1
@@ -158,30 +155,6 @@ class LayerCapture:
                 module, inputs.detach(), output, (inputs._version, output._version)
             )
         )
-
-    def factor_params(self, output: Tensor) -> dict[int, list[LayerCall]]:
-        """Parameters whose every use in the graph of ``output`` is a recorded call.
-
-        Args:
-            output: The model output of the recorded forward pass.
-
-        Returns:
-            Map from ``id(param)`` (weights and biases of recorded layers) to the
-            calls that use it.
-        """
-        calls_of: dict[int, list[LayerCall]] = {}
-        params: dict[int, Parameter] = {}
-        for call in self.calls:
-            for param in (call.module.weight, call.module.bias):
-                if param is not None and param.requires_grad:
-                    calls_of.setdefault(id(param), []).append(call)
-                    params[id(param)] = param
-        uses = count_uses(output, list(params.values()))
-        return {
-            key: calls
-            for key, calls in calls_of.items()
-            if uses[key] == len(calls) and all(c.unchanged() for c in calls)
-        }
 
 
 def _accumulator(param: Parameter):
