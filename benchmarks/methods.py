@@ -200,12 +200,25 @@ def curvlinops_eigsh(
     """
     from curvlinops import GGNLinearOperator
     from scipy.sparse.linalg import eigsh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     params = [p for p in model.parameters() if p.requires_grad]
-    operator = GGNLinearOperator(
-        model, loss_func, params, [(X, y)], check_deterministic=False
-    ).to_scipy()
-    evals = eigsh(operator, k=TOP_K, which="LA", return_eigenvectors=False)
+    # curvlinops' products use forward-mode AD: the kernels that have its rules,
+    # as vivit.engines.func.implicit.forward_mode_kernels chooses them (this
+    # environment's ``vivit`` is ViViT 1.0, which has no such function)
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    onednn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.set_flags(False, None, None, None)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            operator = GGNLinearOperator(
+                model, loss_func, params, [(X, y)], check_deterministic=False
+            ).to_scipy()
+            evals = eigsh(operator, k=TOP_K, which="LA", return_eigenvectors=False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+        torch.backends.mkldnn.set_flags(onednn, None, None, None)
     return torch.from_numpy(evals.copy())
 
 
@@ -225,6 +238,10 @@ METHODS: dict[str, Method] = {
     "vivit-matrix-free": vivit_method(
         "this library, exact GGN, top-10, block Krylov on V-products (no Gram)",
         solver="matrix_free",
+    ),
+    "vivit-implicit": vivit_method(
+        "this library, exact GGN, top-10, implicit GGN-vector products (no V)",
+        solver="implicit",
     ),
     "vivit-chunk32": vivit_method(
         "this library, exact GGN, top-10, backward pass in chunks of 32 samples",

@@ -208,6 +208,9 @@ PROBLEMS: dict[str, Problem] = {
     "gpt2-2l-64-v128": Problem(
         lambda: CausalLM(128, 64, 2, 16), (16,), (4,), (4,), True, 128
     ),
+    "gpt2-2l-64-v500": Problem(
+        lambda: CausalLM(500, 64, 2, 64), (64,), (8,), (2,), True, 500
+    ),
     "gpt2-4l-128-v500": Problem(
         lambda: CausalLM(500, 128, 4, 64), (64,), (8,), (2,), True, 500
     ),

@@ -96,9 +96,10 @@ def main():
         params = sum(p.numel() for p in model.parameters())
         top = ", ".join(f"{v:.3g}" for v in evals.flip(0).tolist())
         print(
-            f"{name:7s} {params:7,d} parameters, engine {ggn.engine}, "
-            f"{seconds:5.2f} s: top-5 eigenvalues {top}"
+            f"{name:7s} {params:7,d} parameters, {ggn.route.name} route "
+            f"(engine {ggn.engine}), {seconds:5.2f} s: top-5 eigenvalues {top}"
         )
+        print(f"        why: {ggn.route.reason}")
 
 
 if __name__ == "__main__":

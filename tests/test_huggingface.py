@@ -1,4 +1,5 @@
-"""The Hugging Face helpers: next-token targets and token logits (no transformers).
+"""The Hugging Face helpers: next-token targets, token logits, labels taken out of
+collated batches (no transformers).
 
 The models themselves are tested in ``tests/test_huggingface_models.py``.
 """
@@ -7,9 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from vivit import InvalidArgumentError
-from vivit.huggingface import IGNORE_INDEX, causal_lm_targets, token_logits
+from vivit import InvalidArgumentError, LowRankGGN
+from vivit.huggingface import (
+    IGNORE_INDEX,
+    causal_lm_targets,
+    split_batch,
+    split_labels,
+    token_logits,
+)
 
 I = IGNORE_INDEX  # noqa: E741
 
@@ -51,3 +59,64 @@ def test_token_logits_refuse_per_sample_logits_and_missing_fields():
         token_logits({"logits": torch.randn(2, 3)})
     with pytest.raises(InvalidArgumentError, match=r"fields \['scores'\]"):
         token_logits({"scores": torch.randn(2, 5, 3)})
+
+
+def _collated(labels):
+    """A batch as Hugging Face collators return it, labels inside."""
+    return {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]), "labels": labels}
+
+
+def test_split_batch_shifts_a_causal_lm_s_labels_and_keeps_aligned_ones():
+    """``shift=True``: position t's target is label t+1 (as the model's own loss)."""
+    labels = torch.tensor([[1, 2, 3], [4, 5, I]])
+    inputs, targets = split_batch(_collated(labels), shift=True)
+    assert list(inputs) == ["input_ids"]
+    assert torch.equal(targets, torch.tensor([[2, 3, I], [5, I, I]]))
+    assert targets.dtype == torch.long
+    inputs, targets = split_batch(_collated(labels), shift=False)
+    assert targets is labels and list(inputs) == ["input_ids"]
+    named = {"input_ids": labels, "y": torch.tensor([0, 1])}
+    assert torch.equal(split_batch(named, shift=False, key="y")[1], named["y"])
+    _, last = split_batch(_collated(labels), shift=True, ignore_index=-1)
+    assert torch.equal(last[:, -1], torch.tensor([-1, -1]))
+
+
+@pytest.mark.parametrize(
+    "batch, options, message",
+    [
+        (_collated(torch.zeros(2, 3).long()), {"key": "y"}, r"under 'y'.*\['input_"),
+        ((torch.zeros(2, 3), torch.zeros(2)), {}, "got tuple"),
+        (_collated(torch.zeros(2).long()), {}, r"shape \(2,\).*shift=False"),
+        (_collated(torch.zeros(2, 3)), {}, "torch.float32.*shift=False"),
+    ],
+)
+def test_split_batch_refuses_what_it_cannot_split(batch, options, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        split_batch(batch, shift=True, **options)
+
+
+@pytest.mark.parametrize("shift", [1, None, "yes"])
+def test_split_labels_want_shift_said_as_a_bool(shift):
+    batch = _collated(torch.zeros(2, 3).long())
+    with pytest.raises(InvalidArgumentError, match="shift must be True"):
+        split_labels([batch], shift=shift)
+    with pytest.raises(InvalidArgumentError, match="shift must be True"):
+        split_batch(batch, shift=shift)
+
+
+def test_split_labels_is_a_loader_of_pairs_passed_over_again():
+    batches = [_collated(torch.tensor([[1, 2, 3], [4, 5, I]]))] * 2
+    loader = split_labels(batches, shift=True)
+    assert len(loader) == 2
+    first, second = list(loader), list(loader)
+    assert len(first) == len(second) == 2
+    assert torch.equal(first[0][1], second[1][1])
+    with pytest.raises(TypeError, match="generator has no len"):
+        len(split_labels((b for b in batches), shift=True))
+
+
+def test_a_loader_of_collated_batches_is_refused_with_split_labels_named():
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6))
+    batch = _collated(torch.tensor([[1, 2, 3], [4, 5, I]]))
+    with pytest.raises(InvalidArgumentError, match=r"split_labels\(loader, shift="):
+        LowRankGGN(model, nn.CrossEntropyLoss(), [batch])

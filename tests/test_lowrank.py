@@ -49,6 +49,7 @@ def test_eigenpairs_float64(problem, subsampling):
         assert evals.numel() <= num_samples * (problem.num_outputs - 1)
 
 
+@pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
 def test_top_k(problem):
     model, loss_func, X, y = prepare(problem, torch.float64)
     ggn = LowRankGGN(model, loss_func, (X, y))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 from backpack import extend
 from hypothesis import HealthCheck, event, given, settings
@@ -392,6 +393,7 @@ def _damping(name):
     return name
 
 
+@pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
 @settings(SETTINGS, max_examples=60)
 @given(
     top_k=st.sampled_from(TOP_KS),

@@ -31,6 +31,7 @@ from vivit.options import CurvatureOptions
 MALFORMED = [
     ("mc_samples", -1, InvalidArgumentError, "mc_samples must be an integer >= 0"),
     ("mc_samples", 1.0, InvalidArgumentError, "mc_samples must be an integer >= 0"),
+    ("mc_per", "position", InvalidArgumentError, "mc_per must be one of"),
     ("subsampling", [], InvalidSubsamplingError, "subsampling is empty"),
     ("subsampling", [1, 1], InvalidSubsamplingError, r"repeats the sample indices"),
     ("subsampling", [0.5], InvalidSubsamplingError, "integer sample indices"),

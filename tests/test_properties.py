@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -166,6 +167,7 @@ def test_eigvalsh_matches_dense(case):
     assert_within(evals[-m:], expected[-m:], EIGVAL_RTOL[torch.float64] * scale)
 
 
+@pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
 @SETTINGS
 @given(case=cases(), top_k=st.sampled_from([1, 2, 3, None]))
 def test_eigh_residuals(case, top_k):
@@ -180,6 +182,7 @@ def test_eigh_residuals(case, top_k):
     assert_eigenpairs(evals, evecs, G, ggn.eigvalsh().numel())
 
 
+@pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
 @SETTINGS
 @given(
     case=cases(),

@@ -139,6 +139,31 @@ def check_mc_samples(mc_samples: object) -> int:
     return mc_samples
 
 
+#: What one Monte-Carlo draw of a cross-entropy output ``[N, C, *T]`` covers.
+MC_PER = ("token", "sequence")
+
+
+def check_mc_per(mc_per: object) -> str:
+    """Check what a Monte-Carlo draw covers: a position or a whole sample.
+
+    Args:
+        mc_per: ``"token"`` or ``"sequence"``.
+
+    Returns:
+        The value, unchanged.
+
+    Raises:
+        InvalidArgumentError: If it is neither.
+    """
+    if not isinstance(mc_per, str) or mc_per not in MC_PER:
+        raise InvalidArgumentError(
+            f"mc_per must be one of {MC_PER}, got {mc_per!r}: 'token' draws one "
+            "column per position of a sequence (N·M·T Gram rows), 'sequence' one "
+            "per sample (N·M)."
+        )
+    return mc_per
+
+
 def check_param_groups(
     param_groups: Iterable[dict], required_keys: Sequence[str]
 ) -> None:

@@ -104,6 +104,10 @@ class RandomForwardWarning(UserWarning):
     """The forward pass draws random numbers (e.g. Dropout in training mode)."""
 
 
+class FewerEigenpairsWarning(UserWarning):
+    """Fewer numerically non-zero eigenpairs exist than ``top_k`` asked for."""
+
+
 class SampleCouplingError(VivitError, ValueError):
     """A model whose output for one sample depends on other samples or on chance."""
 

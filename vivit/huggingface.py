@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable, Iterator, Mapping, Sized
 
 import torch
 from torch import Tensor
@@ -106,6 +107,155 @@ def causal_lm_targets(
     return targets
 
 
+def split_batch(
+    batch: Mapping[str, Tensor],
+    *,
+    shift: bool,
+    key: str = "labels",
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """A Hugging Face batch dict as ``(inputs, targets)``: the labels taken out.
+
+    Hugging Face collators put the labels into the batch beside the model's
+    inputs, ``{"input_ids", "attention_mask", "labels"}``; vivit takes the pair
+    ``(inputs, targets)`` and calls ``model(**inputs)`` without the labels.
+
+    ``shift`` says how the labels line up with the logits, and has no default
+    because a wrong choice gives the curvature of another loss without an error:
+
+    * ``shift=True``: a causal language model's labels ``[N, T]`` (e.g. of
+      ``DataCollatorForLanguageModeling(mlm=False)``) are *not* shifted; the
+      model shifts them inside, position ``t`` predicting ``labels[:, t + 1]``.
+      The targets are shifted here the same way: ``targets[:, t] = labels[:, t
+      + 1]``, the last position ``ignore_index``. With ``output=token_logits``
+      and ``CrossEntropyLoss()``, the loss is the one the model returns from
+      the labels (``model(**batch).loss``), padding (``-100``) excluded.
+    * ``shift=False``: labels that already line up with the logits, used as
+      they are: a sequence or image classifier's ``[N]`` (``output="logits"``),
+      a token classifier's or a masked language model's ``[N, T]``
+      (``output=token_logits``).
+
+    Targets equal to ``ignore_index`` (Hugging Face's ``-100``) are left out of
+    the loss and the GGN exactly (``docs/math.rst``, "Losses"). Unlike
+    :func:`causal_lm_targets`, which also skips predictions made from padding,
+    ``shift=True`` keeps every position whose next label counts, as the model's
+    own loss does; with right padding both agree.
+
+    Args:
+        batch: The collator's batch: the model's keyword inputs and the labels.
+        shift: Whether the labels are a causal language model's (shifted here).
+        key: The labels' key in the batch.
+        ignore_index: The loss's ``ignore_index``.
+
+    Returns:
+        The inputs (every entry but the labels) and the targets (int64).
+
+    Raises:
+        InvalidArgumentError: If the batch is not a dict with the labels, or
+            ``shift=True`` for labels that are not integer ``[N, T]``.
+    """
+    if not isinstance(batch, Mapping) or key not in batch:
+        found = list(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise InvalidArgumentError(
+            f"split_batch expects a dict batch with its labels under {key!r} (as "
+            f"Hugging Face collators return), got {found}: name the labels' key "
+            "with key=...."
+        )
+    _check_shift(shift)
+    inputs = {name: value for name, value in batch.items() if name != key}
+    labels = batch[key]
+    if not shift:
+        return inputs, labels
+    if (
+        not isinstance(labels, Tensor)
+        or labels.dim() != 2
+        or labels.is_floating_point()
+    ):
+        raise InvalidArgumentError(
+            f"shift=True shifts a causal language model's labels, integer [N, T], "
+            f"got {_summary(labels)}: labels that line up with the logits (a "
+            "classifier's [N], a token classifier's [N, T]) take shift=False."
+        )
+    targets = torch.full_like(labels, ignore_index, dtype=torch.long)
+    targets[:, :-1] = labels[:, 1:]
+    return inputs, targets
+
+
+class SplitLabels:
+    """A loader of Hugging Face batch dicts as one of ``(inputs, targets)``.
+
+    Each batch goes through :func:`split_batch` as it is drawn; passing over it
+    again passes over the loader again (as :class:`~vivit.StreamingGGN` does).
+
+    Args:
+        loader: Batches with their labels inside (a ``DataLoader`` with a
+            Hugging Face collator, ``Trainer.get_train_dataloader()``).
+        shift: As for :func:`split_batch`.
+        key: As for :func:`split_batch`.
+        ignore_index: As for :func:`split_batch`.
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Mapping[str, Tensor]],
+        *,
+        shift: bool,
+        key: str = "labels",
+        ignore_index: int = IGNORE_INDEX,
+    ):
+        self.loader = loader
+        self.shift = shift
+        self.key = key
+        self.ignore_index = ignore_index
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
+        """The loader's batches as ``(inputs, targets)``."""
+        for batch in self.loader:
+            yield split_batch(
+                batch, shift=self.shift, key=self.key, ignore_index=self.ignore_index
+            )
+
+    def __len__(self) -> int:
+        """The loader's number of batches.
+
+        Raises:
+            TypeError: If the loader has no length.
+        """
+        if not isinstance(self.loader, Sized):
+            raise TypeError(f"{type(self.loader).__name__} has no len()")
+        return len(self.loader)
+
+
+def split_labels(
+    loader: Iterable[Mapping[str, Tensor]],
+    *,
+    shift: bool,
+    key: str = "labels",
+    ignore_index: int = IGNORE_INDEX,
+) -> SplitLabels:
+    """A loader of Hugging Face batch dicts, labels inside, for vivit.
+
+    ``LowRankGGN(model, CrossEntropyLoss(), split_labels(loader, shift=True),
+    output=token_logits)`` for a causal language model's loader; see
+    :func:`split_batch` for ``shift``.
+
+    Args:
+        loader: Batches ``{"input_ids", "attention_mask", "labels", ...}``.
+        shift: ``True`` for a causal language model's labels, ``False`` for
+            labels aligned with the logits.
+        key: The labels' key in each batch.
+        ignore_index: The loss's ``ignore_index``.
+
+    Returns:
+        The loader's batches as ``(inputs, targets)``, re-iterable.
+
+    Raises:
+        InvalidArgumentError: If ``shift`` is not a bool.
+    """
+    _check_shift(shift)
+    return SplitLabels(loader, shift=shift, key=key, ignore_index=ignore_index)
+
+
 def hide_broken_torchvision() -> bool:
     """Let ``transformers`` import beside a torchvision that cannot load.
 
@@ -137,6 +287,15 @@ def hide_broken_torchvision() -> bool:
     except ImportError:
         return False
     return False
+
+
+def _check_shift(shift: object) -> None:
+    """``shift`` is a bool: no truthy stand-ins for a choice without a default."""
+    if not isinstance(shift, bool):
+        raise InvalidArgumentError(
+            f"shift must be True (a causal language model's labels, shifted here) "
+            f"or False (labels aligned with the logits), got {shift!r}."
+        )
 
 
 def _summary(value: object) -> str:

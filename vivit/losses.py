@@ -14,12 +14,16 @@ Interface::
     check_loss_function(loss_func)               # before the forward pass
     curvature = LossCurvature(loss_func, output, targets)   # validates the targets
     curvature.normalization.reduction_factor(samples)       # R of the loss on samples
-    curvature.sqrt_hessian(samples, mc_samples, generator)  # √R_S · S_n
+    curvature.root(samples, mc_samples, generator, mc_per)  # √R_S · S_n, lazily
+    curvature.sqrt_hessian(samples, mc_samples, generator, mc_per)  # all at once
 
-``sqrt_hessian`` has BackPACK's layout ``[K, |S|, *output.shape[1:]]`` with
-``K = output[0].numel()`` (exact; for ``[N, C, *T]`` outputs entry ``c·T + t``) or
-``K = M`` (Monte Carlo). Its ``R_S`` is that of the same loss evaluated on the
-samples ``S`` alone, so the GGN of a subsampling is exact, and
+The root has BackPACK's layout ``[K, |S|, *output.shape[1:]]`` with
+``K = output[0].numel()`` (exact; for ``[N, C, *T]`` outputs entry ``c·T + t``,
+non-zero at position ``t`` only), ``K = M·T`` (Monte Carlo per token, entry
+``m·T + t``) or ``K = M`` (per sequence). :meth:`LossCurvature.root` forms a
+block of columns when sliced, never the whole root unless asked. Its ``R_S`` is
+that of the same loss evaluated on the samples ``S`` alone, so the GGN of a
+subsampling is exact, and
 ``L = R Σ_n ℓ_n`` holds with the per-sample losses ``ℓ_n`` of ``docs/math.rst``.
 :class:`LossNormalization` is the one place where ``R`` is computed.
 """
@@ -27,7 +31,7 @@ samples ``S`` alone, so the GGN of a subsampling is exact, and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,13 +204,35 @@ class LossCurvature:
         """The loss's reduction and per-sample weights."""
         return self._structure.normalization
 
-    def sqrt_hessian(
+    def columns_per_sample(self, mc_samples: int = 0, mc_per: str = "sequence") -> int:
+        """Columns of ``V`` per sample: ``K`` of :meth:`root`.
+
+        Args:
+            mc_samples: ``0`` (exact) or ``M``.
+            mc_per: ``"token"`` or ``"sequence"`` (see :meth:`root`).
+
+        Returns:
+            ``output[0].numel()`` (exact: ``C·P`` for cross-entropy on ``[N, C,
+            *T]``), ``M·P`` (cross-entropy, Monte Carlo per token) or ``M``.
+        """
+        if not mc_samples:
+            return self.output[0].numel()
+        return mc_samples * self._positions_per_draw(mc_per)
+
+    def _positions_per_draw(self, mc_per: str) -> int:
+        """``P`` if each position of a cross-entropy output draws its own column."""
+        if self._structure.kind == "ce" and mc_per == "token":
+            return self.output[0, 0].numel()
+        return 1
+
+    def root(
         self,
         samples: Sequence[int] | None = None,
         mc_samples: int = 0,
         generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """``√R_S · S_n`` for the samples ``S``: the start of the backward pass.
+        mc_per: str = "sequence",
+    ) -> LossRoot:
+        """``√R_S · S_n`` for the samples ``S``, column block by column block.
 
         Args:
             samples: Sample indices (``None``: all). ``R_S`` is that of the loss on
@@ -214,12 +240,16 @@ class LossCurvature:
             mc_samples: ``0`` for the exact root, else the number ``M`` of
                 Monte-Carlo samples per datum.
             generator: Random generator for the Monte-Carlo samples (``None``:
-                torch's global generator).
+                torch's global generator); drawn from here, once.
+            mc_per: With Monte Carlo on a cross-entropy output ``[N, C, *T]``:
+                ``"token"`` keeps each position's draw as its own column
+                (``M·P`` columns, entry ``m·P + p``), ``"sequence"`` one column
+                per draw over all positions (``M``). Other losses draw ``M``
+                columns either way (``docs/math.rst``, "Losses").
 
         Returns:
-            ``[K, |S|, *output.shape[1:]]`` with ``K = output[0].numel()`` (exact)
-            or ``M``; ``S_n S_nᵀ`` is the Hessian of ``ℓ_n`` w.r.t. the output
-            (exact) or an unbiased estimate of it.
+            The root ``[K, |S|, *output.shape[1:]]``; ``S_n S_nᵀ`` is the Hessian
+            of ``ℓ_n`` w.r.t. the output (exact) or an unbiased estimate of it.
         """
         structure = self._structure
         output, scale = self.output, structure.scale
@@ -228,12 +258,117 @@ class LossCurvature:
             output, scale = output[index.to(output.device)], scale[index]
         root_r = math.sqrt(structure.normalization.reduction_factor(samples))
         scale = scale.to(device=output.device, dtype=output.dtype)
-        if mc_samples:
-            unit = _sampled_unit_roots(structure.kind, output, mc_samples, generator)
-        else:
-            unit = _exact_unit_roots(structure.kind, output)
         positions = scale.unsqueeze(1) if structure.kind == "ce" else scale
-        return unit * (root_r * positions.sqrt()).unsqueeze(0)
+        factor = root_r * positions.sqrt()
+        if not mc_samples:
+            unit = _exact_columns(structure.kind, output)
+        else:
+            draws = _sampled_unit_roots(structure.kind, output, mc_samples, generator)
+            unit = (
+                _draw_columns(draws)
+                if self._positions_per_draw(mc_per) == 1
+                else _position_columns(draws)
+            )
+        num_columns = self.columns_per_sample(mc_samples, mc_per)
+        return LossRoot(unit, num_columns, output.shape, factor)
+
+    def sqrt_hessian(
+        self,
+        samples: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        generator: torch.Generator | None = None,
+        mc_per: str = "sequence",
+    ) -> Tensor:
+        """The whole root of :meth:`root` (same arguments) as one tensor.
+
+        Returns:
+            ``[K, |S|, *output.shape[1:]]``.
+        """
+        return self.root(samples, mc_samples, generator, mc_per)[:]
+
+
+#: Entries of the unit root formed at once (float64 for a float32 output) when
+#: many columns are asked for: 2**22, 32 MiB.
+ROOT_BLOCK_ENTRIES = 2**22
+
+
+class LossRoot:
+    """A loss-Hessian root ``[K, |S|, *out]``, formed a block of columns at a time.
+
+    The exact root of ``C·P`` columns per sample has each column non-zero at one
+    position only: indexing it with a slice of columns forms just those, so no
+    buffer of the whole root exists unless asked for (``root[:]``).
+
+    Args:
+        unit: ``(start, stop, rows) ↦`` unit-root columns ``start:stop`` of the
+            samples ``rows``, ``[stop - start, len(rows), *out]``.
+        num_columns: ``K``.
+        samples_shape: ``[|S|, *out]``.
+        factor: ``√R_S`` times the positions' scales, ``[|S|, ...]``
+            broadcasting to ``samples_shape``.
+        rows: The samples (of ``S``) this root holds: all, or an index.
+    """
+
+    def __init__(
+        self,
+        unit: _Columns,
+        num_columns: int,
+        samples_shape: torch.Size,
+        factor: Tensor,
+        rows: slice | Tensor = slice(None),
+    ):
+        self._unit = unit
+        self._factor = factor
+        self._rows = rows
+        num_rows = (
+            len(range(samples_shape[0])[rows]) if isinstance(rows, slice) else len(rows)
+        )
+        self.shape = torch.Size((num_columns, num_rows, *samples_shape[1:]))
+        self._samples_shape = samples_shape
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the columns are formed."""
+        return self._factor.device
+
+    def rows(self, index: Tensor) -> LossRoot:
+        """The root of some of its samples.
+
+        Args:
+            index: Positions in ``S`` (a long tensor).
+
+        Returns:
+            Their root ``[K, len(index), *out]``, formed as lazily.
+        """
+        return LossRoot(self._unit, len(self), self._samples_shape, self._factor, index)
+
+    def __getitem__(self, columns: slice) -> Tensor:
+        """Columns ``columns`` (a slice with step 1), ``[len, |S|, *out]``."""
+        start, stop, step = columns.indices(len(self))
+        if step != 1:
+            raise InvalidArgumentError(
+                f"A loss root is indexed by consecutive columns, got step {step}."
+            )
+        stop = max(start, stop)
+        factor = self._factor[self._rows].unsqueeze(0)
+        per_column = max(1, self.shape[1:].numel())
+        step = max(1, ROOT_BLOCK_ENTRIES // per_column)
+        if stop - start <= step:
+            return self._unit(start, stop, self._rows) * factor
+        # many columns (BackPACK takes them all): the float64 unit root of one
+        # block of columns at a time, written into the result
+        root = factor.new_empty(stop - start, *self.shape[1:])
+        for first in range(start, stop, step):
+            last = min(stop, first + step)
+            torch.mul(
+                self._unit(first, last, self._rows),
+                factor,
+                out=root[first - start : last - start],
+            )
+        return root
 
 
 # ----------------------------------------------------------------------------------
@@ -384,6 +519,7 @@ def _cross_entropy(
             f"{tuple(targets.shape)} for a model output of shape "
             f"{tuple(output.shape)}; expected {expected} (or probability targets "
             f"of shape {tuple(output.shape)}).{_flattened_positions(output, targets)}"
+            f"{_classes_last(output, targets)}"
         )
     y = targets.cpu().long()
     counted = y != loss_func.ignore_index
@@ -436,19 +572,33 @@ def _flattened_positions(output: Tensor, targets: Tensor) -> str:
     )
 
 
+def _classes_last(output: Tensor, targets: Tensor) -> str:
+    """Advice for logits ``[N, *T, C]`` (Hugging Face's) of targets ``[N, *T]``."""
+    if output.dim() < 3 or tuple(targets.shape) != tuple(output.shape[:-1]):
+        return ""
+    return (
+        " The output looks like logits with the classes on the last axis, as "
+        "Hugging Face models return them: move them to dim 1 with "
+        "output=vivit.huggingface.token_logits (or logits.movedim(-1, 1))."
+    )
+
+
 # ----------------------------------------------------------------------------------
 # Unit roots: S with S Sᵀ the Hessian of the unit loss at every position
 # ----------------------------------------------------------------------------------
 
 
-def _diagonal_roots(values: Tensor) -> Tensor:
-    """``[E, N, *out]`` with ``values[n, e]`` at ``(e, n, e)``."""
-    flat = values.reshape(values.shape[0], -1)
-    return torch.diag_embed(flat).transpose(0, 1).reshape(flat.shape[1], *values.shape)
+#: ``(start, stop, rows) ↦`` columns ``start:stop`` of a unit root for the samples
+#: ``rows``, ``[stop - start, len(rows), *out]``.
+_Columns = Callable[[int, int, "slice | Tensor"], Tensor]
 
 
-def _exact_unit_roots(kind: str, output: Tensor) -> Tensor:
-    """Exact unit roots in BackPACK's layout ``[K, N, *out]``.
+def _exact_columns(kind: str, output: Tensor) -> _Columns:
+    """Columns of the exact unit root, BackPACK's layout ``[K, N, *out]``.
+
+    Each column is non-zero at one position: for the elementwise losses column
+    ``k`` at output entry ``k``, for cross-entropy column ``c·P + p`` at position
+    ``p`` (``diag(√p) - p √pᵀ`` there). Only the requested columns are formed.
 
     Computed in float64 and rounded once to the output's dtype: a float32 softmax
     root has absolute errors of about ``ε₃₂``, which break its exact null space
@@ -456,26 +606,77 @@ def _exact_unit_roots(kind: str, output: Tensor) -> Tensor:
     Gram matrix is accumulated in float64 (``docs/math.rst``, "Precision and the
     numerical zero").
     """
-    if kind == "mse":
-        return _diagonal_roots(torch.ones_like(output))
-    if output.dtype == torch.float32:
-        return _exact_unit_roots(kind, output.double()).to(output.dtype)
+    wide = output.double() if output.dtype == torch.float32 else output
+    if kind == "ce":
+        probs = wide.softmax(1)
+        return _softmax_columns(probs.reshape(*probs.shape[:2], -1), output)
     if kind == "bce":
-        sigma = output.sigmoid()
-        return _diagonal_roots((sigma * (1 - sigma)).sqrt())
-    # softmax: S = diag(√p) - p √pᵀ per position, block-diagonal over positions
-    num_samples, num_classes = output.shape[:2]
-    probs = output.softmax(1).reshape(num_samples, num_classes, -1)  # [N, C, P]
+        sigma = wide.sigmoid()
+        return _diagonal_columns((sigma * (1 - sigma)).sqrt().flatten(1), output)
+    return _diagonal_columns(torch.ones_like(wide).flatten(1), output)
+
+
+def _diagonal_columns(values: Tensor, output: Tensor) -> _Columns:
+    """Columns ``k`` of ``values [N, E]`` at entry ``k``, in the output's dtype."""
+
+    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
+        index = torch.arange(start, stop, device=values.device)
+        picked = values[rows]
+        unit = picked.new_zeros(stop - start, *picked.shape)
+        unit[index - start, :, index] = picked[:, index].T
+        return unit.reshape(stop - start, len(picked), *output.shape[1:]).to(
+            output.dtype
+        )
+
+    return columns
+
+
+def _softmax_columns(probs: Tensor, output: Tensor) -> _Columns:
+    """Columns ``v·P + p`` of ``diag(√p) - p √pᵀ`` per position, ``probs [N, C, P]``.
+
+    Column ``v·P + p`` holds ``√p_c δ_vc - p_c √p_v`` at position ``p``, zeros
+    elsewhere.
+    """
     positions = probs.shape[2]
-    tau = probs.sqrt()
-    eye = torch.eye(num_classes, dtype=output.dtype, device=output.device)
-    # block[v, n, c, p] = √p_c δ_vc - p_c √p_v
-    block = torch.einsum("ncp,vc->vncp", tau, eye) - torch.einsum(
-        "ncp,nvp->vncp", probs, tau
-    )
-    diag = torch.eye(positions, dtype=output.dtype, device=output.device)
-    full = torch.einsum("vncp,tp->vtncp", block, diag)
-    return full.reshape(num_classes * positions, *output.shape)
+
+    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
+        index = torch.arange(start, stop, device=probs.device)
+        v, p = index // positions, index % positions
+        picked = probs[rows]
+        tau = picked.sqrt()
+        block = -picked[:, :, p] * tau[:, v, p].unsqueeze(1)  # [N, C, k]
+        block[:, v, index - start] += tau[:, v, p]
+        unit = picked.new_zeros(stop - start, *picked.shape)
+        unit[index - start, :, :, p] = block.permute(2, 0, 1)
+        return unit.reshape(stop - start, len(picked), *output.shape[1:]).to(
+            output.dtype
+        )
+
+    return columns
+
+
+def _draw_columns(draws: Tensor) -> _Columns:
+    """Columns of Monte-Carlo draws ``[M, N, *out]`` as they are."""
+    return lambda start, stop, rows: draws[start:stop, rows]
+
+
+def _position_columns(draws: Tensor) -> _Columns:
+    """Columns ``m·P + p``: draw ``m`` at position ``p`` alone, zeros elsewhere.
+
+    ``draws`` is ``[M, N, C, *T]`` (cross-entropy, ``P = T₁⋯T_k`` positions).
+    """
+    flat = draws.reshape(*draws.shape[:3], -1)  # [M, N, C, P]
+    positions = flat.shape[3]
+
+    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
+        index = torch.arange(start, stop, device=draws.device)
+        m, p = index // positions, index % positions
+        picked = flat[:, rows]
+        unit = picked.new_zeros(stop - start, *picked.shape[1:])
+        unit[index - start, :, :, p] = picked[m, :, :, p]
+        return unit.reshape(stop - start, picked.shape[1], *draws.shape[2:])
+
+    return columns
 
 
 def _sampled_unit_roots(

@@ -14,8 +14,9 @@ from vivit.distributed import ShardExchange, local_module, resolve_group
 from vivit.engines.base import Engine, OutputSelector
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
-from vivit.sources.collector import GroupCurvature
+from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.implicit import ImplicitFactors
+from vivit.sources.route import RouteChoice, choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+            mc_per: As for :class:`~vivit.options.CurvatureOptions`.
         subsampling: As for :class:`~vivit.options.CurvatureOptions`.
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
@@ -84,6 +86,10 @@ class LowRankGGN(CurvatureResults):
             the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
             (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
+        route: The route that ran and why (:class:`~vivit.sources.route.
+            RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
+            (GGN-vector products), which ``solver="auto"`` chooses for a
+            mini-batch by memory and cost (:mod:`vivit.sources.route`).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -103,6 +109,7 @@ class LowRankGGN(CurvatureResults):
         *,
         param_groups: Sequence[Sequence[Parameter]] | None = None,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
@@ -125,6 +132,7 @@ class LowRankGGN(CurvatureResults):
             group,
             lambda: CurvatureOptions(
                 mc_samples=mc_samples,
+                mc_per=mc_per,
                 subsampling=subsampling,
                 generator=generator,
                 gram_dtype=gram_dtype,
@@ -185,24 +193,30 @@ class LowRankGGN(CurvatureResults):
         with ShardExchange(group) as shards:
             check_grad_mode("LowRankGGN")
             checked = options()
-            if checked.solver == "implicit":  # no engine, no V: G v by JVP and VJP
-                source = ImplicitFactors(
-                    local_module(model), loss_func, data, param_groups, checked
-                )
+            module = local_module(model)
+            groups, _ = checked_param_groups(module, loss_func, param_groups)
+            route = choose_route(module, loss_func, data, groups, checked)
+            if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
+                checked = checked.replace(solver="implicit")
+                source = ImplicitFactors(module, loss_func, data, groups, checked)
             else:
                 source = StoredFactors.run(
-                    local_module(model), loss_func, data, param_groups, checked, shards
+                    module, loss_func, data, groups, checked, shards
                 )
-        self._init(source, checked)
+        self._init(source, checked, route)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""
         return self._source.group(group).curvature
 
     def _init(
-        self, source: StoredFactors | ImplicitFactors, options: CurvatureOptions
+        self,
+        source: StoredFactors | ImplicitFactors,
+        options: CurvatureOptions,
+        route: RouteChoice,
     ) -> None:
         super().__init__(source, options)
+        self.route = route
         self.shards = source.shards
         self.communication = source.communication
 
@@ -213,6 +227,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Sequence[Sequence[Parameter]],
         *,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
@@ -232,6 +247,7 @@ class LowRankGGN(CurvatureResults):
             loss: The mini-batch loss, or a function that computes it.
             param_groups: Lists of parameters, one GGN block each.
             mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
+            mc_per: As for :class:`~vivit.options.CurvatureOptions`.
             subsampling: As for :class:`~vivit.options.CurvatureOptions`.
             generator: As for :class:`~vivit.options.CurvatureOptions`.
             gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
@@ -249,6 +265,7 @@ class LowRankGGN(CurvatureResults):
         check_grad_mode("LowRankGGN.from_loss")
         options = CurvatureOptions(
             mc_samples=mc_samples,
+            mc_per=mc_per,
             subsampling=subsampling,
             generator=generator,
             gram_dtype=gram_dtype,
@@ -281,5 +298,5 @@ class LowRankGGN(CurvatureResults):
 
         source = StoredFactors.from_loss(loss, param_groups, options, BackpackEngine())
         ggn = cls.__new__(cls)
-        ggn._init(source, options)
+        ggn._init(source, options, RouteChoice("gram", "from_loss: BackPACK's factors"))
         return ggn

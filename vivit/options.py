@@ -25,6 +25,7 @@ from vivit._validation import (
     check_chunk_size,
     check_generator,
     check_max_batches,
+    check_mc_per,
     check_mc_samples,
     check_progress,
     check_subsampling,
@@ -53,7 +54,21 @@ class CurvatureOptions:
     Attributes:
         mc_samples: ``0`` for the exact GGN; ``M > 0`` for its unbiased
             Monte-Carlo estimate with ``M`` samples per datum (``N·M`` instead of
-            ``N·C`` Gram rows).
+            ``N·C`` Gram rows; for a cross-entropy output ``[N, C, *T]``,
+            ``N·C·T`` exact and ``N·M·T`` or ``N·M`` with ``mc_per``).
+        mc_per: What one Monte-Carlo draw of a cross-entropy output ``[N, C,
+            *T]`` (a sequence of ``T = T₁⋯T_k`` positions) becomes: ``"token"``
+            (default) one column per position, ``N·M·T`` Gram rows; ``"sequence"``
+            one column per sample over all its positions, ``N·M``. Both are
+            unbiased; per token the positions' draws enter as separate columns,
+            so the estimate lacks the zero-mean cross terms between positions
+            that a column per sequence carries: its variance is never larger
+            (``docs/math.rst``, "Monte Carlo on sequences"), and a batch of a
+            few sequences still has a Gram matrix of rank up to ``N·M·T``
+            instead of ``N·M``. It is still ``C`` times smaller than the exact
+            ``N·C·T``. Without extra axes (``[N, C]``) and for ``MSELoss`` and
+            ``BCEWithLogitsLoss`` (which draw over all output entries at once)
+            both give the same ``N·M`` columns.
         subsampling: Indices of the samples whose curvature is used (``None``:
             all). The GGN is then that of the same loss on those samples alone.
             Not with a data loader (pass a loader over the samples instead).
@@ -78,14 +93,16 @@ class CurvatureOptions:
             ``gram_dtype``; parameter-space results (eigenvectors, steps, the
             gradient) in the parameters' dtype.
         solver: Default eigensolver for a few leading eigenpairs (``top_k``):
-            ``"auto"`` (chosen by a cost model, see :mod:`vivit.linalg.top_k`),
-            ``"dense"`` (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov
-            on the Gram matrix) or ``"matrix_free"`` (block Krylov on products
-            with ``V``; the Gram matrix is never formed) or ``"implicit"``
-            (:class:`~vivit.LowRankGGN` only, chosen at construction: no engine
-            runs and no ``V`` exists; block Krylov on ``G v = Jᵀ H J v`` by a JVP
-            and a VJP through the model, ``docs/math.rst``, "Implicit
-            GGN-vector products"; ``"auto"`` never picks it). Every method that takes
+            ``"auto"`` (chosen by cost models: for a mini-batch, the route at
+            construction, :mod:`vivit.sources.route`; then the Gram-space
+            solver, :mod:`vivit.linalg.top_k`), ``"dense"`` (LAPACK on the Gram
+            matrix), ``"iterative"`` (block Krylov on the Gram matrix),
+            ``"matrix_free"`` (block Krylov on products with ``V``; the Gram
+            matrix is never formed) or ``"implicit"`` (:class:`~vivit.LowRankGGN`
+            only, chosen at construction: no engine runs and no ``V`` exists;
+            block Krylov on ``G v = Jᵀ H J v`` by a JVP and a VJP through the
+            model, ``docs/math.rst``, "Implicit GGN-vector products" and
+            "Choosing the route"). Every method that takes
             ``top_k`` also takes ``solver`` to override it. Requests for all
             eigenpairs (``top_k=None``, :meth:`~vivit.LowRankGGN.eigvalsh`)
             always decompose the Gram matrix densely.
@@ -165,6 +182,7 @@ class CurvatureOptions:
     """
 
     mc_samples: int = 0
+    mc_per: str = "token"
     subsampling: Sequence[int] | None = None
     generator: torch.Generator | None = None
     gram_dtype: torch.dtype | None = None
@@ -189,6 +207,7 @@ class CurvatureOptions:
         )
         check_gram_dtype(self.gram_dtype)
         check_mc_samples(self.mc_samples)
+        check_mc_per(self.mc_per)
         check_generator(self.generator)
         check_engine(self.engine)
         check_progress(self.progress)

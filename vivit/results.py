@@ -14,6 +14,9 @@ parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs",
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +36,7 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.errors import FewerEigenpairsWarning
 from vivit.gram.memory import dense_workspace_bytes, itemsize
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator, GramSpaceProducts
@@ -203,6 +207,8 @@ class CurvatureResults:
         gram = source.formed_gram()
         trace = None if gram is None else gram.trace().item()
         keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
+        if top_k is not None and len(keep) < top_k:
+            warn_fewer_eigenpairs(top_k, len(keep), source.num_rows, self._options)
         evals, evecs = evals[keep], evecs[:, keep]
         if full and top_k is not None:  # leading pairs of the full decomposition
             key = (group, evals.numel(), solver)
@@ -554,3 +560,54 @@ class CurvatureResults:
             tol=tol,
             seed=seed,
         ).step
+
+
+def warn_fewer_eigenpairs(
+    top_k: int, found: int, rows: int, options: CurvatureOptions
+) -> None:
+    """Warn that ``found < top_k`` eigenpairs are returned, and say why.
+
+    Args:
+        top_k: The pairs asked for.
+        found: The numerically non-zero pairs there are.
+        rows: The Gram matrix's side.
+        options: The request's options (Monte Carlo explains a small side).
+    """
+    if rows < top_k:
+        why = (
+            f"the Gram matrix has only {rows} rows (N·C, N·C·T for sequences of T "
+            "positions"
+        )
+        if options.mc_samples and options.mc_per == "sequence":
+            why += (
+                "; here Monte Carlo per sequence keeps N·M: mc_per='token' keeps N·M·T"
+            )
+        elif options.mc_samples:
+            why += "; here Monte Carlo keeps N·M, N·M·T per token"
+        why += ")"
+    else:
+        why = (
+            f"{rows - found} of the Gram matrix's {rows} eigenvalues are numerical "
+            "zeros (at or below the tolerance of docs/math.rst, 'Precision and the "
+            "numerical zero'; cross-entropy's GGN has rank at most N·(C - 1), "
+            "N·(C - 1)·T on sequences)"
+        )
+    warnings.warn(
+        f"top_k={top_k} eigenpairs were asked for, but only {found} exist: {why}. "
+        f"The {found} that exist are returned.",
+        FewerEigenpairsWarning,
+        stacklevel=_outside_the_package(),
+    )
+
+
+def _outside_the_package() -> int:
+    """``stacklevel`` of the first caller outside ``vivit`` (of the warning's caller).
+
+    The results reach the eigenpairs through calls of different depths (``eigh``,
+    ``directional_derivatives``, ``newton_step``, the compat classes).
+    """
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

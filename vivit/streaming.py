@@ -72,6 +72,7 @@ class StreamingGGN(CurvatureResults):
         mc_samples: As for :class:`~vivit.options.CurvatureOptions`; block ``b`` draws
             the same samples in every pass (and the same as ``LowRankGGN`` over the
             loader with the same ``generator`` and ``chunk_size``).
+        mc_per: As for :class:`~vivit.options.CurvatureOptions`.
         subsampling: Refused (a stream covers every sample of its loader: pass
             a loader over the samples whose curvature you want).
         generator: As for :class:`~vivit.options.CurvatureOptions`.
@@ -114,6 +115,7 @@ class StreamingGGN(CurvatureResults):
         *,
         param_groups: Sequence[Sequence[Parameter]] | None = None,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
@@ -130,6 +132,7 @@ class StreamingGGN(CurvatureResults):
         check_grad_mode("StreamingGGN")
         options = CurvatureOptions(
             mc_samples=mc_samples,
+            mc_per=mc_per,
             subsampling=subsampling,
             generator=generator,
             gram_dtype=gram_dtype,

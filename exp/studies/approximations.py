@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     metrics = evaluate_splits(model, loss_func, data)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
-    inputs, targets = data.train_inputs[batch], data.train_targets[batch]
+    inputs, targets = data.train_batch(batch)
     num_samples = len(targets)
     subsample_size = min(args.subsample_size or max(1, num_samples // 2), num_samples)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -25,7 +25,12 @@ DATA_HELP = (
     "per position [N, *T] for a model with outputs [N, C, *T] (e.g. a char-LSTM on "
     "integer token inputs [N, T]). The built-in models adapt to the input shape "
     "(cnn needs [channels, height, width] with height, width >= 4; transformer "
-    "needs sequences [T, features]; char-lstm integer tokens [T] and targets [N, T])."
+    "needs sequences [T, features]; char-lstm integer tokens [T] and targets [N, T]). "
+    "A file without 'inputs' holds the model's keyword inputs instead, every array "
+    "but 'targets' passed as model(**inputs) (a Hugging Face model's 'input_ids', "
+    "'attention_mask', 'pixel_values'); without 'targets' they are the next tokens "
+    "of 'input_ids' (a causal language model; padding, attention_mask 0, ignored). "
+    "Targets of -100 are ignored by the loss."
 )
 
 MODEL_HELP = (
@@ -36,8 +41,19 @@ MODEL_HELP = (
     "'MODULE:FACTORY' with MODULE an importable module (from the current directory) "
     "or a path to a '.py' file and FACTORY a callable without arguments that returns "
     "a torch.nn.Module mapping inputs [N, *shape] to logits [N, C] (or [N, C, *T] "
-    "for per-position targets). A custom forward (e.g. residual blocks) needs no "
-    "backpack.extend: either engine handles it."
+    "for per-position targets), or a Hugging Face model with --output-field "
+    "(built from a config, e.g. GPT2LMHeadModel(GPT2Config(...))). A custom "
+    "forward (e.g. residual blocks) needs no backpack.extend: either engine handles "
+    "it."
+)
+
+OUTPUT_FIELD_HELP = (
+    "For a --model that returns a structured output (a Hugging Face ModelOutput, a "
+    "dict): the field holding the logits, e.g. 'logits'. Its classes are on the last "
+    "axis (Hugging Face's convention) and are moved to dim 1: logits [N, C] of a "
+    "sequence or image classifier stay as they are, per-token logits [N, T, C] of a "
+    "language model or token classifier become [N, C, T] for targets [N, T] (as "
+    "vivit.huggingface.token_logits does)."
 )
 
 ENGINE_HELP = (
@@ -193,6 +209,7 @@ def base_parser(study: str, description: str) -> argparse.ArgumentParser:
         help="A state_dict (torch.save(model.state_dict(), FILE)) to load into the "
         "model before the study; it must match --model exactly.",
     )
+    data.add_argument("--output-field", default=None, help=OUTPUT_FIELD_HELP)
     data.add_argument("--data", type=Path, default=None, help=DATA_HELP)
     data.add_argument(
         "--engine",

@@ -112,15 +112,21 @@ def prepare(args: Namespace, study: str) -> Setup:
     device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
     torch.manual_seed(args.seed)
     data = load_dataset(args.data, args.test_fraction, args.seed)
-    model = models.build_model(args.model, data.input_shape, data.num_classes)
-    if not data.train_inputs.is_floating_point() and not models.takes_tokens(model):
+    model = models.build_model(args.model, data)
+    if (
+        not data.keyword_inputs
+        and not data.train_inputs.is_floating_point()
+        and not models.takes_tokens(model)
+    ):
         data = data.as_float()
     if args.checkpoint is not None:
         models.load_checkpoint(model, args.checkpoint, args.model)
+    model = models.with_output_field(model, args.model, args.output_field)
     model = model.to(device, dtype)
     data = data.to(device, dtype)
+    sample, _ = data.train_batch(slice(0, 2))
     num_outputs = models.check_model_fits(
-        model, data.train_inputs[:2], data.num_classes, data.train_targets.shape[1:]
+        model, sample, data.num_classes, data.train_targets.shape[1:]
     )
     data = replace(data, num_classes=num_outputs)
     loss_func = loss_function()

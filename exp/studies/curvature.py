@@ -19,6 +19,7 @@ from vivit import (
     SampleCouplingError,
     UnsupportedLayerError,
 )
+from vivit.model_inputs import ModelInputs, take_samples
 
 
 def loss_function() -> nn.Module:
@@ -89,7 +90,7 @@ def engine_errors(what: str) -> Iterator[None]:
 def low_rank_ggn(
     model: nn.Module,
     loss_func: nn.Module,
-    data: tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]],
+    data: tuple[ModelInputs, Tensor] | Iterable[tuple[ModelInputs, Tensor]],
     what: str = "Computing the GGN",
     engine: str = "auto",
     **kwargs,
@@ -116,7 +117,7 @@ def low_rank_ggn(
 def check_supported(
     model: nn.Module,
     loss_func: nn.Module,
-    inputs: Tensor,
+    inputs: ModelInputs,
     targets: Tensor,
     engine: str = "auto",
 ) -> None:
@@ -128,7 +129,7 @@ def check_supported(
     Args:
         model: The model.
         loss_func: The extended loss function.
-        inputs: At least two inputs.
+        inputs: At least two inputs (a tensor or a dict of tensors).
         targets: Their labels.
         engine: ``--engine``.
 
@@ -137,7 +138,8 @@ def check_supported(
     """
     probe = copy.deepcopy(model)
     what = "Checking that vivit supports the model"
-    ggn = low_rank_ggn(probe, loss_func, (inputs[:2], targets[:2]), what, engine)
+    batch = (take_samples(inputs, slice(0, 2)), targets[:2])
+    ggn = low_rank_ggn(probe, loss_func, batch, what, engine)
     with engine_errors(what):
         ggn.eigvalsh()
         ggn.directional_derivatives(top_k=1)

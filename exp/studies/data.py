@@ -1,7 +1,14 @@
-"""Data for the studies: the bundled digits, user files, splits and batches."""
+"""Data for the studies: the bundled digits, user files, splits and batches.
+
+Inputs are one tensor ``[N, *shape]`` or, for models called with keyword
+arguments (Hugging Face models), a dict of tensors with the samples along their
+first axis (``input_ids``, ``attention_mask``, ``pixel_values``; see
+:mod:`vivit.model_inputs`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -10,6 +17,8 @@ import torch
 from torch import Tensor
 
 from studies.errors import StudyError
+from vivit.huggingface import IGNORE_INDEX, causal_lm_targets
+from vivit.model_inputs import ModelInputs, map_inputs, take_samples
 
 DIGITS = "scikit-learn digits (8x8, 10 classes)"
 
@@ -19,25 +28,72 @@ class Dataset:
     """A classification data set split into training and test samples.
 
     Attributes:
-        train_inputs: ``[N_train, *shape]`` inputs: floating point, or int64 tokens.
-        train_targets: ``[N_train]`` or ``[N_train, *T]`` class indices (int64).
-        test_inputs: ``[N_test, *shape]`` floating-point inputs.
-        test_targets: ``[N_test]`` class indices (int64).
+        train_inputs: ``[N_train, *shape]`` inputs (floating point, or int64
+            tokens), or a dict of such tensors, the model's keyword arguments.
+        train_targets: ``[N_train]`` or ``[N_train, *T]`` class indices (int64;
+            :data:`~vivit.huggingface.IGNORE_INDEX` marks a position the loss
+            skips).
+        test_inputs: The held-out inputs, as ``train_inputs``.
+        test_targets: Their class indices.
         num_classes: Number of classes ``C`` (largest label + 1).
         source: Where the data came from, for the report.
     """
 
-    train_inputs: Tensor
+    train_inputs: ModelInputs
     train_targets: Tensor
-    test_inputs: Tensor
+    test_inputs: ModelInputs
     test_targets: Tensor
     num_classes: int
     source: str
 
     @property
+    def keyword_inputs(self) -> bool:
+        """Whether the inputs are a dict, passed as ``model(**inputs)``."""
+        return isinstance(self.train_inputs, Mapping)
+
+    @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one input sample."""
+        """Shape of one input sample (of one input tensor).
+
+        Raises:
+            StudyError: For a dict of inputs, which have no single shape.
+        """
+        if self.keyword_inputs:
+            raise StudyError(
+                f"The built-in models take one input tensor, but the data hold the "
+                f"model's keyword inputs {list(self.train_inputs)}: pass your model "
+                "with --model MODULE:FACTORY (and --output-field for a Hugging Face "
+                "model)."
+            )
         return tuple(self.train_inputs.shape[1:])
+
+    def train_batch(self, index: Tensor | slice) -> tuple[ModelInputs, Tensor]:
+        """Some training samples.
+
+        Args:
+            index: Indices (or a slice) into the training set.
+
+        Returns:
+            Their inputs and targets.
+        """
+        return take_samples(self.train_inputs, index), self.train_targets[index]
+
+    def test_batches(self, batch_size: int) -> list[tuple[ModelInputs, Tensor]]:
+        """The held-out samples in order, in batches (the last may be smaller).
+
+        Args:
+            batch_size: Samples per batch.
+
+        Returns:
+            ``(inputs, targets)`` of every batch.
+        """
+        return [
+            (
+                take_samples(self.test_inputs, slice(start, start + batch_size)),
+                self.test_targets[start : start + batch_size],
+            )
+            for start in range(0, len(self.test_targets), batch_size)
+        ]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> Dataset:
         """Move the data to a device and cast the inputs.
@@ -57,9 +113,9 @@ class Dataset:
 
         return replace(
             self,
-            train_inputs=move(self.train_inputs),
+            train_inputs=map_inputs(self.train_inputs, move),
             train_targets=self.train_targets.to(device),
-            test_inputs=move(self.test_inputs),
+            test_inputs=map_inputs(self.test_inputs, move),
             test_targets=self.test_targets.to(device),
         )
 
@@ -81,11 +137,17 @@ class Dataset:
         Returns:
             Source, sizes, input shape and number of classes.
         """
+        if self.keyword_inputs:
+            shape = {
+                key: list(value.shape[1:]) for key, value in self.train_inputs.items()
+            }
+        else:
+            shape = list(self.input_shape)
         return {
             "source": self.source,
             "num_train": len(self.train_targets),
             "num_test": len(self.test_targets),
-            "input_shape": list(self.input_shape),
+            "input_shape": shape,
             "num_classes": self.num_classes,
         }
 
@@ -111,14 +173,19 @@ def digits() -> tuple[Tensor, Tensor]:
     return inputs, torch.as_tensor(bunch.target, dtype=torch.int64)
 
 
-def read_data_file(path: Path) -> tuple[Tensor, Tensor]:
-    """Read ``inputs`` and ``targets`` from a ``.pt`` or ``.npz`` file.
+def read_data_file(path: Path) -> tuple[ModelInputs, Tensor | None]:
+    """Read the inputs and targets of a ``.pt`` or ``.npz`` file.
+
+    The inputs are the array ``inputs``, or, without it, every array other than
+    ``targets``: the model's keyword inputs (``input_ids``, ``attention_mask``,
+    ``pixel_values``, ...). ``targets`` may be absent only for such inputs.
 
     Args:
         path: The file.
 
     Returns:
-        Inputs and targets as tensors, unchecked.
+        Inputs (a tensor or a dict of tensors) and targets (``None`` if absent),
+        unchecked.
 
     Raises:
         StudyError: If the file is missing, unreadable or lacks the keys.
@@ -149,25 +216,78 @@ def read_data_file(path: Path) -> tuple[Tensor, Tensor]:
             "{'inputs': ..., 'targets': ...}) or '.npz' (numpy.savez(FILE, "
             "inputs=..., targets=...))."
         )
-    if not isinstance(content, dict) or not {"inputs", "targets"} <= set(content):
+    keyword = isinstance(content, dict) and "inputs" not in content
+    names = set(content) - {"targets"} if isinstance(content, dict) else set()
+    if not names or not (keyword or "targets" in content):
         found = sorted(content) if isinstance(content, dict) else type(content).__name__
         raise StudyError(
-            f"--data {path} must hold 'inputs' and 'targets' (found: {found})."
+            f"--data {path} must hold 'inputs' and 'targets', or the model's keyword "
+            "inputs (e.g. 'input_ids' and 'attention_mask') with optional 'targets' "
+            f"(found: {found})."
         )
     try:
-        return torch.as_tensor(content["inputs"]), torch.as_tensor(content["targets"])
+        arrays = {key: torch.as_tensor(value) for key, value in content.items()}
     except (TypeError, ValueError, RuntimeError) as error:
         raise StudyError(
-            f"--data {path}: 'inputs' and 'targets' must be arrays: {error}"
+            f"--data {path}: every entry must be an array: {error}"
         ) from None
+    targets = arrays.pop("targets", None)
+    return (arrays if keyword else arrays["inputs"]), targets
 
 
-def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, Tensor]:
+def next_token_targets(inputs: ModelInputs, source: str) -> Tensor:
+    """The targets of a causal language model: each position's next token.
+
+    Args:
+        inputs: Keyword inputs with ``input_ids`` (and ``attention_mask``).
+        source: Name of the data for the messages.
+
+    Returns:
+        :func:`vivit.huggingface.causal_lm_targets` of the inputs: padding and
+        the last position are :data:`~vivit.huggingface.IGNORE_INDEX`.
+
+    Raises:
+        StudyError: If there are no token ids to predict.
+    """
+    if not isinstance(inputs, Mapping) or "input_ids" not in inputs:
+        found = list(inputs) if isinstance(inputs, Mapping) else "inputs"
+        raise StudyError(
+            f"{source} has no 'targets' (found {found}): give 'inputs' and 'targets', "
+            "or the model's keyword inputs with 'targets' (one class index per "
+            "sample [N] or per position [N, T]), or with 'input_ids' and no "
+            "'targets' (the next tokens are the targets, as for a causal language "
+            "model)."
+        )
+    return causal_lm_targets(inputs["input_ids"], inputs.get("attention_mask"))
+
+
+def _check_input_tensor(inputs: Tensor, name: str, source: str) -> Tensor:
+    """One input tensor: at least two axes, finite numbers; float32 or int64."""
+    if inputs.ndim < 2:
+        raise StudyError(
+            f"{source}: '{name}' must have shape [N, *sample_shape] with at least "
+            f"two axes, got shape {list(inputs.shape)}."
+        )
+    if not (inputs.is_floating_point() or inputs.dtype in _INTEGER_DTYPES):
+        raise StudyError(f"{source}: '{name}' must be numbers, got {inputs.dtype}.")
+    if inputs.is_floating_point():
+        inputs = inputs.to(torch.float32)
+    else:
+        inputs = inputs.to(torch.int64)
+    if not inputs.isfinite().all():
+        raise StudyError(f"{source}: '{name}' contain NaN or infinite values.")
+    return inputs
+
+
+def check_arrays(
+    inputs: ModelInputs, targets: Tensor, source: str
+) -> tuple[ModelInputs, Tensor]:
     """Check shapes, types and the label range of a classification data set.
 
     Args:
-        inputs: ``[N, *shape]`` inputs.
-        targets: ``[N]`` class indices, or ``[N, *T]`` one per position.
+        inputs: ``[N, *shape]`` inputs, or a dict of them (keyword inputs).
+        targets: ``[N]`` class indices, or ``[N, *T]`` one per position;
+            :data:`~vivit.huggingface.IGNORE_INDEX` marks a skipped position.
         source: Name of the data for the messages.
 
     Returns:
@@ -176,16 +296,24 @@ def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, 
     Raises:
         StudyError: If the data cannot be used for classification.
     """
-    if inputs.ndim < 2:
+    if isinstance(inputs, Mapping):
+        inputs = {
+            key: _check_input_tensor(value, key, source)
+            for key, value in inputs.items()
+        }
+        sizes = {key: value.shape[0] for key, value in inputs.items()}
+        if len(set(sizes.values())) != 1:
+            raise StudyError(
+                f"{source}: the inputs differ in their number of samples (first "
+                f"axis): {sizes}."
+            )
+        num_samples = next(iter(sizes.values()))
+    else:
+        inputs = _check_input_tensor(inputs, "inputs", source)
+        num_samples = inputs.shape[0]
+    if targets.ndim < 1 or targets.shape[0] != num_samples:
         raise StudyError(
-            f"{source}: 'inputs' must have shape [N, *sample_shape] with at least "
-            f"two axes, got shape {list(inputs.shape)}."
-        )
-    if not (inputs.is_floating_point() or inputs.dtype in _INTEGER_DTYPES):
-        raise StudyError(f"{source}: 'inputs' must be numbers, got {inputs.dtype}.")
-    if targets.ndim < 1 or targets.shape[0] != inputs.shape[0]:
-        raise StudyError(
-            f"{source}: 'targets' must have shape [N] = [{inputs.shape[0]}] (one class "
+            f"{source}: 'targets' must have shape [N] = [{num_samples}] (one class "
             f"index per input) or [N, *T] (one per position), got shape "
             f"{list(targets.shape)}."
         )
@@ -193,19 +321,19 @@ def check_arrays(inputs: Tensor, targets: Tensor, source: str) -> tuple[Tensor, 
         raise StudyError(
             f"{source}: 'targets' must be integer class indices, got {targets.dtype}."
         )
-    if inputs.shape[0] < 4:
-        raise StudyError(f"{source}: needs at least 4 samples, got {inputs.shape[0]}.")
-    if inputs.is_floating_point():
-        inputs = inputs.to(torch.float32)
-    else:
-        inputs = inputs.to(torch.int64)
-    if not inputs.isfinite().all():
-        raise StudyError(f"{source}: 'inputs' contain NaN or infinite values.")
+    if num_samples < 4:
+        raise StudyError(f"{source}: needs at least 4 samples, got {num_samples}.")
     targets = targets.to(torch.int64)
-    low, high = int(targets.min()), int(targets.max())
+    counted = targets[targets != IGNORE_INDEX]
+    if counted.numel() == 0:
+        raise StudyError(
+            f"{source}: every target is {IGNORE_INDEX} (ignored): nothing to learn."
+        )
+    low, high = int(counted.min()), int(counted.max())
     if low < 0:
         raise StudyError(
-            f"{source}: labels must be class indices in [0, C), found {low}."
+            f"{source}: labels must be class indices in [0, C) (or {IGNORE_INDEX} "
+            f"for a position the loss skips), found {low}."
         )
     if high < 1:
         raise StudyError(f"{source}: needs at least two classes, all labels are 0.")
@@ -216,13 +344,17 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 
 
 def split(
-    inputs: Tensor, targets: Tensor, test_fraction: float, seed: int, source: str
+    inputs: ModelInputs,
+    targets: Tensor,
+    test_fraction: float,
+    seed: int,
+    source: str,
 ) -> Dataset:
     """Split into training and test samples with a seeded permutation.
 
     Args:
-        inputs: ``[N, *shape]`` inputs.
-        targets: ``[N]`` class indices.
+        inputs: ``[N, *shape]`` inputs, or a dict of them.
+        targets: ``[N]`` or ``[N, *T]`` class indices.
         test_fraction: Fraction of samples held out.
         seed: Seed of the permutation.
         source: Name of the data.
@@ -230,14 +362,14 @@ def split(
     Returns:
         The data set.
     """
-    num_samples = inputs.shape[0]
+    num_samples = targets.shape[0]
     num_test = min(max(1, round(test_fraction * num_samples)), num_samples - 2)
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
     test, train = order[:num_test], order[num_test:]
     return Dataset(
-        train_inputs=inputs[train],
+        train_inputs=take_samples(inputs, train),
         train_targets=targets[train],
-        test_inputs=inputs[test],
+        test_inputs=take_samples(inputs, test),
         test_targets=targets[test],
         num_classes=int(targets.max()) + 1,
         source=source,
@@ -253,7 +385,7 @@ def load_dataset(path: Path | None, test_fraction: float, seed: int) -> Dataset:
         seed: Seed of the split.
 
     Returns:
-        The data set (on the CPU, float32 inputs).
+        The data set (on the CPU, float32 or int64 inputs).
     """
     if path is None:
         inputs, targets = digits()
@@ -261,6 +393,9 @@ def load_dataset(path: Path | None, test_fraction: float, seed: int) -> Dataset:
     else:
         inputs, targets = read_data_file(path)
         source = str(path)
+        if targets is None:
+            targets = next_token_targets(inputs, f"--data {path}")
+            source += " (targets: the next tokens)"
     inputs, targets = check_arrays(
         inputs, targets, f"--data {path}" if path else source
     )

@@ -53,8 +53,13 @@ from vivit.analysis import (
     wasserstein_bound,
     wasserstein_distance,
 )
+from vivit.model_inputs import call_model
 
 STUDY = "hierarchy"
+#: What the hierarchy needs of the model and the data.
+NEEDS_CLASSIFIER = (
+    "The hierarchy needs a classifier with outputs [N, C] and one label per sample"
+)
 PARTS = ("class_means", "cross_class", "within_class")
 #: Eigenvalue counts above these fractions of the largest, SLQ against exact.
 COUNT_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4)
@@ -185,12 +190,18 @@ def run(args: argparse.Namespace) -> dict:
     """
     setup = prepare(args, STUDY)
     data, loss_func = setup.data, setup.loss_func
+    if data.train_targets.ndim != 1:
+        raise StudyError(
+            f"{NEEDS_CLASSIFIER}, but the targets have shape "
+            f"{list(data.train_targets.shape)} (one label per position, e.g. a "
+            "language model's next tokens): Papyan's classes are the samples' labels."
+        )
     model = copy.deepcopy(setup.model)
     training = train_or_load(setup, model)
     metrics = evaluate_splits(model, loss_func, data)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
-    inputs, targets = data.train_inputs[batch], data.train_targets[batch]
+    inputs, targets = data.train_batch(batch)
     layers = layer_groups(model)
     classes = data.num_classes
     gram_dtype = choose_gram_dtype(
@@ -213,15 +224,12 @@ def run(args: argparse.Namespace) -> dict:
     probabilities = None
     if args.weighting == "probabilities":
         with eval_mode(model), torch.no_grad():
-            probabilities = model(inputs).softmax(dim=1)
+            probabilities = call_model(model, inputs).softmax(dim=1)
     with engine_errors("The hierarchy"):
         try:
             parts = hierarchy(ggn, targets, probabilities=probabilities)
         except InvalidArgumentError as error:
-            raise StudyError(
-                "The hierarchy needs a classifier with outputs [N, C] and one label "
-                f"per sample: {error}"
-            ) from None
+            raise StudyError(f"{NEEDS_CLASSIFIER}: {error}") from None
     hierarchy_time = time.perf_counter() - start
     density = density_results(parts, args, setup.seed(4))
 

@@ -1,4 +1,9 @@
-"""Models for the studies: the built-in MLP and CNN, user factories, checkpoints."""
+"""Models for the studies: the built-in MLP and CNN, user factories, checkpoints.
+
+A study's model maps a batch's inputs (a tensor, or a dict of tensors passed as
+keyword arguments) to logits ``[N, C, *T]``. A model with a structured output
+(a Hugging Face ``ModelOutput``) gets :class:`OutputField` as a forward hook.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
+from studies.data import Dataset
 from studies.errors import StudyError
+from vivit.engines.base import select_output
+from vivit.model_inputs import ModelInputs, call_model, input_tensors
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Sequential:
@@ -236,13 +244,12 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     return factory
 
 
-def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def build_model(spec: str, data: Dataset) -> nn.Module:
     """Create the model of ``--model`` (initialised from torch's global RNG).
 
     Args:
         spec: ``mlp``, ``cnn`` or ``MODULE:FACTORY``.
-        input_shape: Shape of one input sample (for the built-in models).
-        num_classes: Number of classes (for the built-in models).
+        data: The data set (its input shape and classes size the built-in models).
 
     Returns:
         The model.
@@ -251,7 +258,7 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn
         StudyError: If the factory fails or does not return a module.
     """
     if spec in BUILTIN:
-        return BUILTIN[spec](input_shape, num_classes)
+        return BUILTIN[spec](data.input_shape, data.num_classes)
     factory = load_factory(spec)
     try:
         model = factory()
@@ -265,6 +272,65 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn
             f"--model {spec!r}: the factory returned {type(model).__name__}, not a "
             "torch.nn.Module."
         )
+    return model
+
+
+class OutputField:
+    """The forward hook of ``--output-field``: a structured output as logits.
+
+    Hugging Face models return a ``ModelOutput`` whose ``logits`` hold the classes
+    on the last axis: ``[N, C]`` for a sequence or image classifier, ``[N, T, C]``
+    per token for a language model or token classifier. The hook replaces the
+    model's output by the field (:func:`vivit.engines.base.select_output`) with
+    its last axis moved to dim 1, where ``CrossEntropyLoss`` wants the classes
+    (``[N, C]`` unchanged, ``[N, T, C]`` to ``[N, C, T]`` as
+    :func:`vivit.huggingface.token_logits` does). As a hook it leaves the model's
+    parameter names and ``state_dict`` as they are.
+
+    Args:
+        field: The key or attribute of the logits in the model's output.
+    """
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __call__(self, module: nn.Module, args: tuple, output: object) -> torch.Tensor:
+        """The selected logits, classes on dim 1.
+
+        Args:
+            module: The model.
+            args: Its positional inputs.
+            output: What it returned.
+
+        Returns:
+            The logits ``[N, C, *T]``.
+        """
+        return select_output(output, self.field).movedim(-1, 1)
+
+
+def with_output_field(model: nn.Module, spec: str, field: str | None) -> nn.Module:
+    """The model of ``--model`` with its logits selected by ``--output-field``.
+
+    Args:
+        model: The model (a checkpoint already loaded into it).
+        spec: The ``--model`` value.
+        field: The ``--output-field`` value, or ``None``.
+
+    Returns:
+        The model, with :class:`OutputField` as a forward hook if a field is given.
+
+    Raises:
+        StudyError: For a field with a built-in model, which returns its logits.
+    """
+    if field is None:
+        return model
+    if spec in BUILTIN:
+        raise StudyError(
+            f"--output-field {field} selects the logits of a model with a structured "
+            f"output (a Hugging Face model), but the built-in --model {spec} returns "
+            "its logits: drop --output-field."
+        )
+    model.register_forward_hook(OutputField(field))
     return model
 
 
@@ -334,9 +400,19 @@ def plain_text(message: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", message).strip()
 
 
+def _shapes(inputs: ModelInputs) -> str:
+    """The per-sample shapes of the inputs, for messages."""
+    if isinstance(inputs, torch.Tensor):
+        return f"inputs of shape {list(inputs.shape[1:])} per sample"
+    shapes = ", ".join(
+        f"{key} {list(value.shape[1:])}" for key, value in inputs.items()
+    )
+    return f"keyword inputs ({shapes} per sample)"
+
+
 def check_model_fits(
     model: nn.Module,
-    sample: torch.Tensor,
+    sample: ModelInputs,
     num_classes: int,
     positions: tuple[int, ...] = (),
 ) -> int:
@@ -344,7 +420,7 @@ def check_model_fits(
 
     Args:
         model: The model (on the device of ``sample``).
-        sample: A few inputs ``[n, *shape]``.
+        sample: A few inputs ``[n, *shape]``, or a dict of them.
         num_classes: Largest label + 1.
         positions: Shape ``T`` of the per-position targets ``[N, *T]`` (``()``
             for one label per sample).
@@ -357,20 +433,27 @@ def check_model_fits(
     """
     was_training = model.training
     model.eval()
+    count = input_tensors(sample)[0].shape[0]
     try:
         with torch.no_grad():
-            output = model(sample)
+            output = call_model(model, sample)
     except Exception as error:
         raise StudyError(
-            f"The model cannot process inputs of shape {list(sample.shape[1:])} per "
-            f"sample: {type(error).__name__}: {error}. Check --data against --model."
+            f"The model cannot process {_shapes(sample)}: {type(error).__name__}: "
+            f"{error}. Check --data against --model (and --output-field)."
         ) from None
     finally:
         model.train(was_training)
-    if not isinstance(output, torch.Tensor) or output.shape[:1] != sample.shape[:1]:
+    if not isinstance(output, torch.Tensor):
+        raise StudyError(
+            f"The model returns {type(output).__name__}, not a tensor of logits: "
+            "name the field of its output that holds the logits with --output-field "
+            "(e.g. --output-field logits for a Hugging Face model)."
+        )
+    if output.shape[:1] != (count,):
         raise StudyError(
             "The model must return one row of logits per sample, [N, C]; got "
-            f"{getattr(output, 'shape', type(output).__name__)} for N={len(sample)}."
+            f"{list(output.shape)} for N={count}."
         )
     if tuple(output.shape[2:]) != tuple(positions) or output.ndim < 2:
         expected = "[N, C" + "".join(f", {t}" for t in positions) + "]"

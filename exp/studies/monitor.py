@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict | None:
     fixed = None
     if args.monitor_batch == "fixed":
         index = BatchStream(num_train, args.batch_size, setup.seed(2)).next()
-        fixed = (data.train_inputs[index], data.train_targets[index])
+        fixed = data.train_batch(index)
     setup.output.mkdir(parents=True, exist_ok=True)
     (setup.output / RECORDS_FILE).unlink(missing_ok=True)  # --overwrite
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict | None:
     with monitor, engine_errors("Monitoring curvature"):
         for step in tqdm(range(args.steps), desc="SGD", disable=args.no_progress):
             index = batches.next()
-            inputs, targets = data.train_inputs[index], data.train_targets[index]
+            inputs, targets = data.train_batch(index)
             start = time.perf_counter()
             loss, _ = gradient_step(model, optimizer, loss_func, inputs, targets)
             training_time += time.perf_counter() - start

@@ -45,6 +45,7 @@ from studies.training import (
     gradient_step,
     refresh_batchnorm,
 )
+from vivit.model_inputs import ModelInputs, call_model
 from vivit.optim import BootstrapDamping, ConstantDamping, DampedNewton
 
 STUDY = "newton"
@@ -234,7 +235,7 @@ def newton_step(
     model: nn.Module,
     optimizer: DampedNewton,
     loss_func: nn.Module,
-    inputs: Tensor,
+    inputs: ModelInputs,
     targets: Tensor,
 ) -> tuple[float, float, dict]:
     """One DampedNewton step, with the model in evaluation mode.
@@ -259,14 +260,14 @@ def newton_step(
     captured = {}
 
     def closure() -> Tensor:
-        captured["logits"] = model(inputs)
+        captured["logits"] = call_model(model, inputs)
         return loss_func(captured["logits"], targets)
 
     if optimizer.model is None:  # --engine backpack: the extended model's loss
         loss = optimizer.step(closure)
     else:  # the accuracy before the step
         with torch.no_grad():
-            captured["logits"] = model(inputs)
+            captured["logits"] = call_model(model, inputs)
         loss = optimizer.step(data=(inputs, targets))
     dampings = optimizer.last_steps[0].dampings
     info = {
@@ -308,7 +309,7 @@ def train(name: str, setup: Setup, batches: list[Tensor]) -> dict:
     batch_loss, batch_accuracy, directions = [], [], []
     step_time, status = 0.0, "completed"
     for step, index in enumerate(tqdm(batches, desc=name, disable=args.no_progress)):
-        inputs, targets = data.train_inputs[index], data.train_targets[index]
+        inputs, targets = data.train_batch(index)
         start = time.perf_counter()
         try:
             if is_newton:

@@ -29,6 +29,7 @@ from studies.errors import StudyError
 from studies.plots import noise_figure
 from studies.report import write
 from studies.training import evaluate_splits, gradient_step
+from vivit.model_inputs import ModelInputs
 
 STUDY = "noise"
 
@@ -90,7 +91,7 @@ def checkpoint_steps(steps: int, every: int) -> list[int]:
 
 
 def probe(
-    setup: Setup, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    setup: Setup, model: torch.nn.Module, inputs: ModelInputs, targets: torch.Tensor
 ) -> dict:
     """Top-k eigenvalues and directional-derivative noise on the probe batch.
 
@@ -149,8 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     num_train = len(data.train_targets)
     batches = BatchStream(num_train, args.batch_size, setup.seed(1))
     probe_index = BatchStream(num_train, args.batch_size, setup.seed(2)).next()
-    probe_inputs = data.train_inputs[probe_index]
-    probe_targets = data.train_targets[probe_index]
+    probe_inputs, probe_targets = data.train_batch(probe_index)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     probes = set(checkpoint_steps(args.steps, args.every))
     checkpoints, batch_losses = [], []
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
             break
         start = time.perf_counter()
         index = batches.next()
-        inputs, targets = data.train_inputs[index], data.train_targets[index]
+        inputs, targets = data.train_batch(index)
         loss, _ = gradient_step(model, optimizer, loss_func, inputs, targets)
         training_time += time.perf_counter() - start
         if not math.isfinite(loss):

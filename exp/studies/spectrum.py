@@ -2,7 +2,7 @@
 
 Trains the model briefly with SGD (or loads ``--checkpoint``), draws a mini-batch
 (or, with ``--curvature-data test``, takes the whole held-out set as a
-``DataLoader``) and computes, with :class:`vivit.LowRankGGN`:
+list of batches) and computes, with :class:`vivit.LowRankGGN`:
 
 - ``exact``: all eigenvalues of the exact GGN (from the ``N·C`` Gram matrix);
 - ``mc``: the Monte-Carlo approximation (``mc_samples`` per sample, ``N·M`` rows);
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from torch.nn import Parameter
-from torch.utils.data import DataLoader, TensorDataset
 
 from studies.cli import (
     base_parser,
@@ -64,6 +63,7 @@ from studies.training import evaluate_splits, train_sgd
 from vivit import GramTooLargeError, LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
 from vivit.memory import check_gram_fits
+from vivit.model_inputs import take_samples
 
 STUDY = "spectrum"
 
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="batch",
         help="Samples whose GGN is studied: 'batch' (a training mini-batch of "
         "--batch-size) or 'test' (the whole held-out set, passed to vivit as a "
-        "DataLoader of --batch-size batches; every method then uses that loader, "
+        "loader of --batch-size batches; every method then uses that loader, "
         "and 'subsample' is the GGN of its first --subsample-size samples).",
     )
     study.add_argument(
@@ -387,14 +387,12 @@ def run(args: argparse.Namespace) -> dict:
     held_out = args.curvature_data == "test"
     if held_out:  # the whole held-out set, batch by batch
         inputs, targets = data.test_inputs, data.test_targets
-        curvature_data = DataLoader(
-            TensorDataset(inputs, targets), batch_size=args.batch_size, shuffle=False
-        )
+        curvature_data = data.test_batches(args.batch_size)
         default_subsample = min(args.batch_size, len(targets))
     else:
         num_train = len(data.train_targets)
         batch = BatchStream(num_train, args.batch_size, setup.seed(2)).next()
-        inputs, targets = data.train_inputs[batch], data.train_targets[batch]
+        inputs, targets = data.train_batch(batch)
         curvature_data = (inputs, targets)
         default_subsample = max(1, args.batch_size // 2)
     num_samples = len(targets)
@@ -453,7 +451,7 @@ def run(args: argparse.Namespace) -> dict:
         ),
         "subsample": compute(
             f"subsample ({subsample_size} of {num_samples})",
-            ggn((inputs[:subsample_size], targets[:subsample_size]))
+            ggn((take_samples(inputs, slice(subsample_size)), targets[:subsample_size]))
             if held_out
             else ggn(subsampling=list(range(subsample_size))),
             params,

@@ -12,49 +12,60 @@ from tqdm.auto import tqdm
 from studies.curvature import eval_mode
 from studies.data import BatchStream, Dataset
 from studies.errors import StudyError
+from vivit.huggingface import IGNORE_INDEX
+from vivit.model_inputs import ModelInputs, call_model, take_samples
 
 
 def accuracy(logits: Tensor, targets: Tensor) -> float:
-    """Fraction of correctly classified samples.
+    """Fraction of correctly classified targets, ignored ones left out.
 
     Args:
-        logits: ``[N, C]`` model outputs.
-        targets: ``[N]`` labels.
+        logits: ``[N, C]`` or ``[N, C, *T]`` model outputs.
+        targets: ``[N]`` or ``[N, *T]`` labels; those equal to
+            :data:`~vivit.huggingface.IGNORE_INDEX` do not count.
 
     Returns:
-        The accuracy in ``[0, 1]``.
+        The accuracy in ``[0, 1]`` (``nan`` if every target is ignored).
     """
-    return float((logits.argmax(1) == targets).double().mean())
+    counted = targets != IGNORE_INDEX
+    return float((logits.argmax(1) == targets)[counted].double().mean())
 
 
 def evaluate(
     model: nn.Module,
     loss_func: nn.Module,
-    inputs: Tensor,
+    inputs: ModelInputs,
     targets: Tensor,
     chunk_size: int = 2048,
 ) -> tuple[float, float]:
     """Mean loss and accuracy on a data set, in evaluation mode.
 
+    Both are means over the counted targets (those not equal to
+    :data:`~vivit.huggingface.IGNORE_INDEX`), as the loss's mean reduction.
+
     Args:
         model: The model.
         loss_func: Mean-reduced loss function.
-        inputs: ``[N, *shape]`` inputs.
-        targets: ``[N]`` labels.
+        inputs: ``[N, *shape]`` inputs, or a dict of them.
+        targets: ``[N]`` or ``[N, *T]`` labels.
         chunk_size: Samples per forward pass.
 
     Returns:
         Loss and accuracy.
     """
-    total_loss, correct = 0.0, 0.0
+    total_loss, correct, total = 0.0, 0.0, 0
     with eval_mode(model), torch.no_grad():
         for start in range(0, len(targets), chunk_size):
-            x = inputs[start : start + chunk_size]
-            y = targets[start : start + chunk_size]
-            logits = model(x)
-            total_loss += float(loss_func(logits, y)) * len(y)
-            correct += accuracy(logits, y) * len(y)
-    return total_loss / len(targets), correct / len(targets)
+            chunk = slice(start, start + chunk_size)
+            y = targets[chunk]
+            counted = int((y != IGNORE_INDEX).sum())
+            if not counted:
+                continue
+            logits = call_model(model, take_samples(inputs, chunk))
+            total_loss += float(loss_func(logits, y)) * counted
+            correct += accuracy(logits, y) * counted
+            total += counted
+    return total_loss / total, correct / total
 
 
 def evaluate_splits(model: nn.Module, loss_func: nn.Module, data: Dataset) -> dict:
@@ -86,7 +97,7 @@ def gradient_step(
     model: nn.Module,
     optimizer: Optimizer,
     loss_func: nn.Module,
-    inputs: Tensor,
+    inputs: ModelInputs,
     targets: Tensor,
 ) -> tuple[float, float]:
     """One step of a first-order optimizer in training mode.
@@ -103,14 +114,14 @@ def gradient_step(
     """
     model.train()
     optimizer.zero_grad()
-    logits = model(inputs)
+    logits = call_model(model, inputs)
     loss = loss_func(logits, targets)
     loss.backward()
     optimizer.step()
     return float(loss.detach()), accuracy(logits.detach(), targets)
 
 
-def refresh_batchnorm(model: nn.Module, inputs: Tensor) -> None:
+def refresh_batchnorm(model: nn.Module, inputs: ModelInputs) -> None:
     """Update BatchNorm running statistics on a mini-batch, without gradients.
 
     Second-order steps need the model in evaluation mode; this forward pass in
@@ -123,7 +134,7 @@ def refresh_batchnorm(model: nn.Module, inputs: Tensor) -> None:
     was_training = model.training
     model.train()
     with torch.no_grad():
-        model(inputs)
+        call_model(model, inputs)
     model.train(was_training)
 
 
@@ -161,7 +172,7 @@ def train_sgd(
     losses = []
     for step in tqdm(range(steps), desc=description, disable=not progress):
         index = batches.next()
-        inputs, targets = data.train_inputs[index], data.train_targets[index]
+        inputs, targets = data.train_batch(index)
         loss, _ = gradient_step(model, optimizer, loss_func, inputs, targets)
         if not math.isfinite(loss):
             raise StudyError(

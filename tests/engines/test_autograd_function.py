@@ -30,6 +30,7 @@ from tests.fixtures.checks import (
 )
 from tests.fixtures.reference import dense_ggn, dense_gradient, flatten_params
 from vivit import LowRankGGN, UnsupportedLayerError
+from vivit.engines.func.vjp import ExplicitColumns
 
 N, D, H, C = 6, 5, 4, 3
 RTOL = EIGVAL_RTOL[torch.float64]
@@ -192,13 +193,15 @@ def test_pruned_gradient_is_masked():
 
 
 def _counting(model: nn.Module) -> list[int]:
-    """Count calls of the model's first Linear (no hook: it would change the engine)."""
+    """Count passes of samples through the model's first Linear (no hook: it would
+    change the engine). The memory estimate's probe of one sample before the run
+    (vivit.memory.estimate.check_batch_fits) is not a pass over the batch."""
     layer = next(m for m in model.modules() if isinstance(m, nn.Linear))
     calls = [0]
     forward = layer.forward
 
     def counted(*args):
-        calls[0] += 1
+        calls[0] += len(args[0]) > 1
         return forward(*args)
 
     layer.forward = counted
@@ -219,14 +222,27 @@ def test_forward_calls_per_construction(engine, chosen, forwards):
 
 
 @pytest.mark.parametrize(
-    "factory, forwards",
+    "factory, vectorized, forwards",
     # parameters without a factor form run in chunks of DENSE_CHUNK = 4 samples,
-    # each with its own forward pass (vivit.engines.func.engine, "Forward passes")
-    [(_hook_double, 2), (_parametrized, 2 + 2)],
-    ids=["factor-forms", "dense-chunks"],
+    # each with its own forward pass (vivit.engines.func.engine, "Forward passes");
+    # their columns vectorized over the samples add a forward under vmap of one
+    # sample at a time, no pass over the batch
+    [
+        (_hook_double, None, 2),
+        (_parametrized, False, 2 + 2),
+        (_parametrized, True, 2 + 2),
+    ],
+    ids=["factor-forms", "dense-chunks", "dense-chunks-vectorized"],
 )
-def test_forward_calls_of_auto_choosing_func(factory, forwards):
+def test_forward_calls_of_auto_choosing_func(
+    factory, vectorized, forwards, monkeypatch
+):
     """Auto's choice runs no forward; func's run as its cost model says."""
+    monkeypatch.setattr(  # the route the first chunk's timing would choose
+        ExplicitColumns,
+        "__init__",
+        lambda self: setattr(self, "vectorized", vectorized),
+    )
     model = factory()
     calls = _counting(model)
     loss_func, X, y = _data("mean")

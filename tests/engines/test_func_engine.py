@@ -38,7 +38,7 @@ from tests.fixtures.checks import (
     flat_evecs,
     layer_groups,
 )
-from tests.fixtures.func_problems import FUNC_PROBLEMS, TwiceLinear
+from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS, TwiceLinear
 from tests.fixtures.problems import PROBLEMS, Setup, prepare, problem_ids
 from tests.fixtures.reference import (
     dense_ggn,
@@ -75,7 +75,7 @@ class Reference(NamedTuple):
 
 @functools.cache
 def func_reference(name: str) -> Reference:
-    (problem,) = [p for p in FUNC_PROBLEMS if p.name == name]
+    (problem,) = [p for p in FUNC_PROBLEMS + PADDED_PROBLEMS if p.name == name]
     setup = problem.setup()
     model, loss_func, X, y = setup
     return Reference(
@@ -104,7 +104,7 @@ def dense_newton(ref: Reference, evals, E, damping: float, grad_samples):
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [p.name for p in FUNC_PROBLEMS])
+@pytest.mark.parametrize("name", [p.name for p in FUNC_PROBLEMS + PADDED_PROBLEMS])
 @pytest.mark.parametrize("subsampling", [None, [2, 0]], ids=["full", "subsampled"])
 def test_func_problem(name, subsampling):
     """Eigenpairs, γ, λ and the Newton step through engine='auto', without extend."""
@@ -157,17 +157,21 @@ def test_shared_linear_keeps_factor_form():
 
 
 def test_batch_norm_keeps_factor_form(monkeypatch):
-    """BatchNorm's columns come from the vectors at its output: no one-hot pass, one
-    chunk of the whole batch (test_func_problem checks them against the dense GGN).
-    """
+    """BatchNorm's columns come from the vectors at its output: no parameter is
+    left to the explicit one-sample-at-a-time pass, the batch runs in one chunk
+    (test_func_problem checks the columns against the dense GGN)."""
+    explicit = []
+    chunking = FuncEngine.chunking
 
-    def refuse(vectors):
-        raise AssertionError("BatchNorm pushed back one sample at a time")
+    def spy(self, num_samples, num_vectors, width, dense):
+        explicit.append(dense)
+        return chunking(self, num_samples, num_vectors, width, dense)
 
-    monkeypatch.setattr("vivit.engines.func.engine.one_hot_per_sample", refuse)
+    monkeypatch.setattr(FuncEngine, "chunking", spy)
     model, loss_func, X, y = func_reference("resnet-block-ce-mean").setup
     ggn = LowRankGGN(model, loss_func, (X, y), mc_samples=1, engine="func")
     assert ggn.gram().shape == (len(X), len(X))
+    assert explicit and not any(explicit)
 
 
 @pytest.mark.parametrize("name", ["transformer-mse-sum", "twice-bce-sum"])
@@ -345,6 +349,7 @@ def test_func_mc_unbiased(name, mc_samples):
             loss_func,
             (X, y),
             mc_samples=mc_samples,
+            mc_per="sequence",  # N·M columns; per token: test_lm_cross_entropy.py
             generator=gen,
             engine="func",
         )

@@ -123,6 +123,7 @@ def cases(draw):
     return model, loss_func, inputs, targets, subsampling
 
 
+@pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
 @SETTINGS
 @given(cases())
 def test_func_engine_on_random_sequence_models(case):

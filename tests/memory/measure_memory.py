@@ -102,8 +102,43 @@ def layer_norm_mlp() -> nn.Module:
 
 
 GRAM64 = {"gram_dtype": torch.float64}
+
+
 #: (name, model, input shape, N, loader batch size or None, options, solvers); the
 #: options go by the same names to LowRankGGN and the estimate
+class TiedTransformer(nn.Module):
+    """Tokens from the inputs, a tied table as the output layer (10 classes)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.tokens = nn.Embedding(10, d)
+        self.block = nn.TransformerEncoderLayer(
+            d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+
+    def forward(self, x):
+        tokens = (x.abs() * 10).long() % 10  # [N, 16]
+        h = self.block(self.tokens(tokens)).mean(1)
+        return nn.functional.linear(h, self.tokens.weight)
+
+
+class SequenceFirstConv1D(nn.Module):
+    """Sequence-first attention and Hugging Face's Conv1D (torch.addmm)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attention = nn.MultiheadAttention(d, 4)
+        self.weight = nn.Parameter(torch.randn(d, 10) / d**0.5)
+        self.bias = nn.Parameter(torch.zeros(10))
+
+    def forward(self, x):
+        h = self.norm(x.reshape(len(x), -1, self.weight.shape[0])).transpose(0, 1)
+        h = (h + self.attention(h, h, h, need_weights=False)[0]).transpose(0, 1)
+        rows = torch.addmm(self.bias, h.reshape(-1, h.shape[-1]), self.weight)
+        return rows.reshape(len(x), -1, 10).mean(1)
+
+
 REQUESTS = [
     ("cnn", cnn, (3, 32, 32), 32, None, {}, ["dense", "matrix_free"]),
     ("cnn-mc", cnn, (3, 32, 32), 32, None, {"mc_samples": 1}, ["auto"]),
@@ -154,6 +189,8 @@ REQUESTS = [
     ("mlp-loader", mlp, (784,), 512, 64, {}, ["auto"]),
     ("cnn-loader-float64-gram", cnn, (3, 32, 32), 64, 16, GRAM64, ["dense"]),
     ("cnn-loader-func", cnn, (3, 32, 32), 64, 16, {"engine": "func"}, ["auto"]),
+    ("tied-transformer", TiedTransformer, (16,), 64, None, {}, ["auto"]),
+    ("conv1d-seq-first", SequenceFirstConv1D, (16, 32), 64, None, {}, ["auto"]),
 ]
 #: Samples of the warm-up request (same code paths, little memory).
 WARM_UP = 16

@@ -17,6 +17,7 @@ from torch import nn
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     REORDERED_REL,
+    REORDERED_REL32,
     align_signs,
     assert_eigenpairs,
     assert_rel,
@@ -26,7 +27,7 @@ from tests.fixtures.checks import (
 from tests.fixtures.func_problems import FUNC_PROBLEMS
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN, StreamingGGN
-from vivit.errors import InvalidArgumentError, ModelChangedError
+from vivit.errors import InvalidArgumentError, ModelChangedError, UnsupportedLayerError
 from vivit.optim import DampedNewton
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
@@ -100,6 +101,25 @@ def test_loader_and_chunks_equal_one_batch(name):
         assert_rel(
             ggn.loss, s.loss_func(s.model(s.inputs), s.targets).detach(), REORDERED_REL
         )
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum"])
+def test_float32_lstm_products_match_dense(name):
+    """oneDNN's float32 LSTM has no JVP: the native kernel runs instead.
+
+    A float32 product is the float64 one reordered and rounded in float32
+    (``REORDERED_REL32`` of ``‖G‖·‖v‖``).
+    """
+    s, s32 = PROBLEMS[name].setup(), PROBLEMS[name].setup(torch.float32)
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    ggn = LowRankGGN(
+        s32.model, s32.loss_func, (s32.inputs, s32.targets), solver="implicit"
+    )
+    v = torch.randn(G.shape[0], 2, generator=torch.Generator().manual_seed(0))
+    actual = ggn.operator().matvec(v).double()
+    bound = REORDERED_REL32 * G.norm(2).item() * v.norm(dim=0).max().item()
+    assert (actual - G @ v.double()).abs().max().item() <= bound
+    assert torch.backends.mkldnn.enabled  # restored after the passes
 
 
 def test_subsampled_products_match_dense():
@@ -218,6 +238,75 @@ def test_unsupported_forward_ad_is_named():
         torch.randn(4, 3, dtype=torch.float64),
         torch.randn(4, 2, dtype=torch.float64),
     )
-    ggn = LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+    # the construction's check of forward against reverse mode finds it
     with pytest.raises(NotImplementedError, match="implicit route computes J v"):
-        ggn.eigh(top_k=1)
+        LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+
+
+def test_forward_and_reverse_mode_that_disagree_are_refused():
+    """A JVP rule twice its backward: ``J v`` and ``Jᵀ w`` of two functions."""
+
+    class TwiceJVP(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+        @staticmethod
+        def jvp(ctx, tangent):
+            return 2 * tangent
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return x.clone(), in_dims[0]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return TwiceJVP.apply(self.lin(x))
+
+    model = Model().double()
+    x, y = torch.randn(4, 3).double(), torch.randn(4, 2).double()
+    with pytest.raises(
+        UnsupportedLayerError, match="derivatives of this model disagree"
+    ):
+        LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+
+
+class PaddedTokens(nn.Module):
+    """An embedding with a padding row, optionally tied to the output layer."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embedding = nn.Embedding(6, 3, padding_idx=0)
+        self.head = nn.Linear(3, 6, bias=False)
+        if tied:
+            self.head.weight = self.embedding.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embedding(x))).transpose(1, 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_padding_rows_are_constants_as_in_reverse_mode(tied):
+    """Reverse mode gives the padding row no gradient through the embedding
+    (forward mode would give it a tangent): the GGN of the dense reference."""
+    torch.manual_seed(0)
+    model = PaddedTokens(tied).double()
+    x = torch.tensor([[0, 1, 2, 0], [3, 0, 4, 5], [0, 0, 1, 2]])
+    y = torch.randint(0, 6, (3, 4))
+    loss_func = nn.CrossEntropyLoss()
+    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    G = dense_ggn(model, loss_func, x, y)
+    v = torch.randn(G.shape[0], 3, dtype=torch.float64)
+    _assert_product(ggn.operator().matvec(v), G, v)

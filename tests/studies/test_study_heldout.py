@@ -42,7 +42,7 @@ def test_whole_held_out_set(output):
     assert methods["subsample"]["gram_sizes"] == [N_BATCH * C]
     assert "whole held-out set" in results["summary"][1]
 
-    model = build_model("cnn", data.input_shape, data.num_classes)
+    model = build_model("cnn", data)
     model.load_state_dict(torch.load(output / "model.pt", weights_only=True))
     ggn = LowRankGGN(
         model.eval(),

@@ -42,6 +42,7 @@ from vivit.analysis.kfac import (
 )
 from vivit.errors import InvalidArgumentError, ParamGroupError
 from vivit.lowrank import LowRankGGN
+from vivit.model_inputs import num_samples as count_samples
 
 #: Every approximation the audit knows, in the order of its table.
 APPROXIMATIONS = ("mc", "subsampled", "block_diagonal", "diagonal", "kfac", "ekfac")
@@ -314,7 +315,7 @@ def audit_approximations(
     mc_counts = _check_mc_samples(mc_samples)
     inputs, targets = check_batch(data)
     params = [p for p in model.parameters() if p.requires_grad]
-    num_samples = inputs.shape[0]
+    num_samples = count_samples(inputs)
     subsampling = (
         list(range(max(1, num_samples // 2))) if subsampling is None else subsampling
     )

@@ -167,7 +167,8 @@ class BatchInfo:
         normalization: The loss's reduction and per-sample weights; gives ``R``
             of the loss on any set of samples (:mod:`vivit.losses`).
         ggn_samples: Samples whose columns ``V`` holds (all, or the subsampling).
-        columns_per_sample: ``C`` (exact) or ``M`` (Monte-Carlo samples).
+        columns_per_sample: ``C`` (exact, ``C·T`` for cross-entropy on ``[N, C,
+            *T]``) or ``M`` (Monte-Carlo samples; ``M·T`` per token).
         mc_samples: ``0`` for the exact loss Hessian, else ``M``.
     """
 
@@ -231,6 +232,9 @@ class CurvatureRequest:
     Attributes:
         param_groups: Disjoint lists of parameters, one GGN block each.
         mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
+        mc_per: ``"token"`` or ``"sequence"``: what one MC draw of a
+            cross-entropy output ``[N, C, *T]`` becomes
+            (:class:`~vivit.options.CurvatureOptions`).
         subsampling: Samples whose curvature is used (``None``: all).
         generator: Random generator for reproducible MC sampling.
         compute_gradients: Also hand out per-sample-gradient factors.
@@ -245,6 +249,7 @@ class CurvatureRequest:
 
     param_groups: list[list[Parameter]]
     mc_samples: int = 0
+    mc_per: str = "token"
     subsampling: list[int] | None = None
     generator: torch.Generator | None = None
     compute_gradients: bool = True

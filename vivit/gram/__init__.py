@@ -9,12 +9,16 @@ every Gram-space quantity are ordered sample-major: entry ``n * C + c`` is colum
 
 from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
+from vivit.gram.embedding import EmbeddingFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.outer import OuterProductFactors
+from vivit.gram.sum import SumFactors
 
 __all__ = [
     "DenseFactors",
+    "EmbeddingFactors",
     "OuterProductFactors",
     "ParamFactors",
     "SampleBlockFactors",
+    "SumFactors",
 ]

@@ -82,10 +82,18 @@ class OuterProductFactors(ParamFactors):
 
     Both are detached: products never track gradients.
         param_shape: Shape of the weight; it must hold ``G * O * P`` entries laid out
-            as ``[G, O, P]``.
+            as ``[G, O, P]``, or as ``[P, O]`` if ``transposed``.
+        transposed: The weight is stored input-major, ``[P, O]`` (``G = 1``): the
+            ``torch.addmm(bias, a, W)`` of Hugging Face's ``Conv1D``.
     """
 
-    def __init__(self, inputs: Tensor, outputs: Tensor, param_shape: torch.Size):
+    def __init__(
+        self,
+        inputs: Tensor,
+        outputs: Tensor,
+        param_shape: torch.Size,
+        transposed: bool = False,
+    ):
         self.num_columns, self.num_samples, groups, positions, out_features = (
             outputs.shape
         )
@@ -95,6 +103,7 @@ class OuterProductFactors(ParamFactors):
                 "disagree in samples, groups or positions."
             )
         self.param_shape = torch.Size(param_shape)
+        self.transposed = transposed
         # Factors are data: products with them must not extend the autograd graph.
         self._a = inputs.detach()
         self._s = outputs.detach()
@@ -140,6 +149,7 @@ class OuterProductFactors(ParamFactors):
             inputs,
             torch.cat([block._s for block in blocks], dim=1),
             blocks[0].param_shape,
+            blocks[0].transposed,
         )
 
     # routes -----------------------------------------------------------------
@@ -150,13 +160,18 @@ class OuterProductFactors(ParamFactors):
         return self._v_size() * self._T
 
     def scaled(self, factor: float) -> OuterProductFactors:  # noqa: D102
-        return OuterProductFactors(self._a, self._s * factor, self.param_shape)
+        return OuterProductFactors(
+            self._a, self._s * factor, self.param_shape, self.transposed
+        )
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         other = self if other is None else other
         if isinstance(other, SampleBlockFactors):
             return other.gram(self).T
-        if not isinstance(other, OuterProductFactors):
+        if (
+            not isinstance(other, OuterProductFactors)
+            or other.transposed != self.transposed
+        ):
             return self.materialize() @ other.materialize().T
         route = self._gram_route(other)
         if route.name == "through_v":
@@ -393,6 +408,8 @@ class OuterProductFactors(ParamFactors):
             N, C = self.num_samples, self.num_columns
             weighted = einsum("knc,cngto->kngto", u.reshape(K, N, C), self._s)
             result = einsum("kngto,ngtp->kgop", weighted, self._a)
+            if self.transposed:
+                result = result.transpose(-1, -2)
         return result.reshape(K, *self.param_shape)
 
     def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
@@ -401,16 +418,23 @@ class OuterProductFactors(ParamFactors):
             return w.reshape(K, -1) @ self.materialize().T
         G, O, P = self._G, self._O, self._P
         N, C = self.num_samples, self.num_columns
+        if self.transposed:
+            w = w.reshape(K, P, O).transpose(-1, -2)
         w = w.reshape(K, G, O, P)
         projected = einsum("kgop,ngtp->kngto", w, self._a)
         return einsum("kngto,cngto->knc", projected, self._s).reshape(K, N * C)
 
     def select(self, samples: Sequence[int]) -> OuterProductFactors:  # noqa: D102
         index = torch.as_tensor(samples, dtype=torch.long, device=self._a.device)
-        return OuterProductFactors(self._a[index], self._s[:, index], self.param_shape)
+        return OuterProductFactors(
+            self._a[index], self._s[:, index], self.param_shape, self.transposed
+        )
 
     def materialize(self) -> Tensor:  # noqa: D102
-        return self._materialize(slice(None), slice(None))
+        vt = self._materialize(slice(None), slice(None))
+        if self.transposed:  # [N·C, O, P] as the weight's [P, O]
+            return vt.reshape(-1, self._O, self._P).transpose(1, 2).reshape(len(vt), -1)
+        return vt
 
     def _materialize(self, groups: slice, features: slice) -> Tensor:
         """Rows of ``Vᵀ`` restricted to a block of groups and output features.

@@ -334,8 +334,10 @@ class _KrylovBasis:
 
     def __init__(self, block: Tensor, image: Tensor, capacity: int):
         size = block.shape[0]
-        self._basis = block.new_empty(size, capacity)
-        self._images = block.new_empty(size, capacity)
+        # Q and A Q stored transposed, one basis vector per row: a new block
+        # writes (and first touches) only its own rows, and Q[:, :m] is contiguous
+        self._basis_rows = block.new_empty(capacity, size)
+        self._image_rows = block.new_empty(capacity, size)
         self._projected = block.new_empty(capacity, capacity)
         self._filled = 0
         self._last = slice(0, 0)
@@ -349,17 +351,17 @@ class _KrylovBasis:
             image: ``A`` times them.
         """
         new = slice(self._filled, self._filled + block.shape[1])
-        self._basis[:, new] = block
-        self._images[:, new] = image
+        self._basis_rows[new] = block.T
+        self._image_rows[new] = image.T
         self._filled, self._last = new.stop, new
-        coupling = self._basis[:, : new.stop].T @ image
+        coupling = self._basis_rows[: new.stop] @ image
         self._projected[: new.stop, new] = coupling
         self._projected[new, : new.stop] = coupling.T
 
     @property
     def room(self) -> int:
         """Columns the basis can still take."""
-        return self._basis.shape[1] - self._filled
+        return self._basis_rows.shape[0] - self._filled
 
     def expansion(self) -> tuple[Tensor | None, Tensor]:
         """The next block: ``A`` times the last one minus its part in ``Q``.
@@ -375,8 +377,10 @@ class _KrylovBasis:
             ``R`` orthonormalized (``None`` if the Krylov space is exhausted: an
             invariant subspace), which may not fit into the basis, and ``Rᵀ R``.
         """
-        basis = self._basis[:, : self._filled]
-        new, residual_gram = _orthonormalize(basis, self._images[:, self._last])
+        basis = self._basis_rows[: self._filled].T
+        image = self._image_rows[self._last].T
+        coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
+        new, residual_gram = _orthonormalize(basis, image, coupling)
         return (new if new.shape[1] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -423,10 +427,13 @@ class _KrylovBasis:
             Both ``[R, c]``.
         """
         m = self._filled
-        return self._basis[:, :m] @ coefficients, self._images[:, :m] @ coefficients
+        basis, images = self._basis_rows[:m], self._image_rows[:m]
+        return basis.T @ coefficients, images.T @ coefficients
 
 
-def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor]:
+def _orthonormalize(
+    basis: Tensor | None, block: Tensor, coefficients: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Orthonormal columns spanning ``block`` minus its part in ``span(basis)``.
 
     Projection twice (classical Gram-Schmidt with reorthogonalization), then
@@ -437,6 +444,8 @@ def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor
     Args:
         basis: Orthonormal columns, or ``None``.
         block: Columns to orthonormalize.
+        coefficients: ``basisᵀ block`` if already computed (the first
+            projection then costs one pass over the basis instead of two).
 
     Returns:
         ``[size, b']`` with ``b' ≤ b``, and the Gram matrix ``Rᵀ R`` of the block
@@ -450,7 +459,10 @@ def _orthonormalize(basis: Tensor | None, block: Tensor) -> tuple[Tensor, Tensor
     for projections in (2, 1):
         if basis is not None:
             for _ in range(projections):
-                block = block - basis @ (basis.T @ block)
+                if coefficients is None:
+                    coefficients = basis.T @ block
+                block = block - basis @ coefficients
+                coefficients = None
         gram = block.T @ block
         if projections == 2:
             residual_gram = gram

@@ -19,7 +19,9 @@ rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
     rows), each product ``G v = Jᵀ H J v`` a JVP and a VJP through the model
     per block of samples (:mod:`vivit.sources.implicit`); neither ``V`` nor
     the Gram matrix exists. A route chosen at construction
-    (``LowRankGGN(..., solver="implicit")``); ``"auto"`` never picks it.
+    (``LowRankGGN(..., solver="implicit")``, or ``"auto"`` at construction
+    when the Gram route's columns cost more or do not fit:
+    :mod:`vivit.sources.route`).
 
 The cost model behind ``"auto"`` (all quantities known before any work):
 

@@ -41,13 +41,15 @@ loaders and the three solvers (``docs/math.rst``, "Memory of a request").
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import CrossEntropyLoss, Linear, Module, Parameter
 
 from vivit._validation import (
     check_batch_norms,
@@ -60,12 +62,14 @@ from vivit._validation import (
 )
 from vivit.engines.base import Engine
 from vivit.engines.choice import resolve_engine
-from vivit.errors import InvalidArgumentError
+from vivit.errors import FactorsTooLargeError, InvalidArgumentError
 from vivit.gram import (
     DenseFactors,
+    EmbeddingFactors,
     OuterProductFactors,
     ParamFactors,
     SampleBlockFactors,
+    SumFactors,
 )
 from vivit.gram.memory import (
     available_bytes,
@@ -84,16 +88,21 @@ from vivit.linalg.top_k import (
 )
 from vivit.memory.forms import (
     Counts,
+    FormPart,
     backpack_entries,
     func_entries,
     func_one_hot,
+    function_forms,
     holds_v,
     kind,
 )
 from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
+from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions, check_option_names
 
 #: Measured peak growth of resident memory over the estimate lies within
+logger = logging.getLogger("vivit")
+
 #: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
 #: request"; checked by ``tests/memory/test_memory.py``).
 ESTIMATE_FACTOR = 1.5
@@ -211,6 +220,127 @@ def estimate_memory(
         options=options,
         param_groups=param_groups,
         top_k=top_k,
+    )
+
+
+def batch_estimate(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> MemoryEstimate | None:
+    """The estimate of one mini-batch's Gram route, from a one-sample probe.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
+
+    Returns:
+        The estimate (for one leading eigenpair), or ``None`` where the model
+        cannot be probed (e.g. a layer called with keyword arguments); the logger
+        ``"vivit"`` then says why (level INFO).
+    """
+    batch_size = num_samples(inputs)
+    curvature = batch_size if options.subsampling is None else len(options.subsampling)
+    block = min(options.chunk_size or batch_size, batch_size)
+    try:
+        return _estimate(
+            model,
+            take_samples(inputs, slice(1)),
+            _Blocks(batch_size, curvature, block, loader_batch=None),
+            loss_func=loss_func,
+            options=options,
+            param_groups=param_groups,
+            top_k=1,
+            engine=engine,
+        )
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
+            "without the check before its backward pass.",
+            type(error).__name__,
+            error,
+        )
+        return None
+
+
+def kept_bytes(estimate: MemoryEstimate) -> int:
+    """Bytes the backward pass of a batch holds at its peak (no Gram matrix yet).
+
+    Args:
+        estimate: The batch's estimate.
+
+    Returns:
+        Its activations, the kept factors and the backward pass's transient.
+    """
+    return estimate.activations + estimate.factors + estimate.backward
+
+
+def check_batch_fits(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> None:
+    """Refuse one mini-batch whose stored factors cannot fit, before it runs.
+
+    The backward pass of the batch keeps every requested parameter's factors;
+    their estimate (activations, factors and the backward pass's transient of
+    :func:`estimate_memory`) divided by :data:`ESTIMATE_FACTOR` is a lower bound
+    of what the run needs (``docs/math.rst``, "Memory of a request"). If even
+    that exceeds the memory the process can still allocate, the run is refused
+    before anything large is allocated. The Gram matrix and the eigensolver come
+    later and are checked when formed (:class:`~vivit.GramTooLargeError`).
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options (not checked again).
+        engine: The engine the run resolved (not resolved twice).
+
+    Raises:
+        FactorsTooLargeError: If the lower bound exceeds the available memory.
+        Where the estimate cannot probe the model (e.g. a layer called with
+        keyword arguments), the batch runs unchecked and the logger ``"vivit"``
+        says so (level INFO).
+    """
+    estimate = batch_estimate(model, loss_func, inputs, param_groups, options, engine)
+    if estimate is None:
+        return
+    batch_size = num_samples(inputs)
+    needed = kept_bytes(estimate)
+    device = param_groups[0][0].device
+    available = available_bytes(device)
+    if needed <= ESTIMATE_FACTOR * available:
+        return
+    gib = 2**30
+    raise FactorsTooLargeError(
+        f"The backward pass of this mini-batch of {batch_size} samples keeps "
+        f"factors of V with {estimate.num_rows} columns (N·C, N·C·T for sequences "
+        f"of T positions): estimated {needed / gib:.1f} GiB (factors "
+        f"{estimate.factors / gib:.1f} GiB, activations "
+        f"{estimate.activations / gib:.1f} GiB, backward pass "
+        f"{estimate.backward / gib:.1f} GiB; at least "
+        f"{needed / ESTIMATE_FACTOR / gib:.1f} GiB), but only "
+        f"{available / gib:.1f} GiB are available on {device}. "
+        "Refused before running. Store fewer columns: Monte-Carlo sample the loss "
+        "Hessian (mc_samples=1: N·T columns per token, N with mc_per='sequence'), "
+        "use the curvature of fewer samples (subsampling=[...]), a smaller batch, "
+        "or chunk_size=... (bounds the backward pass, not the kept factors); or "
+        "keep no factors at all: solver='implicit' (GGN-vector products) or "
+        "vivit.StreamingGGN(model, loss_func, [(X, y)]).eigh(top_k=...), which "
+        "recomputes them in every pass. vivit.memory.estimate_memory(...) "
+        "estimates a request before running it."
     )
 
 
@@ -374,8 +504,12 @@ def _estimate(
     options: CurvatureOptions,
     param_groups: Sequence[Sequence[Parameter]] | None,
     top_k: int | None,
+    engine: Engine | None = None,
 ) -> MemoryEstimate:
-    """The estimate for the request's samples in ``blocks``."""
+    """The estimate for the request's samples in ``blocks``.
+
+    ``engine`` is the run's where it resolved it already (else resolved here).
+    """
     check_model(model)
     param_groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
@@ -384,35 +518,49 @@ def _estimate(
     check_example_inputs(example_inputs)
     check_inputs_match(example_inputs, param_groups[0])
     check_batch_norms(model)
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
+    if engine is None:
+        engine = resolve_engine(options.engine, model, loss_func, options.output)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
     kept_dtype = options.gram_dtype or dtype
     entry, kept_entry = itemsize(dtype), itemsize(kept_dtype)
-    layers, outputs_per_sample, columns = probe(model, example_inputs, options.output)
-    columns = options.mc_samples or columns
+    layers, outputs_per_sample, sample_shape = probe(
+        model, example_inputs, options.output
+    )
+    columns = columns_per_sample(sample_shape, loss_func, options)
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
     func = engine.name == "func"
     requested = {id(p) for group in param_groups for p in group}
     params = _probed_params(layers, requested, model)
     entries = backpack_entries
+    forms: dict = {}
     if func:
-        dense = sum(p.numel() for lay, name, p in params if func_one_hot(lay, name))
+        forms, function_outputs = function_forms(
+            model, example_inputs, [p for _, _, p in params], options.output
+        )
+        # activations outside leaf modules (attention, addmm): as the engine
+        outputs_per_sample = max(outputs_per_sample, function_outputs)
+        dense = _one_hot_entries(params, forms)
         samples, _ = engine.chunking(
             block.samples, block.vectors, outputs_per_sample, dense
         )
-        entries = partial(func_entries, own_chunks=samples < block.samples)
+        entries = partial(func_entries, own_chunks=samples < block.samples, forms=forms)
     kept = [entries(layer, name, param, whole) for layer, name, param in params]
     # per sample: Linear inputs the BackPACK factors keep without a copy
     caller_inputs = sum(
         e.caller_inputs
         for (layer, _, _), e in zip(params, kept, strict=True)
-        if blocks.loader_batch is not None or not layer.is_input
+        # a parameter no leaf layer owns (layer None) keeps its columns only
+        if blocks.loader_batch is not None or layer is None or not layer.is_input
     )
     if func:
         # its chunks' backward passes run while the block's factors are filled
-        block_kept = sum(entries(lay, name, p, block).kept for lay, name, p in params)
-        chunk = _func_transient(engine, layers, params, block, outputs_per_sample)
+        # (views of the vectors there, except the copies of gathered rows)
+        block_entries = [entries(lay, name, p, block) for lay, name, p in params]
+        block_kept = sum(e.kept - e.gathered for e in block_entries)
+        chunk = _func_transient(
+            engine, layers, params, block, (outputs_per_sample, function_outputs), forms
+        )
         backward = max(0, chunk * entry - block_kept * kept_entry)
     else:
         backward = _backpack_transient(layers, block) * entry
@@ -450,7 +598,9 @@ def _estimate(
             num_params=largest_group,
             dtype=kept_dtype,
             device=device,
-            factors=_shape_factors(layers, group, columns, sizes, kept_dtype, func),
+            factors=_shape_factors(
+                layers, group, columns, sizes, kept_dtype, func, forms
+            ),
         )
     if solver == "dense":
         workspace = dense_workspace_bytes(size, top_k, kept_dtype, device)
@@ -483,7 +633,7 @@ def _estimate(
         owned = blocks.samples * sum(
             e.caller_inputs
             for (layer, _, _), e in zip(params, kept, strict=True)
-            if layer.is_input
+            if layer is not None and layer.is_input
         )
     return MemoryEstimate(
         activations=activations * entry,
@@ -495,6 +645,26 @@ def _estimate(
         num_rows=size,
         engine=engine.name,
     )
+
+
+def columns_per_sample(
+    sample_shape: tuple[int, ...], loss_func: Module | None, options: CurvatureOptions
+) -> int:
+    """Columns of ``V`` per sample for a model output of ``sample_shape`` per sample.
+
+    ``C`` (every output entry, ``C·T`` for sequences) exact, ``M`` with Monte
+    Carlo, ``M·T`` per token for cross-entropy on sequences (``docs/math.rst``,
+    "Losses").
+    """
+    if not options.mc_samples:
+        return math.prod(sample_shape)
+    if (
+        isinstance(loss_func, CrossEntropyLoss)
+        and options.mc_per == "token"
+        and len(sample_shape) > 1
+    ):
+        return options.mc_samples * math.prod(sample_shape[1:])
+    return options.mc_samples
 
 
 def _probed_params(
@@ -534,24 +704,41 @@ def _backpack_transient(layers: Sequence[ProbedLayer], block: Counts) -> int:
     )
 
 
+def _one_hot_entries(
+    params: Sequence[tuple[ProbedLayer | None, str, Parameter]], forms: dict
+) -> int:
+    """Entries ``D`` of the parameters the func engine pushes one-hot batches to."""
+    return sum(
+        p.numel()
+        for layer, name, p in params
+        if func_one_hot(layer, name) and id(p) not in forms
+    )
+
+
 def _func_transient(
     engine: Engine,
     layers: Sequence[ProbedLayer],
     params: Sequence[tuple[ProbedLayer | None, str, Parameter]],
     block: Counts,
-    width: int,
+    widths: tuple[int, int],
+    forms: dict,
 ) -> int:
     """Entries of one of the func engine's own chunks (see its cost model).
 
     The chunk's forward graph, and the larger of its vectorised backward pass to
-    the layer outputs (with the vectors there) and the one-hot pass to the
-    parameters without a factor form (with their columns).
+    the layer outputs and the recorded function calls' outputs (``widths``: the
+    activation entries per sample and those of the calls' outputs, with the
+    vectors there) and the one-hot pass to the parameters without a factor form
+    (with their columns).
     """
-    dense = sum(p.numel() for layer, name, p in params if func_one_hot(layer, name))
+    width, function_outputs = widths
+    dense = _one_hot_entries(params, forms)
     vectors = block.vectors
     samples, per_pass = engine.chunking(block.samples, vectors, width, dense)
-    at_outputs = sum(
-        layer.outputs for layer in layers if not func_one_hot(layer, "weight")
+    at_outputs = function_outputs + sum(
+        layer.outputs
+        for layer in layers
+        if not func_one_hot(layer, "weight") and not isinstance(layer.module, Linear)
     )
     to_layers = (min(vectors, per_pass) * width + vectors * at_outputs) * samples
     one_hot = (
@@ -651,6 +838,7 @@ def _shape_factors(
     blocks: Sequence[int],
     dtype: torch.dtype,
     func: bool,
+    forms: Mapping[int, tuple[FormPart, ...]],
 ) -> list[ParamFactors]:
     """A group's factors of ``V`` as the request holds them, on the meta device.
 
@@ -668,6 +856,8 @@ def _shape_factors(
         blocks: Curvature samples of each block whose factors stay apart.
         dtype: Type of the kept factors (``gram_dtype`` or the parameters').
         func: Whether the func engine builds them (no weight held explicitly).
+        forms: The func engine's forms at the function level
+            (:func:`~vivit.memory.forms.function_forms`).
 
     Returns:
         One set of factors per parameter of the group.
@@ -681,7 +871,11 @@ def _shape_factors(
     for param in group:
         layer = weights.get(id(param))
         per_block = {
-            samples: _param_shape_factors(param, layer, columns, samples, dtype, func)
+            samples: _function_shape_factors(
+                param, forms[id(param)], columns, samples, dtype
+            )
+            if layer is None and forms.get(id(param))
+            else _param_shape_factors(param, layer, columns, samples, dtype, func)
             for samples in set(blocks)
         }
         parts = [per_block[samples] for samples in blocks]
@@ -708,3 +902,28 @@ def _param_shape_factors(
         param.shape,
     )
     return factors if func else factors.compact(GGN_COMPACT_RATIO)
+
+
+def _function_shape_factors(
+    param: Parameter,
+    parts: tuple[FormPart, ...],
+    columns: int,
+    samples: int,
+    dtype: torch.dtype,
+) -> ParamFactors:
+    """A parameter's factor forms found at the function level, on the meta device."""
+    meta = {"dtype": dtype, "device": "meta"}
+    factors: list[ParamFactors] = []
+    for part in parts:
+        vectors = torch.empty(columns, samples, part.positions, part.outputs, **meta)
+        if part.kind == "embedding":
+            indices = torch.empty(
+                samples, part.positions, dtype=torch.long, device="meta"
+            )
+            factors.append(EmbeddingFactors(indices, vectors, param.shape))
+        else:
+            inputs = torch.empty(samples, 1, part.positions, part.inputs, **meta)
+            factors.append(
+                OuterProductFactors(inputs, vectors[:, :, None], param.shape)
+            )
+    return factors[0] if len(factors) == 1 else SumFactors(factors)

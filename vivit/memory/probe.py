@@ -95,7 +95,7 @@ def check_example_inputs(example_inputs: ModelInputs) -> None:
 
 def probe(
     model: Module, inputs: ModelInputs, selector: OutputSelector = None
-) -> tuple[list[ProbedLayer], int, int]:
+) -> tuple[list[ProbedLayer], int, tuple[int, ...]]:
     """Per-sample layer sizes from a forward pass on a few samples.
 
     Args:
@@ -106,7 +106,8 @@ def probe(
 
     Returns:
         Every leaf module that returned a tensor, in call order, the summed output
-        size of those per sample, and the model's outputs per sample ``C``.
+        size of those per sample, and the shape of the model's output per sample
+        (``[C]``, or ``[C, *T]`` for sequences).
 
     Raises:
         InvalidArgumentError: If the model's output has not the inputs' samples
@@ -154,7 +155,7 @@ def probe(
             f"with their {num} samples along its first axis: pass example inputs "
             "with a batch axis, [n, *input_shape] (e.g. X[:1])."
         )
-    return layers, outputs, result[0].numel()
+    return layers, outputs, tuple(result.shape[1:])
 
 
 @contextmanager

@@ -145,6 +145,7 @@ class DampedNewton(Optimizer):
             step whose model promises a decrease beyond a non-negative loss then
             warns with :class:`~vivit.UnboundedStepWarning`.
         mc_samples: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
+        mc_per: As for :class:`~vivit.options.CurvatureOptions`.
         subsampling: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         keep_directions: Keep the last step's eigenvectors in parameter space.
@@ -183,6 +184,7 @@ class DampedNewton(Optimizer):
         *,
         trust_fraction: float | None = 0.25,
         mc_samples: int = 0,
+        mc_per: str = "token",
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
@@ -204,6 +206,7 @@ class DampedNewton(Optimizer):
             )
         self.options = CurvatureOptions(
             mc_samples=mc_samples,
+            mc_per=mc_per,
             subsampling=subsampling,
             generator=generator,
             gram_dtype=gram_dtype,

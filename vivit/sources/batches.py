@@ -177,6 +177,14 @@ def check_batched(batch: object, model: Module) -> None:
 
 def _dict_summary(batch: Mapping) -> str:
     """What a batch given as a dict is, and how to pass it instead."""
+    if "labels" in batch:  # a Hugging Face collator's batch
+        return (
+            f"got a dict with keys {list(batch)}, the labels inside as Hugging Face "
+            "collators return: take them out with vivit.huggingface.split_labels("
+            "loader, shift=True) for a causal language model's labels (shifted to "
+            "the next token), shift=False for labels aligned with the logits (a "
+            "classifier's), or split_batch(batch, shift=...) for one batch"
+        )
     return (
         f"got a dict with keys {list(batch)}: pass (inputs, targets), e.g. "
         "(batch['inputs'], batch['targets']), or give the DataLoader a collate_fn "

@@ -35,10 +35,11 @@ from vivit._validation import (
 )
 from vivit.distributed.layout import ExchangeReport, ShardLayout
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
-from vivit.engines.func.implicit import BlockFunction
+from vivit.engines.func.implicit import BlockFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError, ModelChangedError
 from vivit.loss_hessians import LossHessianProducts
+from vivit.model_inputs import ModelInputs, call_model, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -68,7 +69,7 @@ class ImplicitBlock:
         ggn_mask: ``1`` for the block's curvature samples, else ``0``, ``[N_b]``.
     """
 
-    inputs: Tensor
+    inputs: ModelInputs
     targets: Tensor
     loss_func: Module
     ggn_mask: Tensor
@@ -299,7 +300,7 @@ class ImplicitFactors(CurvatureSource):
             check_batched(data, model)
             data = check_batch(data)
             check_inputs_match(data[0], list(model.parameters()))
-            check_subsampling(options.subsampling, data[0].shape[0])
+            check_subsampling(options.subsampling, num_samples(data[0]))
             data = [data]
         elif isinstance(data, Iterator):
             raise InvalidArgumentError(
@@ -347,7 +348,7 @@ class ImplicitFactors(CurvatureSource):
                 chunks = split_batch(batch, options.chunk_size, options.subsampling)
                 for chunk in chunks:
                     inputs, targets = chunk.batch
-                    mask = torch.zeros(len(inputs), dtype=torch.bool)
+                    mask = torch.zeros(num_samples(inputs), dtype=torch.bool)
                     if chunk.has_curvature:
                         mask[chunk.subsampling or slice(None)] = True
                     with naming_batch(index):
@@ -382,12 +383,16 @@ class ImplicitFactors(CurvatureSource):
         params = [p for group in self.param_groups for p in group]
         ggn_columns = 0
         selector = self._options.output
-        for block in self._blocks("loss and gradient"):
-            output = select_output(self._model(block.inputs), selector)
+        for index, block in enumerate(self._blocks("loss and gradient")):
+            if index == 0:
+                for group in self.param_groups:
+                    function = BlockFunction(self._model, group, block.inputs, selector)
+                    check_modes_agree(function, group)
+            output = select_output(call_model(self._model, block.inputs), selector)
             hessian = block.hessian(output.detach())
             with torch.no_grad():
                 check_samples_independent(
-                    lambda x: select_output(self._model(x), selector),
+                    lambda x: select_output(call_model(self._model, x), selector),
                     block.inputs,
                     output.detach(),
                 )
@@ -419,30 +424,45 @@ class ImplicitFactors(CurvatureSource):
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
 
 
-def _check_implicit_options(options: CurvatureOptions) -> None:
-    """Refuse the options the implicit route cannot honour, naming what to do."""
+def implicit_obstacle(options: CurvatureOptions) -> str | None:
+    """Why the implicit route cannot honour the options, or ``None`` if it can.
+
+    Args:
+        options: The checked options.
+
+    Returns:
+        What stands in the way and what to do, or ``None``.
+    """
     if options.mc_samples:
-        raise InvalidArgumentError(
+        return (
             "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
             "per position, never formed), which costs what a sampled one would: "
             "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
             "Gram route (solver='auto') for the MC estimate."
         )
     if options.group is not None:
-        raise InvalidArgumentError(
+        return (
             "solver='implicit' runs in this process alone: a process group is not "
             "supported (every product would need an all-reduce in lock-step). Pass "
             "process_group=False, or use a Gram route, whose factors are exchanged."
         )
     if options.gram_dtype is not None:
-        raise InvalidArgumentError(
+        return (
             "gram_dtype is the type of the Gram matrix and of the products with V, "
             "which solver='implicit' never forms: its products run in the model's "
             "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
             "the model (model.double()) for float64 products."
         )
     if options.engine not in ("auto", "func"):
-        raise InvalidArgumentError(
+        return (
             f"solver='implicit' runs no engine (its products are torch.func's), got "
             f"engine={options.engine!r}: drop engine, or use a Gram route."
         )
+    return None
+
+
+def _check_implicit_options(options: CurvatureOptions) -> None:
+    """Refuse the options the implicit route cannot honour, naming what to do."""
+    obstacle = implicit_obstacle(options)
+    if obstacle is not None:
+        raise InvalidArgumentError(obstacle)

@@ -39,6 +39,7 @@ from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
+from vivit.memory.estimate import check_batch_fits
 from vivit.model_inputs import input_tensors, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
@@ -302,11 +303,14 @@ class StoredFactors(CurvatureSource):
             check_subsampling(options.subsampling, num_samples(data[0]))
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
+        if single and shards.group is None:
+            check_batch_fits(model, loss_func, data[0], param_groups, options, chosen)
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
             model if shards.group is not None else None,  # checksums: ranks only
             mc_samples=options.mc_samples,
+            mc_per=options.mc_per,
             gram_dtype=options.gram_dtype,
             solver=(options.solver, options.solver_tol, options.solver_seed),
             engine=chosen.name,
@@ -414,6 +418,7 @@ def _request(
     return CurvatureRequest(
         param_groups=param_groups,
         mc_samples=options.mc_samples,
+        mc_per=options.mc_per,
         subsampling=None if options.subsampling is None else list(options.subsampling),
         generator=options.generator,
         compute_gradients=True,

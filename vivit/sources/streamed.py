@@ -470,6 +470,7 @@ def _block_runner(
     request = CurvatureRequest(
         param_groups=param_groups,
         mc_samples=options.mc_samples,
+        mc_per=options.mc_per,
         generator=options.generator,
         compute_gradients=False,
         num_grams=0,

@@ -121,6 +121,7 @@ class BackpackEngine(Engine):
         """
         extension = GramGGN(
             mc_samples=request.mc_samples,
+            mc_per=request.mc_per,
             subsampling=request.subsampling,
             compute_gradients=request.compute_gradients,
             num_grams=request.grams_formed,

@@ -37,7 +37,7 @@ from vivit.errors import (
     UnsupportedLossError,
 )
 from vivit.gram.memory import check_gram_fits
-from vivit.losses import LossNormalization, check_loss_function
+from vivit.losses import LossCurvature, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
@@ -54,6 +54,8 @@ class GramGGN(SqrtGGN):
     Args:
         mc_samples: ``0`` for the exact loss Hessian, else the number ``M`` of
             Monte-Carlo samples per datum.
+        mc_per: What one draw of a cross-entropy output ``[N, C, *T]`` becomes:
+            ``"token"`` (a column per position) or ``"sequence"``.
         subsampling: Sample indices whose curvature is used; ``None`` for all.
         compute_gradients: Also keep per-sample gradient factors (needed for
             directional derivatives and Newton steps).
@@ -71,10 +73,12 @@ class GramGGN(SqrtGGN):
         mc_samples: int = 0,
         subsampling: Sequence[int] | None = None,
         compute_gradients: bool = False,
+        mc_per: str = "sequence",
         num_grams: int = 1,
         gram_dtype: torch.dtype | None = None,
     ):
         self._mc_samples = mc_samples
+        self.mc_per = mc_per
         self.compute_gradients = compute_gradients
         self.num_grams = num_grams
         self.gram_dtype = gram_dtype
@@ -159,14 +163,12 @@ class GramGGN(SqrtGGN):
         self._seen_layers.add(id(module))
         self._seen_params.update(id(p) for p in params)
 
-    def start_batch(
-        self, loss_module: Module, normalization: LossNormalization
-    ) -> BatchInfo:
+    def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss.
 
         Args:
             loss_module: The extended loss module.
-            normalization: The loss's reduction and sample weights.
+            curvature: The loss's curvature on the batch.
 
         Returns:
             The batch context of this backward pass.
@@ -177,7 +179,7 @@ class GramGGN(SqrtGGN):
         samples = (
             tuple(range(batch_size)) if subsampling is None else tuple(subsampling)
         )
-        columns = self._mc_samples or inputs[0].numel()
+        columns = curvature.columns_per_sample(self._mc_samples, self.mc_per)
         check_gram_fits(
             len(samples) * columns,
             self.num_grams,
@@ -185,7 +187,7 @@ class GramGGN(SqrtGGN):
             inputs.device,
         )
         self._batch = BatchInfo(
-            normalization=normalization,
+            normalization=curvature.normalization,
             ggn_samples=samples,
             columns_per_sample=columns,
             mc_samples=self._mc_samples,

@@ -55,5 +55,7 @@ class GramLoss(ModuleExtension):
                 "positional argument: call loss_func(output, targets)."
             )
         curvature = LossCurvature(module, module.input0, module.input1)
-        ext.start_batch(module, curvature.normalization)
-        return curvature.sqrt_hessian(ext.get_subsampling(), ext.get_num_mc_samples())
+        ext.start_batch(module, curvature)
+        return curvature.sqrt_hessian(
+            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.mc_per
+        )

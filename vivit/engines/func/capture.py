@@ -1,7 +1,9 @@
-"""Factor forms of Linear and convolution weights from forward hooks.
+"""Factor forms of convolution weights from forward hooks.
 
 During a forward pass, :class:`LayerCapture` records the input ``a`` and output
-``z`` of every call of a Linear or convolution layer whose weight is requested:
+``z`` of every call of a convolution layer whose weight is requested (Linear
+weights and the other functions are recorded at the function level,
+:mod:`vivit.engines.func.functional`):
 the input after the layer's forward pre-hooks, the output before its forward
 hooks (whatever they do to ``z`` is part of the graph the vectors are
 backpropagated through).
@@ -18,8 +20,9 @@ columns of ``V_γ`` are ``Σ_t s̃[t] ⊙ x̂[t]`` and those of ``V_β`` ``Σ_t 
 (``docs/math.rst``, "Layer structure"), from the same vectors ``s̃``.
 
 A parameter gets a factor form only if every one of its uses in the autograd graph
-is a recorded call (see :func:`count_uses`); otherwise the engine falls back to its
-dense columns, which are exact for any use.
+is a recorded call (see :func:`count_uses`; the engine counts both kinds of
+record); otherwise the engine falls back to its dense columns, which are exact
+for any use.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module, Parameter
+from torch.nn import Conv1d, Conv2d, Conv3d, Module, Parameter
 from torch.nn.modules.batchnorm import _BatchNorm
 
-#: Layers whose weight has the outer-product factor form.
-FACTOR_LAYERS = (Linear, Conv1d, Conv2d, Conv3d)
+#: Layers whose weight has the outer-product factor form, recorded by module hooks.
+FACTOR_LAYERS = (Conv1d, Conv2d, Conv3d)
 #: Layers whose weight is an entry-wise scale of the normalized input (evaluation
 #: mode: :func:`vivit._validation.check_batch_norm` refuses batch statistics).
 SCALE_LAYERS = (_BatchNorm,)
@@ -68,10 +71,6 @@ class LayerCall:
 
         For a BatchNorm layer: its normalized input ``x̂``, ``[B, 1, T, O]``.
         """
-        if isinstance(self.module, Linear):
-            return self.inputs.reshape(
-                self.inputs.shape[0], 1, -1, self.inputs.shape[-1]
-            )
         if isinstance(self.module, SCALE_LAYERS):
             return normalized_input(self.module, self.inputs)
         unfolded = unfold_conv_input(self.module, self.inputs)  # [B, I·k, T]
@@ -85,8 +84,6 @@ class LayerCall:
         A BatchNorm layer's channels are its ``O`` output features (``G = 1``).
         """
         num, batch = vectors.shape[:2]
-        if isinstance(self.module, Linear):
-            return vectors.reshape(num, batch, 1, -1, vectors.shape[-1])
         if isinstance(self.module, SCALE_LAYERS):
             groups, features = 1, self.module.num_features
         else:
@@ -196,30 +193,6 @@ class LayerCapture:
                 module, inputs.detach(), output, (inputs._version, output._version)
             )
         )
-
-    def factor_params(self, output: Tensor) -> dict[int, list[LayerCall]]:
-        """Parameters whose every use in the graph of ``output`` is a recorded call.
-
-        Args:
-            output: The model output of the recorded forward pass.
-
-        Returns:
-            Map from ``id(param)`` (weights and biases of recorded layers) to the
-            calls that use it.
-        """
-        calls_of: dict[int, list[LayerCall]] = {}
-        params: dict[int, Parameter] = {}
-        for call in self.calls:
-            for param in (call.module.weight, call.module.bias):
-                if param is not None and param.requires_grad:
-                    calls_of.setdefault(id(param), []).append(call)
-                    params[id(param)] = param
-        uses = count_uses(output, list(params.values()))
-        return {
-            key: calls
-            for key, calls in calls_of.items()
-            if uses[key] == len(calls) and all(c.unchanged() for c in calls)
-        }
 
 
 def _accumulator(param: Parameter):

@@ -1,38 +1,53 @@
 """The func engine: curvature factors of any model whose samples are independent.
 
 No ``backpack.extend`` and nothing left on the caller's model: temporary forward
-hooks record the inputs and outputs of Linear and convolution layers, and
-``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in a
-loop where that is faster, see :class:`~vivit.engines.func.vjp.BatchedVJP`) pushes
-back the columns of the loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN
-and its square root") together with the per-sample output gradients ``∂ℓ_n/∂f_n``:
+hooks record the inputs and outputs of convolution and BatchNorm layers, a
+``TorchFunctionMode`` the calls of ``F.linear``, ``torch.addmm``, ``F.embedding``
+and the normalizations (:mod:`~vivit.engines.func.functional`), and
+``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in
+a loop where that is faster, see
+:class:`~vivit.engines.func.vjp.BatchedVJP`) pushes back the columns of the
+loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN and its square root")
+together with the per-sample output gradients ``∂ℓ_n/∂f_n`` and probe vectors
+that tell which sample owns each row of a recorded output:
 
-* Linear and convolution weights keep layer inputs and backpropagated vectors
-  (:class:`~vivit.gram.OuterProductFactors`), their biases the vectors summed over
-  positions; a layer called several times stacks its calls along the positions.
-  BatchNorm layers (evaluation mode) keep ``Σ_t s̃[t] ⊙ x̂[t]`` for their weight
-  and ``Σ_t s̃[t]`` for their bias, ``x̂`` the normalized input (their columns
-  of ``V``, as small as the parameters).
-* Every other parameter (other normalization layers, embeddings, attention's
-  in-projection, LSTM weights, parameters used outside such layers) gets its
-  columns of ``V`` explicitly (:class:`~vivit.gram.DenseFactors`): autograd sums a
-  batch's contributions at a parameter, so each sample's vectors are pushed back
-  in an otherwise zero batch (:func:`~vivit.engines.func.vjp.one_hot_per_sample`).
+* weights of the recorded calls keep inputs (token indices) and backpropagated
+  vectors (:class:`~vivit.gram.OuterProductFactors`,
+  :class:`~vivit.gram.EmbeddingFactors`; their sum,
+  :class:`~vivit.gram.SumFactors`, for a parameter used in several forms),
+  biases the vectors summed over positions, normalization weights
+  ``Σ_t x̂[t] ⊙ s̃[t]`` (BatchNorm in evaluation mode too, recorded by module
+  hooks with ``x̂`` from the running statistics); calls of one form stack along
+  the positions.
+* Every other parameter (LSTM weights, a table looked up for every sample alike,
+  parameters used in other operations) gets its columns of ``V`` explicitly
+  (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's contributions at a
+  parameter, so each sample's vectors are pushed back in an otherwise zero batch
+  (:class:`~vivit.engines.func.columns.OneHotPerSample`), or a vmap over the
+  samples of one sample's pullback does it in one pass, whichever is faster
+  (:class:`~vivit.engines.func.vjp.ExplicitColumns`).
 
-Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``M + 1`` with
-MC), ``w`` activation entries per sample (measured in the first forward pass) and
-``D`` entries of the parameters without a factor form, the engine processes ``B``
+Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``C·T + 1``
+for cross-entropy on ``[N, C, *T]``; ``M + 1`` with MC, ``M·T + 1`` per token),
+formed a pass's vectors at a time (:mod:`vivit.engines.func.columns`), ``w``
+activation entries per sample (measured in the first forward pass) and ``D``
+entries of the parameters without a factor form, the engine processes ``B``
 samples at a time. ``B`` is the largest chunk whose memory stays below
 ``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
-split further if even one sample does not fit. Per chunk: one vmapped backward
-pass of the ``V`` vectors (each holding the chunk's samples) to the recorded
-layer outputs, memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V``
-one-hot vectors to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B``
-times the necessary work. In total: the work of ``V`` backward passes of the
-batch (``B·V`` with ``D > 0``), ``N·V`` rows of ``D`` entries for the parameters
-without a factor form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per
-Linear or convolution weight (``V`` and the per-sample gradients view them; its
-bias keeps their sum over the positions; the chunks are written into place).
+split further if even one sample does not fit. ``w`` counts the outputs of the
+leaf modules, at least those of the recorded calls. Per chunk: one vmapped
+backward pass of the ``V`` vectors (each holding the chunk's samples; with
+recorded calls, ``2·(1 + ⌈log₁₆ B⌉)`` probe vectors besides, except for the chunk of
+the whole batch, whose rows the probes found before) to the recorded outputs,
+memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V`` one-hot vectors
+to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B`` times the
+necessary work, or its vectorized twin (a forward pass under ``vmap`` besides).
+In total: the work of ``V`` backward passes of the batch (``B·V`` with
+``D > 0``), ``N·V`` rows of ``D`` entries for the parameters without a factor
+form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per weight (``V`` and
+the per-sample gradients view them, where each sample's rows are consecutive;
+otherwise a gathered copy; a bias keeps their sum over the positions; the
+chunks are written into place).
 
 Forward passes (calls of the model). Two when one chunk holds the batch
 (``B = N``): the first computes the loss, the gradient and the factors (its
@@ -48,8 +63,10 @@ check's runs without gradients.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -65,14 +82,38 @@ from vivit.engines.base import (
     ParamContribution,
     select_output,
 )
-from vivit.engines.func.capture import SCALE_LAYERS, LayerCall, LayerCapture
+from vivit.engines.func.capture import (
+    SCALE_LAYERS,
+    LayerCall,
+    LayerCapture,
+    count_uses,
+)
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
+from vivit.engines.func.functional import (
+    FunctionCapture,
+    FunctionUse,
+    probe_vectors,
+    sample_rows,
+)
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.engines.func.vjp import BatchedVJP, one_hot_per_sample
+from vivit.engines.func.vjp import BatchedVJP, ExplicitColumns, per_sample_vjp
 from vivit.errors import InvalidArgumentError, UnsupportedLayerError
-from vivit.gram import DenseFactors, OuterProductFactors
+from vivit.gram import (
+    DenseFactors,
+    EmbeddingFactors,
+    OuterProductFactors,
+    ParamFactors,
+    SumFactors,
+)
 from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature
-from vivit.model_inputs import ModelInputs, call_model, num_samples, take_samples
+from vivit.model_inputs import (
+    ModelInputs,
+    call_model,
+    map_inputs,
+    num_samples,
+    take_samples,
+)
 
 #: Default memory budget of one chunk, in tensor entries (2**27: 512 MiB float32).
 DEFAULT_MEMORY_BUDGET = 2**27
@@ -82,17 +123,26 @@ DEFAULT_MEMORY_BUDGET = 2**27
 DENSE_CHUNK = 4
 
 
+Use = LayerCall | FunctionUse
+#: Rows of each function use's output that each sample owns, ``[B, T]``.
+Rows = dict[int, Tensor]
+
+
 @dataclass
 class _Collected:
     """What the chunks leave for one parameter, over the whole batch.
 
     Each chunk's part is written into place as it arrives (see :func:`_place`),
     so no chunk outlives its own pass; with one chunk, its tensors are kept.
+    ``forms`` maps a factor form (``"conv"``, ``"linear"``, ``"linear_t"``,
+    ``"embedding"``) to its inputs ``[N, G, T, P]`` (indices ``[N, T]``) and
+    vectors ``[V, N, G, T, O]`` (``[V, N, T, D]``), the uses of that form
+    stacked along the positions; ``columns`` are explicit columns
+    ``[N, V, *shape]`` (explicit fallback, biases, normalization weights).
     """
 
-    layer_inputs: Tensor | None = None  # weight: [N, G, T, P]
-    vectors: Tensor | None = None  # weight: [V, N, G, T, O]; bias: [V, N, G, O]
-    columns: Tensor | None = None  # no factor form: [N, V, *shape]
+    forms: dict[str, list[Tensor]] = field(default_factory=dict)
+    columns: Tensor | None = None
 
 
 class FuncEngine(Engine):
@@ -141,8 +191,9 @@ class FuncEngine(Engine):
             request.gram_dtype or output.dtype,
             output.device,
         )
-        calls_of = forward.capture.factor_params(output)
-        dense = [p for p in params if id(p) not in calls_of]
+        uses_of = forward.factor_uses(output)
+        rows_of = forward.resolve_rows(output, uses_of)
+        dense = [p for p in params if id(p) not in uses_of]
         chunk, per_pass = self.chunking(
             num_samples(inputs),
             batch.columns_per_sample + request.compute_gradients,
@@ -160,9 +211,9 @@ class FuncEngine(Engine):
         ]
         check_samples_independent(forward.unrecorded, inputs, output.detach())
         vectors = self._vectors(loss_curvature, output_grad, batch, request)
-        factor = set(calls_of)
-        first = (output, calls_of) if reuse else None
-        del calls_of  # chunks: the whole batch's layer calls are not kept
+        factor = set(uses_of)
+        first = (output, uses_of, rows_of) if reuse else None
+        del uses_of, rows_of  # chunks: the whole batch's calls are not kept
         collected = self._collect(
             forward, inputs, dense, vectors, (chunk, per_pass), factor, first
         )
@@ -170,7 +221,7 @@ class FuncEngine(Engine):
         # is not needed while the sink forms Gram blocks: free it first
         del vectors, first, output
         loss = loss.detach()
-        forward.capture.calls = []
+        forward.forget()
         for param in params:
             # popped: what the sink does not keep is freed parameter by parameter
             entry = collected.pop(id(param))
@@ -184,25 +235,26 @@ class FuncEngine(Engine):
         output_grad: Tensor,
         batch: BatchInfo,
         request: CurvatureRequest,
-    ) -> Tensor:
+    ) -> VectorStack:
         """Vectors to backpropagate, ``[V, N, *out]``: root columns, then ``∂ℓ_n/∂f_n``.
 
-        Samples outside the curvature subsampling get zero root columns.
+        Samples outside the curvature subsampling get zero root columns. Formed
+        a block at a time as the backward passes take them.
         """
-        samples = list(batch.ggn_samples)
-        root = loss_curvature.sqrt_hessian(
-            samples, request.mc_samples, request.generator
+        root = loss_curvature.root(
+            list(batch.ggn_samples),
+            request.mc_samples,
+            request.generator,
+            request.mc_per,
         )
-        rows = _rows(batch.ggn_samples, output_grad.shape[0])
-        if isinstance(rows, slice):  # every sample: the root as it is
-            columns = root
-        else:
-            columns = root.new_zeros(root.shape[0], *output_grad.shape)
-            columns[:, rows] = root
-        if not request.compute_gradients:
-            return columns
-        per_sample_grad = output_grad.detach() * batch.per_sample_gradient_scale
-        return torch.cat([columns, per_sample_grad.unsqueeze(0)])
+        gradients = (
+            output_grad.detach() * batch.per_sample_gradient_scale
+            if request.compute_gradients
+            else None
+        )
+        return VectorStack(
+            root, batch.ggn_samples, gradients, range(output_grad.shape[0])
+        )
 
     def chunking(
         self, num_samples: int, num_vectors: int, width: int, dense: int
@@ -235,53 +287,70 @@ class FuncEngine(Engine):
     def _collect(
         self,
         forward: _Forward,
-        inputs: Tensor,
+        inputs: ModelInputs,
         dense: list[Parameter],
-        vectors: Tensor,
+        vectors: VectorStack,
         chunking: tuple[int, int],
         factor: set[int],
-        first: tuple[Tensor, dict[int, list[LayerCall]]] | None,
+        first: tuple[Tensor, dict[int, list[Use]], Rows] | None,
     ) -> dict[int, _Collected]:
         """Every parameter's factors, ``chunk`` samples at a time.
 
         ``chunking`` is ``(samples per chunk, vectors per backward pass)``;
         ``factor`` the parameters with a factor form in the first forward pass
-        of the whole batch. ``first`` is that pass's output and layer calls when
+        of the whole batch. ``first`` is that pass's output, uses and rows when
         one chunk holds the whole batch: its graph is reused, so the batch is
         evaluated once. Otherwise each chunk runs its own forward pass (the graph
         of the whole batch would need the memory the chunks save), which must
-        use the layers as the first did.
+        use the parameters as the first did; its rows are read off probe
+        vectors pushed back with the chunk's vectors.
         """
         chunk, per_pass = chunking
         total = num_samples(inputs)
-        collected = {id(p): _Collected() for p in forward.capture.params}
+        collected = {id(p): _Collected() for p in forward.params}
         to_layers, to_params = BatchedVJP(), BatchedVJP()
+        explicit = ExplicitColumns()
         for start in range(0, total, chunk):
+            block = vectors.samples(start, start + chunk)
             if first is not None:
-                output, calls_of = first
+                output, uses_of, rows_of = first
             else:
                 output = forward(take_samples(inputs, slice(start, start + chunk)))
-                calls_of = forward.capture.factor_params(output)
-            if set(calls_of) != factor:
+                # those that lost their form over the whole batch keep it lost
+                found = forward.factor_uses(output)
+                uses_of = {k: found[k] for k in factor if k in found}
+                rows_of = None
+            if set(uses_of) != factor:
                 raise UnsupportedLayerError(
-                    "The model uses its Linear or convolution layers differently for "
-                    "different chunks of the mini-batch (data-dependent control "
-                    "flow); the func engine needs the same computation for every "
-                    "sample chunk. Pass a larger memory_budget to process the batch "
-                    "at once."
+                    "The model uses its parameters differently for different chunks "
+                    "of the mini-batch (data-dependent control flow); the func "
+                    "engine needs the same computation for every sample chunk. Pass "
+                    "a larger memory_budget to process the batch at once."
                 )
-            block = vectors[:, start : start + output.shape[0]]
+            calls = _calls(uses_of)
+            if rows_of is None:
+                rows_of = _chunk_rows(calls, output, forward.generator)
+            at_outputs = to_layers(output, [c.output for c in calls], block, per_pass)
             self._factor_chunk(
-                to_layers(
-                    output, [c.output for c in _calls(calls_of)], block, per_pass
-                ),
-                calls_of,
-                forward.capture.params,
+                at_outputs,
+                calls,
+                (uses_of, rows_of),
+                forward.params,
                 collected,
                 (start, total),
             )
             if dense:
-                columns = to_params(output, dense, one_hot_per_sample(block), per_pass)
+                columns = explicit(
+                    partial(
+                        forward.per_sample_columns,
+                        dense,
+                        take_samples(inputs, slice(start, start + chunk)),
+                        block,
+                        per_pass,
+                    ),
+                    partial(to_params, output, dense, OneHotPerSample(block), per_pass),
+                    more_chunks=start + chunk < total,
+                )
                 for param, cols in zip(dense, columns, strict=True):
                     cols = cols.reshape(output.shape[0], len(vectors), *param.shape)
                     entry = collected[id(param)]
@@ -292,47 +361,144 @@ class FuncEngine(Engine):
     @staticmethod
     def _factor_chunk(
         at_outputs: list[Tensor],
-        calls_of: dict[int, list[LayerCall]],
+        calls: list[Use],
+        found: tuple[dict[int, list[Use]], Rows],
         params: list[Parameter],
         collected: dict[int, _Collected],
         place: tuple[int, int],
     ) -> None:
-        """Keep the factors of the chunk's vectors at the recorded layer outputs.
+        """Keep the factors of the chunk's vectors at the recorded outputs.
 
-        ``place`` is the chunk's first sample and the batch's samples. A weight
-        and its bias share the vectors of their calls; the bias keeps only their
-        sum over the positions.
+        ``found`` holds the uses of every parameter with a factor form and the
+        rows each sample owns of every function's output; ``place`` the chunk's
+        first sample and the batch's samples. Uses of one form are stacked along
+        the positions (``Σ_u`` of their contributions); explicit parts (biases,
+        normalization weights) are summed.
         """
+        uses_of, rows_of = found
         start, total = place
-        index = {id(c): i for i, c in enumerate(_calls(calls_of))}
-        shared: dict[tuple[int, ...], Tensor] = {}
+        at = {id(c): g for c, g in zip(calls, at_outputs, strict=True)}
+        gathered: dict[int, Tensor] = {}  # a weight and its bias share the rows
         for param in params:
-            uses = calls_of.get(id(param))
+            uses = uses_of.get(id(param))
             if uses is None:
                 continue
-            key = tuple(id(c) for c in uses)
-            if key not in shared:
-                parts = [uses[0].output_vectors(at_outputs[index[id(c)]]) for c in uses]
-                shared[key] = _cat(parts, dim=3)
-            vectors = shared[key]
+            forms: dict[str, list[tuple[Tensor, Tensor]]] = {}
+            columns = None
+            for use in uses:
+                if isinstance(use, FunctionUse) and id(use) not in gathered:
+                    vectors = use.rows(at[id(use)])
+                    gathered[id(use)] = _gather(vectors, rows_of[id(use)])
+                form, part = _use_factors(param, use, at[id(use)], gathered, rows_of)
+                if form is None:
+                    columns = part if columns is None else columns + part
+                else:
+                    forms.setdefault(form, []).append(part)
             entry = collected[id(param)]
-            if param is uses[0].module.weight and isinstance(
-                uses[0].module, SCALE_LAYERS
-            ):  # a scale of the normalized input x̂: Σ_t s̃[t] ⊙ x̂[t]
-                normalized = _cat([c.layer_inputs() for c in uses], dim=2)
-                entry.vectors = _place(
-                    entry.vectors, (vectors * normalized).sum(3), start, total, dim=1
+            for form, parts in forms.items():
+                axis = 1 if form == "embedding" else 2  # the positions of the inputs
+                stacked = (
+                    _cat([p[0] for p in parts], dim=axis),
+                    _cat([p[1] for p in parts], dim=axis + 1),
                 )
-            elif param is uses[0].module.weight:
-                entry.vectors = _place(entry.vectors, vectors, start, total, dim=1)
-                layer_inputs = _cat([c.layer_inputs() for c in uses], dim=2)
-                entry.layer_inputs = _place(
-                    entry.layer_inputs, layer_inputs, start, total, dim=0
-                )
-            else:  # bias: summed over the positions
-                entry.vectors = _place(
-                    entry.vectors, vectors.sum(3), start, total, dim=1
-                )
+                kept = entry.forms.get(form, [None, None])
+                entry.forms[form] = [
+                    _place(kept[0], stacked[0], start, total, dim=0),
+                    _place(kept[1], stacked[1], start, total, dim=1),
+                ]
+            if columns is not None:
+                columns = columns.reshape(*columns.shape[:2], *param.shape)
+                entry.columns = _place(entry.columns, columns, start, total, dim=0)
+
+
+def _use_factors(
+    param: Parameter,
+    use: Use,
+    vectors: Tensor,
+    gathered: dict[int, Tensor],
+    rows_of: Rows,
+) -> tuple[str | None, tuple[Tensor, Tensor] | Tensor]:
+    """A parameter's part of ``V`` from one use, and the form it has.
+
+    Args:
+        param: The parameter.
+        use: One of its recorded uses.
+        vectors: The chunk's vectors at the use's output, ``[V, *z]``.
+        gathered: The vectors at each function's output, each sample's rows
+            gathered, ``[V, B, T, F]``.
+        rows_of: The rows each sample owns of every function's output.
+
+    Returns:
+        The form and ``(inputs, vectors)`` in factor layout, or ``None`` and
+        explicit columns ``[B, V, ...]`` (a bias; a normalization weight:
+        ``Σ_t x̂[t] ⊙ s̃[t]``).
+    """
+    if isinstance(use, LayerCall):
+        per_group = use.output_vectors(vectors)  # [V, B, G, T, O]
+        if param is use.module.weight and isinstance(use.module, SCALE_LAYERS):
+            # BatchNorm: a scale of the normalized input x̂, Σ_t s̃[t] ⊙ x̂[t]
+            scaled = (per_group * use.layer_inputs()).sum(3)
+            return None, scaled.flatten(2).transpose(0, 1)
+        if param is use.module.weight:
+            return "conv", (use.layer_inputs(), per_group)
+        return None, per_group.sum(3).flatten(2).transpose(0, 1)
+    at_rows = gathered[id(use)]  # [V, B, T, F]
+    rows = rows_of[id(use)]
+    if param is not use.weight:  # a bias: the vectors summed over the positions
+        return None, at_rows.sum(2).transpose(0, 1)
+    if use.kind == "embedding":
+        indices = _gather(use.input_rows()[:, None], rows)[..., 0]  # [B, T]
+        if use.padding is not None:  # the padding row gets no gradient
+            at_rows = at_rows * (indices != use.padding)[..., None]
+        return "embedding", (indices, at_rows)
+    inputs = _gather(use.input_rows(), rows)  # [B, T, P]
+    if use.kind == "norm":
+        return None, torch.einsum("btf,vbtf->bvf", inputs, at_rows)
+    return use.kind, (inputs[:, None], at_rows[:, :, None])
+
+
+def _gather(tensor: Tensor, rows: Tensor) -> Tensor:
+    """``tensor[..., R, F]`` at rows ``[B, T]``; row index ``R`` gives zeros.
+
+    Sample-major rows without padding (``rows`` is ``0, …, R - 1``) are a view.
+    """
+    count = tensor.shape[-2]
+    if rows.numel() == count and torch.equal(
+        rows.flatten(), torch.arange(count, device=rows.device)
+    ):
+        return tensor.reshape(*tensor.shape[:-2], *rows.shape, tensor.shape[-1])
+    zero = tensor.new_zeros(*tensor.shape[:-2], 1, tensor.shape[-1])
+    return torch.cat([tensor, zero], dim=-2)[..., rows, :]
+
+
+def _chunk_rows(calls: list[Use], output: Tensor, generator: torch.Generator) -> Rows:
+    """The rows of every function's output each sample of a chunk owns.
+
+    The probe vectors (:func:`~vivit.engines.func.functional.probe_vectors`)
+    pushed back through the chunk's graph in one pass of their own.
+
+    Raises:
+        UnsupportedLayerError: If they cannot be read off for a chunk although
+            they could for the whole batch.
+    """
+    functions = [c for c in calls if isinstance(c, FunctionUse)]
+    if not functions:
+        return {}
+    probes = probe_vectors(output.detach()[None], generator)
+    at_outputs = BatchedVJP()(
+        output, [f.output for f in functions], probes, len(probes)
+    )
+    rows_of = {}
+    for use, at in zip(functions, at_outputs, strict=True):
+        rows = sample_rows(use.rows(at), output.shape[0])
+        if rows is None:
+            raise UnsupportedLayerError(
+                f"The rows of a {use.kind} call do not belong to single samples "
+                "in a chunk of the mini-batch although they did for the whole "
+                "batch; pass a larger memory_budget to process it at once."
+            )
+        rows_of[id(use)] = rows
+    return rows_of
 
 
 def _cat(parts: list[Tensor], dim: int) -> Tensor:
@@ -364,7 +530,7 @@ def _rows(samples: tuple[int, ...], total: int) -> slice | list[int]:
     return slice(None) if samples == tuple(range(total)) else list(samples)
 
 
-def _calls(calls_of: dict[int, list[LayerCall]]) -> list[LayerCall]:
+def _calls(calls_of: dict[int, list[Use]]) -> list[Use]:
     """The distinct recorded calls, in a fixed order."""
     return list({id(c): c for cs in calls_of.values() for c in cs}.values())
 
@@ -379,7 +545,9 @@ def _batch_info(
     return BatchInfo(
         normalization=loss_curvature.normalization,
         ggn_samples=samples,
-        columns_per_sample=mc_samples or output[0].numel(),
+        columns_per_sample=loss_curvature.columns_per_sample(
+            mc_samples, request.mc_per
+        ),
         mc_samples=mc_samples,
     )
 
@@ -391,41 +559,47 @@ def _contribution(
 
     Without a subsampling, ``V`` and the per-sample gradients view the same
     vectors and inputs (explicit columns: ``V`` and the gradients are copied, so
-    that the columns of all vectors are freed).
+    that the columns of all vectors are freed). A parameter with several forms
+    (a tied embedding table) gets their sum.
     """
     columns = batch.columns_per_sample
+    ggn: list[ParamFactors] = []
+    grad: list[ParamFactors] = []
+    for form, (inputs, vectors) in entry.forms.items():
+        samples = _rows(batch.ggn_samples, inputs.shape[0])
+        if form == "embedding":
+            ggn.append(
+                EmbeddingFactors(
+                    inputs[samples], vectors[:columns, samples], param.shape
+                )
+            )
+            grad.append(EmbeddingFactors(inputs, vectors[columns:], param.shape))
+            continue
+        transposed = form == "linear_t"
+        ggn.append(
+            OuterProductFactors(
+                inputs[samples], vectors[:columns, samples], param.shape, transposed
+            )
+        )
+        grad.append(
+            OuterProductFactors(inputs, vectors[columns:], param.shape, transposed)
+        )
     if entry.columns is not None:
         dense = entry.columns  # [N, V, *shape]
         samples = _rows(batch.ggn_samples, dense.shape[0])
         # both parts copied, so that the [N, V, *shape] columns are freed
-        ggn = DenseFactors(dense[samples, :columns].contiguous())
-        grad = (
-            DenseFactors(dense[:, columns:].clone())
-            if request.compute_gradients
-            else None
-        )
-        return ParamContribution(ggn=ggn, grad=grad, batch=batch)
-    vectors = entry.vectors  # weight: [V, N, G, T, O]; bias: [V, N, G, O]
-    samples = _rows(batch.ggn_samples, vectors.shape[1])
-    if entry.layer_inputs is not None:  # weight: outer-product factors
-        layer_inputs = entry.layer_inputs
-        ggn = OuterProductFactors(
-            layer_inputs[samples], vectors[:columns, samples], param.shape
-        )
-        grad = (
-            OuterProductFactors(layer_inputs, vectors[columns:], param.shape)
-            if request.compute_gradients
-            else None
-        )
-        return ParamContribution(ggn=ggn, grad=grad, batch=batch)
-    summed = vectors.flatten(start_dim=2)  # bias: [V, N, G·O]
-    ggn = DenseFactors(summed[:columns, samples].transpose(0, 1))
-    grad = (
-        DenseFactors(summed[columns:].transpose(0, 1))
-        if request.compute_gradients
-        else None
+        ggn.append(DenseFactors(dense[samples, :columns].contiguous()))
+        grad.append(DenseFactors(dense[:, columns:].clone()))
+    return ParamContribution(
+        ggn=_summed(ggn),
+        grad=_summed(grad) if request.compute_gradients else None,
+        batch=batch,
     )
-    return ParamContribution(ggn=ggn, grad=grad, batch=batch)
+
+
+def _summed(parts: list[ParamFactors]) -> ParamFactors:
+    """One form as it is, several as their sum."""
+    return parts[0] if len(parts) == 1 else SumFactors(parts)
 
 
 class _Forward:
@@ -443,9 +617,13 @@ class _Forward:
 
     def __init__(self, model: Module, params: list[Parameter], selector):
         self.model = model
+        self.params = params
         self.selector = selector
         self.capture = LayerCapture(model, params)
+        self.functions = FunctionCapture(params)
         self.width = _ActivationWidth(model)
+        # draws the probe vectors; the caller's generators are left alone
+        self.generator = torch.Generator(device=params[0].device).manual_seed(0)
 
     def __call__(self, inputs: ModelInputs, measure: bool = False) -> Tensor:
         """The selected model output of ``inputs``, layer calls recorded.
@@ -459,14 +637,122 @@ class _Forward:
         """
         with ExitStack() as stack:
             stack.enter_context(self.capture.recording())
+            self.functions.uses = []
+            stack.enter_context(self.functions)
             if measure:
                 stack.enter_context(self.width.measuring())
-            return select_output(call_model(self.model, inputs), self.selector)
+            output = select_output(call_model(self.model, inputs), self.selector)
+        if measure:  # activations outside leaf modules (attention, addmm)
+            calls = {id(u): u for u in self.functions.uses}.values()
+            entries = sum(u.output.numel() for u in calls)
+            self.width.at_least(entries // num_samples(inputs))
+        return output
+
+    def per_sample_columns(
+        self,
+        dense: list[Parameter],
+        inputs: ModelInputs,
+        vectors: VectorStack,
+        per_pass: int,
+    ) -> list[Tensor] | None:
+        """Explicit columns of ``dense``, vectorized over the samples.
+
+        Args:
+            dense: The parameters without a factor form.
+            inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
+            vectors: ``[V, B, *out]`` (formed here).
+            per_pass: Vectors per vmapped pullback.
+
+        Returns:
+            ``[B, V, *param.shape]`` per parameter, or ``None`` where the model
+            cannot run under ``vmap`` (:func:`~vivit.engines.func.vjp.per_sample_vjp`).
+        """
+        names = {id(p): name for name, p in self.model.named_parameters()}
+
+        def sample_output(values: list[Tensor], x: ModelInputs) -> Tensor:
+            replaced = {names[id(p)]: v for p, v in zip(dense, values, strict=True)}
+            one = map_inputs(x, lambda tensor: tensor[None])
+            args, kwargs = ((), one) if isinstance(one, Mapping) else ((one,), {})
+            output = torch.func.functional_call(self.model, replaced, args, kwargs)
+            return select_output(output, self.selector)[0]
+
+        return per_sample_vjp(sample_output, dense, inputs, vectors[:], per_pass)
+
+    def forget(self) -> None:
+        """Drop the last pass's records (they hold its graph)."""
+        self.capture.calls = []
+        self.functions.uses = []
+
+    def factor_uses(self, output: Tensor) -> dict[int, list[Use]]:
+        """Parameters whose every use in the graph of ``output`` was recorded.
+
+        Args:
+            output: The model output of the recorded forward pass.
+
+        Returns:
+            Map from ``id(param)`` to its recorded uses (layer calls and function
+            uses), for parameters none of whose recorded tensors changed in
+            place since.
+        """
+        uses_of: dict[int, list[Use]] = {}
+        params: dict[int, Parameter] = {}
+        for call in self.capture.calls:
+            for param in (call.module.weight, call.module.bias):
+                if param is not None and param.requires_grad:
+                    uses_of.setdefault(id(param), []).append(call)
+                    params[id(param)] = param
+        for use in self.functions.uses:
+            for param in use.params():
+                if param.requires_grad:
+                    uses_of.setdefault(id(param), []).append(use)
+                    params[id(param)] = param
+        counted = count_uses(output, list(params.values()))
+        return {
+            key: uses
+            for key, uses in uses_of.items()
+            if counted[key] == len(uses) and all(u.unchanged() for u in uses)
+        }
+
+    def resolve_rows(self, output: Tensor, uses_of: dict[int, list[Use]]) -> Rows:
+        """Which rows of every function's output each sample owns.
+
+        Probe vectors (:func:`~vivit.engines.func.functional.probe_vectors`) are
+        pushed back through the graph of ``output``; a parameter with a use
+        whose rows are not each owned by one sample (a table looked up for
+        every sample alike) loses its factor form (removed from ``uses_of``).
+
+        Args:
+            output: The model output of the recorded forward pass.
+            uses_of: The parameters' uses (:meth:`factor_uses`), changed in place.
+
+        Returns:
+            Row index ``[N, T]`` per function use (by ``id``).
+        """
+        functions = [c for c in _calls(uses_of) if isinstance(c, FunctionUse)]
+        if not functions:
+            return {}
+        probes = probe_vectors(output.detach()[None], self.generator)
+        at_outputs = BatchedVJP()(
+            output, [f.output for f in functions], probes, len(probes)
+        )
+        rows_of = {}
+        for use, at in zip(functions, at_outputs, strict=True):
+            rows = sample_rows(use.rows(at), output.shape[0])
+            if rows is not None:
+                rows_of[id(use)] = rows
+        for key in [k for k, uses in uses_of.items() if _unresolved(uses, rows_of)]:
+            del uses_of[key]
+        return rows_of
 
     def unrecorded(self, inputs: ModelInputs) -> Tensor:
         """The selected output without recording or gradients (checks)."""
         with torch.no_grad():
             return select_output(call_model(self.model, inputs), self.selector)
+
+
+def _unresolved(uses: list[Use], rows_of: Rows) -> bool:
+    """Whether some function use's rows are not known."""
+    return any(isinstance(u, FunctionUse) and id(u) not in rows_of for u in uses)
 
 
 class _ActivationWidth:
@@ -476,6 +762,7 @@ class _ActivationWidth:
         self._model = model
         self._entries = 0
         self._samples = 1
+        self._floor = 0
 
     def measuring(self) -> ExitStack:
         """Context in which the forward pass is measured (hooks removed on exit)."""
@@ -492,7 +779,11 @@ class _ActivationWidth:
                 self._entries += tensor.numel()
                 self._samples = tensor.shape[0]
 
+    def at_least(self, entries: int) -> None:
+        """Count at least ``entries`` per sample (outputs of recorded functions)."""
+        self._floor = max(self._floor, entries)
+
     @property
     def per_sample(self) -> int:
         """Entries per sample (at least 1)."""
-        return max(1, self._entries // max(self._samples, 1))
+        return max(1, self._floor, self._entries // max(self._samples, 1))

@@ -22,34 +22,76 @@ naming it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
-from torch.nn import Module, Parameter
+from torch.nn import Module, Parameter, RNNBase
+from torch.overrides import TorchFunctionMode
 
 from vivit.engines.base import OutputSelector, select_output
 from vivit.errors import UnsupportedLayerError
+from vivit.model_inputs import ModelInputs
 
 
 @contextmanager
-def forward_mode_kernels() -> Iterator[None]:
-    """Attention kernels that have forward-mode AD rules, for the block's passes.
+def forward_mode_kernels(model: Module) -> Iterator[None]:
+    """Kernels that have forward-mode AD rules, for the block's passes.
 
     ``nn.MultiheadAttention``'s fast path and the fused scaled-dot-product
-    kernels have no JVP; the composite kernel computes the same function.
+    kernels have no JVP; the composite kernel computes the same function. On the
+    CPU, oneDNN's (MKLDNN's) float32 LSTM and GRU layers have none either: for a
+    model with a recurrent layer oneDNN is off, and PyTorch's native recurrent
+    kernel, built of operations that have JVPs, computes the same function.
+
+    Args:
+        model: The network.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fast_path = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    recurrent = any(isinstance(m, RNNBase) for m in model.modules())
+    onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    if recurrent and onednn:
+        torch.backends.mkldnn.set_flags(False, None, None, None)
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), PaddingRowsConstant():
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
+        if recurrent and onednn:
+            torch.backends.mkldnn.set_flags(True, None, None, None)
+
+
+class PaddingRowsConstant(TorchFunctionMode):
+    """An embedding's padding row as reverse-mode AD sees it: a constant.
+
+    ``nn.Embedding(padding_idx=p)``'s backward gives row ``p`` of the weight no
+    gradient, although the output depends on it; its forward-mode rule does
+    give that row a tangent. The GGN is that of the function reverse mode
+    differentiates (``docs/math.rst``, "Implicit GGN-vector products"), so in
+    the implicit route's passes the padding row enters each embedding call
+    detached: the same values, no tangent and no gradient from that call (a
+    weight tied to another layer keeps that layer's derivatives). Without it
+    ``J v`` and ``Jᵀ w`` would be of two different functions.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.embedding:
+            padding_idx = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+            if padding_idx is not None:
+                args = list(args)
+                weight = kwargs.pop("weight", None)
+                weight = args[1] if weight is None else weight
+                row = torch.zeros(weight.shape[0], 1, dtype=torch.bool)
+                row[padding_idx] = True
+                weight = torch.where(row.to(weight.device), weight.detach(), weight)
+                args = [args[0], weight, *args[2:]]
+        return func(*args, **kwargs)
 
 
 class BlockFunction:
@@ -66,7 +108,7 @@ class BlockFunction:
         self,
         model: Module,
         params: Sequence[Parameter],
-        inputs: Tensor,
+        inputs: ModelInputs,
         selector: OutputSelector,
     ):
         names = {id(p): name for name, p in model.named_parameters()}
@@ -78,9 +120,11 @@ class BlockFunction:
 
     def __call__(self, *values: Tensor) -> Tensor:
         """The selected output with the group's parameters set to ``values``."""
-        output = functional_call(
-            self._model, dict(zip(self._names, values, strict=True)), (self._inputs,)
-        )
+        params = dict(zip(self._names, values, strict=True))
+        if isinstance(self._inputs, Mapping):  # keyword inputs: model(**inputs)
+            output = functional_call(self._model, params, (), dict(self._inputs))
+        else:
+            output = functional_call(self._model, params, (self._inputs,))
         return select_output(output, self._selector)
 
     def jvp(self, tangents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -99,7 +143,7 @@ class BlockFunction:
         def single(*vector: Tensor) -> tuple[Tensor, Tensor]:
             return jvp(self, self._primals, vector)
 
-        with _naming_unsupported("J v (forward-mode AD, torch.func.jvp)"):
+        with _naming_unsupported(self._model, "J v (forward-mode AD, torch.func.jvp)"):
             return vmap(single, out_dims=(None, 0))(*tangents)
 
     def vjp(self, cotangents: Tensor) -> list[Tensor]:
@@ -111,16 +155,16 @@ class BlockFunction:
         Returns:
             One tensor ``[K, *p.shape]`` per parameter.
         """
-        with _naming_unsupported("Jᵀ w (reverse-mode AD, torch.func.vjp)"):
+        with _naming_unsupported(self._model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
             _, pullback = vjp(self, *self._primals)
             return list(vmap(pullback)(cotangents))
 
 
 @contextmanager
-def _naming_unsupported(what: str) -> Iterator[None]:
+def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
     """Turn torch's refusal of an operation into a refusal that says what to do."""
     try:
-        with forward_mode_kernels():
+        with forward_mode_kernels(model):
             yield
     except NotImplementedError as error:
         raise UnsupportedLayerError(
@@ -129,3 +173,54 @@ def _naming_unsupported(what: str) -> Iterator[None]:
             "another solver (solver='auto' or 'matrix_free'), whose engines need "
             "reverse-mode AD only."
         ) from error
+
+
+def check_modes_agree(function: BlockFunction, params: Sequence[Parameter]) -> None:
+    """Refuse a model whose forward- and reverse-mode derivatives disagree.
+
+    The implicit route takes ``J v`` by forward mode and ``Jᵀ w`` by reverse mode;
+    where an operation's JVP rule and its backward compute different derivatives
+    (a custom ``autograd.Function``, a backward that drops a gradient), their
+    products are of two different functions and ``G v`` is wrong. For one random
+    pair ``(v, w)`` (a generator of its own, seed 0) the two sides of ``wᵀ(J v) =
+    (Jᵀ w)ᵀ v`` must agree within ``√ε`` of ``‖w‖‖J v‖ + ‖Jᵀ w‖‖v‖`` (both
+    bound either side; rounding is ``O(depth·ε)`` of it, ``docs/math.rst``,
+    "Implicit GGN-vector products").
+
+    Args:
+        function: The block's output as a function of the group's parameters.
+        params: The group's parameters.
+
+    Raises:
+        UnsupportedLayerError: If they disagree.
+    """
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(shape: torch.Size, like: Tensor) -> Tensor:
+        sample = torch.randn(shape, generator=generator, dtype=like.dtype)
+        return sample.to(like.device)
+
+    tangents = [draw((1, *p.shape), p) for p in params]
+    _, forward = function.jvp(tangents)
+    cotangent = draw(forward.shape, forward)
+    backward = function.vjp(cotangent)
+    forward_side = (cotangent * forward).sum().item()
+    backward_side = sum((g * t).sum() for g, t in zip(backward, tangents, strict=True))
+    backward_side = float(backward_side)
+    norm = torch.linalg.vector_norm
+    scale = (norm(cotangent) * norm(forward)).item() + (
+        torch.stack([norm(g) for g in backward]).norm()
+        * torch.stack([norm(t) for t in tangents]).norm()
+    ).item()
+    tolerance = torch.finfo(forward.dtype).eps ** 0.5 * scale
+    if abs(forward_side - backward_side) > tolerance:
+        raise UnsupportedLayerError(
+            "Forward- and reverse-mode derivatives of this model disagree: for a "
+            f"random pair, wᵀ(J v) = {forward_side:.6g} by JVP but (Jᵀ w)ᵀ v = "
+            f"{backward_side:.6g} by VJP (allowed difference {tolerance:.2g}). An "
+            "operation's JVP rule and its backward compute different derivatives "
+            "(a custom autograd.Function, or a backward that drops a gradient), "
+            "so GGN-vector products by JVP and VJP would be wrong. Use a Gram "
+            "route, which differentiates by reverse mode only: solver='dense', "
+            "'iterative' or 'matrix_free'."
+        )

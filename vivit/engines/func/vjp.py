@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from vivit.engines.func.columns import OneHotPerSample, VectorStack
+from vivit.model_inputs import ModelInputs
 
 
 class BatchedVJP:
@@ -25,14 +28,19 @@ class BatchedVJP:
         self.batched: bool | None = None
 
     def __call__(
-        self, output: Tensor, inputs: Sequence[Tensor], vectors: Tensor, chunk_size: int
+        self,
+        output: Tensor,
+        inputs: Sequence[Tensor],
+        vectors: Tensor | VectorStack | OneHotPerSample,
+        chunk_size: int,
     ) -> list[Tensor]:
         """``Jᵀ v`` of ``output`` w.r.t. each input.
 
         Args:
             output: A tensor of the graph, shape ``[*out]``.
             inputs: Tensors of the graph to differentiate with respect to.
-            vectors: ``[V, *out]``.
+            vectors: ``[V, *out]``: a tensor, or a stack that forms the
+                vectors it is sliced for (:mod:`vivit.engines.func.columns`).
             chunk_size: At most this many vectors per vmapped backward pass.
 
         Returns:
@@ -41,17 +49,23 @@ class BatchedVJP:
         """
         if not inputs:
             return []
-        results: list[list[Tensor]] = [[] for _ in inputs]
-        for chunk in vectors.split(max(chunk_size, 1)):
+        total, step = len(vectors), max(chunk_size, 1)
+        if total <= step:  # one pass: its products are the result
+            grads = self._chunk(output, inputs, vectors[:])
+            return [
+                x.new_zeros(total, *x.shape) if grad is None else grad.detach()
+                for grad, x in zip(grads, inputs, strict=True)
+            ]
+        # several passes: each written into the result, no list of parts besides
+        results = [x.new_zeros(total, *x.shape) for x in inputs]
+        for start in range(0, total, step):
+            chunk = vectors[start : start + step]
             grads = self._chunk(output, inputs, chunk)
-            for result, grad, x in zip(results, grads, inputs, strict=True):
-                result.append(
-                    chunk.new_zeros(len(chunk), *x.shape) if grad is None else grad
-                )
-        return [
-            (parts[0] if len(parts) == 1 else torch.cat(parts)).detach()
-            for parts in results
-        ]
+            for result, grad in zip(results, grads, strict=True):
+                if grad is not None:
+                    result[start : start + len(chunk)] = grad
+            del chunk, grads
+        return results
 
     def _chunk(self, output, inputs, chunk) -> list[Tensor | None]:
         if self.batched is None:
@@ -108,22 +122,93 @@ def _looped(output, inputs, chunk) -> list[Tensor | None]:
     ]
 
 
-def one_hot_per_sample(vectors: Tensor) -> Tensor:
-    """Place each sample's vectors in an otherwise zero batch.
+class ExplicitColumns:
+    """Explicit columns of a chunk by the faster of two exact routes.
 
-    Backpropagating vector ``[b, v]`` of the result through a batch gives sample
-    ``b``'s own ``J_bᵀ v`` at the parameters, where autograd would otherwise sum
-    over the samples.
+    Vectorized over the samples (:func:`per_sample_vjp`: one pass, but a second
+    forward pass under ``vmap`` and, for operations without a batching rule such
+    as attention's fused backward on the CPU, a loop inside it) or one-hot
+    batches through the chunk's graph
+    (:class:`~vivit.engines.func.columns.OneHotPerSample`: ``B`` times the work
+    of a backward pass). With several chunks the first runs both, timed,
+    and the faster is kept (the causal transformer of ``docs/guide.rst``: one-hot
+    3.2 s, vectorized 7.8 s); with one chunk the one-hot batches reuse the graph
+    the engine already holds. A model that cannot run under ``vmap`` always takes
+    the one-hot batches.
+    """
+
+    def __init__(self):
+        self.vectorized: bool | None = None
+
+    def __call__(
+        self,
+        vectorized: Callable[[], list[Tensor] | None],
+        one_hot: Callable[[], list[Tensor]],
+        more_chunks: bool,
+    ) -> list[Tensor]:
+        """The columns, ``[B, V, *param.shape]`` per parameter.
+
+        Args:
+            vectorized: Runs :func:`per_sample_vjp` (``None`` if it cannot).
+            one_hot: Pushes the one-hot batches back.
+            more_chunks: Whether more chunks follow this one.
+        """
+        if self.vectorized is None and not more_chunks:
+            return one_hot()
+        if self.vectorized is None:
+            start = time.perf_counter()
+            columns = vectorized()
+            by_vmap = time.perf_counter() - start
+            if columns is None:
+                self.vectorized = False
+                return one_hot()
+            start = time.perf_counter()
+            one_hot()
+            self.vectorized = by_vmap <= time.perf_counter() - start
+            return columns
+        columns = vectorized() if self.vectorized else None
+        return one_hot() if columns is None else columns
+
+
+def per_sample_vjp(
+    sample_output: Callable[[list[Tensor], ModelInputs], Tensor],
+    params: list[Tensor],
+    inputs: ModelInputs,
+    vectors: Tensor,
+    chunk_size: int,
+) -> list[Tensor] | None:
+    """Each sample's ``J_nᵀ v`` at the parameters, vectorized over the samples.
+
+    ``torch.func.vmap`` over the samples of the pullback of one sample's output,
+    itself vmapped over that sample's vectors: one vectorized pass does what the
+    one-hot batches (:class:`~vivit.engines.func.columns.OneHotPerSample`) do in
+    ``B`` passes through the whole chunk.
 
     Args:
+        sample_output: The output of one sample (its input with a batch axis of
+            one) as a function of the parameters' values.
+        params: The parameters.
+        inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
         vectors: ``[V, B, *out]``.
+        chunk_size: At most this many vectors per vmapped pullback.
 
     Returns:
-        ``[B·V, B, *out]``; entry ``b·V + v`` holds ``vectors[v, b]`` at sample
-        ``b`` and zeros elsewhere.
+        One tensor ``[B, V, *param.shape]`` per parameter, detached, or ``None``
+        where the model cannot run under ``vmap`` (an operation without a
+        batching rule, data-dependent control flow, in-place changes of captured
+        tensors, an LSTM's fused kernel); the caller then pushes the one-hot
+        batches back.
     """
-    num, batch = vectors.shape[:2]
-    placed = vectors.new_zeros(batch, num, *vectors.shape[1:])
-    index = torch.arange(batch, device=vectors.device)
-    placed[index, :, index] = vectors.transpose(0, 1)
-    return placed.reshape(batch * num, *vectors.shape[1:])
+    values = [p.detach() for p in params]
+
+    def one_sample(x: ModelInputs, v: Tensor) -> list[Tensor]:
+        _, pullback = torch.func.vjp(lambda *w: sample_output(list(w), x), *values)
+        return torch.func.vmap(pullback, chunk_size=max(chunk_size, 1))(v)
+
+    try:
+        columns = torch.func.vmap(one_sample)(inputs, vectors.transpose(0, 1))
+    except RuntimeError:
+        # the model ran without vmap (the engine's first forward pass): a failure
+        # here is vmap's (an LSTM's fused kernel writes its batch in place)
+        return None
+    return [c.detach() for c in columns]

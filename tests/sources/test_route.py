@@ -1,0 +1,119 @@
+"""The route ``solver="auto"`` runs (``vivit.sources.route``, ``docs/math.rst``,
+"Choosing the route"): the rules, the reasons, and the exactness of the result.
+
+Eigenvalues of the implicit route are block Krylov's, within ``tol·λ_max`` of the
+dense float64 reference (``EIGVAL_RTOL``, :ref:`math-test-tolerances`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.reference import dense_ggn
+from vivit import LowRankGGN
+from vivit.sources import route
+from vivit.sources.route import EXPECTED_PRODUCTS, IMPLICIT_PASSES_PER_PRODUCT
+
+PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
+VOCAB, T, N = 200, 8, 3
+
+
+class TokenModel(nn.Module):
+    """Embedding → Linear to a vocabulary at every position: ``[N, VOCAB, T]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 4)
+        self.head = nn.Linear(4, VOCAB)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embedding(x))).transpose(1, 2)
+
+
+def _vocabulary_problem():
+    torch.manual_seed(0)
+    model = TokenModel().double()
+    X = torch.randint(0, VOCAB, (N, T))
+    y = torch.randint(0, VOCAB, (N, T))
+    return model, nn.CrossEntropyLoss(), X, y
+
+
+def test_large_vocabulary_runs_implicit_and_is_exact():
+    """``K = C·T`` = 1600 columns per sample cost more than the products."""
+    assert VOCAB * T * route.GRAM_PASSES_PER_COLUMN > (
+        EXPECTED_PRODUCTS * IMPLICIT_PASSES_PER_PRODUCT
+    )
+    model, loss_func, X, y = _vocabulary_problem()
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    assert ggn.route.name == "implicit" and ggn.engine == "implicit"
+    assert f"{VOCAB * T} columns of V per sample" in ggn.route.reason
+    evals, _ = ggn.eigh(top_k=3)
+    assert ggn.solver_report().solver == "implicit"
+    G = dense_ggn(model, loss_func, X, y)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+
+
+@pytest.mark.parametrize("name", ["transformer-ce-mean", "lstm-ce-sum"])
+def test_few_columns_run_the_gram_route(name):
+    s = PROBLEMS[name].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    assert ggn.route.name == "gram" and ggn.engine in ("backpack", "func")
+    assert "columns of V per sample" in ggn.route.reason
+
+
+def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    monkeypatch.setattr(route, "available_bytes", lambda device: 1)
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    assert ggn.route.name == "implicit"
+    assert "GiB are available" in ggn.route.reason
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    evals, _ = ggn.eigh(top_k=2)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+
+
+def test_unestimable_model_runs_the_gram_route(monkeypatch):
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    monkeypatch.setattr(route, "batch_estimate", lambda *args: None)
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    assert ggn.route.name == "gram" and "could not be estimated" in ggn.route.reason
+
+
+@pytest.mark.parametrize(
+    ("options", "name", "says"),
+    [
+        ({"solver": "implicit"}, "implicit", "solver='implicit' was asked for"),
+        ({"solver": "dense"}, "gram", "solver='dense' was asked for"),
+        ({"mc_samples": 1}, "gram", "Monte-Carlo sampling saves nothing"),
+        ({"engine": "backpack"}, "gram", "runs no engine"),
+        ({"gram_dtype": torch.float64}, "gram", "gram_dtype"),
+    ],
+)
+def test_requests_the_implicit_route_cannot_honour(options, name, says):
+    model, loss_func, X, y = _vocabulary_problem()
+    if options.get("engine") == "backpack":
+        model, loss_func = nn.Sequential(nn.Linear(4, 3)).double(), nn.MSELoss()
+        X, y = torch.randn(N, 4).double(), torch.randn(N, 3).double()
+    ggn = LowRankGGN(model, loss_func, (X, y), **options)
+    assert ggn.route.name == name and says in ggn.route.reason
+
+
+def test_a_loader_runs_the_gram_route():
+    model, loss_func, X, y = _vocabulary_problem()
+    ggn = LowRankGGN(model, loss_func, [(X[:2], y[:2]), (X[2:], y[2:])])
+    assert ggn.route.name == "gram" and "data loader" in ggn.route.reason
+
+
+def test_the_choice_compares_passes(monkeypatch):
+    """One column more or less than the break-even point flips the route."""
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    columns = 5 * 3  # CharLSTM: C = 5 classes at T = 3 positions
+    even = EXPECTED_PRODUCTS * IMPLICIT_PASSES_PER_PRODUCT / columns
+    for scale, name in ((1.01, "implicit"), (0.99, "gram")):
+        monkeypatch.setattr(route, "GRAM_PASSES_PER_COLUMN", scale * even)
+        ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+        assert ggn.route.name == name, ggn.route.reason

@@ -1,0 +1,305 @@
+"""Factor forms found at the function level: the calls a parameter goes through.
+
+During the capture forward pass a :class:`FunctionCapture` (a
+``TorchFunctionMode``) records every call of
+
+* ``F.linear(a, W, b)`` (``nn.Linear``, a tied output layer ``F.linear(h, E)``),
+* ``torch.addmm(b, a, W)`` (Hugging Face's ``Conv1D``: the weight ``[P, O]``),
+* ``F.embedding(i, E)`` (the indices stand for the one-hot inputs),
+* ``F.layer_norm`` and ``F.rms_norm`` with affine parameters (the normalized
+  input ``x̂`` is recorded: ``V_w = Σ_t x̂[t] ⊙ s̃[t]``)
+
+in which a requested parameter takes part, with the call's output ``z``. The mode
+sees only the outermost call of a Python-level function; the calls inside
+``F.multi_head_attention_forward`` (its in- and output projections) are made
+visible by running a copy of it whose own check for the mode is off
+(:data:`TRANSPARENT`). Which
+sample owns which row of ``z`` is not assumed (a transformer may hold its
+activations ``[T, N, D]`` or merge samples and positions into one axis): it is
+read off probe vectors pushed back with the root's columns (:func:`probe_vectors`,
+:func:`sample_rows`). A use the mode does not recognize (a call nested in another
+function the mode sees, a parameter used in any other operation) leaves the
+parameter without a factor form; the engine then computes its columns explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Parameter
+from torch.overrides import TorchFunctionMode
+
+#: Base of the digits of a sample's index that one probe vector encodes.
+PROBE_BASE = 16
+
+
+def _transparent(function: Callable) -> Callable:
+    """A copy of a Python-level functional whose nested calls a mode sees.
+
+    Such a function hands itself to the mode first (``has_torch_function``); the
+    mode is off while it handles that call, so the calls inside would be unseen.
+    The copy skips that first step and runs under the mode.
+    """
+    namespace = dict(function.__globals__)
+    namespace["has_torch_function"] = lambda *_: False
+    copy = types.FunctionType(
+        function.__code__,
+        namespace,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+#: Python-level functionals whose inner calls are recorded, with their copies.
+TRANSPARENT = {
+    F.multi_head_attention_forward: _transparent(F.multi_head_attention_forward)
+}
+
+
+@dataclass
+class FunctionUse:
+    """One call of a recognized function with a requested parameter.
+
+    Attributes:
+        kind: ``"linear"`` (weight ``[O, P]``), ``"linear_t"`` (weight ``[P, O]``),
+            ``"embedding"`` or ``"norm"``.
+        weight: The weight (a requested parameter or ``None``).
+        bias: The bias (a requested parameter or ``None``).
+        inputs: The call's input rows, detached: the layer input ``[..., P]``, the
+            indices ``[...]`` or the normalized input ``[..., *shape]``.
+        output: The call's output ``z`` (part of the autograd graph).
+        features: Trailing axes of ``z`` that are features (not rows).
+        versions: Version counters of the input and output when recorded.
+        padding: An embedding's ``padding_idx`` (its row gets no gradient).
+    """
+
+    kind: str
+    weight: Parameter | None
+    bias: Parameter | None
+    inputs: Tensor
+    output: Tensor
+    features: int
+    versions: tuple[int, int]
+    padding: int | None = None
+
+    def unchanged(self) -> bool:
+        """Whether neither tensor was modified in place after the call."""
+        return (self.inputs._version, self.output._version) == self.versions
+
+    def params(self) -> list[Parameter]:
+        """The requested parameters of the call."""
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    def rows(self, tensor: Tensor) -> Tensor:
+        """``tensor`` of the output's shape (after leading axes) as ``[..., R, F]``."""
+        lead = tensor.dim() - self.output.dim()
+        shape = tensor.shape[: lead + self.output.dim() - self.features]
+        return tensor.reshape(*tensor.shape[:lead], math.prod(shape[lead:]), -1)
+
+    def input_rows(self) -> Tensor:
+        """The recorded input as rows: ``[R, P]`` (indices: ``[R]``)."""
+        if self.kind == "embedding":
+            return self.inputs.reshape(-1)
+        return self.inputs.reshape(self.rows(self.output).shape[0], -1)
+
+
+def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: dict) -> dict:
+    bound = dict(defaults)
+    bound.update(zip(names, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def _requested(tensor, requested: set[int]) -> Parameter | None:
+    return tensor if isinstance(tensor, Tensor) and id(tensor) in requested else None
+
+
+class FunctionCapture(TorchFunctionMode):
+    """Records the uses of requested parameters in recognized functions.
+
+    Args:
+        params: The requested parameters.
+
+    Attributes:
+        uses: The recorded uses, in forward order.
+    """
+
+    def __init__(self, params: list[Parameter]):
+        super().__init__()
+        self.requested = {id(p) for p in params}
+        self.uses: list[FunctionUse] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        if func in TRANSPARENT:
+            with self:  # back on while the copy runs (it is off during this call)
+                return TRANSPARENT[func](*args, **kwargs)
+        output = func(*args, **kwargs)
+        if isinstance(output, Tensor) and torch.is_grad_enabled():
+            use = self._use(func, args, kwargs, output)
+            if use is not None and use.params():
+                self.uses.append(use)
+        return output
+
+    def _use(self, func, args, kwargs, output: Tensor) -> FunctionUse | None:
+        req = self.requested
+        if func is F.linear:
+            a = _bind(args, kwargs, ("input", "weight", "bias"), {"bias": None})
+            return _make("linear", a["input"], output, 1, a["weight"], a["bias"], req)
+        if func is torch.addmm:
+            a = _bind(args, kwargs, ("input", "mat1", "mat2"), {"beta": 1, "alpha": 1})
+            if a["beta"] != 1 or a["alpha"] != 1 or a["input"].dim() != 1:
+                return None
+            return _make("linear_t", a["mat1"], output, 1, a["mat2"], a["input"], req)
+        if func is F.embedding:
+            names = ("input", "weight", "padding_idx", "max_norm")
+            a = _bind(args, kwargs, names, {"padding_idx": None, "max_norm": None})
+            if a["max_norm"] is not None or kwargs.get("scale_grad_by_freq"):
+                return None  # the table changed in place / gradients rescaled
+            use = _make("embedding", a["input"], output, 1, a["weight"], None, req)
+            padding = a["padding_idx"]
+            if use is not None and padding is not None:
+                use.padding = padding % a["weight"].shape[0]
+            return use
+        if func in (F.layer_norm, F.rms_norm):
+            layer = func is F.layer_norm
+            names = ("input", "normalized_shape", "weight", "bias" if layer else "eps")
+            defaults = {"weight": None, "bias": None, "eps": 1e-5 if layer else None}
+            a = _bind(args, kwargs, names, defaults)
+            shape = tuple(a["normalized_shape"])
+            x = a["input"].detach()
+            with torch.no_grad():
+                normalized = (
+                    F.layer_norm(x, shape, None, None, a["eps"])
+                    if layer
+                    else F.rms_norm(x, shape, None, a["eps"])
+                )
+            use = _make("norm", x, output, len(shape), a["weight"], a["bias"], req)
+            if use is not None:
+                use.inputs = normalized
+                use.versions = (normalized._version, output._version)
+            return use
+        return None
+
+
+def _make(
+    kind, inputs, output, features, weight, bias, requested
+) -> FunctionUse | None:
+    if not isinstance(inputs, Tensor):
+        return None
+    weight, bias = _requested(weight, requested), _requested(bias, requested)
+    return FunctionUse(
+        kind,
+        weight,
+        bias,
+        inputs.detach(),
+        output,
+        features,
+        (inputs._version, output._version),
+    )
+
+
+def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
+    """Vectors that tell which sample owns each row of a recorded output.
+
+    Two families, each of a random vector ``r`` of all samples and, for the
+    ``j``-th base-16 digit ``d_j(b)`` of each sample index, ``r`` with sample
+    ``b``'s part scaled by ``2^{d_j(b)}``. Pushed back, a row of ``z`` that one
+    sample ``b`` owns receives ``b``'s part alone (the samples are independent),
+    and scaling by a power of two commutes with every rounded operation of a
+    linear map, so at that row probe ``j`` is ``2^{d_j(b)}`` times ``r``'s, entry
+    by entry (:func:`sample_rows`).
+
+    Args:
+        block: The vectors of a chunk, ``[V, B, *out]``.
+        generator: Draws ``r`` (the global generator is left alone).
+
+    Returns:
+        The probes, ``[2·(1 + J), B, *out]``, the two families one after the other.
+    """
+    batch = block.shape[1]
+    digits = max(1, math.ceil(math.log(max(batch, 2), PROBE_BASE)))
+    index = torch.arange(batch, device=block.device)
+    probes = []
+    for _ in range(2):
+        r = torch.randn(
+            block.shape[1:], generator=generator, dtype=block.dtype, device=block.device
+        )
+        probes.append(r)
+        for j in range(digits):
+            digit = (index // PROBE_BASE**j) % PROBE_BASE
+            scale = torch.pow(2.0, digit.to(block.dtype))
+            probes.append(r * scale.reshape(batch, *[1] * (r.dim() - 1)))
+    return torch.stack(probes)
+
+
+def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
+    """Each sample's rows of a recorded output, from the probes pushed back to it.
+
+    A row is its owner's if, in both families of :func:`probe_vectors`, every
+    entry of probe ``j`` is ``2^{d_j(b)}`` times that of the family's ``r`` (up
+    to rounding: within ``√ε`` of the row's largest entry) and both families name
+    the same ``b``. A row that several samples reach receives a mixture of their
+    parts, which is no such multiple.
+
+    Args:
+        probes: The probes at the output as rows, ``[2·(1 + J), R, F]``.
+        batch: Samples of the chunk ``B``.
+
+    Returns:
+        Row index ``[B, T]``, ``T`` the most rows of a sample and at least
+        ``⌈R / B⌉`` (the same for every chunk of a layout); index ``R`` pads a
+        sample with fewer rows (a zero row). Rows no probe reaches (whose every
+        vector is zero) are left out. ``None`` where the owners cannot be read
+        off (then the use has no factor form).
+    """
+    first, second = probes.chunk(2)
+    owner, other = _owners(first), _owners(second)
+    if owner is None or other is None or not torch.equal(owner, other):
+        return None
+    rows = len(owner)
+    live = owner >= 0
+    if live.any() and owner.max() >= batch:
+        return None
+    owner = torch.where(live, owner, torch.full_like(owner, batch))
+    counts = torch.bincount(owner, minlength=batch + 1)[:batch]
+    positions = max(1, int(counts.max()), math.ceil(rows / batch))
+    order = torch.argsort(owner, stable=True)
+    sorted_owner = owner[order]
+    starts = torch.cumsum(counts, 0) - counts
+    keep = sorted_owner < batch
+    slot = torch.arange(rows, device=owner.device)[keep] - starts[sorted_owner[keep]]
+    index = torch.full((batch, positions), rows, dtype=torch.long, device=owner.device)
+    index[sorted_owner[keep], slot] = order[keep]
+    return index
+
+
+def _owners(family: Tensor) -> Tensor | None:
+    """Each row's owner by one family of probes (``-1``: no probe reaches it).
+
+    ``None`` if some reached row is no power-of-two multiple of ``r`` at it.
+    """
+    base = family[0]
+    largest = base.abs().amax(dim=1)
+    live = largest > 0
+    pick = base.abs().argmax(dim=1, keepdim=True)
+    reference = base.gather(1, pick)
+    tolerance = torch.finfo(base.dtype).eps ** 0.5
+    owner = torch.zeros(len(base), dtype=torch.long, device=base.device)
+    for j, probe in enumerate(family[1:]):
+        ratio = probe.gather(1, pick) / torch.where(live[:, None], reference, 1)
+        digit = torch.log2(ratio.abs()).nan_to_num().round().clamp(0, PROBE_BASE - 1)
+        residual = (probe - torch.pow(2.0, digit) * base).abs().amax(dim=1)
+        if (residual[live] > tolerance * largest[live]).any():
+            return None
+        owner += digit[:, 0].long() * PROBE_BASE**j
+    return torch.where(live, owner, torch.full_like(owner, -1))
