@@ -24,13 +24,13 @@ from tests.fixtures.checks import (
     assert_top_eigvals,
     flat_evecs,
 )
-from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN, StreamingGGN
 from vivit.errors import InvalidArgumentError, ModelChangedError, UnsupportedLayerError
 from vivit.optim import DampedNewton
 
-PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
+PROBLEMS = {p.name: p for p in FUNC_PROBLEMS + PADDED_PROBLEMS}
 TOP_K = 3
 
 
