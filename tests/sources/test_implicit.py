@@ -209,78 +209,67 @@ def test_refuses_a_changed_model():
         ggn.eigh(top_k=2)
 
 
+class Identity(torch.autograd.Function):
+    """``x ↦ x`` with a correct backward and no JVP rule."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TwiceJVP(Identity):
+    """The same, with a JVP rule twice its backward: ``J v`` of another function."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        return 2 * tangent
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return x.clone(), in_dims[0]
+
+
+class LinearThen(nn.Module):
+    """A Linear layer followed by an autograd function."""
+
+    def __init__(self, function: type[torch.autograd.Function]):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(self.lin(x))
+
+
+def _mse_batch():
+    return torch.randn(4, 3).double(), torch.randn(4, 2).double()
+
+
 def test_unsupported_forward_ad_is_named():
-    class NoJVP(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x):
-            return x.clone()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return NoJVP.apply(self.lin(x))
-
-    model = Model().double()
-    x, y = (
-        torch.randn(4, 3, dtype=torch.float64),
-        torch.randn(4, 2, dtype=torch.float64),
-    )
+    model = LinearThen(Identity).double()
     # the construction's check of forward against reverse mode finds it
     with pytest.raises(NotImplementedError, match="implicit route computes J v"):
-        LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+        LowRankGGN(model, nn.MSELoss(), _mse_batch(), solver="implicit")
 
 
 def test_forward_and_reverse_mode_that_disagree_are_refused():
-    """A JVP rule twice its backward: ``J v`` and ``Jᵀ w`` of two functions."""
-
-    class TwiceJVP(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.clone()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-        @staticmethod
-        def jvp(ctx, tangent):
-            return 2 * tangent
-
-        @staticmethod
-        def vmap(info, in_dims, x):
-            return x.clone(), in_dims[0]
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 2)
-
-        def forward(self, x):
-            return TwiceJVP.apply(self.lin(x))
-
-    model = Model().double()
-    x, y = torch.randn(4, 3).double(), torch.randn(4, 2).double()
+    model = LinearThen(TwiceJVP).double()
     with pytest.raises(
         UnsupportedLayerError, match="derivatives of this model disagree"
     ):
-        LowRankGGN(model, nn.MSELoss(), (x, y), solver="implicit")
+        LowRankGGN(model, nn.MSELoss(), _mse_batch(), solver="implicit")
 
 
 class PaddedTokens(nn.Module):
