@@ -65,6 +65,12 @@ def evaluate(
             total_loss += float(loss_func(logits, y)) * counted
             correct += accuracy(logits, y) * counted
             total += counted
+    if not total:
+        raise StudyError(
+            f"Every one of the {len(targets)} targets to evaluate is {IGNORE_INDEX} "
+            "(ignored): there is nothing to measure the loss and accuracy on. Give "
+            "samples with counted targets (e.g. sequences longer than their padding)."
+        )
     return total_loss / total, correct / total
 
 

@@ -25,7 +25,8 @@ hf_models = pytest.importorskip(
 )  # needs transformers
 
 from studies.data import load_dataset  # noqa: E402
-from studies.training import accuracy  # noqa: E402
+from studies.errors import StudyError  # noqa: E402
+from studies.training import accuracy, evaluate  # noqa: E402
 
 #: torch.func has no batching rule for SDPA's CPU backward: slower, still exact
 pytestmark = pytest.mark.filterwarnings(
@@ -178,3 +179,11 @@ def test_accuracy_leaves_ignored_targets_out():
     assert accuracy(logits, torch.tensor([[0, IGNORE_INDEX]])) == 1.0
     assert accuracy(logits, torch.tensor([[1, IGNORE_INDEX]])) == 0.0
     assert accuracy(logits, torch.tensor([[0, 0]])) == 0.5
+
+
+def test_evaluating_only_ignored_targets_is_refused():
+    """All targets ``-100``: nothing to evaluate, said, not divided by zero."""
+    model = nn.Linear(3, 2)
+    targets = torch.full((4,), IGNORE_INDEX)
+    with pytest.raises(StudyError, match="Every one of the 4 targets"):
+        evaluate(model, nn.CrossEntropyLoss(), torch.randn(4, 3), targets)

@@ -294,10 +294,12 @@ def block_krylov_eigh(
         following, krylov = new, None  # the next basis replaces this one
     raise SolverNotConvergedError(
         f"The iterative eigensolver did not reach the relative residual {tol:.1e} "
-        f"for the top {top_k} eigenpairs of the {size} x {size} Gram matrix: best "
+        f"for the top {top_k} eigenpairs of the {size} x {size} operator (the Gram "
+        "matrix; with solver='implicit' the GGN in parameter space): best "
         f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
         "products). Use a larger tol (at least the rounding floor of the data "
-        "type, about 100·eps), float64 (gram_dtype=torch.float64), or, where the "
+        "type, about 100·eps), float64 (gram_dtype=torch.float64; with "
+        "solver='implicit' a float64 model, model.double()), or, where the "
         "Gram matrix can be formed (LowRankGGN), solver='dense' (exact, "
         "O((N·C)^3))."
     )
