@@ -58,7 +58,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None`` uses one group with every trainable parameter.
         mc_samples: As for :class:`~vivit.options.CurvatureOptions`.
-            mc_per: As for :class:`~vivit.options.CurvatureOptions`.
+        mc_per: As for :class:`~vivit.options.CurvatureOptions`.
         subsampling: As for :class:`~vivit.options.CurvatureOptions`.
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
