@@ -19,7 +19,7 @@ from torch.nn import Module, Parameter
 from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, check_gram_fits
-from vivit.memory.estimate import estimate_memory
+from vivit.memory.estimate import estimate_memory, kept_bytes
 from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions
 
@@ -126,7 +126,7 @@ def batch_pass_bytes(
         top_k=None,
         options=options.replace(solver="dense", chunk_size=None),
     )
-    return one.activations + one.factors + one.backward
+    return kept_bytes(one)
 
 
 class FactorBudget:

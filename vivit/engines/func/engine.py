@@ -474,23 +474,16 @@ def _gather(tensor: Tensor, rows: Tensor) -> Tensor:
 def _chunk_rows(calls: list[Use], output: Tensor, generator: torch.Generator) -> Rows:
     """The rows of every function's output each sample of a chunk owns.
 
-    The probe vectors (:func:`~vivit.engines.func.functional.probe_vectors`)
-    pushed back through the chunk's graph in one pass of their own.
+    Read off the probe vectors (:func:`_probed_rows`), as for the whole batch
+    (:meth:`_Forward.resolve_rows`).
 
     Raises:
         UnsupportedLayerError: If they cannot be read off for a chunk although
             they could for the whole batch.
     """
     functions = [c for c in calls if isinstance(c, FunctionUse)]
-    if not functions:
-        return {}
-    probes = probe_vectors(output.detach()[None], generator)
-    at_outputs = BatchedVJP()(
-        output, [f.output for f in functions], probes, len(probes)
-    )
     rows_of = {}
-    for use, at in zip(functions, at_outputs, strict=True):
-        rows = sample_rows(use.rows(at), output.shape[0])
+    for use, rows in _probed_rows(functions, output, generator):
         if rows is None:
             raise UnsupportedLayerError(
                 f"The rows of a {use.kind} call do not belong to single samples "
@@ -499,6 +492,26 @@ def _chunk_rows(calls: list[Use], output: Tensor, generator: torch.Generator) ->
             )
         rows_of[id(use)] = rows
     return rows_of
+
+
+def _probed_rows(
+    functions: list[FunctionUse], output: Tensor, generator: torch.Generator
+) -> list[tuple[FunctionUse, Tensor | None]]:
+    """Each function use with the rows each sample owns of its output, or ``None``.
+
+    The probe vectors (:func:`~vivit.engines.func.functional.probe_vectors`) are
+    pushed back through the graph of ``output`` in one pass of their own.
+    """
+    if not functions:
+        return []
+    probes = probe_vectors(output.detach()[None], generator)
+    at_outputs = BatchedVJP()(
+        output, [f.output for f in functions], probes, len(probes)
+    )
+    return [
+        (use, sample_rows(use.rows(at), output.shape[0]))
+        for use, at in zip(functions, at_outputs, strict=True)
+    ]
 
 
 def _cat(parts: list[Tensor], dim: int) -> Tensor:
@@ -729,17 +742,11 @@ class _Forward:
             Row index ``[N, T]`` per function use (by ``id``).
         """
         functions = [c for c in _calls(uses_of) if isinstance(c, FunctionUse)]
-        if not functions:
-            return {}
-        probes = probe_vectors(output.detach()[None], self.generator)
-        at_outputs = BatchedVJP()(
-            output, [f.output for f in functions], probes, len(probes)
-        )
-        rows_of = {}
-        for use, at in zip(functions, at_outputs, strict=True):
-            rows = sample_rows(use.rows(at), output.shape[0])
-            if rows is not None:
-                rows_of[id(use)] = rows
+        rows_of = {
+            id(use): rows
+            for use, rows in _probed_rows(functions, output, self.generator)
+            if rows is not None
+        }
         for key in [k for k, uses in uses_of.items() if _unresolved(uses, rows_of)]:
             del uses_of[key]
         return rows_of
