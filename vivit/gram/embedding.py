@@ -72,7 +72,8 @@ class EmbeddingFactors(ParamFactors):
                 self._used_rows(tokens, mine.view_as(self._i))
                 @ other._used_rows(tokens, theirs.view_as(other._i)).T
             )
-        return self.materialize() @ other.materialize().T
+        # one V formed (the other form's), this one's by its lookups
+        return self.vtmp(other.materialize()).T
 
     def gram_work(self) -> int:  # noqa: D102
         return (
