@@ -201,7 +201,7 @@ class LowRankGGN(CurvatureResults):
                 source = ImplicitFactors(module, loss_func, data, groups, checked)
             else:
                 source = StoredFactors.run(
-                    module, loss_func, data, groups, checked, shards
+                    module, loss_func, data, groups, checked, shards, route.estimate
                 )
         self._init(source, checked, route)
 

@@ -103,6 +103,25 @@ def test_loader_and_chunks_equal_one_batch(name):
         )
 
 
+def test_blocks_whose_targets_are_all_ignored_carry_no_weight():
+    """A chunk or loader batch without a counted target adds nothing (as in the
+    Gram route, ``docs/math.rst``, "Data sets and processes")."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 4).double()
+    loss_func = nn.CrossEntropyLoss(ignore_index=-100)
+    X = torch.randn(4, 2, dtype=torch.float64)
+    y = torch.tensor([-100, 1, 3, -100])
+    G = dense_ggn(model, loss_func, X, y)
+    v = torch.randn(G.shape[0], 2, dtype=torch.float64)
+    loader = [(X[:1], y[:1]), (X[1:], y[1:])]
+    for data, chunk_size in [(loader, None), ((X, y), 1)]:
+        ggn = LowRankGGN(
+            model, loss_func, data, solver="implicit", chunk_size=chunk_size
+        )
+        _assert_product(ggn.operator().matvec(v), G, v)
+        assert_rel(ggn.loss, loss_func(model(X), y).detach(), REORDERED_REL)
+
+
 @pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum"])
 def test_float32_lstm_products_match_dense(name):
     """oneDNN's float32 LSTM has no JVP: the native kernel runs instead.

@@ -65,6 +65,23 @@ def test_few_columns_run_the_gram_route(name):
     assert "columns of V per sample" in ggn.route.reason
 
 
+def test_the_gram_route_probes_the_batch_once(monkeypatch):
+    """The choice's memory estimate is the one the Gram route's check uses."""
+    from vivit.memory import estimate
+
+    s = PROBLEMS["transformer-ce-mean"].setup()
+    calls, probe = [], estimate.batch_estimate
+
+    def counted(*args):
+        calls.append(args)
+        return probe(*args)
+
+    monkeypatch.setattr(route, "batch_estimate", counted)
+    monkeypatch.setattr(estimate, "batch_estimate", counted)
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    assert ggn.route.name == "gram" and len(calls) == 1
+
+
 def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
     s = PROBLEMS["lstm-ce-mean"].setup()
     monkeypatch.setattr(route, "available_bytes", lambda device: 1)

@@ -289,6 +289,7 @@ def check_batch_fits(
     param_groups: Sequence[Sequence[Parameter]],
     options: CurvatureOptions,
     engine: Engine,
+    estimate: MemoryEstimate | None = None,
 ) -> None:
     """Refuse one mini-batch whose stored factors cannot fit, before it runs.
 
@@ -307,6 +308,9 @@ def check_batch_fits(
         param_groups: The checked parameter groups.
         options: The checked options (not checked again).
         engine: The engine the run resolved (not resolved twice).
+        estimate: The batch's :func:`batch_estimate` if the caller has it (the
+            route choice's), so the model is not probed twice; ``None``: probed
+            here.
 
     Raises:
         FactorsTooLargeError: If the lower bound exceeds the available memory.
@@ -314,7 +318,10 @@ def check_batch_fits(
         keyword arguments), the batch runs unchecked and the logger ``"vivit"``
         says so (level INFO).
     """
-    estimate = batch_estimate(model, loss_func, inputs, param_groups, options, engine)
+    if estimate is None:
+        estimate = batch_estimate(
+            model, loss_func, inputs, param_groups, options, engine
+        )
     if estimate is None:
         return
     batch_size = num_samples(inputs)

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.nn import CrossEntropyLoss, Module, Parameter
 
 from vivit.engines.base import (
+    BatchInfo,
     ContributionSink,
     CurvatureRequest,
     Engine,
@@ -100,8 +101,9 @@ def run_chunk(
     """
     if not chunk.has_curvature:
         sink = _WithoutCurvature(sink)
-    if combined and _every_target_ignored(loss_func, chunk.batch[1]):
-        loss_func, sink = _summed(loss_func), _Weightless(sink)
+    loss_func, weightless = block_loss(loss_func, chunk.batch[1], combined)
+    if weightless:
+        sink = _Weightless(sink)
     try:
         return engine.run(model, loss_func, chunk.batch, request, sink)
     except InvalidTargetsError as error:
@@ -111,6 +113,41 @@ def run_chunk(
             f"Chunk of samples {chunk.samples.start} to {chunk.samples.stop - 1} "
             f"(positions count from the chunk's first sample): {error}"
         ) from None
+
+
+def block_loss(
+    loss_func: Module, targets: Tensor, combined: bool
+) -> tuple[Module, bool]:
+    """The loss a block of samples runs with, and whether it carries no weight.
+
+    A block combined with others whose every target a mean cross-entropy
+    ignores runs with the summed loss (:func:`run_chunk`); its samples then
+    count with weight ``0`` (:func:`weightless`).
+
+    Args:
+        loss_func: The loss module.
+        targets: The block's targets.
+        combined: Whether the block is combined with others.
+
+    Returns:
+        The loss module to run and whether the block carries no weight.
+    """
+    if combined and _every_target_ignored(loss_func, targets):
+        return _summed(loss_func), True
+    return loss_func, False
+
+
+def weightless(batch: BatchInfo) -> BatchInfo:
+    """A block's batch context with sample weights ``0`` under a mean.
+
+    Args:
+        batch: The context the summed loss gave.
+
+    Returns:
+        The context of samples that carry no weight in the union's ``R``.
+    """
+    weights = (0.0,) * batch.batch_size
+    return dataclasses.replace(batch, normalization=LossNormalization("mean", weights))
 
 
 def _every_target_ignored(loss_func: Module, targets: Tensor) -> bool:
@@ -140,11 +177,7 @@ class _Weightless:
         self._sink = sink
 
     def add(self, param: Parameter, contribution: ParamContribution) -> None:
-        batch = contribution.batch
-        weights = (0.0,) * batch.batch_size
-        batch = dataclasses.replace(
-            batch, normalization=LossNormalization("mean", weights)
-        )
+        batch = weightless(contribution.batch)
         self._sink.add(param, dataclasses.replace(contribution, batch=batch))
 
 

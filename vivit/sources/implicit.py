@@ -53,7 +53,7 @@ from vivit.sources.batches import (
     progress_bar,
 )
 from vivit.sources.blocks import UnionOutput, union_batch
-from vivit.sources.chunks import split_batch
+from vivit.sources.chunks import block_loss, split_batch, weightless
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.streamed import BatchFingerprints, model_fingerprint
 
@@ -67,12 +67,16 @@ class ImplicitBlock:
         targets: Its targets.
         loss_func: The loss module.
         ggn_mask: ``1`` for the block's curvature samples, else ``0``, ``[N_b]``.
+        weightless: Whether the block carries no weight in the loss on all
+            samples (every target ignored by a mean cross-entropy; its loss is
+            then the summed one, :func:`~vivit.sources.chunks.block_loss`).
     """
 
     inputs: ModelInputs
     targets: Tensor
     loss_func: Module
     ggn_mask: Tensor
+    weightless: bool = False
 
     def hessian(self, output: Tensor) -> LossHessianProducts:
         """The loss-Hessian products of the block's samples at ``output``.
@@ -296,7 +300,8 @@ class ImplicitFactors(CurvatureSource):
         check_grad_mode("LowRankGGN")
         _check_implicit_options(options)
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
-        if is_batch(data):
+        self._single = is_batch(data)
+        if self._single:
             check_batched(data, model)
             data = check_batch(data)
             check_inputs_match(data[0], list(model.parameters()))
@@ -351,8 +356,14 @@ class ImplicitFactors(CurvatureSource):
                     mask = torch.zeros(num_samples(inputs), dtype=torch.bool)
                     if chunk.has_curvature:
                         mask[chunk.subsampling or slice(None)] = True
+                    combined = not self._single or chunk.samples is not None
+                    loss_func, carries_none = block_loss(
+                        self._loss_func, targets, combined
+                    )
                     with naming_batch(index):
-                        yield ImplicitBlock(inputs, targets, self._loss_func, mask)
+                        yield ImplicitBlock(
+                            inputs, targets, loss_func, mask, carries_none
+                        )
 
     def run_pass(
         self, group: int, description: str
@@ -396,7 +407,7 @@ class ImplicitFactors(CurvatureSource):
                     block.inputs,
                     output.detach(),
                 )
-            loss = self._loss_func(output, block.targets)
+            loss = block.loss_func(output, block.targets)
             gradients = torch.autograd.grad(loss, params, allow_unused=True)
             gradients = [
                 torch.zeros_like(p) if g is None else g
@@ -409,6 +420,8 @@ class ImplicitFactors(CurvatureSource):
                 columns_per_sample=output[0].numel(),
                 mc_samples=0,
             )
+            if block.weightless:
+                batch = weightless(batch)
             union.add(batch, EngineOutput(loss.detach(), gradients))
             ggn_columns += len(ggn_samples) * batch.columns_per_sample
         self.loss, gradients = union.result()

@@ -27,7 +27,7 @@ reason are kept as :class:`RouteChoice` (``LowRankGGN.route``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.nn import Module, Parameter
 
@@ -35,7 +35,12 @@ from vivit._validation import check_batch, check_inputs_match, check_subsampling
 from vivit.engines.choice import resolve_engine
 from vivit.gram.memory import available_bytes
 from vivit.linalg.top_k import EXPECTED_BLOCKS
-from vivit.memory.estimate import ESTIMATE_FACTOR, batch_estimate, kept_bytes
+from vivit.memory.estimate import (
+    ESTIMATE_FACTOR,
+    MemoryEstimate,
+    batch_estimate,
+    kept_bytes,
+)
 from vivit.model_inputs import num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.batches import check_batched, is_batch
@@ -67,10 +72,15 @@ class RouteChoice:
         name: ``"gram"`` (factors of ``V``, a Gram-space solver) or
             ``"implicit"`` (GGN-vector products, no ``V``).
         reason: Why, in words (the numbers the choice compared).
+        estimate: The Gram route's memory estimate of the mini-batch where the
+            choice probed the model for it, else ``None``; the Gram route's
+            memory check (:func:`~vivit.memory.estimate.check_batch_fits`) takes
+            it rather than probing the same batch again.
     """
 
     name: str
     reason: str
+    estimate: MemoryEstimate | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.name} route: {self.reason}"
@@ -148,6 +158,7 @@ def _compare_routes(
             f"the Gram route's factors of V ({columns} columns per sample) need at "
             f"least {needed / gib:.1f} GiB, but {available / gib:.1f} GiB are "
             "available",
+            estimate,
         )
     gram_passes = columns * GRAM_PASSES_PER_COLUMN
     implicit_passes = EXPECTED_PRODUCTS * IMPLICIT_PASSES_PER_PRODUCT
@@ -157,5 +168,5 @@ def _compare_routes(
         f"products for {ROUTE_TOP_K} eigenpairs about {implicit_passes:.0f}"
     )
     if gram_passes > implicit_passes:
-        return RouteChoice("implicit", comparison)
-    return RouteChoice("gram", comparison)
+        return RouteChoice("implicit", comparison, estimate)
+    return RouteChoice("gram", comparison, estimate)

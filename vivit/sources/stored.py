@@ -39,7 +39,7 @@ from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
-from vivit.memory.estimate import check_batch_fits
+from vivit.memory.estimate import MemoryEstimate, check_batch_fits
 from vivit.model_inputs import input_tensors, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
@@ -274,6 +274,7 @@ class StoredFactors(CurvatureSource):
         param_groups: Sequence[Sequence[Parameter]] | None,
         options: CurvatureOptions,
         shards: ShardExchange,
+        estimate: MemoryEstimate | None = None,
     ) -> StoredFactors:
         """Check the model and data, run the engine on every block, combine them.
 
@@ -284,6 +285,9 @@ class StoredFactors(CurvatureSource):
             param_groups: Lists of parameters (``None``: every trainable one).
             options: The checked options.
             shards: The exchange of the process group (``options.group``).
+            estimate: The mini-batch's memory estimate if the route choice
+                probed it (:attr:`~vivit.sources.route.RouteChoice.estimate`);
+                ``None``: probed here.
 
         Returns:
             The stored factors.
@@ -304,7 +308,9 @@ class StoredFactors(CurvatureSource):
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
         if single and shards.group is None:
-            check_batch_fits(model, loss_func, data[0], param_groups, options, chosen)
+            check_batch_fits(
+                model, loss_func, data[0], param_groups, options, chosen, estimate
+            )
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
