@@ -342,7 +342,7 @@ class CurvatureResults:
         source = self._source.group(group)
         key = (group, top_k, solver, tol, seed)
         evecs = self._param_directions(source, evals, gram_evecs, key)
-        if source.keeps_directions or source.parameter_space:
+        if source.keeps_directions:
             # views of kept results: the caller gets copies
             return evals, in_param_dtypes(evecs, source.params)
         # formed for this call (V ũ, as large as top_k models): not copied again

@@ -19,7 +19,7 @@ see the same batches and the same model: each is fingerprinted as in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,16 +142,6 @@ class ImplicitGroup:
                 "solver='implicit' never forms: use solver='implicit' (or 'auto'), "
                 f"or build LowRankGGN(..., solver={solver!r}) for the Gram route."
             )
-
-    def directional_gradients(  # noqa: D102
-        self,
-        gram_evecs: Tensor,
-        evals: Tensor,
-        evecs: Callable[[], list[Tensor]],
-        samples: Sequence[int] | None,
-    ) -> Tensor:
-        gammas, _ = self.directional_derivatives(evecs())
-        return gammas if samples is None else gammas[list(samples)]
 
     # parameter space ---------------------------------------------------------
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
