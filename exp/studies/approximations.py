@@ -19,9 +19,8 @@ import copy
 from collections.abc import Sequence
 
 from studies.cli import (
+    add_training_options,
     base_parser,
-    momentum,
-    non_negative_int,
     positive_float,
     positive_int,
 )
@@ -73,18 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Samples of the subsampled GGN (default: half the batch).",
     )
-    study.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the audit (ignored with --checkpoint; 0 audits the "
+    add_training_options(
+        study,
+        "SGD steps before the audit (ignored with --checkpoint; 0 audits the "
         "initialisation).",
-    )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
     )
     return parser
 

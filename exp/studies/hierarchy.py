@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from studies.cli import (
+    add_gram_dtype_option,
+    add_training_options,
     base_parser,
     positive_float,
     positive_int,
@@ -38,12 +40,7 @@ from studies.errors import StudyError
 from studies.models import layer_groups
 from studies.plots import hierarchy_figure
 from studies.report import number, write
-from studies.spectrum import (
-    add_gram_dtype_option,
-    add_training_options,
-    choose_gram_dtype,
-    train_or_load,
-)
+from studies.spectrum import choose_gram_dtype, train_or_load
 from studies.training import evaluate_splits
 from vivit import InvalidArgumentError
 from vivit.analysis import (

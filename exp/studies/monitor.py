@@ -23,10 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from studies.cli import (
+    add_sgd_options,
     base_parser,
-    momentum,
     non_negative_float,
-    positive_float,
     positive_int,
     run_study,
 )
@@ -75,12 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="Damping δ of the Newton step whose angle to -∇L is recorded.",
     )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_sgd_options(study)
     study.add_argument(
         "--plot",
         type=Path,

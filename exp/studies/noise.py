@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from studies.cli import base_parser, momentum, positive_float, positive_int
+from studies.cli import add_sgd_options, base_parser, positive_int
 from studies.cli import run_study as _run_study
 from studies.context import Setup, prepare
 from studies.curvature import engine_errors, low_rank_ggn
@@ -68,12 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Steps between two curvature checkpoints (the first is at step 0, the "
         "last after the final step).",
     )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_sgd_options(study)
     return parser
 
 

@@ -38,10 +38,9 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from studies.cli import (
+    add_gram_dtype_option,
+    add_training_options,
     base_parser,
-    momentum,
-    non_negative_int,
-    positive_float,
     positive_int,
 )
 from studies.cli import run_study as _run_study
@@ -120,44 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gram_dtype_option(study)
     return parser
-
-
-def add_training_options(group: argparse._ArgumentGroup) -> None:
-    """``--train-steps``, ``--lr`` and ``--momentum``, read by :func:`train_or_load`.
-
-    Args:
-        group: The study's argument group.
-    """
-    group.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the curvature is computed (ignored with "
-        "--checkpoint; 0 studies the initialisation).",
-    )
-    group.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    group.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
-
-
-def add_gram_dtype_option(group: argparse._ArgumentGroup) -> None:
-    """``--gram-dtype``, read by :func:`choose_gram_dtype`.
-
-    Args:
-        group: The study's argument group.
-    """
-    group.add_argument(
-        "--gram-dtype",
-        choices=("auto", "model", "float64"),
-        default="auto",
-        help="Type the Gram matrices are accumulated and decomposed in: 'model' (the "
-        "--dtype), 'float64', or 'auto' (float64 if the Gram matrices fit into "
-        "memory in float64, else the model's). A float32 Gram matrix resolves no "
-        "eigenvalue below about N*C*1.2e-7 times the largest.",
-    )
 
 
 def choose_gram_dtype(
