@@ -30,7 +30,7 @@ from studies.curvature import engine_errors, eval_mode
 from studies.data import BatchStream
 from studies.models import layer_groups
 from studies.plots import approximations_figure
-from studies.report import number, wrapped_values, write
+from studies.report import model_summary, wrapped_values, write
 from studies.spectrum import choose_gram_dtype, train_or_load
 from studies.training import evaluate_splits
 from vivit.analysis import audit_approximations
@@ -148,17 +148,8 @@ def summarize(audit, results: dict, args: argparse.Namespace) -> list[str]:
     Returns:
         Lines to print.
     """
-    metrics, trained = results["metrics"], results["training"]
-    state = (
-        f"after {trained['steps']} SGD steps"
-        if trained
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
     return [
-        f"Approximation study: model {args.model} "
-        f"({results['num_parameters']:,} parameters) {state}: train loss "
-        f"{number(metrics['train_loss'])}, test accuracy "
-        f"{100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Approximation", results, args),
         f"Exact top {audit.top_k} GGN eigenvalues (Gram matrix in "
         f"{results['gram_dtype']}):",
         *wrapped_values(audit.exact_eigenvalues),

@@ -39,7 +39,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import layer_groups
 from studies.plots import hierarchy_figure
-from studies.report import number, write
+from studies.report import model_summary, number, write
 from studies.spectrum import choose_gram_dtype, train_or_load
 from studies.training import evaluate_splits
 from vivit import InvalidArgumentError
@@ -274,17 +274,9 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     Returns:
         Lines to print.
     """
-    metrics, density = results["metrics"], results["density"]
-    classes = results["num_classes"]
-    state = (
-        f"after {results['training']['steps']} SGD steps"
-        if results["training"]
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
+    density, classes = results["density"], results["num_classes"]
     lines = [
-        f"Hierarchy study: model {args.model} ({results['num_parameters']:,} "
-        f"parameters) {state}: train loss {number(metrics['train_loss'])}, test "
-        f"accuracy {100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Hierarchy", results, args),
         f"GGN of a mini-batch of {results['num_samples']} ({results['weighting']} "
         f"means), C = {classes}:",
         f"{'part':<14} {'non-zero':>8} {'largest':>9} {'trace':>9} "

@@ -57,7 +57,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import layer_groups, trainable_parameters
 from studies.plots import spectrum_figure
-from studies.report import number, wrapped_values, write
+from studies.report import model_summary, number, wrapped_values, write
 from studies.training import evaluate_splits, train_sgd
 from vivit import GramTooLargeError, LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
@@ -470,13 +470,6 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         Lines to print.
     """
     exact = results["methods"]["exact"]
-    metrics = results["metrics"]
-    trained = results["training"]
-    state = (
-        f"after {trained['steps']} SGD steps"
-        if trained
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
     if results.get("curvature_data") == "test":  # absent before the option
         batches = -(-results["num_samples"] // results["batch_size"])
         samples = (
@@ -494,10 +487,7 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     else:
         header = f"Top {len(top)} eigenvalues:"
     lines = [
-        f"Spectrum study: model {args.model} "
-        f"({results['num_parameters']:,} parameters) {state}: train loss "
-        f"{number(metrics['train_loss'])}, test accuracy "
-        f"{100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Spectrum", results, args),
         f"Exact GGN of {samples}: Gram matrix "
         f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]} in "
         f"{results['gram_dtype']}, {exact['num_nonzero']} of "
