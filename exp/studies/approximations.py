@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
 
 from studies.cli import (
     add_training_options,
     base_parser,
     positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import prepare
 from studies.curvature import engine_errors, eval_mode
 from studies.data import BatchStream
@@ -157,13 +156,4 @@ def summarize(audit, results: dict, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

@@ -415,3 +415,24 @@ def run_study(
         torch.set_num_threads(threads)
     print(f"Finished in {time.perf_counter() - start:.1f} s.")
     return 0
+
+
+def study_main(
+    build_parser: Callable[[], argparse.ArgumentParser],
+    run: Callable[[argparse.Namespace], Any],
+) -> Callable[[Sequence[str] | None], int]:
+    """A study's command-line entry point ``main(argv=None) -> exit status``.
+
+    Args:
+        build_parser: Builds the study's argument parser.
+        run: Runs the study from the parsed arguments (as for :func:`run_study`).
+
+    Returns:
+        ``main``: parses ``argv`` (``None``: ``sys.argv[1:]``) and runs the study
+        with :func:`run_study`, returning its exit status.
+    """
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_study(build_parser(), run, argv)
+
+    return main

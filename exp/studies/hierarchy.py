@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +30,8 @@ from studies.cli import (
     base_parser,
     positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import prepare
 from studies.curvature import descending, engine_errors, eval_mode, low_rank_ggn
 from studies.data import BatchStream
@@ -320,13 +319,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

@@ -16,7 +16,6 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from studies.cli import (
     base_parser,
     non_negative_float,
     positive_int,
-    run_study,
+    study_main,
 )
 from studies.context import prepare
 from studies.curvature import engine_errors
@@ -243,13 +242,4 @@ def summarize(results: dict, records: list[dict], args: argparse.Namespace) -> l
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

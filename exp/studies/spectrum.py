@@ -42,8 +42,8 @@ from studies.cli import (
     add_training_options,
     base_parser,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import Setup, prepare
 from studies.curvature import (
     descending,
@@ -508,13 +508,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)
