@@ -15,7 +15,6 @@ exact one, and the cosine between its damped Newton step and the exact one
 from __future__ import annotations
 
 import argparse
-import copy
 
 from studies.cli import (
     add_training_options,
@@ -30,8 +29,7 @@ from studies.data import BatchStream
 from studies.models import layer_groups
 from studies.plots import approximations_figure
 from studies.report import model_summary, wrapped_values, write
-from studies.spectrum import choose_gram_dtype, train_or_load
-from studies.training import evaluate_splits
+from studies.spectrum import choose_gram_dtype, trained_model
 from vivit.analysis import audit_approximations
 
 STUDY = "approximations"
@@ -90,9 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     setup = prepare(args, STUDY)
     data, loss_func = setup.data, setup.loss_func
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
     inputs, targets = data.train_batch(batch)

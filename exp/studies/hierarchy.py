@@ -19,7 +19,6 @@ layer (``vivit.analysis``):
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import torch
@@ -39,8 +38,7 @@ from studies.errors import StudyError
 from studies.models import layer_groups
 from studies.plots import hierarchy_figure
 from studies.report import model_summary, number, write
-from studies.spectrum import choose_gram_dtype, train_or_load
-from studies.training import evaluate_splits
+from studies.spectrum import choose_gram_dtype, trained_model
 from vivit import InvalidArgumentError
 from vivit.analysis import (
     Hierarchy,
@@ -192,9 +190,7 @@ def run(args: argparse.Namespace) -> dict:
             f"{list(data.train_targets.shape)} (one label per position, e.g. a "
             "language model's next tokens): Papyan's classes are the samples' labels."
         )
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
     inputs, targets = data.train_batch(batch)

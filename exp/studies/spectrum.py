@@ -327,6 +327,21 @@ def train_or_load(setup: Setup, model: torch.nn.Module) -> dict | None:
     }
 
 
+def trained_model(setup: Setup) -> tuple[torch.nn.Module, dict | None, dict]:
+    """A copy of the study's model, trained (:func:`train_or_load`) and evaluated.
+
+    Args:
+        setup: The study's setup.
+
+    Returns:
+        The model, what the training did (``None``: skipped) and its
+        :func:`~studies.training.evaluate_splits` metrics.
+    """
+    model = copy.deepcopy(setup.model)
+    training = train_or_load(setup, model)
+    return model, training, evaluate_splits(model, setup.loss_func, setup.data)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the spectrum study.
 
@@ -341,9 +356,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     setup = prepare(args, STUDY)
     data, loss_func = setup.data, setup.loss_func
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     held_out = args.curvature_data == "test"
     if held_out:  # the whole held-out set, batch by batch
