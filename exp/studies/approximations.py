@@ -15,25 +15,21 @@ exact one, and the cosine between its damped Newton step and the exact one
 from __future__ import annotations
 
 import argparse
-import copy
-from collections.abc import Sequence
 
 from studies.cli import (
+    add_training_options,
     base_parser,
-    momentum,
-    non_negative_int,
     positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import prepare
 from studies.curvature import engine_errors, eval_mode
 from studies.data import BatchStream
 from studies.models import layer_groups
 from studies.plots import approximations_figure
-from studies.report import number, wrapped_values, write
-from studies.spectrum import choose_gram_dtype, train_or_load
-from studies.training import evaluate_splits
+from studies.report import model_summary, wrapped_values, write
+from studies.spectrum import choose_gram_dtype, trained_model
 from vivit.analysis import audit_approximations
 
 STUDY = "approximations"
@@ -73,18 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Samples of the subsampled GGN (default: half the batch).",
     )
-    study.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the audit (ignored with --checkpoint; 0 audits the "
+    add_training_options(
+        study,
+        "SGD steps before the audit (ignored with --checkpoint; 0 audits the "
         "initialisation).",
-    )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
     )
     return parser
 
@@ -100,9 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     setup = prepare(args, STUDY)
     data, loss_func = setup.data, setup.loss_func
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
     inputs, targets = data.train_batch(batch)
@@ -157,17 +143,8 @@ def summarize(audit, results: dict, args: argparse.Namespace) -> list[str]:
     Returns:
         Lines to print.
     """
-    metrics, trained = results["metrics"], results["training"]
-    state = (
-        f"after {trained['steps']} SGD steps"
-        if trained
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
     return [
-        f"Approximation study: model {args.model} "
-        f"({results['num_parameters']:,} parameters) {state}: train loss "
-        f"{number(metrics['train_loss'])}, test accuracy "
-        f"{100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Approximation", results, args),
         f"Exact top {audit.top_k} GGN eigenvalues (Gram matrix in "
         f"{results['gram_dtype']}):",
         *wrapped_values(audit.exact_eigenvalues),
@@ -175,13 +152,4 @@ def summarize(audit, results: dict, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

@@ -178,6 +178,54 @@ def fraction(text: str) -> float:
     return value
 
 
+def add_sgd_options(group: argparse._ArgumentGroup) -> None:
+    """``--lr`` and ``--momentum`` of the studies' SGD training.
+
+    Args:
+        group: The study's argument group.
+    """
+    group.add_argument(
+        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
+    )
+    group.add_argument(
+        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
+    )
+
+
+def add_training_options(
+    group: argparse._ArgumentGroup,
+    help_steps: str = "SGD steps before the curvature is computed (ignored with "
+    "--checkpoint; 0 studies the initialisation).",
+) -> None:
+    """``--train-steps``, ``--lr`` and ``--momentum``, read by ``train_or_load``.
+
+    Args:
+        group: The study's argument group.
+        help_steps: The ``--help`` text of ``--train-steps``.
+    """
+    group.add_argument(
+        "--train-steps", type=non_negative_int, default=100, help=help_steps
+    )
+    add_sgd_options(group)
+
+
+def add_gram_dtype_option(group: argparse._ArgumentGroup) -> None:
+    """``--gram-dtype``, read by ``studies.spectrum.choose_gram_dtype``.
+
+    Args:
+        group: The study's argument group.
+    """
+    group.add_argument(
+        "--gram-dtype",
+        choices=("auto", "model", "float64"),
+        default="auto",
+        help="Type the Gram matrices are accumulated and decomposed in: 'model' (the "
+        "--dtype), 'float64', or 'auto' (float64 if the Gram matrices fit into "
+        "memory in float64, else the model's). A float32 Gram matrix resolves no "
+        "eigenvalue below about N*C*1.2e-7 times the largest.",
+    )
+
+
 def base_parser(study: str, description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every study shares.
 
@@ -367,3 +415,24 @@ def run_study(
         torch.set_num_threads(threads)
     print(f"Finished in {time.perf_counter() - start:.1f} s.")
     return 0
+
+
+def study_main(
+    build_parser: Callable[[], argparse.ArgumentParser],
+    run: Callable[[argparse.Namespace], Any],
+) -> Callable[[Sequence[str] | None], int]:
+    """A study's command-line entry point ``main(argv=None) -> exit status``.
+
+    Args:
+        build_parser: Builds the study's argument parser.
+        run: Runs the study from the parsed arguments (as for :func:`run_study`).
+
+    Returns:
+        ``main``: parses ``argv`` (``None``: ``sys.argv[1:]``) and runs the study
+        with :func:`run_study`, returning its exit status.
+    """
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return run_study(build_parser(), run, argv)
+
+    return main

@@ -19,32 +19,26 @@ layer (``vivit.analysis``):
 from __future__ import annotations
 
 import argparse
-import copy
 import time
-from collections.abc import Sequence
 
 import torch
 
 from studies.cli import (
+    add_gram_dtype_option,
+    add_training_options,
     base_parser,
     positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import prepare
 from studies.curvature import descending, engine_errors, eval_mode, low_rank_ggn
 from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import layer_groups
 from studies.plots import hierarchy_figure
-from studies.report import number, write
-from studies.spectrum import (
-    add_gram_dtype_option,
-    add_training_options,
-    choose_gram_dtype,
-    train_or_load,
-)
-from studies.training import evaluate_splits
+from studies.report import model_summary, number, write
+from studies.spectrum import choose_gram_dtype, trained_model
 from vivit import InvalidArgumentError
 from vivit.analysis import (
     Hierarchy,
@@ -196,9 +190,7 @@ def run(args: argparse.Namespace) -> dict:
             f"{list(data.train_targets.shape)} (one label per position, e.g. a "
             "language model's next tokens): Papyan's classes are the samples' labels."
         )
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     batch = BatchStream(len(data.train_targets), args.batch_size, setup.seed(2)).next()
     inputs, targets = data.train_batch(batch)
@@ -277,17 +269,9 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     Returns:
         Lines to print.
     """
-    metrics, density = results["metrics"], results["density"]
-    classes = results["num_classes"]
-    state = (
-        f"after {results['training']['steps']} SGD steps"
-        if results["training"]
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
+    density, classes = results["density"], results["num_classes"]
     lines = [
-        f"Hierarchy study: model {args.model} ({results['num_parameters']:,} "
-        f"parameters) {state}: train loss {number(metrics['train_loss'])}, test "
-        f"accuracy {100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Hierarchy", results, args),
         f"GGN of a mini-batch of {results['num_samples']} ({results['weighting']} "
         f"means), C = {classes}:",
         f"{'part':<14} {'non-zero':>8} {'largest':>9} {'trace':>9} "
@@ -331,13 +315,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

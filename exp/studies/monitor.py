@@ -16,19 +16,17 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from studies.cli import (
+    add_sgd_options,
     base_parser,
-    momentum,
     non_negative_float,
-    positive_float,
     positive_int,
-    run_study,
+    study_main,
 )
 from studies.context import prepare
 from studies.curvature import engine_errors
@@ -75,12 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="Damping δ of the Newton step whose angle to -∇L is recorded.",
     )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_sgd_options(study)
     study.add_argument(
         "--plot",
         type=Path,
@@ -249,13 +242,4 @@ def summarize(results: dict, records: list[dict], args: argparse.Namespace) -> l
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

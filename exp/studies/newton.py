@@ -17,7 +17,6 @@ import argparse
 import copy
 import math
 import time
-from collections.abc import Sequence
 
 import torch
 from backpack import extend
@@ -31,8 +30,8 @@ from studies.cli import (
     non_negative_float,
     positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import Setup, prepare
 from studies.data import BatchStream
 from studies.errors import StudyError
@@ -412,13 +411,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

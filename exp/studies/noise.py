@@ -15,13 +15,11 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from studies.cli import base_parser, momentum, positive_float, positive_int
-from studies.cli import run_study as _run_study
+from studies.cli import add_sgd_options, base_parser, positive_int, study_main
 from studies.context import Setup, prepare
 from studies.curvature import engine_errors, low_rank_ggn
 from studies.data import BatchStream
@@ -68,12 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Steps between two curvature checkpoints (the first is at step 0, the "
         "last after the final step).",
     )
-    study.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    study.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
+    add_sgd_options(study)
     return parser
 
 
@@ -253,13 +246,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

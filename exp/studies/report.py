@@ -63,6 +63,31 @@ def wrapped_values(values: list[float], per_line: int = 10) -> list[str]:
     ]
 
 
+def model_summary(study: str, results: dict, args: Namespace) -> str:
+    """The summary line of a trained or loaded model (``train_or_load``'s studies).
+
+    Args:
+        study: The study's title (``Spectrum``, ``Hierarchy``, ...).
+        results: The study's results with ``training``, ``metrics`` and
+            ``num_parameters``.
+        args: Parsed command-line options (``--model``, ``--checkpoint``).
+
+    Returns:
+        The line: model, size, training state, train loss and test accuracy.
+    """
+    metrics, trained = results["metrics"], results["training"]
+    state = (
+        f"after {trained['steps']} SGD steps"
+        if trained
+        else ("from --checkpoint" if args.checkpoint else "at initialisation")
+    )
+    return (
+        f"{study} study: model {args.model} ({results['num_parameters']:,} "
+        f"parameters) {state}: train loss {number(metrics['train_loss'])}, test "
+        f"accuracy {100 * metrics['test_accuracy']:.1f} %."
+    )
+
+
 def default_output(study: str) -> Path:
     """``runs/<study>-<timestamp>`` relative to the working directory.
 

@@ -38,13 +38,12 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from studies.cli import (
+    add_gram_dtype_option,
+    add_training_options,
     base_parser,
-    momentum,
-    non_negative_int,
-    positive_float,
     positive_int,
+    study_main,
 )
-from studies.cli import run_study as _run_study
 from studies.context import Setup, prepare
 from studies.curvature import (
     descending,
@@ -58,7 +57,7 @@ from studies.data import BatchStream
 from studies.errors import StudyError
 from studies.models import layer_groups, trainable_parameters
 from studies.plots import spectrum_figure
-from studies.report import number, wrapped_values, write
+from studies.report import model_summary, number, wrapped_values, write
 from studies.training import evaluate_splits, train_sgd
 from vivit import GramTooLargeError, LowRankGGN
 from vivit.linalg.solvers import numerical_zero_tolerance
@@ -120,44 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gram_dtype_option(study)
     return parser
-
-
-def add_training_options(group: argparse._ArgumentGroup) -> None:
-    """``--train-steps``, ``--lr`` and ``--momentum``, read by :func:`train_or_load`.
-
-    Args:
-        group: The study's argument group.
-    """
-    group.add_argument(
-        "--train-steps",
-        type=non_negative_int,
-        default=100,
-        help="SGD steps before the curvature is computed (ignored with "
-        "--checkpoint; 0 studies the initialisation).",
-    )
-    group.add_argument(
-        "--lr", type=positive_float, default=0.1, help="SGD learning rate."
-    )
-    group.add_argument(
-        "--momentum", type=momentum, default=0.9, help="SGD momentum in [0, 1)."
-    )
-
-
-def add_gram_dtype_option(group: argparse._ArgumentGroup) -> None:
-    """``--gram-dtype``, read by :func:`choose_gram_dtype`.
-
-    Args:
-        group: The study's argument group.
-    """
-    group.add_argument(
-        "--gram-dtype",
-        choices=("auto", "model", "float64"),
-        default="auto",
-        help="Type the Gram matrices are accumulated and decomposed in: 'model' (the "
-        "--dtype), 'float64', or 'auto' (float64 if the Gram matrices fit into "
-        "memory in float64, else the model's). A float32 Gram matrix resolves no "
-        "eigenvalue below about N*C*1.2e-7 times the largest.",
-    )
 
 
 def choose_gram_dtype(
@@ -366,6 +327,21 @@ def train_or_load(setup: Setup, model: torch.nn.Module) -> dict | None:
     }
 
 
+def trained_model(setup: Setup) -> tuple[torch.nn.Module, dict | None, dict]:
+    """A copy of the study's model, trained (:func:`train_or_load`) and evaluated.
+
+    Args:
+        setup: The study's setup.
+
+    Returns:
+        The model, what the training did (``None``: skipped) and its
+        :func:`~studies.training.evaluate_splits` metrics.
+    """
+    model = copy.deepcopy(setup.model)
+    training = train_or_load(setup, model)
+    return model, training, evaluate_splits(model, setup.loss_func, setup.data)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the spectrum study.
 
@@ -380,9 +356,7 @@ def run(args: argparse.Namespace) -> dict:
     """
     setup = prepare(args, STUDY)
     data, loss_func = setup.data, setup.loss_func
-    model = copy.deepcopy(setup.model)
-    training = train_or_load(setup, model)
-    metrics = evaluate_splits(model, loss_func, data)
+    model, training, metrics = trained_model(setup)
 
     held_out = args.curvature_data == "test"
     if held_out:  # the whole held-out set, batch by batch
@@ -509,13 +483,6 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
         Lines to print.
     """
     exact = results["methods"]["exact"]
-    metrics = results["metrics"]
-    trained = results["training"]
-    state = (
-        f"after {trained['steps']} SGD steps"
-        if trained
-        else ("from --checkpoint" if args.checkpoint else "at initialisation")
-    )
     if results.get("curvature_data") == "test":  # absent before the option
         batches = -(-results["num_samples"] // results["batch_size"])
         samples = (
@@ -533,10 +500,7 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     else:
         header = f"Top {len(top)} eigenvalues:"
     lines = [
-        f"Spectrum study: model {args.model} "
-        f"({results['num_parameters']:,} parameters) {state}: train loss "
-        f"{number(metrics['train_loss'])}, test accuracy "
-        f"{100 * metrics['test_accuracy']:.1f} %.",
+        model_summary("Spectrum", results, args),
         f"Exact GGN of {samples}: Gram matrix "
         f"{exact['gram_sizes'][0]} x {exact['gram_sizes'][0]} in "
         f"{results['gram_dtype']}, {exact['num_nonzero']} of "
@@ -557,13 +521,4 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point.
-
-    Args:
-        argv: Arguments (``None``: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
-    return _run_study(build_parser(), run, argv)
+main = study_main(build_parser, run)

@@ -86,7 +86,7 @@ def low_rank_curvature(
     """
     size = sum(p.numel() for p in params)
     device = ggn.gradient()[0].device
-    candidates, vectors = [], []
+    candidates, directions_of, index_of = [], [], []
     step = torch.zeros(size, dtype=torch.float64, device=device)
     for b, group in enumerate(ggn.param_groups):
         evals, evecs = ggn.eigh(None, b)
@@ -100,16 +100,17 @@ def low_rank_curvature(
         index = _embedding(group, params).to(device)
         step[index] = flat_rows([s.unsqueeze(0) for s in on_range], 1)[0]
         step[index] -= outside / damping
-        embedded = directions.new_zeros(evals.numel(), size)
-        embedded[:, index] = directions
-        vectors.append(embedded)
+        directions_of.append(directions)
+        index_of.append(index)
         candidates += [(float(v), b, j) for j, v in enumerate(evals.tolist())]
     leading = sorted(candidates, reverse=True)[:top_k]
+    # only the leading directions are embedded into the D parameters
+    vectors = torch.zeros(len(leading), size, dtype=torch.float64, device=device)
+    for row, (_, b, j) in enumerate(leading):
+        vectors[row, index_of[b]] = directions_of[b][j]
     return ApproximateCurvature(
         values=torch.tensor([v for v, _, _ in leading], dtype=torch.float64),
-        vectors=torch.stack([vectors[b][j] for _, b, j in leading]).cpu()
-        if leading
-        else torch.zeros(0, size, dtype=torch.float64),
+        vectors=vectors.cpu(),
         step=step.cpu(),
     )
 

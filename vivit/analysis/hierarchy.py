@@ -210,7 +210,10 @@ def hierarchy(
         class_means=_part(gram, class_means, tolerance),
         cross_class=_part(gram, cross_class, tolerance),
         within_class=_part(gram, within, tolerance),
-        group_spectra=[ggn.eigvalsh(g) for g in indices],
+        # one group: its spectrum is the one just computed from the same Gram matrix
+        group_spectra=[evals.clone()]
+        if len(indices) == 1
+        else [ggn.eigvalsh(g) for g in indices],
         zero_tolerance=tolerance,
         gram=gram,
     )
