@@ -137,6 +137,18 @@ def test_fixed_monitoring_batch():
         monitor.step(fixed)
 
 
+def test_fixed_batch_changed_by_the_caller_changes_no_record():
+    """The fixed batch is kept as given: in-place changes afterwards are not read."""
+    fixed = _data(1, seed=7)[0]
+    given = tuple(t.clone() for t in fixed)
+    model, loss_func = _model().eval(), nn.CrossEntropyLoss()
+    monitor = CurvatureMonitor(model, loss_func, every=1, top_k=K, batch=given)
+    given[0].mul_(-3.0)  # the caller reuses its buffer
+    record = monitor.record()
+    direct = _direct(model, loss_func, fixed)
+    assert {k: record[k] for k in direct} == direct
+
+
 def test_current_batch_is_required():
     monitor = CurvatureMonitor(_model(), nn.CrossEntropyLoss(), every=3)
     with pytest.raises(InvalidArgumentError, match="pass the batch the step"):

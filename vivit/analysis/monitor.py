@@ -33,6 +33,7 @@ from vivit.directional.gram_space import Damping
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.iterative import check_seed
 from vivit.lowrank import LowRankGGN
+from vivit.model_inputs import map_inputs
 from vivit.options import CurvatureOptions, check_option_names
 
 Batch = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
@@ -121,7 +122,7 @@ class CurvatureMonitor:
         self.every, self.top_k, self.damping = every, top_k, damping
         self.options = checked
         self._groups = None if params is None else [list(params)]
-        self._batch = batch
+        self._batch = _kept_copy(batch)
         self.uses_fixed_batch = batch is not None
         self.records: list[dict[str, object]] = []
         self._steps = 0
@@ -229,3 +230,28 @@ class CurvatureMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kept_copy(batch: object) -> object:
+    """A fixed mini-batch as the monitor keeps it: its tensors cloned.
+
+    Records read it at every ``every``-th step; a caller that changes its tensors
+    in place afterwards (e.g. reuses the buffers) changes no record. A loader, or
+    anything malformed (refused by :class:`~vivit.LowRankGGN` with its reason),
+    is kept as it is.
+
+    Args:
+        batch: What the caller passed as ``batch``.
+
+    Returns:
+        The batch to keep.
+    """
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        return batch
+    inputs, targets = batch
+    if not isinstance(targets, Tensor):
+        return batch
+    try:
+        return map_inputs(inputs, Tensor.clone), targets.clone()
+    except TypeError:  # inputs that are not tensors: refused later, named
+        return batch
