@@ -9,8 +9,6 @@ carries as ``(inputs, targets)`` (:mod:`vivit.model_inputs`). See the guide's
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sized
 
 import torch
@@ -18,8 +16,9 @@ from torch import Tensor
 
 from vivit.engines.base import select_output
 from vivit.errors import InvalidArgumentError
-
-logger = logging.getLogger("vivit")
+from vivit.optional_packages import (  # re-exported: its documented path
+    hide_broken_torchvision as hide_broken_torchvision,
+)
 
 #: The targets ``CrossEntropyLoss`` skips by default (and Hugging Face's labels).
 IGNORE_INDEX = -100
@@ -254,39 +253,6 @@ def split_labels(
     """
     _check_shift(shift)
     return SplitLabels(loader, shift=shift, key=key, ignore_index=ignore_index)
-
-
-def hide_broken_torchvision() -> bool:
-    """Let ``transformers`` import beside a torchvision that cannot load.
-
-    PyPI's torchvision wheel (which BackPACK requires) does not load beside
-    PyTorch's CPU build (``RuntimeError: operator torchvision::nms does not
-    exist``), and ``transformers`` imports torchvision whenever it is installed.
-    Call this before importing ``transformers``: if torchvision loads, nothing
-    changes; if it fails with that error, torchvision is marked as absent in
-    this process (``sys.modules["torchvision"] = None``), so ``transformers``
-    runs without it (its text and vision models do; only torchvision-backed
-    image processors are missing). The clean alternative is a torchvision built
-    for the installed torch (e.g. from PyTorch's CPU wheel index).
-
-    Returns:
-        Whether torchvision was hidden.
-    """
-    try:
-        import torchvision  # noqa: F401
-    except RuntimeError as error:
-        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-        sys.modules["torchvision"] = None  # type: ignore[assignment]
-        logger.warning(
-            "torchvision does not load beside this torch (%s): hidden from "
-            "transformers in this process.",
-            error,
-        )
-        return True
-    except ImportError:
-        return False
-    return False
 
 
 def _check_shift(shift: object) -> None:

@@ -1,10 +1,10 @@
 """The monitor's Lightning and Hugging Face Trainer adapters.
 
-Without the package an adapter raises MissingPackageError naming it (runs
-everywhere). With it (not installed in CI: Lightning imports torchvision, which
-does not import beside the CPU build of torch that CI pins; see docs/guide.rst)
-the callback records at the trainer's optimizer steps and leaves training as it
-was.
+Without the package an adapter raises MissingPackageError naming it. With it
+(both are in the test extra; torchvision, which both import and which does not
+load beside the CPU build of torch that CI pins, is hidden first) the callback
+records at the trainer's optimizer steps and leaves training as it was. A
+missing package fails its tests in CI (tests/fixtures/optional_packages.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.fixtures.optional_packages import BROKEN, installed, run_beside
 from vivit import InvalidArgumentError, MissingPackageError
 from vivit.analysis import CurvatureMonitor, huggingface_callback, lightning_callback
 
@@ -38,13 +39,13 @@ def test_missing_package_is_named(monkeypatch, adapter, module, package):
 
 
 def test_huggingface_needs_a_fixed_batch():
-    pytest.importorskip("transformers")
+    installed("transformers")
     with pytest.raises(InvalidArgumentError, match="fixed monitoring batch"):
         huggingface_callback(_monitor())
 
 
 def _lightning_fit(callbacks, accumulate):
-    pl = pytest.importorskip("lightning.pytorch")
+    pl = installed("lightning.pytorch")
 
     class Classifier(pl.LightningModule):
         def __init__(self):
@@ -96,7 +97,7 @@ def test_lightning_callback(accumulate):
 
 def test_huggingface_callback_steps_at_global_steps():
     """Called as the Trainer calls it: on_step_end with its state, then the end."""
-    transformers = pytest.importorskip("transformers")
+    transformers = installed("transformers")
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
     monitor = _monitor(batch=batch, every=2)
@@ -109,3 +110,28 @@ def test_huggingface_callback_steps_at_global_steps():
     callback.on_train_end(args, state, control)
     assert [r["step"] for r in monitor.records] == [2, 4]
     assert all(r["batch"] == "fixed" for r in monitor.records)
+
+
+def test_adapters_hide_a_torchvision_that_cannot_load(tmp_path):
+    """Built in a fresh interpreter whose torchvision fails as PyPI's wheel does."""
+    installed("lightning.pytorch")
+    installed("transformers")
+    run_beside(
+        tmp_path,
+        BROKEN,
+        """
+        import sys
+        import torch
+        from torch import nn
+        from vivit.analysis import (
+            CurvatureMonitor, huggingface_callback, lightning_callback
+        )
+
+        model = nn.Sequential(nn.Linear(4, 3))
+        batch = torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)
+        monitor = CurvatureMonitor(model, nn.CrossEntropyLoss(), batch=batch)
+        lightning_callback(monitor)
+        huggingface_callback(monitor)
+        assert sys.modules["torchvision"] is None
+        """,
+    )

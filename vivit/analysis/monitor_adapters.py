@@ -1,28 +1,18 @@
 """A CurvatureMonitor as a PyTorch Lightning or Hugging Face Trainer callback.
 
 Both packages are optional and imported only when an adapter is built; a missing
-one raises :class:`~vivit.MissingPackageError` naming it.
+one raises :class:`~vivit.MissingPackageError` naming it. Both import torchvision
+where it is installed; one that cannot load beside this torch is hidden first
+(:func:`~vivit.huggingface.hide_broken_torchvision`).
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any
 
 from vivit.analysis.monitor import CurvatureMonitor
-from vivit.errors import InvalidArgumentError, MissingPackageError
-
-
-def _optional(module: str, package: str, what: str) -> ModuleType:
-    """Import ``module`` of the optional ``package``, or say how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise MissingPackageError(
-            f"{what} needs the package {package!r}, which cannot be imported "
-            f"({error}): install it with `pip install {package}`."
-        ) from None
+from vivit.errors import InvalidArgumentError
+from vivit.optional_packages import hide_broken_torchvision, import_optional
 
 
 def lightning_callback(monitor: CurvatureMonitor) -> Any:
@@ -44,7 +34,8 @@ def lightning_callback(monitor: CurvatureMonitor) -> Any:
     Raises:
         MissingPackageError: If ``lightning`` cannot be imported.
     """
-    pl = _optional("lightning.pytorch", "lightning", "The Lightning adapter")
+    hide_broken_torchvision()
+    pl = import_optional("lightning.pytorch", "lightning", "The Lightning adapter")
 
     class CurvatureMonitorCallback(pl.Callback):
         """Steps a :class:`~vivit.analysis.CurvatureMonitor` during ``fit``."""
@@ -89,7 +80,8 @@ def huggingface_callback(monitor: CurvatureMonitor) -> Any:
         MissingPackageError: If ``transformers`` cannot be imported.
         InvalidArgumentError: If the monitor follows the current batch.
     """
-    transformers = _optional(
+    hide_broken_torchvision()
+    transformers = import_optional(
         "transformers", "transformers", "The Hugging Face Trainer adapter"
     )
     if not monitor.uses_fixed_batch:
