@@ -1,15 +1,13 @@
 """The noise study end to end on a tiny configuration."""
 
 import pytest
+import torch
 from studies import noise
 
-from tests.fixtures.checks import EIGVEC_PRODUCT_REL32, record
+from tests.fixtures.checks import EIGVEC_PRODUCT_REL32, lambda_mean_rel, record
 from tests.studies.study_helpers import read_results, run_tiny
 
 K = 3
-#: Mean of λ_nk against λ_k in the float32 study: a measured spread kept with a
-#: stated margin of at least 10×.
-MEAN_REL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +44,19 @@ def test_checkpoints(results):
 
 
 def test_lambda_means_add_up_to_eigenvalues(results):
-    """R Σ_n λ_nk = λ_k: for a mean-reduced loss the mean of λ_nk is λ_k."""
+    """R Σ_n λ_nk = λ_k: for a mean-reduced loss the mean of λ_nk is λ_k.
+
+    The float32 study's Gram matrix is float32 (the model's type): within
+    ``lambda_mean_rel`` (docs/math.rst, "Tolerances of the tests", "Sums of
+    eigenvalues").
+    """
+    assert results["dtype"] == "float32"
+    num_classes = results["data"]["num_classes"]
+    rel = lambda_mean_rel(results["config"]["batch_size"], num_classes, torch.float32)
     for c in results["results"]["checkpoints"]:
         for mean, value in zip(c["lambda_mean"], c["eigenvalues"], strict=True):
-            record(abs(mean - value), MEAN_REL * value)
-            assert mean == pytest.approx(value, rel=MEAN_REL)
+            record(abs(mean - value), rel * value)
+            assert mean == pytest.approx(value, rel=rel)
 
 
 def test_figure(output, results):
