@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.fixtures.checks import EIGVAL_RTOL
+from tests.fixtures.optional_packages import installed
 from tests.fixtures.problems import Problem, problem_ids, select
 from tests.fixtures.reference import (
     dense_ggn,
@@ -152,7 +153,7 @@ def test_every_row_matches_dense_matrices(problem: Problem, engine: str):
     ids=problem_ids(select(architecture=["mlp_tanh", "conv1d"], loss="ce")),
 )
 def test_kronecker_factored_rows_match_curvlinops_dense_matrices(problem: Problem):
-    curvlinops = pytest.importorskip("curvlinops")
+    curvlinops = installed("curvlinops")
     model, loss_func, inputs, targets = problem.build(torch.float64)
     if problem.architecture == "conv1d":  # curvlinops: Linear and Conv2d only
         audit = audit_approximations(

@@ -5,12 +5,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.optional_packages import installed
+
 EXP = Path(__file__).resolve().parents[2] / "exp"
 if str(EXP) not in sys.path:
     sys.path.insert(0, str(EXP))
 
-pytest.importorskip("matplotlib", reason="the studies need matplotlib (study extra)")
-pytest.importorskip("sklearn", reason="the studies need scikit-learn (study extra)")
+installed("matplotlib")  # the studies' extra, and the test extra
+installed("sklearn")
 
 from tests.studies.study_helpers import FACTORIES, Runner  # noqa: E402
 

@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.optional_packages import installed
 from tests.fixtures.reference import dense_ggn
 from tests.studies.study_helpers import read_results
 from vivit.huggingface import IGNORE_INDEX, token_logits
 
-hf_models = pytest.importorskip(
-    "tests.fixtures.hf_models", exc_type=ImportError
-)  # needs transformers
+hf_models = installed("tests.fixtures.hf_models")  # needs transformers
 
 from studies.data import load_dataset  # noqa: E402
 from studies.errors import StudyError  # noqa: E402
