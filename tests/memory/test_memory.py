@@ -407,9 +407,15 @@ def test_meta_models_are_estimated_and_refused_by_the_computation():
         LowRankGGN(
             meta_model, torch.nn.CrossEntropyLoss(), (torch.randn(4, 6), targets)
         )
+    # to_empty leaves whatever the allocator hands out, NaN included (the refusal
+    # of non-finite parameters would then come first): give it values
+    real_model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in real_model.parameters():
+            param.fill_(0.5)
     with pytest.raises(InvalidArgumentError, match="meta device"):
         LowRankGGN(
-            model.to_empty(device="cpu"),
+            real_model,
             torch.nn.CrossEntropyLoss(),
             (torch.randn(4, 6).to("meta"), targets),
         )
