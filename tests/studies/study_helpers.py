@@ -4,6 +4,8 @@ import importlib
 import json
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 EXP = ROOT / "exp"
 FACTORIES = Path(__file__).resolve().parent / "factories.py"
@@ -48,10 +50,15 @@ TINY = {
 
 
 def run_tiny(study, output, *options):
-    """Run a study in-process on the tiny configuration; return its exit status."""
+    """Run a study in-process on the tiny configuration; return its exit status.
+
+    A study seeds torch's global generator (``--seed``); its state is restored
+    afterwards, so that the tests after a study draw what they would without it.
+    """
     module = importlib.import_module(f"studies.{study}")
     argv = [*TINY[study], "--no-progress", "--output", str(output), *options]
-    return module.main(argv)
+    with torch.random.fork_rng(devices=[]):
+        return module.main(argv)
 
 
 def read_results(output):

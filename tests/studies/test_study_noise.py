@@ -11,15 +11,27 @@ K = 3
 
 
 @pytest.fixture(scope="module")
-def output(tmp_path_factory):
+def run_and_generator(tmp_path_factory):
+    """The run's output, and whether torch's global generator was left alone."""
     path = tmp_path_factory.mktemp("noise") / "run"
+    before = torch.get_rng_state()
     assert run_tiny("noise", path) == 0
-    return path
+    return path, torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.fixture(scope="module")
+def output(run_and_generator):
+    return run_and_generator[0]
 
 
 @pytest.fixture(scope="module")
 def results(output):
     return read_results(output)
+
+
+def test_the_suites_generator_is_left_alone(run_and_generator):
+    """The study seeds torch's global generator; run_tiny restores it."""
+    assert run_and_generator[1]
 
 
 def test_checkpoints(results):
