@@ -44,7 +44,7 @@ def test_huggingface_needs_a_fixed_batch():
         huggingface_callback(_monitor())
 
 
-def _lightning_fit(callbacks, accumulate):
+def _lightning_fit(callbacks, accumulate, root):
     pl = installed("lightning.pytorch")
 
     class Classifier(pl.LightningModule):
@@ -62,7 +62,7 @@ def _lightning_fit(callbacks, accumulate):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    pl.seed_everything(0, verbose=False)
+    torch.manual_seed(0)  # the weights and the dropout masks: the same in both fits
     module = Classifier()
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(
@@ -79,16 +79,18 @@ def _lightning_fit(callbacks, accumulate):
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
-        deterministic=True,
+        default_root_dir=root,
     )
     trainer.fit(module, loader)
     return module, monitor
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_lightning_callback(accumulate):
-    plain, _ = _lightning_fit(False, accumulate)
-    monitored, monitor = _lightning_fit(True, accumulate)
+def test_lightning_callback(accumulate, tmp_path):
+    """The fits seed torch's global generator: restored for the tests after."""
+    with torch.random.fork_rng(devices=[]):
+        plain, _ = _lightning_fit(False, accumulate, tmp_path / "plain")
+        monitored, monitor = _lightning_fit(True, accumulate, tmp_path / "monitored")
     steps = 6 // accumulate
     assert [r["step"] for r in monitor.records] == list(range(2, steps + 1, 2))
     for a, b in zip(plain.parameters(), monitored.parameters(), strict=True):
