@@ -22,6 +22,7 @@ from tests.fixtures.checks import (
     REORDERED_REL32,
     assert_top_eigvals,
 )
+from tests.fixtures.optional_packages import installed
 from tests.fixtures.reference import dense_ggn
 from vivit import InvalidTargetsError, LowRankGGN
 from vivit.huggingface import (
@@ -31,7 +32,7 @@ from vivit.huggingface import (
     token_logits,
 )
 
-hf_models = pytest.importorskip("tests.fixtures.hf_models", exc_type=ImportError)
+hf_models = installed("tests.fixtures.hf_models")
 
 #: torch.func has no batching rule for SDPA's CPU backward: slower, still exact
 pytestmark = pytest.mark.filterwarnings(
