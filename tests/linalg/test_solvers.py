@@ -358,6 +358,32 @@ def test_block_krylov_refuses_a_floor_above_the_largest_eigenvalue():
         block_krylov_eigh(cancelling_products(A, 1e7), 300, 5, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("spread", [1.0, 1e-6])
+def test_orthonormalize_to_working_precision(monkeypatch, spread):
+    """A block orthonormalized against a basis is orthonormal and orthogonal to it
+    within ``100·ε`` (:data:`~vivit.linalg.iterative.SINGLE_SVQB_CONDITION`), with
+    one SVQB where its Gram matrix is well conditioned (``spread = 1``) and a third
+    projection where it is not (``spread = 1e-6``: columns nearly dependent after
+    projection, which a single SVQB would leave ``√κ·ε`` off)."""
+    generator = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(2000, 40, generator=generator).double())
+    inside = basis @ torch.randn(40, 6, generator=generator).double()
+    outside = torch.randn(2000, 6, generator=generator).double()
+    outside[:, 3:] = outside[:, :3] + spread * outside[:, 3:]
+    projections = []
+    monkeypatch.setattr(
+        torch.linalg,
+        "eigh",
+        lambda gram, _eigh=torch.linalg.eigh: projections.append(1) or _eigh(gram),
+    )
+    block, _ = iterative._orthonormalize(basis, 1e3 * inside + outside)
+    bound = 100 * torch.finfo(torch.float64).eps
+    assert (basis.T @ block).abs().max() <= bound
+    identity = torch.eye(block.shape[1], dtype=torch.float64)
+    assert (block.T @ block - identity).abs().max() <= bound
+    assert len(projections) == (1 if spread == 1.0 else 2)
+
+
 def test_block_krylov_deterministic_for_a_seed():
     A = psd_matrix(120, torch.linspace(1, 0, 120, dtype=torch.float64) ** 4)
     first = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)
