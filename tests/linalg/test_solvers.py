@@ -384,6 +384,26 @@ def test_orthonormalize_to_working_precision(monkeypatch, spread):
     assert len(projections) == (1 if spread == 1.0 else 2)
 
 
+def test_auto_prefers_the_dense_solver_to_a_rounding_floor():
+    """Under "auto" a Gram route whose products round above ``tol`` falls back to
+    the exact dense solver instead of accepting pairs at the floor; asked for by
+    name, the matrix-free solver accepts them and warns."""
+    A = psd_matrix(300, CLUSTERED)
+    arguments = {"size": 300, "dtype": torch.float32, "device": torch.device("cpu")}
+    products = cancelling_products(A, 1000.0)
+    with pytest.warns(RuntimeWarning, match="Falling back to the dense solver"):
+        evals, _, report = leading_eigenpairs(
+            products, 5, "matrix_free", A.float, requested="auto", **arguments
+        )
+    assert report.solver == "dense" and report.rounding is None
+    assert_top_eigvals(evals, CLUSTERED.flip(0), EIGVAL_RTOL[torch.float32])
+    with pytest.warns(RoundingFloorWarning):
+        _, _, report = leading_eigenpairs(
+            products, 5, "matrix_free", A.float, requested="matrix_free", **arguments
+        )
+    assert report.solver == "matrix_free" and report.rounding is not None
+
+
 def test_block_krylov_deterministic_for_a_seed():
     A = psd_matrix(120, torch.linspace(1, 0, 120, dtype=torch.float64) ** 4)
     first = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)

@@ -247,6 +247,7 @@ def block_krylov_eigh(
     max_restarts: int = MAX_RESTARTS,
     block_size: int | None = None,
     depth: int | None = None,
+    rounding_floor: bool = True,
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a symmetric positive semi-definite operator.
 
@@ -262,6 +263,9 @@ def block_krylov_eigh(
         block_size: Block size ``b`` (default :func:`default_block_size`; at least
             ``top_k``, at most ``size``).
         depth: Krylov depth ``q`` per cycle (default: see :func:`basis_capacity`).
+        rounding_floor: Whether pairs may be accepted at the products' measured
+            rounding where it lies above ``tol`` (``False``: only at ``tol``, for
+            a caller that has an exact solver to fall back to).
 
     Returns:
         Eigenvalues ``[k]`` ascending, orthonormal eigenvectors ``[size, k]`` as
@@ -317,7 +321,7 @@ def block_krylov_eigh(
             if estimate <= limit or not fits:  # confirm, or the last chance
                 ritz, ritz_images = krylov.ritz_vectors(coefficients)
                 residual = _relative_residual(theta, ritz, ritz_images)
-                if residual > limit and not measured:  # at the images' rounding?
+                if rounding_floor and residual > limit and not measured:
                     discrepancy = _image_discrepancy(theta, ritz, ritz_images, apply)
                     rounding, measured = max(rounding or 0.0, discrepancy), True
                     limit = max(tol, ROUNDING_FACTOR * rounding)
