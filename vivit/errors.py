@@ -108,6 +108,15 @@ class FewerEigenpairsWarning(UserWarning):
     """Fewer numerically non-zero eigenpairs exist than ``top_k`` asked for."""
 
 
+class RoundingFloorWarning(UserWarning):
+    """An iterative eigensolver stopped at the rounding floor of its products.
+
+    The requested residual lies below the rounding of the operator's products
+    (e.g. float32 GGN-vector products), so the tolerance was raised to it
+    (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+    """
+
+
 class SampleCouplingError(VivitError, ValueError):
     """A model whose output for one sample depends on other samples or on chance."""
 

@@ -27,7 +27,12 @@ from tests.fixtures.checks import (
 )
 from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn
-from vivit import InvalidArgumentError, LowRankGGN, SolverNotConvergedError
+from vivit import (
+    InvalidArgumentError,
+    LowRankGGN,
+    RoundingFloorWarning,
+    SolverNotConvergedError,
+)
 from vivit.gram import DenseFactors, SampleBlockFactors
 from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
@@ -286,6 +291,117 @@ def test_block_krylov_thick_restarts(monkeypatch, dtype):
     monkeypatch.setattr(iterative, "restart_size", lambda top_k, width, capacity: width)
     _, _, thin = block_krylov_eigh(A.__matmul__, 600, 3, dtype=dtype)
     assert report.products < thin.products
+
+
+def cancelling_products(A, scale):
+    """``U ↦ A U`` in float32 as ``(A + L) U − L U`` with ``‖L‖ = 2·scale``.
+
+    The float32 rounding of the two large products, ``~ε₃₂·scale·‖U‖``, does not
+    cancel: the mechanism of a float32 GGN-vector product ``Jᵀ H J v``, whose loss
+    Hessian annihilates large parts of ``J v`` (``docs/math.rst``, "Implicit
+    GGN-vector products", "Rounding of the products").
+    """
+    size = A.shape[0]
+    L = psd_matrix(size, torch.linspace(1, 2, size, dtype=torch.float64), seed=1)
+    summed, subtracted = (A + scale * L).float(), (scale * L).float()
+    return lambda U: summed @ U - subtracted @ U
+
+
+#: Four copies of the top eigenvalue and a cluster of six within 1 % below it.
+CLUSTERED = torch.cat(
+    [
+        torch.ones(4, dtype=torch.float64),
+        torch.linspace(0.999, 0.99, 6, dtype=torch.float64),
+        torch.linspace(0.5, 0, 290, dtype=torch.float64) ** 2,
+    ]
+)
+
+
+@pytest.mark.parametrize("scale", [100.0, 1000.0])
+@pytest.mark.parametrize("top_k", [5, 10])
+def test_block_krylov_stops_at_the_products_rounding_floor(scale, top_k):
+    """Products rounded above the default tolerance, on a degenerate and clustered
+    top: the residual estimate (exact arithmetic) falls below ``tol``, the
+    confirmed residual stays at the images' rounding, and without the rounding
+    floor the solver stagnated (SolverNotConvergedError). With it the pairs are
+    accepted at ``2ρ`` and said so; against the exact float64 ``A`` they are within
+    ``1.5·tolerance·λ_max`` (``docs/math.rst``, "The Gram matrix and exact
+    eigenpairs", "Rounding floor of the products")."""
+    A = psd_matrix(300, CLUSTERED)
+    with pytest.warns(RoundingFloorWarning, match="rounding of the operator"):
+        found, vectors, report = block_krylov_eigh(
+            cancelling_products(A, scale), 300, top_k, dtype=torch.float32
+        )
+    assert report.converged and report.rounding is not None
+    assert report.requested_tolerance == default_tolerance(torch.float32)
+    assert report.tolerance == 2 * report.rounding > report.requested_tolerance
+    bound = 1.5 * report.tolerance
+    assert_top_eigvals(found, CLUSTERED.flip(0), bound)
+    vectors, found = vectors.double(), found.double()
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= bound * CLUSTERED[0]
+
+
+def test_block_krylov_measures_no_floor_for_exact_products():
+    """Float64 products of the same matrix reach ``tol`` without a measurement."""
+    A = psd_matrix(300, CLUSTERED)
+    found, _, report = block_krylov_eigh(A.__matmul__, 300, 10, dtype=torch.float64)
+    assert report.rounding is None
+    assert report.tolerance == report.requested_tolerance == default_tolerance(DTYPE)
+    assert_top_eigvals(found, CLUSTERED.flip(0), report.tolerance)
+
+
+def test_block_krylov_refuses_a_floor_above_the_largest_eigenvalue():
+    """Products rounded beyond ``λ_max`` resolve nothing: an error, not pairs."""
+    A = psd_matrix(300, CLUSTERED)
+    with pytest.raises(SolverNotConvergedError, match="measured rounding"):
+        block_krylov_eigh(cancelling_products(A, 1e7), 300, 5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e-6])
+def test_orthonormalize_to_working_precision(monkeypatch, spread):
+    """A block orthonormalized against a basis is orthonormal and orthogonal to it
+    within ``100·ε`` (:data:`~vivit.linalg.iterative.SINGLE_SVQB_CONDITION`), with
+    one SVQB where its Gram matrix is well conditioned (``spread = 1``) and a third
+    projection where it is not (``spread = 1e-6``: columns nearly dependent after
+    projection, which a single SVQB would leave ``√κ·ε`` off)."""
+    generator = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(2000, 40, generator=generator).double())
+    inside = basis @ torch.randn(40, 6, generator=generator).double()
+    outside = torch.randn(2000, 6, generator=generator).double()
+    outside[:, 3:] = outside[:, :3] + spread * outside[:, 3:]
+    projections = []
+    monkeypatch.setattr(
+        torch.linalg,
+        "eigh",
+        lambda gram, _eigh=torch.linalg.eigh: projections.append(1) or _eigh(gram),
+    )
+    block, _ = iterative._orthonormalize(basis, 1e3 * inside + outside)
+    bound = 100 * torch.finfo(torch.float64).eps
+    assert (basis.T @ block).abs().max() <= bound
+    identity = torch.eye(block.shape[1], dtype=torch.float64)
+    assert (block.T @ block - identity).abs().max() <= bound
+    assert len(projections) == (1 if spread == 1.0 else 2)
+
+
+def test_auto_prefers_the_dense_solver_to_a_rounding_floor():
+    """Under "auto" a Gram route whose products round above ``tol`` falls back to
+    the exact dense solver instead of accepting pairs at the floor; asked for by
+    name, the matrix-free solver accepts them and warns."""
+    A = psd_matrix(300, CLUSTERED)
+    arguments = {"size": 300, "dtype": torch.float32, "device": torch.device("cpu")}
+    products = cancelling_products(A, 1000.0)
+    with pytest.warns(RuntimeWarning, match="Falling back to the dense solver"):
+        evals, _, report = leading_eigenpairs(
+            products, 5, "matrix_free", A.float, requested="auto", **arguments
+        )
+    assert report.solver == "dense" and report.rounding is None
+    assert_top_eigvals(evals, CLUSTERED.flip(0), EIGVAL_RTOL[torch.float32])
+    with pytest.warns(RoundingFloorWarning):
+        _, _, report = leading_eigenpairs(
+            products, 5, "matrix_free", A.float, requested="matrix_free", **arguments
+        )
+    assert report.solver == "matrix_free" and report.rounding is not None
 
 
 def test_block_krylov_deterministic_for_a_seed():

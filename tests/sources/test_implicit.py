@@ -26,7 +26,7 @@ from tests.fixtures.checks import (
 )
 from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS
 from tests.fixtures.reference import dense_ggn
-from vivit import LowRankGGN, StreamingGGN
+from vivit import LowRankGGN, RoundingFloorWarning, StreamingGGN
 from vivit.errors import InvalidArgumentError, ModelChangedError, UnsupportedLayerError
 from vivit.optim import DampedNewton
 
@@ -318,3 +318,46 @@ def test_embedding_padding_rows_are_constants_as_in_reverse_mode(tied):
     G = dense_ggn(model, loss_func, x, y)
     v = torch.randn(G.shape[0], 3, dtype=torch.float64)
     _assert_product(ggn.operator().matvec(v), G, v)
+
+
+class ShiftedLogits(nn.Module):
+    """A linear classifier plus ``scale`` times a learned shift of every logit.
+
+    Cross-entropy's Hessian annihilates a shift of all logits, so ``J v`` along
+    the shift is large and ``H J v`` cancels it: the float32 products round at
+    about ``ε₃₂·scale²`` of ``‖G‖``, above the default tolerance ``100·ε₃₂``
+    (the mechanism of GPT-2's products, ``docs/math.rst``, "Implicit GGN-vector
+    products", "Rounding of the products").
+    """
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.linear = nn.Linear(6, 50)
+        self.shift = nn.Parameter(torch.zeros(1))
+        self.scale = scale
+
+    def forward(self, x):
+        return self.linear(x) + self.scale * self.shift
+
+
+def test_float32_products_at_their_rounding_floor_match_dense():
+    """The solver stagnated at the products' rounding (SolverNotConvergedError);
+    it now accepts the pairs at twice the measured rounding ``ρ``, warns, and they
+    are within ``1.5·tolerance·λ_max`` of the dense float64 reference ("The Gram
+    matrix and exact eigenpairs", "Rounding floor of the products")."""
+    torch.manual_seed(0)
+    model, loss_func = ShiftedLogits(1e3), nn.CrossEntropyLoss()
+    x, y = torch.randn(4, 6), torch.randint(0, 50, (4,))
+    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    with pytest.warns(RoundingFloorWarning, match="float64 products"):
+        evals, evecs = ggn.eigh(top_k=TOP_K)
+    report = ggn.solver_report()
+    assert report.converged and report.tolerance == 2 * report.rounding
+    assert report.tolerance > report.requested_tolerance
+    model64 = model.double()
+    G = dense_ggn(model64, loss_func, x.double(), y)
+    bound = 1.5 * report.tolerance
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), bound)
+    vectors, evals = flat_evecs(evecs).T, evals.double()
+    residual = (G @ vectors - vectors * evals).norm(dim=0).max()
+    assert residual <= bound * evals.max()

@@ -386,6 +386,8 @@ def leading_eigenpairs(
             tol=tol,
             seed=seed,
             block_size=solver_block_size(solver, top_k, size),
+            # under "auto" the Gram routes fall back to the exact dense solver
+            rounding_floor=requested != "auto" or solver == "implicit",
         )
     except SolverNotConvergedError as error:
         if requested != "auto":
