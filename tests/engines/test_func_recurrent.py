@@ -121,14 +121,15 @@ def test_dropout_between_layers_refused_in_training():
 
 
 class _Packed(nn.Module):
-    """An LSTM on sequences of different lengths, packed; the last valid output.
+    """A recurrent layer on sequences of different lengths, packed; the last
+    valid output.
 
     The input's last channel marks the valid steps ``[N, T, 3 + 1]``.
     """
 
-    def __init__(self):
+    def __init__(self, kind: type[nn.RNNBase]):
         super().__init__()
-        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.layer = kind(3, 4, batch_first=True)
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
@@ -136,7 +137,7 @@ class _Packed(nn.Module):
         packed = pack_padded_sequence(
             x[:, :, :-1], lengths, batch_first=True, enforce_sorted=False
         )
-        h, _ = pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+        h, _ = pad_packed_sequence(self.layer(packed)[0], batch_first=True)
         return self.head(h[torch.arange(len(x)), lengths - 1])
 
 
@@ -157,19 +158,20 @@ def _looped_dense_ggn(model, loss_func, X, y) -> torch.Tensor:
     return J.T @ H.reshape(output.numel(), output.numel()) @ J
 
 
-def test_packed_sequences_keep_explicit_columns():
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_packed_sequences_keep_explicit_columns(kind):
     """Packed sequences run the fused kernel: explicit columns, still exact."""
     torch.manual_seed(0)
-    model = _Packed().double()
+    model = _Packed(kind).double()
     valid = torch.arange(4) < torch.tensor([[4], [2], [3]])
     X = torch.cat([torch.randn(3, 4, 3), valid[..., None]], dim=2).double()
     y = torch.tensor([0, 1, 1])
     ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (X, y), engine="func")
     params = list(model.parameters())
-    lstm = {id(p) for p in model.lstm.parameters()}
+    recurrent = {id(p) for p in model.layer.parameters()}
     group = ggn._group(0)
     for param, factors in zip(params, group.ggn_factors, strict=True):
-        if id(param) in lstm:
+        if id(param) in recurrent:
             assert isinstance(factors, DenseFactors)
     G = _looped_dense_ggn(model, nn.CrossEntropyLoss(), X, y)
     expected = torch.linalg.eigvalsh(G)[-len(ggn.eigvalsh()) :]

@@ -70,9 +70,9 @@ def _unpacked(args: tuple) -> bool:
     """Whether a sequence kernel's call has a padded input (not packed).
 
     The packed overloads take ``batch_sizes`` second, so their ``params`` list
-    comes one place later.
+    comes fourth, where the padded ones take ``has_biases``.
     """
-    return len(args) > 2 and isinstance(args[2], (list, tuple))
+    return len(args) > 3 and not isinstance(args[3], (list, tuple))
 
 
 def stepwise(func: Callable, args: tuple, kwargs: dict) -> Tensor | tuple | None:
