@@ -164,13 +164,15 @@ def _direction(
     """
     reverse, batch_first = layout
     time = 1 if batch_first else 0
-    gates_in = F.linear(x, weights.w_ih, weights.b_ih)
-    length = x.shape[time]
+    # the steps as views of one unbind: its backward pass stacks their vectors
+    # once (selecting step by step would add T zero-padded copies, O(T²))
+    gates_in = F.linear(x, weights.w_ih, weights.b_ih).unbind(time)
+    length = len(gates_in)
     order = range(length - 1, -1, -1) if reverse else range(length)
     outputs: list[Tensor | None] = [None] * length
     h, c = state
     for t in order:
-        h, c = _step(cell, gates_in.select(time, t), (h, c), weights.w_hh, weights.b_hh)
+        h, c = _step(cell, gates_in[t], (h, c), weights.w_hh, weights.b_hh)
         if weights.w_hr is not None:
             h = F.linear(h, weights.w_hr)
         outputs[t] = h
