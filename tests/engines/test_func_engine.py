@@ -40,6 +40,7 @@ from tests.fixtures.checks import (
 )
 from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS, TwiceLinear
 from tests.fixtures.problems import PROBLEMS, Setup, prepare, problem_ids
+from tests.fixtures.recurrent_problems import RECURRENT_PROBLEMS
 from tests.fixtures.reference import (
     dense_ggn,
     dense_gradient,
@@ -64,6 +65,7 @@ pytestmark = [
 
 REL = EIGVEC_PRODUCT_REL
 TOP_K = 3
+ALL_FUNC_PROBLEMS = FUNC_PROBLEMS + PADDED_PROBLEMS + RECURRENT_PROBLEMS
 
 
 class Reference(NamedTuple):
@@ -75,7 +77,7 @@ class Reference(NamedTuple):
 
 @functools.cache
 def func_reference(name: str) -> Reference:
-    (problem,) = [p for p in FUNC_PROBLEMS + PADDED_PROBLEMS if p.name == name]
+    (problem,) = [p for p in ALL_FUNC_PROBLEMS if p.name == name]
     setup = problem.setup()
     model, loss_func, X, y = setup
     return Reference(
@@ -104,7 +106,7 @@ def dense_newton(ref: Reference, evals, E, damping: float, grad_samples):
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [p.name for p in FUNC_PROBLEMS + PADDED_PROBLEMS])
+@pytest.mark.parametrize("name", [p.name for p in ALL_FUNC_PROBLEMS])
 @pytest.mark.parametrize("subsampling", [None, [2, 0]], ids=["full", "subsampled"])
 def test_func_problem(name, subsampling):
     """Eigenpairs, γ, λ and the Newton step through engine='auto', without extend."""

@@ -20,6 +20,7 @@ import torch
 
 from tests.engines.test_func_engine import func_reference
 from tests.fixtures.checks import REORDERED_REL, assert_rel
+from tests.fixtures.recurrent_problems import RECURRENT_PROBLEMS
 from vivit import LowRankGGN
 from vivit.engines.func import FuncEngine, engine, functional, vjp
 from vivit.engines.func.functional import FunctionCapture
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop:UserWarning"
 )
 
+RECURRENT = [p.name for p in RECURRENT_PROBLEMS]
 VARIANTS = {
     "exact": {},
     "mc": {"mc_samples": 2},
@@ -87,6 +89,8 @@ def explicit(monkeypatch):
         "padded-conv1d-ce-sum",
         "padded-conv1d-mse-mean",
         "transformer-ce-mean",
+        "lstm-ce-sum",
+        *RECURRENT,
     ],
 )
 def test_forms_match_explicit_columns(name, variant, explicit):
@@ -151,6 +155,25 @@ def test_sequence_first_conv1d_forms(monkeypatch):
         assert isinstance(forms[name], OuterProductFactors)
         assert forms[name].transposed
     assert isinstance(forms["attention.in_proj_weight"], OuterProductFactors)
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", *RECURRENT])
+def test_recurrent_forms(monkeypatch, name):
+    """Every weight of a recurrent layer (or cell) has a factor form, none falls back.
+
+    Evaluated step by step (``docs/math.rst``, "Recurrent layers"): the input
+    and recurrent weights (and an LSTM's projection) are Linear-like weights
+    used at every step, the biases their vectors summed.
+    """
+    explicit, forms = _forms(monkeypatch, name)
+    assert explicit == [[]]
+    recurrent = [n for n in forms if n.startswith(("lstm", "layer", "cell"))]
+    weights = [n for n in recurrent if ".weight" in n]
+    assert weights
+    for param in weights:
+        assert isinstance(forms[param], OuterProductFactors), param
+    for param in set(recurrent) - set(weights):
+        assert isinstance(forms[param], DenseFactors), param  # from the vectors
 
 
 @pytest.mark.parametrize("variant", ["exact", "mc", "subsampled", "chunked"])

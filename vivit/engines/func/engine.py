@@ -3,7 +3,9 @@
 No ``backpack.extend`` and nothing left on the caller's model: temporary forward
 hooks record the inputs and outputs of convolution and BatchNorm layers, a
 ``TorchFunctionMode`` the calls of ``F.linear``, ``torch.addmm``, ``F.embedding``
-and the normalizations (:mod:`~vivit.engines.func.functional`), and
+and the normalizations (:mod:`~vivit.engines.func.functional`; recurrent
+layers' fused kernels evaluated step by step,
+:mod:`~vivit.engines.func.recurrent`), and
 ``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in
 a loop where that is faster, see
 :class:`~vivit.engines.func.vjp.BatchedVJP`) pushes back the columns of the
@@ -19,7 +21,7 @@ that tell which sample owns each row of a recorded output:
   ``Σ_t x̂[t] ⊙ s̃[t]`` (BatchNorm in evaluation mode too, recorded by module
   hooks with ``x̂`` from the running statistics); calls of one form stack along
   the positions.
-* Every other parameter (LSTM weights, a table looked up for every sample alike,
+* Every other parameter (a table looked up for every sample alike,
   parameters used in other operations) gets its columns of ``V`` explicitly
   (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's contributions at a
   parameter, so each sample's vectors are pushed back in an otherwise zero batch

@@ -13,7 +13,9 @@ in which a requested parameter takes part, with the call's output ``z``. The mod
 sees only the outermost call of a Python-level function; the calls inside
 ``F.multi_head_attention_forward`` (its in- and output projections) are made
 visible by running a copy of it whose own check for the mode is off
-(:data:`TRANSPARENT`). Which
+(:data:`TRANSPARENT`); those of a recurrent layer (``nn.LSTM``, ``nn.GRU``,
+``nn.RNN`` and their cells, one fused kernel each) by evaluating it step by step
+with the same weights (:mod:`~vivit.engines.func.recurrent`). Which
 sample owns which row of ``z`` is not assumed (a transformer may hold its
 activations ``[T, N, D]`` or merge samples and positions into one axis): it is
 read off probe vectors pushed back with the root's columns (:func:`probe_vectors`,
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
+
+from vivit.engines.func.recurrent import recurrent_weights, stepwise
 
 #: Base of the digits of a sample's index that one probe vector encodes.
 PROBE_BASE = 16
@@ -143,6 +147,11 @@ class FunctionCapture(TorchFunctionMode):
         if func in TRANSPARENT:
             with self:  # back on while the copy runs (it is off during this call)
                 return TRANSPARENT[func](*args, **kwargs)
+        if any(id(w) in self.requested for w in recurrent_weights(func, args, kwargs)):
+            with self:  # the steps' F.linear calls are recorded
+                result = stepwise(func, args, kwargs)
+            if result is not None:
+                return result
         output = func(*args, **kwargs)
         if isinstance(output, Tensor) and torch.is_grad_enabled():
             use = self._use(func, args, kwargs, output)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.nn import Module
+from torch.nn import Module, RNNBase
 from torch.nn.modules.dropout import _DropoutNd
 
 from vivit._validation import check_batch_norm
@@ -32,7 +32,8 @@ def check_layers(model: Module) -> None:
     Raises:
         BatchNormTrainingError: For a BatchNorm layer that uses batch statistics
             (training mode, or no running statistics).
-        SampleCouplingError: For a dropout layer in training mode with ``p > 0``.
+        SampleCouplingError: For a dropout layer in training mode with ``p > 0``,
+            or a recurrent layer in training mode with dropout between its layers.
     """
     for name, module in model.named_modules():
         check_batch_norm(module, name or "The model")
@@ -42,6 +43,23 @@ def check_layers(model: Module) -> None:
                 "pass is random, so the GGN of one mini-batch is not defined. Call "
                 "model.eval() before computing curvature."
             )
+        if _drops_between_layers(module):
+            raise SampleCouplingError(
+                f"{name or 'The model'} ({module}) is in training mode with "
+                f"dropout={module.dropout} between its layers: the forward pass is "
+                "random, so the GGN of one mini-batch is not defined. Call "
+                "model.eval() before computing curvature."
+            )
+
+
+def _drops_between_layers(module: Module) -> bool:
+    """Whether a recurrent layer applies dropout between its layers (random)."""
+    return (
+        isinstance(module, RNNBase)
+        and module.training
+        and module.dropout > 0
+        and module.num_layers > 1
+    )
 
 
 def check_samples_independent(
