@@ -35,6 +35,9 @@ LAYERS = {
     "lstm-batch-first-projection-no-bias": lambda: nn.LSTM(
         3, 4, batch_first=True, proj_size=2, bias=False
     ),
+    "lstm-2-layers-bidirectional-projection-batch-first": lambda: nn.LSTM(
+        3, 4, num_layers=2, bidirectional=True, proj_size=2, batch_first=True
+    ),
     "gru-2-layers-bidirectional-batch-first": lambda: nn.GRU(
         3, 4, num_layers=2, bidirectional=True, batch_first=True
     ),
@@ -67,10 +70,28 @@ def _flat(result) -> torch.Tensor:
     return torch.cat([p.flatten() for p in flat])
 
 
+def _initial_state(layer: nn.Module, batched: bool, batch: int):
+    """A random initial state of ``layer``'s shape (``h``, or ``(h, c)``)."""
+    cell = isinstance(layer, nn.RNNCellBase)
+    leading = () if cell else (layer.num_layers * (2 if layer.bidirectional else 1),)
+    leading += (batch,) if batched else ()
+    features = getattr(layer, "proj_size", 0) or layer.hidden_size
+    h = torch.randn(*leading, features, dtype=torch.float64, requires_grad=True)
+    if not isinstance(layer, (nn.LSTM, nn.LSTMCell)):
+        return h
+    c = torch.randn(*leading, layer.hidden_size, dtype=torch.float64)
+    return h, c.requires_grad_()
+
+
 @pytest.mark.parametrize("name", LAYERS)
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
-def test_stepwise_is_the_fused_kernel(name, batched):
-    """Outputs and last states equal the fused kernel's; every weight is recorded."""
+@pytest.mark.parametrize("given", [False, True], ids=["zero-state", "state-given"])
+def test_stepwise_is_the_fused_kernel(name, batched, given):
+    """Outputs and last states equal the fused kernel's, and so do the gradients
+    of every weight, the input and a given initial state (a weight used in
+    another's place, or states of layers and directions taken in another order,
+    can leave outputs of one draw close but not every gradient); every weight is
+    recorded."""
     torch.manual_seed(0)
     layer = LAYERS[name]().double()
     cell = isinstance(layer, nn.RNNCellBase)
@@ -81,12 +102,24 @@ def test_stepwise_is_the_fused_kernel(name, batched):
         shape = (batch, steps, 3) if layer.batch_first else (steps, batch, 3)
     else:
         shape = (steps, 3)
-    x = torch.randn(shape, dtype=torch.float64)
-    expected = layer(x)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    state = _initial_state(layer, batched, batch) if given else None
+    inputs = (x,) if state is None else (x, state)
+    states = () if state is None else state if isinstance(state, tuple) else (state,)
+    leaves = [x, *states, *layer.parameters()]
+    expected = _flat(layer(*inputs))
+    cotangent = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, leaves, cotangent)
     capture = FunctionCapture(list(layer.parameters()))
     with capture:
-        actual = layer(x)
-    assert_rel(_flat(actual), _flat(expected), REORDERED_REL)
+        actual = layer(*inputs)
+    assert_rel(_flat(actual), expected, REORDERED_REL)
+    grads = torch.autograd.grad(_flat(actual), leaves, cotangent)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        if expected_grad.any():
+            assert_rel(grad, expected_grad, REORDERED_REL)
+        else:  # W_hh of a cell from a zero state: its input is exactly zero
+            assert not grad.any()
     assert len(capture.uses) == _uses(layer, steps)
     recorded = {id(p) for use in capture.uses for p in use.params()}
     assert recorded == {id(p) for p in layer.parameters()}
