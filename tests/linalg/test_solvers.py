@@ -221,6 +221,7 @@ def test_block_krylov_decaying_spectrum():
         A.__matmul__, 300, 5, dtype=torch.float64
     )
     # within tol·λ_max ("Iterative solvers"; A's own rounding is D·ε·λ_max)
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
     assert_top_eigvals(found, evals.flip(0), report.tolerance)
     residual = (A @ vectors - vectors * found).norm(dim=0).max()
     assert residual <= report.tolerance * evals[0]
@@ -239,6 +240,7 @@ def test_block_krylov_stops_as_soon_as_converged():
         A.__matmul__, 300, 5, dtype=torch.float64
     )
     # within tol·λ_max ("Iterative solvers"; A's own rounding is D·ε·λ_max)
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
     assert_top_eigvals(found, evals.flip(0), report.tolerance)
     assert report.cycles == 1
     assert report.products < basis_capacity(default_block_size(5, 300), 300)
@@ -264,6 +266,7 @@ def test_block_krylov_multiple_eigenvalue(top_k):
         A.__matmul__, 100, top_k, dtype=torch.float64
     )
     tol = report.tolerance
+    assert tol == report.requested_tolerance  # tol·λ_max: no rounding floor
     assert_top_eigvals(found, evals.flip(0), tol)
     assert_within(
         vectors.T @ vectors,
@@ -283,6 +286,8 @@ def test_block_krylov_thick_restarts(monkeypatch, dtype):
     A = psd_matrix(600, evals).to(dtype)
     found, vectors, report = block_krylov_eigh(A.__matmul__, 600, 3, dtype=dtype)
     assert report.cycles > 1
+    # float32 products of a float32 A round below 100·ε₃₂: tol·λ_max, no floor
+    assert report.tolerance == report.requested_tolerance
     torch.testing.assert_close(
         found.double(), evals[:3].flip(0), atol=report.tolerance, rtol=0
     )
