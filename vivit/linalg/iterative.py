@@ -35,8 +35,9 @@ start block, and nothing else is random.
 Rounding floor of the products: the estimate above holds in exact arithmetic;
 the confirmed residual carries the rounding of the images ``A q`` (float32
 GGN-vector products of a language model carry up to ``10⁻³ θ_max``). When the
-estimate is below ``tol`` but the confirmed residual is not, the Ritz vectors
-are multiplied once more and ``ρ = max ‖A u − Σ s_j (A q_j)‖ / θ_max``, the
+confirmed residual is above ``tol`` (confirmed where the estimate is below it,
+or at the end of a cycle; measured at most once a cycle), the Ritz vectors are
+multiplied once more and ``ρ = max ‖A u − Σ s_j (A q_j)‖ / θ_max``, the
 disagreement of two evaluations of the same images, is their rounding; the pairs
 are accepted at ``max(tol, 2ρ)`` with a :class:`~vivit.errors.RoundingFloorWarning`
 and the report says so (``docs/math.rst``, "The Gram matrix and exact
@@ -91,8 +92,10 @@ SEEDS = (-(2**63), 2**64)
 def default_tolerance(dtype: torch.dtype) -> float:
     """The default relative residual tolerance: ``max(100·ε, 1e-12)``.
 
-    ``100·ε`` lies above the rounding floor of a product with the operator (in
-    float32 about ``1.2e-5``); float64 stops at ``1e-12``.
+    ``100·ε`` (in float32 about ``1.2e-5``) lies above the rounding of a product
+    with a stored matrix; products whose terms cancel (float32 GGN-vector
+    products) can round above it, see the module's "Rounding floor of the
+    products". Float64 stops at ``1e-12``.
 
     Args:
         dtype: Data type of the operator.
@@ -584,9 +587,10 @@ def _orthonormalize(
         evals, evecs = torch.linalg.eigh(gram)
         # below these, an eigenvalue of the block's Gram matrix is rounding noise
         floor = max((DROP_TOLERANCE * scale) ** 2, block.shape[1] * eps * evals[-1])
-        kept = evals[evals > floor]
+        keep = evals > floor
+        kept = evals[keep]
         # the scaling on the small b × b side: one pass over the block less
-        block = block @ (evecs[:, evals > floor] / kept.sqrt())
+        block = block @ (evecs[:, keep] / kept.sqrt())
         if block.shape[1] == 0 or kept[-1] <= SINGLE_SVQB_CONDITION * kept[0]:
             break  # orthonormal to working precision already
         scale = 1.0
