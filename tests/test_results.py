@@ -170,6 +170,7 @@ def test_eigh_loss_and_gradient(problem, source):
     report = ggn.solver_report()
     rows = ggn.num_rows if isinstance(ggn, StreamingGGN) else ggn.gram().shape[0]
     assert_eigenpairs(evals, evecs, ref.ggn, rows, report.tolerance)
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
 
 
 @parametrize_sources

@@ -72,6 +72,7 @@ def test_streaming_equals_stored_factors_and_reference(problem, engine):
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), REL)
     report = streaming.solver_report()
     assert_eigenpairs(evals, evecs, G, stored.gram().shape[0], report.tolerance)
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
     assert report.solver == "streaming" and report.converged
     # two passes per product with G̃, one for the eigenvectors
     assert streaming.passes == 3 + 2 * len(calls) + 1

@@ -63,6 +63,7 @@ def test_eigenpairs_match_dense(name):
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
     nc = ggn._source.group(0).num_rows
     assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
 
 
 @pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum", "twice-bce-sum"])
