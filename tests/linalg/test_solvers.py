@@ -393,6 +393,25 @@ def test_block_krylov_residual_holds_against_the_exact_operator(
         assert residual <= 1.5 * report.tolerance * found.max()
 
 
+def test_block_krylov_without_a_floor_stops_at_the_first_rounding_above_tol():
+    """Without ``rounding_floor`` (a caller with an exact fallback) the first
+    confirmation that measures ``2ρ > tol`` ends the solve: no residual of such
+    products confirms ``tol`` against the exact operator (``docs/math.rst``,
+    "Rounding floor of the products")."""
+    A = psd_matrix(300, CLUSTERED)
+    calls = []
+    products = cancelling_products(A, 1000.0)
+    with pytest.raises(SolverNotConvergedError, match="no residual they give"):
+        block_krylov_eigh(
+            lambda U: calls.append(U.shape[1]) or products(U),
+            300,
+            5,
+            dtype=torch.float32,
+            rounding_floor=False,
+        )
+    assert sum(calls) <= basis_capacity(5, 300) + 5  # one cycle, one confirmation
+
+
 def test_block_krylov_refuses_a_floor_above_the_largest_eigenvalue():
     """Products rounded beyond ``λ_max`` resolve nothing: an error, not pairs."""
     A = psd_matrix(300, CLUSTERED)
