@@ -49,7 +49,7 @@ def test_large_vocabulary_runs_implicit_and_is_exact():
     """``K = C·T`` = 1600 columns per sample cost more than the products."""
     model, loss_func, X, y = _vocabulary_problem()
     costs = _costs(model, loss_func, X, y)
-    assert costs.gram > costs.implicit
+    assert costs.gram > costs.products
     ggn = LowRankGGN(model, loss_func, (X, y))
     assert ggn.route.name == "implicit" and ggn.engine == "implicit"
     assert f"{VOCAB * T} columns of V per sample" in ggn.route.reason
@@ -99,7 +99,8 @@ def _estimates(s):
 def _costs(model, loss_func, X, y):
     groups = [list(model.parameters())]
     choice = choose_route(model, loss_func, (X, y), groups, CurvatureOptions())
-    return RouteCosts.of(choice.estimate, len(X), ROUTE_TOP_K)
+    size = sum(p.numel() for p in model.parameters())
+    return RouteCosts.of(choice.estimate, len(X), size, ROUTE_TOP_K)
 
 
 def _available(monkeypatch, bytes_):
@@ -142,7 +143,7 @@ def test_implicit_products_that_do_not_fit_keep_the_gram_route(monkeypatch):
     s = PROBLEMS["lstm-ce-mean"].setup()
     gram, products = _estimates(s)
     assert kept_bytes(gram) < products.total  # a small LSTM: basis of 184-vectors
-    monkeypatch.setattr(route, "IMPLICIT_PASSES", 0.0)
+    monkeypatch.setattr(route, "IMPLICIT_PASSES", -1e9)
     _available(monkeypatch, kept_bytes(gram))
     ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
     assert ggn.route.name == "gram" and "Krylov basis" in ggn.route.reason
@@ -164,10 +165,11 @@ def test_the_costs_add_up_and_are_reported():
     model, loss_func, X, y = _vocabulary_problem()
     costs = _costs(model, loss_func, X, y)
     assert costs.gram == costs.engine + costs.formation + costs.solve
-    assert min(costs.engine, costs.formation, costs.solve) > 0
+    assert costs.products == costs.implicit + costs.basis
+    assert min(costs.engine, costs.formation, costs.solve, costs.basis) > 0
     ggn = LowRankGGN(model, loss_func, (X, y))
     assert f"about {costs.gram:.0f} passes" in ggn.route.reason
-    assert f"about {costs.implicit:.0f} for" in ggn.route.reason
+    assert f"about {costs.products:.0f} for" in ggn.route.reason
 
 
 def test_unestimable_model_runs_the_gram_route(monkeypatch):
@@ -205,7 +207,8 @@ def test_a_loader_runs_the_gram_route():
 def test_the_choice_compares_passes(monkeypatch):
     """One percent more or less implicit passes than the Gram route's flips it."""
     s = PROBLEMS["lstm-ce-mean"].setup()
-    even = _costs(s.model, s.loss_func, s.inputs, s.targets).gram
+    costs = _costs(s.model, s.loss_func, s.inputs, s.targets)
+    even = costs.gram - costs.basis
     for scale, name in ((0.99, "implicit"), (1.01, "gram")):
         monkeypatch.setattr(route, "IMPLICIT_PASSES", scale * even)
         ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))

@@ -28,7 +28,7 @@ name, a data loader), the Gram route. The choice and its reason (the numbers
 compared) are kept as :class:`RouteChoice` (``LowRankGGN.route``). The constants
 are measured with ``benchmarks/eigenpairs.py`` on one CPU thread; on the
 problems measured the choice picks the faster route, within 2× where the two
-are close (``docs/math.rst``, "Choosing the route").
+are close (char-LSTM at N = 8: 1.4×; ``docs/math.rst``, "Choosing the route").
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from vivit.sources.implicit import implicit_obstacle
 ROUTE_TOP_K = 10
 #: Forward+backward passes of the batch that the implicit route's top-10 solve
 #: costs (products times passes per product, its first pass and the solver's
-#: linear algebra included): measured 140 to 210 on char-LSTM (N = 2 to 32) and
-#: gpt2-2l-64-v128 (N = 1 to 32), 30 to 100 products of 1.0 to 3.7 passes each
-#: (``benchmarks/README.md``, "Choosing the route").
+#: linear algebra in a small parameter space included): measured 57 to 233 on
+#: char-LSTM (N = 2 to 32) and gpt2-2l-64-v128 (N = 1 to 4), 30 to 100 products
+#: of 1.0 to 3.7 passes each (``benchmarks/README.md``, "The route's cost model").
 IMPLICIT_PASSES = 150.0
 #: Passes' worth of multiply-adds that backpropagating one column of ``V`` per
 #: sample costs each engine (measured 2.5 for the 3c3d CNN with BackPACK,
@@ -179,8 +179,9 @@ def _compare_routes(
             f"least {needed / gib:.1f} GiB, but {available / gib:.1f} GiB are "
             "available",
         )
-    costs = RouteCosts.of(estimate, samples, ROUTE_TOP_K)
-    if costs.gram > costs.implicit:
+    size = max(sum(p.numel() for p in group) for group in groups)
+    costs = RouteCosts.of(estimate, samples, size, ROUTE_TOP_K)
+    if costs.gram > costs.products:
         return _implicit_if_it_fits(
             model, inputs, groups, options, estimate, str(costs)
         )
@@ -193,7 +194,10 @@ class RouteCosts:
 
     A pass of ``N`` samples costs ``3·F·N +`` :data:`PASS_OVERHEAD`
     multiply-adds (``F`` the forward pass's per sample, ``MemoryEstimate.
-    sample_work``); the implicit route :data:`IMPLICIT_PASSES` of them; the Gram
+    sample_work``); the implicit route :data:`IMPLICIT_PASSES` of them and its
+    solver's orthogonalization in parameter space
+    (:func:`~vivit.linalg.top_k.iterative_work` of ``D``-vectors at
+    :data:`GEMM_SPEEDUP`); the Gram
     route its engine's ``g·K`` passes' arithmetic (``g`` of
     :data:`GRAM_PASSES_PER_COLUMN`, one overhead), then forming the Gram
     matrices (``MemoryEstimate.gram_work``) and the cheaper of the dense and
@@ -206,7 +210,9 @@ class RouteCosts:
         engine: The Gram route's backward pass, in passes.
         formation: Forming its Gram matrices, in passes.
         solve: Its eigensolver, in passes.
-        implicit: The implicit route, in passes.
+        implicit: The implicit route's products, in passes.
+        basis: Its solver's orthogonalization of a basis in parameter space, in
+            passes.
     """
 
     columns: int
@@ -214,14 +220,18 @@ class RouteCosts:
     formation: float
     solve: float
     implicit: float
+    basis: float
 
     @classmethod
-    def of(cls, estimate: MemoryEstimate, samples: int, top_k: int) -> RouteCosts:
+    def of(
+        cls, estimate: MemoryEstimate, samples: int, num_params: int, top_k: int
+    ) -> RouteCosts:
         """The costs of a batch from its Gram route's estimate.
 
         Args:
             estimate: The Gram route's :func:`~vivit.memory.estimate.batch_estimate`.
             samples: Curvature samples ``N_S``.
+            num_params: Parameters ``D`` of the largest group.
             top_k: Leading eigenpairs.
 
         Returns:
@@ -243,6 +253,7 @@ class RouteCosts:
             formation=estimate.gram_work / GEMM_SPEEDUP / pass_work,
             solve=solve / GEMM_SPEEDUP / pass_work,
             implicit=IMPLICIT_PASSES,
+            basis=iterative_work(num_params, top_k, 0.0) / GEMM_SPEEDUP / pass_work,
         )
 
     @property
@@ -250,13 +261,19 @@ class RouteCosts:
         """The Gram route's passes."""
         return self.engine + self.formation + self.solve
 
+    @property
+    def products(self) -> float:
+        """The implicit route's passes."""
+        return self.implicit + self.basis
+
     def __str__(self) -> str:
         return (
             f"the Gram route costs about {self.gram:.0f} passes of the batch "
             f"({self.columns} columns of V per sample: backward pass "
             f"{self.engine:.0f}, Gram matrix {self.formation:.0f}, solver "
-            f"{self.solve:.0f}), the implicit route about {self.implicit:.0f} "
-            f"for {ROUTE_TOP_K} eigenpairs"
+            f"{self.solve:.0f}), the implicit route about {self.products:.0f} for "
+            f"{ROUTE_TOP_K} eigenpairs (products {self.implicit:.0f}, Krylov basis "
+            f"{self.basis:.0f})"
         )
 
 
