@@ -57,6 +57,10 @@ class FactorsTooLargeError(VivitError, MemoryError):
     """The layer factors of a data loader's batches would not fit into memory."""
 
 
+class ProductsTooLargeError(VivitError, MemoryError):
+    """The implicit route's GGN-vector products and Krylov basis would not fit."""
+
+
 class NondeterministicDataError(VivitError, RuntimeError):
     """A data loader yielded different batches in two passes over it."""
 

@@ -15,8 +15,11 @@ from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
 from tests.fixtures.func_problems import FUNC_PROBLEMS
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
+from vivit.errors import ProductsTooLargeError
+from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate, kept_bytes
+from vivit.options import CurvatureOptions
 from vivit.sources import route
-from vivit.sources.route import EXPECTED_PRODUCTS, IMPLICIT_PASSES_PER_PRODUCT
+from vivit.sources.route import ROUTE_TOP_K, RouteCosts, choose_route
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
 VOCAB, T, N = 200, 8, 3
@@ -44,10 +47,9 @@ def _vocabulary_problem():
 
 def test_large_vocabulary_runs_implicit_and_is_exact():
     """``K = C·T`` = 1600 columns per sample cost more than the products."""
-    assert VOCAB * T * route.GRAM_PASSES_PER_COLUMN > (
-        EXPECTED_PRODUCTS * IMPLICIT_PASSES_PER_PRODUCT
-    )
     model, loss_func, X, y = _vocabulary_problem()
+    costs = _costs(model, loss_func, X, y)
+    assert costs.gram > costs.products
     ggn = LowRankGGN(model, loss_func, (X, y))
     assert ggn.route.name == "implicit" and ggn.engine == "implicit"
     assert f"{VOCAB * T} columns of V per sample" in ggn.route.reason
@@ -82,15 +84,92 @@ def test_the_gram_route_probes_the_batch_once(monkeypatch):
     assert ggn.route.name == "gram" and len(calls) == 1
 
 
+def _estimates(s):
+    """The Gram route's estimate and the implicit one of a problem's batch."""
+    groups = [list(s.model.parameters())]
+    choice = choose_route(
+        s.model, s.loss_func, (s.inputs, s.targets), groups, CurvatureOptions()
+    )
+    products = implicit_estimate(
+        s.model, s.inputs, groups, CurvatureOptions(), ROUTE_TOP_K
+    )
+    return choice.estimate, products
+
+
+def _costs(model, loss_func, X, y):
+    groups = [list(model.parameters())]
+    choice = choose_route(model, loss_func, (X, y), groups, CurvatureOptions())
+    size = sum(p.numel() for p in model.parameters())
+    return RouteCosts.of(choice.estimate, len(X), size, ROUTE_TOP_K)
+
+
+def _available(monkeypatch, bytes_):
+    from vivit.memory import estimate
+
+    monkeypatch.setattr(route, "available_bytes", lambda device: bytes_)
+    monkeypatch.setattr(estimate, "available_bytes", lambda device: bytes_)
+
+
 def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
+    """Gram factors beyond the memory, implicit products within it."""
     s = PROBLEMS["lstm-ce-mean"].setup()
-    monkeypatch.setattr(route, "available_bytes", lambda device: 1)
+    _, products = _estimates(s)
+    # this small LSTM's factors are tiny: twice the products' bytes stand for many
+    monkeypatch.setattr(route, "kept_bytes", lambda estimate: 2 * products.total)
+    _available(monkeypatch, products.total)
     ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
     assert ggn.route.name == "implicit"
     assert "GiB are available" in ggn.route.reason
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, _ = ggn.eigh(top_k=2)
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+
+
+def test_neither_route_fits_is_refused_up_front(monkeypatch):
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    gram, products = _estimates(s)
+    needed = min(products.total, kept_bytes(gram)) / ESTIMATE_FACTOR
+    _available(monkeypatch, int(needed * 0.99))
+    with pytest.raises(ProductsTooLargeError) as error:
+        LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    message = str(error.value)
+    for says in ("Neither exact route fits", "Krylov basis", "top_k", "subsampling"):
+        assert says in message
+    assert "chunk_size" in message and "mc_samples=1" in message
+
+
+def test_implicit_products_that_do_not_fit_keep_the_gram_route(monkeypatch):
+    """Cheaper by passes, but its products do not fit: the Gram route, saying so."""
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    gram, products = _estimates(s)
+    assert kept_bytes(gram) < products.total  # a small LSTM: basis of 184-vectors
+    monkeypatch.setattr(route, "IMPLICIT_PASSES", -1e9)
+    _available(monkeypatch, kept_bytes(gram))
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
+    assert ggn.route.name == "gram" and "Krylov basis" in ggn.route.reason
+
+
+def test_solver_implicit_refuses_before_the_first_product(monkeypatch):
+    from vivit.memory import estimate
+
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    passes = ggn._source.passes
+    monkeypatch.setattr(estimate, "available_bytes", lambda device: 1)
+    with pytest.raises(ProductsTooLargeError, match="Refused before the first"):
+        ggn.eigh(top_k=2)
+    assert ggn._source.passes == passes  # no product ran
+
+
+def test_the_costs_add_up_and_are_reported():
+    model, loss_func, X, y = _vocabulary_problem()
+    costs = _costs(model, loss_func, X, y)
+    assert costs.gram == costs.engine + costs.formation + costs.solve
+    assert costs.products == costs.implicit + costs.basis
+    assert min(costs.engine, costs.formation, costs.solve, costs.basis) > 0
+    ggn = LowRankGGN(model, loss_func, (X, y))
+    assert f"about {costs.gram:.0f} passes" in ggn.route.reason
+    assert f"about {costs.products:.0f} for" in ggn.route.reason
 
 
 def test_unestimable_model_runs_the_gram_route(monkeypatch):
@@ -126,11 +205,11 @@ def test_a_loader_runs_the_gram_route():
 
 
 def test_the_choice_compares_passes(monkeypatch):
-    """One column more or less than the break-even point flips the route."""
+    """One percent more or less implicit passes than the Gram route's flips it."""
     s = PROBLEMS["lstm-ce-mean"].setup()
-    columns = 5 * 3  # CharLSTM: C = 5 classes at T = 3 positions
-    even = EXPECTED_PRODUCTS * IMPLICIT_PASSES_PER_PRODUCT / columns
-    for scale, name in ((1.01, "implicit"), (0.99, "gram")):
-        monkeypatch.setattr(route, "GRAM_PASSES_PER_COLUMN", scale * even)
+    costs = _costs(s.model, s.loss_func, s.inputs, s.targets)
+    even = costs.gram - costs.basis
+    for scale, name in ((0.99, "implicit"), (1.01, "gram")):
+        monkeypatch.setattr(route, "IMPLICIT_PASSES", scale * even)
         ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
         assert ggn.route.name == name, ggn.route.reason

@@ -62,7 +62,11 @@ from vivit._validation import (
 )
 from vivit.engines.base import Engine
 from vivit.engines.choice import resolve_engine
-from vivit.errors import FactorsTooLargeError, InvalidArgumentError
+from vivit.errors import (
+    FactorsTooLargeError,
+    InvalidArgumentError,
+    ProductsTooLargeError,
+)
 from vivit.gram import (
     DenseFactors,
     EmbeddingFactors,
@@ -83,8 +87,10 @@ from vivit.gram.planner import budget_entries
 from vivit.linalg.top_k import (
     check_solver,
     choose_solver,
+    gram_work,
     iterative_workspace_bytes,
     solver_block_size,
+    v_product_work,
 )
 from vivit.memory.forms import (
     Counts,
@@ -125,6 +131,11 @@ class MemoryEstimate:
         solver: The solver the estimate is for (``"auto"`` resolved).
         num_rows: Side length ``N·C`` of the Gram matrix.
         engine: The engine the estimate is for (``"auto"`` resolved).
+        sample_work: Multiply-adds of the model's forward pass per sample in
+            the requested parameters' layers (:func:`sample_work`), the unit of
+            the route's cost model (:mod:`vivit.sources.route`).
+        gram_work: Multiply-adds of forming every group's Gram matrix from the
+            factors the request keeps (:func:`~vivit.linalg.top_k.gram_work`).
     """
 
     activations: int
@@ -135,6 +146,8 @@ class MemoryEstimate:
     solver: str
     num_rows: int
     engine: str = "backpack"
+    sample_work: float = 0.0
+    gram_work: float = 0.0
 
     @property
     def total(self) -> int:
@@ -268,6 +281,143 @@ def batch_estimate(
             error,
         )
         return None
+
+
+@dataclass(frozen=True)
+class ImplicitEstimate:
+    """Memory of one ``eigh(top_k)`` by implicit GGN-vector products, in bytes.
+
+    Attributes:
+        activations: The forward graph of one block of samples (the VJP's).
+        products: The vmapped passes' ``b`` tangents and cotangents of every
+            activation, and the block's parameter-space vectors and images.
+        krylov: The iterative solver's workspace in parameter space: the
+            float64 Krylov basis and its images, ``m`` columns each
+            (:func:`~vivit.linalg.iterative.basis_capacity`), a restart's Ritz
+            vectors, the block and its image.
+        block_width: Vectors ``b`` per product (``top_k``).
+        num_params: Side length ``D`` of the operator.
+    """
+
+    activations: int
+    products: int
+    krylov: int
+    block_width: int
+    num_params: int
+
+    @property
+    def total(self) -> int:
+        """Peak bytes: all three are alive while a product runs."""
+        return self.activations + self.products + self.krylov
+
+
+def implicit_estimate(
+    model: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+    top_k: int,
+) -> ImplicitEstimate | None:
+    """The estimate of ``solver="implicit"`` on one mini-batch, from a one-sample probe.
+
+    A product of ``b = top_k`` vectors (:func:`~vivit.linalg.top_k.solver_block_size`)
+    runs over blocks of ``B`` samples (``chunk_size``, else the batch): the VJP's
+    forward graph, ``B·w`` entries with ``w`` the activation entries per sample,
+    and the vmapped backward pass's ``b`` cotangents of them, ``b·B·w`` (the
+    JVP's tangents are freed layer by layer); the iterative solver's workspace in
+    the largest group's parameter space (:func:`~vivit.linalg.top_k.
+    iterative_workspace_bytes`: the float64 basis and its images, ``m`` columns
+    each, the Ritz vectors a restart keeps, the block and its image;
+    ``docs/math.rst``, "Memory of a request").
+
+    Args:
+        model: The network.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options.
+        top_k: Leading eigenpairs asked for.
+
+    Returns:
+        The estimate, or ``None`` where the model cannot be probed (the logger
+        ``"vivit"`` says why, level INFO).
+    """
+    try:
+        layers, outputs_per_sample, _ = probe(
+            model, take_samples(inputs, slice(1)), options.output
+        )
+        params = [p for group in param_groups for p in group]
+        _, function_outputs = function_forms(
+            model, take_samples(inputs, slice(1)), params, options.output
+        )
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the implicit products (%s: %s); they "
+            "run without the check.",
+            type(error).__name__,
+            error,
+        )
+        return None
+    width_per_sample = max(outputs_per_sample, function_outputs)
+    block = min(options.chunk_size or num_samples(inputs), num_samples(inputs))
+    size = max(sum(p.numel() for p in group) for group in param_groups)
+    width = solver_block_size("implicit", top_k, size)
+    dtype = param_groups[0][0].dtype
+    entry = itemsize(dtype)
+    # the solver's basis, restart and blocks of b = k columns in D-space
+    # (params=0: no V-products besides)
+    krylov = iterative_workspace_bytes(size, top_k, dtype, 0)
+    return ImplicitEstimate(
+        activations=block * width_per_sample * entry,
+        products=width * block * width_per_sample * entry,
+        krylov=krylov,
+        block_width=width,
+        num_params=size,
+    )
+
+
+def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> None:
+    """Refuse implicit products whose estimate cannot fit, before the first one.
+
+    Args:
+        estimate: The request's :func:`implicit_estimate`.
+        device: The parameters' device.
+
+    Raises:
+        ProductsTooLargeError: If the estimate divided by :data:`ESTIMATE_FACTOR`
+            exceeds the available memory.
+    """
+    available = available_bytes(device)
+    if estimate.total <= ESTIMATE_FACTOR * available:
+        return
+    raise ProductsTooLargeError(
+        f"{implicit_summary(estimate)}, but only {available / 2**30:.1f} GiB are "
+        f"available on {device}. Refused before the first product. Ask for fewer "
+        "pairs (top_k: the block and the basis shrink with it), use the curvature "
+        "of fewer samples (subsampling=[...]) or a smaller batch, bound the "
+        "products' activations with chunk_size=..., or use a Gram route with "
+        "Monte-Carlo sampling (solver='auto', mc_samples=1), whose memory grows "
+        "with N·M rather than with D."
+    )
+
+
+def implicit_summary(estimate: ImplicitEstimate) -> str:
+    """The implicit estimate in words, for refusals and route choices.
+
+    Args:
+        estimate: An :func:`implicit_estimate`.
+
+    Returns:
+        The total and its parts, in GiB.
+    """
+    gib = 2**30
+    return (
+        f"solver='implicit' with blocks of {estimate.block_width} vectors over "
+        f"D = {estimate.num_params} parameters needs an estimated "
+        f"{estimate.total / gib:.1f} GiB (activations {estimate.activations / gib:.1f}"
+        f" GiB, products {estimate.products / gib:.1f} GiB, Krylov basis "
+        f"{estimate.krylov / gib:.1f} GiB; at least "
+        f"{estimate.total / ESTIMATE_FACTOR / gib:.1f} GiB)"
+    )
 
 
 def kept_bytes(estimate: MemoryEstimate) -> int:
@@ -537,7 +687,8 @@ def _estimate(
     whole, block = blocks.counts(columns, cast=kept_dtype != dtype)
     size = blocks.curvature * columns
     func = engine.name == "func"
-    requested = {id(p) for group in param_groups for p in group}
+    requested_params = [p for group in param_groups for p in group]
+    requested = {id(p) for p in requested_params}
     params = _probed_params(layers, requested, model)
     entries = backpack_entries
     forms: dict = {}
@@ -592,13 +743,14 @@ def _estimate(
 
     group = max(param_groups, key=lambda group: sum(p.numel() for p in group))
     largest_group = sum(p.numel() for p in group)
+    # curvature samples of each block whose factors stay apart
+    sizes = (
+        [blocks.curvature]
+        if blocks.loader_batch is None
+        else _batches(blocks.curvature, blocks.loader_batch)
+    )
     solver = options.solver
     if solver == "auto":
-        sizes = (
-            [blocks.curvature]
-            if blocks.loader_batch is None
-            else _batches(blocks.curvature, blocks.loader_batch)
-        )
         solver = choose_solver(
             size,
             top_k,
@@ -651,7 +803,36 @@ def _estimate(
         solver=solver,
         num_rows=size,
         engine=engine.name,
+        sample_work=sample_work(
+            _shape_factors(layers, list(requested_params), 1, [1], dtype, func, forms)
+        ),
+        gram_work=sum(
+            gram_work(
+                _shape_factors(layers, g, columns, sizes, kept_dtype, func, forms),
+                kept_dtype,
+            )
+            for g in param_groups
+        ),
     )
+
+
+def sample_work(factors: Sequence[ParamFactors]) -> float:
+    """Multiply-adds of the forward pass of one sample through the parameters.
+
+    Half the work of a ``V``-product through the factors of one sample and one
+    column (``J_nᵀ s`` and ``J_n v`` each cost a forward pass's multiply-adds in
+    the parameters' layers: ``T·P·O`` for a Linear or convolution weight with
+    ``T`` positions, ``T·O`` for an embedding, ``numel`` for explicit columns).
+    Operations without parameters (attention's ``QKᵀ``, activations) are left
+    out: a proxy, calibrated by the route's constants.
+
+    Args:
+        factors: Every requested parameter's factors for one sample and column.
+
+    Returns:
+        The multiply-adds.
+    """
+    return v_product_work(factors, 1) / 2
 
 
 def columns_per_sample(

@@ -39,6 +39,7 @@ from vivit.engines.func.implicit import BlockFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError, ModelChangedError
 from vivit.loss_hessians import LossHessianProducts
+from vivit.memory.estimate import check_implicit_fits, implicit_estimate
 from vivit.model_inputs import ModelInputs, call_model, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
@@ -171,12 +172,21 @@ class ImplicitGroup:
     def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
         """``G V`` for flat columns ``[D, K]`` (the eigensolver's operator).
 
+        The first product of a block width is checked against the memory
+        available (:func:`~vivit.memory.estimate.check_implicit_fits`), before the
+        solver allocates its basis.
+
         Args:
             vectors: ``[D, K]``, parameters flattened row-major in group order.
 
         Returns:
             ``[D, K]``.
+
+        Raises:
+            ProductsTooLargeError: If the products and the basis of ``K`` pairs
+                cannot fit.
         """
+        self._source.check_fits(vectors.shape[1])
         return flatten_rows(self.ggn_matmul(self.unflatten(vectors))).T
 
     def unflatten(self, columns: Tensor) -> list[Tensor]:
@@ -315,8 +325,28 @@ class ImplicitFactors(CurvatureSource):
         self._random_start = RandomState.capture(self.param_groups)
         self._model_state = model_fingerprint(model)
         self.passes = 0
+        self._checked_widths: set[int] = set()
         self._first_pass()
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
+
+    def check_fits(self, top_k: int) -> None:
+        """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
+
+        Args:
+            top_k: The block width of the products (``top_k``).
+
+        Raises:
+            ProductsTooLargeError: If it cannot fit.
+        """
+        if not self._single or top_k in self._checked_widths:
+            return
+        self._checked_widths.add(top_k)
+        inputs = self._data[0][0]
+        estimate = implicit_estimate(
+            self._model, inputs, self.param_groups, self._options, top_k
+        )
+        if estimate is not None:
+            check_implicit_fits(estimate, self.param_groups[0][0].device)
 
     def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
         """One pass over the data: every block of samples, in order."""
