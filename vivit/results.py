@@ -133,8 +133,8 @@ class CurvatureResults:
         ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
         (``docs/math.rst``, "Precision and the numerical zero"). With
         ``solver="implicit"`` (no Gram matrix) the residual bound of the
-        group's latest leading pairs, ``(tolerance + ρ)·λ_max`` ("Without the
-        Gram matrix: the residual bound").
+        group's latest leading pairs, ``(r + ρ)·λ_max`` ("Without the Gram
+        matrix: the residual bound").
 
         Args:
             group: Index of the parameter group.
@@ -266,7 +266,9 @@ class CurvatureResults:
         ``G`` may be a zero eigenvalue (``docs/math.rst``, "Without the Gram
         matrix: the residual bound").
         """
-        zero = residual_zero_tolerance(evals, report.tolerance, report.rounding)
+        zero = residual_zero_tolerance(
+            evals, report.residual, report.tolerance, report.rounding
+        )
         self._residual_zeros[source.index] = zero
         keep = top_k_indices(evals, top_k, tolerance=zero)
         if len(keep) < top_k:
@@ -683,8 +685,8 @@ def warn_unresolved_eigenpairs(
         why.append(
             f"{computed - found} of the {computed} leading Ritz values are at or "
             f"below {zero:.1e} = {zero / largest:.1e}·λ_max, the eigensolver's "
-            "residual bound against the exact GGN (its relative tolerance "
-            f"{report.tolerance:.1e} plus the products' rounding, {rounding}), so "
+            "residual bound against the exact GGN (the relative residual it reached, "
+            f"{report.residual:.1e}, plus the products' rounding, {rounding}), so "
             "they cannot be told from zero eigenvalues (docs/math.rst, 'Precision "
             "and the numerical zero', 'Without the Gram matrix: the residual bound')"
         )

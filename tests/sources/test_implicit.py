@@ -390,13 +390,14 @@ class ScaledSequenceLinear(nn.Module):
 
 def _assert_resolved_pairs(ggn, top_k, evals, evecs, G, zero):
     """The pairs a parameter-space solve returns are those above the residual bound
-    ``τ_G = (tolerance + ρ)·θ_max``, each within it of ``G``'s eigenpairs; the
+    ``τ_G = (r + ρ)·θ_max``, each within it of ``G``'s eigenpairs; the
     pairs it drops have eigenvalues of at most ``2·τ_G`` ("Without the Gram
     matrix: the residual bound")."""
     report = ggn.solver_report()
     rounding = report.tolerance / 2 if report.rounding is None else report.rounding
     assert zero == ggn.zero_tolerance()
-    assert zero == pytest.approx((report.tolerance + rounding) * evals.max().item())
+    assert report.residual <= report.tolerance
+    assert zero == pytest.approx((report.residual + rounding) * evals.max().item())
     assert (evals > zero).all()
     reference = torch.linalg.eigvalsh(G)
     assert_top_eigvals(evals, reference, zero / reference.max().item())
@@ -411,7 +412,7 @@ def _assert_resolved_pairs(ggn, top_k, evals, evecs, G, zero):
 @pytest.mark.parametrize("subsampling", [None, [0, 3, 5]])
 def test_pairs_above_the_residual_bound_are_returned(reduction, subsampling):
     """Without a Gram matrix, the pairs returned are those the solver's residual
-    bound resolves, ``1.5·tol·θ_max`` here: the 12 non-zero eigenvalues among
+    bound resolves, ``(r + tol/2)·θ_max`` here: the 12 non-zero eigenvalues among
     the top 13, down to ``10⁻⁴ λ_max``. The Gram matrix's numerical zero
     (``N·C·T·ε₃₂·λ_max = 7.2·10⁻⁴ λ_max`` for ``N·C·T = 6,000``) dropped 4 of
     them ("Without the Gram matrix: the residual bound")."""
@@ -438,9 +439,9 @@ def test_pairs_above_the_residual_bound_are_returned(reduction, subsampling):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
-    """At the products' rounding floor (``ρ ≈ 0.17 θ_max``, the shift of
+    """At the products' rounding floor (``ρ`` of order ``0.1 θ_max``, the shift of
     :class:`ShiftedLogits` on inputs of small norm) Ritz values at or below
-    ``(2ρ + ρ)·θ_max`` cannot be told from zero: they are dropped with a warning
+    ``(r + ρ)·θ_max`` cannot be told from zero: they are dropped with a warning
     that names the float64 model, where the Gram rule kept them."""
     torch.manual_seed(0)
     model, loss_func = ShiftedLogits(1e3), nn.CrossEntropyLoss(reduction=reduction)
@@ -451,8 +452,8 @@ def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
         pytest.warns(RoundingFloorWarning),
         pytest.warns(FewerEigenpairsWarning, match=r"model\.double\(\)"),
     ):
-        evals, evecs = ggn.eigh(top_k=20)
+        evals, evecs = ggn.eigh(top_k=100)
     assert ggn.solver_report().rounding is not None
-    assert evals.numel() < 20
+    assert evals.numel() < 100
     G = dense_ggn(model.double(), loss_func, x.double(), y)
-    _assert_resolved_pairs(ggn, 20, evals, evecs, G, ggn.zero_tolerance())
+    _assert_resolved_pairs(ggn, 100, evals, evecs, G, ggn.zero_tolerance())

@@ -136,23 +136,25 @@ def numerical_zero_tolerance(
 
 
 def residual_zero_tolerance(
-    evals: Tensor, tolerance: float, rounding: float | None
+    evals: Tensor, residual: float, tolerance: float, rounding: float | None
 ) -> float:
     """Ritz values of an operator's eigensolve at or below this may be zero.
 
-    ``(tolerance + ρ)·θ_max``: the residual bound of the pairs against the exact
+    ``(r + ρ)·θ_max``: the residual bound of the pairs against the exact
     operator. A Ritz pair ``(θ, u)`` of a symmetric ``G`` has an eigenvalue of
-    ``G`` within ``‖G u − θ u‖`` of ``θ``; the solver bounds the residual of
-    the computed images by ``tolerance·θ_max``, and the exact images differ
-    from them by one evaluation's rounding, at most ``ρ·θ_max``
-    (``docs/math.rst``, "Precision and the numerical zero", "Without the Gram
-    matrix: the residual bound"). Where no rounding was measured (the
-    residual met the requested bound at once), ``ρ`` is taken as
-    ``tolerance / 2``, the margin the rounding floor keeps.
+    ``G`` within ``‖G u − θ u‖`` of ``θ``; the solver reached the residual
+    ``r·θ_max`` on the computed images (``r`` at most its tolerance), and the
+    exact images differ from them by one evaluation's rounding, at most
+    ``ρ·θ_max`` (``docs/math.rst``, "Precision and the numerical zero",
+    "Without the Gram matrix: the residual bound"). Where no rounding was
+    measured (the residual met the requested bound at once), ``ρ`` is taken
+    as ``tolerance / 2``, the margin the rounding floor keeps.
 
     Args:
         evals: The Ritz values, the largest among them.
-        tolerance: The relative residual bound the pairs satisfy
+        residual: The largest relative residual of the pairs, ``r``
+            (:attr:`~vivit.linalg.iterative.SolverReport.residual`).
+        tolerance: The relative residual bound the pairs were accepted at
             (:attr:`~vivit.linalg.iterative.SolverReport.tolerance`).
         rounding: The products' measured rounding relative to ``θ_max``
             (:attr:`~vivit.linalg.iterative.SolverReport.rounding`), or ``None``.
@@ -163,7 +165,7 @@ def residual_zero_tolerance(
     if evals.numel() == 0:
         return 0.0
     rounding = tolerance / 2 if rounding is None else rounding
-    return (tolerance + rounding) * evals.abs().max().item()
+    return (residual + rounding) * evals.abs().max().item()
 
 
 def top_k_indices(
