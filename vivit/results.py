@@ -36,7 +36,7 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.errors import FewerEigenpairsWarning
+from vivit.errors import FewerEigenpairsWarning, InvalidArgumentError
 from vivit.gram.memory import dense_workspace_bytes, itemsize
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator, GramSpaceProducts
@@ -44,6 +44,7 @@ from vivit.linalg.solvers import (
     direction_coefficients,
     gram_eigh,
     numerical_zero_tolerance,
+    residual_zero_tolerance,
     top_k_indices,
 )
 from vivit.linalg.top_k import (
@@ -78,7 +79,9 @@ class CurvatureResults:
         self.loss = source.loss
         self.engine = source.engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
-        self._leading: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._leading: dict[tuple, tuple[Tensor, Tensor, SolverReport]] = {}
+        # parameter-space sources: the numerical zero of each group's latest pairs
+        self._residual_zeros: dict[int, float] = {}
         self._auto_solvers: dict[tuple, str] = {}
         self._directions_in_params: dict[tuple, list[Tensor]] = {}
         self._reports: dict[int, SolverReport] = {}
@@ -128,14 +131,32 @@ class CurvatureResults:
         """Eigenvalues at or below this value are numerically zero.
 
         ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
-        (``docs/math.rst``, "Precision and the numerical zero").
+        (``docs/math.rst``, "Precision and the numerical zero"). With
+        ``solver="implicit"`` (no Gram matrix) the residual bound of the
+        group's latest leading pairs, ``(r + ρ)·λ_max`` ("Without the Gram
+        matrix: the residual bound").
 
         Args:
             group: Index of the parameter group.
 
         Returns:
-            The tolerance of the group's Gram matrix.
+            The tolerance of the group's Gram matrix, or of its latest
+            leading pairs.
+
+        Raises:
+            InvalidArgumentError: With ``solver="implicit"``, before any
+                request with ``top_k``.
         """
+        source = self._source.group(group)
+        if source.parameter_space:
+            if group not in self._residual_zeros:
+                raise InvalidArgumentError(
+                    "solver='implicit' forms neither V nor the Gram matrix: its "
+                    "numerical zero is the residual bound of the leading pairs it "
+                    "computed, and none were computed yet. Call eigh(top_k=...) "
+                    "(or another request with top_k) first."
+                )
+            return self._residual_zeros[group]
         return numerical_zero_tolerance(
             self.eigvalsh(group), factor_dtype=self._source.group(group).factor_dtype
         )
@@ -188,6 +209,7 @@ class CurvatureResults:
         )
         if full:
             evals, evecs = self._gram_eigh(group)
+            keep = self._gram_nonzero(source, evals, top_k)
         else:
             if leading is None:
                 resolved = solver if solver != "auto" else source.choose_solver(top_k)
@@ -202,15 +224,14 @@ class CurvatureResults:
                 self._directions_in_params = {
                     k: v for k, v in self._directions_in_params.items() if k[0] != group
                 }
-            evals, evecs = leading
-        # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
-        gram = source.formed_gram()
-        trace = None if gram is None else gram.trace().item()
-        keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
-        if top_k is not None and len(keep) < top_k:
-            warn_fewer_eigenpairs(top_k, len(keep), source.num_rows, self._options)
+            evals, evecs, report = leading
+            if source.parameter_space:
+                keep = self._resolved(source, evals, top_k, report)
+            else:
+                keep = self._gram_nonzero(source, evals, top_k)
         evals, evecs = evals[keep], evecs[:, keep]
         if full and top_k is not None:  # leading pairs of the full decomposition
+            gram = source.formed_gram()
             key = (group, evals.numel(), solver)
             if key not in self._full_reports:  # one residual per request size
                 self._full_reports[key] = SolverReport(
@@ -223,6 +244,37 @@ class CurvatureResults:
             self._reports[group] = self._full_reports[key]
         return evals, evecs
 
+    def _gram_nonzero(
+        self, source: GroupSource, evals: Tensor, top_k: int | None
+    ) -> list[int]:
+        """The ``top_k`` leading eigenvalues above the Gram matrix's numerical zero."""
+        # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
+        gram = source.formed_gram()
+        trace = None if gram is None else gram.trace().item()
+        keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
+        if top_k is not None and len(keep) < top_k:
+            warn_fewer_eigenpairs(top_k, len(keep), source.num_rows, self._options)
+        return keep
+
+    def _resolved(
+        self, source: GroupSource, evals: Tensor, top_k: int, report: SolverReport
+    ) -> list[int]:
+        """The Ritz values of a parameter-space solve its residual bound resolves.
+
+        No Gram matrix is decomposed, so its numerical zero does not apply: a
+        Ritz value at or below the pairs' residual bound against the exact
+        ``G`` may be a zero eigenvalue (``docs/math.rst``, "Without the Gram
+        matrix: the residual bound").
+        """
+        zero = residual_zero_tolerance(
+            evals, report.residual, report.tolerance, report.rounding
+        )
+        self._residual_zeros[source.index] = zero
+        keep = top_k_indices(evals, top_k, tolerance=zero)
+        if len(keep) < top_k:
+            warn_unresolved_eigenpairs(top_k, evals, len(keep), zero, report, source)
+        return keep
+
     def _kept_leading(
         self,
         group: int,
@@ -230,7 +282,7 @@ class CurvatureResults:
         solver: str,
         tol: float | None,
         seed: int,
-    ) -> tuple[Tensor, Tensor] | None:
+    ) -> tuple[Tensor, Tensor, SolverReport] | None:
         """Leading pairs computed before that answer this request, if any.
 
         ``"auto"`` stands for the solver it chose first for the group, tolerance
@@ -259,7 +311,7 @@ class CurvatureResults:
         requested: str,
         tol: float | None,
         seed: int,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, SolverReport]:
         if source.parameter_space:  # block Krylov on G itself, D rows
             size, products = source.num_params, source.flat_ggn_matmul
         else:
@@ -288,7 +340,7 @@ class CurvatureResults:
                 report, solver=source.route, requested=source.route
             )
         self._reports[source.index] = report
-        return evals, evecs
+        return evals, evecs, report
 
     def _param_directions(
         self, source: GroupSource, evals: Tensor, gram_evecs: Tensor, key: tuple
@@ -595,6 +647,63 @@ def warn_fewer_eigenpairs(
     warnings.warn(
         f"top_k={top_k} eigenpairs were asked for, but only {found} exist: {why}. "
         f"The {found} that exist are returned.",
+        FewerEigenpairsWarning,
+        stacklevel=_outside_the_package(),
+    )
+
+
+def warn_unresolved_eigenpairs(
+    top_k: int,
+    evals: Tensor,
+    found: int,
+    zero: float,
+    report: SolverReport,
+    source: GroupSource,
+) -> None:
+    """Warn that a parameter-space solve resolves ``found < top_k`` pairs, and why.
+
+    Args:
+        top_k: The pairs asked for.
+        evals: The Ritz values the solver returned.
+        found: Those above ``zero``.
+        zero: The residual bound
+            (:func:`~vivit.linalg.solvers.residual_zero_tolerance`).
+        report: The solve's report (its tolerance and measured rounding).
+        source: The group (its parameters and the products' type).
+    """
+    computed = evals.numel()
+    why = []
+    if computed < top_k:
+        why.append(f"the group has only {computed} parameters")
+    if found < computed:
+        largest = evals.abs().max().item()
+        rounding = (
+            "taken as half of it"
+            if report.rounding is None
+            else f"{report.rounding:.1e}"
+        )
+        why.append(
+            f"{computed - found} of the {computed} leading Ritz values are at or "
+            f"below {zero:.1e} = {zero / largest:.1e}·λ_max, the eigensolver's "
+            "residual bound against the exact GGN (the relative residual it reached, "
+            f"{report.residual:.1e}, plus the products' rounding, {rounding}), so "
+            "they cannot be told from zero eigenvalues (docs/math.rst, 'Precision "
+            "and the numerical zero', 'Without the Gram matrix: the residual bound')"
+        )
+        if report.tolerance > report.requested_tolerance:  # at the rounding floor
+            remedy = (
+                " The products' rounding sets the bound: a float64 model "
+                "(model.double()) lowers it by about 1e9."
+                if source.dtype != torch.float64
+                else " The products are float64 already: their rounding is the limit."
+            )
+        else:
+            remedy = " A smaller tol (eigh(top_k, tol=...)) lowers the bound."
+    else:
+        remedy = ""
+    warnings.warn(
+        f"top_k={top_k} eigenpairs were asked for, but only {found} are resolved: "
+        f"{'; '.join(why)}. The {found} resolved are returned.{remedy}",
         FewerEigenpairsWarning,
         stacklevel=_outside_the_package(),
     )

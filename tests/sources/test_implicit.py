@@ -10,6 +10,8 @@ eigenvectors (``EIGVEC_PRODUCT_REL``).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -26,7 +28,12 @@ from tests.fixtures.checks import (
 )
 from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS
 from tests.fixtures.reference import dense_ggn
-from vivit import LowRankGGN, RoundingFloorWarning, StreamingGGN
+from vivit import (
+    FewerEigenpairsWarning,
+    LowRankGGN,
+    RoundingFloorWarning,
+    StreamingGGN,
+)
 from vivit.errors import InvalidArgumentError, ModelChangedError, UnsupportedLayerError
 from vivit.optim import DampedNewton
 
@@ -362,3 +369,92 @@ def test_float32_products_at_their_rounding_floor_match_dense():
     vectors, evals = flat_evecs(evecs).T, evals.double()
     residual = (G @ vectors - vectors * evals).norm(dim=0).max()
     assert residual <= bound * evals.max()
+
+
+class ScaledSequenceLinear(nn.Module):
+    """A linear map of every position's features, scaled per feature, to logits.
+
+    Output ``[N, C, T]``. Feature ``j`` scaled by ``s_j`` gives ``C − 1``
+    eigenvalues of order ``s_j²`` (cross-entropy's Hessian has rank ``C − 1``)
+    and ``G`` has the zero eigenvalues of the weights' shift of all logits: a
+    spectrum of separated blocks ``1, 10⁻², 10⁻⁴`` and zeros.
+    """
+
+    def __init__(self, scales: list[float], classes: int):
+        super().__init__()
+        self.register_buffer("scales", torch.tensor(scales))
+        self.linear = nn.Linear(len(scales), classes, bias=False)
+
+    def forward(self, x):
+        return self.linear(x * self.scales).transpose(1, 2)
+
+
+def _assert_resolved_pairs(ggn, top_k, evals, evecs, G, zero):
+    """The pairs a parameter-space solve returns are those above the residual bound
+    ``τ_G = (r + ρ)·θ_max``, each within it of ``G``'s eigenpairs; the
+    pairs it drops have eigenvalues of at most ``2·τ_G`` ("Without the Gram
+    matrix: the residual bound")."""
+    report = ggn.solver_report()
+    rounding = report.tolerance / 2 if report.rounding is None else report.rounding
+    assert zero == ggn.zero_tolerance()
+    assert report.residual <= report.tolerance
+    assert zero == pytest.approx((report.residual + rounding) * evals.max().item())
+    assert (evals > zero).all()
+    reference = torch.linalg.eigvalsh(G)
+    assert_top_eigvals(evals, reference, zero / reference.max().item())
+    vectors = flat_evecs(evecs).T
+    residuals = (G @ vectors - vectors * evals.double()).norm(dim=0)
+    assert (residuals <= zero).all()
+    dropped = reference[-top_k : -evals.numel()]
+    assert (dropped <= 2 * zero).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("subsampling", [None, [0, 3, 5]])
+def test_pairs_above_the_residual_bound_are_returned(reduction, subsampling):
+    """Without a Gram matrix, the pairs returned are those the solver's residual
+    bound resolves, ``(r + tol/2)·θ_max`` here: the 12 non-zero eigenvalues among
+    the top 13, down to ``10⁻⁴ λ_max``. The Gram matrix's numerical zero
+    (``N·C·T·ε₃₂·λ_max = 7.2·10⁻⁴ λ_max`` for ``N·C·T = 6,000``) dropped 4 of
+    them ("Without the Gram matrix: the residual bound")."""
+    torch.manual_seed(0)
+    model = ScaledSequenceLinear([1.0, 0.1, 0.01], 5)
+    loss_func = nn.CrossEntropyLoss(reduction=reduction)
+    x, y = torch.randn(6, 200, 3), torch.randint(0, 5, (6, 200))
+    ggn = LowRankGGN(
+        model, loss_func, (x, y), solver="implicit", subsampling=subsampling
+    )
+    with pytest.warns(FewerEigenpairsWarning, match="1 of the 13 leading Ritz"):
+        evals, evecs = ggn.eigh(top_k=13)
+    assert ggn.solver_report().rounding is None
+    G = dense_ggn(
+        copy.deepcopy(model).double(), loss_func, x.double(), y, subsampling=subsampling
+    )
+    assert evals.numel() == 12
+    assert (torch.linalg.eigvalsh(G)[-13:-12] <= 1e-12 * G.norm(2)).all()
+    _assert_resolved_pairs(ggn, 13, evals, evecs, G, ggn.zero_tolerance())
+    with pytest.warns(FewerEigenpairsWarning):
+        directional = ggn.directional_derivatives(top_k=13)
+    assert torch.equal(directional.evals, evals)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
+    """At the products' rounding floor (``ρ`` of order ``0.1 θ_max``, the shift of
+    :class:`ShiftedLogits` on inputs of small norm) Ritz values at or below
+    ``(r + ρ)·θ_max`` cannot be told from zero: they are dropped with a warning
+    that names the float64 model, where the Gram rule kept them."""
+    torch.manual_seed(0)
+    model, loss_func = ShiftedLogits(1e3), nn.CrossEntropyLoss(reduction=reduction)
+    scales = torch.tensor([1.0, 0.5, 0.2, 0.1, 0.05, 0.02])
+    x, y = torch.randn(4, 6) * scales, torch.randint(0, 50, (4,))
+    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    with (
+        pytest.warns(RoundingFloorWarning),
+        pytest.warns(FewerEigenpairsWarning, match=r"model\.double\(\)"),
+    ):
+        evals, evecs = ggn.eigh(top_k=100)
+    assert ggn.solver_report().rounding is not None
+    assert evals.numel() < 100
+    G = dense_ggn(model.double(), loss_func, x.double(), y)
+    _assert_resolved_pairs(ggn, 100, evals, evecs, G, ggn.zero_tolerance())

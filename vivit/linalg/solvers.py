@@ -135,12 +135,47 @@ def numerical_zero_tolerance(
     return largest * size * torch.finfo(evals.dtype).eps + factor_eps**2 * trace
 
 
+def residual_zero_tolerance(
+    evals: Tensor, residual: float, tolerance: float, rounding: float | None
+) -> float:
+    """Ritz values of an operator's eigensolve at or below this may be zero.
+
+    ``(r + ρ)·θ_max``: the residual bound of the pairs against the exact
+    operator. A Ritz pair ``(θ, u)`` of a symmetric ``G`` has an eigenvalue of
+    ``G`` within ``‖G u − θ u‖`` of ``θ``; the solver reached the residual
+    ``r·θ_max`` on the computed images (``r`` at most its tolerance), and the
+    exact images differ from them by one evaluation's rounding, at most
+    ``ρ·θ_max`` (``docs/math.rst``, "Precision and the numerical zero",
+    "Without the Gram matrix: the residual bound"). Where no rounding was
+    measured (a report without one), ``ρ`` is taken
+    as ``tolerance / 2``, the margin the rounding floor keeps.
+
+    Args:
+        evals: The Ritz values, the largest among them.
+        residual: The largest relative residual of the pairs, ``r``
+            (:attr:`~vivit.linalg.iterative.SolverReport.residual`).
+        tolerance: The relative residual bound the pairs were accepted at
+            (:attr:`~vivit.linalg.iterative.SolverReport.tolerance`).
+        rounding: The products' measured rounding relative to ``θ_max``
+            (:attr:`~vivit.linalg.iterative.SolverReport.rounding`), or ``None``.
+
+    Returns:
+        The tolerance.
+    """
+    if evals.numel() == 0:
+        return 0.0
+    rounding = tolerance / 2 if rounding is None else rounding
+    return (residual + rounding) * evals.abs().max().item()
+
+
 def top_k_indices(
     evals: Tensor,
     top_k: int | None,
     size: int | None = None,
     factor_dtype: torch.dtype | None = None,
     trace: float | None = None,
+    *,
+    tolerance: float | None = None,
 ) -> list[int]:
     """Indices of the ``top_k`` largest numerically non-zero eigenvalues.
 
@@ -152,6 +187,9 @@ def top_k_indices(
         factor_dtype: Type the factors of ``V`` were computed in (see
             :func:`numerical_zero_tolerance`).
         trace: ``tr(G̃)`` (see :func:`numerical_zero_tolerance`).
+        tolerance: The numerical-zero tolerance, where it is not the Gram
+            matrix's (:func:`residual_zero_tolerance`; ``None``:
+            :func:`numerical_zero_tolerance` of the other arguments).
 
     Returns:
         Indices into ``evals``, ascending.
@@ -160,7 +198,8 @@ def top_k_indices(
         ValueError: If ``top_k`` is not a positive integer.
     """
     check_top_k(top_k)
-    tolerance = numerical_zero_tolerance(evals, size, factor_dtype, trace)
+    if tolerance is None:
+        tolerance = numerical_zero_tolerance(evals, size, factor_dtype, trace)
     nonzero = [i for i, value in enumerate(evals.tolist()) if value > tolerance]
     return nonzero if top_k is None else nonzero[-top_k:]
 

@@ -129,8 +129,8 @@ class ImplicitGroup:
         raise InvalidArgumentError(
             "solver='implicit' forms neither V nor the Gram matrix, so it computes "
             "a few leading eigenpairs: pass top_k (e.g. eigh(top_k=10)). The Gram "
-            "matrix, all eigenvalues (eigvalsh, top_k=None) and the numerical-zero "
-            "tolerance need a Gram route: LowRankGGN(..., solver='auto')."
+            "matrix and all eigenvalues (eigvalsh, top_k=None) need a Gram route: "
+            "LowRankGGN(..., solver='auto')."
         )
 
     def choose_solver(self, top_k: int) -> str:  # noqa: D102
