@@ -99,7 +99,9 @@ class CausalBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         T = x.shape[1]
-        mask = torch.triu(torch.full((T, T), float("-inf"), device=x.device), 1)
+        # a boolean mask: a float -inf mask built in float32 changes what
+        # nn.MultiheadAttention computes once the model is cast to float64
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         h = self.norm1(x)
         x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
