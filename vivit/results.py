@@ -312,8 +312,10 @@ class CurvatureResults:
         tol: float | None,
         seed: int,
     ) -> tuple[Tensor, Tensor, SolverReport]:
+        max_columns = None
         if source.parameter_space:  # block Krylov on G itself, D rows
             size, products = source.num_params, source.flat_ggn_matmul
+            max_columns = source.basis_columns(top_k)  # refused if none fits
         else:
             size, products = source.num_rows, source.products.gram_matmul
         if solver == "dense":
@@ -333,6 +335,7 @@ class CurvatureResults:
             device=source.device,
             tol=tol,
             seed=seed,
+            max_columns=max_columns,
         )
         if report.solver == "matrix_free" and source.route == "streaming":
             # products by passes over the data (StreamingGGN)

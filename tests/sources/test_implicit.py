@@ -34,8 +34,18 @@ from vivit import (
     RoundingFloorWarning,
     StreamingGGN,
 )
-from vivit.errors import InvalidArgumentError, ModelChangedError, UnsupportedLayerError
+from vivit.errors import (
+    InvalidArgumentError,
+    ModelChangedError,
+    ProductsTooLargeError,
+    UnsupportedLayerError,
+)
+from vivit.linalg.iterative import minimum_capacity
+from vivit.linalg.top_k import iterative_workspace_bytes
+from vivit.memory import estimate as estimate_module
+from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate
 from vivit.optim import DampedNewton
+from vivit.options import CurvatureOptions
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS + PADDED_PROBLEMS}
 TOP_K = 3
@@ -458,3 +468,77 @@ def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
     assert evals.numel() < 100
     G = dense_ggn(model.double(), loss_func, x.double(), y)
     _assert_resolved_pairs(ggn, 100, evals, evecs, G, ggn.zero_tolerance())
+
+
+def _memory_for_the_smallest_basis(monkeypatch, s, top_k, options):
+    """Memory available: the products' estimate and a basis of ``k + 2·b`` columns.
+
+    Returns that basis' columns and the default's.
+    """
+    groups = [list(s.model.parameters())]
+    default = implicit_estimate(s.model, s.inputs, groups, options, top_k)
+    size, dtype = default.num_params, groups[0][0].dtype
+    least = minimum_capacity(top_k, default.block_width, size)
+    krylov = iterative_workspace_bytes(size, top_k, dtype, 0, least)
+    available = default.activations + default.products + krylov
+    monkeypatch.setattr(estimate_module, "available_bytes", lambda device: available)
+    return least, default.basis_columns
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resnet-block-ce-mean",
+        "transformer-mse-sum",
+        "lstm-ce-mean",
+        "lstm-ce-sum",
+        "causal-lm-ce-sum",
+        "conv1d-bce-mean",
+    ],
+)
+@pytest.mark.parametrize("subsampling", [None, [2, 0]])
+def test_a_basis_cut_by_memory_converges_to_dense(monkeypatch, name, subsampling):
+    """Memory for only ``k + 2·b`` basis columns: the basis is cut to them, the
+    solve restarts more often and meets the same bound, ``tol·λ_max`` of the dense
+    float64 reference (``EIGVAL_RTOL``; "The Gram matrix and exact eigenpairs",
+    "A basis cut by memory"), and the report says so."""
+    s = PROBLEMS[name].setup()
+    data, options = (s.inputs, s.targets), {"subsampling": subsampling}
+    full = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
+    full.eigh(top_k=TOP_K)
+    uncut = full.solver_report()
+    least, default = _memory_for_the_smallest_basis(
+        monkeypatch, s, TOP_K, CurvatureOptions(**options)
+    )
+    assert least < default == uncut.basis_columns and uncut.basis_cut is None
+    ggn = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
+    evals, evecs = ggn.eigh(top_k=TOP_K)
+    report = ggn.solver_report()
+    assert report.converged and report.basis_columns == least
+    assert report.basis_cut == f"basis cut to {least} of {default} columns by memory"
+    if subsampling is None:  # two samples' G has fewer pairs than the cut basis
+        assert report.cycles > uncut.cycles
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets, subsampling=subsampling)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+    nc = ggn._source.group(0).num_rows
+    assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
+
+
+def test_memory_below_the_smallest_basis_is_refused(monkeypatch):
+    """A byte less than the products and ``k + 2·b`` columns, beyond the estimate's
+    factor 1.5: refused before the first product, the cut basis named."""
+    s = PROBLEMS["lstm-ce-mean"].setup()
+    least, default = _memory_for_the_smallest_basis(
+        monkeypatch, s, TOP_K, CurvatureOptions()
+    )
+    needed = estimate_module.available_bytes(None)
+    too_little = int(needed / ESTIMATE_FACTOR) - 1
+    monkeypatch.setattr(estimate_module, "available_bytes", lambda device: too_little)
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    passes = ggn._source.passes
+    with pytest.raises(
+        ProductsTooLargeError, match="Refused before the first"
+    ) as error:
+        ggn.eigh(top_k=TOP_K)
+    assert f"{least} columns (cut from {default} by memory)" in str(error.value)
+    assert ggn._source.passes == passes  # no product ran

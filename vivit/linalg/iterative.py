@@ -17,7 +17,9 @@ forming ``u_i``; once they are at most ``tol · θ_max``, the Ritz vectors are
 multiplied afresh (``k`` products) and the residuals of those images confirm it
 before the pairs are returned. A full basis restarts the next cycle from about
 half as many leading Ritz vectors (:func:`restart_size`, a thick restart), whose
-leading ``k`` keep the images the cycle's last confirmation multiplied. Checking
+leading ``k`` keep the images the cycle's last confirmation multiplied. Where
+memory is short, the caller cuts the basis (``max_columns``, at least
+:func:`minimum_capacity`): the same contract after more restarts. Checking
 after every block, not only at the end of a cycle, lets a small block (one vector for
 the top eigenpair, as in ARPACK's Lanczos) reach the tolerance in the fewest
 products: on the GGN Gram matrices of the benchmarks, ``b = k`` needs 30–45 %
@@ -49,6 +51,7 @@ the products").
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +133,9 @@ class SolverReport:
             the returned pairs' images (``None`` for dense; see
             :func:`block_krylov_eigh`).
         requested_tolerance: The bound that was asked for (``None`` for dense).
+        basis_columns: Columns of a cycle's Krylov basis (``None`` for dense).
+        basis_cut: Why the basis holds fewer columns than its default, e.g.
+            ``"basis cut to 96 of 210 columns by memory"``, or ``None``.
     """
 
     solver: str
@@ -142,6 +148,8 @@ class SolverReport:
     fallback: str | None = None
     rounding: float | None = None
     requested_tolerance: float | None = None
+    basis_columns: int | None = None
+    basis_cut: str | None = None
 
 
 def check_tolerance(tol: object, name: str = "tol") -> None:
@@ -222,6 +230,46 @@ def basis_capacity(width: int, size: int, depth: int | None = None) -> int:
     return min(size, max(width * (DEPTH + 1), MIN_BASIS))
 
 
+def minimum_capacity(top_k: int, width: int, size: int) -> int:
+    """Fewest columns a basis cut by memory may keep: ``k + 2·b`` (at most ``size``).
+
+    A full basis of ``k + 2·b`` columns restarts from its ``k + b`` leading Ritz
+    vectors (:func:`restart_size`) and the block of the last remainder: every
+    cycle adds one block, and the ``b`` Ritz vectors kept beyond the wanted ``k``
+    give them a gap to ``λ_{k+b+1}`` rather than to ``λ_{k+1}`` (``docs/math.rst``,
+    "The Gram matrix and exact eigenpairs", "A basis cut by memory").
+
+    Args:
+        top_k: Number of leading eigenpairs.
+        width: Block size ``b``.
+        size: Side length of the operator.
+
+    Returns:
+        The fewest columns.
+    """
+    return min(size, top_k + 2 * width)
+
+
+def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
+    """How many cycles of ``capacity`` columns add the blocks of one of ``full``.
+
+    A cycle after a restart adds ``m − r`` columns (:func:`restart_size` ``r``):
+    a basis cut from ``full`` columns to ``capacity`` may run this many times the
+    cycles, so that a solve may multiply as many blocks as with the full basis.
+
+    Args:
+        top_k: Number of leading eigenpairs.
+        width: Block size ``b``.
+        capacity: Columns ``m`` of the basis that runs.
+        full: Columns of the basis without a cut (:func:`basis_capacity`).
+
+    Returns:
+        The ratio, at least 1.
+    """
+    added = capacity - restart_size(top_k, width, capacity)
+    return max(1.0, (full - restart_size(top_k, width, full)) / added)
+
+
 def restart_size(top_k: int, width: int, capacity: int) -> int:
     """Ritz vectors a full basis restarts from: ``(m + k) // 2`` within ``[b, m − b]``.
 
@@ -254,6 +302,7 @@ def block_krylov_eigh(
     max_restarts: int = MAX_RESTARTS,
     block_size: int | None = None,
     depth: int | None = None,
+    max_columns: int | None = None,
     rounding_floor: bool = True,
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a symmetric positive semi-definite operator.
@@ -270,6 +319,11 @@ def block_krylov_eigh(
         block_size: Block size ``b`` (default :func:`default_block_size`; at least
             ``top_k``, at most ``size``).
         depth: Krylov depth ``q`` per cycle (default: see :func:`basis_capacity`).
+        max_columns: Most columns of the basis the memory allows (``None``: no
+            limit). A basis cut below :func:`basis_capacity` to at least
+            :func:`minimum_capacity` columns restarts more often and may run
+            :func:`cycle_budget` times ``max_restarts + 1`` cycles; the report
+            says so (``basis_cut``).
         rounding_floor: Whether pairs may be accepted at the products' measured
             rounding where it lies above ``tol`` (``False``: only at ``tol``, and
             a rounding ``2ρ > tol`` ends the solve with an error, for a caller
@@ -283,6 +337,8 @@ def block_krylov_eigh(
         SolverNotConvergedError: If the residuals stay above ``tol`` (or the
             products' rounding floor, where that is larger), or the floor is at
             least 1 (or above ``tol`` without ``rounding_floor``).
+        InvalidArgumentError: If ``max_columns`` is below
+            :func:`minimum_capacity`.
 
     Warns:
         RoundingFloorWarning: If ``tol`` lies below the products' rounding and the
@@ -297,6 +353,20 @@ def block_krylov_eigh(
     width = default_block_size(top_k, size) if block_size is None else block_size
     width = min(size, max(width, top_k))
     capacity = basis_capacity(width, size, depth)
+    cut = None
+    cycles = max_restarts + 1
+    if max_columns is not None and max_columns < capacity:
+        least = minimum_capacity(top_k, width, size)
+        if max_columns < least:
+            raise InvalidArgumentError(
+                f"max_columns={max_columns} leaves the Krylov basis fewer than "
+                f"{least} columns (top_k + 2 blocks of {width}), too few for a "
+                "restart to keep the leading Ritz vectors and add a block: allow "
+                "more columns or ask for fewer pairs."
+            )
+        cycles = math.ceil(cycles * cycle_budget(top_k, width, max_columns, capacity))
+        cut = f"basis cut to {max_columns} of {capacity} columns by memory"
+        capacity = max_columns
     kept = restart_size(top_k, width, capacity)
     generator = torch.Generator().manual_seed(seed)
     start = torch.randn(size, width, generator=generator, dtype=torch.float64)
@@ -315,7 +385,7 @@ def block_krylov_eigh(
     following = None
     rounding = None  # the products' rounding ρ at the latest confirmation
     limit = tol
-    for cycle in range(1, max_restarts + 2):
+    for cycle in range(1, cycles + 1):
         krylov = _KrylovBasis(block, apply(block) if image is None else image, capacity)
         block = image = None  # copied into the basis
         if following is not None:  # thick restart: go on from the last remainder
@@ -349,6 +419,8 @@ def block_krylov_eigh(
                         products=products,
                         rounding=rounding,
                         requested_tolerance=tol,
+                        basis_columns=capacity,
+                        basis_cut=cut,
                     )
                     return theta.to(dtype), ritz.to(dtype), report
             if not fits:
@@ -370,10 +442,11 @@ def block_krylov_eigh(
         f"for the top {top_k} eigenpairs of the {size} x {size} operator (the Gram "
         "matrix; with solver='implicit' the GGN in parameter space): best "
         f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
-        "products). Use a larger tol (at least the rounding floor of the data "
-        "type, about 100·eps), float64 (gram_dtype=torch.float64; with "
-        "solver='implicit' a float64 model, model.double()), or, where the "
-        "Gram matrix can be formed (LowRankGGN), solver='dense' (exact, "
+        f"products{'' if cut is None else f'; {cut}'}). Use a larger tol (at "
+        "least the rounding floor of the data type, about 100·eps), float64 "
+        "(gram_dtype=torch.float64; with solver='implicit' a float64 model, "
+        "model.double()), or, where the Gram matrix can be formed (LowRankGGN), "
+        "solver='dense' (exact, "
         "O((N·C)^3))."
     )
 

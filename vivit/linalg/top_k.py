@@ -90,6 +90,7 @@ from vivit.linalg.iterative import (
     basis_capacity,
     block_krylov_eigh,
     default_block_size,
+    minimum_capacity,
     restart_size,
 )
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
@@ -164,7 +165,11 @@ def solver_block_size(solver: str, top_k: int, size: int) -> int:
 
 
 def iterative_workspace_bytes(
-    size: int, top_k: int, dtype: torch.dtype, params: int | None = None
+    size: int,
+    top_k: int,
+    dtype: torch.dtype,
+    params: int | None = None,
+    columns: int | None = None,
 ) -> int:
     """Memory of the iterative solvers besides the Gram matrix.
 
@@ -175,17 +180,20 @@ def iterative_workspace_bytes(
         params: ``D`` for the matrix-free solver (a block of ``D``-vectors
             between the two ``V``-products and the contraction's copy of it,
             measured); ``None`` for products with the Gram.
+        columns: Columns ``m`` of the basis (``None``: its default,
+            :func:`~vivit.linalg.iterative.basis_capacity`; a basis cut by
+            memory: :func:`fitting_basis_columns`).
 
     Returns:
-        Bytes: the float64 basis and its image (``m`` columns each,
-        :func:`~vivit.linalg.iterative.basis_capacity`), their projection
-        (``m × m``), the Ritz vectors a restart keeps and their images
+        Bytes: the float64 basis and its image (``m`` columns each), their
+        projection (``m × m``), the Ritz vectors a restart keeps and their images
         (:func:`~vivit.linalg.iterative.restart_size` each), Ritz vectors and
         their images and the block in the products' dtype (``b`` each).
     """
     solver = "iterative" if params is None else "matrix_free"
     width = solver_block_size(solver, top_k, size)
-    columns = basis_capacity(width, size)
+    if columns is None:
+        columns = basis_capacity(width, size)
     kept = restart_size(top_k, width, columns)
     workspace = ((2 * columns + 2 * kept + 3 * width) * size + columns**2) * (
         _KRYLOV_ITEMSIZE
@@ -194,6 +202,49 @@ def iterative_workspace_bytes(
     if params is not None:
         workspace += 2 * width * params * itemsize(dtype)
     return workspace
+
+
+def fitting_basis_columns(
+    size: int,
+    top_k: int,
+    dtype: torch.dtype,
+    budget_bytes: float,
+    params: int | None = None,
+) -> int:
+    """Columns ``m`` of the Krylov basis that the memory allows.
+
+    ``m = min(m_default, the most columns whose workspace fits the budget)``,
+    never below :func:`~vivit.linalg.iterative.minimum_capacity` (``k + 2·b``;
+    the caller refuses where even that does not fit). A cut basis restarts more
+    often; the iteration converges by its thick restart all the same
+    (``docs/math.rst``, "The Gram matrix and exact eigenpairs", "A basis cut by
+    memory").
+
+    Args:
+        size: Side length of the operator (``D`` on the implicit route).
+        top_k: Number of leading eigenpairs.
+        dtype: Data type of the products.
+        budget_bytes: Memory the solver's workspace may take (what is available
+            less the products' own memory).
+        params: As for :func:`iterative_workspace_bytes`.
+
+    Returns:
+        ``m``, for :func:`iterative_workspace_bytes` and the solver's
+        ``max_columns``.
+    """
+    solver = "iterative" if params is None else "matrix_free"
+    width = solver_block_size(solver, top_k, size)
+    top_k = min(top_k, size)
+    low = minimum_capacity(top_k, width, size)  # returned where nothing fits
+    high = max(low, basis_capacity(width, size))
+    while low < high:  # the workspace grows with m: the largest m that fits
+        middle = (low + high + 1) // 2
+        workspace = iterative_workspace_bytes(size, top_k, dtype, params, middle)
+        if workspace <= budget_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def dense_work(size: int) -> float:
@@ -336,6 +387,7 @@ def leading_eigenpairs(
     device: torch.device,
     tol: float | None = None,
     seed: int = 0,
+    max_columns: int | None = None,
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a group's Gram matrix.
 
@@ -355,6 +407,8 @@ def leading_eigenpairs(
         tol: Relative residual bound of the iterative solvers (default:
             :func:`~vivit.linalg.iterative.default_tolerance`).
         seed: Seed of their start block.
+        max_columns: Most columns of their Krylov basis the memory allows
+            (:func:`fitting_basis_columns`; ``None``: the default basis).
 
     Returns:
         Eigenvalues ``[k]`` ascending, Gram eigenvectors ``[N·C, k]`` as columns,
@@ -386,6 +440,7 @@ def leading_eigenpairs(
             tol=tol,
             seed=seed,
             block_size=solver_block_size(solver, top_k, size),
+            max_columns=max_columns,
             # under "auto" the Gram routes fall back to the exact dense solver
             rounding_floor=requested != "auto" or solver == "implicit",
         )

@@ -84,9 +84,11 @@ from vivit.gram.memory import (
 )
 from vivit.gram.outer import GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
+from vivit.linalg.iterative import basis_capacity
 from vivit.linalg.top_k import (
     check_solver,
     choose_solver,
+    fitting_basis_columns,
     gram_work,
     iterative_workspace_bytes,
     solver_block_size,
@@ -292,11 +294,15 @@ class ImplicitEstimate:
         products: The vmapped passes' ``b`` tangents and cotangents of every
             activation, and the block's parameter-space vectors and images.
         krylov: The iterative solver's workspace in parameter space: the
-            float64 Krylov basis and its images, ``m`` columns each
-            (:func:`~vivit.linalg.iterative.basis_capacity`), a restart's Ritz
-            vectors, the block and its image.
+            float64 Krylov basis and its images, ``m`` columns each, a
+            restart's Ritz vectors, the block and its image.
         block_width: Vectors ``b`` per product (``top_k``).
         num_params: Side length ``D`` of the operator.
+        basis_columns: Columns ``m`` of the basis that will run: the default
+            (:func:`~vivit.linalg.iterative.basis_capacity`) or fewer where the
+            memory does not allow it
+            (:func:`~vivit.linalg.top_k.fitting_basis_columns`).
+        default_columns: The default's columns.
     """
 
     activations: int
@@ -304,6 +310,8 @@ class ImplicitEstimate:
     krylov: int
     block_width: int
     num_params: int
+    basis_columns: int
+    default_columns: int
 
     @property
     def total(self) -> int:
@@ -328,7 +336,10 @@ def implicit_estimate(
     the largest group's parameter space (:func:`~vivit.linalg.top_k.
     iterative_workspace_bytes`: the float64 basis and its images, ``m`` columns
     each, the Ritz vectors a restart keeps, the block and its image;
-    ``docs/math.rst``, "Memory of a request").
+    ``docs/math.rst``, "Memory of a request"). ``m`` is the basis that will run:
+    the default, or the most columns that fit into the memory available on the
+    parameters' device besides the products (:func:`~vivit.linalg.top_k.
+    fitting_basis_columns`, at least ``k + 2·b``).
 
     Args:
         model: The network.
@@ -363,15 +374,20 @@ def implicit_estimate(
     width = solver_block_size("implicit", top_k, size)
     dtype = param_groups[0][0].dtype
     entry = itemsize(dtype)
+    activations = block * width_per_sample * entry
+    products = width * block * width_per_sample * entry
     # the solver's basis, restart and blocks of b = k columns in D-space
-    # (params=0: no V-products besides)
-    krylov = iterative_workspace_bytes(size, top_k, dtype, 0)
+    # (params=0: no V-products besides), its basis cut to what is left
+    budget = available_bytes(param_groups[0][0].device) - activations - products
+    columns = fitting_basis_columns(size, top_k, dtype, budget, 0)
     return ImplicitEstimate(
-        activations=block * width_per_sample * entry,
-        products=width * block * width_per_sample * entry,
-        krylov=krylov,
+        activations=activations,
+        products=products,
+        krylov=iterative_workspace_bytes(size, top_k, dtype, 0, columns),
         block_width=width,
         num_params=size,
+        basis_columns=columns,
+        default_columns=basis_capacity(width, size),
     )
 
 
@@ -384,7 +400,8 @@ def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> Non
 
     Raises:
         ProductsTooLargeError: If the estimate divided by :data:`ESTIMATE_FACTOR`
-            exceeds the available memory.
+            exceeds the available memory (its basis is then cut to its minimum,
+            ``k + 2·b`` columns, already).
     """
     available = available_bytes(device)
     if estimate.total <= ESTIMATE_FACTOR * available:
@@ -415,9 +432,19 @@ def implicit_summary(estimate: ImplicitEstimate) -> str:
         f"D = {estimate.num_params} parameters needs an estimated "
         f"{estimate.total / gib:.1f} GiB (activations {estimate.activations / gib:.1f}"
         f" GiB, products {estimate.products / gib:.1f} GiB, Krylov basis "
-        f"{estimate.krylov / gib:.1f} GiB; at least "
+        f"{estimate.krylov / gib:.1f} GiB for {_basis_columns(estimate)}; at least "
         f"{estimate.total / ESTIMATE_FACTOR / gib:.1f} GiB)"
     )
+
+
+def _basis_columns(estimate: ImplicitEstimate) -> str:
+    """The basis' columns in words, and whether memory cut them."""
+    if estimate.basis_columns < estimate.default_columns:
+        return (
+            f"{estimate.basis_columns} columns (cut from "
+            f"{estimate.default_columns} by memory)"
+        )
+    return f"{estimate.basis_columns} columns"
 
 
 def kept_bytes(estimate: MemoryEstimate) -> int:

@@ -110,6 +110,13 @@ class ParameterGroupSource(GroupSource, Protocol):
 
     num_params: int
 
+    def basis_columns(self, top_k: int) -> int | None:
+        """Krylov basis columns the memory allows for ``top_k`` pairs (or ``None``).
+
+        Raises:
+            ProductsTooLargeError: If not even the smallest basis fits.
+        """
+
     def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
         """``G V`` for flat columns ``[D, K]``: ``[D, K]``."""
 

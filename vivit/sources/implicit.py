@@ -169,24 +169,35 @@ class ImplicitGroup:
                     total.add_(product)
         return result
 
+    def basis_columns(self, top_k: int) -> int | None:
+        """Columns of the Krylov basis for ``top_k`` pairs that the memory allows.
+
+        Checked against the memory available before the solver allocates its
+        basis or runs a product (:func:`~vivit.memory.estimate.
+        check_implicit_fits`, once per ``top_k``).
+
+        Args:
+            top_k: Leading eigenpairs asked for (the products' block width).
+
+        Returns:
+            The estimate's basis columns (``None`` where nothing was estimated:
+            a loader, or a model that cannot be probed; the default basis).
+
+        Raises:
+            ProductsTooLargeError: If the products and the smallest basis cannot
+                fit.
+        """
+        return self._source.check_fits(top_k)
+
     def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
         """``G V`` for flat columns ``[D, K]`` (the eigensolver's operator).
-
-        The first product of a block width is checked against the memory
-        available (:func:`~vivit.memory.estimate.check_implicit_fits`), before the
-        solver allocates its basis.
 
         Args:
             vectors: ``[D, K]``, parameters flattened row-major in group order.
 
         Returns:
             ``[D, K]``.
-
-        Raises:
-            ProductsTooLargeError: If the products and the basis of ``K`` pairs
-                cannot fit.
         """
-        self._source.check_fits(vectors.shape[1])
         return flatten_rows(self.ggn_matmul(self.unflatten(vectors))).T
 
     def unflatten(self, columns: Tensor) -> list[Tensor]:
@@ -325,28 +336,37 @@ class ImplicitFactors(CurvatureSource):
         self._random_start = RandomState.capture(self.param_groups)
         self._model_state = model_fingerprint(model)
         self.passes = 0
-        self._checked_widths: set[int] = set()
+        self._basis_columns: dict[int, int | None] = {}
         self._first_pass()
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
 
-    def check_fits(self, top_k: int) -> None:
+    def check_fits(self, top_k: int) -> int | None:
         """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
 
         Args:
             top_k: The block width of the products (``top_k``).
 
+        Returns:
+            The Krylov basis' columns the estimate fitted into the memory
+            available (``None``: not estimated, a loader or a model that cannot
+            be probed).
+
         Raises:
             ProductsTooLargeError: If it cannot fit.
         """
-        if not self._single or top_k in self._checked_widths:
-            return
-        self._checked_widths.add(top_k)
-        inputs = self._data[0][0]
-        estimate = implicit_estimate(
-            self._model, inputs, self.param_groups, self._options, top_k
-        )
-        if estimate is not None:
-            check_implicit_fits(estimate, self.param_groups[0][0].device)
+        if not self._single:
+            return None
+        if top_k not in self._basis_columns:
+            inputs = self._data[0][0]
+            estimate = implicit_estimate(
+                self._model, inputs, self.param_groups, self._options, top_k
+            )
+            if estimate is not None:
+                check_implicit_fits(estimate, self.param_groups[0][0].device)
+            self._basis_columns[top_k] = (
+                None if estimate is None else estimate.basis_columns
+            )
+        return self._basis_columns[top_k]
 
     def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
         """One pass over the data: every block of samples, in order."""
