@@ -225,6 +225,8 @@ class CurvatureResults:
                     k: v for k, v in self._directions_in_params.items() if k[0] != group
                 }
             evals, evecs, report = leading
+            # the report of the pairs returned, also where they were kept
+            self._reports[group] = report
             if source.parameter_space:
                 keep = self._resolved(source, evals, top_k, report)
             else:
@@ -342,7 +344,6 @@ class CurvatureResults:
             report = dataclasses.replace(
                 report, solver=source.route, requested=source.route
             )
-        self._reports[source.index] = report
         return evals, evecs, report
 
     def _param_directions(

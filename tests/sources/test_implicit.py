@@ -472,6 +472,24 @@ def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
     _assert_resolved_pairs(ggn, 100, evals, evecs, G, ggn.zero_tolerance())
 
 
+def test_kept_pairs_are_reported_and_judged_with_their_own_solve():
+    """Pairs kept from an earlier solve (``tol=1e-6``) and returned after a solve at
+    another tolerance: the report and the numerical zero are those of the solve
+    that computed them, not of the latest one."""
+    torch.manual_seed(0)
+    model = ScaledSequenceLinear([1.0, 0.1, 0.01], 5)
+    x, y = torch.randn(6, 20, 3), torch.randint(0, 5, (6, 20))
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (x, y), solver="implicit")
+    evals, _ = ggn.eigh(top_k=5, tol=1e-6)
+    first, zero = ggn.solver_report(), ggn.zero_tolerance()
+    ggn.eigh(top_k=5, tol=1e-3)
+    assert ggn.solver_report().requested_tolerance == 1e-3
+    kept, _ = ggn.eigh(top_k=3, tol=1e-6)
+    assert torch.equal(kept, evals[-3:])
+    assert ggn.solver_report() is first
+    assert ggn.zero_tolerance() == zero
+
+
 def _memory_for_the_smallest_basis(monkeypatch, s, top_k, options):
     """Memory available: the products' estimate and a basis of ``k + 2·b`` columns.
 
