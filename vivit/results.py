@@ -694,7 +694,12 @@ def warn_unresolved_eigenpairs(
             "they cannot be told from zero eigenvalues (docs/math.rst, 'Precision "
             "and the numerical zero', 'Without the Gram matrix: the residual bound')"
         )
-        if report.tolerance > report.requested_tolerance:  # at the rounding floor
+        # the rounding sets the bound at the floor, or where the residual the
+        # solver reached lies below it: a smaller tol would not lower it
+        rounding_sets = report.tolerance > report.requested_tolerance or (
+            report.rounding is not None and report.rounding >= report.residual
+        )
+        if rounding_sets:
             remedy = (
                 " The products' rounding sets the bound: a float64 model "
                 "(model.double()) lowers it by about 1e9."

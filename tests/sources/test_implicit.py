@@ -11,6 +11,7 @@ eigenvectors (``EIGVEC_PRODUCT_REL``).
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,12 +41,13 @@ from vivit.errors import (
     ProductsTooLargeError,
     UnsupportedLayerError,
 )
-from vivit.linalg.iterative import minimum_capacity
+from vivit.linalg.iterative import SolverReport, minimum_capacity
 from vivit.linalg.top_k import iterative_workspace_bytes
 from vivit.memory import estimate as estimate_module
 from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate
 from vivit.optim import DampedNewton
 from vivit.options import CurvatureOptions
+from vivit.results import warn_unresolved_eigenpairs
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS + PADDED_PROBLEMS}
 TOP_K = 3
@@ -488,6 +490,32 @@ def test_kept_pairs_are_reported_and_judged_with_their_own_solve():
     assert torch.equal(kept, evals[-3:])
     assert ggn.solver_report() is first
     assert ggn.zero_tolerance() == zero
+
+
+@pytest.mark.parametrize(
+    "residual, rounding, match",
+    [(1e-8, 5e-8, r"model\.double\(\)"), (5e-8, 1e-8, r"A smaller tol")],
+)
+def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
+    residual, rounding, match
+):
+    """Below the tolerance, the bound ``(r + ρ)·θ_max`` is set by the larger term:
+    where the products' rounding ``ρ`` exceeds the residual reached, a smaller
+    tol cannot lower it and the warning names the float64 model instead."""
+    report = SolverReport(
+        solver="implicit",
+        requested="implicit",
+        residual=residual,
+        tolerance=1e-5,
+        converged=True,
+        rounding=rounding,
+        requested_tolerance=1e-5,
+    )
+    evals = torch.tensor([1e-9, 1.0])
+    zero = residual + rounding
+    source = SimpleNamespace(dtype=torch.float32)
+    with pytest.warns(FewerEigenpairsWarning, match=match):
+        warn_unresolved_eigenpairs(2, evals, 1, zero, report, source)
 
 
 def _memory_for_the_smallest_basis(monkeypatch, s, top_k, options):
