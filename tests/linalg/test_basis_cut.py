@@ -61,6 +61,30 @@ def test_smallest_basis_converges_in_more_cycles(spectrum, top_k):
         assert report.cycles > MAX_RESTARTS + 1
 
 
+@pytest.mark.parametrize("top_k", [3, 5])
+def test_a_cut_basis_is_not_judged_stagnant_by_the_default_basis_cycles(top_k):
+    """A slowly decaying spectrum (``0.99^i``, ``n = 2000``) with ``k + 2·b``
+    columns: a cycle adds one block, so three cycles without a new smallest
+    residual are no stagnation; the window grows with the cycles
+    (``cycle_budget``). With three cycles the solve stopped after 120 (``k = 3``)
+    and 220 (``k = 5``) products; it meets ``tol·λ_max`` after about 2,000."""
+    size = 2000
+    evals = 0.99 ** torch.arange(size, dtype=torch.float64)
+    least = minimum_capacity(top_k, top_k, size)
+    found, vectors, report = block_krylov_eigh(
+        lambda V: evals[:, None] * V,
+        size,
+        top_k,
+        dtype=torch.float64,
+        max_columns=least,
+    )
+    assert report.converged and report.basis_columns == least
+    assert report.tolerance == report.requested_tolerance  # no rounding floor
+    assert_top_eigvals(found, evals.flip(0), report.tolerance)
+    residual = (evals[:, None] * vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * evals[0]
+
+
 def test_a_limit_above_the_default_cuts_nothing():
     A = psd_matrix(SPECTRA["harmonic"])
     full = basis_capacity(3, SIZE)

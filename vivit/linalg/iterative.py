@@ -322,8 +322,9 @@ def block_krylov_eigh(
         max_columns: Most columns of the basis the memory allows (``None``: no
             limit). A basis cut below :func:`basis_capacity` to at least
             :func:`minimum_capacity` columns restarts more often and may run
-            :func:`cycle_budget` times ``max_restarts + 1`` cycles; the report
-            says so (``basis_cut``).
+            :func:`cycle_budget` times ``max_restarts + 1`` cycles and as many
+            times :data:`STAGNATION_CYCLES` without progress; the report says so
+            (``basis_cut``).
         rounding_floor: Whether pairs may be accepted at the products' measured
             rounding where it lies above ``tol`` (``False``: only at ``tol``, and
             a rounding ``2ρ > tol`` ends the solve with an error, for a caller
@@ -354,7 +355,7 @@ def block_krylov_eigh(
     width = min(size, max(width, top_k))
     capacity = basis_capacity(width, size, depth)
     cut = None
-    cycles = max_restarts + 1
+    cycles, stagnation = max_restarts + 1, STAGNATION_CYCLES
     if max_columns is not None and max_columns < capacity:
         least = minimum_capacity(top_k, width, size)
         if max_columns < least:
@@ -364,7 +365,9 @@ def block_krylov_eigh(
                 "restart to keep the leading Ritz vectors and add a block: allow "
                 "more columns or ask for fewer pairs."
             )
-        cycles = math.ceil(cycles * cycle_budget(top_k, width, max_columns, capacity))
+        # a cut cycle adds fewer blocks: as many blocks to run and to stagnate
+        ratio = cycle_budget(top_k, width, max_columns, capacity)
+        cycles, stagnation = math.ceil(cycles * ratio), math.ceil(stagnation * ratio)
         cut = f"basis cut to {max_columns} of {capacity} columns by memory"
         capacity = max_columns
     kept = restart_size(top_k, width, capacity)
@@ -429,7 +432,7 @@ def block_krylov_eigh(
         history.append(residual)
         if limit >= 1 or (limit > tol and not rounding_floor):
             break
-        if min(history) < min(history[-STAGNATION_CYCLES:], default=0.0):
+        if min(history) < min(history[-stagnation:], default=0.0):
             break
         # the last chance confirmed the leading k of the kept Ritz vectors: their
         # fresh images replace the ones combined from the basis' images
