@@ -682,7 +682,7 @@ def warn_unresolved_eigenpairs(
     if found < computed:
         largest = evals.abs().max().item()
         rounding = (
-            "taken as half of it"
+            f"not measured, taken as tol/2 = {report.tolerance / 2:.1e}"
             if report.rounding is None
             else f"{report.rounding:.1e}"
         )

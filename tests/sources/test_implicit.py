@@ -494,7 +494,11 @@ def test_kept_pairs_are_reported_and_judged_with_their_own_solve():
 
 @pytest.mark.parametrize(
     "residual, rounding, match",
-    [(1e-8, 5e-8, r"model\.double\(\)"), (5e-8, 1e-8, r"A smaller tol")],
+    [
+        (1e-8, 5e-8, r"model\.double\(\)"),
+        (5e-8, 1e-8, r"A smaller tol"),
+        (5e-8, None, r"rounding, not measured, taken as tol/2 = 5\.0e-06"),
+    ],
 )
 def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
     residual, rounding, match
@@ -512,7 +516,7 @@ def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
         requested_tolerance=1e-5,
     )
     evals = torch.tensor([1e-9, 1.0])
-    zero = residual + rounding
+    zero = residual + (5e-6 if rounding is None else rounding)
     source = SimpleNamespace(dtype=torch.float32)
     with pytest.warns(FewerEigenpairsWarning, match=match):
         warn_unresolved_eigenpairs(2, evals, 1, zero, report, source)
