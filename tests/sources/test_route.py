@@ -16,6 +16,7 @@ from tests.fixtures.func_problems import FUNC_PROBLEMS
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 from vivit.errors import ProductsTooLargeError
+from vivit.gram.memory import format_bytes
 from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate, kept_bytes
 from vivit.options import CurvatureOptions
 from vivit.sources import route
@@ -119,7 +120,7 @@ def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
     _available(monkeypatch, products.total)
     ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets))
     assert ggn.route.name == "implicit"
-    assert "GiB are available" in ggn.route.reason
+    assert f"{format_bytes(products.total)} are available" in ggn.route.reason
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, _ = ggn.eigh(top_k=2)
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])

@@ -89,6 +89,21 @@ def resident_bytes(device: torch.device) -> int:
     return _read_fields(Path("/proc/self/status")).get("VmRSS", 0)
 
 
+def format_bytes(count: float) -> str:
+    """A byte count for messages, in the largest binary unit that keeps it ≥ 1.
+
+    Args:
+        count: Bytes.
+
+    Returns:
+        E.g. ``"3.2 GiB"``, ``"340.0 MiB"``, ``"12 B"``.
+    """
+    for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(count) >= 2**power:
+            return f"{count / 2**power:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
 def cgroup_headroom(
     root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
 ) -> list[int]:

@@ -78,6 +78,7 @@ from vivit.gram import (
 from vivit.gram.memory import (
     available_bytes,
     dense_workspace_bytes,
+    format_bytes,
     gram_bytes,
     itemsize,
     resident_bytes,
@@ -407,7 +408,7 @@ def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> Non
     if estimate.total <= ESTIMATE_FACTOR * available:
         return
     raise ProductsTooLargeError(
-        f"{implicit_summary(estimate)}, but only {available / 2**30:.1f} GiB are "
+        f"{implicit_summary(estimate)}, but only {format_bytes(available)} are "
         f"available on {device}. Refused before the first product. Ask for fewer "
         "pairs (top_k: the block and the basis shrink with it), use the curvature "
         "of fewer samples (subsampling=[...]) or a smaller batch, bound the "
@@ -426,14 +427,14 @@ def implicit_summary(estimate: ImplicitEstimate) -> str:
     Returns:
         The total and its parts, in GiB.
     """
-    gib = 2**30
     return (
         f"solver='implicit' with blocks of {estimate.block_width} vectors over "
         f"D = {estimate.num_params} parameters needs an estimated "
-        f"{estimate.total / gib:.1f} GiB (activations {estimate.activations / gib:.1f}"
-        f" GiB, products {estimate.products / gib:.1f} GiB, Krylov basis "
-        f"{estimate.krylov / gib:.1f} GiB for {_basis_columns(estimate)}; at least "
-        f"{estimate.total / ESTIMATE_FACTOR / gib:.1f} GiB)"
+        f"{format_bytes(estimate.total)} (activations "
+        f"{format_bytes(estimate.activations)}, products "
+        f"{format_bytes(estimate.products)}, Krylov basis "
+        f"{format_bytes(estimate.krylov)} for {_basis_columns(estimate)}; at least "
+        f"{format_bytes(estimate.total / ESTIMATE_FACTOR)})"
     )
 
 
@@ -507,16 +508,15 @@ def check_batch_fits(
     available = available_bytes(device)
     if needed <= ESTIMATE_FACTOR * available:
         return
-    gib = 2**30
     raise FactorsTooLargeError(
         f"The backward pass of this mini-batch of {batch_size} samples keeps "
         f"factors of V with {estimate.num_rows} columns (N·C, N·C·T for sequences "
-        f"of T positions): estimated {needed / gib:.1f} GiB (factors "
-        f"{estimate.factors / gib:.1f} GiB, activations "
-        f"{estimate.activations / gib:.1f} GiB, backward pass "
-        f"{estimate.backward / gib:.1f} GiB; at least "
-        f"{needed / ESTIMATE_FACTOR / gib:.1f} GiB), but only "
-        f"{available / gib:.1f} GiB are available on {device}. "
+        f"of T positions): estimated {format_bytes(needed)} (factors "
+        f"{format_bytes(estimate.factors)}, activations "
+        f"{format_bytes(estimate.activations)}, backward pass "
+        f"{format_bytes(estimate.backward)}; at least "
+        f"{format_bytes(needed / ESTIMATE_FACTOR)}), but only "
+        f"{format_bytes(available)} are available on {device}. "
         "Refused before running. Store fewer columns: Monte-Carlo sample the loss "
         "Hessian (mc_samples=1: N·T columns per token, N with mc_per='sequence'), "
         "use the curvature of fewer samples (subsampling=[...]), a smaller batch, "

@@ -41,7 +41,7 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_batch, check_inputs_match, check_subsampling
 from vivit.engines.choice import resolve_engine
 from vivit.errors import ProductsTooLargeError
-from vivit.gram.memory import available_bytes
+from vivit.gram.memory import available_bytes, format_bytes
 from vivit.linalg.top_k import dense_work, iterative_work, solver_block_size
 from vivit.linalg.top_k import pass_work as gram_pass_work
 from vivit.memory.estimate import (
@@ -167,7 +167,6 @@ def _compare_routes(
     columns = estimate.num_rows // samples
     needed = kept_bytes(estimate) / ESTIMATE_FACTOR
     available = available_bytes(groups[0][0].device)
-    gib = 2**30
     if needed > available:
         return _implicit_if_it_fits(
             model,
@@ -176,7 +175,7 @@ def _compare_routes(
             options,
             estimate,
             f"the Gram route's factors of V ({columns} columns per sample) need at "
-            f"least {needed / gib:.1f} GiB, but {available / gib:.1f} GiB are "
+            f"least {format_bytes(needed)}, but {format_bytes(available)} are "
             "available",
         )
     size = max(sum(p.numel() for p in group) for group in groups)
@@ -296,15 +295,14 @@ def _implicit_if_it_fits(
         return RouteChoice(
             "gram",
             f"{reason}; but {implicit_summary(products)}, more than the "
-            f"{available / 2**30:.1f} GiB available",
+            f"{format_bytes(available)} available",
             estimate,
         )
-    gib = 2**30
     raise ProductsTooLargeError(
-        f"Neither exact route fits into the {available / gib:.1f} GiB available: "
+        f"Neither exact route fits into the {format_bytes(available)} available: "
         f"the Gram route's factors of V need an estimated "
-        f"{kept_bytes(estimate) / gib:.1f} GiB (at least "
-        f"{kept_bytes(estimate) / ESTIMATE_FACTOR / gib:.1f} GiB), and "
+        f"{format_bytes(kept_bytes(estimate))} (at least "
+        f"{format_bytes(kept_bytes(estimate) / ESTIMATE_FACTOR)}), and "
         f"{implicit_summary(products)}. Refused before running. Ask for fewer "
         "pairs (eigh(top_k=...) with solver='implicit'), use the curvature of "
         "fewer samples (subsampling=[...]) or a smaller batch, bound the "
