@@ -268,9 +268,7 @@ class CurvatureResults:
         ``G`` may be a zero eigenvalue (``docs/math.rst``, "Without the Gram
         matrix: the residual bound").
         """
-        zero = residual_zero_tolerance(
-            evals, report.residual, report.tolerance, report.rounding
-        )
+        zero = residual_zero_tolerance(evals, report.residual, report.rounding)
         self._residual_zeros[source.index] = zero
         keep = top_k_indices(evals, top_k, tolerance=zero)
         if len(keep) < top_k:
@@ -681,23 +679,19 @@ def warn_unresolved_eigenpairs(
         why.append(f"the group has only {computed} parameters")
     if found < computed:
         largest = evals.abs().max().item()
-        rounding = (
-            f"not measured, taken as tol/2 = {report.tolerance / 2:.1e}"
-            if report.rounding is None
-            else f"{report.rounding:.1e}"
-        )
         why.append(
             f"{computed - found} of the {computed} leading Ritz values are at or "
             f"below {zero:.1e} = {zero / largest:.1e}·λ_max, the eigensolver's "
             "residual bound against the exact GGN (the relative residual it reached, "
-            f"{report.residual:.1e}, plus the products' rounding, {rounding}), so "
+            f"{report.residual:.1e}, plus the products' rounding, "
+            f"{report.rounding:.1e}), so "
             "they cannot be told from zero eigenvalues (docs/math.rst, 'Precision "
             "and the numerical zero', 'Without the Gram matrix: the residual bound')"
         )
         # the rounding sets the bound at the floor, or where the residual the
         # solver reached lies below it: a smaller tol would not lower it
         rounding_sets = report.tolerance > report.requested_tolerance or (
-            report.rounding is not None and report.rounding >= report.residual
+            report.rounding >= report.residual
         )
         if rounding_sets:
             remedy = (

@@ -135,9 +135,7 @@ def numerical_zero_tolerance(
     return largest * size * torch.finfo(evals.dtype).eps + factor_eps**2 * trace
 
 
-def residual_zero_tolerance(
-    evals: Tensor, residual: float, tolerance: float, rounding: float | None
-) -> float:
+def residual_zero_tolerance(evals: Tensor, residual: float, rounding: float) -> float:
     """Ritz values of an operator's eigensolve at or below this may be zero.
 
     ``(r + ρ)·θ_max``: the residual bound of the pairs against the exact
@@ -146,25 +144,21 @@ def residual_zero_tolerance(
     ``r·θ_max`` on the computed images (``r`` at most its tolerance), and the
     exact images differ from them by one evaluation's rounding, at most
     ``ρ·θ_max`` (``docs/math.rst``, "Precision and the numerical zero",
-    "Without the Gram matrix: the residual bound"). Where no rounding was
-    measured (a report without one), ``ρ`` is taken
-    as ``tolerance / 2``, the margin the rounding floor keeps.
+    "Without the Gram matrix: the residual bound"). The iterative solver
+    measures ``ρ`` at every confirmation.
 
     Args:
         evals: The Ritz values, the largest among them.
         residual: The largest relative residual of the pairs, ``r``
             (:attr:`~vivit.linalg.iterative.SolverReport.residual`).
-        tolerance: The relative residual bound the pairs were accepted at
-            (:attr:`~vivit.linalg.iterative.SolverReport.tolerance`).
         rounding: The products' measured rounding relative to ``θ_max``
-            (:attr:`~vivit.linalg.iterative.SolverReport.rounding`), or ``None``.
+            (:attr:`~vivit.linalg.iterative.SolverReport.rounding`).
 
     Returns:
         The tolerance.
     """
     if evals.numel() == 0:
         return 0.0
-    rounding = tolerance / 2 if rounding is None else rounding
     return (residual + rounding) * evals.abs().max().item()
 
 
