@@ -11,6 +11,7 @@ Quantities from the eigenvectors: ``EIGVEC_PRODUCT_REL`` (leading directions) of
 largest entry.
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -40,6 +41,7 @@ from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
 from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
+    SolverReport,
     basis_capacity,
     block_krylov_eigh,
     default_block_size,
@@ -275,6 +277,122 @@ def test_block_krylov_multiple_eigenvalue(top_k):
         torch.eye(top_k, dtype=torch.float64),
         orthonormality_bound(found, evals[0].item(), 100, 100, tol),
     )
+
+
+#: Spectra with multiple leading eigenvalues and the pairs asked for: three copies
+#: of 2 above 1 (``k = 3``), and an MSE-like GGN ``Σ x xᵀ ⊗ I₃`` whose every
+#: eigenvalue has three copies (``k = 7``).
+MULTIPLE = {
+    "copies": (torch.tensor([2.0, 2.0, 2.0, 1.0] + [0.01] * 96), 3),
+    "kronecker": (torch.tensor([2.0] * 3 + [1.0] * 3 + [0.5] * 3 + [0.0] * 91), 7),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "width"), [("copies", 2), ("kronecker", 2), ("kronecker", 3)]
+)
+def test_a_narrow_block_finds_every_copy_of_a_multiple_eigenvalue(case, width):
+    """A block of ``b`` holds ``b`` copies of an eigenvalue; a cluster of ``b``
+    equal Ritz values with smaller ones below is caught, and the solve with
+    ``b = k`` returns every copy (``docs/math.rst``, "Narrow blocks")."""
+    evals, top_k = MULTIPLE[case]
+    A = psd_matrix(100, evals.double())
+    found, _, report = block_krylov_eigh(
+        A.__matmul__, 100, top_k, dtype=torch.float64, block_size=width
+    )
+    assert report.block_size == top_k and "agree within the residual bound" in (
+        report.widened
+    )
+    assert_top_eigvals(found, evals.double().sort().values, report.tolerance)
+
+
+@pytest.mark.parametrize("case", list(MULTIPLE))
+def test_a_narrow_block_alone_misses_copies(monkeypatch, case):
+    """Without the check, a block of 2 converges to eigenpairs that are not the
+    leading ones: smaller eigenvalues take the place of unseen copies."""
+    monkeypatch.setattr(iterative, "narrow_block_doubt", lambda *args: None)
+    evals, top_k = MULTIPLE[case]
+    A = psd_matrix(100, evals.double())
+    found, vectors, report = block_krylov_eigh(
+        A.__matmul__, 100, top_k, dtype=torch.float64, block_size=2
+    )
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * found.max()  # eigenpairs, but
+    expected = evals.double().sort(descending=True).values[:top_k]
+    assert (found.flip(0) - expected).abs().max() >= 0.5  # not the leading
+
+
+def test_a_narrow_block_needs_fewer_products_on_a_simple_spectrum():
+    """Distinct eigenvalues: nothing to doubt, the narrow block's pairs are
+    returned, after fewer products than with ``b = k``."""
+    evals = torch.linspace(1, 0, 300, dtype=torch.float64) ** 3
+    A = psd_matrix(300, evals)
+    found, vectors, report = block_krylov_eigh(
+        A.__matmul__, 300, 10, dtype=torch.float64, block_size=3
+    )
+    assert report.widened is None and report.block_size == 3
+    assert_top_eigvals(found, evals.flip(0), report.tolerance)
+    residual = (A @ vectors - vectors * found).norm(dim=0).max()
+    assert residual <= report.tolerance * found.max()
+    _, _, wide = block_krylov_eigh(A.__matmul__, 300, 10, dtype=torch.float64)
+    assert report.products < wide.products
+
+
+def test_a_multiple_eigenvalue_at_the_bottom_needs_no_wider_block():
+    """Copies of the smallest returned eigenvalue displace nothing: the top 4 of
+    ``3, 2.5, 2, 2, 2, 2, …`` are found with ``b = 2`` and returned."""
+    evals = torch.cat(
+        [
+            torch.tensor([3.0, 2.5], dtype=torch.float64),
+            torch.full((4,), 2.0, dtype=torch.float64),
+            torch.linspace(1, 0.01, 94, dtype=torch.float64),
+        ]
+    )
+    A = psd_matrix(100, evals)
+    found, _, report = block_krylov_eigh(
+        A.__matmul__, 100, 4, dtype=torch.float64, block_size=2
+    )
+    assert report.widened is None
+    assert_top_eigvals(found, evals.flip(0), report.tolerance)
+
+
+def test_a_narrow_block_on_an_operator_of_lower_rank():
+    """Rank 2 and ``k = 6``: a block of 2 spans at most 4 directions, so the solve
+    runs again with ``b = 6`` (two eigenvalues and four zeros)."""
+    evals = torch.cat([torch.tensor([2.0, 1.0]), torch.zeros(48)]).double()
+    A = psd_matrix(50, evals)
+    found, _, report = block_krylov_eigh(
+        A.__matmul__, 50, 6, dtype=torch.float64, block_size=2
+    )
+    assert "ran out" in report.widened and found.numel() == 6
+    assert_top_eigvals(found, evals.flip(0), report.tolerance)
+
+
+@pytest.mark.parametrize(
+    ("theta", "width", "doubt"),
+    [
+        ([1.0, 2.0, 3.0], 3, None),  # b = k: always certain
+        ([1.0, 2.0, 3.0, 4.0], 2, None),  # distinct
+        ([1.0, 2.0, 2.0, 4.0], 2, "2 Ritz values"),  # a pair above the bottom
+        ([1.0, 2.0, 2.0, 4.0], 3, None),  # a pair under a block of 3
+        ([2.0, 2.0, 3.0, 4.0], 2, None),  # at the bottom
+        ([1.0, 2.0, 2.0 + 1e-9, 2.0 - 1e-9, 4.0], 3, "3 Ritz values"),
+        ([1.0, 2.0], 1, "ran out"),  # fewer than k = 3 below
+    ],
+)
+def test_narrow_block_doubt(theta, width, doubt):
+    """Clusters within ``2·tol·θ_max`` (here ``2e-8·4``) of at least ``b`` values
+    with smaller ones below, or fewer pairs than asked for; any narrow block's
+    pairs accepted at a rounding floor."""
+    theta = torch.tensor(sorted(theta), dtype=torch.float64)
+    top_k = 3 if doubt == "ran out" else theta.numel()
+    report = SolverReport("iterative", "iterative", 0.0, 1e-8, True, 1, 1)
+    report = dataclasses.replace(report, requested_tolerance=1e-8)
+    found = iterative.narrow_block_doubt(theta, report, width, top_k)
+    assert found is None if doubt is None else doubt in found
+    floor = dataclasses.replace(report, tolerance=2e-8)  # accepted at 2ρ > tol
+    found = iterative.narrow_block_doubt(theta, floor, width, top_k)
+    assert (found is None) == (width >= top_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -8,7 +8,11 @@ from torch import nn
 from benchmarks.problems import PROBLEMS
 from vivit.errors import ProductsTooLargeError
 from vivit.linalg.iterative import basis_capacity, minimum_capacity
-from vivit.linalg.top_k import iterative_workspace_bytes
+from vivit.linalg.top_k import (
+    fitting_basis_columns,
+    iterative_workspace_bytes,
+    solver_block_size,
+)
 from vivit.memory import estimate as estimate_module
 from vivit.memory.estimate import (
     ESTIMATE_FACTOR,
@@ -38,16 +42,20 @@ def test_the_estimate_states_the_basis_that_fits(monkeypatch, top_k):
     model, X = _mlp(), torch.randn(8, 300)
     groups, options = [list(model.parameters())], CurvatureOptions()
     size = sum(p.numel() for p in groups[0])
-    full = basis_capacity(top_k, size)
-    least = minimum_capacity(top_k, top_k, size)
+    width = solver_block_size("implicit", top_k, size)
+    full = basis_capacity(width, size)
+    least = minimum_capacity(top_k, width, size)
     _available(monkeypatch, 2**50)
     default = implicit_estimate(model, X, groups, options, top_k)
     assert default.basis_columns == default.default_columns == full
-    assert default.krylov == iterative_workspace_bytes(size, top_k, torch.float32, 0)
     products = default.activations + default.products
 
-    def workspace(columns):
-        return iterative_workspace_bytes(size, top_k, torch.float32, 0, columns)
+    def workspace(columns=None):
+        return iterative_workspace_bytes(
+            size, top_k, torch.float32, 0, columns, "implicit"
+        )
+
+    assert default.krylov == workspace()
 
     middle = (least + full) // 2
     for available, columns in [
@@ -72,10 +80,11 @@ def test_the_estimate_states_the_basis_that_fits(monkeypatch, top_k):
 
 def test_gpt2_with_the_full_vocabulary_fits_into_24_gib(monkeypatch):
     """``gpt2-4l-128-v50257`` (``benchmarks/problems.py``, ``N = 8``, top 10):
-    the default basis of 210 columns of ``D = 7.23 M`` made the estimate 37.8 GiB,
-    refused on a 24 GiB machine although the solve ran in 8.3 GB using 30–40
-    columns; cut to what 24 GiB allow, it fits with room for more than 100
-    columns. Shapes only: no product runs."""
+    the basis of blocks of ``k = 10`` (210 columns of ``D = 7.23 M``) made the
+    estimate 37.8 GiB, refused on a 24 GiB machine although the solve ran in
+    8.3 GB using 30–40 columns; cut to what 24 GiB allow, it fits with room for
+    more than 100 columns; the narrow blocks' default basis of 64 columns fits
+    uncut. Shapes only: no product runs."""
     problem = PROBLEMS["gpt2-4l-128-v50257"]
     torch.manual_seed(0)
     model = problem.build()
@@ -84,9 +93,11 @@ def test_gpt2_with_the_full_vocabulary_fits_into_24_gib(monkeypatch):
     size = sum(p.numel() for p in groups[0])
     _available(monkeypatch, 24 * GIB)
     estimate = implicit_estimate(model, X, groups, CurvatureOptions(), 10)
-    uncut = estimate.total - estimate.krylov
-    uncut += iterative_workspace_bytes(size, 10, torch.float32, 0)
-    assert uncut > ESTIMATE_FACTOR * 24 * GIB  # refused before
+    assert estimate.basis_columns == estimate.default_columns == 64
     assert estimate.total <= 24 * GIB
-    assert 100 < estimate.basis_columns < estimate.default_columns == 210
     check_implicit_fits(estimate, CPU)
+    wide = estimate.total - estimate.krylov
+    uncut = wide + iterative_workspace_bytes(size, 10, torch.float32, 0)
+    assert uncut > ESTIMATE_FACTOR * 24 * GIB  # blocks of k: refused uncut
+    cut = fitting_basis_columns(size, 10, torch.float32, 24 * GIB - wide, 0)
+    assert 100 < cut < 210

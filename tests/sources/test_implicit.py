@@ -86,6 +86,43 @@ def test_eigenpairs_match_dense(name):
     assert report.tolerance == report.requested_tolerance  # no rounding floor
 
 
+@pytest.mark.parametrize("name", list(PROBLEMS))
+def test_narrow_blocks_match_dense(name):
+    """Top 8 in blocks of 3 (``IMPLICIT_BLOCK``): every problem's spectrum is
+    certain without a wider block (``docs/math.rst``, "Narrow blocks")."""
+    s = PROBLEMS[name].setup()
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    evals, evecs = ggn.eigh(top_k=8)
+    report = ggn.solver_report()
+    assert report.block_size == 3 and report.widened is None
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
+    nc = ggn._source.group(0).num_rows
+    assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
+    """A linear layer under MSE: ``G = c Σ x̃ x̃ᵀ ⊗ I₃``, every eigenvalue three
+    times. Blocks of 3 see clusters of 3 above smaller eigenvalues, so the top 7
+    are solved again with ``b = 7`` and match the reference."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    X = torch.randn(6, 4, dtype=torch.float64, generator=generator)
+    y = torch.randn(6, 3, dtype=torch.float64, generator=generator)
+    loss_func = nn.MSELoss(reduction=reduction)
+    ggn = LowRankGGN(model, loss_func, (X, y), solver="implicit")
+    G = dense_ggn(model, loss_func, X, y)
+    evals, evecs = ggn.eigh(top_k=7)
+    report = ggn.solver_report()
+    assert report.block_size == 7 and "3 Ritz values" in report.widened
+    reference = torch.linalg.eigvalsh(G)
+    triples = reference[-6:].view(2, 3)  # the two leading eigenvalues, 3 copies
+    assert (triples - triples[:, :1]).abs().max() <= 1e-12 * reference[-1]
+    assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float64])
+    assert_eigenpairs(evals, evecs, G, ggn._source.group(0).num_rows, report.tolerance)
+
+
 @pytest.mark.parametrize("name", ["lstm-ce-mean", "lstm-ce-sum", "twice-bce-sum"])
 @pytest.mark.parametrize("subsampling", [None, [2, 0]])
 def test_directional_and_newton_match_gram_route(name, subsampling):

@@ -51,6 +51,7 @@ the products").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
@@ -91,6 +92,10 @@ ROUNDING_FACTOR = 2.0
 #: projection, two of a block's six passes over the basis, is skipped (on the
 #: char-LSTM most blocks have ``κ ≤ 50``; GPT-2's steep spectra ``κ ≥ 10²``).
 SINGLE_SVQB_CONDITION = 100.0
+#: Two Ritz values closer than this multiple of the accepted residual bound
+#: (relative to ``θ_max``) may approximate one eigenvalue: each lies within the
+#: bound of an eigenvalue, so copies of a multiple one lie within twice of it.
+CLUSTER_FACTOR = 2.0
 #: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
 SEEDS = (-(2**63), 2**64)
 
@@ -136,6 +141,10 @@ class SolverReport:
         basis_columns: Columns of a cycle's Krylov basis (``None`` for dense).
         basis_cut: Why the basis holds fewer columns than its default, e.g.
             ``"basis cut to 96 of 210 columns by memory"``, or ``None``.
+        block_size: Block size ``b`` of the solve that returned the pairs
+            (``None`` for dense).
+        widened: Why a solve with a block narrower than ``top_k`` was run again
+            with ``b = top_k`` (:func:`narrow_block_doubt`), or ``None``.
     """
 
     solver: str
@@ -150,6 +159,8 @@ class SolverReport:
     requested_tolerance: float | None = None
     basis_columns: int | None = None
     basis_cut: str | None = None
+    block_size: int | None = None
+    widened: str | None = None
 
 
 def check_tolerance(tol: object, name: str = "tol") -> None:
@@ -213,7 +224,9 @@ def default_block_size(top_k: int, size: int) -> int:
     return min(size, top_k)
 
 
-def basis_capacity(width: int, size: int, depth: int | None = None) -> int:
+def basis_capacity(
+    width: int, size: int, depth: int | None = None, top_k: int = 0
+) -> int:
     """Columns ``m`` of one cycle's Krylov basis (at most ``size``).
 
     Args:
@@ -221,13 +234,16 @@ def basis_capacity(width: int, size: int, depth: int | None = None) -> int:
         size: Side length of the operator.
         depth: Krylov depth ``q``: ``m = b·(q+1)``; ``None``: :data:`DEPTH`, and at
             least :data:`MIN_BASIS` columns.
+        top_k: Leading eigenpairs asked for: the default basis holds at least
+            ``3·k`` columns (room for ``k`` new ones after a restart keeps
+            ``(m + k)/2``), which a block narrower than ``k`` needs.
 
     Returns:
         ``m``.
     """
     if depth is not None:
         return min(size, width * (depth + 1))
-    return min(size, max(width * (DEPTH + 1), MIN_BASIS))
+    return min(size, max(width * (DEPTH + 1), MIN_BASIS, 3 * top_k))
 
 
 def minimum_capacity(top_k: int, width: int, size: int) -> int:
@@ -307,6 +323,14 @@ def block_krylov_eigh(
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a symmetric positive semi-definite operator.
 
+    A block narrower than ``top_k`` needs fewer products (a Krylov space of
+    more, thinner blocks reaches a higher polynomial degree per product), but
+    holds at most ``b`` directions of a multiple eigenvalue: its pairs are
+    returned only where :func:`narrow_block_doubt` finds nothing that could hide
+    a missed copy, else the solve runs again with ``b = top_k`` (or the widest
+    block ``max_columns`` allows, itself certified; the report's ``widened``
+    says why, its ``products`` count every solve).
+
     Args:
         matmul: ``U ↦ A U`` for ``U`` of shape ``[size, b]`` in ``dtype``.
         size: Side length of ``A``.
@@ -317,7 +341,7 @@ def block_krylov_eigh(
         seed: Seed of the random start block.
         max_restarts: Cycles after the first before giving up.
         block_size: Block size ``b`` (default :func:`default_block_size`; at least
-            ``top_k``, at most ``size``).
+            1, at most ``size``; below ``top_k`` certified as above).
         depth: Krylov depth ``q`` per cycle (default: see :func:`basis_capacity`).
         max_columns: Most columns of the basis the memory allows (``None``: no
             limit). A basis cut below :func:`basis_capacity` to at least
@@ -337,7 +361,9 @@ def block_krylov_eigh(
     Raises:
         SolverNotConvergedError: If the residuals stay above ``tol`` (or the
             products' rounding floor, where that is larger), or the floor is at
-            least 1 (or above ``tol`` without ``rounding_floor``).
+            least 1 (or above ``tol`` without ``rounding_floor``), or a narrow
+            block's pairs are in doubt and ``max_columns`` leaves no room for a
+            wider block.
         InvalidArgumentError: If ``max_columns`` is below
             :func:`minimum_capacity`.
 
@@ -352,8 +378,125 @@ def block_krylov_eigh(
         raise InvalidArgumentError(f"depth must be at least 1, got {depth!r}.")
     top_k = min(top_k, size)
     width = default_block_size(top_k, size) if block_size is None else block_size
-    width = min(size, max(width, top_k))
-    capacity = basis_capacity(width, size, depth)
+    width = min(size, max(width, 1))
+
+    def solve(width: int) -> tuple[Tensor, Tensor, SolverReport]:
+        return _block_krylov(
+            matmul,
+            size,
+            top_k,
+            width,
+            dtype=dtype,
+            device=device,
+            tol=tol,
+            seed=seed,
+            max_restarts=max_restarts,
+            depth=depth,
+            max_columns=max_columns,
+            rounding_floor=rounding_floor,
+        )
+
+    theta, vectors, report = solve(width)
+    doubt = widened = narrow_block_doubt(theta, report, width, top_k)
+    products = report.products
+    while doubt is not None:
+        # the widest block whose smallest basis, top_k + 2·b columns, fits
+        fits_all = max_columns is None or max_columns >= size
+        wider = top_k if fits_all else (max_columns - top_k) // 2
+        if min(wider, top_k) <= width:
+            raise SolverNotConvergedError(
+                f"The block of {width} vectors cannot certify the top {top_k} "
+                f"eigenpairs ({doubt}), and the memory allows no wider block "
+                f"(max_columns={max_columns}): ask for fewer pairs, or free memory "
+                "for a larger Krylov basis."
+            )
+        width = min(wider, top_k)
+        theta, vectors, report = solve(width)
+        products += report.products
+        doubt = narrow_block_doubt(theta, report, width, top_k)
+    return (
+        theta,
+        vectors,
+        dataclasses.replace(report, products=products, widened=widened),
+    )
+
+
+def narrow_block_doubt(
+    theta: Tensor, report: SolverReport, width: int, top_k: int
+) -> str | None:
+    """Why a block narrower than ``top_k`` may have missed a leading eigenpair.
+
+    A block Krylov space ``span{X, A X, …}`` of block size ``b`` holds at most
+    ``b`` directions of any eigenspace: of an eigenvalue of multiplicity
+    ``m > b``, ``b`` copies converge together and the others are never seen
+    (in exact arithmetic). Copies lie within ``2·tol·θ_max`` of each other
+    (:data:`CLUSTER_FACTOR`), so a cluster of fewer than ``b`` such Ritz values
+    is a whole eigenspace. A cluster of ``b`` or more may not be, and matters
+    where smaller Ritz values follow it, which missed copies would displace;
+    so does a Krylov space exhausted before ``top_k`` directions. Pairs
+    accepted at the products' rounding floor (a tolerance above the one asked
+    for) resolve no cluster reliably: their bound against the exact operator
+    is the one measured for blocks of ``top_k`` (``docs/math.rst``, "The Gram
+    matrix and exact eigenpairs", "Narrow blocks").
+
+    Args:
+        theta: The Ritz values returned, ascending.
+        report: The solve's report (its ``tolerance``, relative to ``θ_max``).
+        width: Block size ``b`` of the solve.
+        top_k: Leading eigenpairs asked for.
+
+    Returns:
+        The reason, or ``None`` where the pairs are certain (always for
+        ``b ≥ top_k``).
+    """
+    if width >= top_k:
+        return None
+    if theta.numel() < top_k:
+        return (
+            f"its Krylov space ran out after {theta.numel()} directions: the "
+            "operator's rank is below the pairs asked for"
+        )
+    if report.tolerance > report.requested_tolerance:
+        return (
+            f"the pairs were accepted at the products' rounding floor "
+            f"{report.tolerance:.1e}, above the {report.requested_tolerance:.1e} "
+            "asked for"
+        )
+    scale = theta.abs().max().item()
+    close = (theta.diff() <= CLUSTER_FACTOR * report.tolerance * scale).tolist()
+    start = 0
+    for index, joined in enumerate([*close, False]):
+        if not joined:
+            size = index + 1 - start
+            if size >= width and start > 0:
+                values = theta[start : index + 1]
+                return (
+                    f"{size} Ritz values from {values.min().item():.6g} to "
+                    f"{values.max().item():.6g} agree within the residual bound, "
+                    f"as many as the block holds copies of one eigenvalue, and "
+                    "smaller ones follow"
+                )
+            start = index + 1
+    return None
+
+
+def _block_krylov(
+    matmul: Callable[[Tensor], Tensor],
+    size: int,
+    top_k: int,
+    width: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tol: float,
+    seed: int,
+    max_restarts: int,
+    depth: int | None,
+    max_columns: int | None,
+    rounding_floor: bool,
+) -> tuple[Tensor, Tensor, SolverReport]:
+    """One solve of :func:`block_krylov_eigh` with block size ``width``."""
+    capacity = basis_capacity(width, size, depth, top_k)
     cut = None
     cycles, stagnation = max_restarts + 1, STAGNATION_CYCLES
     if max_columns is not None and max_columns < capacity:
@@ -400,7 +543,9 @@ def block_krylov_eigh(
             new, residual_gram = krylov.expansion()
             fits = new is not None and new.shape[1] <= krylov.room
             residual = krylov.estimated_residual(theta, coefficients, residual_gram)
-            if residual <= limit or not fits:  # confirm, or the last chance
+            # a narrow block confirms once the basis holds top_k Ritz pairs
+            ready = residual <= limit and theta.numel() == top_k
+            if ready or not fits:  # confirm, or the last chance
                 ritz, stored_images = krylov.ritz_vectors(coefficients)
                 ritz_images = apply(ritz)
                 # the residual from fresh images, ρ from the same products
@@ -424,6 +569,7 @@ def block_krylov_eigh(
                         requested_tolerance=tol,
                         basis_columns=capacity,
                         basis_cut=cut,
+                        block_size=width,
                     )
                     return theta.to(dtype), ritz.to(dtype), report
             if not fits:

@@ -100,6 +100,14 @@ SOLVERS = ("auto", "dense", "iterative", "matrix_free", "implicit")
 #: Blocks the cost model expects an iterative solve to multiply: measured 6–17
 #: (``b = k`` and ``b = 2·k``, top-10 and top-1 on the benchmarks' MLPs and CNN).
 EXPECTED_BLOCKS = 15
+#: Block size of the implicit route's products (at most ``top_k``): thinner
+#: blocks reach the leading eigenpairs in fewer products (a higher Krylov degree
+#: per product), a vmapped product of ``b`` vectors costs a fixed overhead plus
+#: ``b`` times a vector's work. Top-10 in float32, one thread (CPU seconds of the
+#: solve, products): ``gpt2-2l-64-v128`` N = 4 b = 10: 0.94 s, 100; b = 3: 0.75 s,
+#: 61; ``gpt2-4l-128-v500`` N = 8: 17.8 s, 110; 10.4 s, 67; char-LSTM N = 32:
+#: 0.76 s, 110; 0.53 s, 61 (``benchmarks/README.md``, "Narrow blocks").
+IMPLICIT_BLOCK = 3
 #: Extra columns of the block of Gram products beyond ``top_k``
 #: (:func:`solver_block_size`).
 GRAM_OVERSAMPLING = 8
@@ -144,9 +152,11 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
     """Block size ``b`` of an iterative solver (at most ``R``).
 
-    ``"matrix_free"`` and ``"implicit"``: ``b = k`` (a product costs the same
-    per vector at any block width, so the fewest products win:
-    :func:`~vivit.linalg.iterative.default_block_size`). ``"iterative"``:
+    ``"implicit"``: ``b = min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
+    :func:`~vivit.linalg.iterative.narrow_block_doubt` (a cluster that could hide
+    a copy of a multiple eigenvalue is solved again with ``b = k``).
+    ``"matrix_free"``: ``b = k`` (:func:`~vivit.linalg.iterative.
+    default_block_size`). ``"iterative"``:
     ``b = max(2·k, k + GRAM_OVERSAMPLING)``: a product with a Gram matrix larger
     than the cache costs a pass over it, so wider blocks (fewer passes) win
     although they need more products.
@@ -159,7 +169,9 @@ def solver_block_size(solver: str, top_k: int, size: int) -> int:
     Returns:
         ``b``.
     """
-    if solver in ("matrix_free", "implicit"):
+    if solver == "implicit":
+        return min(size, top_k, IMPLICIT_BLOCK)
+    if solver == "matrix_free":
         return default_block_size(top_k, size)
     return min(size, max(2 * top_k, top_k + GRAM_OVERSAMPLING))
 
@@ -170,6 +182,7 @@ def iterative_workspace_bytes(
     dtype: torch.dtype,
     params: int | None = None,
     columns: int | None = None,
+    solver: str | None = None,
 ) -> int:
     """Memory of the iterative solvers besides the Gram matrix.
 
@@ -183,24 +196,30 @@ def iterative_workspace_bytes(
         columns: Columns ``m`` of the basis (``None``: its default,
             :func:`~vivit.linalg.iterative.basis_capacity`; a basis cut by
             memory: :func:`fitting_basis_columns`).
+        solver: ``"iterative"``, ``"matrix_free"`` or ``"implicit"`` (``None``:
+            ``"iterative"`` without ``params``, else ``"matrix_free"``); its
+            block size :func:`solver_block_size`.
 
     Returns:
         Bytes: the float64 basis and its image (``m`` columns each), their
         projection (``m × m``), the Ritz vectors a restart keeps and their images
         (:func:`~vivit.linalg.iterative.restart_size` each), Ritz vectors and
-        their images and the block in the products' dtype (``b`` each).
+        their images and the block in the products' dtype (``max(b, k)`` each:
+        a confirmation multiplies the ``k`` Ritz vectors at once).
     """
-    solver = "iterative" if params is None else "matrix_free"
+    if solver is None:
+        solver = "iterative" if params is None else "matrix_free"
     width = solver_block_size(solver, top_k, size)
+    wide = max(width, min(top_k, size))
     if columns is None:
-        columns = basis_capacity(width, size)
+        columns = basis_capacity(width, size, top_k=top_k)
     kept = restart_size(top_k, width, columns)
-    workspace = ((2 * columns + 2 * kept + 3 * width) * size + columns**2) * (
+    workspace = ((2 * columns + 2 * kept + 3 * wide) * size + columns**2) * (
         _KRYLOV_ITEMSIZE
     )
-    workspace += 2 * width * size * itemsize(dtype)
+    workspace += 2 * wide * size * itemsize(dtype)
     if params is not None:
-        workspace += 2 * width * params * itemsize(dtype)
+        workspace += 2 * wide * params * itemsize(dtype)
     return workspace
 
 
@@ -210,6 +229,7 @@ def fitting_basis_columns(
     dtype: torch.dtype,
     budget_bytes: float,
     params: int | None = None,
+    solver: str | None = None,
 ) -> int:
     """Columns ``m`` of the Krylov basis that the memory allows.
 
@@ -227,19 +247,23 @@ def fitting_basis_columns(
         budget_bytes: Memory the solver's workspace may take (what is available
             less the products' own memory).
         params: As for :func:`iterative_workspace_bytes`.
+        solver: As for :func:`iterative_workspace_bytes`.
 
     Returns:
         ``m``, for :func:`iterative_workspace_bytes` and the solver's
         ``max_columns``.
     """
-    solver = "iterative" if params is None else "matrix_free"
+    if solver is None:
+        solver = "iterative" if params is None else "matrix_free"
     width = solver_block_size(solver, top_k, size)
     top_k = min(top_k, size)
     low = minimum_capacity(top_k, width, size)  # returned where nothing fits
-    high = max(low, basis_capacity(width, size))
+    high = max(low, basis_capacity(width, size, top_k=top_k))
     while low < high:  # the workspace grows with m: the largest m that fits
         middle = (low + high + 1) // 2
-        workspace = iterative_workspace_bytes(size, top_k, dtype, params, middle)
+        workspace = iterative_workspace_bytes(
+            size, top_k, dtype, params, middle, solver
+        )
         if workspace <= budget_bytes:
             low = middle
         else:

@@ -292,12 +292,15 @@ class ImplicitEstimate:
 
     Attributes:
         activations: The forward graph of one block of samples (the VJP's).
-        products: The vmapped passes' ``b`` tangents and cotangents of every
-            activation, and the block's parameter-space vectors and images.
+        products: The vmapped passes' tangents and cotangents of every
+            activation for ``k`` vectors (a confirmation's), and the block's
+            parameter-space vectors and images.
         krylov: The iterative solver's workspace in parameter space: the
             float64 Krylov basis and its images, ``m`` columns each, a
             restart's Ritz vectors, the block and its image.
-        block_width: Vectors ``b`` per product (``top_k``).
+        block_width: Vectors ``b`` per product of the Krylov iteration
+            (:func:`~vivit.linalg.top_k.solver_block_size`; confirmations
+            multiply ``k``).
         num_params: Side length ``D`` of the operator.
         basis_columns: Columns ``m`` of the basis that will run: the default
             (:func:`~vivit.linalg.iterative.basis_capacity`) or fewer where the
@@ -329,11 +332,13 @@ def implicit_estimate(
 ) -> ImplicitEstimate | None:
     """The estimate of ``solver="implicit"`` on one mini-batch, from a one-sample probe.
 
-    A product of ``b = top_k`` vectors (:func:`~vivit.linalg.top_k.solver_block_size`)
-    runs over blocks of ``B`` samples (``chunk_size``, else the batch): the VJP's
-    forward graph, ``B·w`` entries with ``w`` the activation entries per sample,
-    and the vmapped backward pass's ``b`` cotangents of them, ``b·B·w`` (the
-    JVP's tangents are freed layer by layer); the iterative solver's workspace in
+    A product of at most ``k = top_k`` vectors (blocks of ``b``,
+    :func:`~vivit.linalg.top_k.solver_block_size`; a confirmation multiplies
+    the ``k`` Ritz vectors at once) runs over blocks of ``B`` samples
+    (``chunk_size``, else the batch): the VJP's forward graph, ``B·w`` entries
+    with ``w`` the activation entries per sample, and the vmapped backward
+    pass's ``k`` cotangents of them, ``k·B·w`` (the JVP's tangents are freed
+    layer by layer); the iterative solver's workspace in
     the largest group's parameter space (:func:`~vivit.linalg.top_k.
     iterative_workspace_bytes`: the float64 basis and its images, ``m`` columns
     each, the Ritz vectors a restart keeps, the block and its image;
@@ -376,19 +381,19 @@ def implicit_estimate(
     dtype = param_groups[0][0].dtype
     entry = itemsize(dtype)
     activations = block * width_per_sample * entry
-    products = width * block * width_per_sample * entry
-    # the solver's basis, restart and blocks of b = k columns in D-space
-    # (params=0: no V-products besides), its basis cut to what is left
+    products = min(top_k, size) * block * width_per_sample * entry
+    # the solver's basis, restart and blocks in D-space (params=0: no
+    # V-products besides), its basis cut to what is left
     budget = available_bytes(param_groups[0][0].device) - activations - products
-    columns = fitting_basis_columns(size, top_k, dtype, budget, 0)
+    columns = fitting_basis_columns(size, top_k, dtype, budget, 0, "implicit")
     return ImplicitEstimate(
         activations=activations,
         products=products,
-        krylov=iterative_workspace_bytes(size, top_k, dtype, 0, columns),
+        krylov=iterative_workspace_bytes(size, top_k, dtype, 0, columns, "implicit"),
         block_width=width,
         num_params=size,
         basis_columns=columns,
-        default_columns=basis_capacity(width, size),
+        default_columns=basis_capacity(width, size, top_k=top_k),
     )
 
 
