@@ -55,7 +55,8 @@ class LossHessianProducts:
         self._scale = structure.scale.to(device=output.device, dtype=output.dtype)
         if self._kind == "ce":
             self._probs = output.softmax(1)
-            self._scale = self._scale.unsqueeze(1)  # [N, 1, *T] over the classes
+            # c_np·p, [N, C, *T]: one factor for the product's last step
+            self._scale = self._scale.unsqueeze(1) * self._probs
         elif self._kind == "bce":
             sigma = output.sigmoid()
             self._scale = self._scale * sigma * (1 - sigma)
@@ -70,9 +71,12 @@ class LossHessianProducts:
             ``[K, N, *out]``.
         """
         if self._kind == "ce":
-            probs = self._probs
-            projected = (probs * tangents).sum(2, keepdim=True)
-            return self._scale * probs * (tangents - projected)
+            # one temporary of the tangents' shape, reused in place (each new
+            # one of a vocabulary's size costs its first touch of memory)
+            product = self._probs * tangents
+            projected = product.sum(2, keepdim=True)
+            torch.sub(tangents, projected, out=product)
+            return product.mul_(self._scale)
         return self._scale * tangents
 
     def output_gradients(self) -> Tensor:

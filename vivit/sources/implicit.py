@@ -28,7 +28,6 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import (
     check_batch,
-    check_finite,
     check_grad_mode,
     check_inputs_match,
     check_subsampling,
@@ -87,8 +86,10 @@ class ImplicitBlock:
 
         Returns:
             ``H_n u`` and ``∂ℓ_n/∂f_n`` of the samples.
+
+        Raises:
+            NonFiniteError: If the output has NaN or infinite entries.
         """
-        check_finite(output, "model output")
         return LossHessianProducts(self.loss_func, output, self.targets)
 
 
