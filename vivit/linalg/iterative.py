@@ -532,7 +532,8 @@ def _block_krylov(
     rounding = None  # the products' rounding ρ at the latest confirmation
     limit = tol
     for cycle in range(1, cycles + 1):
-        krylov = _KrylovBasis(block, apply(block) if image is None else image, capacity)
+        image = apply(block) if image is None else image
+        krylov = _KrylovBasis(block, image, capacity, _image_dtype(dtype))
         block = image = None  # copied into the basis
         if following is not None:  # thick restart: go on from the last remainder
             krylov.append(following, apply(following))
@@ -600,6 +601,11 @@ def _block_krylov(
     )
 
 
+def _image_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type the basis' images are kept in: the products', at least float32."""
+    return torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
+
+
 def _unreached(
     tol: float, limit: float, rounding: float | None, rounding_floor: bool
 ) -> str:
@@ -660,21 +666,28 @@ class _KrylovBasis:
     multiplied), so Rayleigh-Ritz after every block costs ``O(m·b·R)`` besides a
     small ``m × m`` eigendecomposition.
 
+    The basis is float64; the images are kept in the products' type (``dtype``,
+    at least float32): a float32 product's image is exact in float32, and
+    images combined in float64 (a restart's) round at ``ε`` of the products'
+    type, below the products' own rounding.
+
     Args:
         block: Orthonormal start block ``X``, ``[R, b]``.
         image: ``A X``.
         capacity: Most columns the basis may hold.
+        dtype: Data type of the products.
     """
 
-    def __init__(self, block: Tensor, image: Tensor, capacity: int):
+    def __init__(self, block: Tensor, image: Tensor, capacity: int, dtype: torch.dtype):
         size = block.shape[0]
         # Q and A Q stored transposed, one basis vector per row: a new block
         # writes (and first touches) only its own rows, and Q[:, :m] is contiguous
         self._basis_rows = block.new_empty(capacity, size)
-        self._image_rows = block.new_empty(capacity, size)
+        self._image_rows = block.new_empty(capacity, size, dtype=dtype)
         self._projected = block.new_empty(capacity, capacity)
         self._filled = 0
         self._last = slice(0, 0)
+        self._last_image = image
         self.append(block, image)
 
     def append(self, block: Tensor, image: Tensor) -> None:
@@ -687,7 +700,7 @@ class _KrylovBasis:
         new = slice(self._filled, self._filled + block.shape[1])
         self._basis_rows[new] = block.T
         self._image_rows[new] = image.T
-        self._filled, self._last = new.stop, new
+        self._filled, self._last, self._last_image = new.stop, new, image
         coupling = self._basis_rows[: new.stop] @ image
         self._projected[: new.stop, new] = coupling
         self._projected[new, : new.stop] = coupling.T
@@ -712,9 +725,8 @@ class _KrylovBasis:
             invariant subspace), which may not fit into the basis, and ``Rᵀ R``.
         """
         basis = self._basis_rows[: self._filled].T
-        image = self._image_rows[self._last].T
         coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
-        new, residual_gram = _orthonormalize(basis, image, coupling)
+        new, residual_gram = _orthonormalize(basis, self._last_image, coupling)
         return (new if new.shape[1] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -762,7 +774,8 @@ class _KrylovBasis:
         """
         m = self._filled
         basis, images = self._basis_rows[:m], self._image_rows[:m]
-        return basis.T @ coefficients, images.T @ coefficients
+        combined = images.T @ coefficients.to(images.dtype)
+        return basis.T @ coefficients, combined.to(torch.float64)
 
 
 def _orthonormalize(

@@ -201,8 +201,8 @@ def iterative_workspace_bytes(
             block size :func:`solver_block_size`.
 
     Returns:
-        Bytes: the float64 basis and its image (``m`` columns each), their
-        projection (``m × m``), the Ritz vectors a restart keeps and their images
+        Bytes: the float64 basis and its image in the products' type (``m``
+        columns each), their projection (``m × m``), the Ritz vectors a restart keeps and their images
         (:func:`~vivit.linalg.iterative.restart_size` each), Ritz vectors and
         their images and the block in the products' dtype (``max(b, k)`` each:
         a confirmation multiplies the ``k`` Ritz vectors at once).
@@ -214,9 +214,10 @@ def iterative_workspace_bytes(
     if columns is None:
         columns = basis_capacity(width, size, top_k=top_k)
     kept = restart_size(top_k, width, columns)
-    workspace = ((2 * columns + 2 * kept + 3 * wide) * size + columns**2) * (
+    workspace = ((columns + 2 * kept + 3 * wide) * size + columns**2) * (
         _KRYLOV_ITEMSIZE
     )
+    workspace += columns * size * max(itemsize(dtype), 4)  # the images
     workspace += 2 * wide * size * itemsize(dtype)
     if params is not None:
         workspace += 2 * wide * params * itemsize(dtype)
