@@ -35,6 +35,7 @@ from vivit import (
     RoundingFloorWarning,
     StreamingGGN,
 )
+from vivit.engines.func import implicit as implicit_products
 from vivit.errors import (
     InvalidArgumentError,
     ModelChangedError,
@@ -143,6 +144,31 @@ def test_directional_and_newton_match_gram_route(name, subsampling):
     )
     for a, b in zip(implicit.gradient(), gram.gradient(), strict=True):
         assert_rel(a, b, REORDERED_REL)
+
+
+@pytest.mark.parametrize("name", ["lstm-ce-mean", "causal-lm-ce-sum"])
+def test_passes_of_fewer_vectors_match_dense(monkeypatch, name):
+    """Where one vector's tangents fill :data:`PASS_BYTES` (here 1 byte), every
+    product and γ/λ pass takes one vector at a time; the results equal the
+    reference and the Gram route, and the estimate counts one vector's
+    tangents."""
+    monkeypatch.setattr(implicit_products, "PASS_BYTES", 1)
+    s = PROBLEMS[name].setup()
+    data = (s.inputs, s.targets)
+    implicit = LowRankGGN(s.model, s.loss_func, data, solver="implicit")
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    v = torch.randn(G.shape[0], 4, dtype=G.dtype, generator=torch.Generator())
+    _assert_product(implicit.operator().matvec(v), G, v)
+    gram = LowRankGGN(s.model, s.loss_func, data)
+    ours, theirs = implicit.newton(top_k=TOP_K), gram.newton(top_k=TOP_K)
+    assert_rel(ours.directional.evals, theirs.directional.evals)
+    assert_rel(ours.directional.lambdas, theirs.directional.lambdas)
+    gammas = theirs.directional.gammas
+    assert_rel(align_signs(ours.directional.gammas, gammas), gammas)
+    groups = [list(s.model.parameters())]
+    options = CurvatureOptions()
+    estimate = implicit_estimate(s.model, s.inputs, groups, options, TOP_K)
+    assert estimate.products == estimate.activations  # one vector per pass
 
 
 @pytest.mark.parametrize("name", ["lstm-ce-mean", "groupnorm-bce-mean"])

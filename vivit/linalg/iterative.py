@@ -96,6 +96,9 @@ SINGLE_SVQB_CONDITION = 100.0
 #: (relative to ``θ_max``) may approximate one eigenvalue: each lies within the
 #: bound of an eigenvalue, so copies of a multiple one lie within twice of it.
 CLUSTER_FACTOR = 2.0
+#: Rows of the chunks in which a confirmation compares its columns (their
+#: temporaries stay in the cache, not of the operator's side length).
+NORM_ROWS = 2**16
 #: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
 SEEDS = (-(2**63), 2**64)
 
@@ -521,11 +524,13 @@ def _block_krylov(
     products = 0
     history: list[float] = []
 
-    def apply(vectors: Tensor) -> Tensor:
+    def apply(vectors: Tensor, widen: bool = True) -> Tensor:
         nonlocal products
         products += vectors.shape[1]
-        # row-major [size, b] (one copy): the passes over the basis read it faster
         images = matmul(vectors.to(dtype))
+        if not widen:  # a confirmation's: read once, in chunks
+            return images
+        # row-major [size, b] (one copy): the passes over the basis read it faster
         return images.to(torch.float64, memory_format=torch.contiguous_format)
 
     following = None
@@ -547,11 +552,12 @@ def _block_krylov(
             # a narrow block confirms once the basis holds top_k Ritz pairs
             ready = residual <= limit and theta.numel() == top_k
             if ready or not fits:  # confirm, or the last chance
-                ritz, stored_images = krylov.ritz_vectors(coefficients)
-                ritz_images = apply(ritz)
+                ritz, stored_images = krylov.ritz_vectors(coefficients, widen=False)
+                ritz_images = apply(ritz, widen=False)
                 # the residual from fresh images, ρ from the same products
-                residual = _relative_norm(theta, ritz_images - ritz * theta)
-                rounding = _relative_norm(theta, ritz_images - stored_images)
+                residual = _relative_norm(theta, ritz_images, ritz, theta)
+                rounding = _relative_norm(theta, ritz_images, stored_images)
+                del stored_images
                 limit = max(tol, ROUNDING_FACTOR * rounding)
                 if limit >= 1 or (limit > tol and not rounding_floor):
                     break  # pairs within the floor resolve nothing, or are refused
@@ -645,18 +651,35 @@ def _warn_rounding_floor(
     )
 
 
-def _relative_norm(theta: Tensor, columns: Tensor) -> float:
-    """``max_i ‖c_i‖ / max |θ|``: the largest column relative to the top Ritz value.
+def _relative_norm(
+    theta: Tensor, first: Tensor, second: Tensor, scales: Tensor | None = None
+) -> float:
+    """``max_i ‖a_i − s_i b_i‖ / max |θ|``, relative to the top Ritz value.
+
+    In float64 and in chunks of rows: a confirmation compares ``k`` columns of
+    the operator's side (``D`` entries each on the implicit route), and a
+    temporary of their size would be the solve's largest.
 
     Args:
         theta: Ritz values.
-        columns: ``c_i``, e.g. residuals ``A u − θ u``.
+        first: Columns ``a_i``, e.g. fresh images ``A u_i``.
+        second: Columns ``b_i``, e.g. the Ritz vectors ``u_i``.
+        scales: ``s_i``, e.g. ``θ_i`` for residuals (``None``: 1).
 
     Returns:
         The ratio (``0`` if every Ritz value is zero).
     """
     scale = theta.abs().max().item()
-    return columns.norm(dim=0).max().item() / scale if scale > 0 else 0.0
+    if scale == 0:
+        return 0.0
+    squares = first.new_zeros(first.shape[1], dtype=torch.float64)
+    for start in range(0, first.shape[0], NORM_ROWS):
+        rows = slice(start, start + NORM_ROWS)
+        part = second[rows].to(torch.float64)
+        if scales is not None:
+            part = part * scales
+        squares += (first[rows].to(torch.float64) - part).square().sum(0)
+    return squares.max().sqrt().item() / scale
 
 
 class _KrylovBasis:
@@ -763,11 +786,15 @@ class _KrylovBasis:
         squares = ((residual_gram @ last) * last).sum(dim=0).clamp(min=0)
         return squares.max().sqrt().item() / scale if scale > 0 else 0.0
 
-    def ritz_vectors(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
+    def ritz_vectors(
+        self, coefficients: Tensor, widen: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """Ritz vectors ``Q s`` and their images ``A Q s``.
 
         Args:
             coefficients: ``s``, ``[m, c]``.
+            widen: Whether the images are returned in float64 (else in the
+                type they are kept in).
 
         Returns:
             Both ``[R, c]``.
@@ -775,7 +802,9 @@ class _KrylovBasis:
         m = self._filled
         basis, images = self._basis_rows[:m], self._image_rows[:m]
         combined = images.T @ coefficients.to(images.dtype)
-        return basis.T @ coefficients, combined.to(torch.float64)
+        if widen:
+            combined = combined.to(torch.float64)
+        return basis.T @ coefficients, combined
 
 
 def _orthonormalize(

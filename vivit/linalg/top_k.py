@@ -202,10 +202,11 @@ def iterative_workspace_bytes(
 
     Returns:
         Bytes: the float64 basis and its image in the products' type (``m``
-        columns each), their projection (``m × m``), the Ritz vectors a restart keeps and their images
-        (:func:`~vivit.linalg.iterative.restart_size` each), Ritz vectors and
-        their images and the block in the products' dtype (``max(b, k)`` each:
-        a confirmation multiplies the ``k`` Ritz vectors at once).
+        columns each), their projection (``m × m``), the Ritz vectors a restart
+        keeps and their images (:func:`~vivit.linalg.iterative.restart_size`
+        each), a block with its image and the next (``max(b, k)`` each, in
+        float64: a confirmation multiplies the ``k`` Ritz vectors at once) and
+        two blocks in the products' dtype.
     """
     if solver is None:
         solver = "iterative" if params is None else "matrix_free"

@@ -62,6 +62,7 @@ from vivit._validation import (
 )
 from vivit.engines.base import Engine
 from vivit.engines.choice import resolve_engine
+from vivit.engines.func.implicit import pass_width
 from vivit.errors import (
     FactorsTooLargeError,
     InvalidArgumentError,
@@ -293,8 +294,9 @@ class ImplicitEstimate:
     Attributes:
         activations: The forward graph of one block of samples (the VJP's).
         products: The vmapped passes' tangents and cotangents of every
-            activation for ``k`` vectors (a confirmation's), and the block's
-            parameter-space vectors and images.
+            activation for the vectors of one pass (a confirmation's ``k``, or
+            as many as :func:`~vivit.engines.func.implicit.pass_width` allows),
+            and the block's parameter-space vectors and images.
         krylov: The iterative solver's workspace in parameter space: the
             float64 Krylov basis and its images, ``m`` columns each, a
             restart's Ritz vectors, the block and its image.
@@ -334,11 +336,13 @@ def implicit_estimate(
 
     A product of at most ``k = top_k`` vectors (blocks of ``b``,
     :func:`~vivit.linalg.top_k.solver_block_size`; a confirmation multiplies
-    the ``k`` Ritz vectors at once) runs over blocks of ``B`` samples
-    (``chunk_size``, else the batch): the VJP's forward graph, ``B·w`` entries
-    with ``w`` the activation entries per sample, and the vmapped backward
-    pass's ``k`` cotangents of them, ``k·B·w`` (the JVP's tangents are freed
-    layer by layer); the iterative solver's workspace in
+    the ``k`` Ritz vectors) runs over blocks of ``B`` samples (``chunk_size``,
+    else the batch): the VJP's forward graph, ``B·w`` entries with ``w`` the
+    activation entries per sample (:func:`implicit_vector_bytes`), and the
+    vmapped backward pass's cotangents of them for the vectors of one pass,
+    ``p·B·w`` (``p`` of :func:`~vivit.engines.func.implicit.pass_width`, at most
+    ``k``; the JVP's tangents are freed layer by layer); the iterative solver's
+    workspace in
     the largest group's parameter space (:func:`~vivit.linalg.top_k.
     iterative_workspace_bytes`: the float64 basis and its images, ``m`` columns
     each, the Ritz vectors a restart keeps, the block and its image;
@@ -358,8 +362,53 @@ def implicit_estimate(
         The estimate, or ``None`` where the model cannot be probed (the logger
         ``"vivit"`` says why, level INFO).
     """
+    vector_bytes = implicit_vector_bytes(model, inputs, param_groups, options)
+    if vector_bytes is None:
+        return None
+    size = max(sum(p.numel() for p in group) for group in param_groups)
+    width = solver_block_size("implicit", top_k, size)
+    dtype = param_groups[0][0].dtype
+    activations = vector_bytes
+    products = pass_width(min(top_k, size), vector_bytes) * vector_bytes
+    # the solver's basis, restart and blocks in D-space (params=0: no
+    # V-products besides), its basis cut to what is left
+    budget = available_bytes(param_groups[0][0].device) - activations - products
+    columns = fitting_basis_columns(size, top_k, dtype, budget, 0, "implicit")
+    return ImplicitEstimate(
+        activations=activations,
+        products=products,
+        krylov=iterative_workspace_bytes(size, top_k, dtype, 0, columns, "implicit"),
+        block_width=width,
+        num_params=size,
+        basis_columns=columns,
+        default_columns=basis_capacity(width, size, top_k=top_k),
+    )
+
+
+def implicit_vector_bytes(
+    model: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+) -> int | None:
+    """Bytes of one vector's tangents in a pass of the implicit route.
+
+    ``B·w`` entries of the parameters' type: ``w`` the activation entries per
+    sample (a one-sample probe), ``B`` the samples of a block (``chunk_size``,
+    else the batch); the same as the pass's forward graph.
+
+    Args:
+        model: The network.
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        param_groups: The checked parameter groups.
+        options: The checked options.
+
+    Returns:
+        The bytes, or ``None`` where the model cannot be probed (the logger
+        ``"vivit"`` says why, level INFO).
+    """
     try:
-        layers, outputs_per_sample, _ = probe(
+        _, outputs_per_sample, _ = probe(
             model, take_samples(inputs, slice(1)), options.output
         )
         params = [p for group in param_groups for p in group]
@@ -376,25 +425,7 @@ def implicit_estimate(
         return None
     width_per_sample = max(outputs_per_sample, function_outputs)
     block = min(options.chunk_size or num_samples(inputs), num_samples(inputs))
-    size = max(sum(p.numel() for p in group) for group in param_groups)
-    width = solver_block_size("implicit", top_k, size)
-    dtype = param_groups[0][0].dtype
-    entry = itemsize(dtype)
-    activations = block * width_per_sample * entry
-    products = min(top_k, size) * block * width_per_sample * entry
-    # the solver's basis, restart and blocks in D-space (params=0: no
-    # V-products besides), its basis cut to what is left
-    budget = available_bytes(param_groups[0][0].device) - activations - products
-    columns = fitting_basis_columns(size, top_k, dtype, budget, 0, "implicit")
-    return ImplicitEstimate(
-        activations=activations,
-        products=products,
-        krylov=iterative_workspace_bytes(size, top_k, dtype, 0, columns, "implicit"),
-        block_width=width,
-        num_params=size,
-        basis_columns=columns,
-        default_columns=basis_capacity(width, size, top_k=top_k),
-    )
+    return block * width_per_sample * itemsize(param_groups[0][0].dtype)
 
 
 def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> None:

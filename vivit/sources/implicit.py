@@ -34,11 +34,15 @@ from vivit._validation import (
 )
 from vivit.distributed.layout import ExchangeReport, ShardLayout
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
-from vivit.engines.func.implicit import BlockFunction, check_modes_agree
+from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError, ModelChangedError
 from vivit.loss_hessians import LossHessianProducts
-from vivit.memory.estimate import check_implicit_fits, implicit_estimate
+from vivit.memory.estimate import (
+    check_implicit_fits,
+    implicit_estimate,
+    implicit_vector_bytes,
+)
 from vivit.model_inputs import ModelInputs, call_model, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
@@ -149,6 +153,9 @@ class ImplicitGroup:
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
         """``G v = R_S Σ_{n∈S} J_nᵀ H_n J_n v``: one pass over the data.
 
+        Each block of samples takes the vectors in vmapped passes of at most
+        :func:`~vivit.engines.func.implicit.pass_width` of them.
+
         Args:
             vectors: One tensor ``[K, *p.shape]`` per parameter.
 
@@ -158,11 +165,17 @@ class ImplicitGroup:
         factor = self.batch.ggn_reduction_factor
         result: list[Tensor] = []
         for block, function in self._source.run_pass(self.index, "G·v"):
-            output, tangents = function.jvp(vectors)
-            mask = block.ggn_mask.to(output.dtype)
-            weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
-            curvature = block.hessian(output).hessian_matmul(tangents)
-            products = function.vjp(curvature * weights)
+            hessian = weights = None
+            parts = []
+            for chunk in self._source.vector_chunks(vectors):
+                output, tangents = function.jvp(chunk)
+                if hessian is None:  # the output of every chunk's primal pass
+                    hessian = block.hessian(output)
+                    mask = block.ggn_mask.to(output.dtype)
+                    weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
+                curvature = hessian.hessian_matmul(tangents)
+                parts.append(function.vjp(curvature * weights))
+            products = [torch.cat(part) for part in zip(*parts, strict=True)]
             if not result:
                 result = products
             else:
@@ -230,12 +243,18 @@ class ImplicitGroup:
         """
         gammas, lambdas = [], []
         for block, function in self._source.run_pass(self.index, "γ, λ"):
-            output, tangents = function.jvp(evecs)
-            hessian = block.hessian(output)
-            gradients = hessian.output_gradients()
-            curvature = hessian.hessian_matmul(tangents)
-            gammas.append((gradients * tangents).flatten(2).sum(2).T)
-            lambdas.append((tangents * curvature).flatten(2).sum(2).T)
+            hessian = gradients = None
+            block_gammas, block_lambdas = [], []
+            for chunk in self._source.vector_chunks(evecs):
+                output, tangents = function.jvp(chunk)
+                if hessian is None:
+                    hessian = block.hessian(output)
+                    gradients = hessian.output_gradients()
+                curvature = hessian.hessian_matmul(tangents)
+                block_gammas.append((gradients * tangents).flatten(2).sum(2).T)
+                block_lambdas.append((tangents * curvature).flatten(2).sum(2).T)
+            gammas.append(torch.cat(block_gammas, 1))
+            lambdas.append(torch.cat(block_lambdas, 1))
         samples = list(self.batch.ggn_samples)
         return torch.cat(gammas), torch.cat(lambdas)[samples]
 
@@ -339,7 +358,30 @@ class ImplicitFactors(CurvatureSource):
         self.passes = 0
         self._basis_columns: dict[int, int | None] = {}
         self._first_pass()
+        self._vector_bytes = (
+            implicit_vector_bytes(model, data[0][0], self.param_groups, options)
+            if self._single
+            else None
+        )
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
+
+    def vector_chunks(self, vectors: Sequence[Tensor]) -> Iterator[list[Tensor]]:
+        """The vectors of a product in the vmapped passes a block takes them in.
+
+        At most :func:`~vivit.engines.func.implicit.pass_width` vectors per
+        pass, from the bytes of one vector's tangents over the batch (a
+        loader's batches are not probed: one pass each).
+
+        Args:
+            vectors: One tensor ``[K, *p.shape]`` per parameter.
+
+        Yields:
+            The same, ``[K', *p.shape]`` with ``K' ≤ K``, in order.
+        """
+        count = vectors[0].shape[0]
+        width = pass_width(count, self._vector_bytes)
+        for start in range(0, count, width):
+            yield [v[start : start + width] for v in vectors]
 
     def check_fits(self, top_k: int) -> int | None:
         """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
