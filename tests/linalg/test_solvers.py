@@ -555,11 +555,11 @@ def test_orthonormalize_to_working_precision(monkeypatch, spread):
         "eigh",
         lambda gram, _eigh=torch.linalg.eigh: projections.append(1) or _eigh(gram),
     )
-    block, _ = iterative._orthonormalize(basis, 1e3 * inside + outside)
+    block, _ = iterative._orthonormalize(basis.T, (1e3 * inside + outside).T)
     bound = 100 * torch.finfo(torch.float64).eps
-    assert (basis.T @ block).abs().max() <= bound
-    identity = torch.eye(block.shape[1], dtype=torch.float64)
-    assert (block.T @ block - identity).abs().max() <= bound
+    assert (basis.T @ block.T).abs().max() <= bound  # one vector per row
+    identity = torch.eye(block.shape[0], dtype=torch.float64)
+    assert (block @ block.T - identity).abs().max() <= bound
     assert len(projections) == (1 if spread == 1.0 else 2)
 
 
