@@ -58,8 +58,8 @@ def test_implicit_estimate_against_measured_peak():
     products"): the measured peak never exceeds ESTIMATE_FACTOR times it (the
     refusal's side), and lies within the factor either way where the solver's
     basis holds most of its capacity; a solve that converges before filling it
-    touches fewer columns (chunked 3c3d: measured 0.56 of the estimate, at least
-    the products' activations and vectors). Measured 0.77–0.78 otherwise.
+    touches fewer columns (chunked 3c3d: measured 0.53 of the estimate, at least
+    the products' activations and vectors). Measured 0.75–0.76 otherwise.
 
     Under ``solver="auto"`` the estimate is that of the route the request takes
     (``estimate_memory``, ``estimate_data_set_memory``): the implicit one for a
