@@ -135,7 +135,7 @@ class MemoryEstimate:
         engine: The engine the estimate is for (``"auto"`` resolved).
         sample_work: Multiply-adds of the model's forward pass per sample in
             the requested parameters' layers (:func:`sample_work`), the unit of
-            the route's cost model (:mod:`vivit.sources.route`).
+            the route's cost model (:mod:`vivit.memory.route`).
         gram_work: Multiply-adds of forming every group's Gram matrix from the
             factors the request keeps (:func:`~vivit.linalg.top_k.gram_work`).
         reason: Why the request takes the Gram route (the route choice's

@@ -123,7 +123,12 @@ def estimate_memory(
     options = request_options(options, option_values)
     curvature = _curvature_samples(num_curvature_samples, options, batch_size)
     request = _Request.of(
-        model, example_inputs, loss_func, param_groups, options, top_k
+        model,
+        example_inputs,
+        options,
+        loss_func=loss_func,
+        param_groups=param_groups,
+        top_k=top_k,
     )
     return request.estimate(Blocks.of_batch(batch_size, curvature, options.chunk_size))
 
@@ -192,7 +197,12 @@ def estimate_data_set_memory(
             "none: estimate a loader over the samples whose curvature you want."
         )
     request = _Request.of(
-        model, example_inputs, loss_func, param_groups, options, top_k
+        model,
+        example_inputs,
+        options,
+        loss_func=loss_func,
+        param_groups=param_groups,
+        top_k=top_k,
     )
     return request.estimate(
         Blocks.of_loader(num_samples, batch_size, options.chunk_size),
@@ -262,9 +272,7 @@ def largest_batch(
     named = {k: request.pop(k) for k in ("loss_func", "param_groups") if k in request}
     top_k = request.pop("top_k", 10)
     options = request_options(request.pop("options", None), request)
-    the_request = _Request.of(
-        model, example_inputs, options=options, top_k=top_k, **named
-    )
+    the_request = _Request.of(model, example_inputs, options, top_k=top_k, **named)
     device = the_request.param_groups[0][0].device
     if budget_bytes is None:
         budget = available_bytes(device)
@@ -317,9 +325,10 @@ class _Request:
         cls,
         model: Module,
         example_inputs: ModelInputs,
+        options: CurvatureOptions,
+        *,
         loss_func: Module | None = None,
         param_groups: Sequence[Sequence[Parameter]] | None = None,
-        options: CurvatureOptions | None = None,
         top_k: int | None = 10,
     ) -> _Request:
         """The request, its model, inputs and parameters checked as the run's."""
@@ -363,20 +372,21 @@ class _Request:
         memory available).
         """
         if route == "gram":
-            return self._gram(blocks, self.top_k)
+            return self._gram(blocks)
         return self._implicit(blocks, self.top_k, available)
 
     def _route_request(self, blocks: Blocks, data: str) -> RouteRequest:
         """What the route choice compares (the Gram route for ``top_k``)."""
         return RouteRequest(
-            gram=self._gram(blocks, self.top_k),
+            gram=self._gram(blocks),
             implicit=lambda: self._implicit(blocks, ROUTE_TOP_K, None),
             blocks=blocks,
             num_params=max(sum(p.numel() for p in g) for g in self.param_groups),
             data=data,
         )
 
-    def _gram(self, blocks: Blocks, top_k: int | None) -> MemoryEstimate:
+    def _gram(self, blocks: Blocks) -> MemoryEstimate:
+        """The Gram route's estimate for ``top_k`` pairs."""
         return gram_estimate(
             self.model,
             self.example_inputs,
@@ -384,13 +394,14 @@ class _Request:
             loss_func=self.loss_func,
             options=self.options,
             param_groups=self.param_groups,
-            top_k=top_k,
+            top_k=self.top_k,
         )
 
     def _implicit(
         self, blocks: Blocks, top_k: int, available: int | None
     ) -> ImplicitEstimate:
-        if self._width is None:  # one probe for every size of a search
+        """The implicit route's estimate for ``top_k`` pairs (one probe in all)."""
+        if self._width is None:
             self._width = activation_width(
                 self.model, self.example_inputs, self.param_groups, self.options
             )
