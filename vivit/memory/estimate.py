@@ -39,8 +39,9 @@ The estimate leaves out the model, the data and the loaded libraries: it is the
 growth of the process's memory. ``tests/memory/test_memory.py`` checks it against
 the measured peak growth of resident memory within the factor
 :data:`ESTIMATE_FACTOR` either way, over both engines, ``gram_dtype``, chunks,
-loaders, the three Gram solvers and the implicit route (``docs/math.rst``,
-"Memory of a request").
+loaders and the three Gram solvers; the implicit route's at most that factor
+above it (its basis is counted at capacity, the resident memory grows with the
+columns a solve fills; ``docs/math.rst``, "Memory of a request").
 """
 
 from __future__ import annotations
