@@ -264,7 +264,7 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
     engine, monkeypatch
 ):
     model, loss_func, X, y = _problem("mean")
-    needs = vivit.memory.estimate.estimate_memory(
+    needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, engine=engine
     )
     kept = needs.activations + needs.factors + needs.backward
@@ -286,7 +286,7 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
 def test_a_batch_that_fits_runs(monkeypatch):
     """Within the estimate's factor (ESTIMATE_FACTOR) the batch is not refused."""
     model, loss_func, X, y = _problem("mean")
-    needs = vivit.memory.estimate.estimate_memory(
+    needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, engine="backpack"
     )
     kept = needs.activations + needs.factors + needs.backward
@@ -314,7 +314,7 @@ def test_a_parameter_outside_the_leaf_layers_is_estimated(monkeypatch):
     """The estimate (and so the refusal) covers a model-owned parameter."""
     _, loss_func, X, y = _problem("sum")
     model = _PositionalConv()
-    needs = vivit.memory.estimate.estimate_memory(
+    needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, engine="func"
     )
     assert needs.factors > 0

@@ -12,11 +12,12 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_grad_mode
 from vivit.distributed import ShardExchange, local_module, resolve_group
 from vivit.engines.base import Engine, OutputSelector
+from vivit.memory.route import RouteChoice
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.implicit import ImplicitFactors
-from vivit.sources.route import RouteChoice, choose_route
+from vivit.sources.route import choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -86,10 +87,13 @@ class LowRankGGN(CurvatureResults):
             the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
             (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
-        route: The route that ran and why (:class:`~vivit.sources.route.
+        route: The route that ran and why (:class:`~vivit.memory.route.
             RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
             (GGN-vector products), which ``solver="auto"`` chooses for a
-            mini-batch by memory and cost (:mod:`vivit.sources.route`).
+            mini-batch or a loader by memory and cost (:mod:`vivit.memory.route`,
+            from the data by :mod:`vivit.sources.route`); the memory estimate
+            of the request takes the same decision
+            (:func:`vivit.memory.estimate_memory`).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the

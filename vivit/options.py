@@ -93,17 +93,17 @@ class CurvatureOptions:
             ``gram_dtype``; parameter-space results (eigenvectors, steps, the
             gradient) in the parameters' dtype.
         solver: Default eigensolver for a few leading eigenpairs (``top_k``):
-            ``"auto"`` (chosen by cost models: for a mini-batch, the route at
-            construction, :mod:`vivit.sources.route`; then the Gram-space
-            solver, :mod:`vivit.linalg.top_k`), ``"dense"`` (LAPACK on the Gram
-            matrix), ``"iterative"`` (block Krylov on the Gram matrix),
-            ``"matrix_free"`` (block Krylov on products with ``V``; the Gram
-            matrix is never formed) or ``"implicit"`` (:class:`~vivit.LowRankGGN`
-            only, chosen at construction: no engine runs and no ``V`` exists;
-            block Krylov on ``G v = Jᵀ H J v`` by a JVP and a VJP through the
-            model, ``docs/math.rst``, "Implicit GGN-vector products" and
-            "Choosing the route"). Every method that takes
-            ``top_k`` also takes ``solver`` to override it. Requests for all
+            ``"auto"`` (chosen by cost models: for a mini-batch or a loader,
+            the route at construction, :mod:`vivit.memory.route`; then the
+            Gram-space solver, :mod:`vivit.linalg.top_k`), ``"dense"``
+            (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov on the
+            Gram matrix), ``"matrix_free"`` (block Krylov on products with
+            ``V``; the Gram matrix is never formed) or ``"implicit"``
+            (:class:`~vivit.LowRankGGN` only, chosen at construction: no engine
+            runs and no ``V`` exists; block Krylov on ``G v = Jᵀ H J v`` by a
+            JVP and a VJP through the model, ``docs/math.rst``, "Implicit
+            GGN-vector products" and "Choosing the route"). Every method that
+            takes ``top_k`` also takes ``solver`` to override it. Requests for all
             eigenpairs (``top_k=None``, :meth:`~vivit.LowRankGGN.eigvalsh`)
             always decompose the Gram matrix densely.
         solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the

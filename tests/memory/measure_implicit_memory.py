@@ -2,19 +2,27 @@
 
 Run as ``python tests/memory/measure_implicit_memory.py``; prints one JSON line per
 request with the measured increase of resident memory (as ``measure_memory.py``
-measures it) and :func:`vivit.memory.estimate.implicit_estimate`.
+measures it) and :func:`vivit.memory.estimate.implicit_estimate`, or, for the
+requests under ``solver="auto"``, the estimate of the route the request takes
+(:func:`vivit.memory.estimate_memory`, :func:`vivit.memory.estimate_data_set_memory`).
 """
 
 import json
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 from measure_memory import cnn3c3d, peak_increase, prepare_measurement
 from torch import nn
 
-from vivit import LowRankGGN
-from vivit.memory.estimate import implicit_estimate
-from vivit.options import CurvatureOptions
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the benchmarks
+
+from benchmarks.problems import make_problem  # noqa: E402
+from vivit import LowRankGGN  # noqa: E402
+from vivit.memory import estimate_data_set_memory, estimate_memory  # noqa: E402
+from vivit.memory.estimate import implicit_estimate  # noqa: E402
+from vivit.options import CurvatureOptions  # noqa: E402
 
 
 class CharLSTM(nn.Module):
@@ -46,9 +54,62 @@ REQUESTS = [
 ]
 
 
-def run_request(model, data, top_k, options) -> None:
-    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), data, solver="implicit", **options)
+def gpt2_tokens(N):
+    """``gpt2-2l-64-v128``'s tokens and next tokens (its model: :func:`gpt2`)."""
+    _, _, X, y = make_problem("gpt2-2l-64-v128", N, 0, torch.device("cpu"))
+    return X, y
+
+
+def gpt2():
+    return make_problem("gpt2-2l-64-v128", 1, 0, torch.device("cpu"))[0]
+
+
+#: Under ``solver="auto"``: (name, model, batch, N, loader's batch size or
+#: ``None`` for one mini-batch, top_k); both take the implicit route by cost
+AUTO_REQUESTS = [
+    ("char-lstm-loader-auto", CharLSTM, tokens, 256, 64, 10),
+    ("gpt2-2l-64-v128-auto", gpt2, gpt2_tokens, 4, None, 10),
+]
+
+
+def run_request(model, data, top_k, options, solver="implicit") -> None:
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), data, solver=solver, **options)
     ggn.eigh(top_k=top_k)
+
+
+def _batches(X, y, size):
+    return [(X[i : i + size], y[i : i + size]) for i in range(0, len(X), size)]
+
+
+def measure_auto() -> None:
+    """The requests under ``"auto"``, against the estimate of their route."""
+    loss_func = nn.CrossEntropyLoss()
+    for name, build, batch, N, loader_batch, top_k in AUTO_REQUESTS:
+        model = build()
+        X, y = batch(N)
+        data = (X, y) if loader_batch is None else _batches(X, y, loader_batch)
+        warm_up = (X[:2], y[:2]) if loader_batch is None else data[:2]
+        run_request(model, warm_up, top_k, {}, solver="auto")
+        measured = peak_increase(
+            partial(run_request, model, data, top_k, {}, solver="auto")
+        )
+        request = {"loss_func": loss_func, "top_k": top_k}
+        estimate = (
+            estimate_memory(model, X[:1], N, **request)
+            if loader_batch is None
+            else estimate_data_set_memory(model, X[:1], N, loader_batch, **request)
+        )
+        print(
+            json.dumps(
+                {
+                    "request": name,
+                    "measured": measured,
+                    "estimate": estimate.total,
+                    "route": estimate.route,
+                    "parts": [estimate.activations, estimate.products, estimate.krylov],
+                }
+            )
+        )
 
 
 def main() -> None:
@@ -75,6 +136,7 @@ def main() -> None:
                 }
             )
         )
+    measure_auto()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_refused_after_the_first_batch_when_the_length_is_known(
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError) as error:
         LowRankGGN(model, loss_func, loader)
-    assert loader.taken == 1
+    assert loader.taken == 1 + 1  # the route choice's probe, the first batch
     message = str(error.value)
     for hint in ("whole loader", "first 1 of 4 batches", "mc_samples=1", "Streaming"):
         assert hint in message, message
@@ -102,7 +102,8 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     loader = Counting(batches, sized=False)
     with pytest.raises(FactorsTooLargeError, match="one more batch") as error:
         LowRankGGN(model, loss_func, loader)
-    assert loader.taken == 2 and "first 2 of an unknown number" in str(error.value)
+    assert loader.taken == 1 + 2  # the route choice's probe, two batches
+    assert "first 2 of an unknown number" in str(error.value)
 
 
 class KeywordCall(torch.nn.Module):
@@ -160,7 +161,7 @@ def test_a_loader_in_chunks_is_checked_too(loader_setup, monkeypatch):
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError, match="first 1 of 4 batches"):
         LowRankGGN(model, loss_func, loader, chunk_size=1)
-    assert loader.taken == 1  # refused after the chunks of the first batch
+    assert loader.taken == 1 + 1  # the probe; refused after the first's chunks
     monkeypatch.setattr(vivit.memory.budget, "available_bytes", lambda device: 2**40)
     chunked = LowRankGGN(model, loss_func, Counting(batches), chunk_size=1)
     whole = LowRankGGN(model, loss_func, Counting(batches))

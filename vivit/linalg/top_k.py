@@ -21,7 +21,7 @@ rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
     the Gram matrix exists. A route chosen at construction
     (``LowRankGGN(..., solver="implicit")``, or ``"auto"`` at construction
     when the Gram route's columns cost more or do not fit:
-    :mod:`vivit.sources.route`).
+    :mod:`vivit.memory.route`).
 
 The cost model behind ``"auto"`` (all quantities known before any work):
 

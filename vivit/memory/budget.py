@@ -19,7 +19,8 @@ from torch.nn import Module, Parameter
 from vivit.errors import FactorsTooLargeError
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, check_gram_fits
-from vivit.memory.estimate import estimate_memory, kept_bytes
+from vivit.memory.estimate import kept_bytes
+from vivit.memory.request import estimate_memory
 from vivit.model_inputs import ModelInputs, num_samples, take_samples
 from vivit.options import CurvatureOptions
 

@@ -1,19 +1,22 @@
-"""How much memory a curvature request needs, before the backward pass runs.
+"""How much memory each route of a curvature request needs, before it runs.
 
-:func:`estimate_memory` adds what is alive at the peak of ``LowRankGGN(...)``
-followed by ``eigh(top_k)``; :func:`estimate_data_set_memory` does so for a data
-loader and :func:`largest_batch` searches the largest mini-batch whose estimate
-fits a budget. The estimate is the cost model of the run: it takes the run's
-options by their names (checked by building
-:class:`~vivit.options.CurvatureOptions`, as the run does), resolves the engine
-with the run's :func:`~vivit.engines.choice.resolve_engine`, counts the factor
-forms that engine keeps (:mod:`vivit.memory.forms`), splits the samples into the
-run's blocks (``chunk_size``, a loader's batches, and the func engine's own
-chunks from :meth:`FuncEngine.chunking <vivit.engines.func.FuncEngine.chunking>`),
+The Gram route (:func:`gram_estimate`) adds what is alive at the peak of
+``LowRankGGN(...)`` followed by ``eigh(top_k)`` when an engine keeps the factors
+of ``V``; the implicit route (:func:`implicit_estimate`) what its GGN-vector
+products and Krylov basis hold. Which route a request takes is
+:mod:`vivit.memory.route`'s decision, and :mod:`vivit.memory.request` gives the
+estimate of that route (:func:`~vivit.memory.estimate_memory`,
+:func:`~vivit.memory.estimate_data_set_memory`,
+:func:`~vivit.memory.largest_batch`). The estimate is the cost model of the run:
+it takes the run's checked options, resolves the engine with the run's
+:func:`~vivit.engines.choice.resolve_engine`, counts the factor forms that
+engine keeps (:mod:`vivit.memory.forms`), splits the samples into the run's
+blocks (``chunk_size``, a loader's batches, and the func engine's own chunks
+from :meth:`FuncEngine.chunking <vivit.engines.func.FuncEngine.chunking>`),
 keeps the factors in ``gram_dtype`` as the collector casts them, and resolves
 ``solver="auto"`` with the run's :func:`~vivit.linalg.top_k.choose_solver` on
 factors of the shapes the request holds. The samples are run in blocks of ``B``
-(``B = N``, or ``chunk_size``, or a loader's batch size):
+(``B = N``, or ``chunk_size``, or a loader's batch size); the Gram route holds:
 
 - **activations**: the forward pass's layer outputs of one block,
   ``B · Σ_layers out`` entries, and the inputs of Linear layers that the other
@@ -36,7 +39,9 @@ The estimate leaves out the model, the data and the loaded libraries: it is the
 growth of the process's memory. ``tests/memory/test_memory.py`` checks it against
 the measured peak growth of resident memory within the factor
 :data:`ESTIMATE_FACTOR` either way, over both engines, ``gram_dtype``, chunks,
-loaders and the three solvers (``docs/math.rst``, "Memory of a request").
+loaders and the three Gram solvers; the implicit route's at most that factor
+above it (its basis is counted at capacity, the resident memory grows with the
+columns a solve fills; ``docs/math.rst``, "Memory of a request").
 """
 
 from __future__ import annotations
@@ -44,11 +49,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from torch import Tensor
 from torch.nn import CrossEntropyLoss, Linear, Module, Parameter
 
 from vivit._validation import (
@@ -56,8 +60,6 @@ from vivit._validation import (
     check_inputs_match,
     check_model,
     check_params,
-    check_positive_int,
-    check_subsampling,
     param_group_lists,
 )
 from vivit.engines.base import Engine
@@ -65,7 +67,6 @@ from vivit.engines.choice import resolve_engine
 from vivit.engines.func.implicit import pass_width
 from vivit.errors import (
     FactorsTooLargeError,
-    InvalidArgumentError,
     ProductsTooLargeError,
 )
 from vivit.gram import (
@@ -82,7 +83,6 @@ from vivit.gram.memory import (
     format_bytes,
     gram_bytes,
     itemsize,
-    resident_bytes,
 )
 from vivit.gram.outer import GGN_COMPACT_RATIO
 from vivit.gram.planner import budget_entries
@@ -108,11 +108,11 @@ from vivit.memory.forms import (
 )
 from vivit.memory.probe import ProbedLayer, check_example_inputs, probe
 from vivit.model_inputs import ModelInputs, num_samples, take_samples
-from vivit.options import CurvatureOptions, check_option_names
+from vivit.options import CurvatureOptions
 
-#: Measured peak growth of resident memory over the estimate lies within
 logger = logging.getLogger("vivit")
 
+#: Measured peak growth of resident memory over the estimate lies within
 #: ``[1 / ESTIMATE_FACTOR, ESTIMATE_FACTOR]`` (``docs/math.rst``, "Memory of a
 #: request"; checked by ``tests/memory/test_memory.py``).
 ESTIMATE_FACTOR = 1.5
@@ -137,9 +137,12 @@ class MemoryEstimate:
         engine: The engine the estimate is for (``"auto"`` resolved).
         sample_work: Multiply-adds of the model's forward pass per sample in
             the requested parameters' layers (:func:`sample_work`), the unit of
-            the route's cost model (:mod:`vivit.sources.route`).
+            the route's cost model (:mod:`vivit.memory.route`).
         gram_work: Multiply-adds of forming every group's Gram matrix from the
             factors the request keeps (:func:`~vivit.linalg.top_k.gram_work`).
+        reason: Why the request takes the Gram route (the route choice's
+            reason, :class:`~vivit.memory.route.RouteChoice`), where a public
+            estimate gave it; not compared.
     """
 
     activations: int
@@ -152,6 +155,10 @@ class MemoryEstimate:
     engine: str = "backpack"
     sample_work: float = 0.0
     gram_work: float = 0.0
+    reason: str = field(default="", compare=False)
+
+    #: The route the estimate is for: factors of ``V`` and a Gram-space solver.
+    route = "gram"
 
     @property
     def total(self) -> int:
@@ -163,81 +170,70 @@ class MemoryEstimate:
         )
 
 
-def estimate_memory(
-    model: Module,
-    example_inputs: Tensor,
-    batch_size: int,
-    *,
-    loss_func: Module | None = None,
-    param_groups: Sequence[Sequence[Parameter]] | None = None,
-    top_k: int | None = 10,
-    num_curvature_samples: int | None = None,
-    options: CurvatureOptions | None = None,
-    **option_values: object,
-) -> MemoryEstimate:
-    """Estimate the peak memory of ``LowRankGGN(...)`` followed by ``eigh(top_k)``.
+@dataclass(frozen=True)
+class Blocks:
+    """How a request's samples reach the engine, or the implicit products.
 
-    Runs the model on ``example_inputs`` (one or a few samples, without gradients
-    and with the modules' hooks switched off, so BackPACK's stored inputs are left
-    alone) to learn the layer shapes; nothing of size ``batch_size`` is allocated.
-    The estimate is for the model's parameter data type and device, and is the
-    growth of the process's memory (what it holds already is not counted).
-
-    Example::
-
-        estimate = estimate_memory(
-            model, X[:1], batch_size=512, loss_func=loss_func, top_k=10,
-            gram_dtype=torch.float64, chunk_size=64,
-        )
-        print(estimate.total / 2**20, "MiB:", estimate.engine, estimate.solver)
-
-    Args:
-        model: The network (BatchNorm in eval mode).
-        example_inputs: A few input samples, ``[n, *input_shape]``.
-        batch_size: Mini-batch size ``N`` of the request.
-        loss_func: The request's loss module; ``engine="auto"`` is resolved with
-            it as the run resolves it (``None``: a loss BackPACK supports).
-        param_groups: As for :class:`~vivit.LowRankGGN` (``None``: one group).
-        top_k: Number of leading eigenpairs asked for (``None``: all).
-        num_curvature_samples: Size of a subsampling whose indices are not
-            known yet (``None``: that of ``subsampling``, or ``N``).
-        options: The request's options as one object (e.g. a
-            :class:`~vivit.optim.DampedNewton`'s); keywords replace its fields.
-        **option_values: The options of :class:`~vivit.LowRankGGN` by their
-            names (``mc_samples``, ``subsampling``, ``gram_dtype``, ``solver``,
-            ``engine``, ``chunk_size``, ...), checked as the run checks them
-            (:class:`~vivit.options.CurvatureOptions`). ``solver="auto"`` is
-            resolved as the request's ``eigh(top_k)`` resolves it (with several
-            groups, for the largest group); ``chunk_size`` bounds the backward
-            pass's transient and the activations to those of a chunk, while the
-            kept factors and the Gram matrix are those of the whole batch.
-
-    Returns:
-        The estimate; ``.total`` is the peak in bytes.
-
-    Raises:
-        InvalidArgumentError: For a ``batch_size``, ``top_k`` or option that a
-            request would refuse, an unknown option, a ``num_curvature_samples``
-            outside ``[1, batch_size]``, or ``example_inputs`` without a sample
-            along a batch axis.
-        ParamGroupError: For parameter groups a request would refuse, or a model
-            without trainable parameters.
-        UnsupportedDtypeError: For parameters a request would refuse (16-bit).
-        BatchNormTrainingError: For BatchNorm in training mode.
+    Attributes:
+        samples: ``N``, every sample.
+        curvature: ``N_S``, the curvature samples.
+        block: Samples per engine run or product (a chunk, a loader's batch).
+        loader_batch: The loader's batch size (``None``: one mini-batch, its
+            chunks views of the caller's inputs).
     """
-    _check_size(batch_size, "batch_size")
-    options = request_options(options, option_values)
-    curvature = _curvature_samples(num_curvature_samples, options, batch_size)
-    block = batch_size if options.chunk_size is None else options.chunk_size
-    return _estimate(
-        model,
-        example_inputs,
-        _Blocks(batch_size, curvature, min(block, batch_size), loader_batch=None),
-        loss_func=loss_func,
-        options=options,
-        param_groups=param_groups,
-        top_k=top_k,
-    )
+
+    samples: int
+    curvature: int
+    block: int
+    loader_batch: int | None
+
+    @classmethod
+    def of_batch(
+        cls, batch_size: int, curvature: int, chunk_size: int | None
+    ) -> Blocks:
+        """One mini-batch of ``batch_size`` samples, in chunks of ``chunk_size``.
+
+        Args:
+            batch_size: ``N``.
+            curvature: ``N_S``.
+            chunk_size: Most samples per run (``None``: the whole batch).
+
+        Returns:
+            The blocks.
+        """
+        block = min(chunk_size or batch_size, batch_size)
+        return cls(batch_size, curvature, block, loader_batch=None)
+
+    @classmethod
+    def of_loader(
+        cls, num_samples: int, batch_size: int, chunk_size: int | None
+    ) -> Blocks:
+        """A loader over ``num_samples`` samples in batches of ``batch_size``.
+
+        Args:
+            num_samples: Samples of all batches (all of them curvature samples).
+            batch_size: Samples per batch (the last may have fewer).
+            chunk_size: Most samples per run (``None``: a batch).
+
+        Returns:
+            The blocks.
+        """
+        batch = min(batch_size, num_samples)
+        block = min(chunk_size or batch, batch)
+        return cls(num_samples, num_samples, block, loader_batch=batch_size)
+
+    @property
+    def batches(self) -> int:
+        """Batches of a pass over the samples (``1`` for a mini-batch)."""
+        if self.loader_batch is None:
+            return 1
+        return -(-self.samples // self.loader_batch)
+
+    def counts(self, columns: int, cast: bool) -> tuple[Counts, Counts]:
+        """The counts of all samples, and of one block."""
+        whole = Counts(self.samples, self.curvature, columns, cast)
+        block = Counts(self.block, min(self.block, self.curvature), columns, cast)
+        return whole, block
 
 
 def batch_estimate(
@@ -247,30 +243,38 @@ def batch_estimate(
     param_groups: Sequence[Sequence[Parameter]],
     options: CurvatureOptions,
     engine: Engine,
+    blocks: Blocks | None = None,
 ) -> MemoryEstimate | None:
-    """The estimate of one mini-batch's Gram route, from a one-sample probe.
+    """The Gram route's estimate of the run's samples, from a one-sample probe.
 
     Args:
         model: The network.
         loss_func: The loss module.
-        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them), or a
+            loader's first batch's.
         param_groups: The checked parameter groups.
         options: The checked options (not checked again).
         engine: The engine the run resolved (not resolved twice).
+        blocks: The samples of the run (``None``: the mini-batch ``inputs``, in
+            chunks of ``chunk_size``; a loader's from
+            :meth:`Blocks.of_loader`).
 
     Returns:
         The estimate (for one leading eigenpair), or ``None`` where the model
         cannot be probed (e.g. a layer called with keyword arguments); the logger
         ``"vivit"`` then says why (level INFO).
     """
-    batch_size = num_samples(inputs)
-    curvature = batch_size if options.subsampling is None else len(options.subsampling)
-    block = min(options.chunk_size or batch_size, batch_size)
+    if blocks is None:
+        batch_size = num_samples(inputs)
+        curvature = (
+            batch_size if options.subsampling is None else len(options.subsampling)
+        )
+        blocks = Blocks.of_batch(batch_size, curvature, options.chunk_size)
     try:
-        return _estimate(
+        return gram_estimate(
             model,
             take_samples(inputs, slice(1)),
-            _Blocks(batch_size, curvature, block, loader_batch=None),
+            blocks,
             loss_func=loss_func,
             options=options,
             param_groups=param_groups,
@@ -279,7 +283,7 @@ def batch_estimate(
         )
     except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
         logger.info(
-            "Cannot estimate the memory of the mini-batch (%s: %s); it runs "
+            "Cannot estimate the memory of the Gram route (%s: %s); it runs "
             "without the check before its backward pass.",
             type(error).__name__,
             error,
@@ -290,6 +294,10 @@ def batch_estimate(
 @dataclass(frozen=True)
 class ImplicitEstimate:
     """Memory of one ``eigh(top_k)`` by implicit GGN-vector products, in bytes.
+
+    Answers what a :class:`MemoryEstimate` answers of a request (``total``,
+    ``route``, ``reason``, ``solver``, ``engine``), so that the estimate of
+    whichever route a request takes reads alike.
 
     Attributes:
         activations: The forward graph of one block of samples (the VJP's).
@@ -309,6 +317,9 @@ class ImplicitEstimate:
             memory does not allow it
             (:func:`~vivit.linalg.top_k.fitting_basis_columns`).
         default_columns: The default's columns.
+        reason: Why the request takes the implicit route (the route choice's
+            reason, :class:`~vivit.memory.route.RouteChoice`), where a public
+            estimate gave it; not compared.
     """
 
     activations: int
@@ -318,6 +329,14 @@ class ImplicitEstimate:
     num_params: int
     basis_columns: int
     default_columns: int
+    reason: str = field(default="", compare=False)
+
+    #: The route the estimate is for: GGN-vector products, no ``V``.
+    route = "implicit"
+    #: The eigensolver: block Krylov on ``G`` in parameter space.
+    solver = "implicit"
+    #: No engine runs (``LowRankGGN.engine`` of the route).
+    engine = "implicit"
 
     @property
     def total(self) -> int:
@@ -331,48 +350,141 @@ def implicit_estimate(
     param_groups: Sequence[Sequence[Parameter]],
     options: CurvatureOptions,
     top_k: int,
+    *,
+    block: int | None = None,
+    available: int | None = None,
 ) -> ImplicitEstimate | None:
-    """The estimate of ``solver="implicit"`` on one mini-batch, from a one-sample probe.
+    """The estimate of ``solver="implicit"``, from a one-sample probe.
 
     A product of at most ``k = top_k`` vectors (blocks of ``b``,
     :func:`~vivit.linalg.top_k.solver_block_size`; a confirmation multiplies
     the ``k`` Ritz vectors) runs over blocks of ``B`` samples (``chunk_size``,
-    else the batch): the VJP's forward graph, ``B·w`` entries with ``w`` the
-    activation entries per sample (:func:`implicit_vector_bytes`), and the
+    else the batch, else a loader's largest batch): the VJP's forward graph,
+    ``B·w`` entries with ``w`` the activation entries per sample, and the
     vmapped backward pass's cotangents of them for the vectors of one pass,
     ``p·B·w`` (``p`` of :func:`~vivit.engines.func.implicit.pass_width`, at most
     ``k``; the JVP's tangents are freed layer by layer); the iterative solver's
-    workspace in
-    the largest group's parameter space (:func:`~vivit.linalg.top_k.
-    iterative_workspace_bytes`: the float64 basis and its images, ``m`` columns
-    each, the Ritz vectors a restart keeps, the block and its image;
-    ``docs/math.rst``, "Memory of a request"). ``m`` is the basis that will run:
-    the default, or the most columns that fit into the memory available on the
-    parameters' device besides the products (:func:`~vivit.linalg.top_k.
-    fitting_basis_columns`, at least ``k + 2·b``).
+    workspace in the largest group's parameter space
+    (:func:`~vivit.linalg.top_k.iterative_workspace_bytes`: the float64 basis
+    and its images, ``m`` columns each, the Ritz vectors a restart keeps, the
+    block and its image; ``docs/math.rst``, "Memory of a request"), which does
+    not grow with the samples. ``m`` is the basis that will run: the default,
+    or the most columns that fit into the memory available besides the products
+    (:func:`~vivit.linalg.top_k.fitting_basis_columns`, at least ``k + 2·b``).
 
     Args:
         model: The network.
-        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
+        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them), or
+            those of a loader's batch (the probe takes one sample).
         param_groups: The checked parameter groups.
         options: The checked options.
         top_k: Leading eigenpairs asked for.
+        block: Samples ``B`` of the largest block (``None``: ``inputs`` in
+            chunks of ``chunk_size``).
+        available: Memory the request may take (``None``: what is available
+            on the parameters' device, :func:`~vivit.gram.memory.available_bytes`).
 
     Returns:
         The estimate, or ``None`` where the model cannot be probed (the logger
         ``"vivit"`` says why, level INFO).
     """
-    vector_bytes = implicit_vector_bytes(model, inputs, param_groups, options)
-    if vector_bytes is None:
+    width = probed_activation_width(model, inputs, param_groups, options)
+    if width is None:
         return None
+    if block is None:
+        block = Blocks.of_batch(num_samples(inputs), 1, options.chunk_size).block
+    return products_estimate(width, block, param_groups, top_k, available)
+
+
+def probed_activation_width(
+    model: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+) -> int | None:
+    """:func:`activation_width`, or ``None`` where the model cannot be probed.
+
+    Args:
+        model: The network.
+        inputs: Inputs with at least one sample.
+        param_groups: The checked parameter groups.
+        options: The checked options.
+
+    Returns:
+        ``w``, or ``None`` (the logger ``"vivit"`` says why, level INFO).
+    """
+    try:
+        return activation_width(model, inputs, param_groups, options)
+    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+        logger.info(
+            "Cannot estimate the memory of the implicit products (%s: %s); they "
+            "run without the check, one pass per product.",
+            type(error).__name__,
+            error,
+        )
+        return None
+
+
+def activation_width(
+    model: Module,
+    inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]],
+    options: CurvatureOptions,
+) -> int:
+    """Activation entries ``w`` per sample that a pass of the implicit route holds.
+
+    The leaf layers' outputs or the recorded function calls' outputs (attention,
+    ``addmm``), whichever are more, from a forward pass of one sample.
+
+    Args:
+        model: The network.
+        inputs: Inputs with at least one sample.
+        param_groups: The checked parameter groups.
+        options: The checked options (their ``output`` selector).
+
+    Returns:
+        ``w``.
+
+    Raises:
+        Exception: Whatever the probe's forward pass raises.
+    """
+    one = take_samples(inputs, slice(1))
+    _, outputs_per_sample, _ = probe(model, one, options.output)
+    params = [p for group in param_groups for p in group]
+    _, function_outputs = function_forms(model, one, params, options.output)
+    return max(outputs_per_sample, function_outputs)
+
+
+def products_estimate(
+    width_per_sample: int,
+    block: int,
+    param_groups: Sequence[Sequence[Parameter]],
+    top_k: int,
+    available: int | None = None,
+) -> ImplicitEstimate:
+    """The implicit route's memory for blocks of ``block`` samples of ``w`` entries.
+
+    Args:
+        width_per_sample: Activation entries ``w`` per sample
+            (:func:`activation_width`).
+        block: Samples ``B`` of the largest block.
+        param_groups: The checked parameter groups.
+        top_k: Leading eigenpairs asked for.
+        available: Memory the request may take (``None``: what is available).
+
+    Returns:
+        The estimate (see :func:`implicit_estimate`).
+    """
     size = max(sum(p.numel() for p in group) for group in param_groups)
     width = solver_block_size("implicit", top_k, size)
-    dtype = param_groups[0][0].dtype
-    activations = vector_bytes
-    products = pass_width(min(top_k, size), vector_bytes) * vector_bytes
+    dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
+    activations = block * width_per_sample * itemsize(dtype)  # one vector's too
+    products = pass_width(min(top_k, size), activations) * activations
     # the solver's basis, restart and blocks in D-space (params=0: no
     # V-products besides), its basis cut to what is left
-    budget = available_bytes(param_groups[0][0].device) - activations - products
+    if available is None:
+        available = available_bytes(device)
+    budget = available - activations - products
     columns = fitting_basis_columns(size, top_k, dtype, budget, 0, "implicit")
     return ImplicitEstimate(
         activations=activations,
@@ -383,49 +495,6 @@ def implicit_estimate(
         basis_columns=columns,
         default_columns=basis_capacity(width, size, top_k=top_k),
     )
-
-
-def implicit_vector_bytes(
-    model: Module,
-    inputs: ModelInputs,
-    param_groups: Sequence[Sequence[Parameter]],
-    options: CurvatureOptions,
-) -> int | None:
-    """Bytes of one vector's tangents in a pass of the implicit route.
-
-    ``B·w`` entries of the parameters' type: ``w`` the activation entries per
-    sample (a one-sample probe), ``B`` the samples of a block (``chunk_size``,
-    else the batch); the same as the pass's forward graph.
-
-    Args:
-        model: The network.
-        inputs: The mini-batch's inputs, ``[N, ...]`` (or a dict of them).
-        param_groups: The checked parameter groups.
-        options: The checked options.
-
-    Returns:
-        The bytes, or ``None`` where the model cannot be probed (the logger
-        ``"vivit"`` says why, level INFO).
-    """
-    try:
-        _, outputs_per_sample, _ = probe(
-            model, take_samples(inputs, slice(1)), options.output
-        )
-        params = [p for group in param_groups for p in group]
-        _, function_outputs = function_forms(
-            model, take_samples(inputs, slice(1)), params, options.output
-        )
-    except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
-        logger.info(
-            "Cannot estimate the memory of the implicit products (%s: %s); they "
-            "run without the check.",
-            type(error).__name__,
-            error,
-        )
-        return None
-    width_per_sample = max(outputs_per_sample, function_outputs)
-    block = min(options.chunk_size or num_samples(inputs), num_samples(inputs))
-    return block * width_per_sample * itemsize(param_groups[0][0].dtype)
 
 
 def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> None:
@@ -447,8 +516,9 @@ def check_implicit_fits(estimate: ImplicitEstimate, device: torch.device) -> Non
         f"{implicit_summary(estimate)}, but only {format_bytes(available)} are "
         f"available on {device}. Refused before the first product. Ask for fewer "
         "pairs (top_k: the block and the basis shrink with it), use the curvature "
-        "of fewer samples (subsampling=[...]) or a smaller batch, bound the "
-        "products' activations with chunk_size=..., or use a Gram route with "
+        "of fewer samples (subsampling=[...]) or a smaller batch (a loader's: "
+        "smaller batches), bound the products' activations with chunk_size=..., "
+        "or use a Gram route with "
         "Monte-Carlo sampling (solver='auto', mc_samples=1), whose memory grows "
         "with N·M rather than with D."
     )
@@ -564,161 +634,10 @@ def check_batch_fits(
     )
 
 
-def estimate_data_set_memory(
+def gram_estimate(
     model: Module,
-    example_inputs: Tensor,
-    num_samples: int,
-    batch_size: int,
-    *,
-    loss_func: Module | None = None,
-    param_groups: Sequence[Sequence[Parameter]] | None = None,
-    top_k: int | None = 10,
-    options: CurvatureOptions | None = None,
-    **option_values: object,
-) -> MemoryEstimate:
-    """Estimate the peak memory of the GGN of a data set given as a loader.
-
-    ``LowRankGGN(model, loss_func, loader)`` over ``num_samples`` samples that
-    the loader yields in batches of ``batch_size`` (each run by the engine on its
-    own, every batch in chunks of ``chunk_size``), followed by ``eigh(top_k)``:
-    the backward pass's transient and the activations are those of one batch
-    (or chunk); the kept factors, the batches' inputs that Linear layers keep,
-    and the Gram matrix (side ``num_samples · C``) are those of all samples. The
-    loader's own memory (its data set, workers) is left out. Probes the model as
-    :func:`estimate_memory` does.
-
-    Example::
-
-        estimate = estimate_data_set_memory(model, X[:1], 10_000, 128, top_k=10)
-
-    Args:
-        model: The network (BatchNorm in eval mode).
-        example_inputs: A few input samples, ``[n, *input_shape]``.
-        num_samples: Samples of the data set (all of them curvature samples).
-        batch_size: Samples per batch of the loader.
-        loss_func: As for :func:`estimate_memory`.
-        param_groups: As for :class:`~vivit.LowRankGGN` (``None``: one group).
-        top_k: Number of leading eigenpairs asked for (``None``: all).
-        options: As for :func:`estimate_memory`.
-        **option_values: As for :func:`estimate_memory` (not ``subsampling``,
-            which a loader does not take).
-
-    Returns:
-        The estimate; ``.total`` is the peak in bytes.
-
-    Raises:
-        InvalidArgumentError: For sizes that are not positive integers, options
-            that a request would refuse, or ``example_inputs`` without a sample.
-        ParamGroupError: As for :func:`estimate_memory`.
-        UnsupportedDtypeError: As for :func:`estimate_memory`.
-        BatchNormTrainingError: As for :func:`estimate_memory`.
-    """
-    _check_size(num_samples, "num_samples")
-    _check_size(batch_size, "batch_size")
-    options = request_options(options, option_values)
-    if options.subsampling is not None:
-        raise InvalidArgumentError(
-            "subsampling selects samples of one mini-batch; a data loader takes "
-            "none: estimate a loader over the samples whose curvature you want."
-        )
-    block = min(batch_size, num_samples, options.chunk_size or batch_size)
-    return _estimate(
-        model,
-        example_inputs,
-        _Blocks(num_samples, num_samples, block, loader_batch=batch_size),
-        loss_func=loss_func,
-        options=options,
-        param_groups=param_groups,
-        top_k=top_k,
-    )
-
-
-def request_options(
-    options: CurvatureOptions | None, values: Mapping[str, object]
-) -> CurvatureOptions:
-    """The request's options, checked as the run checks them.
-
-    Args:
-        options: Options built before (``None``: the defaults, this process
-            alone).
-        values: Options by name; they replace those of ``options``.
-
-    Returns:
-        The checked options.
-
-    Raises:
-        InvalidArgumentError: For an unknown name, or ``options`` that are not a
-            :class:`~vivit.options.CurvatureOptions`; any error building the
-            options raises (a malformed value).
-    """
-    check_option_names(
-        values, " (the estimate also takes param_groups, top_k and loss_func)"
-    )
-    if options is None:
-        return CurvatureOptions(**{"process_group": False, **values})
-    if not isinstance(options, CurvatureOptions):
-        raise InvalidArgumentError(
-            "options must be a vivit.options.CurvatureOptions, got "
-            f"{type(options).__name__}."
-        )
-    return options.replace(**values) if values else options
-
-
-def _curvature_samples(
-    num_curvature_samples: int | None, options: CurvatureOptions, batch_size: int
-) -> int:
-    """``N_S``: the subsampling's size (checked against the batch), or ``N``."""
-    if num_curvature_samples is not None and options.subsampling is not None:
-        raise InvalidArgumentError(
-            "Pass subsampling or num_curvature_samples, not both: "
-            "num_curvature_samples stands for a subsampling not known yet."
-        )
-    if options.subsampling is not None:
-        return len(check_subsampling(options.subsampling, batch_size))
-    if num_curvature_samples is None:
-        return batch_size
-    _check_size(num_curvature_samples, "num_curvature_samples")
-    if num_curvature_samples > batch_size:
-        raise InvalidArgumentError(
-            f"num_curvature_samples={num_curvature_samples} exceeds the "
-            f"batch_size={batch_size}: the curvature samples are a subset of "
-            "the mini-batch; pass at most batch_size (or None for all)."
-        )
-    return num_curvature_samples
-
-
-def _check_size(size: int, name: str) -> None:
-    check_positive_int(size, name)
-
-
-@dataclass(frozen=True)
-class _Blocks:
-    """How a request's samples reach the engine.
-
-    Attributes:
-        samples: ``N``, every sample.
-        curvature: ``N_S``, the curvature samples.
-        block: Samples per engine run (a chunk, a loader's batch).
-        loader_batch: The loader's batch size (``None``: one mini-batch, its
-            chunks views of the caller's inputs).
-    """
-
-    samples: int
-    curvature: int
-    block: int
-    loader_batch: int | None
-
-    def counts(self, columns: int, cast: bool) -> tuple[Counts, Counts]:
-        """The counts of all samples, and of one block."""
-        whole = Counts(self.samples, self.curvature, columns, cast)
-        block = Counts(self.block, min(self.block, self.curvature), columns, cast)
-        return whole, block
-
-
-def _estimate(
-    model: Module,
-    example_inputs: Tensor,
-    blocks: _Blocks,
+    example_inputs: ModelInputs,
+    blocks: Blocks,
     *,
     loss_func: Module | None,
     options: CurvatureOptions,
@@ -726,18 +645,28 @@ def _estimate(
     top_k: int | None,
     engine: Engine | None = None,
 ) -> MemoryEstimate:
-    """The estimate for the request's samples in ``blocks``.
+    """The Gram route's estimate for the request's samples in ``blocks``.
 
-    ``engine`` is the run's where it resolved it already (else resolved here).
+    Args:
+        model: The network.
+        example_inputs: A few input samples, ``[n, ...]`` (the probe).
+        blocks: The request's samples.
+        loss_func: The loss module (``None``: one BackPACK supports).
+        options: The checked options (``solver`` as the Gram route resolves it).
+        param_groups: The parameter groups (``None``: one group).
+        top_k: Leading eigenpairs asked for (``None``: all).
+        engine: The run's engine where it resolved it already (``None``:
+            resolved here).
+
+    Returns:
+        The estimate.
+
+    Raises:
+        VivitError: For a model, parameters, ``top_k`` or inputs a request
+            would refuse (:func:`check_request`).
     """
-    check_model(model)
-    param_groups = param_group_lists(param_groups, model)
-    names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
-    check_params([p for group in param_groups for p in group], names, allow_meta=True)
+    param_groups = check_request(model, example_inputs, param_groups)
     check_solver(options.solver, top_k)
-    check_example_inputs(example_inputs)
-    check_inputs_match(example_inputs, param_groups[0])
-    check_batch_norms(model)
     if engine is None:
         engine = resolve_engine(options.engine, model, loss_func, options.output)
     dtype, device = param_groups[0][0].dtype, param_groups[0][0].device
@@ -879,6 +808,35 @@ def _estimate(
     )
 
 
+def check_request(
+    model: Module,
+    example_inputs: ModelInputs,
+    param_groups: Sequence[Sequence[Parameter]] | None,
+) -> list[list[Parameter]]:
+    """The checks of a request that every estimate makes, as the run makes them.
+
+    Args:
+        model: The network.
+        example_inputs: The probe's samples.
+        param_groups: The parameter groups (``None``: one group).
+
+    Returns:
+        The parameter groups as lists.
+
+    Raises:
+        VivitError: For a model, parameters or inputs a request would refuse
+            (BatchNorm in training mode among them).
+    """
+    check_model(model)
+    param_groups = param_group_lists(param_groups, model)
+    names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
+    check_params([p for group in param_groups for p in group], names, allow_meta=True)
+    check_example_inputs(example_inputs)
+    check_inputs_match(example_inputs, param_groups[0])
+    check_batch_norms(model)
+    return param_groups
+
+
 def sample_work(factors: Sequence[ParamFactors]) -> float:
     """Multiply-adds of the forward pass of one sample through the parameters.
 
@@ -999,81 +957,6 @@ def _func_transient(
         else 0
     )
     return samples * width + max(to_layers, one_hot)
-
-
-def largest_batch(
-    model: Module,
-    example_inputs: Tensor,
-    budget_bytes: int | None = None,
-    *,
-    count_resident: bool = True,
-    max_batch_size: int = 2**20,
-    **request: object,
-) -> int:
-    """The largest mini-batch whose estimated peak memory fits a budget.
-
-    The estimate is the growth of the process's memory; a budget is a statement
-    about the process ("it fits in 8 GiB"): by default what the process holds
-    now counts against it.
-
-    Example::
-
-        N = largest_batch(model, X[:1], 8 * 2**30, loss_func=loss_func, top_k=10)
-
-    Args:
-        model: The network.
-        example_inputs: A few input samples (see :func:`estimate_memory`).
-        budget_bytes: Memory the process may hold in all (``None``: what it can
-            still allocate now, :func:`vivit.gram.memory.available_bytes`:
-            the least of free memory, its memory control group's and its
-            address-space limit).
-        count_resident: Whether ``budget_bytes`` includes what the process holds
-            now (its resident set on the CPU, PyTorch's reserved memory on a
-            GPU: :func:`vivit.gram.memory.resident_bytes`); ``False``: the
-            budget is for the request alone, on top of that.
-        max_batch_size: Upper end of the search.
-        **request: Keywords of :func:`estimate_memory` (``loss_func``,
-            ``top_k``, ``param_groups``, ``options`` and the options by name);
-            not ``num_curvature_samples`` nor ``subsampling`` (they would not
-            grow with the batch).
-
-    Returns:
-        The batch size (``0`` if not even one sample fits).
-
-    Raises:
-        InvalidArgumentError: If the budget is not positive or a keyword is not
-            allowed.
-    """
-    if budget_bytes is not None and not budget_bytes > 0:
-        raise InvalidArgumentError(
-            f"budget_bytes must be positive, got {budget_bytes!r}."
-        )
-    for fixed in ("num_curvature_samples", "subsampling"):
-        if fixed in request:
-            raise InvalidArgumentError(
-                f"largest_batch searches the mini-batch size; {fixed} would stay "
-                "fixed. Leave it out."
-            )
-    device = next(model.parameters()).device
-    if budget_bytes is None:
-        budget = available_bytes(device)
-    else:
-        budget = budget_bytes - (resident_bytes(device) if count_resident else 0)
-
-    def fits(batch_size: int) -> bool:
-        estimate = estimate_memory(model, example_inputs, batch_size, **request)
-        return estimate.total <= budget
-
-    if budget <= 0:
-        return 0
-    low, high = 0, 1
-    while high <= max_batch_size and fits(high):
-        low, high = high, 2 * high
-    high = min(high, max_batch_size + 1)
-    while high - low > 1:  # fits(low), not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
 
 
 def _batches(num_samples: int, batch_size: int) -> list[int]:

@@ -37,13 +37,15 @@ from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError, ModelChangedError
+from vivit.gram.memory import itemsize
 from vivit.loss_hessians import LossHessianProducts
 from vivit.memory.estimate import (
     check_implicit_fits,
-    implicit_estimate,
-    implicit_vector_bytes,
+    probed_activation_width,
+    products_estimate,
 )
-from vivit.model_inputs import ModelInputs, call_model, num_samples
+from vivit.memory.route import implicit_obstacle
+from vivit.model_inputs import ModelInputs, call_model, map_inputs, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.batches import (
@@ -135,7 +137,9 @@ class ImplicitGroup:
             "solver='implicit' forms neither V nor the Gram matrix, so it computes "
             "a few leading eigenpairs: pass top_k (e.g. eigh(top_k=10)). The Gram "
             "matrix and all eigenvalues (eigvalsh, top_k=None) need a Gram route: "
-            "LowRankGGN(..., solver='auto')."
+            "name its solver, LowRankGGN(..., solver='dense') (solver='auto' takes "
+            "this route where the Gram route costs more or does not fit; ggn.route "
+            "says why)."
         )
 
     def choose_solver(self, top_k: int) -> str:  # noqa: D102
@@ -195,7 +199,7 @@ class ImplicitGroup:
 
         Returns:
             The estimate's basis columns (``None`` where nothing was estimated:
-            a loader, or a model that cannot be probed; the default basis).
+            a model that cannot be probed; the default basis).
 
         Raises:
             ProductsTooLargeError: If the products and the smallest basis cannot
@@ -357,11 +361,14 @@ class ImplicitFactors(CurvatureSource):
         self._model_state = model_fingerprint(model)
         self.passes = 0
         self._basis_columns: dict[int, int | None] = {}
+        self._largest_block: tuple[ModelInputs, int] | None = None  # probe, size
         self._first_pass()
+        inputs, block = self._largest_block
+        # activation entries per sample: the products' memory, from one sample
+        self._width = probed_activation_width(model, inputs, self.param_groups, options)
+        dtype = self.param_groups[0][0].dtype
         self._vector_bytes = (
-            implicit_vector_bytes(model, data[0][0], self.param_groups, options)
-            if self._single
-            else None
+            None if self._width is None else block * self._width * itemsize(dtype)
         )
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
 
@@ -369,8 +376,8 @@ class ImplicitFactors(CurvatureSource):
         """The vectors of a product in the vmapped passes a block takes them in.
 
         At most :func:`~vivit.engines.func.implicit.pass_width` vectors per
-        pass, from the bytes of one vector's tangents over the batch (a
-        loader's batches are not probed: one pass each).
+        pass, from the bytes of one vector's tangents over the largest block of
+        samples (one pass where the model cannot be probed).
 
         Args:
             vectors: One tensor ``[K, *p.shape]`` per parameter.
@@ -386,29 +393,28 @@ class ImplicitFactors(CurvatureSource):
     def check_fits(self, top_k: int) -> int | None:
         """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
 
+        The estimate is that of the largest block of samples the first pass
+        saw (a mini-batch, a chunk of it, or a loader's batch).
+
         Args:
             top_k: The block width of the products (``top_k``).
 
         Returns:
             The Krylov basis' columns the estimate fitted into the memory
-            available (``None``: not estimated, a loader or a model that cannot
-            be probed).
+            available (``None``: not estimated, a model that cannot be probed).
 
         Raises:
             ProductsTooLargeError: If it cannot fit.
         """
-        if not self._single:
-            return None
         if top_k not in self._basis_columns:
-            inputs = self._data[0][0]
-            estimate = implicit_estimate(
-                self._model, inputs, self.param_groups, self._options, top_k
-            )
-            if estimate is not None:
-                check_implicit_fits(estimate, self.param_groups[0][0].device)
-            self._basis_columns[top_k] = (
-                None if estimate is None else estimate.basis_columns
-            )
+            columns = None
+            if self._width is not None:
+                block = self._largest_block[1]
+                groups = self.param_groups
+                estimate = products_estimate(self._width, block, groups, top_k)
+                check_implicit_fits(estimate, groups[0][0].device)
+                columns = estimate.basis_columns
+            self._basis_columns[top_k] = columns
         return self._basis_columns[top_k]
 
     def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
@@ -478,6 +484,10 @@ class ImplicitFactors(CurvatureSource):
         ggn_columns = 0
         selector = self._options.output
         for index, block in enumerate(self._blocks("loss and gradient")):
+            size = num_samples(block.inputs)
+            if self._largest_block is None or size > self._largest_block[1]:
+                probe = map_inputs(block.inputs, lambda t: t[:1].clone())
+                self._largest_block = (probe, size)
             if index == 0:
                 for group in self.param_groups:
                     function = BlockFunction(self._model, group, block.inputs, selector)
@@ -518,43 +528,6 @@ class ImplicitFactors(CurvatureSource):
         self.communication = ExchangeReport(world_size=1)
         gradients = iter(gradients)
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
-
-
-def implicit_obstacle(options: CurvatureOptions) -> str | None:
-    """Why the implicit route cannot honour the options, or ``None`` if it can.
-
-    Args:
-        options: The checked options.
-
-    Returns:
-        What stands in the way and what to do, or ``None``.
-    """
-    if options.mc_samples:
-        return (
-            "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
-            "per position, never formed), which costs what a sampled one would: "
-            "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
-            "Gram route (solver='auto') for the MC estimate."
-        )
-    if options.group is not None:
-        return (
-            "solver='implicit' runs in this process alone: a process group is not "
-            "supported (every product would need an all-reduce in lock-step). Pass "
-            "process_group=False, or use a Gram route, whose factors are exchanged."
-        )
-    if options.gram_dtype is not None:
-        return (
-            "gram_dtype is the type of the Gram matrix and of the products with V, "
-            "which solver='implicit' never forms: its products run in the model's "
-            "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
-            "the model (model.double()) for float64 products."
-        )
-    if options.engine not in ("auto", "func"):
-        return (
-            f"solver='implicit' runs no engine (its products are torch.func's), got "
-            f"engine={options.engine!r}: drop engine, or use a Gram route."
-        )
-    return None
 
 
 def _check_implicit_options(options: CurvatureOptions) -> None:

@@ -1,105 +1,46 @@
-"""Which route ``solver="auto"`` runs for a mini-batch, and why.
+"""Which route ``solver="auto"`` runs for the data of a request, and why.
 
-Two routes give the exact GGN's leading eigenpairs (``docs/math.rst``, "Choosing
-the route"):
+The decision is :mod:`vivit.memory.route`'s, the one the estimate of a request
+takes too (:func:`vivit.memory.estimate_memory`); this module gives it what the
+data tells before anything of its size runs (``docs/math.rst``, "Choosing the
+route"):
 
-``"gram"``
-    An engine backpropagates the ``K`` columns of ``V`` per sample (``K = C``,
-    ``C·T`` with sequences of ``T`` positions, ``M·T`` with Monte-Carlo per
-    token) and keeps their factors (:mod:`vivit.sources.stored`); a Gram-space
-    solver takes the leading eigenpairs. Its backward pass costs about ``K``
-    times that of the loss, and its factors grow with ``K``.
-``"implicit"``
-    GGN-vector products by JVP and VJP (:mod:`vivit.sources.implicit`): no
-    ``V``, about :data:`IMPLICIT_PASSES` passes of the batch for
-    :data:`ROUTE_TOP_K` leading eigenpairs, whatever ``K`` is.
-
-``solver="auto"`` runs the implicit route for one mini-batch when the Gram
-route's factors cannot fit into the memory available (its estimate divided by
-:data:`~vivit.memory.estimate.ESTIMATE_FACTOR`, :func:`~vivit.memory.estimate.
-check_batch_fits`'s criterion) or when it costs more passes of the batch
-(:class:`RouteCosts`: the engine's backward pass, forming the Gram matrix, the
-solver, against the implicit route's passes), provided the implicit products
-fit (:func:`~vivit.memory.estimate.implicit_estimate`); where neither fits, the
-request is refused (:class:`~vivit.ProductsTooLargeError`, with both estimates).
-Otherwise, and whenever the implicit route cannot honour the request
-(Monte-Carlo sampling, a process group, ``gram_dtype``, the BackPACK engine by
-name, a data loader), the Gram route. The choice and its reason (the numbers
-compared) are kept as :class:`RouteChoice` (``LowRankGGN.route``). The constants
-are measured with ``benchmarks/eigenpairs.py`` on one CPU thread; on the
-problems measured the choice picks the faster route, within 2× where the two
-are close (char-LSTM at N = 8: 1.4×; ``docs/math.rst``, "Choosing the route").
+- a mini-batch: its samples, the curvature samples and the chunks; the model
+  runs on one sample (the estimates' probe);
+- a data loader: what is known without a pass over it. Its first batch is the
+  probe and gives the batch size ``b``; ``len(loader)`` (at most
+  ``max_batches``) the batches ``B``; every batch is taken to hold ``b``
+  samples, ``N = B·b`` in all (an upper bound where only the last batch is
+  smaller, as a ``DataLoader``'s). A loader without a length is judged on its
+  first batch alone: more batches add to the Gram route's memory and cost and
+  not to the implicit route's per batch, so where that batch runs the implicit
+  route so would the loader; the Gram route's memory is checked again while its
+  pass runs (:class:`~vivit.memory.budget.FactorBudget`). An iterator or
+  generator, which can be passed over once, keeps the Gram route (the implicit
+  route passes over the data in every product).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import closing
 
-import torch
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_batch, check_inputs_match, check_subsampling
 from vivit.engines.choice import resolve_engine
-from vivit.errors import ProductsTooLargeError
-from vivit.gram.memory import available_bytes, format_bytes
-from vivit.linalg.top_k import dense_work, iterative_work, solver_block_size
-from vivit.linalg.top_k import pass_work as gram_pass_work
-from vivit.memory.estimate import (
-    ESTIMATE_FACTOR,
-    MemoryEstimate,
-    batch_estimate,
-    implicit_estimate,
-    implicit_summary,
-    kept_bytes,
+from vivit.gram.memory import available_bytes
+from vivit.memory.estimate import Blocks, batch_estimate, implicit_estimate
+from vivit.memory.route import (
+    ROUTE_TOP_K,
+    RouteChoice,
+    RouteRequest,
+    compare_routes,
+    fixed_route,
 )
-from vivit.model_inputs import num_samples
+from vivit.model_inputs import ModelInputs, num_samples
 from vivit.options import CurvatureOptions
-from vivit.sources.batches import check_batched, is_batch
-from vivit.sources.implicit import implicit_obstacle
-
-#: Leading eigenpairs the choice is made for (the library's usual ``top_k``).
-ROUTE_TOP_K = 10
-#: Forward+backward passes of the batch that the implicit route's top-10 solve
-#: costs (products times passes per product, its first pass and the solver's
-#: linear algebra in a small parameter space included): measured 57 to 233 on
-#: char-LSTM (N = 2 to 32) and gpt2-2l-64-v128 (N = 1 to 4), 30 to 100 products
-#: of 1.0 to 3.7 passes each (``benchmarks/README.md``, "The route's cost model").
-IMPLICIT_PASSES = 150.0
-#: Passes' worth of multiply-adds that backpropagating one column of ``V`` per
-#: sample costs each engine (measured 2.5 for the 3c3d CNN with BackPACK,
-#: N = 32 to 128, and 1.7 for the char-LSTM with the func engine's recurrent
-#: factor forms, N = 32).
-GRAM_PASSES_PER_COLUMN = {"backpack": 2.5, "func": 1.7}
-#: Multiply-adds one pass costs besides its arithmetic (Python, kernel launches):
-#: 1.7 ms at 11 GMAC/s, the forward+backward pass of char-LSTM at N = 2 (1.8 ms,
-#: against 3.6 ms at N = 32).
-PASS_OVERHEAD = 2e7
-#: How many times faster the Gram matrix's contractions and the eigensolver run
-#: than the passes per multiply-add (measured 33 against 11 GMAC/s on char-LSTM,
-#: N = 32, one thread).
-GEMM_SPEEDUP = 3.0
-
-
-@dataclass(frozen=True)
-class RouteChoice:
-    """The route a :class:`~vivit.LowRankGGN` runs, and why.
-
-    Attributes:
-        name: ``"gram"`` (factors of ``V``, a Gram-space solver) or
-            ``"implicit"`` (GGN-vector products, no ``V``).
-        reason: Why, in words (the numbers the choice compared).
-        estimate: The Gram route's memory estimate of the mini-batch where the
-            choice probed the model for it, else ``None``; the Gram route's
-            memory check (:func:`~vivit.memory.estimate.check_batch_fits`) takes
-            it rather than probing the same batch again.
-    """
-
-    name: str
-    reason: str
-    estimate: MemoryEstimate | None = field(default=None, compare=False, repr=False)
-
-    def __str__(self) -> str:
-        return f"{self.name} route: {self.reason}"
+from vivit.sources.batches import check_batched, is_batch, iterate_batches, num_batches
 
 
 def choose_route(
@@ -109,10 +50,10 @@ def choose_route(
     param_groups: list[list[Parameter]],
     options: CurvatureOptions,
 ) -> RouteChoice:
-    """The route of a request (see the module docstring for the rules).
+    """The route of a request (see :mod:`vivit.memory.route` for the rules).
 
     Runs the model on one sample (the memory estimate's probe) where the rules
-    need the Gram route's columns and bytes; nothing of the batch's size.
+    need the routes' estimates; reads a loader's first batch for it.
 
     Args:
         model: The network.
@@ -123,189 +64,103 @@ def choose_route(
 
     Returns:
         The route and the reason.
+
+    Raises:
+        ProductsTooLargeError: If neither route fits, before anything of the
+            data's size runs.
     """
-    if options.solver == "implicit":
-        return RouteChoice("implicit", "solver='implicit' was asked for")
-    if options.solver != "auto":
-        return RouteChoice("gram", f"solver={options.solver!r} was asked for")
-    obstacle = implicit_obstacle(options)
-    if obstacle is not None:
-        return RouteChoice("gram", f"the implicit route cannot run: {obstacle}")
-    if not is_batch(data):
-        return RouteChoice(
-            "gram",
-            "a data loader: the Gram route keeps every batch's factors (pass "
-            "solver='implicit' for GGN-vector products summed over its batches)",
+    single = is_batch(data)
+    fixed = fixed_route(options, None if single else _loader_obstacle(data, options))
+    if fixed is not None:
+        return fixed
+    if single:
+        request = _batch_request(model, loss_func, data, param_groups, options)
+    else:
+        request = _loader_request(model, loss_func, data, param_groups, options)
+        if request is None:  # refused as empty by the Gram route
+            return RouteChoice("gram", "the data loader yields no batch")
+    return compare_routes(request, available_bytes(param_groups[0][0].device))
+
+
+def _loader_obstacle(data: object, options: CurvatureOptions) -> str | None:
+    """What rules the implicit route out for a loader before reading it."""
+    if isinstance(data, Iterator):
+        return (
+            f"an iterator or generator ({type(data).__name__}) can be passed over "
+            "once, and the implicit route passes over the data in every product: "
+            "pass a list of batches or a DataLoader"
         )
-    return _compare_routes(model, loss_func, data, param_groups, options)
+    if options.subsampling is not None:
+        return "subsampling selects samples of one mini-batch, not of a loader"
+    return None
 
 
-def _compare_routes(
+def _batch_request(
     model: Module,
     loss_func: Module,
     data: object,
     groups: list[list[Parameter]],
     options: CurvatureOptions,
-) -> RouteChoice:
-    """Memory first, then passes: the route for one mini-batch."""
+) -> RouteRequest:
+    """The estimates of one mini-batch, after the Gram route's checks."""
     check_batched(data, model)  # the checks of the Gram route, in its order
     inputs = check_batch(data)[0]
     check_inputs_match(inputs, list(model.parameters()))
-    check_subsampling(options.subsampling, num_samples(inputs))
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
-    estimate = batch_estimate(model, loss_func, inputs, groups, options, engine)
-    if estimate is None:
-        return RouteChoice(
-            "gram",
-            "the Gram route's memory and columns could not be estimated (the "
-            "logger 'vivit' says why); pass solver='implicit' for GGN-vector "
-            "products",
-        )
-    samples = (
-        num_samples(inputs) if options.subsampling is None else len(options.subsampling)
-    )
-    columns = estimate.num_rows // samples
-    needed = kept_bytes(estimate) / ESTIMATE_FACTOR
-    available = available_bytes(groups[0][0].device)
-    if needed > available:
-        return _implicit_if_it_fits(
-            model,
-            inputs,
-            groups,
-            options,
-            estimate,
-            f"the Gram route's factors of V ({columns} columns per sample) need at "
-            f"least {format_bytes(needed)}, but {format_bytes(available)} are "
-            "available",
-        )
-    size = max(sum(p.numel() for p in group) for group in groups)
-    costs = RouteCosts.of(estimate, samples, size, ROUTE_TOP_K)
-    if costs.gram > costs.products:
-        return _implicit_if_it_fits(
-            model, inputs, groups, options, estimate, str(costs)
-        )
-    return RouteChoice("gram", str(costs), estimate)
+    samples = num_samples(inputs)
+    check_subsampling(options.subsampling, samples)
+    curvature = samples if options.subsampling is None else len(options.subsampling)
+    blocks = Blocks.of_batch(samples, curvature, options.chunk_size)
+    return _request(model, loss_func, inputs, groups, options, blocks)
 
 
-@dataclass(frozen=True)
-class RouteCosts:
-    """Both routes' expected work for one mini-batch, in passes of the batch.
-
-    A pass of ``N`` samples costs ``3·F·N +`` :data:`PASS_OVERHEAD`
-    multiply-adds (``F`` the forward pass's per sample, ``MemoryEstimate.
-    sample_work``); the implicit route :data:`IMPLICIT_PASSES` of them and its
-    solver's orthogonalization in parameter space
-    (:func:`~vivit.linalg.top_k.iterative_work` of ``D``-vectors at
-    :data:`GEMM_SPEEDUP`); the Gram
-    route its engine's ``g·K`` passes' arithmetic (``g`` of
-    :data:`GRAM_PASSES_PER_COLUMN`, one overhead), then forming the Gram
-    matrices (``MemoryEstimate.gram_work``) and the cheaper of the dense and
-    the iterative solve (:func:`~vivit.linalg.top_k.dense_work`,
-    :func:`~vivit.linalg.top_k.iterative_work`), both at :data:`GEMM_SPEEDUP`
-    times the passes' rate.
-
-    Attributes:
-        columns: Columns ``K`` of ``V`` per sample.
-        engine: The Gram route's backward pass, in passes.
-        formation: Forming its Gram matrices, in passes.
-        solve: Its eigensolver, in passes.
-        implicit: The implicit route's products, in passes.
-        basis: Its solver's orthogonalization of a basis in parameter space, in
-            passes.
-    """
-
-    columns: int
-    engine: float
-    formation: float
-    solve: float
-    implicit: float
-    basis: float
-
-    @classmethod
-    def of(
-        cls, estimate: MemoryEstimate, samples: int, num_params: int, top_k: int
-    ) -> RouteCosts:
-        """The costs of a batch from its Gram route's estimate.
-
-        Args:
-            estimate: The Gram route's :func:`~vivit.memory.estimate.batch_estimate`.
-            samples: Curvature samples ``N_S``.
-            num_params: Parameters ``D`` of the largest group.
-            top_k: Leading eigenpairs.
-
-        Returns:
-            The costs.
-        """
-        size = estimate.num_rows
-        columns = size // samples
-        arithmetic = 3 * estimate.sample_work * samples
-        pass_work = arithmetic + PASS_OVERHEAD
-        per_column = GRAM_PASSES_PER_COLUMN[estimate.engine]
-        width = solver_block_size("iterative", top_k, size)
-        solve = min(
-            dense_work(size),
-            iterative_work(size, width, size, gram_pass_work(size, torch.float32)),
-        )
-        return cls(
-            columns=columns,
-            engine=(per_column * columns * arithmetic + PASS_OVERHEAD) / pass_work,
-            formation=estimate.gram_work / GEMM_SPEEDUP / pass_work,
-            solve=solve / GEMM_SPEEDUP / pass_work,
-            implicit=IMPLICIT_PASSES,
-            basis=iterative_work(num_params, top_k, 0.0) / GEMM_SPEEDUP / pass_work,
-        )
-
-    @property
-    def gram(self) -> float:
-        """The Gram route's passes."""
-        return self.engine + self.formation + self.solve
-
-    @property
-    def products(self) -> float:
-        """The implicit route's passes."""
-        return self.implicit + self.basis
-
-    def __str__(self) -> str:
-        return (
-            f"the Gram route costs about {self.gram:.0f} passes of the batch "
-            f"({self.columns} columns of V per sample: backward pass "
-            f"{self.engine:.0f}, Gram matrix {self.formation:.0f}, solver "
-            f"{self.solve:.0f}), the implicit route about {self.products:.0f} for "
-            f"{ROUTE_TOP_K} eigenpairs (products {self.implicit:.0f}, Krylov basis "
-            f"{self.basis:.0f})"
-        )
-
-
-def _implicit_if_it_fits(
+def _loader_request(
     model: Module,
-    inputs: object,
+    loss_func: Module,
+    data: object,
     groups: list[list[Parameter]],
     options: CurvatureOptions,
-    estimate: MemoryEstimate,
-    reason: str,
-) -> RouteChoice:
-    """The implicit route where its products fit, else the Gram route (or neither)."""
-    products = implicit_estimate(model, inputs, groups, options, ROUTE_TOP_K)
-    if products is None:
-        return RouteChoice("implicit", reason, estimate)
-    available = available_bytes(groups[0][0].device)
-    if products.total <= ESTIMATE_FACTOR * available:
-        return RouteChoice("implicit", reason, estimate)
-    if kept_bytes(estimate) <= ESTIMATE_FACTOR * available:
-        return RouteChoice(
-            "gram",
-            f"{reason}; but {implicit_summary(products)}, more than the "
-            f"{format_bytes(available)} available",
-            estimate,
+) -> RouteRequest | None:
+    """The estimates of a loader from its first batch and length (``None``: empty)."""
+    with closing(iterate_batches(data, model, 1)) as batches:
+        first = next(batches, None)
+    if first is None:
+        return None
+    inputs = first[0]
+    size = num_samples(inputs)
+    count = num_batches(data, options.max_batches)
+    if count is None:
+        blocks = Blocks.of_loader(size, size, options.chunk_size)
+        words = (
+            f"a data loader without len(), judged on its first batch of {size} "
+            "samples (more batches add to the Gram route's memory and cost only; "
+            "its memory is checked again while its pass runs)"
         )
-    raise ProductsTooLargeError(
-        f"Neither exact route fits into the {format_bytes(available)} available: "
-        f"the Gram route's factors of V need an estimated "
-        f"{format_bytes(kept_bytes(estimate))} (at least "
-        f"{format_bytes(kept_bytes(estimate) / ESTIMATE_FACTOR)}), and "
-        f"{implicit_summary(products)}. Refused before running. Ask for fewer "
-        "pairs (eigh(top_k=...) with solver='implicit'), use the curvature of "
-        "fewer samples (subsampling=[...]) or a smaller batch, bound the "
-        "activations with chunk_size=..., or Monte-Carlo sample the loss Hessian "
-        "on the Gram route (mc_samples=1)."
+    else:
+        blocks = Blocks.of_loader(count * size, size, options.chunk_size)
+        words = (
+            f"a data loader of about {count * size} samples ({count} batches of "
+            f"the first batch's {size})"
+        )
+    return _request(model, loss_func, inputs, groups, options, blocks, words)
+
+
+def _request(
+    model: Module,
+    loss_func: Module,
+    inputs: ModelInputs,
+    groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    blocks: Blocks,
+    words: str = "",
+) -> RouteRequest:
+    """Both routes' estimates of the samples, probed on ``inputs``' first one."""
+    engine = resolve_engine(options.engine, model, loss_func, options.output)
+    return RouteRequest(
+        gram=batch_estimate(model, loss_func, inputs, groups, options, engine, blocks),
+        implicit=lambda: implicit_estimate(
+            model, inputs, groups, options, ROUTE_TOP_K, block=blocks.block
+        ),
+        blocks=blocks,
+        num_params=max(sum(p.numel() for p in group) for group in groups),
+        data=words,
     )

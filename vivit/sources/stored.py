@@ -286,7 +286,7 @@ class StoredFactors(CurvatureSource):
             options: The checked options.
             shards: The exchange of the process group (``options.group``).
             estimate: The mini-batch's memory estimate if the route choice
-                probed it (:attr:`~vivit.sources.route.RouteChoice.estimate`);
+                probed it (:attr:`~vivit.memory.route.RouteChoice.estimate`);
                 ``None``: probed here.
 
         Returns:
