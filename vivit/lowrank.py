@@ -16,7 +16,7 @@ from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.implicit import ImplicitFactors
-from vivit.sources.route import RouteChoice, choose_route
+from vivit.sources.route import RouteChoice, agreed_route, choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -196,6 +196,8 @@ class LowRankGGN(CurvatureResults):
             module = local_module(model)
             groups, _ = checked_param_groups(module, loss_func, param_groups)
             route = choose_route(module, loss_func, data, groups, checked)
+            # under a group every rank runs one route, decided from every shard's
+            route = shards.decide((checked.solver, route), agreed_route)
             if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
                 checked = checked.replace(solver="implicit")
                 source = ImplicitFactors(module, loss_func, data, groups, checked)

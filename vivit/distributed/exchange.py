@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,14 +30,18 @@ from vivit.errors import DistributedError
 from vivit.gram import ParamFactors
 from vivit.sources.batches import BlockResult
 
+Item = TypeVar("Item")
+Decision = TypeVar("Decision")
+
 
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
     Use as a context manager around everything a rank does before the exchange:
-    an exception that leaves it before this rank has taken part in both rounds
-    is reported to the other ranks in the round they wait in (and re-raised
-    here), so that every rank raises instead of waiting.
+    an exception that leaves it before this rank has taken part in the three
+    rounds (route, request, block) is reported to the other ranks in the round
+    they wait in (and re-raised here), so that every rank raises instead of
+    waiting.
 
     Args:
         group: The process group, or ``None`` to run locally (every method then
@@ -48,7 +53,7 @@ class ShardExchange:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.report = ExchangeReport(world_size=self.world_size)
-        self._rounds_left = 0 if group is None else 2
+        self._rounds_left = 0 if group is None else 3
 
     def __enter__(self) -> ShardExchange:
         return self
@@ -82,6 +87,30 @@ class ShardExchange:
         """Run an agreement check; if it raises (on every rank), no round follows."""
         try:
             check(*args)
+        except DistributedError:
+            self._rounds_left = 0
+            raise
+
+    def decide(self, item: Item, rule: Callable[[list[Item]], Decision]) -> Decision:
+        """The route round: one decision from every rank's item, the same on all.
+
+        Args:
+            item: This rank's item (picklable).
+            rule: Decides from every rank's item, in rank order (raising a
+                :class:`~vivit.errors.DistributedError` raises on every rank).
+
+        Returns:
+            The decision (``rule([item])`` locally).
+
+        Raises:
+            DistributedError: On every rank, if a rank failed before the round
+                or the rule refuses the items.
+        """
+        if self.group is None:
+            return rule([item])
+        gathered = self._round(item)
+        try:
+            return rule(gathered)
         except DistributedError:
             self._rounds_left = 0
             raise

@@ -23,9 +23,11 @@ solver, against the implicit route's passes), provided the implicit products
 fit (:func:`~vivit.memory.estimate.implicit_estimate`); where neither fits, the
 request is refused (:class:`~vivit.ProductsTooLargeError`, with both estimates).
 Otherwise, and whenever the implicit route cannot honour the request
-(Monte-Carlo sampling, a process group, ``gram_dtype``, the BackPACK engine by
-name, a data loader), the Gram route. The choice and its reason (the numbers
-compared) are kept as :class:`RouteChoice` (``LowRankGGN.route``). The constants
+(Monte-Carlo sampling, ``gram_dtype``, the BackPACK engine by name, a data
+loader), the Gram route. Under a process group each rank chooses from its own
+shard and every rank runs the route :func:`agreed_route` decides from all their
+choices. The choice and its reason (the numbers compared) are kept as
+:class:`RouteChoice` (``LowRankGGN.route``). The constants
 are measured with ``benchmarks/eigenpairs.py`` on one CPU thread; on the
 problems measured the choice picks the faster route, within 2× where the two
 are close (char-LSTM at N = 8: 1.4×; ``docs/math.rst``, "Choosing the route").
@@ -40,7 +42,7 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import check_batch, check_inputs_match, check_subsampling
 from vivit.engines.choice import resolve_engine
-from vivit.errors import ProductsTooLargeError
+from vivit.errors import DistributedError, ProductsTooLargeError
 from vivit.gram.memory import available_bytes, format_bytes
 from vivit.linalg.top_k import dense_work, iterative_work, solver_block_size
 from vivit.linalg.top_k import pass_work as gram_pass_work
@@ -308,4 +310,51 @@ def _implicit_if_it_fits(
         "fewer samples (subsampling=[...]) or a smaller batch, bound the "
         "activations with chunk_size=..., or Monte-Carlo sample the loss Hessian "
         "on the Gram route (mc_samples=1)."
+    )
+
+
+def agreed_route(choices: list[tuple[str, RouteChoice]]) -> RouteChoice:
+    """The route every rank of a process group runs, from every rank's choice.
+
+    Each rank chooses from its own shard (:func:`choose_route`); all must run
+    one route. Where they differ (``solver="auto"``), the implicit route runs:
+    a rank chose it because the Gram route's factors do not fit there or cost
+    more passes, and the implicit route runs on any shard (a loader's too);
+    its memory is checked on every rank before the first product.
+
+    Args:
+        choices: Every rank's requested solver and choice, in rank order.
+
+    Returns:
+        The route, with every rank's reason where they differ (without a
+        memory estimate: each rank probed its own shard); in one process its
+        choice as it is.
+
+    Raises:
+        DistributedError: If the ranks asked for different solvers.
+    """
+    solver, first = choices[0]
+    if len(choices) == 1:  # one process: its own choice (and estimate)
+        return first
+    asked = [
+        f"rank {rank} asks for solver={theirs!r}, rank 0 for {solver!r}"
+        for rank, (theirs, _) in enumerate(choices)
+        if theirs != solver
+    ]
+    if asked:
+        raise DistributedError(
+            "; ".join(asked) + ". Every rank must pass the same options."
+        )
+    names = {choice.name for _, choice in choices}
+    if len({choice.reason for _, choice in choices}) == 1:
+        return RouteChoice(first.name, first.reason)
+    reasons = "; ".join(
+        f"rank {rank}: {choice}" for rank, (_, choice) in enumerate(choices)
+    )
+    if len(names) == 1:
+        return RouteChoice(first.name, f"every rank chose it ({reasons})")
+    return RouteChoice(
+        "implicit",
+        f"the ranks chose differently, and all run the implicit route, which "
+        f"runs on every shard ({reasons})",
     )
