@@ -68,9 +68,12 @@ class LowRankGGN(CurvatureResults):
         engine: As for :class:`~vivit.options.CurvatureOptions`.
         progress: As for :class:`~vivit.options.CurvatureOptions`.
         process_group: As for :class:`~vivit.options.CurvatureOptions`. The
-            Gram matrices are formed at construction, their blocks split over the
-            ranks (not with ``solver="matrix_free"``); nothing after the
-            construction communicates.
+            Gram route forms the Gram matrices at construction, their blocks
+            split over the ranks (not with ``solver="matrix_free"``); nothing
+            after its construction communicates. On the implicit route every
+            product is summed over the ranks (one ``all_reduce``), so every
+            rank must make the same calls in the same order. Each rank chooses
+            a route from its own shard; all run the one :attr:`route` names.
         chunk_size: As for :class:`~vivit.options.CurvatureOptions`.
         output: As for :class:`~vivit.options.CurvatureOptions`.
         max_batches: As for :class:`~vivit.options.CurvatureOptions`.
@@ -85,11 +88,13 @@ class LowRankGGN(CurvatureResults):
             (:class:`~vivit.distributed.ShardLayout`): rows of ``γ``, ``λ`` and
             the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
-            (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
+            (:class:`~vivit.distributed.ExchangeReport`; zero in one process),
+            on the implicit route also of every product since.
         route: The route that ran and why (:class:`~vivit.sources.route.
             RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
             (GGN-vector products), which ``solver="auto"`` chooses for a
-            mini-batch by memory and cost (:mod:`vivit.sources.route`).
+            mini-batch by memory and cost (:mod:`vivit.sources.route`; under a
+            process group from every rank's choice, the same on every rank).
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -200,7 +205,9 @@ class LowRankGGN(CurvatureResults):
             route = shards.decide((checked.solver, route), agreed_route)
             if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
                 checked = checked.replace(solver="implicit")
-                source = ImplicitFactors(module, loss_func, data, groups, checked)
+                source = ImplicitFactors(
+                    module, loss_func, data, groups, checked, shards
+                )
             else:
                 source = StoredFactors.run(
                     module, loss_func, data, groups, checked, shards, route.estimate

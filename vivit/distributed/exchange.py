@@ -26,6 +26,7 @@ from vivit.distributed.agreement import (
 from vivit.distributed.gram import sharded_gram
 from vivit.distributed.layout import ExchangeReport
 from vivit.distributed.packing import Packer, pack_block, unpack_block
+from vivit.engines.base import BatchInfo
 from vivit.errors import DistributedError
 from vivit.gram import ParamFactors
 from vivit.sources.batches import BlockResult
@@ -211,6 +212,36 @@ class ShardExchange:
         # the whole exchange, the block round (which timed itself) included
         self.report.seconds = before + time.perf_counter() - start
         return rebuilt
+
+    def block_contexts(
+        self, batch: BatchInfo, loss: Tensor, sample_shape: tuple[int, ...] | None
+    ) -> list[tuple[BatchInfo, Tensor]]:
+        """The implicit route's block round: every rank's batch context and loss.
+
+        The implicit route keeps no factors: every rank's sample weights (its
+        ``R``) and GGN samples and the loss on its shard are all it exchanges
+        at construction (its gradient is summed after this round).
+
+        Args:
+            batch: This rank's shard's batch context (GGN samples in its
+                subsampling's order).
+            loss: The loss on this rank's shard.
+            sample_shape: The shape per sample of this rank's targets.
+
+        Returns:
+            Every rank's context and loss, in rank order.
+
+        Raises:
+            DistributedError: If another rank failed before this round, or the
+                ranks' targets differ in shape per sample (on every rank).
+        """
+        if self.group is None:
+            return [(batch, loss)]
+        start, before = time.perf_counter(), self.report.seconds
+        gathered = self._round((batch, loss.detach().cpu(), sample_shape))
+        check_sample_shapes([shape for *_, shape in gathered])
+        self.report.seconds = before + time.perf_counter() - start
+        return [(context, value.to(loss.device)) for context, value, _ in gathered]
 
     def _all_gather_bytes(
         self, packer: Packer, size: int, device: torch.device
