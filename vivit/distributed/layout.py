@@ -97,9 +97,10 @@ class ExchangeReport:
             the model's type for the gradient, ``K·D`` per product of ``K``
             vectors (the collective's algorithm decides the wire traffic; a
             ring sends and receives ``2(W − 1)/W`` of it).
-        reduction_seconds: Wall time of the implicit route's calls under the
-            group since construction (agreement rounds, all-reduces, gathers;
-            includes waiting for the slowest rank's share).
+        reduction_seconds: Wall time of the implicit route's collectives
+            since construction: its agreement rounds (gathered values included;
+            waiting for the slowest rank's share too) and all-reduces, not this
+            rank's own shares.
     """
 
     world_size: int = 1

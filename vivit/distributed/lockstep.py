@@ -80,12 +80,12 @@ class LockStep:
         """
         if self.group is None:
             return list(compute())
-        start = time.perf_counter()
         share, _ = self._round(  # the all-reduce needs as many numbers of one type
             call,
             compute,
             lambda s: (f"{sum(t.numel() for t in s)} numbers of {s[0].dtype}", None),
         )
+        start = time.perf_counter()
         flat = torch.cat([t.reshape(-1) for t in share])
         dist.all_reduce(flat, group=self.group)
         self.report.reductions += 1
@@ -114,9 +114,7 @@ class LockStep:
         """
         if self.group is None:
             return [compute()]
-        start = time.perf_counter()
         _, shares = self._round(call, compute, lambda share: (None, share))
-        self.report.reduction_seconds += time.perf_counter() - start
         return shares
 
     def _round(
@@ -136,8 +134,10 @@ class LockStep:
         except BaseException as error:
             self._all_gather(RankFailure.of(self.rank, error))
             raise
+        start = time.perf_counter()  # the round, not this rank's share
         agreed, handed = split(share)
         gathered = self._all_gather(((call, agreed), handed))
+        self.report.reduction_seconds += time.perf_counter() - start
         raise_failures(gathered, self.world_size)
         first = gathered[0][0]
         differences = [
