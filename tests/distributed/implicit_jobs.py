@@ -358,6 +358,37 @@ class ChangingLoader:
         return len(self.batches)
 
 
+class NoForwardMode(torch.autograd.Function):
+    """``x ↦ x`` with a backward and no JVP rule: forward-mode AD refuses it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Refusing(nn.Module):
+    """The model, its output passed through :class:`NoForwardMode` where
+    ``refuse``: the same parameters (and checksums) on every rank."""
+
+    def __init__(self, model: nn.Module, refuse: bool):
+        super().__init__()
+        self.model, self.refuse = model, refuse
+
+    def forward(self, x: Tensor) -> Tensor:
+        output = self.model(x)
+        return NoForwardMode.apply(output) if self.refuse else output
+
+
 def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     """Each failure case: this rank's exception type and message."""
     scenario = SCENARIOS["mlp-ce_weighted-mean"]
@@ -393,6 +424,7 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
             (inputs * float("nan") if last else inputs, targets)
         ),
         "empty loader": lambda: implicit([] if last else batches),
+        "unsupported layer": lambda: implicit(net=Refusing(model, last)),
         # in a product: the last rank's model or loader changed, memory refused
         "model changed": changed_model,
         "loader changed": lambda: implicit(

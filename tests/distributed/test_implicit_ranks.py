@@ -220,6 +220,7 @@ def test_an_error_on_one_rank_raises_on_every_rank(jobs, world_size):
         "targets": "InvalidTargetsError",
         "non-finite": "NonFiniteError",
         "empty loader": "InvalidArgumentError",
+        "unsupported layer": "UnsupportedLayerError",
         "model changed": "ModelChangedError",
         "loader changed": "NondeterministicDataError",
         "memory": "ProductsTooLargeError",
