@@ -61,6 +61,7 @@ class LossHessianProducts:
             sigma = output.sigmoid()
             self._scale = self._scale * sigma * (1 - sigma)
 
+    @torch.no_grad()  # never differentiated (out= refuses tensors that need grad)
     def hessian_matmul(self, tangents: Tensor) -> Tensor:
         """``H_n u_n`` of every sample: the Hessian of ``ℓ_n`` (not of ``L``).
 

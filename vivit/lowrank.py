@@ -17,7 +17,7 @@ from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.implicit import ImplicitFactors
-from vivit.sources.route import choose_route
+from vivit.sources.route import agreed_route, choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -69,9 +69,12 @@ class LowRankGGN(CurvatureResults):
         engine: As for :class:`~vivit.options.CurvatureOptions`.
         progress: As for :class:`~vivit.options.CurvatureOptions`.
         process_group: As for :class:`~vivit.options.CurvatureOptions`. The
-            Gram matrices are formed at construction, their blocks split over the
-            ranks (not with ``solver="matrix_free"``); nothing after the
-            construction communicates.
+            Gram route forms the Gram matrices at construction, their blocks
+            split over the ranks (not with ``solver="matrix_free"``); nothing
+            after its construction communicates. On the implicit route every
+            product is summed over the ranks (one ``all_reduce``), so every
+            rank must make the same calls in the same order. Each rank chooses
+            a route from its own shard; all run the one :attr:`route` names.
         chunk_size: As for :class:`~vivit.options.CurvatureOptions`.
         output: As for :class:`~vivit.options.CurvatureOptions`.
         max_batches: As for :class:`~vivit.options.CurvatureOptions`.
@@ -86,13 +89,15 @@ class LowRankGGN(CurvatureResults):
             (:class:`~vivit.distributed.ShardLayout`): rows of ``γ``, ``λ`` and
             the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
-            (:class:`~vivit.distributed.ExchangeReport`; zero in one process).
+            (:class:`~vivit.distributed.ExchangeReport`; zero in one process),
+            on the implicit route also of every product since.
         route: The route that ran and why (:class:`~vivit.memory.route.
             RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
             (GGN-vector products), which ``solver="auto"`` chooses for a
             mini-batch or a loader by memory and cost (:mod:`vivit.memory.route`,
-            from the data by :mod:`vivit.sources.route`); the memory estimate
-            of the request takes the same decision
+            from the data by :mod:`vivit.sources.route`; under a process group
+            from every rank's choice, the same on every rank); the memory
+            estimate of the request takes the same decision
             (:func:`vivit.memory.estimate_memory`).
 
     Raises:
@@ -200,9 +205,13 @@ class LowRankGGN(CurvatureResults):
             module = local_module(model)
             groups, _ = checked_param_groups(module, loss_func, param_groups)
             route = choose_route(module, loss_func, data, groups, checked)
+            # under a group every rank runs one route, decided from every shard's
+            route = shards.decide((checked.solver, route), agreed_route)
             if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
                 checked = checked.replace(solver="implicit")
-                source = ImplicitFactors(module, loss_func, data, groups, checked)
+                source = ImplicitFactors(
+                    module, loss_func, data, groups, checked, shards
+                )
             else:
                 source = StoredFactors.run(
                     module, loss_func, data, groups, checked, shards, route.estimate

@@ -142,7 +142,11 @@ class CurvatureOptions:
             batch; a failure on one rank raises on every rank
             (:class:`~vivit.DistributedError` on the others). A
             ``DistributedDataParallel`` model runs as its ``.module``. Not with
-            ``chunk_size`` (each rank exchanges its shard as one block).
+            ``chunk_size`` (each rank exchanges its shard as one block). With
+            ``solver="implicit"`` every rank passes over its own shard in every
+            product and the products are summed over the ranks: every call that
+            multiplies is then a collective, made by every rank alike
+            (``docs/math.rst``, "Implicit products on several processes").
         chunk_size: Most samples per backward pass: the batch (every batch of a
             loader) is split into consecutive chunks of at most this many
             samples, each run by the engine on its own and combined exactly

@@ -5,16 +5,11 @@ every scenario of the job on its shard; here the results are compared with the
 single-process results on the union of the shards (concatenated batch; for MC a
 loader over the shards in rank order, whose block ``b`` draws from the same
 stream as rank ``b``) and with each other (bit for bit). A job that hangs is
-killed after ``JOB_TIMEOUT`` seconds and fails the test; inside it every
-collective has a 45 s timeout.
+killed after ``JOB_TIMEOUT`` seconds and fails the test
+(``tests/distributed/spawn.py``); inside it every collective has a 45 s timeout.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,50 +24,13 @@ from tests.distributed.jobs import (
     setup,
     train_reference,
 )
+from tests.distributed.spawn import launch
 from tests.fixtures.checks import align_signs, assert_rel
 from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
 from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
 from vivit.distributed.packing import Packer, pack_factors, unpack_factors
 from vivit.gram import SampleBlockFactors
-
-ROOT = Path(__file__).resolve().parents[2]
-#: Seconds a whole job may take (typically 5-10 s) before it is killed.
-JOB_TIMEOUT = 120
-
-
-def launch(world_size: int, out: Path) -> list[dict]:
-    """Run job ``world_size`` on that many ranks; every rank's results."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
-    )
-    command = [sys.executable, "-m", "tests.distributed.jobs", str(world_size)]
-    processes = [
-        subprocess.Popen(
-            [*command, str(rank), str(world_size), str(out / "rendezvous"), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    logs = []
-    try:
-        for process in processes:
-            logs.append(process.communicate(timeout=JOB_TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"The {world_size}-rank job hung (killed after {JOB_TIMEOUT} s).")
-    for rank, (process, log) in enumerate(zip(processes, logs, strict=True)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{log}"
-    return [
-        torch.load(out / f"rank{rank}.pt", weights_only=False)
-        for rank in range(world_size)
-    ]
 
 
 @pytest.fixture(scope="module")

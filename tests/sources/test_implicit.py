@@ -102,6 +102,38 @@ def test_narrow_blocks_match_dense(name):
     assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
 
 
+@pytest.mark.parametrize("name", ["causal-lm-ce-mean", "twice-bce-sum"])
+def test_one_group_per_layer_matches_the_blocks_of_dense(name):
+    """Parameter groups: each group's products run while the other groups'
+    parameters require grad, and equal the dense GGN's diagonal blocks."""
+    s = PROBLEMS[name].setup()
+    groups = [list(m.parameters(recurse=False)) for m in s.model.modules()]
+    groups = [g for g in groups if g]
+    ggn = LowRankGGN(
+        s.model,
+        s.loss_func,
+        (s.inputs, s.targets),
+        param_groups=groups,
+        solver="implicit",
+    )
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    order = {id(p): i for i, p in enumerate(s.model.parameters())}
+    sizes = [p.numel() for p in s.model.parameters()]
+    offsets = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    for index, group in enumerate(groups):
+        rows = torch.cat(
+            [
+                torch.arange(offsets[order[id(p)]], offsets[order[id(p)] + 1])
+                for p in group
+            ]
+        )
+        block = G[rows][:, rows]
+        evals, _ = ggn.eigh(top_k=min(4, len(rows)), group=index)
+        assert_top_eigvals(
+            evals, torch.linalg.eigvalsh(block), EIGVAL_RTOL[torch.float64]
+        )
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
     """A linear layer under MSE: ``G = c Σ x̃ x̃ᵀ ⊗ I₃``, every eigenvalue three

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,18 +26,23 @@ from vivit.distributed.agreement import (
 from vivit.distributed.gram import sharded_gram
 from vivit.distributed.layout import ExchangeReport
 from vivit.distributed.packing import Packer, pack_block, unpack_block
+from vivit.engines.base import BatchInfo
 from vivit.errors import DistributedError
 from vivit.gram import ParamFactors
 from vivit.sources.batches import BlockResult
+
+Item = TypeVar("Item")
+Decision = TypeVar("Decision")
 
 
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
     Use as a context manager around everything a rank does before the exchange:
-    an exception that leaves it before this rank has taken part in both rounds
-    is reported to the other ranks in the round they wait in (and re-raised
-    here), so that every rank raises instead of waiting.
+    an exception that leaves it before this rank has taken part in the three
+    rounds (route, request, block) is reported to the other ranks in the round
+    they wait in (and re-raised here), so that every rank raises instead of
+    waiting.
 
     Args:
         group: The process group, or ``None`` to run locally (every method then
@@ -48,7 +54,7 @@ class ShardExchange:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.report = ExchangeReport(world_size=self.world_size)
-        self._rounds_left = 0 if group is None else 2
+        self._rounds_left = 0 if group is None else 3
 
     def __enter__(self) -> ShardExchange:
         return self
@@ -82,6 +88,30 @@ class ShardExchange:
         """Run an agreement check; if it raises (on every rank), no round follows."""
         try:
             check(*args)
+        except DistributedError:
+            self._rounds_left = 0
+            raise
+
+    def decide(self, item: Item, rule: Callable[[list[Item]], Decision]) -> Decision:
+        """The route round: one decision from every rank's item, the same on all.
+
+        Args:
+            item: This rank's item (picklable).
+            rule: Decides from every rank's item, in rank order (raising a
+                :class:`~vivit.errors.DistributedError` raises on every rank).
+
+        Returns:
+            The decision (``rule([item])`` locally).
+
+        Raises:
+            DistributedError: On every rank, if a rank failed before the round
+                or the rule refuses the items.
+        """
+        if self.group is None:
+            return rule([item])
+        gathered = self._round(item)
+        try:
+            return rule(gathered)
         except DistributedError:
             self._rounds_left = 0
             raise
@@ -182,6 +212,36 @@ class ShardExchange:
         # the whole exchange, the block round (which timed itself) included
         self.report.seconds = before + time.perf_counter() - start
         return rebuilt
+
+    def block_contexts(
+        self, batch: BatchInfo, loss: Tensor, sample_shape: tuple[int, ...] | None
+    ) -> list[tuple[BatchInfo, Tensor]]:
+        """The implicit route's block round: every rank's batch context and loss.
+
+        The implicit route keeps no factors: every rank's sample weights (its
+        ``R``) and GGN samples and the loss on its shard are all it exchanges
+        at construction (its gradient is summed after this round).
+
+        Args:
+            batch: This rank's shard's batch context (GGN samples in its
+                subsampling's order).
+            loss: The loss on this rank's shard.
+            sample_shape: The shape per sample of this rank's targets.
+
+        Returns:
+            Every rank's context and loss, in rank order.
+
+        Raises:
+            DistributedError: If another rank failed before this round, or the
+                ranks' targets differ in shape per sample (on every rank).
+        """
+        if self.group is None:
+            return [(batch, loss)]
+        start, before = time.perf_counter(), self.report.seconds
+        gathered = self._round((batch, loss.detach().cpu(), sample_shape))
+        check_sample_shapes([shape for *_, shape in gathered])
+        self.report.seconds = before + time.perf_counter() - start
+        return [(context, value.to(loss.device)) for context, value, _ in gathered]
 
     def _all_gather_bytes(
         self, packer: Packer, size: int, device: torch.device

@@ -69,7 +69,9 @@ class ShardLayout:
 
 @dataclass
 class ExchangeReport:
-    """What one construction sent and received (all zero locally).
+    """What the ranks exchanged: at construction and, on the implicit route, since.
+
+    All zero in one process.
 
     Attributes:
         world_size: Number of ranks.
@@ -88,6 +90,17 @@ class ExchangeReport:
             over the Gram matrices formed together.
         gram_seconds: Wall time of forming them (this rank's blocks and the
             all-gather).
+        reductions: ``all_reduce`` calls of the implicit route so far (the
+            gradient at construction, then one per product ``G V``;
+            :class:`~vivit.distributed.lockstep.LockStep`).
+        reduced_bytes: Bytes of this rank's tensors in them: ``D`` numbers of
+            the model's type for the gradient, ``K·D`` per product of ``K``
+            vectors (the collective's algorithm decides the wire traffic; a
+            ring sends and receives ``2(W − 1)/W`` of it).
+        reduction_seconds: Wall time of the implicit route's collectives
+            since construction: its agreement rounds (gathered values included;
+            waiting for the slowest rank's share too) and all-reduces, not this
+            rank's own shares.
     """
 
     world_size: int = 1
@@ -97,10 +110,16 @@ class ExchangeReport:
     seconds: float = 0.0
     gram_buffer_bytes: int = 0
     gram_seconds: float = 0.0
+    reductions: int = 0
+    reduced_bytes: int = 0
+    reduction_seconds: float = 0.0
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes this rank sends, each buffer to every other rank (factors, Grams)."""
+        """Bytes this rank sends, each buffer to every other rank (factors, Grams).
+
+        Not counting the implicit route's all-reduces (:attr:`reduced_bytes`).
+        """
         return (self.buffer_bytes + self.gram_buffer_bytes) * (self.world_size - 1)
 
     @property

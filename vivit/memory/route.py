@@ -23,7 +23,7 @@ request (:mod:`vivit.memory.request`, from its sizes) take the same decision:
 
 1. :func:`fixed_route`: the solver asked for by name, or the implicit route
    cannot honour the request (:func:`implicit_obstacle`: Monte-Carlo sampling,
-   a process group, ``gram_dtype``, the BackPACK engine by name; the caller adds
+   ``gram_dtype``, the BackPACK engine by name; the caller adds
    what its data rules out, e.g. a one-pass iterator): the Gram route.
 2. :func:`compare_routes`: the implicit route where the Gram route's factors
    cannot fit into the memory available (its estimate divided by
@@ -364,12 +364,6 @@ def implicit_obstacle(options: CurvatureOptions) -> str | None:
             "per position, never formed), which costs what a sampled one would: "
             "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
             "Gram route (solver='auto') for the MC estimate."
-        )
-    if options.group is not None:
-        return (
-            "solver='implicit' runs in this process alone: a process group is not "
-            "supported (every product would need an all-reduce in lock-step). Pass "
-            "process_group=False, or use a Gram route, whose factors are exchanged."
         )
     if options.gram_dtype is not None:
         return (

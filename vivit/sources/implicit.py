@@ -14,6 +14,12 @@ normalization ``R`` of the loss on all (curvature) samples, as the Gram routes
 combine blocks (``docs/math.rst``, "Data sets and processes"). Every pass must
 see the same batches and the same model: each is fingerprinted as in
 :mod:`vivit.sources.streamed`.
+
+Under a process group each rank passes over its own shard: the products are
+its shard's, summed over the ranks by one ``all_reduce`` each, and the solver
+runs replicated on every rank; ``γ`` and ``λ`` are each rank's samples',
+gathered in rank order (:class:`~vivit.distributed.lockstep.LockStep`,
+``docs/math.rst``, "Implicit products on several processes").
 """
 
 from __future__ import annotations
@@ -32,7 +38,13 @@ from vivit._validation import (
     check_inputs_match,
     check_subsampling,
 )
-from vivit.distributed.layout import ExchangeReport, ShardLayout
+from vivit.distributed import (
+    SAMPLE_SHAPE,
+    ShardExchange,
+    ShardLayout,
+    request_fingerprint,
+)
+from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
 from vivit.engines.func.independence import check_layers, check_samples_independent
@@ -61,7 +73,7 @@ from vivit.sources.batches import (
 from vivit.sources.blocks import UnionOutput, union_batch
 from vivit.sources.chunks import block_loss, split_batch, weightless
 from vivit.sources.collector import checked_param_groups
-from vivit.sources.streamed import BatchFingerprints, model_fingerprint
+from vivit.sources.streamed import BatchFingerprints, fingerprint, model_fingerprint
 
 
 @dataclass
@@ -164,8 +176,15 @@ class ImplicitGroup:
             vectors: One tensor ``[K, *p.shape]`` per parameter.
 
         Returns:
-            One tensor ``[K, *p.shape]`` per parameter.
+            One tensor ``[K, *p.shape]`` per parameter (under a process group
+            the sum over every rank's shard, identical on every rank).
         """
+        return self._source.lockstep.sum(
+            self._call("G·v", vectors), lambda: self._shard_products(vectors)
+        )
+
+    def _shard_products(self, vectors: Sequence[Tensor]) -> list[Tensor]:
+        """``R_S Σ_n J_nᵀ H_n J_n v`` over this process's samples (its shard)."""
         factor = self.batch.ggn_reduction_factor
         result: list[Tensor] = []
         for block, function in self._source.run_pass(self.index, "G·v"):
@@ -243,8 +262,18 @@ class ImplicitGroup:
 
         Returns:
             ``γ`` of every sample ``[N, K]`` and ``λ`` of the curvature samples
-            ``[N_ggn, K]`` (in the subsampling's order).
+            ``[N_ggn, K]`` (in the subsampling's order); under a process group
+            every rank's samples in rank order.
         """
+        device = evecs[0].device
+        shares = self._source.lockstep.gather(
+            self._call("γ, λ", evecs), lambda: self._shard_derivatives(evecs)
+        )
+        gammas, lambdas = zip(*shares, strict=True)
+        return torch.cat(gammas).to(device), torch.cat(lambdas).to(device)
+
+    def _shard_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        """``γ`` and ``λ`` of this process's samples (on the CPU under a group)."""
         gammas, lambdas = [], []
         for block, function in self._source.run_pass(self.index, "γ, λ"):
             hessian = gradients = None
@@ -259,8 +288,24 @@ class ImplicitGroup:
                 block_lambdas.append((tangents * curvature).flatten(2).sum(2).T)
             gammas.append(torch.cat(block_gammas, 1))
             lambdas.append(torch.cat(block_lambdas, 1))
-        samples = list(self.batch.ggn_samples)
-        return torch.cat(gammas), torch.cat(lambdas)[samples]
+        gammas = torch.cat(gammas)
+        lambdas = torch.cat(lambdas)[list(self._source.local_batch.ggn_samples)]
+        if self._source.lockstep.group is None:
+            return gammas, lambdas
+        return gammas.cpu(), lambdas.cpu()  # pickled in the round's message
+
+    def _call(self, name: str, vectors: Sequence[Tensor]) -> str | None:
+        """What every rank computes a share of: the name, group and input digest.
+
+        The digest (BLAKE2b of the vectors' bytes) is taken under a process
+        group only, where the ranks compare it (``None`` in one process).
+        """
+        if self._source.lockstep.group is None:
+            return None
+        return (
+            f"{name} of group {self.index} along {vectors[0].shape[0]} vectors "
+            f"(digest {fingerprint(vectors)})"
+        )
 
     def pinv_matmul(
         self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
@@ -300,26 +345,42 @@ class ImplicitFactors(CurvatureSource):
     normalization, the checks of the model and the targets); every product makes
     another. Nothing of ``V`` is kept.
 
+    Under a process group (``shards``) each rank passes over its own shard
+    (one batch or its own loader): the ranks agree on the request, exchange
+    their shards' sample weights, GGN samples and losses, and sum their
+    gradients at construction; every later product and ``γ``/``λ`` pass is a
+    call all ranks make together (:class:`~vivit.distributed.lockstep.
+    LockStep`), so every rank must make the same calls in the same order.
+
     Args:
-        model: The network.
+        model: The network (a ``DistributedDataParallel``'s ``.module``).
         loss_func: The loss module.
-        data: ``(inputs, targets)``, or a re-iterable loader of such batches.
+        data: ``(inputs, targets)``, or a re-iterable loader of such batches
+            (this rank's shard under a process group).
         param_groups: Lists of parameters (``None``: every trainable one).
         options: The checked options (``solver="implicit"``).
+        shards: The exchange of the process group (``options.group``);
+            ``None`` runs locally.
 
     Attributes:
         param_groups: The parameter groups.
-        loss: The loss on all samples (detached).
+        loss: The loss on all samples (detached; of every rank's shards).
         engine: ``"implicit"`` (no engine runs).
-        passes: Passes over the data made so far.
-        shards: The layout of this process's samples (one rank).
-        communication: An empty exchange report (nothing is exchanged).
+        passes: Passes over this process's data made so far.
+        shards: Where each rank's samples sit in the union.
+        communication: Bytes and time of the exchanges between the ranks (at
+            construction, and of every product since; zero in one process).
+        lockstep: The calls the ranks make together (local in one process).
+        union: The batch context of all samples (every rank's).
+        local_batch: The batch context of this process's samples.
 
     Raises:
         InvalidArgumentError: For options the route cannot honour (Monte-Carlo
-            sampling, a process group, ``gram_dtype``, an engine other than
-            ``"auto"``/``"func"``), an iterator as data, or a subsampling with a
-            loader.
+            sampling, ``gram_dtype``, an engine other than ``"auto"``/``"func"``),
+            an iterator as data, or a subsampling with a loader.
+        DistributedError: Under a process group, on every rank but the failing
+            one if a rank failed, and on every rank if the ranks' requests or
+            targets' shapes per sample differ.
     """
 
     engine = "implicit"
@@ -331,7 +392,9 @@ class ImplicitFactors(CurvatureSource):
         data: object,
         param_groups: Sequence[Sequence[Parameter]] | None,
         options: CurvatureOptions,
+        shards: ShardExchange | None = None,
     ):
+        shards = shards or ShardExchange(None)
         check_grad_mode("LowRankGGN")
         _check_implicit_options(options)
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
@@ -362,7 +425,9 @@ class ImplicitFactors(CurvatureSource):
         self.passes = 0
         self._basis_columns: dict[int, int | None] = {}
         self._largest_block: tuple[ModelInputs, int] | None = None  # probe, size
-        self._first_pass()
+        self.lockstep = LockStep(shards.group, shards.report)
+        shards.agree(self._fingerprint(model, loss_func, options, shards), None)
+        self._first_pass(shards)
         inputs, block = self._largest_block
         # activation entries per sample: the products' memory, from one sample
         self._width = probed_activation_width(model, inputs, self.param_groups, options)
@@ -390,32 +455,61 @@ class ImplicitFactors(CurvatureSource):
         for start in range(0, count, width):
             yield [v[start : start + width] for v in vectors]
 
+    def _fingerprint(
+        self,
+        model: Module,
+        loss_func: Module,
+        options: CurvatureOptions,
+        shards: ShardExchange,
+    ) -> dict[str, object]:
+        """What every rank must ask for identically (compared under a group)."""
+        single = self._data[0] if self._single else None
+        return request_fingerprint(
+            loss_func,
+            self.param_groups,
+            model if shards.group is not None else None,  # checksums: ranks only
+            solver=(options.solver, options.solver_tol, options.solver_seed),
+            engine="implicit",
+            # a loader's is compared after its pass, in the block round
+            **{SAMPLE_SHAPE: None if single is None else tuple(single[1].shape[1:])},
+        )
+
     def check_fits(self, top_k: int) -> int | None:
         """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
 
         The estimate is that of the largest block of samples the first pass
-        saw (a mini-batch, a chunk of it, or a loader's batch).
+        saw (a mini-batch, a chunk of it, or a loader's batch). Under a process
+        group every rank checks its own shard, and the basis is the smallest
+        any rank allows; a refusal on one rank raises on every rank.
 
         Args:
             top_k: The block width of the products (``top_k``).
 
         Returns:
             The Krylov basis' columns the estimate fitted into the memory
-            available (``None``: not estimated, a model that cannot be probed).
+            available (``None``: not estimated, a model that cannot be probed,
+            on every rank).
 
         Raises:
-            ProductsTooLargeError: If it cannot fit.
+            ProductsTooLargeError: If it cannot fit (on a rank that refuses;
+                :class:`~vivit.errors.DistributedError` on the others).
         """
         if top_k not in self._basis_columns:
-            columns = None
-            if self._width is not None:
-                block = self._largest_block[1]
-                groups = self.param_groups
-                estimate = products_estimate(self._width, block, groups, top_k)
-                check_implicit_fits(estimate, groups[0][0].device)
-                columns = estimate.basis_columns
-            self._basis_columns[top_k] = columns
+            allowed = self.lockstep.gather(
+                f"the memory check for top_k={top_k}", lambda: self._shard_fits(top_k)
+            )
+            columns = [c for c in allowed if c is not None]
+            self._basis_columns[top_k] = min(columns, default=None)
         return self._basis_columns[top_k]
+
+    def _shard_fits(self, top_k: int) -> int | None:
+        """:meth:`check_fits` of this process's data alone."""
+        if self._width is None:
+            return None
+        block, groups = self._largest_block[1], self.param_groups
+        estimate = products_estimate(self._width, block, groups, top_k)
+        check_implicit_fits(estimate, groups[0][0].device)
+        return estimate.basis_columns
 
     def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
         """One pass over the data: every block of samples, in order."""
@@ -445,7 +539,12 @@ class ImplicitFactors(CurvatureSource):
                     mask = torch.zeros(num_samples(inputs), dtype=torch.bool)
                     if chunk.has_curvature:
                         mask[chunk.subsampling or slice(None)] = True
-                    combined = not self._single or chunk.samples is not None
+                    # a rank's shard is combined with the other ranks' too
+                    combined = (
+                        not self._single
+                        or chunk.samples is not None
+                        or self.lockstep.group is not None
+                    )
                     loss_func, carries_none = block_loss(
                         self._loss_func, targets, combined
                     )
@@ -477,18 +576,24 @@ class ImplicitFactors(CurvatureSource):
                 BlockFunction(self._model, params, block.inputs, self._options.output),
             )
 
-    def _first_pass(self) -> None:
-        """Loss, gradient, each block's normalization; samples checked independent."""
+    def _first_pass(self, shards: ShardExchange) -> None:
+        """Loss, gradient, each block's normalization; samples checked independent.
+
+        Under a process group this rank's shard is one block of the union:
+        the ranks exchange their blocks' contexts and losses (the block round)
+        and sum their gradients rescaled to the union's ``R``.
+        """
         union = UnionOutput()
         params = [p for group in self.param_groups for p in group]
-        ggn_columns = 0
         selector = self._options.output
+        sample_shape = None
         for index, block in enumerate(self._blocks("loss and gradient")):
             size = num_samples(block.inputs)
             if self._largest_block is None or size > self._largest_block[1]:
                 probe = map_inputs(block.inputs, lambda t: t[:1].clone())
                 self._largest_block = (probe, size)
             if index == 0:
+                sample_shape = tuple(block.targets.shape[1:])
                 for group in self.param_groups:
                     function = BlockFunction(self._model, group, block.inputs, selector)
                     check_modes_agree(function, group)
@@ -506,28 +611,59 @@ class ImplicitFactors(CurvatureSource):
                 torch.zeros_like(p) if g is None else g
                 for p, g in zip(params, gradients, strict=True)
             ]
-            ggn_samples = tuple(block.ggn_mask.nonzero().flatten().tolist())
             batch = BatchInfo(
                 normalization=hessian.normalization,
-                ggn_samples=ggn_samples,
+                ggn_samples=tuple(block.ggn_mask.nonzero().flatten().tolist()),
                 columns_per_sample=output[0].numel(),
                 mc_samples=0,
             )
             if block.weightless:
                 batch = weightless(batch)
             union.add(batch, EngineOutput(loss.detach(), gradients))
-            ggn_columns += len(ggn_samples) * batch.columns_per_sample
-        self.loss, gradients = union.result()
-        self.union = union_batch(union.batches)
+        # a rank's shard may carry no weight: the union's R is checked below
+        loss, gradients = union.result(part=shards.group is not None)
+        self.local_batch = union_batch(union.batches)
         if self._options.subsampling is not None:  # rows in the subsampling's order
-            self.union = dataclasses.replace(
-                self.union, ggn_samples=tuple(self._options.subsampling)
+            self.local_batch = dataclasses.replace(
+                self.local_batch, ggn_samples=tuple(self._options.subsampling)
             )
-        self.num_rows = ggn_columns
-        self.shards = ShardLayout.of_batches(union.batches, 0, 1)
-        self.communication = ExchangeReport(world_size=1)
+        ranks = shards.block_contexts(self.local_batch, loss.detach(), sample_shape)
+        self.union = union_batch([batch for batch, _ in ranks])
+        self.loss = loss
+        if shards.group is not None:
+            self.loss, gradients = self._union_output(ranks, gradients)
+        self.num_rows = len(self.union.ggn_samples) * self.union.columns_per_sample
+        self.shards = ShardLayout.of_batches(
+            [batch for batch, _ in ranks], shards.rank, shards.world_size
+        )
+        self.communication = shards.report
         gradients = iter(gradients)
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
+
+    def _union_output(
+        self, ranks: list[tuple[BatchInfo, Tensor]], gradients: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The loss and gradient of every rank's samples together.
+
+        The losses combine as a loader's batches do (:class:`~vivit.sources.
+        blocks.UnionOutput`, in rank order); each rank rescales its gradient to
+        the union's ``R``, ``(R / R_r) ∇L_r``, and one ``all_reduce`` sums them.
+
+        Raises:
+            InvalidTargetsError: If every target of every rank is ignored (on
+                every rank alike).
+        """
+        union = UnionOutput()
+        for batch, loss in ranks:
+            union.add(batch, EngineOutput(loss, []))
+        loss, _ = union.result()
+        factor = self.local_batch.reduction_factor()
+        scale = 1.0 / factor if factor > 0 else 0.0  # a shard of weight 0 adds 0
+        total = self.union.reduction_factor()
+        summed = self.lockstep.sum(
+            "the gradient", lambda: [g.detach() * scale * total for g in gradients]
+        )
+        return loss, summed
 
 
 def _check_implicit_options(options: CurvatureOptions) -> None:

@@ -18,6 +18,9 @@ route"):
   pass runs (:class:`~vivit.memory.budget.FactorBudget`). An iterator or
   generator, which can be passed over once, keeps the Gram route (the implicit
   route passes over the data in every product).
+
+Under a process group each rank chooses from its own shard and every rank runs
+the route :func:`agreed_route` decides from all their choices.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.nn import Module, Parameter
 
 from vivit._validation import check_batch, check_inputs_match, check_subsampling
 from vivit.engines.choice import resolve_engine
+from vivit.errors import DistributedError
 from vivit.gram.memory import available_bytes
 from vivit.memory.estimate import Blocks, batch_estimate, implicit_estimate
 from vivit.memory.route import (
@@ -163,4 +167,51 @@ def _request(
         blocks=blocks,
         num_params=max(sum(p.numel() for p in group) for group in groups),
         data=words,
+    )
+
+
+def agreed_route(choices: list[tuple[str, RouteChoice]]) -> RouteChoice:
+    """The route every rank of a process group runs, from every rank's choice.
+
+    Each rank chooses from its own shard (:func:`choose_route`); all must run
+    one route. Where they differ (``solver="auto"``), the implicit route runs:
+    a rank chose it because the Gram route's factors do not fit there or cost
+    more passes, and the implicit route runs on any shard (a loader's too);
+    its memory is checked on every rank before the first product.
+
+    Args:
+        choices: Every rank's requested solver and choice, in rank order.
+
+    Returns:
+        The route, with every rank's reason where they differ (without a
+        memory estimate: each rank probed its own shard); in one process its
+        choice as it is.
+
+    Raises:
+        DistributedError: If the ranks asked for different solvers.
+    """
+    solver, first = choices[0]
+    if len(choices) == 1:  # one process: its own choice (and estimate)
+        return first
+    asked = [
+        f"rank {rank} asks for solver={theirs!r}, rank 0 for {solver!r}"
+        for rank, (theirs, _) in enumerate(choices)
+        if theirs != solver
+    ]
+    if asked:
+        raise DistributedError(
+            "; ".join(asked) + ". Every rank must pass the same options."
+        )
+    names = {choice.name for _, choice in choices}
+    if len({choice.reason for _, choice in choices}) == 1:
+        return RouteChoice(first.name, first.reason)
+    reasons = "; ".join(
+        f"rank {rank}: {choice}" for rank, (_, choice) in enumerate(choices)
+    )
+    if len(names) == 1:
+        return RouteChoice(first.name, f"every rank chose it ({reasons})")
+    return RouteChoice(
+        "implicit",
+        f"the ranks chose differently, and all run the implicit route, which "
+        f"runs on every shard ({reasons})",
     )

@@ -1,0 +1,169 @@
+"""Calls that every rank of a group makes together, in step: the implicit route's.
+
+With a process group, a product ``G v`` of the implicit route
+(:mod:`vivit.sources.implicit`) sums over every rank's shard, and its block
+Krylov solver runs replicated on every rank: every rank makes the same calls,
+in the same order (``docs/math.rst``, "Implicit products on several
+processes"). Each call is one :meth:`LockStep.sum` or :meth:`LockStep.gather`:
+
+1. the rank computes its share (its shard's product, its samples' ``γ`` and
+   ``λ``, its memory check); an exception is caught;
+2. one round (``all_gather_object``): every rank sends what it computed a share
+   of (the call: its name and a digest of its input vectors, and the size and
+   type of a share to be summed) or its failure. A failure raises on every rank (the
+   failing rank its own error, the others :class:`~vivit.errors.DistributedError`
+   naming it), and so does a call that differs from rank 0's (the ranks asked
+   for different results, or their replicated solvers diverged), so that no rank
+   waits for a collective that never comes and no sum mixes different vectors;
+3. the shares are combined: summed by one ``all_reduce``, whose result
+   ``torch.distributed`` guarantees to be bitwise identical on every rank
+   (measured with gloo on 2 to 4 ranks: identical, though for 3 or more ranks
+   not summed in rank order), or gathered in rank order (small shares travel in
+   the round's message).
+
+Identical sums on every rank and the same operations on them keep the replicated
+solvers in step; the digests make any divergence an error on every rank.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vivit.distributed.agreement import RankFailure, raise_failures
+from vivit.distributed.layout import ExchangeReport
+from vivit.errors import DistributedError
+
+Share = TypeVar("Share")
+
+
+class LockStep:
+    """One rank's side of the calls a group makes together (see the module).
+
+    Args:
+        group: The process group, or ``None`` to run locally (every call then
+            returns this process's share as it is).
+        report: Counts the bytes and time of the calls
+            (``reductions``, ``reduced_bytes``, ``metadata_bytes``,
+            ``reduction_seconds``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, report: ExchangeReport):
+        self.group = group
+        self.report = report
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.world_size = 1 if group is None else dist.get_world_size(group)
+
+    def sum(
+        self, call: object, compute: Callable[[], Sequence[Tensor]]
+    ) -> list[Tensor]:
+        """Every rank's share of a call, summed over the ranks.
+
+        Args:
+            call: What the share is of, equal on every rank (compared with
+                ``==``; named in the error where ranks differ): the call's name
+                and a digest of its input.
+            compute: This rank's share: tensors of one type and device.
+
+        Returns:
+            The sums, shaped like the share; bitwise identical on every rank.
+
+        Raises:
+            DistributedError: On every rank but the failing one, if a rank
+                failed; on every rank, if a rank's call or shapes differ.
+        """
+        if self.group is None:
+            return list(compute())
+        share, _ = self._round(  # the all-reduce needs as many numbers of one type
+            call,
+            compute,
+            lambda s: (f"{sum(t.numel() for t in s)} numbers of {s[0].dtype}", None),
+        )
+        start = time.perf_counter()
+        flat = torch.cat([t.reshape(-1) for t in share])
+        dist.all_reduce(flat, group=self.group)
+        self.report.reductions += 1
+        self.report.reduced_bytes += flat.numel() * flat.element_size()
+        self.report.reduction_seconds += time.perf_counter() - start
+        parts = flat.split([t.numel() for t in share])
+        return [
+            part.view(t.shape).to(t.dtype) for part, t in zip(parts, share, strict=True)
+        ]
+
+    def gather(self, call: object, compute: Callable[[], Share]) -> list[Share]:
+        """Every rank's share of a call, in rank order.
+
+        The shares travel pickled in the round's message: for small ones
+        (per-sample values, numbers), on the CPU.
+
+        Args:
+            call: What the share is of, equal on every rank (see :meth:`sum`).
+            compute: This rank's share (picklable).
+
+        Returns:
+            Every rank's share, rank 0's first; identical on every rank.
+
+        Raises:
+            DistributedError: As for :meth:`sum`.
+        """
+        if self.group is None:
+            return [compute()]
+        _, shares = self._round(call, compute, lambda share: (None, share))
+        return shares
+
+    def _round(
+        self,
+        call: object,
+        compute: Callable[[], Share],
+        split: Callable[[Share], tuple[object, object]],
+    ) -> tuple[Share, list[object]]:
+        """Compute this rank's share, then agree with every rank on the call.
+
+        ``split`` divides the share into what must agree besides the call (the
+        shapes of a sum) and what every rank hands every rank (a gathered
+        share). Returns this rank's share and every rank's handed part.
+        """
+        try:
+            share = compute()
+        except BaseException as error:
+            self._all_gather(RankFailure.of(self.rank, error))
+            raise
+        start = time.perf_counter()  # the round, not this rank's share
+        agreed, handed = split(share)
+        gathered = self._all_gather(((call, agreed), handed))
+        self.report.reduction_seconds += time.perf_counter() - start
+        raise_failures(gathered, self.world_size)
+        first = gathered[0][0]
+        differences = [
+            f"rank {rank} computes {_described(*theirs)}, rank 0 {_described(*first)}"
+            for rank, (theirs, _) in enumerate(gathered)
+            if theirs != first
+        ]
+        if differences:
+            raise DistributedError(
+                "The ranks of the process group make different calls: "
+                + "; ".join(differences)
+                + ". Under a process group every rank must make the same calls "
+                "(eigh, directional_derivatives, newton, operator products) with "
+                "the same arguments in the same order, and run the same library "
+                "versions with the same number of threads: the replicated "
+                "eigensolver must take the same steps on every rank."
+            )
+        return share, [part for _, part in gathered]
+
+    def _all_gather(self, item: object) -> list[object]:
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, item, group=self.group)
+        self.report.metadata_bytes += len(pickle.dumps(item))
+        return gathered
+
+
+def _described(call: object, agreed: object) -> str:
+    """A call and what else must agree (the size of a sum), in words."""
+    return str(call) if agreed is None else f"{call} ({agreed})"
