@@ -74,6 +74,7 @@ def vivit_method(
     exact: bool = True,
     per_layer: bool = False,
     subsample_half: bool = False,
+    directional: bool = False,
     eigh_kwargs: dict[str, Any] | None = None,
     **ggn_kwargs: Any,
 ) -> Method:
@@ -85,6 +86,9 @@ def vivit_method(
         per_layer: One parameter group per layer (top-10 of each block; the
             returned eigenvalues are those of the last group).
         subsample_half: Curvature of the first half of the mini-batch only.
+        directional: Per-sample ``γ`` and ``λ`` along the top-10 eigenvectors
+            (``directional_derivatives``, the eigenpairs included) instead of
+            the eigenpairs alone.
         eigh_kwargs: Extra keyword arguments of ``LowRankGGN.eigh``.
         **ggn_kwargs: Keyword arguments of ``LowRankGGN`` (``mc_samples``, and
             ``solver`` where the library has it).
@@ -110,10 +114,19 @@ def vivit_method(
         groups = len(ggn.param_groups)
         evals = None
         for group in range(groups):
-            evals, _ = ggn.eigh(top_k=TOP_K, group=group, **eigh_kwargs)
+            if directional:
+                result = ggn.directional_derivatives(top_k=TOP_K, group=group)
+                evals = result.evals
+            else:
+                evals, _ = ggn.eigh(top_k=TOP_K, group=group, **eigh_kwargs)
         return evals
 
-    options = {**ggn_kwargs, "per_layer": per_layer, "subsample_half": subsample_half}
+    options = {
+        **ggn_kwargs,
+        "per_layer": per_layer,
+        "subsample_half": subsample_half,
+        "directional": directional,
+    }
     return Method(run, description, exact=exact, options=options)
 
 
@@ -242,6 +255,22 @@ METHODS: dict[str, Method] = {
     "vivit-implicit": vivit_method(
         "this library, exact GGN, top-10, implicit GGN-vector products (no V)",
         solver="implicit",
+    ),
+    "vivit-gamma-lambda": vivit_method(
+        "this library, exact GGN, γ and λ of every sample along the top-10 "
+        "eigenvectors (solver auto)",
+        directional=True,
+    ),
+    "vivit-implicit-gamma-lambda": vivit_method(
+        "this library, exact GGN, γ and λ along the top-10, implicit route",
+        directional=True,
+        solver="implicit",
+    ),
+    "vivit-mc1-gamma-lambda": vivit_method(
+        "this library, Monte-Carlo GGN (1 sample), γ and λ along the top-10",
+        exact=False,
+        directional=True,
+        mc_samples=1,
     ),
     "vivit-chunk32": vivit_method(
         "this library, exact GGN, top-10, backward pass in chunks of 32 samples",

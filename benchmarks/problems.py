@@ -124,11 +124,42 @@ class CausalLM(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.tokens.weight
+        gpt2_init(self, layers)
 
     def forward(self, x: Tensor) -> Tensor:
         positions = torch.arange(x.shape[1], device=x.device)
         h = self.blocks(self.tokens(x) + self.positions(positions))
         return self.head(self.norm(h)).transpose(1, 2)
+
+
+#: Standard deviation of GPT-2's initial weights (``GPT2Config.initializer_range``).
+GPT2_INIT_STD = 0.02
+
+
+def gpt2_init(model: nn.Module, layers: int) -> None:
+    """GPT-2's initialization, as Hugging Face's ``GPT2LMHeadModel`` draws it.
+
+    Embeddings, attention projections and MLP weights from ``N(0, 0.02²)``, the
+    projections back into the residual stream (attention output, second MLP
+    layer) scaled by ``1/√(2·layers)``, biases zero, LayerNorm the identity.
+    PyTorch's defaults (``N(0, 1)`` embeddings, tied to the output layer) give
+    logits of standard deviation ``√d`` (11 at ``d = 128``): a model sure of
+    every token, whose float32 probabilities are 44 % subnormal at vocabulary
+    50,257, and products with subnormal numbers run 8× slower on Intel CPUs
+    (``benchmarks/README.md``, "GPT-2's initialization").
+    """
+    residual_std = GPT2_INIT_STD / (2 * layers) ** 0.5
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=GPT2_INIT_STD)
+        elif isinstance(module, nn.MultiheadAttention):
+            nn.init.normal_(module.in_proj_weight, std=GPT2_INIT_STD)
+            nn.init.zeros_(module.in_proj_bias)
+        elif isinstance(module, nn.Linear) and module.bias is not None:
+            residual = name.endswith(("out_proj", "mlp.2"))
+            std = residual_std if residual else GPT2_INIT_STD
+            nn.init.normal_(module.weight, std=std)
+            nn.init.zeros_(module.bias)
 
 
 class BasicBlock(nn.Module):
