@@ -320,6 +320,13 @@ def test_refused_loss_functions(loss_func, words):
             ["batch axis"],
         ),
         (
+            nn.CrossEntropyLoss(),
+            torch.randn(3, 5, 4),
+            torch.randint(0, 5, (3, 4)).float(),
+            InvalidTargetsError,
+            ["class indices must be integers", "targets.long()", "(3, 5, 4)"],
+        ),
+        (
             nn.MSELoss(),
             torch.randn(3, 2),
             torch.randn(3, 1),

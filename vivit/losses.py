@@ -493,6 +493,15 @@ def _cross_entropy(
     if targets.is_floating_point():
         # probability targets ∈ [N, C, *T]: ℓ = -Σ_c w_c q'_c log p_c,
         # q' = (1 - ε) q + ε / C; mean divides by N·T whatever the weights.
+        indices_shape = (output.shape[0], *output.shape[2:])
+        if targets.shape != output.shape and targets.shape == indices_shape:
+            raise InvalidTargetsError(
+                f"CrossEntropyLoss got floating-point targets of shape "
+                f"{tuple(targets.shape)}, the shape of class indices for a model "
+                f"output of shape {tuple(output.shape)}: class indices must be "
+                f"integers (targets.long()); floating-point targets are class "
+                f"probabilities of the output's shape {tuple(output.shape)}."
+            )
         _check_same_shape(loss_func, output, targets)
         q = targets.to(torch.float64).cpu()
         if (q < 0).any():

@@ -85,7 +85,8 @@ def test_gpt2_with_the_full_vocabulary_fits_into_24_gib(monkeypatch):
     the solve ran in 8.3 GB using 30–40 columns; with float32 images it is
     still above 24 GiB, and cut to what 24 GiB allow it fits with room for
     more than 100 columns; the narrow blocks' default basis of 64 columns fits
-    uncut. Shapes only: no product runs."""
+    uncut, and within 8 GiB a basis of at least ``k + 2·b = 16`` columns.
+    Shapes only: no product runs."""
     problem = PROBLEMS["gpt2-4l-128-v50257"]
     torch.manual_seed(0)
     model = problem.build()
@@ -102,3 +103,7 @@ def test_gpt2_with_the_full_vocabulary_fits_into_24_gib(monkeypatch):
     assert uncut > 24 * GIB  # blocks of k: cut to fit
     cut = fitting_basis_columns(size, 10, torch.float32, 24 * GIB - wide, 0)
     assert 100 < cut < 210
+    _available(monkeypatch, 8 * GIB)  # the basis cut to what 8 GiB allow
+    estimate = implicit_estimate(model, X, groups, CurvatureOptions(), 10)
+    assert 16 <= estimate.basis_columns < 64 and estimate.total <= 8 * GIB
+    check_implicit_fits(estimate, CPU)

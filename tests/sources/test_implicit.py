@@ -50,6 +50,7 @@ from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate
 from vivit.optim import DampedNewton
 from vivit.options import CurvatureOptions
 from vivit.results import warn_unresolved_eigenpairs
+from vivit.sources import implicit as implicit_source
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS + PADDED_PROBLEMS}
 TOP_K = 3
@@ -307,6 +308,22 @@ def test_refuses_what_needs_the_gram_matrix(call, match):
     _, ggn = _implicit()
     with pytest.raises(InvalidArgumentError, match=match):
         call(ggn)
+
+
+def test_refuses_a_large_part_of_the_spectrum(monkeypatch):
+    """More than a quarter of the ``min(D, N·C·T)`` non-zero pairs (and more
+    than ``FEW_PAIRS``) is refused before any product, pointing to the dense
+    solver; up to that bound the pairs are computed."""
+    monkeypatch.setattr(implicit_source, "FEW_PAIRS", 2)
+    s, ggn = _implicit()
+    rank = min(ggn._source.group(0).num_rows, ggn._source.group(0).num_params)
+    passes = ggn._source.passes
+    with pytest.raises(InvalidArgumentError, match="solver='dense'"):
+        ggn.eigh(top_k=rank // 4 + 1)
+    assert ggn._source.passes == passes
+    evals, _ = ggn.eigh(top_k=rank // 4)
+    G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
+    assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError, ModelChangedError
-from vivit.gram.memory import itemsize
+from vivit.gram.memory import PARTIAL_FRACTION, itemsize
 from vivit.loss_hessians import LossHessianProducts
 from vivit.memory.estimate import (
     check_implicit_fits,
@@ -211,7 +211,8 @@ class ImplicitGroup:
 
         Checked against the memory available before the solver allocates its
         basis or runs a product (:func:`~vivit.memory.estimate.
-        check_implicit_fits`, once per ``top_k``).
+        check_implicit_fits`, once per ``top_k``), after ``top_k`` is checked
+        to be a few pairs (:func:`check_few_pairs`).
 
         Args:
             top_k: Leading eigenpairs asked for (the products' block width).
@@ -221,9 +222,11 @@ class ImplicitGroup:
             a model that cannot be probed; the default basis).
 
         Raises:
+            InvalidArgumentError: If ``top_k`` is a large part of the spectrum.
             ProductsTooLargeError: If the products and the smallest basis cannot
                 fit.
         """
+        check_few_pairs(top_k, min(self.num_rows, self.num_params))
         return self._source.check_fits(top_k)
 
     def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
@@ -324,6 +327,40 @@ class ImplicitGroup:
         basis = directions.double()
         result = basis @ ((basis.T @ flat) / evals.double().unsqueeze(1))
         return self.unflatten(result.to(self.dtype))
+
+
+#: The implicit route refuses more leading pairs than this fraction of the
+#: non-zero ones, ``min(D, N·C·T)`` (and more than :data:`FEW_PAIRS`): its Krylov
+#: basis of about ``3k`` vectors would span most of the space, and a Gram route's
+#: dense solver gives every pair for less (as ``solver="auto"`` on the Gram route
+#: takes it beyond the same fraction, ``PARTIAL_FRACTION``).
+MANY_PAIRS_FRACTION = PARTIAL_FRACTION
+#: So many pairs the implicit route always computes, however small the problem.
+FEW_PAIRS = 64
+
+
+def check_few_pairs(top_k: int, rank: int) -> None:
+    """Refuse a ``top_k`` that is a large part of the spectrum on the implicit route.
+
+    Args:
+        top_k: Leading eigenpairs asked for.
+        rank: At most so many are non-zero, ``min(D, N·C·T)``.
+
+    Raises:
+        InvalidArgumentError: If ``top_k`` exceeds both :data:`FEW_PAIRS` and
+            :data:`MANY_PAIRS_FRACTION` of ``rank``.
+    """
+    if top_k > max(FEW_PAIRS, MANY_PAIRS_FRACTION * rank):
+        raise InvalidArgumentError(
+            f"top_k={top_k} asks for a large part of the GGN's at most {rank} "
+            "non-zero eigenpairs: solver='implicit' finds a few leading pairs by "
+            "Krylov iterations (5–10 GGN-vector products per pair and a basis of "
+            "about 3·top_k vectors of the parameters' size), which would take far "
+            f"longer than a direct solve. Ask for at most "
+            f"{max(FEW_PAIRS, int(MANY_PAIRS_FRACTION * rank))} pairs, or use a "
+            "Gram route, whose dense solver gives every pair: LowRankGGN(..., "
+            "solver='dense') (eigvalsh() and top_k=None for the whole spectrum)."
+        )
 
 
 def flatten_rows(rows: Sequence[Tensor]) -> Tensor:
