@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.distributed.jobs import LOADERS, SHARDS, flat, loader, local_subsampling
-from tests.fixtures.func_problems import CharLSTM
+from tests.fixtures.func_problems import CharLSTM, NoForwardMode
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
 from vivit.linalg.iterative import minimum_capacity
@@ -356,24 +356,6 @@ class ChangingLoader:
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-class NoForwardMode(torch.autograd.Function):
-    """``x ↦ x`` with a backward and no JVP rule: forward-mode AD refuses it."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class Refusing(nn.Module):

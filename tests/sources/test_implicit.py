@@ -27,7 +27,11 @@ from tests.fixtures.checks import (
     assert_top_eigvals,
     flat_evecs,
 )
-from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS
+from tests.fixtures.func_problems import (
+    FUNC_PROBLEMS,
+    PADDED_PROBLEMS,
+    NoForwardMode,
+)
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     FewerEigenpairsWarning,
@@ -361,25 +365,7 @@ def test_refuses_a_changed_model():
         ggn.eigh(top_k=2)
 
 
-class Identity(torch.autograd.Function):
-    """``x ↦ x`` with a correct backward and no JVP rule."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class TwiceJVP(Identity):
+class TwiceJVP(NoForwardMode):
     """The same, with a JVP rule twice its backward: ``J v`` of another function."""
 
     generate_vmap_rule = False
@@ -410,7 +396,7 @@ def _mse_batch():
 
 
 def test_unsupported_forward_ad_is_named():
-    model = LinearThen(Identity).double()
+    model = LinearThen(NoForwardMode).double()
     # the construction's check of forward against reverse mode finds it
     with pytest.raises(NotImplementedError, match="implicit route computes J v"):
         LowRankGGN(model, nn.MSELoss(), _mse_batch(), solver="implicit")
