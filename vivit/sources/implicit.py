@@ -335,8 +335,9 @@ class ImplicitGroup:
 #: dense solver gives every pair for less (as ``solver="auto"`` on the Gram route
 #: takes it beyond the same fraction, ``PARTIAL_FRACTION``).
 MANY_PAIRS_FRACTION = PARTIAL_FRACTION
-#: So many pairs the implicit route always computes, however small the problem.
-FEW_PAIRS = 64
+#: So many pairs the implicit route always computes, however large a part of
+#: the spectrum they are (a basis of at most ``3·128`` vectors).
+FEW_PAIRS = 128
 
 
 def check_few_pairs(top_k: int, rank: int) -> None:
