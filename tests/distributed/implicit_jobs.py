@@ -10,9 +10,6 @@ once, for the ranks and the references alike.
 
 from __future__ import annotations
 
-import datetime
-import sys
-import traceback
 from contextlib import nullcontext
 from copy import deepcopy
 from dataclasses import asdict, dataclass
@@ -22,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.distributed.jobs import LOADERS, SHARDS, flat, loader, local_subsampling
+from tests.distributed.spawn import run_rank
 from tests.fixtures.func_problems import CharLSTM, NoForwardMode
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
@@ -449,33 +447,18 @@ def all_reduce_digests(rank: int) -> list[str]:
     return digests
 
 
-def main(job: int, rank: int, world_size: int, rendezvous: str, out: str) -> None:
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=45),
-    )
-    try:
-        results = {
-            "all_reduce": all_reduce_digests(rank),
-            "failures": failures(rank, world_size),
-            "auto": auto_without_forcing(rank, world_size),
-            "scenarios": {
-                name: run_scenario(name, rank, world_size) for name in JOBS[job]
-            },
-        }
-        if job == 2:
-            results["training"] = train(rank, world_size)
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
+def job_results(job: int, rank: int, world_size: int) -> dict:
+    """This rank's results of the job."""
+    results = {
+        "all_reduce": all_reduce_digests(rank),
+        "failures": failures(rank, world_size),
+        "auto": auto_without_forcing(rank, world_size),
+        "scenarios": {name: run_scenario(name, rank, world_size) for name in JOBS[job]},
+    }
+    if job == 2:
+        results["training"] = train(rank, world_size)
+    return results
 
 
 if __name__ == "__main__":
-    try:
-        main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
+    run_rank(job_results)

@@ -10,9 +10,6 @@ for the ranks and the single-process references alike.
 
 from __future__ import annotations
 
-import datetime
-import sys
-import traceback
 from copy import deepcopy
 from dataclasses import dataclass
 from unittest import mock
@@ -20,6 +17,7 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
+from tests.distributed.spawn import run_rank
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
 from vivit.optim import DampedNewton
@@ -406,33 +404,20 @@ def diverged(model: nn.Module) -> nn.Module:
     return copy
 
 
-def main(job: int, rank: int, world_size: int, rendezvous: str, out: str) -> None:
-    torch.distributed.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=45),
-    )
-    try:
-        results = {"failures": failures(rank, world_size)}
-        scenario = SCENARIOS[BYTES_SCENARIO]
-        model, loss_func, shards = setup(scenario, world_size)
-        alone = LowRankGGN(model, loss_func, shards[rank], process_group=False)
-        results["alone"] = {"loss": alone.loss, "eigvalsh": alone.eigvalsh()}
-        results["scenarios"] = {
-            name: run_scenario(name, rank, world_size) for name in JOBS[job]
-        }
-        if job == 2:
-            results["training"] = train(rank, world_size)
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
+def job_results(job: int, rank: int, world_size: int) -> dict:
+    """This rank's results of the job."""
+    results = {"failures": failures(rank, world_size)}
+    scenario = SCENARIOS[BYTES_SCENARIO]
+    model, loss_func, shards = setup(scenario, world_size)
+    alone = LowRankGGN(model, loss_func, shards[rank], process_group=False)
+    results["alone"] = {"loss": alone.loss, "eigvalsh": alone.eigvalsh()}
+    results["scenarios"] = {
+        name: run_scenario(name, rank, world_size) for name in JOBS[job]
+    }
+    if job == 2:
+        results["training"] = train(rank, world_size)
+    return results
 
 
 if __name__ == "__main__":
-    try:
-        main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
+    run_rank(job_results)

@@ -8,9 +8,12 @@ inside it every collective has a 45 s timeout.
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,54 @@ def launch(
         torch.load(out / f"rank{rank}.pt", weights_only=False)
         for rank in range(world_size)
     ]
+
+
+def run_rank(results: Callable[[int, int, int], dict]) -> None:
+    """The rank side of a job: ``python -m MODULE JOB RANK WORLD_SIZE RENDEZVOUS OUT``.
+
+    Joins the gloo group (every collective with a 45 s timeout), saves
+    ``results(job, rank, world_size)`` to ``OUT/rank{RANK}.pt`` and leaves the
+    group; a failure prints its traceback and exits with 1 (:func:`launch`
+    shows it).
+
+    Args:
+        results: The job's computation on this rank.
+    """
+    try:
+        job, rank, world_size = (int(arg) for arg in sys.argv[1:4])
+        rendezvous, out = sys.argv[4:6]
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=45),
+        )
+        try:
+            torch.save(results(job, rank, world_size), f"{out}/rank{rank}.pt")
+        finally:
+            torch.distributed.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def assert_raised_on_every_rank(
+    results: list[dict], errors: dict[str, str], last: int
+) -> None:
+    """Each case failed on rank ``last`` with its error, on the others naming it.
+
+    Args:
+        results: Every rank's results, with ``"failures"``: case -> (type, text).
+        errors: The error type each case raises on the rank that fails.
+        last: The rank that fails.
+    """
+    world_size = len(results)
+    for rank, result in enumerate(results):
+        for case, error in errors.items():
+            kind, message = result["failures"][case]
+            if rank == last:
+                assert kind == error, (case, kind, message)
+            else:
+                assert kind == "DistributedError", (case, kind, message)
+                assert f"Rank {last} of {world_size} failed ({error}:" in message

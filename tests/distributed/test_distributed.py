@@ -24,7 +24,7 @@ from tests.distributed.jobs import (
     setup,
     train_reference,
 )
-from tests.distributed.spawn import launch
+from tests.distributed.spawn import assert_raised_on_every_rank, launch
 from tests.fixtures.checks import align_signs, assert_rel
 from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
@@ -147,15 +147,9 @@ def test_a_failing_rank_raises_on_every_rank(jobs, world_size):
         "empty loader": "InvalidArgumentError",
         "loader batch": "InvalidTargetsError",
     }
-    for rank, results in enumerate(jobs[world_size]):
+    assert_raised_on_every_rank(jobs[world_size], own_errors, last)
+    for results in jobs[world_size]:
         failures = results["failures"]
-        for case, error in own_errors.items():
-            kind, message = failures[case]
-            if rank == last:
-                assert kind == error, (case, kind, message)
-            else:
-                assert kind == "DistributedError", (case, kind, message)
-                assert f"Rank {last} of {world_size} failed ({error}:" in message
         kind, message = failures["mismatch"]
         assert kind == "DistributedError"
         assert f"rank {last} asks for mc_samples = 1, rank 0 for 0" in message

@@ -21,7 +21,7 @@ import vivit.memory.route
 import vivit.sources.route
 from benchmarks.problems import PROBLEMS as BENCHMARKS
 from benchmarks.problems import make_problem
-from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.func_problems import FUNC_PROBLEMS, TOKEN_VOCAB, TokenModel
 from vivit import LowRankGGN
 from vivit.errors import InvalidArgumentError, ProductsTooLargeError
 from vivit.memory import (
@@ -36,19 +36,7 @@ from vivit.options import CurvatureOptions
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
 GIB = 2**30
-VOCAB, T = 200, 8
-
-
-class TokenModel(nn.Module):
-    """Embedding → Linear to a vocabulary at every position: ``[N, VOCAB, T]``."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, 4)
-        self.head = nn.Linear(4, VOCAB)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.embedding(x))).transpose(1, 2)
+VOCAB, T = TOKEN_VOCAB, 8
 
 
 def _available(monkeypatch, bytes_):

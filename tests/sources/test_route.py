@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
-from tests.fixtures.func_problems import FUNC_PROBLEMS
+from tests.fixtures.func_problems import FUNC_PROBLEMS, TOKEN_VOCAB, TokenModel
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 from vivit.errors import ProductsTooLargeError
@@ -31,19 +31,7 @@ from vivit.sources import route
 from vivit.sources.route import choose_route
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS}
-VOCAB, T, N = 200, 8, 3
-
-
-class TokenModel(nn.Module):
-    """Embedding → Linear to a vocabulary at every position: ``[N, VOCAB, T]``."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, 4)
-        self.head = nn.Linear(4, VOCAB)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.embedding(x))).transpose(1, 2)
+VOCAB, T, N = TOKEN_VOCAB, 8, 3
 
 
 def _vocabulary_problem():
