@@ -25,7 +25,11 @@ the top eigenpair, as in ARPACK's Lanczos) reach the tolerance in the fewest
 products: on the GGN Gram matrices of the benchmarks, ``b = k`` needs 30–45 %
 fewer products than ``b = max(2·k, k + 8)`` (``benchmarks/README.md``,
 "Iterative solvers: a convergence check after every block"; ``docs/math.rst``,
-"The Gram matrix and exact eigenpairs", for the residual).
+"The Gram matrix and exact eigenpairs", for the residual). Blocks narrower than
+``k`` (the implicit route's ``b = 3``) need fewer still; their pairs are
+returned only where no copy of a multiple eigenvalue can have been missed, else
+solved again with ``b = k`` (:func:`narrow_block_doubt`; ``docs/math.rst``,
+"Narrow blocks").
 
 Accuracy contract: every returned pair satisfies
 ``‖A u − θ u‖ ≤ tol · θ_max`` with ``θ_max`` the largest Ritz value (``A u``
@@ -210,12 +214,13 @@ def check_seed(seed: object, name: str = "seed") -> None:
 
 
 def default_block_size(top_k: int, size: int) -> int:
-    """Block size ``b = k`` (at most ``size``).
+    """Block size ``b = k`` (at most ``size``), the default.
 
     Krylov depth, not block width, does the work: a wider block converges in
     fewer blocks but more products. ``b = k`` keeps a multiple eigenvalue's
     ``k`` leading copies within reach (a block Krylov space holds at most ``b``
-    directions of one eigenspace).
+    directions of one eigenspace); a narrower block is checked for them
+    (:func:`narrow_block_doubt`).
 
     Args:
         top_k: Number of leading eigenpairs.
