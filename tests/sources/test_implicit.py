@@ -155,8 +155,9 @@ def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
     report = ggn.solver_report()
     assert report.block_size == 7 and "3 Ritz values" in report.widened
     reference = torch.linalg.eigvalsh(G)
-    triples = reference[-6:].view(2, 3)  # the two leading eigenvalues, 3 copies
-    assert (triples - triples[:, :1]).abs().max() <= 1e-12 * reference[-1]
+    # the two leading eigenvalues, three copies each (the reference's own D·ε)
+    triples = reference[-6:].view(2, 3)
+    assert (triples - triples[:, :1]).abs().max() <= REORDERED_REL * reference[-1]
     assert_top_eigvals(evals, reference, EIGVAL_RTOL[torch.float64])
     assert_eigenpairs(evals, evecs, G, ggn._source.group(0).num_rows, report.tolerance)
 
