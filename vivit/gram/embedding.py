@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, einsum
 
 from vivit.gram.blocks import SampleBlockFactors
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import ParamFactors, per_sample_projections
 from vivit.gram.symmetric import self_gram
 
 
@@ -97,7 +97,7 @@ class EmbeddingFactors(ParamFactors):
     def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
         K = w.shape[0]
         looked_up = w.reshape(K, *self.param_shape)[:, self._i]  # [K, N, T, D]
-        return einsum("kntd,cntd->knc", looked_up, self._s).reshape(K, -1)
+        return per_sample_projections(looked_up, self._s).reshape(K, -1)
 
     def select(self, samples: Sequence[int]) -> EmbeddingFactors:  # noqa: D102
         index = torch.as_tensor(samples, dtype=torch.long, device=self._i.device)

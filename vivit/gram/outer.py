@@ -17,7 +17,7 @@ from torch import Tensor, einsum
 from vivit.gram import planner
 from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import ParamFactors, per_sample_projections
 from vivit.gram.symmetric import NUM_BLOCKS, self_gram
 
 #: Per-sample gradients: ``V`` replaces the factors where it has at most this many
@@ -422,7 +422,7 @@ class OuterProductFactors(ParamFactors):
             w = w.reshape(K, P, O).transpose(-1, -2)
         w = w.reshape(K, G, O, P)
         projected = einsum("kgop,ngtp->kngto", w, self._a)
-        return einsum("kngto,cngto->knc", projected, self._s).reshape(K, N * C)
+        return per_sample_projections(projected, self._s).reshape(K, N * C)
 
     def select(self, samples: Sequence[int]) -> OuterProductFactors:  # noqa: D102
         index = torch.as_tensor(samples, dtype=torch.long, device=self._a.device)
