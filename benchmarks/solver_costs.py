@@ -46,11 +46,20 @@ def cpu_time(function, repeats: int) -> tuple[float, object]:
     return best, result
 
 
-def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
+def measure(
+    problem: str, batch_size: int, top_k: int, repeats: int, mc_samples: int
+) -> dict:
     """CPU times and model predictions of one case."""
     model, loss_func, X, y = make_problem(problem, batch_size, 0, torch.device("cpu"))
     data = (X, y)
-    backward, ggn = cpu_time(lambda: LowRankGGN(model, loss_func, data), repeats)
+    # solver="dense" keeps the Gram route (whose solvers this measures); every
+    # eigh below names its solver
+    backward, ggn = cpu_time(
+        lambda: LowRankGGN(
+            model, loss_func, data, mc_samples=mc_samples, solver="dense"
+        ),
+        repeats,
+    )
     factors = ggn._group(0).ggn_factors
     size = factors[0].num_rows
 
@@ -76,7 +85,10 @@ def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
         "dense": top_k_module.dense_work(size),
         "iterative": top_k_module.iterative_work(size, gram_width, size**2, passes),
         "matrix_free": top_k_module.iterative_work(
-            size, width, top_k_module.v_product_work(factors, width)
+            size,
+            width,
+            top_k_module.v_product_work(factors, width),
+            top_k_module.v_product_passes(top_k_module.factor_entries(factors), dtype),
         ),
     }
     auto = top_k_module.choose_solver(
@@ -90,6 +102,7 @@ def measure(problem: str, batch_size: int, top_k: int, repeats: int) -> dict:
     return {
         "problem": problem,
         "N": batch_size,
+        "mc_samples": mc_samples,
         "size": size,
         "cpu_seconds": times,
         "predicted_madds": predicted,
@@ -105,13 +118,18 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--mc-samples", type=int, default=0, help="Monte-Carlo GGN (0: exact)"
+    )
     parser.add_argument("--output", default=None, help="JSON lines file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     records = []
     for problem in args.problems:
         for batch_size in args.batch_sizes or CASES[problem]:
-            record = measure(problem, batch_size, args.top_k, args.repeats)
+            record = measure(
+                problem, batch_size, args.top_k, args.repeats, args.mc_samples
+            )
             records.append(record)
             t, r = record["cpu_seconds"], record["rate"]
             totals = {

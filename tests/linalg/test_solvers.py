@@ -36,7 +36,7 @@ from vivit import (
     RoundingFloorWarning,
     SolverNotConvergedError,
 )
-from vivit.gram import DenseFactors, SampleBlockFactors
+from vivit.gram import DenseFactors, OuterProductFactors, SampleBlockFactors
 from vivit.linalg import iterative
 from vivit.linalg import top_k as top_k_module
 from vivit.linalg.group_products import gram_matmul
@@ -738,6 +738,37 @@ def test_choose_solver_compares_the_solves_after_forming_the_gram(monkeypatch):
     options = {"num_params": 10**6, "dtype": f32, "device": cpu, "factors": factors}
     assert choose_solver(5120, 10, **options) == "iterative"
     assert choose_solver(200, 10, **options) == "dense"
+
+
+def test_v_products_pay_for_reading_the_factors(monkeypatch):
+    """Per-token Monte-Carlo factors of a language model: ``V``-products lose.
+
+    The shapes of ``gpt2-4l-128-v500`` at N = 8, one sample per token (R = 512,
+    C = T = 64 columns per sample, 0.7 GB of factors): measured (one thread)
+    forming the Gram matrix and the dense solve 3.5 s, matrix-free 6.1 s
+    (``benchmarks/solver_costs.py``). Counting the multiply-adds alone chose
+    the matrix-free solver; the factors' memory passes decide.
+    """
+    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
+    meta = torch.device("meta")
+
+    def weight(outputs, inputs):
+        return OuterProductFactors(
+            torch.empty(8, 1, 64, inputs, device=meta),
+            torch.empty(64, 8, 1, 64, outputs, device=meta),
+            torch.Size([outputs, inputs]),
+        )
+
+    layer = [weight(384, 128), weight(128, 128), weight(512, 128), weight(128, 512)]
+    options = {
+        "num_params": 865536,
+        "dtype": torch.float32,
+        "device": torch.device("cpu"),
+        "factors": 4 * layer + [weight(500, 128)],
+    }
+    assert choose_solver(512, 10, **options) == "dense"
+    monkeypatch.setattr(top_k_module, "v_product_passes", lambda *args: 0.0)
+    assert choose_solver(512, 10, **options) == "matrix_free"
 
 
 def test_factor_work():

@@ -40,7 +40,10 @@ The cost model behind ``"auto"`` (all quantities known before any work):
    - ``"matrix_free"``: per block ``V``-products with ``b = k`` columns, as the
      factors compute them (:meth:`ParamFactors.product_work
      <vivit.gram.ParamFactors.product_work>`: ``2·K·N·(C·out + out·in)`` for a
-     Linear weight in factor form, ``2·K·R·numel`` for explicit columns).
+     Linear weight in factor form, ``2·K·R·numel`` for explicit columns),
+     and per block two passes over the factors' entries
+     (:func:`v_product_passes`): a product with ``b = k`` vectors is bound by
+     reading the factors.
 
    Forming the Gram matrix costs what its factors' contractions do
    (:meth:`ParamFactors.gram_work <vivit.gram.ParamFactors.gram_work>`) plus
@@ -293,7 +296,8 @@ def iterative_work(size: int, width: int, product: float, passes: float = 0.0) -
         width: Block size ``b`` (:func:`solver_block_size`).
         product: Multiply-adds of one operator-vector product.
         passes: Multiply-adds of the memory passes of one operator-block product
-            (the Gram matrix read once; ``0`` for ``V``-products).
+            (the Gram matrix read once, or the factors twice:
+            :func:`v_product_passes`).
 
     Returns:
         ``q · (b · product + passes) + 2·m²·R`` for :data:`EXPECTED_BLOCKS` blocks
@@ -346,6 +350,34 @@ def v_product_work(factors: Sequence[ParamFactors], width: int) -> float:
     return sum(f.product_work(width) for f in factors) / width
 
 
+def factor_entries(factors: Sequence[ParamFactors]) -> int:
+    """Entries of the tensors that hold a group's factors (both products read them)."""
+    return sum(tensor.numel() for f in factors for tensor in f.tensors())
+
+
+def v_product_passes(entries: int, dtype: torch.dtype) -> float:
+    """Multiply-adds of the memory passes of one block of ``V``-products.
+
+    Both products (``V U`` and ``Vᵀ W``) read every entry of the factors; with a
+    block of ``b = k`` vectors they run at memory speed, not at the speed their
+    multiply-adds alone suggest (a language model's per-token Monte-Carlo
+    factors: 11 GMAC/s for the contractions counted by
+    :meth:`~vivit.gram.ParamFactors.product_work`, against 75 for forming the
+    Gram matrix).
+
+    Args:
+        entries: Entries of the factors (``R·D`` for explicit columns).
+        dtype: Their data type.
+
+    Returns:
+        ``2 · PASS_WORK · entries`` where the factors exceed :data:`CACHE_BYTES`,
+        else ``0``.
+    """
+    if entries * itemsize(dtype) <= CACHE_BYTES:
+        return 0.0
+    return 2.0 * PASS_WORK * entries
+
+
 def choose_solver(
     size: int,
     top_k: int | None,
@@ -386,12 +418,15 @@ def choose_solver(
     width = solver_block_size("matrix_free", top_k, size)
     if factors is None:
         formation, product = 0.0, 2.0 * size * num_params
+        entries = size * num_params
     else:
         formation = 0.0 if gram_formed else gram_work(factors, dtype)
         product = v_product_work(factors, width)
+        entries = factor_entries(factors)
     dense = dense_work(size)
     iterative = iterative_work(size, gram_width, size**2, pass_work(size, dtype))
-    matrix_free = iterative_work(size, width, product)
+    passes = v_product_passes(entries, dtype)
+    matrix_free = iterative_work(size, width, product, passes)
     if not gram_formed and matrix_free < formation + min(iterative, dense):
         return "matrix_free"
     # both of these form the Gram matrix: compare the solves alone
