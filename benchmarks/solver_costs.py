@@ -76,29 +76,19 @@ def measure(
             return ggn.eigh(top_k=top_k, solver=solver)
 
         times[solver], _ = cpu_time(solve, repeats)
-    dtype = factors[0].dtype
-    passes = top_k_module.pass_work(size, dtype)
-    gram_width = top_k_module.solver_block_size("iterative", top_k, size)
-    width = top_k_module.solver_block_size("matrix_free", top_k, size)
-    predicted = {
-        "gram": top_k_module.gram_work(factors, dtype),
-        "dense": top_k_module.dense_work(size),
-        "iterative": top_k_module.iterative_work(size, gram_width, size**2, passes),
-        "matrix_free": top_k_module.iterative_work(
-            size,
-            width,
-            top_k_module.v_product_work(factors, width),
-            top_k_module.v_product_passes(top_k_module.factor_entries(factors), dtype),
-        ),
+    options = {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "dtype": factors[0].dtype,
+        "factors": factors,
     }
-    auto = top_k_module.choose_solver(
-        size,
-        top_k,
-        num_params=sum(p.numel() for p in model.parameters()),
-        dtype=X.dtype,
-        device=X.device,
-        factors=factors,
-    )
+    work = top_k_module.solver_work(size, top_k, **options)
+    predicted = {
+        "gram": work.formation,
+        "dense": work.dense,
+        "iterative": work.iterative,
+        "matrix_free": work.matrix_free,
+    }
+    auto = top_k_module.choose_solver(size, top_k, device=X.device, **options)
     return {
         "problem": problem,
         "N": batch_size,

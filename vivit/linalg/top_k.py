@@ -378,6 +378,61 @@ def v_product_passes(entries: int, dtype: torch.dtype) -> float:
     return 2.0 * PASS_WORK * entries
 
 
+@dataclasses.dataclass(frozen=True)
+class SolverWork:
+    """Expected multiply-adds of each top-``k`` solver (the module docstring).
+
+    Attributes:
+        formation: Forming the Gram matrix (``0`` without factors).
+        dense: The dense solve of the formed Gram matrix.
+        iterative: The iterative solve on the formed Gram matrix.
+        matrix_free: The iterative solve on ``V``-products, passes included.
+    """
+
+    formation: float
+    dense: float
+    iterative: float
+    matrix_free: float
+
+
+def solver_work(
+    size: int,
+    top_k: int,
+    *,
+    num_params: int,
+    dtype: torch.dtype,
+    factors: Sequence[ParamFactors] | None = None,
+) -> SolverWork:
+    """The work :func:`choose_solver` compares.
+
+    Args:
+        size: Side length ``R = N·C`` of the Gram matrix.
+        top_k: Number of leading eigenpairs.
+        num_params: Parameters ``D`` of the group.
+        dtype: Data type of the Gram matrix.
+        factors: As for :func:`choose_solver`.
+
+    Returns:
+        Each solver's expected multiply-adds.
+    """
+    gram_width = solver_block_size("iterative", top_k, size)
+    width = solver_block_size("matrix_free", top_k, size)
+    if factors is None:
+        formation, product = 0.0, 2.0 * size * num_params
+        entries = size * num_params
+    else:
+        formation = gram_work(factors, dtype)
+        product = v_product_work(factors, width)
+        entries = factor_entries(factors)
+    passes = v_product_passes(entries, dtype)
+    return SolverWork(
+        formation=formation,
+        dense=dense_work(size),
+        iterative=iterative_work(size, gram_width, size**2, pass_work(size, dtype)),
+        matrix_free=iterative_work(size, width, product, passes),
+    )
+
+
 def choose_solver(
     size: int,
     top_k: int | None,
@@ -414,24 +469,15 @@ def choose_solver(
     iterative_bytes = grams + iterative_workspace_bytes(size, top_k, dtype)
     if not gram_formed and iterative_bytes > available:
         return "matrix_free"
-    gram_width = solver_block_size("iterative", top_k, size)
-    width = solver_block_size("matrix_free", top_k, size)
-    if factors is None:
-        formation, product = 0.0, 2.0 * size * num_params
-        entries = size * num_params
-    else:
-        formation = 0.0 if gram_formed else gram_work(factors, dtype)
-        product = v_product_work(factors, width)
-        entries = factor_entries(factors)
-    dense = dense_work(size)
-    iterative = iterative_work(size, gram_width, size**2, pass_work(size, dtype))
-    passes = v_product_passes(entries, dtype)
-    matrix_free = iterative_work(size, width, product, passes)
-    if not gram_formed and matrix_free < formation + min(iterative, dense):
+    work = solver_work(size, top_k, num_params=num_params, dtype=dtype, factors=factors)
+    formation = 0.0 if gram_formed else work.formation
+    if not gram_formed and work.matrix_free < formation + min(
+        work.iterative, work.dense
+    ):
         return "matrix_free"
     # both of these form the Gram matrix: compare the solves alone
     dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
-    if ITERATIVE_ADVANTAGE * iterative <= dense or not dense_fits:
+    if ITERATIVE_ADVANTAGE * work.iterative <= work.dense or not dense_fits:
         return "iterative"
     return "dense"
 
