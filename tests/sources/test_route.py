@@ -273,6 +273,18 @@ def test_a_classifier_loader_runs_the_gram_route():
     _assert_exact(ggn, model, loss_func, X, y)
 
 
+def test_a_list_of_batches_is_judged_on_every_batch_size():
+    """A list's batch sizes are at hand: an uneven split counts all 12 samples
+    and its largest batch, not the first batch's size times the count."""
+    model, loss_func, X, y, _ = _classifier_loader()
+    uneven = [(X[:1], y[:1]), (X[1:], y[1:])]
+    ggn = LowRankGGN(model, loss_func, uneven)
+    reason = ggn.route.reason
+    assert reason.startswith("a list of 2 batches of 12 samples (the largest 11)")
+    assert "passes over its 2 batches" in reason
+    _assert_exact(ggn, model, loss_func, X, y)
+
+
 def test_a_language_model_loader_runs_implicit_and_is_exact():
     """``K = C·T = 1600`` columns per sample: the Gram route's backward pass and
     Gram matrix over all 4 samples cost more passes than the implicit products,

@@ -25,7 +25,7 @@ the route :func:`agreed_route` decides from all their choices.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 
 from torch.nn import Module, Parameter
@@ -124,7 +124,22 @@ def _loader_request(
     groups: list[list[Parameter]],
     options: CurvatureOptions,
 ) -> RouteRequest | None:
-    """The estimates of a loader from its first batch and length (``None``: empty)."""
+    """The estimates of a loader (``None``: empty).
+
+    A list of batches is judged on its batches' sizes, another loader on its
+    first batch and its length.
+    """
+    if isinstance(data, Sequence):  # every batch at hand: their true sizes
+        batches = list(iterate_batches(data, model, options.max_batches))
+        if not batches:
+            return None
+        sizes = [num_samples(inputs) for inputs, _ in batches]
+        blocks = Blocks.of_loader(sum(sizes), max(sizes), options.chunk_size)
+        words = (
+            f"a list of {len(sizes)} batches of {sum(sizes)} samples (the largest "
+            f"{max(sizes)})"
+        )
+        return _request(model, loss_func, batches[0][0], groups, options, blocks, words)
     with closing(iterate_batches(data, model, 1)) as batches:
         first = next(batches, None)
     if first is None:
