@@ -51,6 +51,8 @@ from tests.fixtures.reference import (
     per_sample_gradients,
 )
 from vivit.errors import DistributedError
+from vivit.memory.route import fixed_route
+from vivit.options import CurvatureOptions
 from vivit.sources.route import RouteChoice, agreed_route
 
 MODULE = "tests.distributed.implicit_jobs"
@@ -266,7 +268,8 @@ def test_data_parallel_training_is_that_of_the_union(jobs):
 
 def test_the_agreed_route():
     """One process keeps its choice; equal choices stay; different ones run the
-    implicit route, naming every rank's reason; different solvers are refused."""
+    implicit route, naming every rank's reason, unless a rank cannot run it;
+    different solvers are refused."""
     gram, implicit = RouteChoice("gram", "cheaper"), RouteChoice("implicit", "fits")
     assert agreed_route([("auto", gram)]) is gram
     assert agreed_route([("auto", gram), ("auto", gram)]) == gram
@@ -277,3 +280,8 @@ def test_the_agreed_route():
     assert same.name == "gram" and "every rank chose it" in same.reason
     with pytest.raises(DistributedError, match="rank 1 asks for solver='dense'"):
         agreed_route([("auto", gram), ("dense", gram)])
+    # a rank whose shard the implicit route cannot run (a one-pass iterator)
+    forced = fixed_route(CurvatureOptions(), "an iterator is passed over once")
+    assert forced.name == "gram" and forced.forced
+    mixed = agreed_route([("auto", implicit), ("auto", forced)])
+    assert mixed.name == "gram" and "the only one some rank can run" in mixed.reason

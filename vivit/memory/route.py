@@ -97,11 +97,14 @@ class RouteChoice:
             choice made one, else ``None``; the Gram route's memory check
             (:func:`~vivit.memory.estimate.check_batch_fits`) takes it rather
             than probing the same batch again.
+        forced: The implicit route cannot run on these samples (an obstacle of
+            the data or the options), so the Gram route is the only one.
     """
 
     name: str
     reason: str
     estimate: MemoryEstimate | None = field(default=None, compare=False, repr=False)
+    forced: bool = False
 
     def __str__(self) -> str:
         return f"{self.name} route: {self.reason}"
@@ -150,7 +153,9 @@ def fixed_route(
         return RouteChoice("gram", f"solver={options.solver!r} was asked for")
     obstacle = implicit_obstacle(options) or obstacle
     if obstacle is not None:
-        return RouteChoice("gram", f"the implicit route cannot run: {obstacle}")
+        return RouteChoice(
+            "gram", f"the implicit route cannot run: {obstacle}", forced=True
+        )
     return None
 
 

@@ -191,8 +191,11 @@ def agreed_route(choices: list[tuple[str, RouteChoice]]) -> RouteChoice:
     Each rank chooses from its own shard (:func:`choose_route`); all must run
     one route. Where they differ (``solver="auto"``), the implicit route runs:
     a rank chose it because the Gram route's factors do not fit there or cost
-    more passes, and the implicit route runs on any shard (a loader's too);
-    its memory is checked on every rank before the first product.
+    more passes, and the implicit route runs on any shard its options and data
+    allow (a loader's too); its memory is checked on every rank before the
+    first product. Where some rank cannot run it (a one-pass iterator as its
+    shard: ``RouteChoice.forced``), every rank runs the Gram route, whose
+    memory each rank checks as it runs.
 
     Args:
         choices: Every rank's requested solver and choice, in rank order.
@@ -225,6 +228,12 @@ def agreed_route(choices: list[tuple[str, RouteChoice]]) -> RouteChoice:
     )
     if len(names) == 1:
         return RouteChoice(first.name, f"every rank chose it ({reasons})")
+    if any(choice.forced for _, choice in choices):
+        return RouteChoice(
+            "gram",
+            f"the ranks chose differently, and all run the Gram route, the only "
+            f"one some rank can run ({reasons})",
+        )
     return RouteChoice(
         "implicit",
         f"the ranks chose differently, and all run the implicit route, which "
