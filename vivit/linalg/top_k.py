@@ -317,9 +317,14 @@ def pass_work(size: int, dtype: torch.dtype) -> float:
     Returns:
         ``PASS_WORK · R²`` where the matrix exceeds :data:`CACHE_BYTES`, else ``0``.
     """
-    if size**2 * itemsize(dtype) <= CACHE_BYTES:
+    return _memory_pass_work(size**2, dtype)
+
+
+def _memory_pass_work(entries: int, dtype: torch.dtype) -> float:
+    """``PASS_WORK`` per entry of a tensor larger than :data:`CACHE_BYTES`, else 0."""
+    if entries * itemsize(dtype) <= CACHE_BYTES:
         return 0.0
-    return PASS_WORK * size**2
+    return PASS_WORK * entries
 
 
 def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
@@ -373,9 +378,7 @@ def v_product_passes(entries: int, dtype: torch.dtype) -> float:
         ``2 · PASS_WORK · entries`` where the factors exceed :data:`CACHE_BYTES`,
         else ``0``.
     """
-    if entries * itemsize(dtype) <= CACHE_BYTES:
-        return 0.0
-    return 2.0 * PASS_WORK * entries
+    return 2.0 * _memory_pass_work(entries, dtype)
 
 
 @dataclasses.dataclass(frozen=True)

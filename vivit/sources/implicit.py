@@ -197,8 +197,11 @@ class ImplicitGroup:
                     mask = block.ggn_mask.to(output.dtype)
                     weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
                 curvature = hessian.hessian_matmul(tangents)
-                parts.append(function.vjp(curvature * weights))
-            products = [torch.cat(part) for part in zip(*parts, strict=True)]
+                parts.append(function.vjp(curvature.mul_(weights)))
+            products = [
+                part[0] if len(part) == 1 else torch.cat(part)
+                for part in zip(*parts, strict=True)
+            ]
             if not result:
                 result = products
             else:
