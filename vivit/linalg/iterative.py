@@ -100,8 +100,9 @@ SINGLE_SVQB_CONDITION = 100.0
 #: (relative to ``θ_max``) may approximate one eigenvalue: each lies within the
 #: bound of an eigenvalue, so copies of a multiple one lie within twice of it.
 CLUSTER_FACTOR = 2.0
-#: Rows of the chunks in which a confirmation compares its columns (their
-#: temporaries stay in the cache, not of the operator's side length).
+#: Entries per row of the chunks in which a confirmation compares its vectors
+#: and a restart combines float32 images in float64 (their temporaries stay
+#: small, not of the operator's side length).
 NORM_ROWS = 2**16
 #: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
 SEEDS = (-(2**63), 2**64)
@@ -810,9 +811,16 @@ class _KrylovBasis:
         """
         m = self._filled
         basis, images = self._basis_rows[:m], self._image_rows[:m]
-        combined = coefficients.T.to(images.dtype) @ images
-        if widen:
-            combined = combined.to(torch.float64)
+        if images.dtype == torch.float64:
+            combined = coefficients.T @ images
+        else:  # in float64, a chunk of entries at a time: one rounding at the end
+            combined = basis.new_empty(coefficients.shape[1], images.shape[1])
+            for start in range(0, images.shape[1], NORM_ROWS):
+                entries = slice(start, start + NORM_ROWS)
+                part = images[:, entries].to(torch.float64)
+                torch.mm(coefficients.T, part, out=combined[:, entries])
+            if not widen:
+                combined = combined.to(images.dtype)
         return coefficients.T @ basis, combined
 
 
