@@ -84,10 +84,12 @@ class ShardExchange:
         self._last_if_raises(raise_failures, gathered, self.world_size)
         return gathered
 
-    def _last_if_raises(self, check: Callable[..., None], *args: object) -> None:
+    def _last_if_raises(
+        self, check: Callable[..., Decision], *args: object
+    ) -> Decision:
         """Run an agreement check; if it raises (on every rank), no round follows."""
         try:
-            check(*args)
+            return check(*args)
         except DistributedError:
             self._rounds_left = 0
             raise
@@ -109,12 +111,7 @@ class ShardExchange:
         """
         if self.group is None:
             return rule([item])
-        gathered = self._round(item)
-        try:
-            return rule(gathered)
-        except DistributedError:
-            self._rounds_left = 0
-            raise
+        return self._last_if_raises(rule, self._round(item))
 
     def agree(self, fingerprint: dict[str, object], seed: int | None) -> int | None:
         """Check that every rank asks for the same; the run's MC seed (rank 0's).

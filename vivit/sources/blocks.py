@@ -291,10 +291,15 @@ class UnionOutput:
         return union * self._sum.loss, [union * g for g in self._sum.gradients]
 
 
+def unnormalizing_scale(batch: BatchInfo) -> float:
+    """``1 / R_b``, which undoes a block's loss reduction (``0`` for weight ``0``)."""
+    factor = batch.reduction_factor()
+    return 1.0 / factor if factor > 0 else 0.0
+
+
 def _unnormalized(output: EngineOutput, batch: BatchInfo) -> EngineOutput:
     """``L_b / R_b`` and ``∇L_b / R_b`` (``0`` for a block of weight ``0``)."""
-    factor = batch.reduction_factor()
-    scale = 1.0 / factor if factor > 0 else 0.0
+    scale = unnormalizing_scale(batch)
     return EngineOutput(output.loss * scale, [g * scale for g in output.gradients])
 
 

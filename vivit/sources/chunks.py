@@ -115,6 +115,21 @@ def run_chunk(
         ) from None
 
 
+def is_combined(single_batch: bool, chunk: SampleChunk, grouped: bool) -> bool:
+    """Whether a chunk's loss is combined with other blocks' (``block_loss``).
+
+    Args:
+        single_batch: The data is one mini-batch (not a loader's batches).
+        chunk: The chunk of that batch.
+        grouped: The process is a rank of a group (its shard is combined with
+            the other ranks').
+
+    Returns:
+        ``False`` only for a lone mini-batch run whole, whose loss is the union's.
+    """
+    return not single_batch or chunk.samples is not None or grouped
+
+
 def block_loss(
     loss_func: Module, targets: Tensor, combined: bool
 ) -> tuple[Module, bool]:

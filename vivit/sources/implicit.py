@@ -70,8 +70,8 @@ from vivit.sources.batches import (
     num_batches,
     progress_bar,
 )
-from vivit.sources.blocks import UnionOutput, union_batch
-from vivit.sources.chunks import block_loss, split_batch, weightless
+from vivit.sources.blocks import UnionOutput, union_batch, unnormalizing_scale
+from vivit.sources.chunks import block_loss, is_combined, split_batch, weightless
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.streamed import BatchFingerprints, fingerprint, model_fingerprint
 
@@ -580,11 +580,8 @@ class ImplicitFactors(CurvatureSource):
                     mask = torch.zeros(num_samples(inputs), dtype=torch.bool)
                     if chunk.has_curvature:
                         mask[chunk.subsampling or slice(None)] = True
-                    # a rank's shard is combined with the other ranks' too
-                    combined = (
-                        not self._single
-                        or chunk.samples is not None
-                        or self.lockstep.group is not None
+                    combined = is_combined(
+                        self._single, chunk, self.lockstep.group is not None
                     )
                     loss_func, carries_none = block_loss(
                         self._loss_func, targets, combined
@@ -698,8 +695,7 @@ class ImplicitFactors(CurvatureSource):
         for batch, loss in ranks:
             union.add(batch, EngineOutput(loss, []))
         loss, _ = union.result()
-        factor = self.local_batch.reduction_factor()
-        scale = 1.0 / factor if factor > 0 else 0.0  # a shard of weight 0 adds 0
+        scale = unnormalizing_scale(self.local_batch)  # a shard of weight 0 adds 0
         total = self.union.reduction_factor()
         summed = self.lockstep.sum(
             "the gradient", lambda: [g.detach() * scale * total for g in gradients]

@@ -61,7 +61,7 @@ from vivit.sources.blocks import (
     combine_curvatures,
     merged_blocks,
 )
-from vivit.sources.chunks import SampleChunk, run_chunk, split_batch
+from vivit.sources.chunks import SampleChunk, is_combined, run_chunk, split_batch
 from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.ownership import CallerMemory
 
@@ -352,9 +352,9 @@ class StoredFactors(CurvatureSource):
                 blocks_request(index), subsampling=chunk.subsampling
             )
             # a lone mini-batch: its loss is the union's (refused if 0/0)
-            combined = not single or chunk.samples is not None or shards.group
+            combined = is_combined(single, chunk, shards.group is not None)
             return lambda sink: run_chunk(
-                chosen, model, loss_func, chunk, block_request, sink, bool(combined)
+                chosen, model, loss_func, chunk, block_request, sink, combined
             )
 
         # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
