@@ -379,7 +379,7 @@ class _Request:
         """What the route choice compares (the Gram route for ``top_k``)."""
         return RouteRequest(
             gram=self._gram(blocks),
-            implicit=lambda: self._implicit(blocks, ROUTE_TOP_K, None),
+            implicit=lambda available: self._implicit(blocks, ROUTE_TOP_K, available),
             blocks=blocks,
             num_params=max(sum(p.numel() for p in g) for g in self.param_groups),
             data=data,

@@ -118,8 +118,9 @@ class RouteRequest:
         gram: The Gram route's estimate of all samples (``None``: the model
             could not be probed).
         implicit: Makes the implicit route's estimate for :data:`ROUTE_TOP_K`
-            pairs and the largest block (``None``: could not be probed); called
-            only where the choice needs it.
+            pairs and the largest block with the bytes available (the same the
+            choice compares with; ``None``: could not be probed); called only
+            where the choice needs it.
         blocks: The samples: a mini-batch's, or a loader's batches.
         num_params: Parameters ``D`` of the largest group.
         data: The samples in words, and what is assumed of them (``""`` for a
@@ -127,7 +128,7 @@ class RouteRequest:
     """
 
     gram: MemoryEstimate | None
-    implicit: Callable[[], ImplicitEstimate | None]
+    implicit: Callable[[int], ImplicitEstimate | None]
     blocks: Blocks
     num_params: int
     data: str = ""
@@ -317,7 +318,7 @@ def _implicit_if_it_fits(
     request: RouteRequest, available: int, reason: str
 ) -> RouteChoice:
     """The implicit route where its products fit, else the Gram route (or neither)."""
-    products = request.implicit()
+    products = request.implicit(available)
     if products is None or products.total <= ESTIMATE_FACTOR * available:
         return _choice(request, "implicit", reason)
     gram = request.gram

@@ -176,8 +176,14 @@ def _request(
     engine = resolve_engine(options.engine, model, loss_func, options.output)
     return RouteRequest(
         gram=batch_estimate(model, loss_func, inputs, groups, options, engine, blocks),
-        implicit=lambda: implicit_estimate(
-            model, inputs, groups, options, ROUTE_TOP_K, block=blocks.block
+        implicit=lambda available: implicit_estimate(
+            model,
+            inputs,
+            groups,
+            options,
+            ROUTE_TOP_K,
+            block=blocks.block,
+            available=available,
         ),
         blocks=blocks,
         num_params=max(sum(p.numel() for p in group) for group in groups),
