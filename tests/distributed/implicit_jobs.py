@@ -21,10 +21,9 @@ from torch import Tensor, nn
 from tests.distributed.jobs import LOADERS, SHARDS, flat, loader, local_subsampling
 from tests.distributed.spawn import run_rank
 from tests.fixtures.func_problems import CharLSTM, NoForwardMode
+from tests.fixtures.implicit_basis import smallest_basis_memory
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
-from vivit.linalg.iterative import minimum_capacity
-from vivit.linalg.top_k import iterative_workspace_bytes
 from vivit.memory import estimate as estimate_module
 from vivit.memory.estimate import implicit_estimate
 from vivit.optim import DampedNewton
@@ -229,14 +228,11 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
 def smallest_basis(model: nn.Module, inputs: Tensor) -> int:
     """Bytes that fit the products and the smallest Krylov basis for ``TOP_K``.
 
-    As ``tests/sources/test_implicit.py`` cuts the basis by memory.
+    (:func:`tests.fixtures.implicit_basis.smallest_basis_memory`).
     """
     groups = [list(model.parameters())]
     default = implicit_estimate(model, inputs, groups, CurvatureOptions(), TOP_K)
-    size, dtype = default.num_params, groups[0][0].dtype
-    least = minimum_capacity(TOP_K, default.block_width, size)
-    krylov = iterative_workspace_bytes(size, TOP_K, dtype, 0, least)
-    return default.activations + default.products + krylov
+    return smallest_basis_memory(default, TOP_K, groups[0][0].dtype)[1]
 
 
 def patched(module: object, when: bool, **values: object):

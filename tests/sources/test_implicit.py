@@ -32,6 +32,7 @@ from tests.fixtures.func_problems import (
     PADDED_PROBLEMS,
     NoForwardMode,
 )
+from tests.fixtures.implicit_basis import smallest_basis_memory
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     FewerEigenpairsWarning,
@@ -46,9 +47,8 @@ from vivit.errors import (
     ProductsTooLargeError,
     UnsupportedLayerError,
 )
-from vivit.linalg.iterative import SolverReport, minimum_capacity
+from vivit.linalg.iterative import SolverReport
 from vivit.linalg.solvers import numerical_zero_tolerance
-from vivit.linalg.top_k import iterative_workspace_bytes
 from vivit.memory import estimate as estimate_module
 from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate
 from vivit.optim import DampedNewton
@@ -631,10 +631,7 @@ def _memory_for_the_smallest_basis(monkeypatch, s, top_k, options):
     """
     groups = [list(s.model.parameters())]
     default = implicit_estimate(s.model, s.inputs, groups, options, top_k)
-    size, dtype = default.num_params, groups[0][0].dtype
-    least = minimum_capacity(top_k, default.block_width, size)
-    krylov = iterative_workspace_bytes(size, top_k, dtype, 0, least)
-    available = default.activations + default.products + krylov
+    least, available = smallest_basis_memory(default, top_k, groups[0][0].dtype)
     monkeypatch.setattr(estimate_module, "available_bytes", lambda device: available)
     return least, default.basis_columns
 

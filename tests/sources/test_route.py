@@ -16,12 +16,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
 from tests.fixtures.func_problems import FUNC_PROBLEMS, TOKEN_VOCAB, TokenModel
+from tests.fixtures.implicit_basis import smallest_basis_memory
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
 from vivit.errors import ProductsTooLargeError
 from vivit.gram.memory import format_bytes
-from vivit.linalg.iterative import minimum_capacity
-from vivit.linalg.top_k import iterative_workspace_bytes
 from vivit.memory import estimate
 from vivit.memory import route as decision
 from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate, kept_bytes
@@ -408,10 +407,7 @@ def test_solver_implicit_checks_a_loader_before_its_first_product(monkeypatch):
     default = implicit_estimate(
         model, X, groups, CurvatureOptions(), top_k, block=3, available=2**50
     )
-    size = default.num_params
-    least = minimum_capacity(top_k, default.block_width, size)
-    basis = iterative_workspace_bytes(size, top_k, torch.float64, 0, least)
-    available = default.activations + default.products + basis
+    least, available = smallest_basis_memory(default, top_k, torch.float64)
     _available(monkeypatch, available)
     ggn = LowRankGGN(model, loss_func, loader, solver="implicit")
     evals, _ = ggn.eigh(top_k=top_k)
