@@ -18,7 +18,14 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
-from tests.distributed.jobs import LOADERS, SHARDS, flat, loader, local_subsampling
+from tests.distributed.jobs import (
+    LOADERS,
+    SHARDS,
+    flat,
+    loader,
+    local_subsampling,
+    training_results,
+)
 from tests.distributed.spawn import run_rank
 from tests.fixtures.func_problems import CharLSTM, NoForwardMode
 from tests.fixtures.implicit_basis import smallest_basis_memory
@@ -311,7 +318,7 @@ def train_reference(world_size: int) -> dict[str, Tensor]:
         shards = training_setup(world_size, t)[2]
         batch = tuple(torch.cat(parts) for parts in zip(*shards, strict=True))
         losses.append(opt.step(data=batch))
-    return _training_results(model, losses)
+    return training_results(model, losses)
 
 
 def train(rank: int, world_size: int) -> dict[str, Tensor]:
@@ -323,14 +330,7 @@ def train(rank: int, world_size: int) -> dict[str, Tensor]:
         opt.step(data=training_setup(world_size, t)[2][rank])
         for t in range(TRAINING_STEPS)
     ]
-    return _training_results(model, losses)
-
-
-def _training_results(model: nn.Module, losses: list[Tensor]) -> dict[str, Tensor]:
-    return {
-        "losses": torch.stack(losses),
-        "parameters": torch.cat([p.detach().flatten() for p in model.parameters()]),
-    }
+    return training_results(model, losses)
 
 
 # Failures -------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def train_reference(world_size: int) -> dict[str, Tensor]:
     model, loss_func, _ = training_setup(world_size, 0)
     opt = optimizer(model, loss_func, process_group=False)
     losses = [opt.step(data=training_setup(world_size, t)[2]) for t in range(3)]
-    return _training_results(model, losses)
+    return training_results(model, losses)
 
 
 def train(rank: int, world_size: int) -> dict[str, Tensor]:
@@ -310,10 +310,11 @@ def train(rank: int, world_size: int) -> dict[str, Tensor]:
         opt.step(data=training_setup(world_size, t)[2][rank])
         for t in range(TRAINING_STEPS)
     ]
-    return _training_results(model, losses)
+    return training_results(model, losses)
 
 
-def _training_results(model: nn.Module, losses: list[Tensor]) -> dict[str, Tensor]:
+def training_results(model: nn.Module, losses: list[Tensor]) -> dict[str, Tensor]:
+    """The losses of the steps and the final parameters, flattened."""
     return {
         "losses": torch.stack(losses),
         "parameters": torch.cat([p.detach().flatten() for p in model.parameters()]),

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.checks import assert_rel
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds a whole job may take (typically 5-20 s) before it is killed.
 JOB_TIMEOUT = 150
@@ -109,3 +111,19 @@ def assert_raised_on_every_rank(
             else:
                 assert kind == "DistributedError", (case, kind, message)
                 assert f"Rank {last} of {world_size} failed ({error}:" in message
+
+
+def assert_training_is_that_of_the_union(
+    ranks: list[dict[str, torch.Tensor]], expected: dict[str, torch.Tensor]
+) -> None:
+    """The replicas are bit-identical and equal one process on the union batches.
+
+    Args:
+        ranks: Every rank's training results (losses, final parameters).
+        expected: The same of one process trained on the union batches.
+    """
+    for key in ranks[0]:
+        for other in ranks[1:]:
+            assert torch.equal(ranks[0][key], other[key]), f"replicas differ: {key}"
+    for key, value in expected.items():
+        assert_rel(ranks[0][key], value)

@@ -34,7 +34,11 @@ from tests.distributed.implicit_jobs import (
     train_reference,
     union_subsampling,
 )
-from tests.distributed.spawn import assert_raised_on_every_rank, launch
+from tests.distributed.spawn import (
+    assert_raised_on_every_rank,
+    assert_training_is_that_of_the_union,
+    launch,
+)
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
@@ -261,11 +265,7 @@ def test_data_parallel_training_is_that_of_the_union(jobs):
     """DDP-wrapped model, implicit Newton steps on each rank's shard: the replicas
     stay equal and equal one process on the union batches."""
     ranks = [results["training"] for results in jobs[2]]
-    for key in ranks[0]:
-        assert torch.equal(ranks[0][key], ranks[1][key]), f"replicas differ: {key}"
-    expected = train_reference(2)
-    for key, value in expected.items():
-        assert_rel(ranks[0][key], value)
+    assert_training_is_that_of_the_union(ranks, train_reference(2))
 
 
 def test_the_agreed_route():
