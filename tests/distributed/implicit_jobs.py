@@ -24,6 +24,8 @@ from tests.distributed.jobs import (
     flat,
     loader,
     local_subsampling,
+    shards_of,
+    targets_and_loss,
     training_results,
 )
 from tests.distributed.spawn import run_rank
@@ -128,26 +130,8 @@ def setup(scenario: Scenario, world_size: int, seed: int = 0):
             classes = arch.num_outputs
             shape = (total,)
         model = model.to(torch.float64).eval()
-        if scenario.loss == "mse":
-            targets = torch.randn(total, classes, dtype=torch.float64)
-            loss_func = nn.MSELoss(reduction=scenario.reduction)
-        else:
-            targets = torch.randint(0, classes, shape)
-            loss_func = nn.CrossEntropyLoss(reduction=scenario.reduction)
-        if scenario.loss == "ce_weighted":
-            targets[::3] = -100  # ignored: sample weights differ across ranks
-            weight = torch.rand(classes, dtype=torch.float64) + 0.5
-            loss_func = nn.CrossEntropyLoss(weight=weight, reduction=scenario.reduction)
-        if scenario.ignored_shard:
-            targets[: SHARDS[world_size][0]] = -100
-    shards = list(
-        zip(
-            inputs.split(SHARDS[world_size]),
-            targets.split(SHARDS[world_size]),
-            strict=True,
-        )
-    )
-    return model, loss_func, shards
+        targets, loss_func = targets_and_loss(scenario, classes, shape, world_size)
+    return model, loss_func, shards_of(inputs, targets, world_size)
 
 
 def param_groups(scenario: Scenario, model: nn.Module) -> list[list[nn.Parameter]]:

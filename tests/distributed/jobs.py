@@ -120,26 +120,35 @@ def setup(scenario: Scenario, world_size: int, seed: int = 0):
         torch.manual_seed(seed)
         model = arch.build().to(torch.float64).eval()
         inputs = torch.randn(total, *arch.input_shape, dtype=torch.float64)
-        if scenario.loss == "mse":
-            targets = torch.randn(total, C, dtype=torch.float64)
-            loss_func = nn.MSELoss(reduction=scenario.reduction)
-        else:
-            targets = torch.randint(0, C, (total,))
-            loss_func = nn.CrossEntropyLoss(reduction=scenario.reduction)
-        if scenario.loss == "ce_weighted":
-            targets[::3] = -100  # ignored: sample weights differ across ranks
-            weight = torch.rand(C, dtype=torch.float64) + 0.5
-            loss_func = nn.CrossEntropyLoss(weight=weight, reduction=scenario.reduction)
-        if scenario.ignored_shard:
-            targets[: SHARDS[world_size][0]] = -100
-    shards = list(
-        zip(
-            inputs.split(SHARDS[world_size]),
-            targets.split(SHARDS[world_size]),
-            strict=True,
-        )
-    )
-    return model, loss_func, shards
+        targets, loss_func = targets_and_loss(scenario, C, (total,), world_size)
+    return model, loss_func, shards_of(inputs, targets, world_size)
+
+
+def targets_and_loss(
+    scenario: Scenario, classes: int, shape: tuple[int, ...], world_size: int
+) -> tuple[Tensor, nn.Module]:
+    """The scenario's targets (class indices of ``shape``, or regression targets
+    ``[N, classes]``) and loss function, drawn from torch's generator."""
+    total = shape[0]
+    if scenario.loss == "mse":
+        targets = torch.randn(total, classes, dtype=torch.float64)
+        loss_func = nn.MSELoss(reduction=scenario.reduction)
+    else:
+        targets = torch.randint(0, classes, shape)
+        loss_func = nn.CrossEntropyLoss(reduction=scenario.reduction)
+    if scenario.loss == "ce_weighted":
+        targets[::3] = -100  # ignored: sample weights differ across ranks
+        weight = torch.rand(classes, dtype=torch.float64) + 0.5
+        loss_func = nn.CrossEntropyLoss(weight=weight, reduction=scenario.reduction)
+    if scenario.ignored_shard:
+        targets[: SHARDS[world_size][0]] = -100
+    return targets, loss_func
+
+
+def shards_of(inputs: Tensor, targets: Tensor, world_size: int) -> list:
+    """Every rank's ``(inputs, targets)``, consecutive samples of ``SHARDS``."""
+    sizes = SHARDS[world_size]
+    return list(zip(inputs.split(sizes), targets.split(sizes), strict=True))
 
 
 def loader(shard: tuple[Tensor, Tensor], sizes: tuple[int, ...]) -> list:
