@@ -22,7 +22,7 @@ naming it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -141,6 +141,7 @@ class BlockFunction:
         self._model = model
         self._inputs = inputs
         self._selector = selector
+        self._pullback: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
     def __call__(self, *values: Tensor) -> Tensor:
         """The selected output with the group's parameters set to ``values``."""
@@ -173,6 +174,9 @@ class BlockFunction:
     def vjp(self, cotangents: Tensor) -> list[Tensor]:
         """``Jᵀ w`` summed over the samples, for ``K`` output-space vectors.
 
+        The forward pass that records the pullback runs once per block; the
+        chunks of a product's vectors (:func:`pass_width`) reuse it.
+
         Args:
             cotangents: ``[K, N, *out]``.
 
@@ -180,8 +184,9 @@ class BlockFunction:
             One tensor ``[K, *p.shape]`` per parameter.
         """
         with _naming_unsupported(self._model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
-            _, pullback = vjp(self, *self._primals)
-            return list(vmap(pullback)(cotangents))
+            if self._pullback is None:
+                _, self._pullback = vjp(self, *self._primals)
+            return list(vmap(self._pullback)(cotangents))
 
 
 @contextmanager
