@@ -277,7 +277,11 @@ class RouteCosts:
             formation=estimate.gram_work / GEMM_SPEEDUP / pass_work,
             solve=solve / GEMM_SPEEDUP / pass_work,
             implicit=IMPLICIT_PASSES,
-            basis=iterative_work(num_params, top_k, 0.0) / GEMM_SPEEDUP / pass_work,
+            basis=iterative_work(
+                num_params, solver_block_size("implicit", top_k, num_params), 0.0
+            )
+            / GEMM_SPEEDUP
+            / pass_work,
             batches=batches,
         )
 
