@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from tests.distributed.jobs import (
     LOADERS,
     SHARDS,
+    failure_results,
     flat,
     loader,
     local_subsampling,
@@ -401,14 +402,7 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         ),
         "tolerance": lambda: implicit(solver_tol=1e-10 if last else None),
     }
-    results = {}
-    for name, case in cases.items():
-        try:
-            case()
-            results[name] = ("", "")
-        except Exception as error:  # noqa: BLE001 - recorded for the test
-            results[name] = (type(error).__name__, str(error))
-    return results
+    return failure_results(cases)
 
 
 def all_reduce_digests(rank: int) -> list[str]:

@@ -387,6 +387,11 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         model.parameters(), lr=0.5 if last else 1.0, model=model, loss_func=loss_func
     )
     cases["optimizer"] = lambda: other_lr.step(data=(inputs, targets))
+    return failure_results(cases)
+
+
+def failure_results(cases: dict) -> dict[str, tuple[str, str]]:
+    """Each case run: its exception's type and message (empty if none)."""
     results = {}
     for name, case in cases.items():
         try:
