@@ -17,7 +17,7 @@ from vivit import InvalidArgumentError, ParamGroupError
 from vivit.analysis import audit as audit_module
 from vivit.analysis import audit_approximations
 from vivit.losses import LossCurvature
-from vivit.sources.blocks import base_seed, block_generator
+from vivit.sources.union import base_seed, block_generator
 
 RTOL = EIGVAL_RTOL[torch.float64]
 TOP_K, DAMPING, SEED, MC = 3, 0.1, 7, 2

@@ -39,8 +39,8 @@ from vivit.memory.estimate import implicit_estimate
 from vivit.optim import DampedNewton
 from vivit.options import CurvatureOptions
 from vivit.sources import route as route_module
+from vivit.sources.data import fingerprint
 from vivit.sources.route import RouteChoice
-from vivit.sources.streamed import fingerprint
 
 #: Leading eigenpairs of every scenario.
 TOP_K = 3

@@ -21,7 +21,7 @@ from tests.distributed.spawn import run_rank
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
 from vivit.optim import DampedNewton
-from vivit.sources.blocks import block_generator
+from vivit.sources.union import block_generator
 
 #: Shard sizes per world size (uneven on purpose).
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
@@ -239,7 +239,7 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
         def stream(seed: int, block: int, device: torch.device) -> torch.Generator:
             return block_generator(seed, streams[block], device)
 
-        with mock.patch("vivit.sources.blocks.block_generator", stream):
+        with mock.patch("vivit.sources.union.block_generator", stream):
             return quantities(LowRankGGN(model, loss_func, batches, **kwargs))
     if scenario.mc_samples:
         return quantities(LowRankGGN(model, loss_func, shards, **kwargs))

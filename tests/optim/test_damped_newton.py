@@ -22,7 +22,7 @@ from tests.fixtures.checks import (
 )
 from vivit import InvalidArgumentError, LowRankGGN
 from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
-from vivit.sources.chunks import split_batch
+from vivit.sources.runs import run_engine
 
 DTYPE = torch.float64
 
@@ -245,12 +245,13 @@ def test_chunked_steps_are_those_of_the_whole_batch(monkeypatch):
     model, loss_func, X, y = classification_problem()
     chunks = []
 
-    def recording_split(batch, chunk_size, subsampling):
-        pieces = list(split_batch(batch, chunk_size, subsampling))
-        chunks.append(len(pieces))
-        return pieces
+    def recording_run(engine, model, part, request, sink):
+        if part.index == 0:
+            chunks.append(0)
+        chunks[-1] += 1
+        return run_engine(engine, model, part, request, sink)
 
-    monkeypatch.setattr(vivit.sources.stored, "split_batch", recording_split)
+    monkeypatch.setattr(vivit.sources.stored, "run_engine", recording_run)
     params = {}
     for chunk_size in (None, 7):
         net = copy.deepcopy(model)

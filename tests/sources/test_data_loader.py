@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-import vivit.sources.batches
-import vivit.sources.blocks
+import vivit.sources.data
+import vivit.sources.union
 from tests.fixtures.checks import (
     DIRECTION_REL,
     EIGVAL_RTOL,
@@ -41,7 +41,7 @@ from tests.fixtures.func_problems import FUNC_PROBLEMS
 from tests.fixtures.problems import prepare, select
 from tests.fixtures.reference import dense_ggn, dense_gradient, per_sample_gradients
 from vivit import InvalidArgumentError, InvalidTargetsError, LowRankGGN, StreamingGGN
-from vivit.sources.batches import UNBOUNDED_NOTE
+from vivit.sources.data import UNBOUNDED_NOTE
 
 REL = EIGVEC_PRODUCT_REL
 #: Uneven batch sizes for a mini-batch of ``N`` samples (the tests' N are 3 to 6).
@@ -287,7 +287,7 @@ def test_float32_model_with_float64_gram():
 
 
 def _pinned_base_seed(monkeypatch, seed):
-    monkeypatch.setattr(vivit.sources.blocks, "base_seed", lambda generator: seed)
+    monkeypatch.setattr(vivit.sources.union, "base_seed", lambda generator: seed)
 
 
 def test_monte_carlo_stream_per_block(monkeypatch):
@@ -523,7 +523,7 @@ def test_unbounded_pass_says_so(front_door, capsys, monkeypatch):
 
     A bounded pass on a non-terminal stays silent, as before.
     """
-    monkeypatch.setattr(vivit.sources.batches, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(vivit.sources.data, "PROGRESS_DELAY", 0.0)
     (problem,) = select(architecture="mlp_tanh", loss="mse", reduction="sum")
     model, loss_func, X, y = prepare(problem, torch.float64)
     batches = split(X, y, [2, 1, 2])

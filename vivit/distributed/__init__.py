@@ -1,10 +1,10 @@
 """The curvature of the union of the shards of a ``torch.distributed`` group.
 
 Every rank of a process group computes the curvature of its own shard (one block
-of samples, :class:`~vivit.sources.batches.BlockResult`; a loader's batches
+of samples, :class:`~vivit.sources.runs.PartResult`; a loader's batches
 combined into one); :class:`ShardExchange` hands every rank's block to every other
 with ``torch.distributed`` collectives, and each rank combines the blocks in rank
-order (:func:`~vivit.sources.blocks.combine_curvatures`), exactly
+order (:func:`~vivit.sources.union.combine_curvatures`), exactly
 as a single process combines the batches of a loader over the same shards.
 ``docs/math.rst`` ("Data sets and processes", "Several processes") gives the
 scalings and the cost model.

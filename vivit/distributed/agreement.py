@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from vivit.errors import DistributedError
-from vivit.sources.batches import SAMPLE_SHAPE_ADVICE
+from vivit.sources.data import SAMPLE_SHAPE_ADVICE
 
 #: Key of the model's parameter and buffer checksums in a request's fingerprint.
 MODEL_STATE = "model state"

@@ -29,7 +29,7 @@ from vivit.distributed.packing import Packer, pack_block, unpack_block
 from vivit.engines.base import BatchInfo
 from vivit.errors import DistributedError
 from vivit.gram import ParamFactors
-from vivit.sources.batches import BlockResult
+from vivit.sources.runs import PartResult
 
 Item = TypeVar("Item")
 Decision = TypeVar("Decision")
@@ -170,10 +170,10 @@ class ShardExchange:
 
     def exchange(
         self,
-        blocks: list[BlockResult],
+        blocks: list[PartResult],
         param_groups: list[list[Tensor]],
         sample_shape: tuple[int, ...] | None = None,
-    ) -> list[BlockResult]:
+    ) -> list[PartResult]:
         """Every rank's block, in rank order, rebuilt from the exchanged bytes.
 
         Args:

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.gram import ParamFactors, SampleBlockFactors
-from vivit.sources.batches import BlockResult
 from vivit.sources.collector import GroupCurvature
+from vivit.sources.runs import PartResult
 
 #: Byte alignment of every tensor in an exchanged buffer (whole cache lines).
 ALIGNMENT = 64
@@ -118,7 +118,7 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
     return factors.to(held_dtype)
 
 
-def pack_block(block: BlockResult, packer: Packer) -> dict:
+def pack_block(block: PartResult, packer: Packer) -> dict:
     """Describe a block: its groups' factors and batch contexts, and its loss.
 
     Args:
@@ -146,7 +146,7 @@ def pack_block(block: BlockResult, packer: Packer) -> dict:
 
 def unpack_block(
     description: dict, buffer: Tensor, param_groups: list[list[Tensor]]
-) -> BlockResult:
+) -> PartResult:
     """The block :func:`pack_block` described, its gradients from its factors.
 
     Args:
@@ -174,7 +174,7 @@ def unpack_block(
         for factors, param in zip(group.grad_factors, group.params, strict=True)
     ]
     loss = _unpack(description["loss"], buffer)
-    return BlockResult(curvature, EngineOutput(loss=loss, gradients=gradients))
+    return PartResult(curvature, EngineOutput(loss=loss, gradients=gradients))
 
 
 def block_gradient(

@@ -10,10 +10,9 @@ sets and processes").
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit.errors import FactorsTooLargeError
@@ -73,7 +72,7 @@ def stored_bytes(
 def largest_parameter_bytes(curvatures: Iterable[KeptFactors]) -> int:
     """Bytes of the parameter whose factors (``V`` and gradients) take the most.
 
-    Merging a loader's batches (:func:`vivit.sources.blocks.merged_blocks`) copies one
+    Merging a loader's batches (:func:`vivit.sources.union.merged_blocks`) copies one
     parameter's factors at a time: this is the copy's size for these samples.
     """
     sizes = [0]
@@ -180,26 +179,9 @@ class FactorBudget:
         self._available = available_bytes(self._device)
         self._stored = 0
         self._largest = 0
-        self._first_inputs: Tensor | None = None
+        self._first = True
+        self._first_inputs: ModelInputs | None = None
         self._transient = 0
-
-    def watch(
-        self, batches: Iterable[tuple[Tensor, Tensor]]
-    ) -> Iterator[tuple[Tensor, Tensor]]:
-        """The batches, unchanged; keeps the first one's inputs for the estimate.
-
-        Args:
-            batches: The loader's checked batches.
-
-        Yields:
-            The batches.
-        """
-        first = True
-        for batch in batches:
-            if first:
-                self._first_inputs = take_samples(batch[0], slice(self._chunk_size))
-                first = False
-            yield batch
 
     def _batch_pass(self, stored: int) -> int:
         """One batch's pass, estimated after the first batch ran.
@@ -226,13 +208,17 @@ class FactorBudget:
             )
             return stored
 
-    def admit(self, curvature: list[KeptFactors], index: int) -> None:
+    def admit(
+        self, curvature: list[KeptFactors], index: int, inputs: ModelInputs
+    ) -> None:
         """Account for a batch's stored factors; raise if the loader cannot fit.
 
         Args:
             curvature: The batch's (or one of its chunks') curvature of every
                 group, factors kept.
             index: The batch's position in the loader.
+            inputs: The part's inputs (the first part's give the estimate of
+                one batch's pass).
 
         Raises:
             FactorsTooLargeError: If the estimate exceeds the available memory.
@@ -240,7 +226,9 @@ class FactorBudget:
                 samples would not fit.
         """
         stored = stored_bytes(curvature, self._counted)
-        if self._first_inputs is not None:  # the first batch's first block
+        if self._first:  # the first batch's first part
+            self._first = False
+            self._first_inputs = inputs
             self._transient = self._batch_pass(stored)
             self._first_inputs = None
             if self._num_grams and self._total is not None and not self._chunk_size:

@@ -1,10 +1,10 @@
 """Sources of curvature: what the results layer asks of the GGN, answered one way each.
 
 - :mod:`vivit.sources.collector`: the sink of every engine, per parameter group;
-- :mod:`vivit.sources.batches`: one block of samples through an engine (data
-  checks, random state, progress);
-- :mod:`vivit.sources.chunks`: a mini-batch in chunks of samples;
-- :mod:`vivit.sources.blocks`: combining blocks of samples (scales, unions,
+- :mod:`vivit.sources.data`: the caller's data, checked once, and every pass
+  over it, part by part (chunks, batches, random state, progress);
+- :mod:`vivit.sources.runs`: one part of the samples through an engine;
+- :mod:`vivit.sources.union`: combining blocks of samples (scales, unions,
   merges, Monte-Carlo streams);
 - :mod:`vivit.sources.stored`: stored factors of ``V`` (a batch, chunks, a loader,
   the ranks' shards);

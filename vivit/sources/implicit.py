@@ -25,19 +25,13 @@ gathered in rank order (:class:`~vivit.distributed.lockstep.LockStep`,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import (
-    check_batch,
-    check_grad_mode,
-    check_inputs_match,
-    check_subsampling,
-)
+from vivit._validation import check_grad_mode
 from vivit.distributed import (
     SAMPLE_SHAPE,
     ShardExchange,
@@ -48,7 +42,7 @@ from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
 from vivit.engines.func.independence import check_layers, check_samples_independent
-from vivit.errors import InvalidArgumentError, ModelChangedError
+from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION, itemsize
 from vivit.loss_hessians import LossHessianProducts
 from vivit.memory.estimate import (
@@ -60,55 +54,9 @@ from vivit.memory.route import implicit_obstacle
 from vivit.model_inputs import ModelInputs, call_model, map_inputs, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
-from vivit.sources.batches import (
-    RandomState,
-    check_batched,
-    engine_context,
-    is_batch,
-    iterate_batches,
-    naming_batch,
-    num_batches,
-    progress_bar,
-)
-from vivit.sources.blocks import UnionOutput, union_batch, unnormalizing_scale
-from vivit.sources.chunks import block_loss, is_combined, split_batch, weightless
 from vivit.sources.collector import checked_param_groups
-from vivit.sources.streamed import BatchFingerprints, fingerprint, model_fingerprint
-
-
-@dataclass
-class ImplicitBlock:
-    """One block of samples of a pass.
-
-    Attributes:
-        inputs: The block's inputs.
-        targets: Its targets.
-        loss_func: The loss module.
-        ggn_mask: ``1`` for the block's curvature samples, else ``0``, ``[N_b]``.
-        weightless: Whether the block carries no weight in the loss on all
-            samples (every target ignored by a mean cross-entropy; its loss is
-            then the summed one, :func:`~vivit.sources.chunks.block_loss`).
-    """
-
-    inputs: ModelInputs
-    targets: Tensor
-    loss_func: Module
-    ggn_mask: Tensor
-    weightless: bool = False
-
-    def hessian(self, output: Tensor) -> LossHessianProducts:
-        """The loss-Hessian products of the block's samples at ``output``.
-
-        Args:
-            output: The model output of the block (detached).
-
-        Returns:
-            ``H_n u`` and ``∂ℓ_n/∂f_n`` of the samples.
-
-        Raises:
-            NonFiniteError: If the output has NaN or infinite entries.
-        """
-        return LossHessianProducts(self.loss_func, output, self.targets)
+from vivit.sources.data import Data, Part, fingerprint, weightless
+from vivit.sources.union import UnionOutput, union_batch, unnormalizing_scale
 
 
 class ImplicitGroup:
@@ -187,26 +135,29 @@ class ImplicitGroup:
         """``R_S Σ_n J_nᵀ H_n J_n v`` over this process's samples (its shard)."""
         factor = self.batch.ggn_reduction_factor
         result: list[Tensor] = []
-        for block, function in self._source.run_pass(self.index, "G·v"):
+
+        def visit(part: Part, function: BlockFunction) -> None:
             hessian = weights = None
-            parts = []
+            pieces = []
             for chunk in self._source.vector_chunks(vectors):
                 output, tangents = function.jvp(chunk)
                 if hessian is None:  # the output of every chunk's primal pass
-                    hessian = block.hessian(output)
-                    mask = block.ggn_mask.to(output.dtype)
+                    hessian = LossHessianProducts(part.loss_func, output, part.targets)
+                    mask = part.ggn_mask.to(output.device, output.dtype)
                     weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
                 curvature = hessian.hessian_matmul(tangents)
-                parts.append(function.vjp(curvature.mul_(weights)))
+                pieces.append(function.vjp(curvature.mul_(weights)))
             products = [
-                part[0] if len(part) == 1 else torch.cat(part)
-                for part in zip(*parts, strict=True)
+                piece[0] if len(piece) == 1 else torch.cat(piece)
+                for piece in zip(*pieces, strict=True)
             ]
             if not result:
-                result = products
+                result.extend(products)
             else:
                 for total, product in zip(result, products, strict=True):
                     total.add_(product)
+
+        self._source.run_pass(self.index, "G·v", visit)
         return result
 
     def basis_columns(self, top_k: int) -> int | None:
@@ -281,19 +232,22 @@ class ImplicitGroup:
     def _shard_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """``γ`` and ``λ`` of this process's samples (on the CPU under a group)."""
         gammas, lambdas = [], []
-        for block, function in self._source.run_pass(self.index, "γ, λ"):
+
+        def visit(part: Part, function: BlockFunction) -> None:
             hessian = gradients = None
-            block_gammas, block_lambdas = [], []
+            part_gammas, part_lambdas = [], []
             for chunk in self._source.vector_chunks(evecs):
                 output, tangents = function.jvp(chunk)
                 if hessian is None:
-                    hessian = block.hessian(output)
+                    hessian = LossHessianProducts(part.loss_func, output, part.targets)
                     gradients = hessian.output_gradients()
                 curvature = hessian.hessian_matmul(tangents)
-                block_gammas.append((gradients * tangents).flatten(2).sum(2).T)
-                block_lambdas.append((tangents * curvature).flatten(2).sum(2).T)
-            gammas.append(torch.cat(block_gammas, 1))
-            lambdas.append(torch.cat(block_lambdas, 1))
+                part_gammas.append((gradients * tangents).flatten(2).sum(2).T)
+                part_lambdas.append((tangents * curvature).flatten(2).sum(2).T)
+            gammas.append(torch.cat(part_gammas, 1))
+            lambdas.append(torch.cat(part_lambdas, 1))
+
+        self._source.run_pass(self.index, "γ, λ", visit)
         gammas = torch.cat(gammas)
         lambdas = torch.cat(lambdas)[list(self._source.local_batch.ggn_samples)]
         if self._source.lockstep.group is None:
@@ -439,31 +393,16 @@ class ImplicitFactors(CurvatureSource):
         check_grad_mode("LowRankGGN")
         _check_implicit_options(options)
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
-        self._single = is_batch(data)
-        if self._single:
-            check_batched(data, model)
-            data = check_batch(data)
-            check_inputs_match(data[0], list(model.parameters()))
-            check_subsampling(options.subsampling, num_samples(data[0]))
-            data = [data]
-        elif isinstance(data, Iterator):
-            raise InvalidArgumentError(
-                "solver='implicit' passes over the data in every product, but an "
-                f"iterator or generator ({type(data).__name__}) can be passed over "
-                "once: pass a list of batches or a DataLoader."
-            )
-        elif options.subsampling is not None:
-            raise InvalidArgumentError(
-                "subsampling selects samples of one mini-batch; with a data loader, "
-                "pass a loader over the samples whose curvature you want."
-            )
         check_layers(model)
-        self._model, self._loss_func, self._data = model, loss_func, data
-        self._options = options
-        self._fingerprints = BatchFingerprints()
-        self._random_start = RandomState.capture(self.param_groups)
-        self._model_state = model_fingerprint(model)
-        self.passes = 0
+        self._data = Data(
+            model,
+            loss_func,
+            data,
+            options,
+            reread="LowRankGGN (solver='implicit')",
+            grouped=shards.group is not None,
+        )
+        self._model, self._options = model, options
         self._basis_columns: dict[int, int | None] = {}
         self._largest_block: tuple[ModelInputs, int] | None = None  # probe, size
         self.lockstep = LockStep(shards.group, shards.report)
@@ -477,6 +416,11 @@ class ImplicitFactors(CurvatureSource):
             None if self._width is None else block * self._width * itemsize(dtype)
         )
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
+
+    @property
+    def passes(self) -> int:
+        """Passes over this process's data made so far."""
+        return self._data.passes
 
     def vector_chunks(self, vectors: Sequence[Tensor]) -> Iterator[list[Tensor]]:
         """The vectors of a product in the vmapped passes a block takes them in.
@@ -504,7 +448,6 @@ class ImplicitFactors(CurvatureSource):
         shards: ShardExchange,
     ) -> dict[str, object]:
         """What every rank must ask for identically (compared under a group)."""
-        single = self._data[0] if self._single else None
         return request_fingerprint(
             loss_func,
             self.param_groups,
@@ -512,7 +455,7 @@ class ImplicitFactors(CurvatureSource):
             solver=(options.solver, options.solver_tol, options.solver_seed),
             engine="implicit",
             # a loader's is compared after its pass, in the block round
-            **{SAMPLE_SHAPE: None if single is None else tuple(single[1].shape[1:])},
+            **{SAMPLE_SHAPE: self._data.sample_shape},
         )
 
     def check_fits(self, top_k: int) -> int | None:
@@ -552,67 +495,24 @@ class ImplicitFactors(CurvatureSource):
         check_implicit_fits(estimate, groups[0][0].device)
         return estimate.basis_columns
 
-    def _blocks(self, description: str) -> Iterator[ImplicitBlock]:
-        """One pass over the data: every block of samples, in order."""
-        if model_fingerprint(self._model) != self._model_state:
-            raise ModelChangedError(
-                "The model's parameters or buffers changed since this LowRankGGN "
-                "(solver='implicit') was built: every product recomputes the model, "
-                "and one with the new values would mix two models. Build a new "
-                "LowRankGGN after changing the model."
-            )
-        self.passes += 1
-        options = self._options
-        batches = self._fingerprints.check(
-            iterate_batches(self._data, self._model, options.max_batches)
-        )
-        batches = progress_bar(
-            batches,
-            num_batches(self._data, options.max_batches),
-            options.progress,
-            f"LowRankGGN (implicit): pass {self.passes} ({description})",
-        )
-        with engine_context(self.param_groups, self._random_start):
-            for index, batch in enumerate(batches):
-                chunks = split_batch(batch, options.chunk_size, options.subsampling)
-                for chunk in chunks:
-                    inputs, targets = chunk.batch
-                    mask = torch.zeros(num_samples(inputs), dtype=torch.bool)
-                    if chunk.has_curvature:
-                        mask[chunk.subsampling or slice(None)] = True
-                    combined = is_combined(
-                        self._single, chunk, self.lockstep.group is not None
-                    )
-                    loss_func, carries_none = block_loss(
-                        self._loss_func, targets, combined
-                    )
-                    with naming_batch(index):
-                        yield ImplicitBlock(
-                            inputs, targets, loss_func, mask, carries_none
-                        )
-
     def run_pass(
-        self, group: int, description: str
-    ) -> Iterator[tuple[ImplicitBlock, BlockFunction]]:
-        """One pass: every block with the model output as a function of a group.
-
-        Args:
-            group: Index of the parameter group.
-            description: What the pass computes (its progress bar's text).
-
-        Yields:
-            Each block and its output as a function of the group's parameters.
+        self, group: int, description: str, visit: Callable[[Part, BlockFunction], None]
+    ) -> None:
+        """One pass: ``visit`` every part and its output as a function of a group.
 
         Raises:
             ModelChangedError: If the model changed since construction.
             NondeterministicDataError: If the loader yields other batches.
         """
         params = self.param_groups[group]
-        for block in self._blocks(description):
-            yield (
-                block,
-                BlockFunction(self._model, params, block.inputs, self._options.output),
+
+        def visit_part(part: Part) -> None:
+            function = BlockFunction(
+                self._model, params, part.inputs, self._options.output
             )
+            visit(part, function)
+
+        self._data.walk(visit_part, description)
 
     def _first_pass(self, shards: ShardExchange) -> None:
         """Loss, gradient, each block's normalization; samples checked independent.
@@ -621,29 +521,28 @@ class ImplicitFactors(CurvatureSource):
         the ranks exchange their blocks' contexts and losses (the block round)
         and sum their gradients rescaled to the union's ``R``.
         """
-        union = UnionOutput()
         params = [p for group in self.param_groups for p in group]
         selector = self._options.output
-        sample_shape = None
-        for index, block in enumerate(self._blocks("loss and gradient")):
-            size = num_samples(block.inputs)
+        model = self._model
+
+        def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
+            size = num_samples(part.inputs)
             if self._largest_block is None or size > self._largest_block[1]:
-                probe = map_inputs(block.inputs, lambda t: t[:1].clone())
+                probe = map_inputs(part.inputs, lambda t: t[:1].clone())
                 self._largest_block = (probe, size)
-            if index == 0:
-                sample_shape = tuple(block.targets.shape[1:])
+            if part.index == 0:
                 for group in self.param_groups:
-                    function = BlockFunction(self._model, group, block.inputs, selector)
+                    function = BlockFunction(model, group, part.inputs, selector)
                     check_modes_agree(function, group)
-            output = select_output(call_model(self._model, block.inputs), selector)
-            hessian = block.hessian(output.detach())
+            output = select_output(call_model(model, part.inputs), selector)
+            hessian = LossHessianProducts(part.loss_func, output.detach(), part.targets)
             with torch.no_grad():
                 check_samples_independent(
-                    lambda x: select_output(call_model(self._model, x), selector),
-                    block.inputs,
+                    lambda x: select_output(call_model(model, x), selector),
+                    part.inputs,
                     output.detach(),
                 )
-            loss = block.loss_func(output, block.targets)
+            loss = part.loss_func(output, part.targets)
             gradients = torch.autograd.grad(loss, params, allow_unused=True)
             gradients = [
                 torch.zeros_like(p) if g is None else g
@@ -651,13 +550,16 @@ class ImplicitFactors(CurvatureSource):
             ]
             batch = BatchInfo(
                 normalization=hessian.normalization,
-                ggn_samples=tuple(block.ggn_mask.nonzero().flatten().tolist()),
+                ggn_samples=tuple(part.ggn_mask.nonzero().flatten().tolist()),
                 columns_per_sample=output[0].numel(),
                 mc_samples=0,
             )
-            if block.weightless:
+            if part.weightless:
                 batch = weightless(batch)
-            union.add(batch, EngineOutput(loss.detach(), gradients))
+            return batch, EngineOutput(loss.detach(), gradients)
+
+        union = self._data.walk(visit, "loss and gradient")
+        sample_shape = self._data.sample_shape
         # a rank's shard may carry no weight: the union's R is checked below
         loss, gradients = union.result(part=shards.group is not None)
         self.local_batch = union_batch(union.batches)

@@ -44,7 +44,7 @@ from vivit.memory.route import (
 )
 from vivit.model_inputs import ModelInputs, num_samples
 from vivit.options import CurvatureOptions
-from vivit.sources.batches import check_batched, is_batch, iterate_batches, num_batches
+from vivit.sources.data import check_batched, is_batch, iterate_batches, num_batches
 
 
 def choose_route(

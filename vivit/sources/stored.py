@@ -3,28 +3,19 @@
 The source of :class:`~vivit.LowRankGGN`. One mini-batch, its chunks, a loader's
 batches and the ranks' shards are blocks of samples; each is run by the engine
 with the loss on its own samples, and the blocks are combined into the curvature
-of their union (:mod:`vivit.sources.blocks`, ``docs/math.rst``, "Data sets and
+of their union (:mod:`vivit.sources.union`, ``docs/math.rst``, "Data sets and
 processes"). The factors of ``V`` are kept, so every later product (the Gram
 matrix, ``V·u``, ``Vᵀ·w``, ``Vᵀ∇ℓ_n``) runs on them without another pass.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import (
-    check_batch,
-    check_finite,
-    check_inputs_match,
-    check_params,
-    check_subsampling,
-    param_group_lists,
-)
+from vivit._validation import check_finite, check_params, param_group_lists
 from vivit.directional.gram_space import directional_gradients
 from vivit.distributed import (
     SAMPLE_SHAPE,
@@ -32,7 +23,7 @@ from vivit.distributed import (
     ShardLayout,
     request_fingerprint,
 )
-from vivit.engines.base import CurvatureRequest, Engine, EngineOutput
+from vivit.engines.base import BatchInfo, CurvatureRequest, Engine, EngineOutput
 from vivit.engines.choice import resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.gram.memory import check_gram_fits
@@ -40,36 +31,18 @@ from vivit.linalg.group_products import FactorProducts, group_gram, num_params
 from vivit.linalg.top_k import choose_solver
 from vivit.memory.budget import FactorBudget
 from vivit.memory.estimate import MemoryEstimate, check_batch_fits
-from vivit.model_inputs import input_tensors, num_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
-from vivit.sources.batches import (
-    BlockResult,
-    BlockRun,
-    check_batched,
-    engine_context,
-    is_batch,
-    iterate_batches,
-    naming_batch,
-    num_batches,
-    progress_bar,
-    run_block,
-)
-from vivit.sources.blocks import (
+from vivit.sources.collector import GroupCurvature, checked_param_groups
+from vivit.sources.data import Data, Part, engine_context
+from vivit.sources.ownership import CallerMemory
+from vivit.sources.runs import PartResult, run_engine, run_part
+from vivit.sources.union import (
     UnionOutput,
     block_requests,
     combine_curvatures,
     merged_blocks,
 )
-from vivit.sources.chunks import SampleChunk, is_combined, run_chunk, split_batch
-from vivit.sources.collector import GroupCurvature, checked_param_groups
-from vivit.sources.ownership import CallerMemory
-
-#: The blocks of one construction: each run with the loader's batch it belongs to
-#: (``None`` for one mini-batch, which an error then does not name) and the
-#: caller's tensors it reads (``None``: unknown, see
-#: :class:`~vivit.sources.ownership.CallerMemory`).
-Runs = Iterable[tuple[int | None, BlockRun, Sequence[Tensor] | None]]
 
 
 class StoredGroup:
@@ -175,57 +148,33 @@ class StoredFactors(CurvatureSource):
         param_groups: list[list[Parameter]],
         options: CurvatureOptions,
         engine: str,
-        runs: Runs,
         names: dict[int, str],
-        *,
-        budget: FactorBudget | None = None,
+        parts: list[list[GroupCurvature]],
+        union: UnionOutput,
+        caller_memory: CallerMemory,
         shards: ShardExchange | None = None,
-        sample_shapes: Sequence[tuple[int, ...]] = (),
+        sample_shape: tuple[int, ...] | None = None,
     ):
-        """Run an engine into the group pipeline, block by block of samples.
+        """Combine the parts' curvature into that of their union.
 
-        Each run computes one block of samples (a mini-batch, a loader's batch or
-        a chunk of either, this rank's shard); with a process group (``shards``)
-        every rank's block is exchanged. The blocks' curvature, losses and
-        gradients are combined into those of the loss on all samples together.
-        The random number generators are forked (the caller's state is left as
-        it was) and gradients are enabled whatever the caller's context. With a
-        ``budget`` the stored factors are checked against the memory after every
-        block. ``sample_shapes`` holds the targets' shape per sample once the
-        first block has run (compared across the ranks). This process's blocks
-        are merged into one set of factors per parameter
-        (:func:`~vivit.sources.blocks.merged_blocks`); under a process group
-        that is the rank's one block in the exchange.
+        This process's parts are merged into one set of factors per parameter
+        (:func:`~vivit.sources.union.merged_blocks`); under a process group that
+        is the rank's one part in the exchange, and every rank's parts are
+        combined in rank order.
         """
         self.param_groups = param_groups
         self.engine = engine
         shards = shards or ShardExchange(None)
-        blocks: list[list[GroupCurvature]] = []
-        union = UnionOutput()
-        caller_memory = CallerMemory()
-        with engine_context(param_groups):
-            for batch, run, caller in runs:
-                with nullcontext() if batch is None else naming_batch(batch):
-                    block = run_block(run, param_groups, options.gram_dtype)
-                caller_memory.note(block.curvature, caller)
-                if batch is not None:  # a loader may refill its tensors next batch
-                    caller_memory.own(block.curvature)
-                if budget:
-                    budget.admit(block.curvature, batch)
-                union.add(block.curvature[0].batch, block.output)
-                blocks.append(block.curvature)
-                del block  # the list holds the factors (released when merged)
-            # refuses a loader without batches, and one whose every target is
-            # ignored (a rank's shard: after the exchange)
-            loss, gradients = union.result(part=shards.group is not None)
-        curvature = merged_blocks(blocks, options.subsampling)
-        if shards.group is None:  # the exchange rebuilds every block from bytes
+        # refuses a loader without batches, and one whose every target is
+        # ignored (a rank's shard: after the exchange)
+        loss, gradients = union.result(part=shards.group is not None)
+        curvature = merged_blocks(parts, options.subsampling)
+        if shards.group is None:  # the exchange rebuilds every part from bytes
             caller_memory.own(curvature)
         else:
-            # this rank's samples as one block; then every rank's, in rank order
-            local = BlockResult(curvature, EngineOutput(loss, gradients))
+            local = PartResult(curvature, EngineOutput(loss, gradients))
             union = UnionOutput()
-            exchanged = shards.exchange([local], param_groups, sample_shapes[0])
+            exchanged = shards.exchange([local], param_groups, sample_shape)
             for result in exchanged:
                 union.add(result.curvature[0].batch, result.output)
             loss, gradients = union.result()
@@ -276,7 +225,7 @@ class StoredFactors(CurvatureSource):
         shards: ShardExchange,
         estimate: MemoryEstimate | None = None,
     ) -> StoredFactors:
-        """Check the model and data, run the engine on every block, combine them.
+        """Check the model and data, run the engine on every part, combine them.
 
         Args:
             model: The network (a ``DistributedDataParallel``'s ``.module``).
@@ -286,51 +235,44 @@ class StoredFactors(CurvatureSource):
             options: The checked options.
             shards: The exchange of the process group (``options.group``).
             estimate: The mini-batch's memory estimate if the route choice
-                probed it (:attr:`~vivit.memory.route.RouteChoice.estimate`);
-                ``None``: probed here.
+                probed it; ``None``: probed here.
 
         Returns:
             The stored factors.
         """
         param_groups, names = checked_param_groups(model, loss_func, param_groups)
-        single = is_batch(data)
-        if single:
-            check_batched(data, model)
-            data = check_batch(data)
-        elif options.subsampling is not None:
-            raise InvalidArgumentError(
-                "subsampling selects samples of one mini-batch; with a data loader, "
-                "pass a loader over the samples whose curvature you want."
-            )
-        if single:
-            check_inputs_match(data[0], list(model.parameters()))
-            check_subsampling(options.subsampling, num_samples(data[0]))
+        grouped = shards.group is not None
+        data = Data(model, loss_func, data, options, grouped=grouped)
         request = _request(param_groups, options)
         chosen = resolve_engine(options.engine, model, loss_func, options.output)
-        if single and shards.group is None:
+        if data.single and not grouped:
             check_batch_fits(
-                model, loss_func, data[0], param_groups, options, chosen, estimate
+                model,
+                loss_func,
+                data.first_inputs,
+                param_groups,
+                options,
+                chosen,
+                estimate,
             )
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
-            model if shards.group is not None else None,  # checksums: ranks only
+            model if grouped else None,  # checksums: ranks only
             mc_samples=options.mc_samples,
             mc_per=options.mc_per,
             gram_dtype=options.gram_dtype,
             solver=(options.solver, options.solver_tol, options.solver_seed),
             engine=chosen.name,
             # a loader's is compared after its pass, in the exchange
-            **{SAMPLE_SHAPE: tuple(data[1].shape[1:]) if single else None},
+            **{SAMPLE_SHAPE: data.sample_shape},
         )
-        blocks_request = block_requests(
-            request, lambda seed: shards.agree(fingerprint, seed)
-        )
+        requests = block_requests(request, lambda seed: shards.agree(fingerprint, seed))
         budget = (
             None
-            if single
+            if data.single
             else FactorBudget(
-                num_batches(data, options.max_batches),
+                data.num_batches(),
                 model,
                 options,
                 request.num_grams,
@@ -338,45 +280,38 @@ class StoredFactors(CurvatureSource):
                 param_groups,
             )
         )
-        batches = [data] if single else _loader_pass(data, model, budget, options)
-        sample_shapes: list[tuple[int, ...]] = []  # the first batch's targets'
-        batches = _recording_shape(batches, sample_shapes)
-        chunks = (
-            (None if single else batch_index, chunk)
-            for batch_index, batch in enumerate(batches)
-            for chunk in split_batch(batch, options.chunk_size, request.subsampling)
-        )
+        parts: list[list[GroupCurvature]] = []
+        caller_memory = CallerMemory()
+        model_memory = [*model.parameters(), *model.buffers()]
 
-        def chunk_run(index: int, chunk: SampleChunk) -> BlockRun:
-            block_request = dataclasses.replace(
-                blocks_request(index), subsampling=chunk.subsampling
+        def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
+            # MC: part p of rank r draws from stream r + W·p (docs/math.rst,
+            # "Several processes"); in one process from stream p
+            stream = shards.rank + shards.world_size * part.index
+            result = run_part(
+                lambda sink: run_engine(chosen, model, part, requests(stream), sink),
+                param_groups,
+                options.gram_dtype,
             )
-            # a lone mini-batch: its loss is the union's (refused if 0/0)
-            combined = is_combined(single, chunk, shards.group is not None)
-            return lambda sink: run_chunk(
-                chosen, model, loss_func, chunk, block_request, sink, combined
-            )
+            caller_memory.note(result.curvature, [*part.caller_tensors, *model_memory])
+            if part.batch is not None:  # a loader may refill its tensors next batch
+                caller_memory.own(result.curvature)
+            if budget:
+                budget.admit(result.curvature, part.batch, part.inputs)
+            parts.append(result.curvature)
+            return result.curvature[0].batch, result.output
 
-        # MC: block b of rank r draws from stream r + W·b (docs/math.rst,
-        # "Several processes"); in one process from stream b
-        model_memory = (*model.parameters(), *model.buffers())
-        runs = (
-            (
-                batch_index,
-                chunk_run(shards.rank + shards.world_size * index, chunk),
-                (*input_tensors(chunk.batch[0]), chunk.batch[1], *model_memory),
-            )
-            for index, (batch_index, chunk) in enumerate(chunks)
-        )
+        union = data.walk(visit, "")
         return cls(
             param_groups,
             options,
             chosen.name,
-            runs,
             names,
-            budget=budget,
+            parts,
+            union,
+            caller_memory,
             shards=shards,
-            sample_shapes=sample_shapes,
+            sample_shape=data.sample_shape,
         )
 
     @classmethod
@@ -408,13 +343,26 @@ class StoredFactors(CurvatureSource):
                 "LowRankGGN(model, loss_func, (inputs, targets))."
             )
         param_groups = param_group_lists(param_groups)
-        check_params([p for group in param_groups for p in group], {})
+        params = [p for group in param_groups for p in group]
+        check_params(params, {})
         # MC: a batch's stream, as for a model and data
         request = block_requests(_request(param_groups, options))(0)
         compute_loss = loss if callable(loss) else lambda: loss
+        with engine_context(params):
+            result = run_part(
+                lambda sink: engine.run_loss(compute_loss, request, sink),
+                param_groups,
+                options.gram_dtype,
+            )
+        union = UnionOutput()
+        union.add(result.curvature[0].batch, result.output)
         # the caller's inputs are unknown: every factor tensor is copied once
-        run = (None, lambda sink: engine.run_loss(compute_loss, request, sink), None)
-        return cls(param_groups, options, engine.name, [run], {})
+        caller_memory = CallerMemory()
+        caller_memory.note(result.curvature, None)
+        return cls(
+            param_groups, options, engine.name, {}, [result.curvature], union,
+            caller_memory,
+        )  # fmt: skip
 
 
 def _request(
@@ -436,18 +384,6 @@ def _request(
     )
 
 
-def _loader_pass(
-    data: object, model: Module, budget: FactorBudget, options: CurvatureOptions
-) -> Iterable[tuple[Tensor, Tensor]]:
-    """A loader's checked batches, watched by the budget, with a progress bar."""
-    return progress_bar(
-        budget.watch(iterate_batches(data, model, options.max_batches)),
-        num_batches(data, options.max_batches),
-        options.progress,
-        "LowRankGGN: pass over the data",
-    )
-
-
 def _check_gradient(
     params: list[Parameter], gradient: list[Tensor], names: dict[int, str]
 ) -> None:
@@ -460,13 +396,3 @@ def _check_gradient(
             "an overflow in the backward pass)",
             batch_axis=False,
         )
-
-
-def _recording_shape(
-    batches: Iterable[tuple[Tensor, Tensor]], shapes: list[tuple[int, ...]]
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """The batches; the first one's targets' shape per sample goes into ``shapes``."""
-    for batch in batches:
-        if not shapes:
-            shapes.append(tuple(batch[1].shape[1:]))
-        yield batch

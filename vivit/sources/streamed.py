@@ -1,148 +1,33 @@
 """Streamed factors: every product recomputes the factors in passes over a loader.
 
 The source of :class:`~vivit.StreamingGGN`. It stores no factors of ``V``: each
-product with the Gram matrix recomputes every block's factors
-(``docs/math.rst``, "Data sets and processes")::
-
-    G̃ U = concat_b V_bᵀ W,   W = Σ_b' V_b' U_b'
-
-two passes over the loader per product (the first accumulates ``W`` in parameter
-space, the second maps it back block by block). A block is a loader's batch, or a
-chunk of one (``chunk_size``). Every pass must see the same batches: each batch's
-inputs and targets are fingerprinted in the first pass and checked in every later
-one (:class:`BatchFingerprints`); every pass starts from the random state at
-construction, and a model whose parameters or buffers changed is refused.
+product with the Gram matrix recomputes every part's factors, ``G̃ U = concat_b
+V_bᵀ W`` with ``W = Σ_b V_b U_b``: two passes over the loader (``docs/math.rst``,
+"Data sets and processes"). Every pass sees the same batches and model
+(:class:`~vivit.sources.data.Data`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import (
-    check_batch,
-    check_grad_mode,
-)
-from vivit.engines.base import CurvatureRequest, Engine
+from vivit._validation import check_grad_mode
+from vivit.engines.base import BatchInfo, CurvatureRequest, EngineOutput
 from vivit.engines.choice import resolve_engine
-from vivit.errors import (
-    InvalidArgumentError,
-    ModelChangedError,
-    NondeterministicDataError,
-)
+from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
-from vivit.model_inputs import ModelInputs, input_tensors
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
-from vivit.sources.batches import (
-    BlockResult,
-    RandomState,
-    check_batched,
-    engine_context,
-    is_batch,
-    iterate_batches,
-    naming_batch,
-    num_batches,
-    progress_bar,
-    run_block,
-)
-from vivit.sources.blocks import UnionOutput, block_requests, block_scale, union_batch
-from vivit.sources.chunks import run_chunk, split_batch
 from vivit.sources.collector import checked_param_groups
-
-
-def fingerprint(batch: Sequence[Tensor]) -> str:
-    """A digest of tensors: shapes, types and every byte.
-
-    Args:
-        batch: The tensors, e.g. ``(inputs, targets)``.
-
-    Returns:
-        The hexadecimal BLAKE2b digest.
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in batch:
-        digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())
-        data = tensor.detach().contiguous().cpu().reshape(-1)
-        digest.update(data.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def model_fingerprint(model: Module) -> str:
-    """A digest of the model's parameters and buffers (:func:`fingerprint`).
-
-    Args:
-        model: The model.
-
-    Returns:
-        The hexadecimal digest.
-    """
-    state = model.state_dict()
-    return fingerprint([value for value in state.values() if isinstance(value, Tensor)])
-
-
-class BatchFingerprints:
-    """Checks that every pass over a loader yields the same batches.
-
-    The first pass records each batch's :func:`fingerprint`; later passes must
-    yield batches with the same fingerprints, and as many.
-    """
-
-    def __init__(self) -> None:
-        self._first: list[str] = []
-        self._pass = 0
-
-    def check(self, batches: Iterable[tuple[ModelInputs, Tensor]]) -> Iterator:
-        """The batches of one pass, each checked against the first pass.
-
-        Args:
-            batches: The pass's batches.
-
-        Yields:
-            The batches, unchanged.
-
-        Raises:
-            NondeterministicDataError: If a batch differs from the same batch of
-                the first pass, or the pass has another number of batches.
-        """
-        self._pass += 1
-        count = 0
-        for index, batch in enumerate(batches):
-            inputs, targets = batch
-            digest = fingerprint([*input_tensors(inputs), targets])
-            if self._pass == 1:
-                self._first.append(digest)
-            elif index >= len(self._first) or digest != self._first[index]:
-                raise NondeterministicDataError(
-                    f"Batch {index} of the data loader differs between pass 1 and "
-                    f"pass {self._pass}"
-                    + (
-                        f" (pass 1 had only {len(self._first)} batches)"
-                        if index >= len(self._first)
-                        else ""
-                    )
-                    + ": streaming combines every batch of every pass, so the "
-                    "loader must yield the same batches in the same order each "
-                    "time. Use DataLoader(..., shuffle=False) without random "
-                    "transforms (or a fixed list of batches), and do not change "
-                    "its tensors in place after construction (normalise or "
-                    "augment a copy): a batch changed in place since pass 1 is "
-                    "refused, never used."
-                )
-            count += 1
-            yield batch
-        if self._pass > 1 and count != len(self._first):
-            raise NondeterministicDataError(
-                f"The data loader yielded {count} batches in pass {self._pass} but "
-                f"{len(self._first)} in pass 1; streaming needs the same batches "
-                "in every pass."
-            )
+from vivit.sources.data import Data, Part
+from vivit.sources.runs import PartResult, run_engine, run_part
+from vivit.sources.union import block_requests, block_scale, union_batch
 
 
 class StreamedGroup:
@@ -201,7 +86,7 @@ class StreamedGroup:
             directions = evecs()
             blocks: list[Tensor] = []
 
-            def visit(index: int, block: BlockResult) -> None:
+            def visit(index: int, block: PartResult) -> None:
                 grads = block.curvature[self.index].grad_factors
                 blocks.append(vt_matmul(grads, directions))
 
@@ -265,7 +150,7 @@ class StreamedGroup:
         """A pass handing every block's factors of the group (rescaled) to ``visit``."""
         scales = self._source.scales
 
-        def visit_block(index: int, block: BlockResult) -> None:
+        def visit_block(index: int, block: PartResult) -> None:
             factors = block.curvature[self.index].ggn_factors
             visit(index, [f.scaled(scales[index]) for f in factors])
 
@@ -275,8 +160,8 @@ class StreamedGroup:
 class StreamedFactors(CurvatureSource):
     """Factors recomputed in every pass over a re-iterable loader (a source).
 
-    The construction makes one pass (loss, gradient, each block's
-    normalization); every product makes more (:class:`StreamedGroup`).
+    The construction makes one pass (loss, gradient, each part's normalization);
+    every product makes more (:class:`StreamedGroup`).
 
     Args:
         model: The network.
@@ -289,7 +174,6 @@ class StreamedFactors(CurvatureSource):
         param_groups: The parameter groups.
         loss: The loss on all samples (detached).
         engine: Name of the engine.
-        passes: Passes over the data made so far.
 
     Raises:
         InvalidArgumentError: For an iterator or generator (passed over once), a
@@ -306,29 +190,43 @@ class StreamedFactors(CurvatureSource):
         options: CurvatureOptions,
     ):
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
-        if is_batch(data):
-            check_batched(data, model)
-            data = [check_batch(data)]
-        elif isinstance(data, Iterator):
-            raise InvalidArgumentError(
-                "StreamingGGN passes over the data many times, but an iterator or "
-                f"generator ({type(data).__name__}) can be passed over once: pass "
-                "a list of batches or a DataLoader."
-            )
         _check_streamable(options)
+        self._data = Data(model, loss_func, data, options, reread="StreamingGGN")
         engine = resolve_engine(options.engine, model, loss_func, options.output)
         self.engine = engine.name
-        self.passes = 0
-        self._model, self._data, self._options = model, data, options
-        self._fingerprints = BatchFingerprints()
-        self._runner = _block_runner(
-            model, loss_func, engine, self.param_groups, options
+        self._options = options
+        request = CurvatureRequest(
+            param_groups=self.param_groups,
+            mc_samples=options.mc_samples,
+            mc_per=options.mc_per,
+            generator=options.generator,
+            compute_gradients=False,
+            num_grams=0,
+            gram_dtype=options.gram_dtype,
+            output=options.output,
         )
-        # every pass draws what the first did (Dropout masks in training mode)
-        self._random_start = RandomState.capture(self.param_groups)
-        self._model_state = model_fingerprint(model)
+        # part p draws its Monte-Carlo samples from stream p in every pass
+        requests = block_requests(request)
+
+        def run(part: Part, gradients: bool) -> PartResult:
+            part_request = dataclasses.replace(
+                requests(part.index), compute_gradients=gradients
+            )
+            return run_part(
+                lambda sink: run_engine(engine, model, part, part_request, sink),
+                self.param_groups,
+                options.gram_dtype,
+                keep_gradient_factors=gradients,
+            )
+
+        self._run = run
         self._first_pass()
         self.groups = [StreamedGroup(self, g) for g in range(len(self.param_groups))]
+
+    @property
+    def passes(self) -> int:
+        """Passes over the data made so far."""
+        return self._data.passes
 
     @property
     def num_rows(self) -> int:
@@ -337,78 +235,42 @@ class StreamedFactors(CurvatureSource):
 
     def run_pass(
         self,
-        visit: Callable[[int, BlockResult], None],
+        visit: Callable[[int, PartResult], None],
         description: str,
         gradients: bool = False,
     ) -> None:
-        """One pass: runs the engine on every block and hands its result on.
+        """One pass: runs the engine on every part and hands its result on.
 
         Args:
-            visit: Called with each block's index and result.
+            visit: Called with each part's index and result.
             description: What the pass computes (its progress bar's text).
-            gradients: Keep the blocks' per-sample-gradient factors.
+            gradients: Keep the parts' per-sample-gradient factors.
 
         Raises:
-            GradientContextError: Inside ``torch.inference_mode()`` (every pass
-                runs a backward pass).
+            GradientContextError: Inside ``torch.inference_mode()``.
             ModelChangedError: If the model changed since construction.
             NondeterministicDataError: If the loader yields other batches.
         """
         check_grad_mode("StreamingGGN")
-        self._check_model_unchanged()
-        self.passes += 1
-        max_batches = self._options.max_batches
-        batches = self._fingerprints.check(
-            iterate_batches(self._data, self._model, max_batches)
-        )
-        batches = progress_bar(
-            batches,
-            num_batches(self._data, max_batches),
-            self._options.progress,
-            f"StreamingGGN: pass {self.passes} ({description})",
-        )
-        index = 0
-        with engine_context(self.param_groups, self._random_start):
-            for batch_index, batch in enumerate(batches):
-                for chunk in split_batch(batch, self._options.chunk_size):
-                    with naming_batch(batch_index):
-                        block = run_block(
-                            self._runner(index, chunk, gradients),
-                            self.param_groups,
-                            self._options.gram_dtype,
-                            keep_gradient_factors=gradients,
-                        )
-                    visit(index, block)
-                    index += 1
 
-    def _check_model_unchanged(self) -> None:
-        """Refuse a pass with other parameter or buffer values than the first.
+        def visit_part(part: Part) -> tuple[BatchInfo, EngineOutput]:
+            result = self._run(part, gradients)
+            visit(part.index, result)
+            return result.curvature[0].batch, result.output
 
-        Raises:
-            ModelChangedError: If the model's state differs from construction.
-        """
-        if model_fingerprint(self._model) != self._model_state:
-            raise ModelChangedError(
-                f"The model's parameters or buffers changed since this StreamingGGN "
-                f"was built (before pass {self.passes + 1}): its loss, gradient and "
-                "normalization belong to the old values, and a pass with the new "
-                "ones would mix two models. Build a new StreamingGGN after changing "
-                "the model (LowRankGGN keeps the factors of its construction)."
-            )
+        return self._data.walk(visit_part, description)
 
     def _first_pass(self) -> None:
-        """Loss, gradient, and each block's rows and scale."""
-        union = UnionOutput()
+        """Loss, gradient, and each part's rows and scale."""
         rows: list[int] = []
 
-        def visit(index: int, block: BlockResult) -> None:
-            union.add(block.curvature[0].batch, block.output)
-            rows.append(block.curvature[0].ggn_factors[0].num_rows)
+        def visit(index: int, part: PartResult) -> None:
+            rows.append(part.curvature[0].ggn_factors[0].num_rows)
             if index == 0:
-                self.factor_dtypes = [c.factor_dtype for c in block.curvature]
-                self.dtypes = [c.ggn_factors[0].dtype for c in block.curvature]
+                self.factor_dtypes = [c.factor_dtype for c in part.curvature]
+                self.dtypes = [c.ggn_factors[0].dtype for c in part.curvature]
 
-        self.run_pass(visit, "loss and gradient")
+        union = self.run_pass(visit, "loss and gradient")
         self.loss, gradients = union.result()
         gradients = iter(gradients)
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
@@ -454,37 +316,3 @@ def _check_streamable(options: CurvatureOptions) -> None:
             "process_group=False, or use LowRankGGN(..., process_group=...) whose "
             "factors are exchanged between the ranks."
         )
-
-
-def _block_runner(
-    model: Module,
-    loss_func: Module,
-    engine: Engine,
-    param_groups: list[list[Parameter]],
-    options: CurvatureOptions,
-) -> Callable:
-    """``(index, chunk, gradients) ↦`` the engine run of one block of a pass.
-
-    Block ``b`` draws its Monte-Carlo samples from stream ``b`` in every pass.
-    """
-    request = CurvatureRequest(
-        param_groups=param_groups,
-        mc_samples=options.mc_samples,
-        mc_per=options.mc_per,
-        generator=options.generator,
-        compute_gradients=False,
-        num_grams=0,
-        gram_dtype=options.gram_dtype,
-        output=options.output,
-    )
-    requests = block_requests(request)
-
-    def runner(index: int, chunk, gradients: bool):
-        block_request = dataclasses.replace(
-            requests(index), compute_gradients=gradients
-        )
-        return lambda sink: run_chunk(
-            engine, model, loss_func, chunk, block_request, sink
-        )
-
-    return runner

@@ -1,0 +1,552 @@
+"""The caller's data, checked once, and every pass over it, part by part.
+
+A *part* is a set of samples an engine or a product runs on together: one
+mini-batch, a chunk of it (``chunk_size``), a loader's batch or a chunk of one.
+:class:`Data` checks the data once and walks it: per pass, its parts in order,
+with the caller's random state forked (or a fixed start), gradients on, a
+progress bar, errors naming the loader's batch, and for the sources that pass
+more than once, every batch and the model checked against the first pass. The
+parts' losses are combined into the union's (``docs/math.rst``, "Data sets and
+processes").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import islice
+
+import torch
+from torch import Tensor
+from torch.nn import Conv1d, Conv2d, Conv3d, CrossEntropyLoss, Linear, Module
+from tqdm.auto import tqdm
+
+from vivit._validation import check_batch, check_inputs_match, check_subsampling
+from vivit.engines.base import BatchInfo, EngineOutput
+from vivit.errors import (
+    InvalidArgumentError,
+    ModelChangedError,
+    NondeterministicDataError,
+    VivitError,
+)
+from vivit.losses import LossNormalization
+from vivit.model_inputs import ModelInputs, input_tensors, num_samples, take_samples
+from vivit.options import CurvatureOptions
+from vivit.sources.union import UnionOutput
+
+#: Seconds a pass runs before its progress bar appears (``progress=None``).
+PROGRESS_DELAY = 2.0
+
+#: Why every part needs targets of one shape per sample, and what to do.
+SAMPLE_SHAPE_ADVICE = (
+    "The loss on all samples together needs one shape per sample in every batch "
+    "and shard: each block's mean normalizes over its own positions, so sequences "
+    "of another length cannot be combined (docs/math.rst, 'Data sets and "
+    "processes'). Pad every batch to one length (with CrossEntropyLoss, padding "
+    "targets set to ignore_index), or compute each length on its own."
+)
+
+#: What the progress bar of a pass over a loader without ``len`` says.
+UNBOUNDED_NOTE = (
+    "the loader has no len: the pass reads until it ends; an infinite "
+    "IterableDataset never does, pass max_batches"
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Samples that run together, with the loss they run with.
+
+    Attributes:
+        index: Position of the part in the pass.
+        batch: The loader's batch it belongs to (``None``: one mini-batch).
+        inputs: Its inputs (views of the caller's).
+        targets: Its targets.
+        subsampling: Its curvature samples, positions in the part (``None``: all;
+            ``[0]`` for a part without any, whose columns are dropped).
+        has_curvature: Whether any of its samples is a curvature sample.
+        samples: Its positions in the mini-batch, for a chunk of one.
+        loss_func: The loss it runs with: the caller's, or the summed one for a
+            part without weight (every target ignored by a mean cross-entropy).
+        weightless: Whether it carries no weight in the loss on all samples.
+    """
+
+    index: int
+    batch: int | None
+    inputs: ModelInputs
+    targets: Tensor
+    subsampling: list[int] | None
+    has_curvature: bool
+    samples: range | None
+    loss_func: Module
+    weightless: bool
+
+    @property
+    def ggn_mask(self) -> Tensor:
+        """``[N_part]``: ``True`` for its curvature samples."""
+        mask = torch.zeros(len(self.targets), dtype=torch.bool)
+        if self.has_curvature:
+            mask[self.subsampling or slice(None)] = True
+        return mask
+
+    @property
+    def caller_tensors(self) -> list[Tensor]:
+        """The caller's tensors the part reads (whose memory results must not share)."""
+        return [*input_tensors(self.inputs), self.targets]
+
+
+#: Handles one part; returns its batch context and loss and gradient (or ``None``).
+Visit = Callable[[Part], "tuple[BatchInfo, EngineOutput] | None"]
+
+
+class Data:
+    """The caller's data: one mini-batch or an iterable of batches, checked.
+
+    Args:
+        model: The network (its parameters give the inputs' type and device).
+        loss_func: The loss module.
+        data: ``(inputs, targets)``, or an iterable of such batches.
+        options: The checked options (``chunk_size``, ``subsampling``,
+            ``max_batches``, ``progress``).
+        reread: The front door's name where the source passes over the data more
+            than once (an iterator is refused; batches and the model are checked
+            against the first pass; every pass starts from the same random
+            state); ``None`` for one pass.
+        grouped: Whether the process is a rank of a group (its parts are
+            combined with the other ranks').
+
+    Raises:
+        InvalidArgumentError: For a malformed mini-batch, a subsampling with a
+            loader, or an iterator where ``reread`` is given.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        loss_func: Module,
+        data: object,
+        options: CurvatureOptions,
+        *,
+        reread: str | None = None,
+        grouped: bool = False,
+    ):
+        self.single = is_batch(data)
+        #: The targets' shape per sample: a mini-batch's, a loader's after a pass.
+        self.sample_shape: tuple[int, ...] | None = None
+        if self.single:
+            check_batched(data, model)
+            data = check_batch(data)
+            check_inputs_match(data[0], list(model.parameters()))
+            check_subsampling(options.subsampling, num_samples(data[0]))
+            self.sample_shape = tuple(data[1].shape[1:])
+            data = [data]
+        elif options.subsampling is not None:
+            raise InvalidArgumentError(
+                "subsampling selects samples of one mini-batch; with a data loader, "
+                "pass a loader over the samples whose curvature you want."
+            )
+        elif reread is not None and isinstance(data, Iterator):
+            raise InvalidArgumentError(
+                f"{reread} passes over the data more than once, but an iterator or "
+                f"generator ({type(data).__name__}) can be passed over once: pass a "
+                "list of batches or a DataLoader."
+            )
+        self.passes = 0
+        self._model, self._loss_func, self._data = model, loss_func, data
+        self._options, self._reread, self._grouped = options, reread, grouped
+        self._digests: list[str] = []
+        if reread is not None:
+            self._start = RandomState.capture(model.parameters())
+            self._model_state = model_fingerprint(model)
+
+    @property
+    def first_inputs(self) -> ModelInputs:
+        """A mini-batch's inputs, or those of a loader's first batch (read now)."""
+        if self.single:
+            return self._data[0][0]
+        with naming_batch(0):
+            first = next(iter(self._batches()), None)
+        if first is None:
+            raise InvalidArgumentError(
+                "The data loader yielded no batch: pass at least one (inputs, "
+                "targets) batch."
+            )
+        return first[0]
+
+    def num_batches(self) -> int | None:
+        """Batches of a pass, if known (``1`` for a mini-batch)."""
+        return num_batches(self._data, self._options.max_batches)
+
+    def walk(self, visit: Visit, description: str) -> UnionOutput:
+        """One pass: ``visit`` every part in order; their losses combined.
+
+        Args:
+            visit: Runs one part; returns its batch context, loss and gradient
+                (combined into the union's), or ``None``.
+            description: What the pass computes (its progress bar's text).
+
+        Returns:
+            The loss and gradient of the parts the visits returned.
+
+        Raises:
+            ModelChangedError: On a later pass, if the model changed since the
+                first (``reread``).
+            NondeterministicDataError: On a later pass, if the loader yields
+                other batches (``reread``).
+        """
+        if self._reread is not None and self.passes:
+            self._check_model_unchanged()
+        self.passes += 1
+        union = UnionOutput()
+        index = 0
+        batches = self._batches()
+        if self._reread is not None:
+            batches = self._fingerprinted(batches)
+        if not self.single:
+            name = self._reread or "LowRankGGN"
+            pass_name = f"pass {self.passes}" if self._reread else "pass over the data"
+            batches = progress_bar(
+                batches,
+                self.num_batches(),
+                self._options.progress,
+                f"{name}: {pass_name} ({description})",
+            )
+        start = self._start if self._reread is not None else None
+        with engine_context(self._model.parameters(), start):
+            for batch_index, batch in enumerate(batches):
+                if self.sample_shape is None:
+                    self.sample_shape = tuple(batch[1].shape[1:])
+                for part in self._parts(batch, None if self.single else batch_index):
+                    part = _indexed(part, index)
+                    index += 1
+                    with naming_batch(part.batch):
+                        result = visit(part)
+                    if result is not None:
+                        union.add(*result)
+        return union
+
+    def _batches(self) -> Iterator[tuple[ModelInputs, Tensor]]:
+        if self.single:
+            return iter(self._data)
+        return iterate_batches(self._data, self._model, self._options.max_batches)
+
+    def _parts(self, batch: tuple[ModelInputs, Tensor], batch_index: int | None):
+        inputs, targets = batch
+        size = num_samples(inputs)
+        chunk_size = self._options.chunk_size
+        subsampling = self._options.subsampling
+        whole = chunk_size is None or chunk_size >= size
+        for start in range(0, size, size if whole else chunk_size):
+            stop = size if whole else min(start + chunk_size, size)
+            samples = None if whole else range(start, stop)
+            part_inputs = inputs if whole else take_samples(inputs, slice(start, stop))
+            part_targets = targets if whole else targets[start:stop]
+            if subsampling is None:
+                local = None
+            else:
+                local = [n - start for n in subsampling if start <= n < stop]
+            # a lone mini-batch run whole: its loss is the union's
+            combined = not self.single or samples is not None or self._grouped
+            loss_func, weightless = part_loss(self._loss_func, part_targets, combined)
+            yield Part(
+                index=0,
+                batch=batch_index,
+                inputs=part_inputs,
+                targets=part_targets,
+                subsampling=local or ([0] if local is not None else None),
+                has_curvature=local is None or bool(local),
+                samples=samples,
+                loss_func=loss_func,
+                weightless=weightless,
+            )
+
+    def _fingerprinted(self, batches: Iterable) -> Iterator:
+        """The batches of a pass, each checked against the first pass's."""
+        first = self.passes == 1
+        count = 0
+        for index, (inputs, targets) in enumerate(batches):
+            digest = fingerprint([*input_tensors(inputs), targets])
+            if first:
+                self._digests.append(digest)
+            elif index >= len(self._digests) or digest != self._digests[index]:
+                extra = (
+                    f" (pass 1 had only {len(self._digests)} batches)"
+                    if index >= len(self._digests)
+                    else ""
+                )
+                raise NondeterministicDataError(
+                    f"Batch {index} of the data loader differs between pass 1 and "
+                    f"pass {self.passes}{extra}: {self._reread} combines every batch "
+                    "of every pass, so the loader must yield the same batches in "
+                    "the same order each time. Use DataLoader(..., shuffle=False) "
+                    "without random transforms (or a fixed list of batches), and "
+                    "do not change its tensors in place after construction "
+                    "(normalise or augment a copy): a batch changed in place since "
+                    "pass 1 is refused, never used."
+                )
+            count += 1
+            yield inputs, targets
+        if not first and count != len(self._digests):
+            raise NondeterministicDataError(
+                f"The data loader yielded {count} batches in pass {self.passes} but "
+                f"{len(self._digests)} in pass 1; {self._reread} needs the same "
+                "batches in every pass."
+            )
+
+    def _check_model_unchanged(self) -> None:
+        if model_fingerprint(self._model) != self._model_state:
+            raise ModelChangedError(
+                f"The model's parameters or buffers changed since this "
+                f"{self._reread} was built (before pass {self.passes + 1}): its "
+                "loss, gradient and normalization belong to the old values, and a "
+                "pass with the new ones would mix two models. Build a new one "
+                f"after changing the model."
+            )
+
+
+def _indexed(part: Part, index: int) -> Part:
+    """The part at its position in the pass."""
+    return dataclasses.replace(part, index=index)
+
+
+def part_loss(
+    loss_func: Module, targets: Tensor, combined: bool
+) -> tuple[Module, bool]:
+    """The loss a part runs with, and whether it carries no weight.
+
+    A part combined with others whose every target a mean cross-entropy ignores
+    has the loss ``0/0`` on its own but no weight in the union's: it runs with
+    the summed loss (``0``, its Hessian roots ``0``) and its samples count with
+    weight ``0`` (:func:`weightless`).
+    """
+    ignored = (
+        isinstance(loss_func, CrossEntropyLoss)
+        and loss_func.reduction == "mean"
+        and not targets.is_floating_point()
+        and bool((targets == loss_func.ignore_index).all())
+    )
+    if not (combined and ignored):
+        return loss_func, False
+    summed = CrossEntropyLoss(
+        weight=loss_func.weight,
+        ignore_index=loss_func.ignore_index,
+        reduction="sum",
+        label_smoothing=loss_func.label_smoothing,
+    )
+    return summed, True
+
+
+def weightless(batch: BatchInfo) -> BatchInfo:
+    """A part's batch context with sample weights ``0`` under a mean."""
+    weights = (0.0,) * batch.batch_size
+    return dataclasses.replace(batch, normalization=LossNormalization("mean", weights))
+
+
+def is_batch(data: object) -> bool:
+    """Whether ``data`` is one mini-batch (a tensor, or a pair with a tensor)."""
+    return isinstance(data, Tensor) or (
+        isinstance(data, tuple | list) and any(isinstance(t, Tensor) for t in data)
+    )
+
+
+def iterate_batches(
+    data: object, model: Module, max_batches: int | None = None
+) -> Iterator[tuple[ModelInputs, Tensor]]:
+    """The batches of a data loader, each checked like a mini-batch.
+
+    Raises:
+        InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
+            them, or a batch is malformed (the message names the batch).
+    """
+    if isinstance(data, Mapping):
+        raise InvalidArgumentError(
+            "data must be a pair (inputs, targets) of tensors or an iterable of such "
+            f"batches (e.g. a DataLoader), {_dict_summary(data)}."
+        )
+    if isinstance(data, Tensor | str | bytes) or not isinstance(data, Iterable):
+        raise InvalidArgumentError(
+            "data must be a pair (inputs, targets) of tensors or an iterable of such "
+            f"batches (e.g. a DataLoader), got {type(data).__name__}."
+        )
+    params = list(model.parameters())
+    first_shape = None
+    for index, batch in enumerate(islice(data, max_batches)):
+        with naming_batch(index):
+            if isinstance(batch, Mapping):
+                raise InvalidArgumentError(
+                    "data must be a pair (inputs, targets) of tensors, "
+                    f"{_dict_summary(batch)}."
+                )
+            check_batched(batch, model)
+            batch = check_batch(batch)
+            check_inputs_match(batch[0], params)
+            shape = tuple(batch[1].shape[1:])
+            first_shape = shape if first_shape is None else first_shape
+            if shape != first_shape:
+                raise InvalidArgumentError(
+                    f"Its targets have the shape {shape} per sample, those of batch "
+                    f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
+                )
+        yield batch
+
+
+#: Layers whose unbatched input is recognisable: dimensions of one sample's input.
+_SAMPLE_DIMS = {Linear: 1, Conv1d: 2, Conv2d: 3, Conv3d: 4}
+
+
+def check_batched(batch: object, model: Module) -> None:
+    """Refuse inputs that are one unbatched sample of the model's first layer.
+
+    Torch layers accept one sample without a batch axis; the library reads the
+    first axis as the samples. The first Linear or convolution layer tells:
+    inputs with one sample's dimensions whose first axis is its input features.
+
+    Raises:
+        InvalidArgumentError: For an unbatched sample, saying what to pass.
+    """
+    inputs = batch[0] if isinstance(batch, tuple | list) and batch else None
+    if not isinstance(inputs, Tensor) or not inputs.is_floating_point():
+        return
+    layer = next((m for m in model.modules() if type(m) in _SAMPLE_DIMS), None)
+    if layer is None or inputs.dim() != _SAMPLE_DIMS[type(layer)]:
+        return
+    features = layer.in_features if isinstance(layer, Linear) else layer.in_channels
+    if inputs.shape[0] != features:
+        return
+    raise InvalidArgumentError(
+        f"The inputs have shape {tuple(inputs.shape)}: one sample without a batch "
+        f"axis for the model's first layer {layer}, whose batched inputs are "
+        f"[N, {', '.join(map(str, inputs.shape))}]. The first axis of inputs and "
+        "targets holds the samples: stack the samples into one batch "
+        "(torch.stack(inputs), torch.stack(targets)), let a DataLoader(dataset, "
+        "batch_size=...) do it, or give each sample a batch axis of one "
+        "(x.unsqueeze(0), y.unsqueeze(0))."
+    )
+
+
+def _dict_summary(batch: Mapping) -> str:
+    """What a batch given as a dict is, and how to pass it instead."""
+    if "labels" in batch:  # a Hugging Face collator's batch
+        return (
+            f"got a dict with keys {list(batch)}, the labels inside as Hugging Face "
+            "collators return: take them out with vivit.huggingface.split_labels("
+            "loader, shift=True) for a causal language model's labels (shifted to "
+            "the next token), shift=False for labels aligned with the logits (a "
+            "classifier's), or split_batch(batch, shift=...) for one batch"
+        )
+    return (
+        f"got a dict with keys {list(batch)}: pass (inputs, targets), e.g. "
+        "(batch['inputs'], batch['targets']), or give the DataLoader a collate_fn "
+        "that returns that pair"
+    )
+
+
+@contextmanager
+def naming_batch(index: int | None) -> Iterator[None]:
+    """Prefix a library error's message with the loader's batch it concerns.
+
+    Any other exception gets a note naming the batch (Python 3.11 and later).
+    """
+    if index is None:
+        yield
+        return
+    try:
+        yield
+    except VivitError as error:
+        raise type(error)(f"Batch {index} of the data loader: {error}") from None
+    except Exception as error:
+        if hasattr(error, "add_note"):  # Python ≥ 3.11
+            error.add_note(f"(in batch {index} of the data loader)")
+        raise
+
+
+def _random_devices(params: Iterable[Tensor]) -> list[torch.device]:
+    """The CUDA device of the parameters (at most one), else none."""
+    return [p.device for p in params if p.device.type == "cuda"][:1]
+
+
+@dataclass(frozen=True)
+class RandomState:
+    """The random state passes start from (CPU and the parameters' CUDA device)."""
+
+    cpu: Tensor
+    cuda: tuple[tuple[torch.device, Tensor], ...]
+
+    @classmethod
+    def capture(cls, params: Iterable[Tensor]) -> RandomState:
+        """The current random state of the devices the parameters live on."""
+        devices = _random_devices(params)
+        cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        """Set the generators to this state."""
+        torch.set_rng_state(self.cpu)
+        for device, state in self.cuda:
+            torch.cuda.set_rng_state(state, device)
+
+
+@contextmanager
+def engine_context(
+    params: Iterable[Tensor], start: RandomState | None = None
+) -> Iterator[None]:
+    """Random state forked (from ``start``, else the caller's), gradients on."""
+    with torch.random.fork_rng(devices=_random_devices(params)):
+        if start is not None:
+            start.restore()
+        with torch.enable_grad():
+            yield
+
+
+def num_batches(data: object, max_batches: int | None = None) -> int | None:
+    """Batches a pass over a loader reads, if known, else ``None``."""
+    if not isinstance(data, Sized):
+        return max_batches
+    try:
+        length = len(data)
+    except TypeError:  # e.g. a DataLoader over an IterableDataset
+        return max_batches
+    return length if max_batches is None else min(length, max_batches)
+
+
+def progress_bar(
+    batches: Iterable, total: int | None, progress: bool | None, description: str
+) -> Iterable:
+    """The batches of a pass, shown as a progress bar on stderr.
+
+    ``progress=None`` shows it only if stderr is a terminal and the pass takes
+    longer than :data:`PROGRESS_DELAY` seconds; a pass of unknown length (which
+    may never end) shows it after the delay in any case, saying why.
+    """
+    if progress is False:
+        return batches
+    if total is None:
+        description += f" ({UNBOUNDED_NOTE})"
+    return tqdm(
+        batches,
+        total=total,
+        desc=description,
+        unit="batch",
+        disable=None if progress is None and total is not None else False,
+        delay=PROGRESS_DELAY if progress is None else 0.0,
+        leave=progress is True,
+    )
+
+
+def fingerprint(tensors: Iterable[Tensor]) -> str:
+    """A digest of tensors: shapes, types and every byte (BLAKE2b, hexadecimal)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        digest.update(f"{tuple(tensor.shape)}{tensor.dtype};".encode())
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: Module) -> str:
+    """A digest of the model's parameters and buffers (:func:`fingerprint`)."""
+    state = model.state_dict()
+    return fingerprint([value for value in state.values() if isinstance(value, Tensor)])

@@ -1,0 +1,129 @@
+"""One part of the samples through an engine, into each group's curvature."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn import Module, Parameter
+
+from vivit._validation import check_finite
+from vivit.engines.base import (
+    ContributionSink,
+    CurvatureRequest,
+    Engine,
+    EngineOutput,
+    ParamContribution,
+)
+from vivit.errors import InvalidTargetsError, NoCurvatureError
+from vivit.sources.collector import GroupCollector, GroupCurvature
+from vivit.sources.data import Part, weightless
+
+#: Runs an engine on one part of the samples into a sink.
+PartRun = Callable[[ContributionSink], EngineOutput]
+
+
+@dataclass
+class PartResult:
+    """What an engine leaves for one part of the samples.
+
+    Attributes:
+        curvature: Every group's curvature, in group order, factors kept.
+        output: The part's loss and gradient (of the loss on the part alone).
+    """
+
+    curvature: list[GroupCurvature]
+    output: EngineOutput
+
+
+def run_part(
+    run: PartRun,
+    param_groups: list[list[Parameter]],
+    gram_dtype: torch.dtype | None,
+    keep_gradient_factors: bool = True,
+) -> PartResult:
+    """One engine run: every group's curvature (factors kept), the loss, the gradient.
+
+    Raises:
+        NonFiniteError: If the loss is not finite.
+        NoCurvatureError: If a group received no curvature.
+    """
+    curvature: dict[int, GroupCurvature] = {}
+    collector = GroupCollector(
+        param_groups,
+        curvature.__setitem__,
+        keep_factors=True,
+        keep_gradient_factors=keep_gradient_factors,
+        gram_dtype=gram_dtype,
+        keep_gram=False,
+    )
+    output = run(collector)
+    check_finite(output.loss, "loss", batch_axis=False)
+    missing = [g for g in range(len(param_groups)) if g not in curvature]
+    if missing:
+        raise NoCurvatureError(
+            f"Parameter group(s) {missing} received no curvature from the backward "
+            f"pass ({collector.num_missing(missing[0])} parameter(s) of group "
+            f"{missing[0]} missing): their layers are not part of the loss's "
+            "computation graph, or not extended with backpack.extend."
+        )
+    return PartResult([curvature[g] for g in range(len(curvature))], output)
+
+
+def run_engine(
+    engine: Engine,
+    model: Module,
+    part: Part,
+    request: CurvatureRequest,
+    sink: ContributionSink,
+) -> EngineOutput:
+    """Run the engine on one part (the request's subsampling becomes the part's).
+
+    A part without curvature samples runs with its first one and hands on no
+    columns of ``V``; a part without weight hands on samples of weight ``0``
+    (:func:`~vivit.sources.data.part_loss`).
+
+    Raises:
+        InvalidTargetsError: For malformed targets of a chunk, naming its samples.
+    """
+    if not part.has_curvature:
+        sink = _WithoutCurvature(sink)
+    if part.weightless:
+        sink = _Weightless(sink)
+    request = dataclasses.replace(request, subsampling=part.subsampling)
+    try:
+        return engine.run(
+            model, part.loss_func, (part.inputs, part.targets), request, sink
+        )
+    except InvalidTargetsError as error:
+        if part.samples is None:
+            raise
+        raise InvalidTargetsError(
+            f"Chunk of samples {part.samples.start} to {part.samples.stop - 1} "
+            f"(positions count from the chunk's first sample): {error}"
+        ) from None
+
+
+class _Weightless:
+    """Passes contributions on as those of samples of weight ``0`` (mean)."""
+
+    def __init__(self, sink: ContributionSink):
+        self._sink = sink
+
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        batch = weightless(contribution.batch)
+        self._sink.add(param, dataclasses.replace(contribution, batch=batch))
+
+
+class _WithoutCurvature:
+    """Passes contributions on with no columns of ``V`` (no curvature samples)."""
+
+    def __init__(self, sink: ContributionSink):
+        self._sink = sink
+
+    def add(self, param: Parameter, contribution: ParamContribution) -> None:
+        batch = dataclasses.replace(contribution.batch, ggn_samples=())
+        ggn = contribution.ggn.select([])
+        self._sink.add(param, dataclasses.replace(contribution, ggn=ggn, batch=batch))
