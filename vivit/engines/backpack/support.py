@@ -1,35 +1,12 @@
 """Whether the BackPACK engine can run a model, and if not, why: decided before running.
 
-BackPACK backpropagates the GGN square root through ``torch.nn`` layers it has a
-module extension for (:func:`~vivit.engines.backpack.table.supported_types`), each
-called once per forward pass and chained through their inputs and outputs. Its
-converter (``backpack.extend(model, use_converter=True)``) rewrites a custom
-``forward`` into such a chain when the forward combines layers only by ``+`` of
-tensors, multiplication by a float and ``flatten``.
-
 :func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any
-other forward with ``torch.fx`` (as the converter does); it lists every obstacle,
-naming the innermost layer or function and where the forward calls it:
-
-- a layer without a module extension (``LayerNorm``, ``MultiheadAttention``, ...),
-- a function or tensor method the converter cannot turn into a layer (``F.relu``,
-  ``torch.cat``, ``x.view``, ...) or a parameter used outside a layer,
-- a weight used more than once in one forward pass (a layer called twice, weights
-  tied between layers): BackPACK keeps one contribution per parameter, so the
-  second would be lost,
-- a forward ``torch.fx`` cannot trace (control flow on tensor values),
-- a forward that differs from the chain of layers BackPACK backpropagates
-  through: forward hooks or pre-hooks of the user's (they may change a layer's
-  input or output, which BackPACK assumes are the layer's own; hooks on the
-  model or a container would not even run in a converted model), parametrized
-  layers (``torch.nn.utils.parametrize``, weight normalization, pruning: the
-  parameter is not the weight the layer uses), and layers or functions called
-  with gradients disabled (``torch.no_grad()`` inside ``forward``, which the
-  converter would drop).
-
-:func:`unsupported_reason` is what the ``"auto"`` engine choice asks;
-:func:`runnable_model` raises it as an error, or returns the module BackPACK runs
-(the model itself, or its conversion).
+other forward with ``torch.fx``, as BackPACK's converter does (it turns ``+`` of
+tensors, multiplication by a float and ``flatten`` into layers). It names each
+obstacle and where the forward meets it: a layer without a module extension, a
+function the converter cannot turn into a layer, a weight used twice in one forward
+pass, a forward ``torch.fx`` cannot trace, and a forward that differs from its chain
+of layers (user hooks, parametrizations, ``torch.no_grad()`` inside it).
 """
 
 from __future__ import annotations
@@ -87,7 +64,7 @@ class Obstacle:
         error: The exception class to raise.
         message: What cannot be handled, named, and where.
         func_can: Whether the torch.func engine handles it.
-        layer: Whether it is a layer without module extension (the message then
+        layer: Whether it is a layer without module extension (the error then
             lists the supported layers once).
     """
 
@@ -102,10 +79,8 @@ class Analysis:
     """What the BackPACK engine needs to know about a model.
 
     Attributes:
-        obstacles: Everything it cannot handle: shared weights first, then the
-            rest in forward order.
-        needs_conversion: Whether it must run BackPACK's converted model (custom
-            forwards, residual sums, layers reused without parameters).
+        obstacles: Shared weights first, then the rest in forward order.
+        needs_conversion: Whether it must run BackPACK's converted model.
     """
 
     obstacles: list[Obstacle] = field(default_factory=list)
@@ -120,7 +95,7 @@ def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
     """The error for a model with obstacles: what cannot be handled, and who can.
 
     Args:
-        obstacles: At least one obstacle; the first decides the exception class.
+        obstacles: At least one; the first decides the exception class.
         context: Prefix naming where the obstacles were found.
 
     Returns:
@@ -143,12 +118,6 @@ def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
 
 def analyse(model: Module) -> Analysis:
     """List what the BackPACK engine cannot handle in a model.
-
-    A (nested) ``Sequential`` of ``torch.nn`` layers is read from its structure;
-    any other model is traced with ``torch.fx`` as BackPACK's converter traces it.
-
-    Args:
-        model: The network.
 
     Returns:
         The obstacles and whether the model must be converted.
@@ -204,10 +173,6 @@ def analyse(model: Module) -> Analysis:
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
     """Why the BackPACK engine cannot run a model, or ``None`` if it can.
 
-    ``None`` means: every layer the forward calls has a module extension, the
-    forward combines layers only in ways BackPACK's converter handles, no weight
-    is used twice, and the loss (if given) is supported.
-
     Args:
         model: The network.
         loss_func: The loss module, if it should be checked too.
@@ -222,11 +187,9 @@ def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
     """The module the BackPACK engine runs in place of ``model``, after checking it.
 
-    The model itself if it is a chain of supported layers, else its conversion by
-    BackPACK's converter: a new ``torch.fx.GraphModule`` that calls the model's own
-    layers (same parameters) and replaces ``+`` and ``* float`` by layers. The
-    caller's model is not changed, except that the converter switches layers to
-    ``inplace=False`` (restore them with :func:`inplace_flags`).
+    The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
+    calling the same layers), which switches the caller's layers to ``inplace=False``
+    (restore them with :func:`inplace_flags`).
 
     Args:
         model: The network.
@@ -271,13 +234,10 @@ _NODE_LEFT = "Encountered node that may break second-order extensions"
 
 
 def inplace_flags(model: Module) -> dict[Module, bool]:
-    """The ``inplace`` flag of every layer that has one.
-
-    Args:
-        model: The network.
+    """The ``inplace`` flag of every layer that has one, to restore after a conversion.
 
     Returns:
-        Mapping from layer to its flag, to restore after a conversion.
+        Mapping from layer to its flag.
     """
     return {
         m: m.inplace
@@ -294,9 +254,7 @@ _GRAD_ENABLED = "vivit_grad_enabled"
 class _GradModeTracer(BackpackTracer):
     """BackPACK's tracer, recording the grad mode each node was created in.
 
-    Tracing runs the forward's Python code, ``with torch.no_grad():`` blocks
-    included, so the grad mode at node creation is the forward's; the graph
-    itself does not record it (and the converted model would drop it).
+    Tracing runs the forward's ``torch.no_grad()`` blocks; the graph does not keep them.
     """
 
     def create_node(self, *args, **kwargs) -> Node:  # noqa: D102
@@ -313,11 +271,7 @@ def _trace(model: Module) -> Graph:
 
 
 def _sequential_chain(model: Module) -> list[str] | None:
-    """Names of the layers a (nested) ``Sequential`` calls, in order, or ``None``.
-
-    ``None`` if the model or a part of it has a custom forward. Each layer is named
-    by its first path in the model, as ``torch.fx`` names it.
-    """
+    """The layers a (nested) ``Sequential`` calls; ``None`` if a forward is custom."""
     names = {id(m): name for name, m in model.named_modules()}
     is_leaf = BackpackTracer().is_leaf_module
     chain = []
@@ -339,13 +293,7 @@ def _get_attr(model: Module, target: str):
 
 
 def _convertible(node: Node) -> bool:
-    """Whether BackPACK's converter turns this call into a supported layer.
-
-    Mirrors ``backpack.custom_module.graph_utils``: ``+`` of two tensors becomes a
-    ``SumModule``, multiplication of a tensor by a float a ``ScaleModule``,
-    ``flatten`` with positional dimensions a ``Flatten``. Keyword arguments are
-    dropped by the converter, so calls with them are not convertible.
-    """
+    """Whether BackPACK's converter turns this call into a layer (it drops keywords)."""
     args, kwargs = node.args, node.kwargs
     tensors = [isinstance(a, Node) for a in args]
     if node.op == "call_function":
@@ -543,15 +491,7 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
 
 # Forwards that are not the chain of layers ------------------------------------------
 def _forward_changes(model: Module) -> list[Obstacle]:
-    """Hooks and parametrizations that make the forward differ from its layers.
-
-    BackPACK backpropagates through each layer's own function, from the layer's
-    output to its input, and hands a parameter the contribution of the tensor the
-    layer uses. A forward hook that changes the output, a pre-hook that changes
-    the input or computes the weight (pruning, ``torch.nn.utils.weight_norm``)
-    and a parametrization (``torch.nn.utils.parametrize``) break that; the
-    library's and BackPACK's own hooks (which only record) do not.
-    """
+    """Hooks and parametrizations that make the forward differ from its layers."""
     obstacles = []
     for name, module in model.named_modules():
         where = f"`{name}` ({type(module).__name__})" if name else "the model"
@@ -560,18 +500,14 @@ def _forward_changes(model: Module) -> list[Obstacle]:
 
 
 def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
-    """The hooks and parametrizations of one module (see :func:`_forward_changes`).
-
-    The BackPACK extension checks every layer its backward pass reaches with
-    this, so that a loss computed elsewhere (``LowRankGGN.from_loss``, the
-    ViViT-compatible classes) is held to the same rule as a model.
+    """The obstacles of one module's hooks and parametrizations.
 
     Args:
         module: The layer.
         where: How messages name it.
 
     Returns:
-        Its obstacles (the global module hooks are not its own: see
+        Its obstacles (without the global module hooks:
         :func:`global_hook_obstacles`).
     """
     obstacles = []

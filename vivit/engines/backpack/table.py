@@ -1,11 +1,7 @@
-"""The module table of the BackPACK engine: which layer runs which extension.
+"""Which layer runs which module extension: the one list of what the engine supports.
 
-The engine owns this table; it is the one list of what the BackPACK engine supports
-(:func:`supported_types`), used both to run the backward pass and to decide, before
-any computation, whether a model can be handled (:mod:`vivit.engines.backpack.support`).
-Parameter-free layers backpropagate with BackPACK's ``SqrtGGN`` module extensions;
-layers with parameters and losses use vivit's (:mod:`~vivit.engines.backpack.layers`,
-:mod:`~vivit.engines.backpack.losses`).
+Parameter-free layers keep BackPACK's ``SqrtGGN`` module extensions; layers with
+parameters and losses use vivit's.
 """
 
 from __future__ import annotations
