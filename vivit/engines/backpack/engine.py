@@ -13,7 +13,7 @@ from torch.nn import Module
 from vivit._validation import check_batch_norms, check_finite
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.hooks import extended
-from vivit.engines.backpack.support import FUNC_HINT
+from vivit.engines.backpack.obstacles import FUNC_HINT
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,

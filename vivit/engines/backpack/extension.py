@@ -16,13 +16,13 @@ from vivit._validation import (
     check_subsampling,
     warn_random_forward,
 )
-from vivit.engines.backpack.support import (
+from vivit.engines.backpack.obstacles import (
     FUNC_HINT,
-    analyse,
     global_hook_obstacles,
     module_forward_changes,
     refusal,
 )
+from vivit.engines.backpack.support import analyse
 from vivit.engines.backpack.table import (
     LOSSES,
     module_extensions,
