@@ -33,12 +33,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @cache
 def dtype_safe(derivatives: type[BaseDerivatives]) -> type[BaseDerivatives]:
-    """Sub-class a BackPACK derivatives class to respect the propagated dtype.
-
-    Returns:
-        Its sub-class whose ``jac_t_mat_prod`` and ``param_mjp`` run with the
-        default dtype of the matrix they multiply.
-    """
+    """Sub-class a derivatives class: its products run in the dtype they multiply."""
 
     class DtypeSafe(derivatives):
         def jac_t_mat_prod(self, module, g_inp, g_out, mat: Tensor, **kwargs):

@@ -33,21 +33,13 @@ from vivit.model_inputs import ModelInputs, call_model
 
 
 class ContributionHook:
-    """BackPACK extension hook: forward each parameter's contribution to a sink.
-
-    Args:
-        sink: The group pipeline.
-    """
+    """BackPACK extension hook: hand each parameter's contribution to ``sink``."""
 
     def __init__(self, sink: ContributionSink):
         self.sink = sink
 
     def __call__(self, module: Module) -> None:
-        """Hand on the contributions of a layer's parameters.
-
-        Args:
-            module: The layer BackPACK just processed.
-        """
+        """Hand on the contributions of the layer BackPACK just processed."""
         for param in module.parameters(recurse=False):
             contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
             if contribution is None:

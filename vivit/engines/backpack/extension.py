@@ -97,11 +97,7 @@ class GramGGN(SqrtGGN):
         self.loss_output: Tensor | None = None
 
     def get_num_mc_samples(self) -> int:
-        """Number of Monte-Carlo samples ``M`` of the loss Hessian.
-
-        Returns:
-            ``M`` (``0`` when the exact loss Hessian is used).
-        """
+        """Number of Monte-Carlo samples ``M`` of the loss Hessian (``0``: exact)."""
         return self._mc_samples
 
     def __call__(

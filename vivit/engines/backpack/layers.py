@@ -60,10 +60,6 @@ class GramParamsExtension(MatToJacMat):
     """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
 
     Sub-classes override :meth:`factors` for parameters with a factor form.
-
-    Args:
-        derivatives: BackPACK derivatives of the layer.
-        params: Names of the layer's parameters.
     """
 
     def __init__(self, derivatives: BaseDerivatives, params: list[str]):
@@ -222,11 +218,7 @@ def _outer_factors(
 
 
 def param_layer_extensions() -> dict[type[Module], GramParamsExtension]:
-    """Module extensions of every supported layer with parameters.
-
-    Returns:
-        Mapping from layer class to its module extension.
-    """
+    """Module extensions of every supported layer with parameters, by layer class."""
     batch_norm = GramBatchNormNd()
     return {
         Linear: GramLinear(),

@@ -115,11 +115,7 @@ def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
 
 
 def global_hook_obstacles() -> list[Obstacle]:
-    """The obstacle of global module forward hooks, if any are registered.
-
-    Returns:
-        One obstacle, or none.
-    """
+    """The obstacle of global module forward hooks, if any are registered (or none)."""
     if not (_global_forward_pre_hooks or _global_forward_hooks):
         return []
     return [

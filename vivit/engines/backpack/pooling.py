@@ -42,12 +42,7 @@ def forget_pool_indices(module: Module) -> None:
 
 @cache
 def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDerivatives]:
-    """Sub-class BackPACK's max-pooling derivatives to reuse the forward's indices.
-
-    Returns:
-        Its sub-class whose ``get_pooling_idx`` takes the indices the forward
-        pass saved for the stored output, if there are any.
-    """
+    """Sub-class BackPACK's max-pooling derivatives to take the forward's indices."""
 
     class SavedIndexMaxPool(derivatives):
         def get_pooling_idx(self, module, subsampling=None) -> Tensor:
@@ -63,12 +58,7 @@ def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDeriva
 
 
 def max_pool_extensions() -> dict[type[Module], SqrtGGNBaseModule]:
-    """Module extensions of ``MaxPool{1,2,3}d``, keyed by layer class.
-
-    Returns:
-        Extensions that backpropagate like BackPACK's ``SqrtGGNMaxPool{1,2,3}d``
-        with the forward's indices.
-    """
+    """Module extensions of ``MaxPool{1,2,3}d`` that use the forward's indices."""
     return {
         MaxPool1d: SqrtGGNBaseModule(saved_index(MaxPool1DDerivatives)()),
         MaxPool2d: SqrtGGNBaseModule(saved_index(MaxPool2DDerivatives)()),

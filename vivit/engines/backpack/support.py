@@ -58,11 +58,7 @@ class Analysis:
 
 
 def analyse(model: Module) -> Analysis:
-    """List what the BackPACK engine cannot handle in a model.
-
-    Returns:
-        The obstacles and whether the model must be converted.
-    """
+    """The obstacles to the BackPACK engine in a model; whether it must be converted."""
     changes = _forward_changes(model)
     chain = _sequential_chain(model)
     if chain is not None:
@@ -175,11 +171,7 @@ _NODE_LEFT = "Encountered node that may break second-order extensions"
 
 
 def inplace_flags(model: Module) -> dict[Module, bool]:
-    """The ``inplace`` flag of every layer that has one, to restore after a conversion.
-
-    Returns:
-        Mapping from layer to its flag.
-    """
+    """Each layer's ``inplace`` flag, where it has one, to restore after conversion."""
     return {
         m: m.inplace
         for m in model.modules()

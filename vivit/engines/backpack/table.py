@@ -50,11 +50,7 @@ LOSSES: tuple[type[Module], ...] = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss
 
 
 def module_extensions() -> dict[type[Module], ModuleExtension]:
-    """A fresh module table: one module extension per supported layer class.
-
-    Returns:
-        Mapping from layer class (exact type, not sub-classes) to its extension.
-    """
+    """A fresh module table: layer class (exact type, not sub-classes) to extension."""
     return {
         MSELoss: GramLoss(),
         CrossEntropyLoss: GramLoss(),
@@ -82,19 +78,11 @@ def module_extensions() -> dict[type[Module], ModuleExtension]:
 
 @cache
 def supported_types() -> frozenset[type[Module]]:
-    """Layer and loss classes the BackPACK engine supports.
-
-    Returns:
-        The keys of :func:`module_extensions`.
-    """
+    """Layer and loss classes the engine supports (:func:`module_extensions`)."""
     return frozenset(module_extensions())
 
 
 def supported_layer_names() -> str:
-    """The supported layer classes (losses excluded), for error messages.
-
-    Returns:
-        Their names, sorted and comma-separated.
-    """
+    """The supported layer classes' names (no losses), sorted, for error messages."""
     layers = supported_types() - set(LOSSES)
     return ", ".join(sorted(cls.__name__ for cls in layers))
