@@ -175,17 +175,11 @@ class GramGGN(SqrtGGN):
         return self._batch
 
     def current_batch(self, module: Module) -> BatchInfo:
-        """The batch context of the running backward pass.
-
-        Args:
-            module: Layer asking (for the error message).
-
-        Returns:
-            The batch context recorded by the loss.
+        """The batch context the loss recorded for the running backward pass.
 
         Raises:
-            UnsupportedLossError: If the backward pass did not start at an
-                extended loss module.
+            UnsupportedLossError: If the backward pass did not start at an extended
+                loss module (the error names ``module``, the layer asking).
         """
         if self._batch is None:
             raise UnsupportedLossError(

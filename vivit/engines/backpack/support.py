@@ -108,15 +108,7 @@ def analyse(model: Module) -> Analysis:
 
 
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
-    """Why the BackPACK engine cannot run a model, or ``None`` if it can.
-
-    Args:
-        model: The network.
-        loss_func: The loss module, if it should be checked too.
-
-    Returns:
-        The error message the BackPACK engine would raise, or ``None``.
-    """
+    """Why the BackPACK engine cannot run a model (and loss), or ``None`` if it can."""
     obstacles = _obstacles(analyse(model), loss_func)
     return str(refusal(obstacles)) if obstacles else None
 
@@ -126,11 +118,7 @@ def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
 
     The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
     calling the same layers), which switches the caller's layers to ``inplace=False``
-    (restore them with :func:`inplace_flags`).
-
-    Args:
-        model: The network.
-        loss_func: The loss module, if it should be checked too.
+    (restore them with :func:`inplace_flags`). ``loss_func``, if given, is checked too.
 
     Returns:
         A module computing the same function with the same parameters.

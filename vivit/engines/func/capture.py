@@ -116,12 +116,7 @@ def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
 
 @dataclass
 class LayerCapture:
-    """Forward hooks that record the calls of factor-form layers.
-
-    Args:
-        model: The network.
-        params: The requested parameters; only layers whose weight is among them
-            are recorded.
+    """Forward hooks recording calls of factor-form layers with a weight in ``params``.
 
     Attributes:
         calls: Recorded calls, in forward order.
