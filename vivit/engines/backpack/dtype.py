@@ -1,10 +1,8 @@
 """BackPACK derivatives that keep the floating-point type of what they propagate.
 
-BackPACK 1.7.1 builds helper tensors in torch's *default* dtype in some derivatives:
-the averaging kernel of ``AvgPool{1,2,3}d`` and the one-hot matrix of ``Embedding``.
-Propagating float64 through them fails with "expected scalar type Double but found
-Float". :func:`dtype_safe` wraps a derivatives class so that its products run with
-the default dtype set to that of the propagated matrix.
+BackPACK 1.7.1 builds the averaging kernel of ``AvgPool{1,2,3}d`` and the one-hot
+matrix of ``Embedding`` in torch's *default* dtype, so float64 fails in them
+("expected scalar type Double but found Float").
 """
 
 from __future__ import annotations
@@ -35,15 +33,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 @cache
 def dtype_safe(derivatives: type[BaseDerivatives]) -> type[BaseDerivatives]:
-    """Sub-class a BackPACK derivatives class to respect the propagated dtype.
-
-    Args:
-        derivatives: A BackPACK derivatives class.
-
-    Returns:
-        Its sub-class whose ``jac_t_mat_prod`` and ``param_mjp`` run with the
-        default dtype of the matrix they multiply.
-    """
+    """Sub-class a derivatives class: its products run in the dtype they multiply."""
 
     class DtypeSafe(derivatives):
         def jac_t_mat_prod(self, module, g_inp, g_out, mat: Tensor, **kwargs):
@@ -59,11 +49,7 @@ def dtype_safe(derivatives: type[BaseDerivatives]) -> type[BaseDerivatives]:
 
 
 def avg_pool_extensions() -> dict[type[Module], MatToJacMat]:
-    """Module extensions of average pooling, keyed by layer class.
-
-    Returns:
-        Mapping from ``AvgPool{1,2,3}d`` to dtype-safe module extensions.
-    """
+    """Dtype-safe module extensions of ``AvgPool{1,2,3}d``, keyed by layer class."""
     return {
         AvgPool1d: MatToJacMat(dtype_safe(AvgPool1DDerivatives)()),
         AvgPool2d: MatToJacMat(dtype_safe(AvgPool2DDerivatives)()),

@@ -1,10 +1,4 @@
-"""The BackPACK engine behind the engine seam.
-
-:class:`BackpackEngine` runs one backward pass inside ``backpack(GramGGN(...))``;
-:class:`ContributionHook` is the BackPACK extension hook that takes each
-parameter's :class:`~vivit.engines.base.ParamContribution` off the parameter (where
-the extension saved it) and hands it to the group pipeline.
-"""
+"""The BackPACK engine behind the engine seam: one backward pass in ``backpack()``."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ from torch.nn import Module
 from vivit._validation import check_batch_norms, check_finite
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.hooks import extended
-from vivit.engines.backpack.support import FUNC_HINT
+from vivit.engines.backpack.obstacles import FUNC_HINT
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -39,21 +33,13 @@ from vivit.model_inputs import ModelInputs, call_model
 
 
 class ContributionHook:
-    """BackPACK extension hook: forward each parameter's contribution to a sink.
-
-    Args:
-        sink: The group pipeline.
-    """
+    """BackPACK extension hook: hand each parameter's contribution to ``sink``."""
 
     def __init__(self, sink: ContributionSink):
         self.sink = sink
 
     def __call__(self, module: Module) -> None:
-        """Hand on the contributions of a layer's parameters.
-
-        Args:
-            module: The layer BackPACK just processed.
-        """
+        """Hand on the contributions of the layer BackPACK just processed."""
         for param in module.parameters(recurse=False):
             contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
             if contribution is None:
@@ -65,10 +51,9 @@ class ContributionHook:
 class BackpackEngine(Engine):
     """Curvature factors from BackPACK's second-order backward pass.
 
-    :meth:`run` installs BackPACK's hooks for the one backward pass and removes
-    them again (:func:`~vivit.engines.backpack.hooks.extended`), converting a custom
-    forward if needed; :meth:`run_loss` backpropagates a loss computed by modules
-    the caller extended.
+    :meth:`run` installs BackPACK's hooks for the one pass
+    (:func:`~vivit.engines.backpack.hooks.extended`); :meth:`run_loss` backpropagates
+    a loss computed by modules the caller extended.
     """
 
     name = "backpack"
@@ -102,8 +87,7 @@ class BackpackEngine(Engine):
     ) -> EngineOutput:
         """Run the backward pass of a loss computed by extended modules.
 
-        Leaves the ``.grad`` of every leaf the backward pass reaches (parameters,
-        inputs that require gradients) as it was.
+        Leaves the ``.grad`` of every leaf the backward pass reaches as it was.
 
         Args:
             compute_loss: Computes the mini-batch loss through modules extended
@@ -171,13 +155,7 @@ class BackpackEngine(Engine):
 def _returned_output(returned: object, selector: OutputSelector) -> Tensor:
     """The selected output, which must be a tensor the model returned.
 
-    BackPACK hands the loss's curvature to the model's last layer as it is: a
-    selection that computes from the model's output (``lambda out: 2 * out[0]``,
-    a property that slices) would be skipped.
-
-    Raises:
-        UnsupportedLayerError: If the selection is not one of the returned
-            tensors.
+    BackPACK would skip a selection computed from the output (``2 * out[0]``).
     """
     output = select_output(returned, selector)
     if not any(output is tensor for tensor in _tensors_in(returned)):
@@ -207,20 +185,7 @@ def _tensors_in(returned: object, depth: int = 3) -> list[Tensor]:
 
 
 def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:
-    """Refuse a loss that is not the loss module's output (plus a constant).
-
-    The GGN is that of the loss module's function; a closure returning, e.g.,
-    ``2 * loss`` or ``loss + regularizer`` would pair it with the gradient of
-    another function. A constant offset (``loss - 10.0``) changes neither.
-
-    Args:
-        loss: The tensor the backward pass started from.
-        loss_output: The output of the loss module it reached (``None``: none was
-            reached, which the caller reports as a missing ``backpack.extend``).
-
-    Raises:
-        InvalidArgumentError: If the backward pass started from another tensor.
-    """
+    """Refuse a loss computed from the loss module's output other than by a constant."""
     if loss_output is not None and not _offset_of(loss, loss_output):
         computed = type(_origin(loss.grad_fn)).__name__
         raise InvalidArgumentError(
@@ -234,12 +199,7 @@ def _check_loss_module_output(loss: Tensor, loss_output: Tensor | None) -> None:
 
 
 def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
-    """Whether ``loss`` is ``loss_output`` plus constants (no other gradient path).
-
-    Walks the autograd graph from ``loss``: through module hooks' identity nodes,
-    additions, and subtractions of something from it, each with no other input
-    that requires gradients, down to the node that computed ``loss_output``.
-    """
+    """Whether ``loss`` is ``loss_output`` plus constants (no other gradient path)."""
     node, target = _origin(loss.grad_fn), _origin(loss_output.grad_fn)
     while node is not target:
         name = type(node).__name__
@@ -254,26 +214,14 @@ def _offset_of(loss: Tensor, loss_output: Tensor) -> bool:
 
 
 def _origin(node: object) -> object:
-    """The autograd node behind module backward hooks' identity nodes.
-
-    A module with full backward hooks returns its output through an identity
-    node (``BackwardHookFunctionBackward``); the tensor its forward hooks saw
-    is that node's input.
-    """
+    """The autograd node behind module backward hooks' identity nodes."""
     while type(node).__name__ == "BackwardHookFunctionBackward":
         node = node.next_functions[0][0]
     return node
 
 
 def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
-    """Check what the forward pass returned before the backward pass runs on it.
-
-    Raises:
-        InvalidArgumentError: If it is not a scalar tensor, or the closure called
-            ``backward()``.
-        GradientContextError: If the loss does not depend on parameters through
-            autograd (computed under ``torch.no_grad()``).
-    """
+    """What the forward pass returned, checked before the backward pass runs on it."""
     if not isinstance(loss, Tensor):
         raise InvalidArgumentError(
             f"The loss must be a tensor, got {type(loss).__name__}: the closure must "

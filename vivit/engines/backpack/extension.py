@@ -16,13 +16,13 @@ from vivit._validation import (
     check_subsampling,
     warn_random_forward,
 )
-from vivit.engines.backpack.support import (
+from vivit.engines.backpack.obstacles import (
     FUNC_HINT,
-    analyse,
     global_hook_obstacles,
     module_forward_changes,
     refusal,
 )
+from vivit.engines.backpack.support import analyse
 from vivit.engines.backpack.table import (
     LOSSES,
     module_extensions,
@@ -46,10 +46,11 @@ SAVEFIELD = "vivit_contribution"
 class GramGGN(SqrtGGN):
     """Backpropagate the GGN square root; keep per-parameter factors, not ``V``.
 
-    Extends BackPACK's ``SqrtGGN{Exact,MC}``: parameter-free layers backpropagate
-    exactly as there; losses additionally record the :class:`BatchInfo` and fix
-    the subsampling scale; Linear, convolution and BatchNorm layers save a
+    Extends BackPACK's ``SqrtGGN{Exact,MC}``: losses also record the :class:`BatchInfo`
+    and the subsampling scale; layers with parameters save a
     :class:`~vivit.engines.base.ParamContribution` under ``param.vivit_contribution``.
+    The arguments come checked (:class:`~vivit.options.CurvatureOptions`, or
+    :mod:`vivit.compat`).
 
     Args:
         mc_samples: ``0`` for the exact loss Hessian, else the number ``M`` of
@@ -57,15 +58,11 @@ class GramGGN(SqrtGGN):
         mc_per: What one draw of a cross-entropy output ``[N, C, *T]`` becomes:
             ``"token"`` (a column per position) or ``"sequence"``.
         subsampling: Sample indices whose curvature is used; ``None`` for all.
-        compute_gradients: Also keep per-sample gradient factors (needed for
-            directional derivatives and Newton steps).
+        compute_gradients: Also keep per-sample gradient factors.
         num_grams: How many Gram matrices of side ``N·C`` the caller will hold at
-            once (one per parameter group); used to refuse settings that cannot fit.
+            once; settings that cannot fit are refused.
         gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
-            the model's); used for the same check.
-
-    The arguments come checked (by :class:`~vivit.options.CurvatureOptions`, or
-    by the ViViT-compatible classes of :mod:`vivit.compat`).
+            the model's), for the same check.
     """
 
     def __init__(
@@ -100,22 +97,13 @@ class GramGGN(SqrtGGN):
         self.loss_output: Tensor | None = None
 
     def get_num_mc_samples(self) -> int:
-        """Number of Monte-Carlo samples ``M`` of the loss Hessian.
-
-        Returns:
-            ``M`` (``0`` when the exact loss Hessian is used).
-        """
+        """Number of Monte-Carlo samples ``M`` of the loss Hessian (``0``: exact)."""
         return self._mc_samples
 
     def __call__(
         self, module: Module, g_inp: tuple[Tensor, ...], g_out: tuple[Tensor, ...]
     ):
         """Run the module extension of ``module``; refuse what it cannot handle.
-
-        Args:
-            module: Layer whose backward hook fired.
-            g_inp: Gradients w.r.t. its inputs.
-            g_out: Gradients w.r.t. its output.
 
         Raises:
             UnsupportedLayerError: If the layer type has no module extension, or if
@@ -164,15 +152,7 @@ class GramGGN(SqrtGGN):
         self._seen_params.update(id(p) for p in params)
 
     def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
-        """Record the batch context when the backward pass reaches the loss.
-
-        Args:
-            loss_module: The extended loss module.
-            curvature: The loss's curvature on the batch.
-
-        Returns:
-            The batch context of this backward pass.
-        """
+        """Record the batch context when the backward pass reaches the loss."""
         inputs = loss_module.input0
         batch_size = inputs.shape[0]
         subsampling = check_subsampling(self.get_subsampling(), batch_size)
@@ -195,17 +175,11 @@ class GramGGN(SqrtGGN):
         return self._batch
 
     def current_batch(self, module: Module) -> BatchInfo:
-        """The batch context of the running backward pass.
-
-        Args:
-            module: Layer asking (for the error message).
-
-        Returns:
-            The batch context recorded by the loss.
+        """The batch context the loss recorded for the running backward pass.
 
         Raises:
-            UnsupportedLossError: If the backward pass did not start at an
-                extended loss module.
+            UnsupportedLossError: If the backward pass did not start at an extended
+                loss module (the error names ``module``, the layer asking).
         """
         if self._batch is None:
             raise UnsupportedLossError(
@@ -220,15 +194,9 @@ class GramGGN(SqrtGGN):
 def unsupported_layer_error(module: Module) -> UnsupportedLayerError:
     """The error for a layer without a module extension, naming what fails inside.
 
-    A layer with a custom forward is analysed (:mod:`~vivit.engines.backpack.
-    support`) to name the innermost layer or function that cannot be handled.
-
-    Args:
-        module: The layer whose backward hook fired.
-
     Returns:
         The error to raise (a :class:`~vivit.SharedWeightError` if the problem
-        inside is a shared weight).
+        inside a layer with a custom forward is a shared weight).
     """
     name = f"{type(module).__name__} ({type(module).__module__})"
     if is_loss(module):
@@ -254,15 +222,7 @@ def unsupported_layer_error(module: Module) -> UnsupportedLayerError:
 
 
 def shared_weight_message(module: Module, has_params: bool) -> str:
-    """Explain that the backward pass reached a layer or a weight a second time.
-
-    Args:
-        module: The layer reached again, or holding a weight reached again.
-        has_params: Whether the layer has trainable parameters.
-
-    Returns:
-        The error message.
-    """
+    """The error for a layer or weight the backward pass reached a second time."""
     if not has_params:
         return (
             f"The backward pass reached {module} a second time: the layer is called "
@@ -281,14 +241,7 @@ def shared_weight_message(module: Module, has_params: bool) -> str:
 
 
 def lost_quantity_message(module: Module) -> str:
-    """Explain that the backward pass reached a layer through an untracked operation.
-
-    Args:
-        module: The layer that received nothing to backpropagate.
-
-    Returns:
-        The error message.
-    """
+    """Explain that the backward pass reached a layer through an untracked operation."""
     return (
         f"The backward pass reached {module} without the square root of the GGN: "
         "between this layer and the loss, the forward combines tensors outside of "

@@ -1,15 +1,9 @@
 """BackPACK's hooks for the duration of one computation, then gone.
 
-``backpack.extend`` installs, on every layer, a forward hook that stores the layer's
-input and output on the module and a full backward hook that runs the extension;
-it never removes them. On a caller's model that is lasting damage: every later
-``backward`` warns about full backward hooks, ``torch.func`` transforms fail on the
-hooks' ``autograd.Function``, and each layer keeps its last input alive.
-
-:func:`extended` installs the same hooks with handles of its own on the modules
-that lack them, yields the modules to compute the loss with, and on exit removes
-the hooks and everything they stored. Modules the user extended with
-``backpack.extend`` (the ViViT-compatible hook API needs that) keep their hooks.
+``backpack.extend`` never removes its hooks: on a caller's model every later
+``backward`` would warn, ``torch.func`` transforms would fail on the hooks'
+``autograd.Function``, and each layer would keep its last input alive. Modules the
+user extended (the ViViT-compatible hook API needs that) keep their hooks.
 """
 
 from __future__ import annotations
@@ -38,24 +32,11 @@ EXTENDED_FLAG = "_backpack_extend"
 def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]]:
     """Model and loss ready for a BackPACK backward pass, unchanged afterwards.
 
-    Checks the model before any computation, converts it if its forward needs that
-    (:func:`~vivit.engines.backpack.support.runnable_model`: a new module holding
-    the same layers and parameters; the caller's model is not converted), and
-    installs BackPACK's forward and backward hooks on the layers that lack them.
-    On exit, also after an error, the hooks are removed, the inputs and outputs
-    they stored and any factors left on parameters are deleted, and layers the
-    converter switched to ``inplace=False`` are switched back.
-
-    Example::
-
-        with extended(model, loss_func) as (net, loss_module):
-            loss = loss_module(net(inputs), targets)
-            with backpack(GramGGN(), extension_hook=collector):
-                loss.backward()
-
-    Args:
-        model: The network.
-        loss_func: The loss module.
+    Converts the model if its forward needs that
+    (:func:`~vivit.engines.backpack.support.runnable_model`; the caller's model is not
+    converted) and hooks the layers that lack BackPACK's hooks. On exit, also after an
+    error, removes the hooks, what they stored and factors left on parameters, and
+    restores the ``inplace`` flags the converter switched.
 
     Yields:
         ``(net, loss_module)``: compute the loss as ``loss_module(net(inputs),

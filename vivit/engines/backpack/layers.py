@@ -1,14 +1,10 @@
 """Module extensions of layers with parameters: save factors, not ``V``.
 
-Every parameter receives a :class:`~vivit.engines.base.ParamContribution`. Linear and
-convolution weights keep the layer input and the backpropagated vectors
-(:class:`~vivit.gram.OuterProductFactors`), or ``V`` where that is smaller (a
-convolution with many output positions, see
-:meth:`~vivit.gram.OuterProductFactors.compact`); every other parameter (biases,
-BatchNorm, transposed convolutions, embeddings) gets its columns of ``V`` from
-BackPACK's ``param_mjp`` (:class:`~vivit.gram.DenseFactors`), which are small or have
-no cheaper form. No layer with parameters keeps BackPACK's own SqrtGGN extension,
-which would leave a raw ``V`` where a contribution is expected.
+Linear and convolution weights keep layer input and backpropagated vectors
+(:class:`~vivit.gram.OuterProductFactors`, ``V`` itself where that is smaller); every
+other parameter gets its columns of ``V`` from BackPACK's ``param_mjp``. None keeps
+BackPACK's own SqrtGGN extension, which would leave a raw ``V`` where a
+contribution is expected.
 """
 
 from __future__ import annotations
@@ -64,10 +60,6 @@ class GramParamsExtension(MatToJacMat):
     """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
 
     Sub-classes override :meth:`factors` for parameters with a factor form.
-
-    Args:
-        derivatives: BackPACK derivatives of the layer.
-        params: Names of the layer's parameters.
     """
 
     def __init__(self, derivatives: BaseDerivatives, params: list[str]):
@@ -100,13 +92,7 @@ class GramParamsExtension(MatToJacMat):
     ) -> tuple[ParamFactors, ParamFactors | None]:
         """Columns of ``V`` and (if the extension asks) per-sample gradients.
 
-        Args:
-            param_str: Name of the parameter in the module.
-            ext: The running extension.
-            module: The layer.
-            g_inp: Gradients w.r.t. the layer inputs.
-            g_out: Gradients w.r.t. the layer output.
-            backproped: ``√R · J_outᵀ s`` at the layer output, ``[C, |S|, *out]``.
+        ``backproped`` is ``√R · J_outᵀ s`` at the layer output, ``[C, |S|, *out]``.
 
         Returns:
             Factors of ``V`` (active samples) and of the per-sample gradients (all
@@ -147,11 +133,7 @@ class GramLinear(GramParamsExtension):
 
 
 class GramConvNd(GramParamsExtension):
-    """``torch.nn.Conv{1,2,3}d``: integer zero padding, any stride, dilation, groups.
-
-    Args:
-        derivatives: BackPACK derivatives of the convolution.
-    """
+    """``torch.nn.Conv{1,2,3}d``: integer zero padding, any stride, dilation, groups."""
 
     def __init__(self, derivatives: BaseDerivatives):
         super().__init__(derivatives, PARAMS)
@@ -217,21 +199,9 @@ def _outer_factors(
     g_out: tuple[Tensor, ...],
     positions,
 ) -> tuple[ParamFactors, ParamFactors | None]:
-    """Build weight factors from inputs ``[N, G, T, P]`` and output-side vectors.
+    """Weight factors from inputs ``[N, G, T, P]`` and vectors ``[C, |S|, *out]``.
 
-    Args:
-        ext: The running extension.
-        module: The layer.
-        inputs: Layer inputs of every sample in the mini-batch, ``[N, G, T, P]``.
-        backproped: Backpropagated vectors of the active samples, ``[C, |S|, *out]``.
-        g_out: Gradients w.r.t. the layer output.
-        positions: Reshapes ``[V, N, *out]`` to ``[V, N, G, T, O]``.
-
-    Returns:
-        Factors of ``V`` and, if requested, of the per-sample gradients, each in
-        the form :meth:`OuterProductFactors.compact` chooses (``V`` explicitly
-        where it is no larger than its factors; the gradients' only where it is
-        at most a quarter).
+    ``positions`` reshapes ``[V, N, *out]`` to ``[V, N, G, T, O]``.
     """
     shape = module.weight.shape
     num_columns, num_active = backproped.shape[:2]
@@ -248,11 +218,7 @@ def _outer_factors(
 
 
 def param_layer_extensions() -> dict[type[Module], GramParamsExtension]:
-    """Module extensions of every supported layer with parameters.
-
-    Returns:
-        Mapping from layer class to its module extension.
-    """
+    """Module extensions of every supported layer with parameters, by layer class."""
     batch_norm = GramBatchNormNd()
     return {
         Linear: GramLinear(),

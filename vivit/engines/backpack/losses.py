@@ -1,10 +1,8 @@
 """Loss module extension: the start of the backward pass and its scaling.
 
-The loss-Hessian square root comes from :mod:`vivit.losses` (not from BackPACK's
-loss derivatives), which handles every option of the supported loss modules
-exactly (``ignore_index``, class weights, label smoothing, soft targets) and
-scales by ``√R_S`` of the loss on the active samples ``S`` alone, so curvature
-subsampling is exact.
+The root comes from :mod:`vivit.losses`, not from BackPACK's loss derivatives: it
+handles every option of the supported losses and scales by ``√R_S`` of the active
+samples alone, so curvature subsampling is exact (``docs/math.rst``, "Losses").
 """
 
 from __future__ import annotations
@@ -34,16 +32,6 @@ class GramLoss(ModuleExtension):
         backproped: None,
     ) -> Tensor:
         """Return ``√R_S · S_n`` for the active samples, shape ``[K, |S|, *out]``.
-
-        Args:
-            ext: The running extension.
-            module: The loss module (BackPACK stored its inputs on it).
-            grad_inp: Gradients w.r.t. the loss inputs.
-            grad_out: Gradients w.r.t. the loss output.
-            backproped: Nothing is backpropagated into a loss.
-
-        Returns:
-            The loss-Hessian square root w.r.t. the model output.
 
         Raises:
             InvalidTargetsError: If the loss was called without targets as its

@@ -1,14 +1,9 @@
 """Max-pooling derivatives that reuse the forward pass's argmax indices.
 
-BackPACK's max-pooling derivatives recompute the pooling (``return_indices=True``)
-in every backward product to find where each output came from. The forward pass
-already has them: autograd keeps them for its own backward (``result1`` of the
-``MaxPool{2,3}DWithIndicesBackward0`` node). :func:`store_pool_indices`, a forward
-hook the engine installs next to BackPACK's, picks them up while the forward graph
-still holds them, and :class:`SavedIndexMaxPool` uses them when they belong to the
-output BackPACK stored; otherwise (hooks installed by the caller's
-``backpack.extend``, ``MaxPool1d``, forward without gradients) it recomputes the
-pooling as BackPACK does. On 3c3d the recomputation took a tenth of an MC-1 call.
+BackPACK's derivatives recompute the pooling in every backward product to find the
+argmax; autograd already saved it (``result1`` of the forward's backward node). It
+is used where it belongs to the output BackPACK stored; otherwise (``MaxPool1d``,
+the caller's ``backpack.extend`` hooks, no gradients) the pooling is recomputed.
 """
 
 from __future__ import annotations
@@ -31,13 +26,7 @@ MAX_POOLS = (MaxPool1d, MaxPool2d, MaxPool3d)
 
 
 def store_pool_indices(module: Module, inputs: tuple[Tensor, ...], output: Tensor):
-    """Forward hook: keep the argmax indices autograd saved for a max pooling.
-
-    Args:
-        module: The layer (ignored unless it is a ``MaxPool{1,2,3}d``).
-        inputs: Its inputs (unused).
-        output: Its output.
-    """
+    """Forward hook: keep the argmax indices autograd saved for a max pooling."""
     if not isinstance(module, MAX_POOLS) or output.grad_fn is None:
         return
     indices = getattr(output.grad_fn, "_saved_result1", None)
@@ -46,26 +35,14 @@ def store_pool_indices(module: Module, inputs: tuple[Tensor, ...], output: Tenso
 
 
 def forget_pool_indices(module: Module) -> None:
-    """Drop the indices :func:`store_pool_indices` left on a layer.
-
-    Args:
-        module: Any layer.
-    """
+    """Drop the indices :func:`store_pool_indices` left on a layer."""
     if hasattr(module, POOL_INDICES):
         delattr(module, POOL_INDICES)
 
 
 @cache
 def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDerivatives]:
-    """Sub-class BackPACK's max-pooling derivatives to reuse the forward's indices.
-
-    Args:
-        derivatives: ``MaxPool{1,2,3}DDerivatives``.
-
-    Returns:
-        Its sub-class whose ``get_pooling_idx`` takes the indices the forward
-        pass saved for the stored output, if there are any.
-    """
+    """Sub-class BackPACK's max-pooling derivatives to take the forward's indices."""
 
     class SavedIndexMaxPool(derivatives):
         def get_pooling_idx(self, module, subsampling=None) -> Tensor:
@@ -81,12 +58,7 @@ def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDeriva
 
 
 def max_pool_extensions() -> dict[type[Module], SqrtGGNBaseModule]:
-    """Module extensions of max pooling, keyed by layer class.
-
-    Returns:
-        Mapping from ``MaxPool{1,2,3}d`` to extensions that backpropagate like
-        BackPACK's ``SqrtGGNMaxPool{1,2,3}d`` with the forward's indices.
-    """
+    """Module extensions of ``MaxPool{1,2,3}d`` that use the forward's indices."""
     return {
         MaxPool1d: SqrtGGNBaseModule(saved_index(MaxPool1DDerivatives)()),
         MaxPool2d: SqrtGGNBaseModule(saved_index(MaxPool2DDerivatives)()),

@@ -1,35 +1,12 @@
 """Whether the BackPACK engine can run a model, and if not, why: decided before running.
 
-BackPACK backpropagates the GGN square root through ``torch.nn`` layers it has a
-module extension for (:func:`~vivit.engines.backpack.table.supported_types`), each
-called once per forward pass and chained through their inputs and outputs. Its
-converter (``backpack.extend(model, use_converter=True)``) rewrites a custom
-``forward`` into such a chain when the forward combines layers only by ``+`` of
-tensors, multiplication by a float and ``flatten``.
-
 :func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any
-other forward with ``torch.fx`` (as the converter does); it lists every obstacle,
-naming the innermost layer or function and where the forward calls it:
-
-- a layer without a module extension (``LayerNorm``, ``MultiheadAttention``, ...),
-- a function or tensor method the converter cannot turn into a layer (``F.relu``,
-  ``torch.cat``, ``x.view``, ...) or a parameter used outside a layer,
-- a weight used more than once in one forward pass (a layer called twice, weights
-  tied between layers): BackPACK keeps one contribution per parameter, so the
-  second would be lost,
-- a forward ``torch.fx`` cannot trace (control flow on tensor values),
-- a forward that differs from the chain of layers BackPACK backpropagates
-  through: forward hooks or pre-hooks of the user's (they may change a layer's
-  input or output, which BackPACK assumes are the layer's own; hooks on the
-  model or a container would not even run in a converted model), parametrized
-  layers (``torch.nn.utils.parametrize``, weight normalization, pruning: the
-  parameter is not the weight the layer uses), and layers or functions called
-  with gradients disabled (``torch.no_grad()`` inside ``forward``, which the
-  converter would drop).
-
-:func:`unsupported_reason` is what the ``"auto"`` engine choice asks;
-:func:`runnable_model` raises it as an error, or returns the module BackPACK runs
-(the model itself, or its conversion).
+other forward with ``torch.fx``, as BackPACK's converter does (it turns ``+`` of
+tensors, multiplication by a float and ``flatten`` into layers). It names each
+obstacle and where the forward meets it: a layer without a module extension, a
+function the converter cannot turn into a layer, a weight used twice in one forward
+pass, a forward ``torch.fx`` cannot trace, and a forward that differs from its chain
+of layers (user hooks, parametrizations, ``torch.no_grad()`` inside it).
 """
 
 from __future__ import annotations
@@ -42,7 +19,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from backpack import hook_store_io
 from backpack.custom_module.graph_utils import (
     BackpackTracer,
     convert_module_to_backpack,
@@ -52,49 +28,20 @@ from torch.fx import Graph, Node
 from torch.fx.node import _get_qualified_name
 from torch.nn import Module, Parameter, Sequential
 from torch.nn.modules.conv import _ConvNd
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.nn.utils.parametrize import is_parametrized
-from torch.nn.utils.prune import BasePruningMethod
-from torch.nn.utils.weight_norm import WeightNorm
 
-from vivit.engines.backpack.pooling import store_pool_indices
-from vivit.engines.backpack.table import (
-    LOSSES,
-    supported_layer_names,
-    supported_types,
+from vivit.engines.backpack.obstacles import (
+    Obstacle,
+    global_hook_obstacles,
+    module_forward_changes,
+    refusal,
 )
+from vivit.engines.backpack.table import LOSSES, supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
-
-#: Forward hooks that only record (BackPACK's and the library's own).
-_OWN_HOOKS = (hook_store_io, store_pool_indices)
-
-#: What every refusal ends with: the engine that can.
-FUNC_HINT = (
-    "The torch.func engine handles it: LowRankGGN(..., engine='func') (or "
-    "engine='auto', which picks it for such models)."
-)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: The library's own frames (its tracer) are not the user's call site either.
 _VIVIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-
-
-@dataclass(frozen=True)
-class Obstacle:
-    """One reason why the BackPACK engine cannot run a model.
-
-    Attributes:
-        error: The exception class to raise.
-        message: What cannot be handled, named, and where.
-        func_can: Whether the torch.func engine handles it.
-        layer: Whether it is a layer without module extension (the message then
-            lists the supported layers once).
-    """
-
-    error: type[Exception]
-    message: str
-    func_can: bool = True
-    layer: bool = False
 
 
 @dataclass
@@ -102,57 +49,16 @@ class Analysis:
     """What the BackPACK engine needs to know about a model.
 
     Attributes:
-        obstacles: Everything it cannot handle: shared weights first, then the
-            rest in forward order.
-        needs_conversion: Whether it must run BackPACK's converted model (custom
-            forwards, residual sums, layers reused without parameters).
+        obstacles: Shared weights first, then the rest in forward order.
+        needs_conversion: Whether it must run BackPACK's converted model.
     """
 
     obstacles: list[Obstacle] = field(default_factory=list)
     needs_conversion: bool = False
 
 
-#: How many obstacles an error message names.
-MAX_NAMED = 3
-
-
-def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
-    """The error for a model with obstacles: what cannot be handled, and who can.
-
-    Args:
-        obstacles: At least one obstacle; the first decides the exception class.
-        context: Prefix naming where the obstacles were found.
-
-    Returns:
-        The exception to raise.
-    """
-    named = "; ".join(o.message for o in obstacles[:MAX_NAMED])
-    more = len(obstacles) - MAX_NAMED
-    rest = f"; and {more} more" if more > 0 else ""
-    layers = (
-        f" Supported layers: {supported_layer_names()}."
-        if any(o.layer for o in obstacles)
-        else ""
-    )
-    hint = f" {FUNC_HINT}" if all(o.func_can for o in obstacles) else ""
-    return obstacles[0].error(
-        f"{context}The BackPACK engine cannot handle this model: {named}{rest}."
-        f"{layers}{hint}"
-    )
-
-
 def analyse(model: Module) -> Analysis:
-    """List what the BackPACK engine cannot handle in a model.
-
-    A (nested) ``Sequential`` of ``torch.nn`` layers is read from its structure;
-    any other model is traced with ``torch.fx`` as BackPACK's converter traces it.
-
-    Args:
-        model: The network.
-
-    Returns:
-        The obstacles and whether the model must be converted.
-    """
+    """The obstacles to the BackPACK engine in a model; whether it must be converted."""
     changes = _forward_changes(model)
     chain = _sequential_chain(model)
     if chain is not None:
@@ -202,19 +108,7 @@ def analyse(model: Module) -> Analysis:
 
 
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
-    """Why the BackPACK engine cannot run a model, or ``None`` if it can.
-
-    ``None`` means: every layer the forward calls has a module extension, the
-    forward combines layers only in ways BackPACK's converter handles, no weight
-    is used twice, and the loss (if given) is supported.
-
-    Args:
-        model: The network.
-        loss_func: The loss module, if it should be checked too.
-
-    Returns:
-        The error message the BackPACK engine would raise, or ``None``.
-    """
+    """Why the BackPACK engine cannot run a model (and loss), or ``None`` if it can."""
     obstacles = _obstacles(analyse(model), loss_func)
     return str(refusal(obstacles)) if obstacles else None
 
@@ -222,15 +116,9 @@ def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
     """The module the BackPACK engine runs in place of ``model``, after checking it.
 
-    The model itself if it is a chain of supported layers, else its conversion by
-    BackPACK's converter: a new ``torch.fx.GraphModule`` that calls the model's own
-    layers (same parameters) and replaces ``+`` and ``* float`` by layers. The
-    caller's model is not changed, except that the converter switches layers to
-    ``inplace=False`` (restore them with :func:`inplace_flags`).
-
-    Args:
-        model: The network.
-        loss_func: The loss module, if it should be checked too.
+    The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
+    calling the same layers), which switches the caller's layers to ``inplace=False``
+    (restore them with :func:`inplace_flags`). ``loss_func``, if given, is checked too.
 
     Returns:
         A module computing the same function with the same parameters.
@@ -271,14 +159,7 @@ _NODE_LEFT = "Encountered node that may break second-order extensions"
 
 
 def inplace_flags(model: Module) -> dict[Module, bool]:
-    """The ``inplace`` flag of every layer that has one.
-
-    Args:
-        model: The network.
-
-    Returns:
-        Mapping from layer to its flag, to restore after a conversion.
-    """
+    """Each layer's ``inplace`` flag, where it has one, to restore after conversion."""
     return {
         m: m.inplace
         for m in model.modules()
@@ -294,9 +175,7 @@ _GRAD_ENABLED = "vivit_grad_enabled"
 class _GradModeTracer(BackpackTracer):
     """BackPACK's tracer, recording the grad mode each node was created in.
 
-    Tracing runs the forward's Python code, ``with torch.no_grad():`` blocks
-    included, so the grad mode at node creation is the forward's; the graph
-    itself does not record it (and the converted model would drop it).
+    Tracing runs the forward's ``torch.no_grad()`` blocks; the graph does not keep them.
     """
 
     def create_node(self, *args, **kwargs) -> Node:  # noqa: D102
@@ -313,11 +192,7 @@ def _trace(model: Module) -> Graph:
 
 
 def _sequential_chain(model: Module) -> list[str] | None:
-    """Names of the layers a (nested) ``Sequential`` calls, in order, or ``None``.
-
-    ``None`` if the model or a part of it has a custom forward. Each layer is named
-    by its first path in the model, as ``torch.fx`` names it.
-    """
+    """The layers a (nested) ``Sequential`` calls; ``None`` if a forward is custom."""
     names = {id(m): name for name, m in model.named_modules()}
     is_leaf = BackpackTracer().is_leaf_module
     chain = []
@@ -339,13 +214,7 @@ def _get_attr(model: Module, target: str):
 
 
 def _convertible(node: Node) -> bool:
-    """Whether BackPACK's converter turns this call into a supported layer.
-
-    Mirrors ``backpack.custom_module.graph_utils``: ``+`` of two tensors becomes a
-    ``SumModule``, multiplication of a tensor by a float a ``ScaleModule``,
-    ``flatten`` with positional dimensions a ``Flatten``. Keyword arguments are
-    dropped by the converter, so calls with them are not convertible.
-    """
+    """Whether BackPACK's converter turns this call into a layer (it drops keywords)."""
     args, kwargs = node.args, node.kwargs
     tensors = [isinstance(a, Node) for a in args]
     if node.op == "call_function":
@@ -543,107 +412,12 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
 
 # Forwards that are not the chain of layers ------------------------------------------
 def _forward_changes(model: Module) -> list[Obstacle]:
-    """Hooks and parametrizations that make the forward differ from its layers.
-
-    BackPACK backpropagates through each layer's own function, from the layer's
-    output to its input, and hands a parameter the contribution of the tensor the
-    layer uses. A forward hook that changes the output, a pre-hook that changes
-    the input or computes the weight (pruning, ``torch.nn.utils.weight_norm``)
-    and a parametrization (``torch.nn.utils.parametrize``) break that; the
-    library's and BackPACK's own hooks (which only record) do not.
-    """
+    """Hooks and parametrizations that make the forward differ from its layers."""
     obstacles = []
     for name, module in model.named_modules():
         where = f"`{name}` ({type(module).__name__})" if name else "the model"
         obstacles.extend(module_forward_changes(module, where))
     return obstacles + global_hook_obstacles()
-
-
-def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
-    """The hooks and parametrizations of one module (see :func:`_forward_changes`).
-
-    The BackPACK extension checks every layer its backward pass reaches with
-    this, so that a loss computed elsewhere (``LowRankGGN.from_loss``, the
-    ViViT-compatible classes) is held to the same rule as a model.
-
-    Args:
-        module: The layer.
-        where: How messages name it.
-
-    Returns:
-        Its obstacles (the global module hooks are not its own: see
-        :func:`global_hook_obstacles`).
-    """
-    obstacles = []
-    if is_parametrized(module):
-        tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
-        obstacles.append(
-            Obstacle(
-                UnsupportedLayerError,
-                f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
-                "computed from the parameters under `parametrizations`), and "
-                "BackPACK hands curvature only to the tensors a layer uses",
-            )
-        )
-    for hook in module._forward_pre_hooks.values():
-        obstacles.append(_pre_hook(where, hook))
-    for hook in module._forward_hooks.values():
-        if hook not in _OWN_HOOKS:
-            obstacles.append(
-                Obstacle(
-                    UnsupportedLayerError,
-                    f"{where} has the forward hook {_hook_name(hook)}, which may "
-                    "change its output; BackPACK backpropagates through the "
-                    "layer's own function and would miss the change",
-                )
-            )
-    return obstacles
-
-
-def global_hook_obstacles() -> list[Obstacle]:
-    """The obstacle of global module forward hooks, if any are registered.
-
-    Returns:
-        One obstacle, or none.
-    """
-    if not (_global_forward_pre_hooks or _global_forward_hooks):
-        return []
-    return [
-        Obstacle(
-            UnsupportedLayerError,
-            "global module forward hooks are registered "
-            "(torch.nn.modules.module.register_module_forward_hook), which may "
-            "change every layer's input or output; BackPACK would miss that",
-        )
-    ]
-
-
-def _pre_hook(where: str, hook: object) -> Obstacle:
-    """The obstacle of a forward pre-hook: a pruning, a weight norm, or another."""
-    if isinstance(hook, BasePruningMethod):
-        what = (
-            f"{where} is pruned (torch.nn.utils.prune: `weight = weight_orig * "
-            "weight_mask` is computed by a forward pre-hook, and BackPACK hands "
-            "curvature only to the tensors a layer uses, not to `weight_orig`)"
-        )
-    elif isinstance(hook, WeightNorm):
-        what = (
-            f"{where} is weight-normalized (torch.nn.utils.weight_norm: the weight "
-            "is computed from `weight_g` and `weight_v` by a forward pre-hook, and "
-            "BackPACK hands curvature only to the tensors a layer uses)"
-        )
-    else:
-        what = (
-            f"{where} has the forward pre-hook {_hook_name(hook)}, which may change "
-            "its input; BackPACK backpropagates through the layer's own function "
-            "and would miss the change"
-        )
-    return Obstacle(UnsupportedLayerError, what)
-
-
-def _hook_name(hook: object) -> str:
-    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
-    return f"`{name}`"
 
 
 def _without_gradients(node: Node) -> Obstacle:

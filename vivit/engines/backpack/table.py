@@ -1,11 +1,7 @@
-"""The module table of the BackPACK engine: which layer runs which extension.
+"""Which layer runs which module extension: the one list of what the engine supports.
 
-The engine owns this table; it is the one list of what the BackPACK engine supports
-(:func:`supported_types`), used both to run the backward pass and to decide, before
-any computation, whether a model can be handled (:mod:`vivit.engines.backpack.support`).
-Parameter-free layers backpropagate with BackPACK's ``SqrtGGN`` module extensions;
-layers with parameters and losses use vivit's (:mod:`~vivit.engines.backpack.layers`,
-:mod:`~vivit.engines.backpack.losses`).
+Parameter-free layers keep BackPACK's ``SqrtGGN`` module extensions; layers with
+parameters and losses use vivit's.
 """
 
 from __future__ import annotations
@@ -54,11 +50,7 @@ LOSSES: tuple[type[Module], ...] = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss
 
 
 def module_extensions() -> dict[type[Module], ModuleExtension]:
-    """A fresh module table: one module extension per supported layer class.
-
-    Returns:
-        Mapping from layer class (exact type, not sub-classes) to its extension.
-    """
+    """A fresh module table: layer class (exact type, not sub-classes) to extension."""
     return {
         MSELoss: GramLoss(),
         CrossEntropyLoss: GramLoss(),
@@ -86,19 +78,11 @@ def module_extensions() -> dict[type[Module], ModuleExtension]:
 
 @cache
 def supported_types() -> frozenset[type[Module]]:
-    """Layer and loss classes the BackPACK engine supports.
-
-    Returns:
-        The keys of :func:`module_extensions`.
-    """
+    """Layer and loss classes the engine supports (:func:`module_extensions`)."""
     return frozenset(module_extensions())
 
 
 def supported_layer_names() -> str:
-    """The supported layer classes (losses excluded), for error messages.
-
-    Returns:
-        Their names, sorted and comma-separated.
-    """
+    """The supported layer classes' names (no losses), sorted, for error messages."""
     layers = supported_types() - set(LOSSES)
     return ", ".join(sorted(cls.__name__ for cls in layers))

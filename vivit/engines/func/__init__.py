@@ -1,7 +1,4 @@
-"""The func engine: curvature factors of any model whose samples are independent.
-
-See :mod:`vivit.engines.func.engine` for how it works and its cost model.
-"""
+"""The func engine: curvature factors of any model whose samples are independent."""
 
 from vivit.engines.func.engine import DEFAULT_MEMORY_BUDGET, FuncEngine
 

@@ -1,28 +1,11 @@
-"""Factor forms of convolution weights from forward hooks.
+"""Factor forms of convolution and BatchNorm weights from forward hooks.
 
-During a forward pass, :class:`LayerCapture` records the input ``a`` and output
-``z`` of every call of a convolution layer whose weight is requested (Linear
-weights and the other functions are recorded at the function level,
-:mod:`vivit.engines.func.functional`):
-the input after the layer's forward pre-hooks, the output before its forward
-hooks (whatever they do to ``z`` is part of the graph the vectors are
-backpropagated through).
-Backpropagating the columns of the loss-Hessian root to ``z`` gives the vectors
-``s̃``; the weight's columns of ``V`` are then ``Σ_t s̃[t] a[t]ᵀ`` and never need to
-be formed (``docs/math.rst``, "Layer structure"). A layer called several times (a
-shared weight) stacks its calls along the position axis ``T``:
-``Σ_u Σ_t s̃ᵘ[t] aᵘ[t]ᵀ`` is exactly the sum of the contributions of the uses,
-cross terms between the uses included in every Gram block.
-
-BatchNorm layers in evaluation mode are recorded too: their output is
-``γ ⊙ x̂ + β`` with the input ``x̂`` normalized by the running statistics, so the
-columns of ``V_γ`` are ``Σ_t s̃[t] ⊙ x̂[t]`` and those of ``V_β`` ``Σ_t s̃[t]``
-(``docs/math.rst``, "Layer structure"), from the same vectors ``s̃``.
-
-A parameter gets a factor form only if every one of its uses in the autograd graph
-is a recorded call (see :func:`count_uses`; the engine counts both kinds of
-record); otherwise the engine falls back to its dense columns, which are exact
-for any use.
+:class:`LayerCapture` records the input and output of every call of such a layer
+whose weight is requested (other functions are recorded at the function level,
+:mod:`vivit.engines.func.functional`): the input after the layer's forward
+pre-hooks, the output before its forward hooks, whose changes then belong to the
+graph above. Several calls of one layer stack along the positions (``docs/math.rst``,
+"Layer structure").
 """
 
 from __future__ import annotations
@@ -93,17 +76,11 @@ class LayerCall:
 
 
 def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
-    """A BatchNorm input normalized by the running statistics, ``[B, 1, T, O]``.
-
-    ``x̂ = (x - μ) / √(σ² + ε)`` per channel (``O`` channels, ``T`` positions): the
-    layer's output is ``γ ⊙ x̂ + β`` in evaluation mode.
-
-    Args:
-        module: A ``torch.nn.BatchNorm{1,2,3}d`` with running statistics.
-        inputs: Its input ``[B, O, *spatial]``.
+    """A BatchNorm input ``[B, O, *spatial]`` normalized by the running statistics.
 
     Returns:
-        ``x̂`` with the channels last.
+        ``x̂`` with the channels last, ``[B, 1, T, O]`` (``docs/math.rst``, "Layer
+        structure").
     """
     flat = inputs.reshape(inputs.shape[0], module.num_features, -1)
     scale = torch.rsqrt(module.running_var + module.eps).to(inputs.dtype)
@@ -113,17 +90,10 @@ def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
 
 
 def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
-    """Patches of a convolution input, ``[B, C_in·k, T]`` (``k`` kernel entries).
+    """Patches of a convolution input ``[B, C_in, *spatial]``, ``[B, C_in·k, T]``.
 
-    A grouped convolution with one-hot kernels copies every patch entry into its
-    own channel: works for 1d, 2d and 3d, any stride, dilation and padding mode.
-
-    Args:
-        module: A ``torch.nn.Conv{1,2,3}d``.
-        inputs: Its input ``[B, C_in, *spatial]``.
-
-    Returns:
-        The unfolded input; channel ``c·k + j`` is entry ``j`` of input channel ``c``.
+    A grouped convolution with one-hot kernels: any dimension, stride, dilation and
+    padding mode. Channel ``c·k + j`` is entry ``j`` of input channel ``c``.
     """
     kernel = module.kernel_size
     dims = len(kernel)
@@ -146,12 +116,7 @@ def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
 
 @dataclass
 class LayerCapture:
-    """Forward hooks that record the calls of factor-form layers.
-
-    Args:
-        model: The network.
-        params: The requested parameters; only layers whose weight is among them
-            are recorded.
+    """Forward hooks recording calls of factor-form layers with a weight in ``params``.
 
     Attributes:
         calls: Recorded calls, in forward order.
@@ -201,15 +166,7 @@ def _accumulator(param: Parameter):
 
 
 def count_uses(output: Tensor, params: list[Parameter]) -> dict[int, int]:
-    """How many operations of the graph of ``output`` consume each parameter.
-
-    Args:
-        output: A tensor computed from the parameters.
-        params: Parameters that require gradients.
-
-    Returns:
-        Map from ``id(param)`` to its number of direct uses.
-    """
+    """How many operations of ``output``'s graph consume each parameter, by ``id``."""
     owner = {_accumulator(p): id(p) for p in params}
     uses = dict.fromkeys((id(p) for p in params), 0)
     if output.grad_fn is None:

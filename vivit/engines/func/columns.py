@@ -1,14 +1,10 @@
 """The vectors the func engine backpropagates, formed a block at a time.
 
-A batch's vectors are ``[V, N, *out]``: the ``K`` columns of the loss-Hessian root
-(zero at samples outside the curvature subsampling), then the per-sample
-gradients ``∂ℓ_n/∂f_n``. The exact cross-entropy root of an output ``[N, C, *T]``
-has ``K = C·T`` columns, each non-zero at one position, so the whole stack holds
-``N (C T)²`` numbers (65.5 GB for ``N = 8``, ``C = 500``, ``T = 64``) although the
-backward pass needs only a few vectors at a time. :class:`VectorStack` and
-:class:`OneHotPerSample` are indexed like the tensors they stand for (a slice of
-vectors, a range of samples) and form only what is indexed
-(``docs/math.rst``, "Losses").
+A batch's vectors ``[V, N, *out]`` are the ``K`` columns of the loss-Hessian root
+(zero outside the curvature subsampling), then the per-sample gradients
+``∂ℓ_n/∂f_n``: for an exact cross-entropy root ``N (C T)²`` numbers
+(``docs/math.rst``, "Losses"). :class:`VectorStack` and :class:`OneHotPerSample` are
+indexed like the tensors they stand for and form only what is indexed.
 """
 
 from __future__ import annotations
@@ -55,15 +51,7 @@ class VectorStack:
         return self.shape[0]
 
     def samples(self, start: int, stop: int) -> VectorStack:
-        """The vectors of the samples ``start:stop`` of this stack.
-
-        Args:
-            start: First sample, relative to this stack.
-            stop: One past the last.
-
-        Returns:
-            Their stack, formed as lazily.
-        """
+        """The vectors of this stack's samples ``start:stop``, formed as lazily."""
         first = self._samples.start
         return VectorStack(
             self._root,

@@ -1,27 +1,12 @@
 """Factor forms found at the function level: the calls a parameter goes through.
 
-During the capture forward pass a :class:`FunctionCapture` (a
-``TorchFunctionMode``) records every call of
-
-* ``F.linear(a, W, b)`` (``nn.Linear``, a tied output layer ``F.linear(h, E)``),
-* ``torch.addmm(b, a, W)`` (Hugging Face's ``Conv1D``: the weight ``[P, O]``),
-* ``F.embedding(i, E)`` (the indices stand for the one-hot inputs),
-* ``F.layer_norm`` and ``F.rms_norm`` with affine parameters (the normalized
-  input ``x̂`` is recorded: ``V_w = Σ_t x̂[t] ⊙ s̃[t]``)
-
-in which a requested parameter takes part, with the call's output ``z``. The mode
-sees only the outermost call of a Python-level function; the calls inside
-``F.multi_head_attention_forward`` (its in- and output projections) are made
-visible by running a copy of it whose own check for the mode is off
-(:data:`TRANSPARENT`); those of a recurrent layer (``nn.LSTM``, ``nn.GRU``,
-``nn.RNN`` and their cells, one fused kernel each) by evaluating it step by step
-with the same weights (:mod:`~vivit.engines.func.recurrent`). Which
-sample owns which row of ``z`` is not assumed (a transformer may hold its
-activations ``[T, N, D]`` or merge samples and positions into one axis): it is
-read off probe vectors pushed back with the root's columns (:func:`probe_vectors`,
-:func:`sample_rows`). A use the mode does not recognize (a call nested in another
-function the mode sees, a parameter used in any other operation) leaves the
-parameter without a factor form; the engine then computes its columns explicitly.
+:class:`FunctionCapture`, a ``TorchFunctionMode``, records the calls of
+``F.linear``, ``torch.addmm`` (Hugging Face's ``Conv1D``), ``F.embedding``,
+``F.layer_norm`` and ``F.rms_norm`` with a requested parameter, also inside
+``F.multi_head_attention_forward`` (:data:`TRANSPARENT`) and recurrent kernels
+(:mod:`~vivit.engines.func.recurrent`). Probe vectors tell which sample owns which
+row of a call's output (``docs/math.rst``, "Layer structure"). A use the mode does
+not recognize leaves the parameter without a factor form.
 """
 
 from __future__ import annotations
@@ -46,9 +31,7 @@ PROBE_BASE = 16
 def _transparent(function: Callable) -> Callable:
     """A copy of a Python-level functional whose nested calls a mode sees.
 
-    Such a function hands itself to the mode first (``has_torch_function``); the
-    mode is off while it handles that call, so the calls inside would be unseen.
-    The copy skips that first step and runs under the mode.
+    The original hands itself to the mode first, which is off while handling it.
     """
     namespace = dict(function.__globals__)
     namespace["has_torch_function"] = lambda *_: False
@@ -128,10 +111,7 @@ def _requested(tensor, requested: set[int]) -> Parameter | None:
 
 
 class FunctionCapture(TorchFunctionMode):
-    """Records the uses of requested parameters in recognized functions.
-
-    Args:
-        params: The requested parameters.
+    """Records the uses of the requested ``params`` in recognized functions.
 
     Attributes:
         uses: The recorded uses, in forward order.
@@ -220,13 +200,8 @@ def _make(
 def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
     """Vectors that tell which sample owns each row of a recorded output.
 
-    Two families, each of a random vector ``r`` of all samples and, for the
-    ``j``-th base-16 digit ``d_j(b)`` of each sample index, ``r`` with sample
-    ``b``'s part scaled by ``2^{d_j(b)}``. Pushed back, a row of ``z`` that one
-    sample ``b`` owns receives ``b``'s part alone (the samples are independent),
-    and scaling by a power of two commutes with every rounded operation of a
-    linear map, so at that row probe ``j`` is ``2^{d_j(b)}`` times ``r``'s, entry
-    by entry (:func:`sample_rows`).
+    Two families, each of a random ``r`` and of ``r`` with sample ``b``'s part scaled by
+    ``2^{d_j(b)}``, ``d_j`` the base-16 digits (``docs/math.rst``, "Layer structure").
 
     Args:
         block: The vectors of a chunk, ``[V, B, *out]``.
@@ -254,12 +229,6 @@ def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
 def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
     """Each sample's rows of a recorded output, from the probes pushed back to it.
 
-    A row is its owner's if, in both families of :func:`probe_vectors`, every
-    entry of probe ``j`` is ``2^{d_j(b)}`` times that of the family's ``r`` (up
-    to rounding: within ``√ε`` of the row's largest entry) and both families name
-    the same ``b``. A row that several samples reach receives a mixture of their
-    parts, which is no such multiple.
-
     Args:
         probes: The probes at the output as rows, ``[2·(1 + J), R, F]``.
         batch: Samples of the chunk ``B``.
@@ -267,9 +236,8 @@ def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
     Returns:
         Row index ``[B, T]``, ``T`` the most rows of a sample and at least
         ``⌈R / B⌉`` (the same for every chunk of a layout); index ``R`` pads a
-        sample with fewer rows (a zero row). Rows no probe reaches (whose every
-        vector is zero) are left out. ``None`` where the owners cannot be read
-        off (then the use has no factor form).
+        sample with fewer rows (a zero row); rows no probe reaches are left out.
+        ``None`` where the owners cannot be read off (no factor form then).
     """
     first, second = probes.chunk(2)
     owner, other = _owners(first), _owners(second)
@@ -293,10 +261,7 @@ def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
 
 
 def _owners(family: Tensor) -> Tensor | None:
-    """Each row's owner by one family of probes (``-1``: no probe reaches it).
-
-    ``None`` if some reached row is no power-of-two multiple of ``r`` at it.
-    """
+    """Row owners by one family (``-1``: unreached); ``None`` if one is unclear."""
     base = family[0]
     largest = base.abs().amax(dim=1)
     live = largest > 0

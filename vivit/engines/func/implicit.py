@@ -1,23 +1,11 @@
 """GGN-vector products ``G v = Jᵀ H J v`` of one block of samples, by torch.func.
 
-The implicit route (``docs/math.rst``, "Implicit GGN-vector products") never forms
-a column of ``V``: per block of ``K`` parameter-space vectors it runs
-
-* one forward-mode pass, ``torch.func.jvp`` vmapped over the ``K`` tangents:
-  ``J v`` of every sample, ``[K, N, *out]`` (the primal forward runs once);
-* the loss-Hessian product of every sample (:mod:`vivit.loss_hessians`);
-* one reverse-mode pass, the ``torch.func.vjp`` of the same function vmapped over
-  the ``K`` cotangents: ``Jᵀ w``, one tensor ``[K, *p.shape]`` per parameter.
-
-The function is ``θ_group ↦ select(model(x))`` through
-``torch.func.functional_call`` over the group's parameters; every other parameter
-and buffer keeps its value (frozen). Memory: the activations of the batch's
-forward pass, plus ``K`` tangents of each activation (the vmapped passes), as
-``K`` forward and backward passes of the batch would hold. Forward-mode AD needs
-every operation's JVP rule: attention runs through PyTorch's composite
-(``MATH``) kernel and ``nn.MultiheadAttention`` without its inference fast
-path, whose fused kernels have none; an operation without one is refused,
-naming it.
+Per block of ``K`` parameter-space vectors: ``J v`` by ``torch.func.jvp`` vmapped
+over the tangents, the loss-Hessian product (:mod:`vivit.loss_hessians`), and
+``Jᵀ w`` by the ``torch.func.vjp`` of the same function vmapped over the
+cotangents; no column of ``V`` is formed (``docs/math.rst``, "Implicit GGN-vector
+products"). The function is ``θ_group ↦ select(model(x))``, every other parameter
+and buffer frozen.
 """
 
 from __future__ import annotations
@@ -37,23 +25,16 @@ from vivit.model_inputs import ModelInputs
 
 #: Bytes of the vmapped tangents one pass over a block of samples may hold: a
 #: product with more vectors runs them in passes of fewer (:func:`pass_width`).
-#: A pass whose vectors are this large costs no noticeable overhead per pass
-#: (gpt2-4l-128-v50257, N = 8: 105 MB per vector, the logits), while the
-#: tangents of ten vectors held at once are the largest buffers of its solve.
+#: Passes this large cost no noticeable overhead each, and the tangents of many
+#: vectors held at once would be the largest buffers of a language model's solve.
 PASS_BYTES = 2**29
 
 
 def pass_width(vectors: int, vector_bytes: int | None) -> int:
     """Vectors per vmapped pass: all, or as many as :data:`PASS_BYTES` allow.
 
-    Args:
-        vectors: Vectors of the product.
-        vector_bytes: Bytes one vector's tangents take over the block of
-            samples (activation entries times their size; ``None``: unknown,
-            one pass).
-
-    Returns:
-        The width, at least 1.
+    ``vector_bytes`` is what one vector's tangents take over the block of samples
+    (activation entries times their size; ``None``: unknown, one pass). At least 1.
     """
     if vector_bytes is None or vector_bytes <= 0:
         return vectors
@@ -64,14 +45,9 @@ def pass_width(vectors: int, vector_bytes: int | None) -> int:
 def forward_mode_kernels(model: Module) -> Iterator[None]:
     """Kernels that have forward-mode AD rules, for the block's passes.
 
-    ``nn.MultiheadAttention``'s fast path and the fused scaled-dot-product
-    kernels have no JVP; the composite kernel computes the same function. On the
-    CPU, oneDNN's (MKLDNN's) float32 LSTM and GRU layers have none either: for a
-    model with a recurrent layer oneDNN is off, and PyTorch's native recurrent
-    kernel, built of operations that have JVPs, computes the same function.
-
-    Args:
-        model: The network.
+    ``nn.MultiheadAttention``'s fast path, the fused scaled-dot-product kernels and,
+    on the CPU, oneDNN's float32 LSTM and GRU have no JVP; the composite attention
+    kernel and PyTorch's native recurrent kernel compute the same functions.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -93,14 +69,9 @@ def forward_mode_kernels(model: Module) -> Iterator[None]:
 class PaddingRowsConstant(TorchFunctionMode):
     """An embedding's padding row as reverse-mode AD sees it: a constant.
 
-    ``nn.Embedding(padding_idx=p)``'s backward gives row ``p`` of the weight no
-    gradient, although the output depends on it; its forward-mode rule does
-    give that row a tangent. The GGN is that of the function reverse mode
-    differentiates (``docs/math.rst``, "Implicit GGN-vector products"), so in
-    the implicit route's passes the padding row enters each embedding call
-    detached: the same values, no tangent and no gradient from that call (a
-    weight tied to another layer keeps that layer's derivatives). Without it
-    ``J v`` and ``Jᵀ w`` would be of two different functions.
+    Its backward gives row ``padding_idx`` no gradient, its forward-mode rule a
+    tangent; detached in each embedding call, ``J v`` and ``Jᵀ w`` are of one function
+    (``docs/math.rst``, "Implicit GGN-vector products").
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -207,18 +178,9 @@ def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
 def check_modes_agree(function: BlockFunction, params: Sequence[Parameter]) -> None:
     """Refuse a model whose forward- and reverse-mode derivatives disagree.
 
-    The implicit route takes ``J v`` by forward mode and ``Jᵀ w`` by reverse mode;
-    where an operation's JVP rule and its backward compute different derivatives
-    (a custom ``autograd.Function``, a backward that drops a gradient), their
-    products are of two different functions and ``G v`` is wrong. For one random
-    pair ``(v, w)`` (a generator of its own, seed 0) the two sides of ``wᵀ(J v) =
-    (Jᵀ w)ᵀ v`` must agree within ``√ε`` of ``‖w‖‖J v‖ + ‖Jᵀ w‖‖v‖`` (both
-    bound either side; rounding is ``O(depth·ε)`` of it, ``docs/math.rst``,
-    "Implicit GGN-vector products").
-
-    Args:
-        function: The block's output as a function of the group's parameters.
-        params: The group's parameters.
+    For one random pair ``(v, w)`` (a generator of its own, seed 0), ``wᵀ(J v)`` and
+    ``(Jᵀ w)ᵀ v`` must agree to the tolerance of ``docs/math.rst``, "Implicit
+    GGN-vector products"; else ``G v`` would mix two functions.
 
     Raises:
         UnsupportedLayerError: If they disagree.

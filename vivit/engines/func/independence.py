@@ -1,12 +1,9 @@
 """Refuse models whose output for one sample depends on other samples or on chance.
 
-Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone
-(``docs/math.rst``, "Setting"): the GGN is then a sum over samples. Layers known to
-break this in training mode are refused before the forward pass (so that, e.g.,
-BatchNorm's running statistics are not updated); anything else is caught by one
-extra forward pass without gradients in which sample 0 is replaced by a copy of
-sample 1: every other output must stay as it was, and the copy must give sample
-1's output.
+Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone (``docs/math.rst``,
+"Setting"). Layers known to break this in training mode are refused before the
+forward pass (BatchNorm's running statistics stay as they were); anything else by
+one extra forward pass in which sample 0 is replaced by a copy of sample 1.
 """
 
 from __future__ import annotations
@@ -25,9 +22,6 @@ from vivit.model_inputs import ModelInputs, map_inputs, num_samples
 
 def check_layers(model: Module) -> None:
     """Refuse layers that couple samples or draw random numbers.
-
-    Args:
-        model: The network.
 
     Raises:
         BatchNormTrainingError: For a BatchNorm layer that uses batch statistics

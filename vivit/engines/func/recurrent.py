@@ -1,21 +1,10 @@
-"""Recurrent layers step by step, so that their weights' linear maps are seen.
+"""Recurrent kernels step by step, so that their weights' linear maps are seen.
 
-``nn.RNN``, ``nn.GRU`` and ``nn.LSTM`` (and their cells) run as one fused kernel
-(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``; the
-cells' ``torch.lstm_cell`` and so on), in which no ``F.linear`` call is visible.
-:class:`~vivit.engines.func.functional.FunctionCapture` evaluates such a call
-by the per-step equations of PyTorch's documentation instead, with the same
-weights (:func:`stepwise`): every weight then enters through ``F.linear`` calls
-(the input map ``W_ih x_t + b_ih`` of all steps in one call, the recurrent map
-``W_hh h_{t-1} + b_hh`` in one call per step, an LSTM's projection ``W_hr``),
-and the function-level detection gives each weight the factor form
-``Σ_t δ_t a_tᵀ`` of a Linear layer applied to a sequence (``docs/math.rst``,
-"Recurrent layers"). The result equals the fused kernel's up to rounding.
-
-Not evaluated step by step (the fused kernel runs, and the engine computes the
-weights' columns explicitly, as for any parameter without a factor form):
-packed sequences, and dropout between layers in training mode (random; the
-engine refuses it, :func:`~vivit.engines.func.independence.check_layers`).
+:class:`~vivit.engines.func.functional.FunctionCapture` evaluates a fused
+``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh`` or ``torch.rnn_relu`` call (or a
+cell's) by PyTorch's per-step equations with the same weights, so every weight
+enters through ``F.linear`` calls (``docs/math.rst``, "Recurrent layers"). Packed
+sequences and dropout between layers in training mode keep the fused kernel.
 """
 
 from __future__ import annotations
@@ -67,27 +56,16 @@ def recurrent_weights(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]
 
 
 def _unpacked(args: tuple) -> bool:
-    """Whether a sequence kernel's call has a padded input (not packed).
-
-    The packed overloads take ``batch_sizes`` second, so their ``params`` list
-    comes fourth, where the padded ones take ``has_biases``.
-    """
+    """Whether the input is padded: a packed call has its ``params`` list fourth."""
     return len(args) > 3 and not isinstance(args[3], (list, tuple))
 
 
 def stepwise(func: Callable, args: tuple, kwargs: dict) -> Tensor | tuple | None:
-    """A recurrent kernel's call evaluated step by step through ``F.linear``.
-
-    Args:
-        func: ``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``,
-            ``torch.rnn_relu`` or one of their cells.
-        args: The call's positional arguments.
-        kwargs: Its keyword arguments.
+    """A recurrent kernel's call ``func(*args, **kwargs)`` evaluated step by step.
 
     Returns:
-        What the kernel returns (the outputs of every step and the last states;
-        a cell's new state), or ``None`` where the call is not evaluated step by
-        step (a packed sequence; dropout between layers in training mode).
+        What the kernel returns, or ``None`` where the call is not evaluated step
+        by step (a packed sequence; dropout between layers in training mode).
     """
     if func in CELL_KERNELS:
         bound = dict(zip(_CELL_ARGS, args, strict=False)) | kwargs
@@ -159,8 +137,7 @@ def _direction(
 ) -> tuple[Tensor, tuple[Tensor, Tensor | None]]:
     """One direction of one layer: every step's output and the last state.
 
-    ``layout`` is ``(reverse, batch_first)``. The input map of all steps is one
-    ``F.linear`` call in the caller's layout (rows sample-major if batch first).
+    ``layout`` is ``(reverse, batch_first)``.
     """
     reverse, batch_first = layout
     time = 1 if batch_first else 0
@@ -186,10 +163,7 @@ def _step(
     w_hh: Tensor,
     b_hh: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
-    """One step of a cell from its input map ``W_ih x_t + b_ih`` (PyTorch's order).
-
-    LSTM gates ``i, f, g, o``; GRU gates ``r, z, n`` with ``r ⊙ (W_hn h + b_hn)``.
-    """
+    """One step of a cell from its input map ``W_ih x_t + b_ih`` (PyTorch's gates)."""
     h, c = state
     gates_h = F.linear(h, w_hh, b_hh)
     if cell == "lstm":

@@ -15,13 +15,10 @@ from vivit.model_inputs import ModelInputs
 class BatchedVJP:
     """``Jᵀ v`` of a graph's output for stacks of vectors ``v``.
 
-    Vectors are pushed back ``chunk_size`` at a time through one vmapped backward
-    pass (``torch.autograd.grad(..., is_grads_batched=True)``) or one backward pass
-    per vector. The first call times both on its first chunk and keeps the faster:
-    some operations have slow batching rules (an LSTM's backward pass on the CPU
-    runs about 10 times slower vmapped than in a loop) or none (then the loop is
-    used). Both give the same numbers; the loop is chosen only if it is estimated
-    more than twice as fast.
+    Per chunk one vmapped backward pass (``is_grads_batched=True``) or one backward
+    pass per vector, the same numbers: the first call times both on its first chunk and
+    keeps the loop only if it is estimated more than twice as fast (some operations
+    have slow batching rules, or none).
     """
 
     def __init__(self):
@@ -125,16 +122,10 @@ def _looped(output, inputs, chunk) -> list[Tensor | None]:
 class ExplicitColumns:
     """Explicit columns of a chunk by the faster of two exact routes.
 
-    Vectorized over the samples (:func:`per_sample_vjp`: one pass, but a second
-    forward pass under ``vmap`` and, for operations without a batching rule such
-    as attention's fused backward on the CPU, a loop inside it) or one-hot
-    batches through the chunk's graph
-    (:class:`~vivit.engines.func.columns.OneHotPerSample`: ``B`` times the work
-    of a backward pass). With several chunks the first runs both, timed,
-    and the faster is kept (the causal transformer of ``docs/guide.rst``: one-hot
-    3.2 s, vectorized 7.8 s); with one chunk the one-hot batches reuse the graph
-    the engine already holds. A model that cannot run under ``vmap`` always takes
-    the one-hot batches.
+    :func:`per_sample_vjp` (one pass, but a second forward pass under ``vmap``) or the
+    one-hot batches (``B`` backward passes through the chunk's graph). With several
+    chunks the first times both and keeps the faster; with one chunk the one-hot
+    batches reuse the graph the engine already holds.
     """
 
     def __init__(self):
@@ -179,10 +170,8 @@ def per_sample_vjp(
 ) -> list[Tensor] | None:
     """Each sample's ``J_nᵀ v`` at the parameters, vectorized over the samples.
 
-    ``torch.func.vmap`` over the samples of the pullback of one sample's output,
-    itself vmapped over that sample's vectors: one vectorized pass does what the
-    one-hot batches (:class:`~vivit.engines.func.columns.OneHotPerSample`) do in
-    ``B`` passes through the whole chunk.
+    ``vmap`` over the samples of one sample's pullback, itself vmapped over that
+    sample's vectors.
 
     Args:
         sample_output: The output of one sample (its input with a batch axis of
@@ -194,10 +183,8 @@ def per_sample_vjp(
 
     Returns:
         One tensor ``[B, V, *param.shape]`` per parameter, detached, or ``None``
-        where the model cannot run under ``vmap`` (an operation without a
-        batching rule, data-dependent control flow, in-place changes of captured
-        tensors, an LSTM's fused kernel); the caller then pushes the one-hot
-        batches back.
+        where the model cannot run under ``vmap`` (an operation without a batching
+        rule, data-dependent control flow, an LSTM's fused kernel).
     """
     values = [p.detach() for p in params]
 
