@@ -1,8 +1,7 @@
 """Products with ``V`` and ``G̃ = Vᵀ V`` of a parameter group, from its factors.
 
-``V`` of a group stacks its parameters' rows, so ``G̃ = Σ_p V_pᵀ V_p`` and
-``G̃ U = Σ_p V_pᵀ (V_p U)`` (``docs/math.rst``, "Layer structure"): neither needs
-``V`` nor ``G̃`` of the whole group at once.
+Sums over the group's parameters, ``G̃ = Σ_p V_pᵀ V_p``: none forms the group's
+``V`` (``docs/math.rst``, "Layer structure").
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ def group_gram(factors: Sequence[ParamFactors]) -> Tensor:
     """The Gram matrix ``G̃ = Σ_p V_pᵀ V_p`` of a group.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        factors: One per parameter of the group.
 
     Returns:
         ``[N·C, N·C]``.
@@ -35,7 +34,7 @@ def gram_matmul(factors: Sequence[ParamFactors], vectors: Tensor) -> Tensor:
     """``G̃ U = Σ_p V_pᵀ (V_p U)`` without forming ``G̃``.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        factors: One per parameter of the group.
         vectors: ``U``, Gram-space vectors as columns, ``[N·C, K]``.
 
     Returns:
@@ -52,7 +51,7 @@ def vt_matmul(factors: Sequence[ParamFactors], vectors: Sequence[Tensor]) -> Ten
     """``Vᵀ W`` for parameter-space vectors in parameter-list format.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        factors: One per parameter of the group.
         vectors: One tensor ``[K, *p.shape]`` per parameter.
 
     Returns:
@@ -69,7 +68,7 @@ def v_matmul(factors: Sequence[ParamFactors], coefficients: Tensor) -> list[Tens
     """``V u`` for Gram-space vectors, in parameter-list format.
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
+        factors: One per parameter of the group.
         coefficients: ``[K, N·C]``.
 
     Returns:
@@ -82,10 +81,7 @@ def num_params(factors: Sequence[ParamFactors]) -> int:
     """Number of parameters ``D`` of the group (rows of ``V``).
 
     Args:
-        factors: Factors of ``V``, one per parameter of the group.
-
-    Returns:
-        ``D``.
+        factors: One per parameter of the group.
     """
     return sum(f.param_shape.numel() for f in factors)
 
@@ -93,9 +89,7 @@ def num_params(factors: Sequence[ParamFactors]) -> int:
 class VProducts(Protocol):
     """Products with ``V`` and ``G̃ = Vᵀ V`` of one parameter group.
 
-    Answered from stored factors (:class:`FactorProducts`) or by passes over the
-    data (:mod:`vivit.sources.streamed`); the eigensolvers, the operator and the
-    results layer use only these.
+    From stored factors (:class:`FactorProducts`) or by passes over the data.
 
     Attributes:
         dtype: Type the products run in (``gram_dtype`` or the factors').
@@ -114,11 +108,7 @@ class VProducts(Protocol):
 
 
 class FactorProducts:
-    """:class:`VProducts` of a group from its stored factors.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-    """
+    """:class:`VProducts` of a group from its stored factors, one per parameter."""
 
     def __init__(self, factors: Sequence[ParamFactors]):
         self.factors = list(factors)

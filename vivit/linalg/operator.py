@@ -1,21 +1,9 @@
-"""The low-rank GGN of a parameter group as a linear operator.
+"""The low-rank GGN of a parameter group as a linear operator, never formed.
 
-Every product goes through products with ``V`` (``docs/math.rst``, "Layer
-structure" and "The Gram matrix and exact eigenpairs"), or through the implicit
-products ``G v = Jᵀ H J v`` of ``solver="implicit"`` (``docs/math.rst``,
-"Implicit GGN-vector products"); ``G`` is never formed. Through ``V``:
-
-- ``G w = V (Vᵀ w)``;
-- on the leading eigenspace, with Gram eigenpairs ``(λ_k, ũ_k)`` and
-  ``e_k = V ũ_k / √λ_k``, the pseudo-inverse
-  ``G_K⁺ w = Σ_k e_k e_kᵀ w / λ_k = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
-
-Vectors are flat tensors over the group's parameters (each flattened row-major, in
-the group's order), ``[D]`` or ``[D, K]`` for ``K`` of them, or lists of tensors
-shaped like the parameters (``p.shape``, or ``[K, *p.shape]``).
-:meth:`GGNOperator.to_scipy` wraps the products into a
-:class:`scipy.sparse.linalg.LinearOperator` of shape ``(D, D)``, as curvlinops'
-operators are, for ``scipy.sparse.linalg.eigsh``, ``cg`` and friends.
+``G w`` and the pseudo-inverse ``G_K⁺ w`` on the leading eigenspace, through
+products with ``V`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs")
+or implicit products (``docs/math.rst``, "Implicit GGN-vector products"); also as
+a :class:`scipy.sparse.linalg.LinearOperator`.
 """
 
 from __future__ import annotations
@@ -60,9 +48,6 @@ class OperatorProducts(Protocol):
 class GramSpaceProducts:
     """:class:`OperatorProducts` through products with ``V``.
 
-    ``G w = V (Vᵀ w)``; with Gram eigenpairs ``(λ_k, ũ_k)``,
-    ``G_K⁺ w = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
-
     Args:
         products: ``V·u`` and ``Vᵀ·w`` of the group.
     """
@@ -89,9 +74,10 @@ class GramSpaceProducts:
 class GGNOperator:
     """``G`` of one parameter group, applied through products; never formed.
 
-    Obtained from :meth:`vivit.LowRankGGN.operator` (products through the stored
-    factors, or implicit products with ``solver="implicit"``) or
-    :meth:`vivit.StreamingGGN.operator` (two passes over the data per product).
+    Vectors are flat over the group's parameters (each flattened row-major, in the
+    group's order), ``[D]`` or ``[D, K]``, or one tensor per parameter, ``p.shape``
+    or ``[K, *p.shape]``. Obtained from :meth:`vivit.LowRankGGN.operator` or
+    :meth:`vivit.StreamingGGN.operator`.
 
     Args:
         products: ``G w`` and ``G_K⁺ w`` of the group.
@@ -124,8 +110,7 @@ class GGNOperator:
         """``G v``.
 
         Args:
-            vectors: ``[D]``, ``[D, K]``, or one tensor per parameter shaped like
-                it (optionally with a leading axis ``K``).
+            vectors: Flat or one tensor per parameter (see the class).
 
         Returns:
             ``G v`` in the format of ``vectors``.

@@ -1,8 +1,7 @@
-"""Eigendecomposition of the Gram matrix and the map back to parameter space.
+"""Dense eigendecomposition of the Gram matrix and the map back to parameter space.
 
-``G = V Vᵀ`` and ``G̃ = Vᵀ V`` share their non-zero eigenvalues; an eigenvector
-``ẽ_k`` of ``G̃`` with eigenvalue ``λ_k > 0`` gives ``e_k = V ẽ_k / √λ_k``
-(``docs/math.rst``).
+The numerical zero of the eigenvalues, and ``e_k = V ẽ_k / √λ_k``
+(``docs/math.rst``, "The Gram matrix and exact eigenpairs").
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from vivit.linalg.group_products import v_matmul
 
 
 def _with_float64_fallback(decompose: Callable, gram: Tensor):
-    """Run a LAPACK decomposition; retry in float64 if float32 fails to converge.
+    """Run a LAPACK decomposition; retry in float64 (cast back) where float32 fails.
 
-    LAPACK's float32 solver can fail on Gram matrices with large clusters of
-    (numerically) zero eigenvalues; the float64 result is cast back.
+    Float32 fails on large clusters of (numerically) zero eigenvalues.
     """
     try:
         return decompose(gram)
@@ -42,11 +40,10 @@ def gram_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
     """Eigenpairs of a symmetric Gram matrix.
 
     Args:
-        gram: ``[R, R]`` symmetric positive semi-definite matrix.
+        gram: ``[R, R]``, symmetric positive semi-definite.
 
     Returns:
-        Eigenvalues ``[R]`` in ascending order and orthonormal eigenvectors as the
-        columns of an ``[R, R]`` matrix.
+        Eigenvalues ``[R]`` ascending, orthonormal eigenvectors as columns ``[R, R]``.
     """
     return _with_float64_fallback(torch.linalg.eigh, gram)
 
@@ -55,10 +52,10 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
     """Eigenvalues of a symmetric Gram matrix.
 
     Args:
-        gram: ``[R, R]`` symmetric positive semi-definite matrix.
+        gram: ``[R, R]``, symmetric positive semi-definite.
 
     Returns:
-        Eigenvalues ``[R]`` in ascending order.
+        Eigenvalues ``[R]`` ascending.
     """
     return _with_float64_fallback(torch.linalg.eigvalsh, gram)
 
@@ -66,19 +63,17 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """The ``top_k`` leading eigenpairs of a symmetric Gram matrix, exactly.
 
-    On the CPU, a request for few eigenpairs runs LAPACK's MRRR solver
-    (``scipy.linalg.eigh(..., subset_by_index=..., driver="evr")``) for those
-    alone: as accurate as the full decomposition, without forming every
-    eigenvector (measured 2.8x faster for the top 10 of a 5120 x 5120 Gram).
-    Otherwise it slices the full decomposition.
+    Where :func:`~vivit.gram.memory.uses_subset_solver` says so (few pairs, on the
+    CPU), LAPACK's MRRR solver computes those alone, as accurately as the full
+    decomposition but without forming every eigenvector; else the full one is sliced.
 
     Args:
-        gram: ``[R, R]`` symmetric positive semi-definite matrix.
+        gram: ``[R, R]``, symmetric positive semi-definite.
         top_k: Number of leading eigenpairs.
 
     Returns:
-        The ``min(top_k, R)`` largest eigenvalues, ascending, and their
-        eigenvectors as columns of an ``[R, min(top_k, R)]`` matrix.
+        The ``K = min(top_k, R)`` largest eigenvalues, ascending, and their
+        eigenvectors as columns, ``[R, K]``.
     """
     size = gram.shape[0]
     top_k = min(top_k, size)
@@ -103,18 +98,12 @@ def numerical_zero_tolerance(
 ) -> float:
     """Eigenvalues at or below this value are numerically zero.
 
-    ``N·C · ε_gram · λ_max + ε_factors² · tr(G̃)``. The first term is the
-    convention of ``torch.linalg.matrix_rank`` (largest eigenvalue times matrix
-    size times the machine epsilon of the Gram matrix's dtype): the rounding error
-    of accumulating and decomposing the Gram matrix. The second bounds the
-    eigenvalue that rounding the factors of ``V`` to ``ε_factors`` can fake where
-    the exact one is zero, ``‖δV‖₂² ≤ ε_factors² ‖V‖_F²``; it matters only when the
-    Gram matrix is accumulated in a wider type than the factors
-    (``docs/math.rst``, "Precision and the numerical zero").
+    ``N·C · ε_gram · λ_max + ε_factors² · tr(G̃)``: the rounding of forming and
+    decomposing the Gram matrix, and the eigenvalue that rounding the factors can
+    fake (``docs/math.rst``, "Precision and the numerical zero").
 
     Args:
-        evals: Eigenvalues of the Gram matrix, the largest among them; their
-            dtype is the Gram matrix's.
+        evals: Eigenvalues of the Gram matrix, the largest among them, in its dtype.
         size: Side length of the Gram matrix (default: ``evals.numel()``, for
             when ``evals`` holds all eigenvalues).
         factor_dtype: Type the factors of ``V`` were computed in (default: that
@@ -138,14 +127,8 @@ def numerical_zero_tolerance(
 def residual_zero_tolerance(evals: Tensor, residual: float, rounding: float) -> float:
     """Ritz values of an operator's eigensolve at or below this may be zero.
 
-    ``(r + ρ)·θ_max``: the residual bound of the pairs against the exact
-    operator. A Ritz pair ``(θ, u)`` of a symmetric ``G`` has an eigenvalue of
-    ``G`` within ``‖G u − θ u‖`` of ``θ``; the solver reached the residual
-    ``r·θ_max`` on the computed images (``r`` at most its tolerance), and the
-    exact images differ from them by one evaluation's rounding, at most
-    ``ρ·θ_max`` (``docs/math.rst``, "Precision and the numerical zero",
-    "Without the Gram matrix: the residual bound"). The iterative solver
-    measures ``ρ`` at every confirmation.
+    ``(r + ρ)·θ_max``, the pairs' residual bound against the exact operator
+    (``docs/math.rst``, "Without the Gram matrix: the residual bound").
 
     Args:
         evals: The Ritz values, the largest among them.
@@ -177,10 +160,9 @@ def top_k_indices(
         evals: Ascending eigenvalues of the Gram matrix (all, or the largest).
         top_k: How many to keep; ``None`` keeps every eigenvalue above the
             numerical-zero tolerance.
-        size: Side length of the Gram matrix (default: ``evals.numel()``).
-        factor_dtype: Type the factors of ``V`` were computed in (see
-            :func:`numerical_zero_tolerance`).
-        trace: ``tr(G̃)`` (see :func:`numerical_zero_tolerance`).
+        size: As for :func:`numerical_zero_tolerance`.
+        factor_dtype: As for :func:`numerical_zero_tolerance`.
+        trace: As for :func:`numerical_zero_tolerance`.
         tolerance: The numerical-zero tolerance, where it is not the Gram
             matrix's (:func:`residual_zero_tolerance`; ``None``:
             :func:`numerical_zero_tolerance` of the other arguments).
@@ -189,7 +171,7 @@ def top_k_indices(
         Indices into ``evals``, ascending.
 
     Raises:
-        ValueError: If ``top_k`` is not a positive integer.
+        InvalidArgumentError: If ``top_k`` is not ``None`` or a positive integer.
     """
     check_top_k(top_k)
     if tolerance is None:
@@ -202,7 +184,7 @@ def check_top_k(top_k: int | None) -> None:
     """Check that ``top_k`` is ``None`` or a positive integer.
 
     Args:
-        top_k: Number of leading eigenpairs.
+        top_k: The value given.
 
     Raises:
         InvalidArgumentError: If it is neither.
@@ -221,7 +203,7 @@ def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
         gram_dtype: Requested type of the Gram matrix and its products.
 
     Raises:
-        ValueError: If it is anything else.
+        InvalidArgumentError: If it is anything else.
     """
     if gram_dtype is not None and gram_dtype not in GRAM_DTYPES:
         raise InvalidArgumentError(
@@ -236,11 +218,9 @@ def direction_coefficients(
 ) -> Tensor:
     """Gram-space coefficients ``ẽ_k / √λ_k`` of the directions ``e_k = V ẽ_k / √λ_k``.
 
-    A direction whose eigenvalue is at or below ``tolerance`` (numerically zero,
-    or negative through rounding) is not resolvable: ``V ẽ_k`` is rounding noise
-    and dividing it by ``√λ_k`` amplifies that noise without bound. It gets
-    coefficients zero, i.e. the zero vector as its direction (``docs/math.rst``,
-    "The Gram matrix and exact eigenpairs").
+    A direction whose eigenvalue is at or below ``tolerance`` is rounding noise:
+    its coefficients are zero (``docs/math.rst``, "The Gram matrix and exact
+    eigenpairs").
 
     Args:
         gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
@@ -268,8 +248,8 @@ def gram_to_param(
         factors: Factors of ``V``, one per parameter of the group.
         gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
         evals: Their eigenvalues, ``[K]``.
-        tolerance: Eigenvalues at or below it are numerically zero; their
-            eigenvectors are zero vectors (see :func:`direction_coefficients`).
+        tolerance: Eigenvalues at or below it give zero vectors
+            (:func:`direction_coefficients`).
 
     Returns:
         One tensor ``[K, *p.shape]`` per parameter, in the factors' dtype.
