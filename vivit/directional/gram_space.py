@@ -1,8 +1,7 @@
 """Directional derivatives and Newton steps from Gram-space quantities.
 
-Every formula here is one of ``docs/math.rst`` ("Directional derivatives",
-"Damped Newton step"); none of them forms a per-sample gradient or a column of
-``V`` in parameter space.
+The formulas of ``docs/math.rst``, "Directional derivatives and curvature noise",
+"Damped Newton step in the eigenspace" and "Trust region of a Newton step".
 """
 
 from __future__ import annotations
@@ -28,15 +27,12 @@ Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def directional_gradients(
     vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor
 ) -> Tensor:
-    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``.
+    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``.
 
     Args:
         vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         evals: Their eigenvalues, ``[K]``.
-
-    Returns:
-        ``γ``, shape ``[N_grad, K]``.
     """
     return (vt_grads.T @ gram_evecs) / evals.sqrt()
 
@@ -44,15 +40,12 @@ def directional_gradients(
 def directional_curvatures(
     gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
 ) -> Tensor:
-    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²`` for the samples of the Gram matrix.
+    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²`` of the Gram matrix's samples, ``[N_ggn, K]``.
 
     Args:
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
         evals: Their eigenvalues, ``[K]``.
-        batch: Batch context; gives ``R`` of the GGN samples and ``C``.
-
-    Returns:
-        ``λ``, shape ``[N_ggn, K]``.
+        batch: Gives ``R`` of the GGN samples and ``C``.
     """
     num_samples = len(batch.ggn_samples)
     per_sample = gram_evecs.reshape(num_samples, batch.columns_per_sample, -1)
@@ -62,15 +55,12 @@ def directional_curvatures(
 def batch_directional_gradient(
     gammas: Tensor, batch: BatchInfo, grad_samples: Sequence[int] | None = None
 ) -> Tensor:
-    """``γ̄_k = R Σ_n γ_nk``: directional gradient of the loss on the gradient samples.
+    """``γ̄_k = R Σ_n γ_nk``, ``[K]``: the loss's directional gradient on the samples.
 
     Args:
         gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        batch: Batch context (gives ``R`` of the loss on the gradient samples).
+        batch: Gives ``R`` of the loss on the gradient samples.
         grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        ``γ̄``, shape ``[K]``.
     """
     return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
@@ -90,9 +80,6 @@ def directional_derivatives(
         evals: Their eigenvalues, ``[K]``.
         batch: Batch context of the Gram matrix.
         grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        The directional derivatives.
     """
     gammas = directional_gradients(vt_grads, gram_evecs, evals)
     return DirectionalDerivatives(
@@ -107,7 +94,7 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
     """Check that a damping rule returned one ``δ_k ≥ 0`` (or ``inf``) per direction.
 
     Args:
-        dampings: The dampings.
+        dampings: What the rule returned.
         evals: Eigenvalues of the directions, ``[K]``.
 
     Raises:
@@ -125,19 +112,15 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
 
 
 def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Tensor:
-    """``t_k = −γ̄_k / (λ_k + δ_k)``, the step along each direction (``0`` if skipped).
+    """``t_k = −γ̄_k / (λ_k + δ_k)``, ``[K]``, the step along each direction.
 
     Args:
         evals: Eigenvalues ``λ_k > 0``, ``[K]``.
         gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-
-    Returns:
-        ``t``, shape ``[K]``.
+        dampings: ``δ_k ≥ 0`` (``inf``: skipped, ``t_k = 0``), ``[K]``.
 
     Raises:
-        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
-            shape.
+        InvalidArgumentError: As :func:`check_dampings`.
     """
     check_dampings(dampings, evals)
     return torch.where(
@@ -148,23 +131,16 @@ def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Ten
 def newton_coefficients(
     gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
 ) -> Tensor:
-    """Gram-space vector ``u`` with ``Δθ = V u`` the damped Newton step.
-
-    ``u = −Σ_k γ̄_k / ((λ_k + δ_k) √λ_k) ẽ_k``; a direction with ``δ_k = ∞`` gets no
-    step.
+    """Gram-space vector ``u``, ``[N·C]``, with ``Δθ = V u`` the damped Newton step.
 
     Args:
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-
-    Returns:
-        ``u``, shape ``[N·C]``.
+        evals: As for :func:`newton_step_sizes`.
+        gamma_bar: As for :func:`newton_step_sizes`.
+        dampings: As for :func:`newton_step_sizes`.
 
     Raises:
-        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
-            shape.
+        InvalidArgumentError: As :func:`check_dampings`.
     """
     return gram_evecs @ (newton_step_sizes(evals, gamma_bar, dampings) / evals.sqrt())
 
@@ -172,20 +148,16 @@ def newton_coefficients(
 def predicted_decrease(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, lr: float = 1.0
 ) -> Tensor:
-    """Decrease of the GGN's quadratic model along each direction of ``lr · Δθ``.
+    """Decrease ``d_k``, ``[K]``, of the GGN's quadratic model along each direction.
 
-    Along direction ``k`` the step moves by ``t_k = −lr γ̄_k / (λ_k + δ_k)`` and
-    changes the model ``m(t) = γ̄_k t + ½ λ_k t²``; the decrease is ``−m(t_k)``
-    (``0`` for a skipped direction, ``δ_k = ∞``).
+    Of the step ``lr · Δθ`` (``docs/math.rst``, "Trust region of a Newton step");
+    ``0`` for a skipped direction.
 
     Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+        evals: As for :func:`newton_step_sizes`.
+        gamma_bar: As for :func:`newton_step_sizes`.
+        dampings: As for :func:`newton_step_sizes`.
         lr: Scale of the step.
-
-    Returns:
-        The predicted decrease per direction, ``[K]``.
     """
     gain = lr / (evals + dampings)
     decrease = gamma_bar.pow(2) * gain * (1 - 0.5 * evals * gain)
@@ -197,20 +169,15 @@ def trust_region_dampings(
 ) -> Tensor:
     """Dampings for which the GGN's quadratic model vouches for the step ``lr · Δθ``.
 
-    Two rules, in this order (``docs/math.rst``, "Trust region of a Newton step"):
-
-    1. No overshoot: ``δ_k ≥ (lr − 1) λ_k``, so that ``lr · Δθ`` carries no
-       direction past the minimum of its quadratic model and no direction
-       predicts an increase of the loss (a no-op for ``lr ≤ 1``).
-    2. Trust region: if the predicted decrease of the whole step exceeds
-       ``max_decrease``, the smallest ``μ > 0`` added to every damping brings it
-       down to ``max_decrease`` (a Levenberg-Marquardt damping; it shortens the
-       flat directions most). ``max_decrease ≤ 0`` skips every direction.
+    No overshoot (``δ_k ≥ (lr − 1) λ_k``), then the smallest ``μ`` added to every
+    damping that brings the predicted decrease down to ``max_decrease``
+    (``docs/math.rst``, "Trust region of a Newton step"); ``max_decrease ≤ 0``
+    skips every direction.
 
     Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
+        evals: As for :func:`newton_step_sizes`.
+        gamma_bar: As for :func:`newton_step_sizes`.
+        dampings: As for :func:`newton_step_sizes`.
         lr: Scale ``> 0`` of the step.
         max_decrease: Largest predicted decrease of the loss the step may have.
 
@@ -247,10 +214,9 @@ def damped_step_sizes(
     max_decrease: float | None = None,
     stacklevel: int = 4,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and its steps along the directions.
+    """The dampings of a damped Newton step and its step sizes ``lr·t_k``.
 
-    ``lr · Δθ = Σ_k t_k e_k`` with ``t_k = −lr γ̄_k / (λ_k + δ_k)``; with
-    ``max_decrease`` the damping rule's dampings are raised by
+    With ``max_decrease`` the rule's dampings are raised by
     :func:`trust_region_dampings`. Warns with
     :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
 
@@ -302,25 +268,17 @@ def newton_coefficients_damped(
     lr: float = 1.0,
     max_decrease: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and its Gram-space vector ``u``.
-
-    ``lr · Δθ = V u`` with ``u = Σ_k t_k ẽ_k / √λ_k`` (:func:`damped_step_sizes`).
+    """The dampings of a damped Newton step and ``u``, ``[N·C]``, with ``lr·Δθ = V u``.
 
     Args:
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
-        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
-        lr: Scale of the step.
-        max_decrease: Largest decrease of the loss the GGN's quadratic model may
-            predict for the step (``None``: no bound).
-
-    Returns:
-        The dampings used, ``[K]``, and ``u``, ``[N·C]``.
+        directional: As for :func:`damped_step_sizes`.
+        damping: As for :func:`damped_step_sizes`.
+        lr: As for :func:`damped_step_sizes`.
+        max_decrease: As for :func:`damped_step_sizes`.
 
     Raises:
-        InvalidArgumentError: If ``lr`` is not a positive finite number,
-            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
-            invalid.
+        InvalidArgumentError: As :func:`damped_step_sizes`.
     """
     dampings, sizes = damped_step_sizes(
         gram_evecs,
@@ -342,29 +300,21 @@ def damped_newton_step(
     lr: float = 1.0,
     max_decrease: float | None = None,
 ) -> NewtonStep:
-    """The damped Newton step in parameter space, with one product with ``V``.
+    """The damped Newton step ``lr · Δθ`` in parameter space, one product with ``V``.
 
-    The step is ``lr · Δθ`` (:func:`newton_coefficients_damped`); the result
-    holds the dampings actually used. A step to which no direction contributes
-    (no numerically non-zero eigenvalue, every direction skipped, or ``γ̄ = 0``)
-    is zero and warns with :class:`~vivit.errors.ZeroStepWarning`.
+    A step to which no direction contributes is zero and warns with
+    :class:`~vivit.errors.ZeroStepWarning`.
 
     Args:
         factors: Factors of ``V``, one per parameter of the group.
         gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
-        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
-        lr: Scale of the step.
-        max_decrease: Largest decrease of the loss the GGN's quadratic model may
-            predict for the step (``None``: no bound).
-
-    Returns:
-        The step with the quantities that define it.
+        directional: As for :func:`damped_step_sizes`.
+        damping: As for :func:`damped_step_sizes`.
+        lr: As for :func:`damped_step_sizes`.
+        max_decrease: As for :func:`damped_step_sizes`.
 
     Raises:
-        InvalidArgumentError: If ``lr`` is not a positive finite number,
-            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
-            invalid.
+        InvalidArgumentError: As :func:`damped_step_sizes`.
     """
     dampings, u = newton_coefficients_damped(
         gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
@@ -379,7 +329,7 @@ def damped_newton_step(
 def warn_if_zero_step(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, stacklevel: int = 3
 ) -> None:
-    """Warn that a Newton step is zero because no direction contributes to it.
+    """Warn that a Newton step is zero, and why, if no direction contributes to it.
 
     Args:
         evals: Eigenvalues of the directions, ``[K]``.
