@@ -2,6 +2,12 @@
 
 The formulas of ``docs/math.rst``, "Directional derivatives and curvature noise",
 "Damped Newton step in the eigenspace" and "Trust region of a Newton step".
+Arguments: ``gram_evecs`` ``[N·C, K]``, the Gram eigenvectors of the directions;
+``evals`` ``[K]``, their eigenvalues ``λ_k > 0``; ``vt_grads`` ``[N·C, N_grad]``,
+``Vᵀ∇ℓ_n`` of the gradient samples ``grad_samples`` (``None``: the mini-batch);
+``batch``, the Gram matrix's :class:`~vivit.engines.base.BatchInfo` (``R``,
+``C``); ``gamma_bar`` ``[K]``, ``γ̄_k``; ``dampings`` ``[K]``, ``δ_k ≥ 0`` (``inf``
+skips a direction: no step); ``lr``, the scale of the step.
 """
 
 from __future__ import annotations
@@ -27,26 +33,14 @@ Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def directional_gradients(
     vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor
 ) -> Tensor:
-    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``.
-
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-    """
+    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``."""
     return (vt_grads.T @ gram_evecs) / evals.sqrt()
 
 
 def directional_curvatures(
     gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
 ) -> Tensor:
-    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²`` of the Gram matrix's samples, ``[N_ggn, K]``.
-
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-        batch: Gives ``R`` of the GGN samples and ``C``.
-    """
+    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²``, ``[N_ggn, K]``, of the Gram's samples."""
     num_samples = len(batch.ggn_samples)
     per_sample = gram_evecs.reshape(num_samples, batch.columns_per_sample, -1)
     return per_sample.pow(2).sum(1) * evals / batch.ggn_reduction_factor
@@ -55,13 +49,7 @@ def directional_curvatures(
 def batch_directional_gradient(
     gammas: Tensor, batch: BatchInfo, grad_samples: Sequence[int] | None = None
 ) -> Tensor:
-    """``γ̄_k = R Σ_n γ_nk``, ``[K]``: the loss's directional gradient on the samples.
-
-    Args:
-        gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        batch: Gives ``R`` of the loss on the gradient samples.
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-    """
+    """``γ̄_k = R Σ_n γ_nk``, ``[K]``, of ``gammas`` ``[N_grad, K]``."""
     return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
 
@@ -72,15 +60,7 @@ def directional_derivatives(
     batch: BatchInfo,
     grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs.
-
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-        batch: Batch context of the Gram matrix.
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-    """
+    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs."""
     gammas = directional_gradients(vt_grads, gram_evecs, evals)
     return DirectionalDerivatives(
         evals=evals,
@@ -92,10 +72,6 @@ def directional_derivatives(
 
 def check_dampings(dampings: Tensor, evals: Tensor) -> None:
     """Check that a damping rule returned one ``δ_k ≥ 0`` (or ``inf``) per direction.
-
-    Args:
-        dampings: What the rule returned.
-        evals: Eigenvalues of the directions, ``[K]``.
 
     Raises:
         InvalidArgumentError: If the shape is wrong or a damping is negative or NaN.
@@ -114,11 +90,6 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
 def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Tensor:
     """``t_k = −γ̄_k / (λ_k + δ_k)``, ``[K]``, the step along each direction.
 
-    Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf``: skipped, ``t_k = 0``), ``[K]``.
-
     Raises:
         InvalidArgumentError: As :func:`check_dampings`.
     """
@@ -133,12 +104,6 @@ def newton_coefficients(
 ) -> Tensor:
     """Gram-space vector ``u``, ``[N·C]``, with ``Δθ = V u`` the damped Newton step.
 
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: As for :func:`newton_step_sizes`.
-        gamma_bar: As for :func:`newton_step_sizes`.
-        dampings: As for :func:`newton_step_sizes`.
-
     Raises:
         InvalidArgumentError: As :func:`check_dampings`.
     """
@@ -150,14 +115,7 @@ def predicted_decrease(
 ) -> Tensor:
     """Decrease ``d_k``, ``[K]``, of the GGN's quadratic model along each direction.
 
-    Of the step ``lr · Δθ`` (``docs/math.rst``, "Trust region of a Newton step");
-    ``0`` for a skipped direction.
-
-    Args:
-        evals: As for :func:`newton_step_sizes`.
-        gamma_bar: As for :func:`newton_step_sizes`.
-        dampings: As for :func:`newton_step_sizes`.
-        lr: Scale of the step.
+    Of the step ``lr · Δθ``; ``0`` for a skipped direction.
     """
     gain = lr / (evals + dampings)
     decrease = gamma_bar.pow(2) * gain * (1 - 0.5 * evals * gain)
@@ -170,19 +128,8 @@ def trust_region_dampings(
     """Dampings for which the GGN's quadratic model vouches for the step ``lr · Δθ``.
 
     No overshoot (``δ_k ≥ (lr − 1) λ_k``), then the smallest ``μ`` added to every
-    damping that brings the predicted decrease down to ``max_decrease``
-    (``docs/math.rst``, "Trust region of a Newton step"); ``max_decrease ≤ 0``
-    skips every direction.
-
-    Args:
-        evals: As for :func:`newton_step_sizes`.
-        gamma_bar: As for :func:`newton_step_sizes`.
-        dampings: As for :func:`newton_step_sizes`.
-        lr: Scale ``> 0`` of the step.
-        max_decrease: Largest predicted decrease of the loss the step may have.
-
-    Returns:
-        The dampings after both rules, ``[K]``; ``inf`` stays ``inf``.
+    damping that brings the predicted decrease down to ``max_decrease`` (``≤ 0``:
+    every direction skipped); ``inf`` stays ``inf``.
     """
     dampings = torch.maximum(dampings, (lr - 1.0) * evals)
 
@@ -270,12 +217,7 @@ def newton_coefficients_damped(
 ) -> tuple[Tensor, Tensor]:
     """The dampings of a damped Newton step and ``u``, ``[N·C]``, with ``lr·Δθ = V u``.
 
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: As for :func:`damped_step_sizes`.
-        damping: As for :func:`damped_step_sizes`.
-        lr: As for :func:`damped_step_sizes`.
-        max_decrease: As for :func:`damped_step_sizes`.
+    Arguments as for :func:`damped_step_sizes`.
 
     Raises:
         InvalidArgumentError: As :func:`damped_step_sizes`.
@@ -302,16 +244,9 @@ def damped_newton_step(
 ) -> NewtonStep:
     """The damped Newton step ``lr · Δθ`` in parameter space, one product with ``V``.
 
-    A step to which no direction contributes is zero and warns with
+    Arguments as for :func:`damped_step_sizes`; ``factors`` has one entry per
+    parameter. A step to which no direction contributes is zero and warns with
     :class:`~vivit.errors.ZeroStepWarning`.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: As for :func:`damped_step_sizes`.
-        damping: As for :func:`damped_step_sizes`.
-        lr: As for :func:`damped_step_sizes`.
-        max_decrease: As for :func:`damped_step_sizes`.
 
     Raises:
         InvalidArgumentError: As :func:`damped_step_sizes`.
@@ -329,14 +264,7 @@ def damped_newton_step(
 def warn_if_zero_step(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, stacklevel: int = 3
 ) -> None:
-    """Warn that a Newton step is zero, and why, if no direction contributes to it.
-
-    Args:
-        evals: Eigenvalues of the directions, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: Dampings of the step (``inf``: skipped), ``[K]``.
-        stacklevel: Of the warning (the caller's caller by default).
-    """
+    """Warn that a Newton step is zero, and why, if no direction contributes to it."""
     if evals.numel() == 0:
         reason = (
             "the GGN has no numerically non-zero eigenvalue (e.g. a saturated "

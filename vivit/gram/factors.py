@@ -82,14 +82,10 @@ class ParamFactors(ABC):
 
     @abstractmethod
     def gram(self, other: ParamFactors | None = None) -> Tensor:
-        """Gram block ``Vᵀ V_other`` (``Vᵀ V`` if ``other`` is ``None``).
+        """Gram block ``Vᵀ V_other``, ``[self.num_rows, other.num_rows]``.
 
-        Args:
-            other: Factors of the same parameter, possibly of other samples or
-                vectors (e.g. per-sample gradients).
-
-        Returns:
-            ``[self.num_rows, other.num_rows]``.
+        ``other``: factors of the same parameter, possibly of other samples or vectors
+        (e.g. per-sample gradients); ``None`` gives ``Vᵀ V``.
         """
 
     @abstractmethod
@@ -102,19 +98,12 @@ class ParamFactors(ABC):
 
     @abstractmethod
     def select(self, samples: Sequence[int]) -> ParamFactors:
-        """The factors of some of the samples.
-
-        Args:
-            samples: Positions (into this object's samples) to keep, in order.
-        """
+        """The factors of the samples at positions ``samples``, in that order."""
 
     def product_work(self, num_vectors: int) -> int:
-        """Multiply-adds of :meth:`vmp` and :meth:`vtmp` together, ``K`` vectors each.
+        """Multiply-adds of :meth:`vmp` and :meth:`vtmp`, ``num_vectors`` vectors each.
 
         The default is that of an explicit ``V``, ``2·K·N·C·numel``.
-
-        Args:
-            num_vectors: ``K``.
         """
         return 2 * num_vectors * self.num_rows * self.param_shape.numel()
 
@@ -132,18 +121,12 @@ class ParamFactors(ABC):
 
 
 def per_sample_projections(x: Tensor, vectors: Tensor) -> Tensor:
-    """``y[k, n, c] = Σ_f x[k, n, f] · vectors[c, n, f]``: each sample's columns.
+    """``y[k, n, c] = Σ_f x[k, n, f] · vectors[c, n, f]``, ``[K, N, C]``.
 
-    One batched product on strided views: ``torch.einsum`` copies ``vectors``
-    into a sample-major layout on every call (``benchmarks/README.md``, "MC-1 on
-    language models").
-
-    Args:
-        x: ``[K, N, *F]``, ``K`` vectors in the per-sample feature space.
-        vectors: ``[C, N, *F]``, the backpropagated vectors of every sample.
-
-    Returns:
-        ``[K, N, C]``.
+    Each sample's columns: ``x`` ``[K, N, *F]`` are vectors in the per-sample feature
+    space, ``vectors`` ``[C, N, *F]`` the backpropagated ones. One batched product on
+    strided views: ``torch.einsum`` copies ``vectors`` into a sample-major layout on
+    every call (``benchmarks/README.md``, "MC-1 on language models").
     """
     K, N, C = x.shape[0], x.shape[1], vectors.shape[0]
     per_sample = x.reshape(K, N, -1).transpose(0, 1)

@@ -8,6 +8,9 @@ of the Ritz vectors; every returned pair has ``‖A u − θ u‖ ≤ tolerance 
 twice the products' measured rounding where that is larger. Deterministic for a
 given ``seed``. ``docs/math.rst``, "The Gram matrix and exact eigenpairs", derives
 the estimate, the rounding floor, narrow blocks and the basis cut by memory.
+
+Names: ``k = top_k`` pairs, block size ``b = width``, ``m`` columns of a basis
+(``capacity``), ``size`` the operator's side length.
 """
 
 from __future__ import annotations
@@ -57,13 +60,6 @@ def default_block_size(top_k: int, size: int) -> int:
     copies of a multiple eigenvalue within reach (a block Krylov space holds at
     most ``b`` directions of an eigenspace); narrower blocks are checked
     (:func:`narrow_block_doubt`).
-
-    Args:
-        top_k: Number of leading eigenpairs.
-        size: Side length of the operator.
-
-    Returns:
-        ``b``.
     """
     return min(size, top_k)
 
@@ -73,16 +69,9 @@ def basis_capacity(
 ) -> int:
     """Columns ``m`` of one cycle's Krylov basis (at most ``size``).
 
-    Args:
-        width: Block size ``b``.
-        size: Side length of the operator.
-        depth: Krylov depth ``q``: ``m = b·(q+1)``; ``None``: :data:`DEPTH`, and
-            at least :data:`MIN_BASIS` and ``3·top_k`` columns (room for ``k``
-            new ones after a restart, which a block narrower than ``k`` needs).
-        top_k: Leading eigenpairs asked for.
-
-    Returns:
-        ``m``.
+    ``m = b·(depth + 1)``; without ``depth``, :data:`DEPTH` and at least
+    :data:`MIN_BASIS` and ``3·k`` columns (room for ``k`` new ones after a
+    restart, which a block narrower than ``k`` needs).
     """
     if depth is not None:
         return min(size, width * (depth + 1))
@@ -94,32 +83,16 @@ def minimum_capacity(top_k: int, width: int, size: int) -> int:
 
     At that size a restart keeps ``k + b`` Ritz vectors and every cycle still adds
     a block (``docs/math.rst``, "A basis cut by memory").
-
-    Args:
-        top_k: Number of leading eigenpairs.
-        width: Block size ``b``.
-        size: Side length of the operator.
-
-    Returns:
-        The fewest columns.
     """
     return min(size, top_k + 2 * width)
 
 
 def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
-    """How many times the cycles a basis cut from ``full`` columns may run.
+    """How many times the cycles (at least 1) a basis cut from ``full`` columns may run.
 
     A cycle after a restart adds ``m − r`` columns (:func:`restart_size` ``r``): the
-    ratio lets a cut basis multiply as many blocks as the full one.
-
-    Args:
-        top_k: Number of leading eigenpairs.
-        width: Block size ``b``.
-        capacity: Columns ``m`` of the basis that runs.
-        full: Columns of the basis without a cut (:func:`basis_capacity`).
-
-    Returns:
-        The ratio, at least 1.
+    ratio lets the cut basis of ``m = capacity`` columns multiply as many blocks as
+    the full one.
     """
     added = capacity - restart_size(top_k, width, capacity)
     return max(1.0, (full - restart_size(top_k, width, full)) / added)
@@ -131,14 +104,6 @@ def restart_size(top_k: int, width: int, capacity: int) -> int:
     A thick restart: the kept Ritz vectors' residuals lie in the span of the last
     remainder, so the next block is still ``b`` wide; half the basis is kept, half
     is room for new blocks.
-
-    Args:
-        top_k: Number of leading eigenpairs.
-        width: Block size ``b``.
-        capacity: Columns ``m`` of a basis.
-
-    Returns:
-        The number of Ritz vectors kept.
     """
     return max(width, min(capacity - width, (capacity + top_k) // 2))
 
@@ -268,8 +233,7 @@ def narrow_block_doubt(
         top_k: Leading eigenpairs asked for.
 
     Returns:
-        The reason, or ``None`` where the pairs are certain (always for
-        ``b ≥ top_k``).
+        The reason, or ``None`` where the pairs are certain (always for ``b ≥ k``).
     """
     if width >= top_k:
         return None

@@ -107,14 +107,7 @@ class GGNOperator:
         self._work_dtype = products.dtype
 
     def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
-        """``G v``.
-
-        Args:
-            vectors: Flat or one tensor per parameter (see the class).
-
-        Returns:
-            ``G v`` in the format of ``vectors``.
-        """
+        """``G v`` in the format of ``vectors`` (see :class:`GGNOperator`)."""
         rows, restore = self._to_rows(vectors)
         return restore(self._products.ggn_matmul(rows))
 
@@ -135,6 +128,10 @@ class GGNOperator:
 
         Returns:
             ``Σ_k e_k e_kᵀ v / λ_k`` in the format of ``vectors``.
+
+        Raises:
+            NonFiniteError: If eigenvalues too small for the products' type make
+                it overflow.
         """
         evals, directions = self._eigenpairs(top_k, solver)
         rows, restore = self._to_rows(vectors)
@@ -149,25 +146,13 @@ class GGNOperator:
         return restore(result)
 
     def to_scipy(self) -> LinearOperator:
-        """``G`` as a ``scipy.sparse.linalg.LinearOperator`` on flat NumPy vectors.
-
-        Returns:
-            The symmetric operator of shape ``(D, D)``.
-        """
+        """``G`` as a symmetric ``LinearOperator`` ``(D, D)`` on flat NumPy vectors."""
         return self._scipy(self.matvec)
 
     def pinv_to_scipy(
         self, top_k: int | None = None, solver: str | None = None
     ) -> LinearOperator:
-        """``G_K⁺`` (see :meth:`pinv_matvec`) as a ``LinearOperator``.
-
-        Args:
-            top_k: As for :meth:`pinv_matvec`.
-            solver: As for :meth:`pinv_matvec`.
-
-        Returns:
-            The symmetric operator of shape ``(D, D)``.
-        """
+        """``G_K⁺`` (:meth:`pinv_matvec`) as a symmetric ``LinearOperator``."""
         self._eigenpairs(top_k, solver)  # compute (and check) the eigenpairs now
         return self._scipy(lambda v: self.pinv_matvec(v, top_k, solver))
 
@@ -196,11 +181,7 @@ class GGNOperator:
     def _to_rows(
         self, vectors: Tensor | Sequence[Tensor]
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
-        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
-
-        The rows are in the products' type, the results of the way back in the
-        parameters'.
-        """
+        """Rows ``[K, *p.shape]`` in the products' type, and the way back."""
         rows, restore = self._parameter_rows(vectors)
         rows = [row.to(self._work_dtype) for row in rows]
         return rows, lambda result: restore([r.to(self.dtype) for r in result])
@@ -208,11 +189,7 @@ class GGNOperator:
     def _parameter_rows(
         self, vectors: Tensor | Sequence[Tensor]
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
-        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
-
-        Raises:
-            ValueError: If the vectors do not match the group's parameters.
-        """
+        """Rows ``[K, *p.shape]`` and the way back; refuses mismatched vectors."""
         size = self.shape[0]
         if isinstance(vectors, Tensor):
             if vectors.ndim not in (1, 2) or vectors.shape[0] != size:

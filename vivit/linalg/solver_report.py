@@ -17,16 +17,10 @@ SEEDS = (-(2**63), 2**64)
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    """The default relative residual tolerance, ``max(100·ε, 1e-12)``.
+    """The default relative residual tolerance for ``dtype``, ``max(100·ε, 1e-12)``.
 
     ``100·ε`` lies above the rounding of a product with a stored matrix (products
     whose terms cancel can round above it: the rounding floor).
-
-    Args:
-        dtype: Data type of the operator.
-
-    Returns:
-        The tolerance.
     """
     return max(100 * torch.finfo(dtype).eps, 1e-12)
 
@@ -78,16 +72,11 @@ class SolverReport:
 
 
 def check_tolerance(tol: object, name: str = "tol") -> None:
-    """Check a relative residual bound: a number in ``(0, 1)``, or ``None``.
-
-    A bound of 1 or more would accept any Ritz pairs.
-
-    Args:
-        tol: The bound (``None``: :func:`default_tolerance`).
-        name: The argument's name in the message.
+    """Check a relative residual bound (``name`` in the message).
 
     Raises:
-        InvalidArgumentError: If it is anything else.
+        InvalidArgumentError: If it is not ``None`` or a number in ``(0, 1)`` (a
+            bound of 1 or more would accept any Ritz pairs).
     """
     if tol is not None and (
         isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1
@@ -100,11 +89,7 @@ def check_tolerance(tol: object, name: str = "tol") -> None:
 
 
 def check_seed(seed: object, name: str = "seed") -> None:
-    """Check the seed of the random start block.
-
-    Args:
-        seed: The value given.
-        name: The argument's name in the message.
+    """Check the seed of the random start block (``name`` in the message).
 
     Raises:
         InvalidArgumentError: If it is not an integer in ``[-2⁶³, 2⁶⁴)``.

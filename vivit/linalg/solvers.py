@@ -1,7 +1,10 @@
 """Dense eigendecomposition of the Gram matrix and the map back to parameter space.
 
 The numerical zero of the eigenvalues, and ``e_k = V ẽ_k / √λ_k``
-(``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+(``docs/math.rst``, "The Gram matrix and exact eigenpairs"). Arguments: ``gram``
+``[R, R]``, symmetric positive semi-definite; ``evals`` eigenvalues, ascending;
+``gram_evecs`` ``[N·C, K]``, Gram eigenvectors as columns; ``factors``, one
+:class:`~vivit.gram.ParamFactors` per parameter of the group.
 """
 
 from __future__ import annotations
@@ -37,43 +40,22 @@ def _with_float64_fallback(decompose: Callable, gram: Tensor):
 
 
 def gram_eigh(gram: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenpairs of a symmetric Gram matrix.
-
-    Args:
-        gram: ``[R, R]``, symmetric positive semi-definite.
-
-    Returns:
-        Eigenvalues ``[R]`` ascending, orthonormal eigenvectors as columns ``[R, R]``.
-    """
+    """Eigenvalues ``[R]`` (ascending) and eigenvectors (columns) of a Gram matrix."""
     return _with_float64_fallback(torch.linalg.eigh, gram)
 
 
 def gram_eigvalsh(gram: Tensor) -> Tensor:
-    """Eigenvalues of a symmetric Gram matrix.
-
-    Args:
-        gram: ``[R, R]``, symmetric positive semi-definite.
-
-    Returns:
-        Eigenvalues ``[R]`` ascending.
-    """
+    """Eigenvalues ``[R]``, ascending, of a Gram matrix."""
     return _with_float64_fallback(torch.linalg.eigvalsh, gram)
 
 
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """The ``top_k`` leading eigenpairs of a symmetric Gram matrix, exactly.
+    """The ``K = min(top_k, R)`` leading eigenpairs of a Gram matrix, exactly.
 
-    Where :func:`~vivit.gram.memory.uses_subset_solver` says so (few pairs, on the
-    CPU), LAPACK's MRRR solver computes those alone, as accurately as the full
+    Eigenvalues ascending and eigenvectors as columns ``[R, K]``. Where
+    :func:`~vivit.gram.memory.uses_subset_solver` says so (few pairs, on the CPU),
+    LAPACK's MRRR solver computes those alone, as accurately as the full
     decomposition but without forming every eigenvector; else the full one is sliced.
-
-    Args:
-        gram: ``[R, R]``, symmetric positive semi-definite.
-        top_k: Number of leading eigenpairs.
-
-    Returns:
-        The ``K = min(top_k, R)`` largest eigenvalues, ascending, and their
-        eigenvectors as columns, ``[R, K]``.
     """
     size = gram.shape[0]
     top_k = min(top_k, size)
@@ -104,15 +86,11 @@ def numerical_zero_tolerance(
 
     Args:
         evals: Eigenvalues of the Gram matrix, the largest among them, in its dtype.
-        size: Side length of the Gram matrix (default: ``evals.numel()``, for
-            when ``evals`` holds all eigenvalues).
+        size: Side length of the Gram matrix (default: ``evals.numel()``).
         factor_dtype: Type the factors of ``V`` were computed in (default: that
             of ``evals``).
         trace: ``tr(G̃)`` (default: ``Σ|λ|`` if ``evals`` holds all eigenvalues,
             else its upper bound ``size · λ_max``).
-
-    Returns:
-        The tolerance.
     """
     if evals.numel() == 0:
         return 0.0
@@ -136,9 +114,6 @@ def residual_zero_tolerance(evals: Tensor, residual: float, rounding: float) -> 
             (:attr:`~vivit.linalg.iterative.SolverReport.residual`).
         rounding: The products' measured rounding relative to ``θ_max``
             (:attr:`~vivit.linalg.iterative.SolverReport.rounding`).
-
-    Returns:
-        The tolerance.
     """
     if evals.numel() == 0:
         return 0.0
@@ -154,21 +129,11 @@ def top_k_indices(
     *,
     tolerance: float | None = None,
 ) -> list[int]:
-    """Indices of the ``top_k`` largest numerically non-zero eigenvalues.
+    """Indices (ascending) of the ``top_k`` largest numerically non-zero eigenvalues.
 
-    Args:
-        evals: Ascending eigenvalues of the Gram matrix (all, or the largest).
-        top_k: How many to keep; ``None`` keeps every eigenvalue above the
-            numerical-zero tolerance.
-        size: As for :func:`numerical_zero_tolerance`.
-        factor_dtype: As for :func:`numerical_zero_tolerance`.
-        trace: As for :func:`numerical_zero_tolerance`.
-        tolerance: The numerical-zero tolerance, where it is not the Gram
-            matrix's (:func:`residual_zero_tolerance`; ``None``:
-            :func:`numerical_zero_tolerance` of the other arguments).
-
-    Returns:
-        Indices into ``evals``, ascending.
+    ``top_k=None`` keeps all of them. The numerical zero is ``tolerance`` where given
+    (e.g. :func:`residual_zero_tolerance`), else :func:`numerical_zero_tolerance`
+    of ``evals`` (all, or the largest) and the other arguments.
 
     Raises:
         InvalidArgumentError: If ``top_k`` is not ``None`` or a positive integer.
@@ -183,9 +148,6 @@ def top_k_indices(
 def check_top_k(top_k: int | None) -> None:
     """Check that ``top_k`` is ``None`` or a positive integer.
 
-    Args:
-        top_k: The value given.
-
     Raises:
         InvalidArgumentError: If it is neither.
     """
@@ -198,9 +160,6 @@ GRAM_DTYPES = (torch.float32, torch.float64)
 
 def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
     """Check that ``gram_dtype`` is ``None``, ``torch.float32`` or ``torch.float64``.
-
-    Args:
-        gram_dtype: Requested type of the Gram matrix and its products.
 
     Raises:
         InvalidArgumentError: If it is anything else.
@@ -216,20 +175,10 @@ def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
 def direction_coefficients(
     gram_evecs: Tensor, evals: Tensor, tolerance: float = 0.0
 ) -> Tensor:
-    """Gram-space coefficients ``ẽ_k / √λ_k`` of the directions ``e_k = V ẽ_k / √λ_k``.
+    """Gram-space coefficients ``ẽ_k / √λ_k``, ``[N·C, K]``, of ``e_k = V ẽ_k / √λ_k``.
 
-    A direction whose eigenvalue is at or below ``tolerance`` is rounding noise:
-    its coefficients are zero (``docs/math.rst``, "The Gram matrix and exact
-    eigenpairs").
-
-    Args:
-        gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``, as computed.
-        tolerance: Eigenvalues at or below it give zero coefficients (at least
-            ``0``; usually :func:`numerical_zero_tolerance`).
-
-    Returns:
-        ``[N·C, K]``, finite.
+    A direction whose eigenvalue is at or below ``tolerance`` (at least 0; usually
+    :func:`numerical_zero_tolerance`) is rounding noise: its coefficients are zero.
     """
     resolved = evals > max(tolerance, 0.0)
     inverse_roots = torch.where(resolved, evals, 1.0).rsqrt() * resolved
@@ -242,17 +191,10 @@ def gram_to_param(
     evals: Tensor,
     tolerance: float = 0.0,
 ) -> list[Tensor]:
-    """Map Gram-space eigenvectors to normalized GGN eigenvectors, ``V ẽ_k / √λ_k``.
+    """GGN eigenvectors ``e_k = V ẽ_k / √λ_k``, one ``[K, *p.shape]`` per parameter.
 
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        gram_evecs: Gram eigenvectors as columns, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-        tolerance: Eigenvalues at or below it give zero vectors
-            (:func:`direction_coefficients`).
-
-    Returns:
-        One tensor ``[K, *p.shape]`` per parameter, in the factors' dtype.
+    In the factors' dtype; eigenvalues at or below ``tolerance`` give zero vectors
+    (:func:`direction_coefficients`).
     """
     coefficients = direction_coefficients(gram_evecs, evals, tolerance).T
     return v_matmul(factors, coefficients)

@@ -115,15 +115,8 @@ class BootstrapDamping:
     ) -> Tensor:
         """Choose a damping per direction by bootstrapping the predicted change.
 
-        Args:
-            evals: Eigenvalues of the directions, ``[K]``; set the scale, type and
-                device of the result.
-            gram_evecs: Unused.
-            gammas: First directional derivatives, ``[N_grad, K]``.
-            lambdas: Second directional derivatives, ``[N_ggn, K]``.
-
-        Returns:
-            ``δ_k ≥ 0``, ``inf`` for skipped directions, ``[K]``.
+        The interface of the module; ``evals`` sets the scale, type and device of the
+        result, ``gram_evecs`` is unused.
 
         Raises:
             InvalidArgumentError: If the shapes do not match or there are no samples.
