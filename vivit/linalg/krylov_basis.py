@@ -12,7 +12,7 @@ from torch import Tensor
 
 #: Directions whose norm after orthogonalization is below this fraction of the
 #: block's largest are dropped: the Krylov space is exhausted (an invariant
-#: subspace). Larger small ones are kept: near convergence new directions are small.
+#: subspace). Small ones above it are kept: near convergence they are not noise.
 DROP_TOLERANCE = 1e-13
 #: Up to this condition number of a projected block's Gram matrix one
 #: normalization (SVQB) leaves the block orthonormal within ``100·ε``, and the
