@@ -28,7 +28,7 @@ class ConstantDamping:
         damping: Non-negative damping added to every eigenvalue.
 
     Raises:
-        InvalidArgumentError: If ``damping`` is negative or not a number.
+        InvalidArgumentError: If ``damping`` is negative or NaN.
     """
 
     def __init__(self, damping: float = 1.0):
