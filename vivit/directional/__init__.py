@@ -1,8 +1,7 @@
 """Directional derivatives and Newton steps along GGN eigenvectors, in Gram space.
 
-Engine-independent computations used by every front door: the formulas of
-``docs/math.rst`` ("Directional derivatives", "Damped Newton step") and their
-result types.
+Engine-independent; the formulas are those of ``docs/math.rst``, "Directional
+derivatives and curvature noise" and "Damped Newton step in the eigenspace".
 """
 
 from vivit.directional.results import DirectionalDerivatives, NewtonStep

@@ -1,8 +1,13 @@
 """Directional derivatives and Newton steps from Gram-space quantities.
 
-Every formula here is one of ``docs/math.rst`` ("Directional derivatives",
-"Damped Newton step"); none of them forms a per-sample gradient or a column of
-``V`` in parameter space.
+The formulas of ``docs/math.rst``, "Directional derivatives and curvature noise",
+"Damped Newton step in the eigenspace" and "Trust region of a Newton step".
+Arguments: ``gram_evecs`` ``[N·C, K]``, the Gram eigenvectors of the directions;
+``evals`` ``[K]``, their eigenvalues ``λ_k > 0``; ``vt_grads`` ``[N·C, N_grad]``,
+``Vᵀ∇ℓ_n`` of the gradient samples ``grad_samples`` (``None``: the mini-batch);
+``batch``, the Gram matrix's :class:`~vivit.engines.base.BatchInfo` (``R``,
+``C``); ``gamma_bar`` ``[K]``, ``γ̄_k``; ``dampings`` ``[K]``, ``δ_k ≥ 0`` (``inf``
+skips a direction: no step); ``lr``, the scale of the step.
 """
 
 from __future__ import annotations
@@ -28,32 +33,14 @@ Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 def directional_gradients(
     vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor
 ) -> Tensor:
-    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``.
-
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-
-    Returns:
-        ``γ``, shape ``[N_grad, K]``.
-    """
+    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``."""
     return (vt_grads.T @ gram_evecs) / evals.sqrt()
 
 
 def directional_curvatures(
     gram_evecs: Tensor, evals: Tensor, batch: BatchInfo
 ) -> Tensor:
-    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²`` for the samples of the Gram matrix.
-
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-        batch: Batch context; gives ``R`` of the GGN samples and ``C``.
-
-    Returns:
-        ``λ``, shape ``[N_ggn, K]``.
-    """
+    """``λ_nk = (λ_k / R) ‖ẽ_k[(n, ·)]‖²``, ``[N_ggn, K]``, of the Gram's samples."""
     num_samples = len(batch.ggn_samples)
     per_sample = gram_evecs.reshape(num_samples, batch.columns_per_sample, -1)
     return per_sample.pow(2).sum(1) * evals / batch.ggn_reduction_factor
@@ -62,16 +49,7 @@ def directional_curvatures(
 def batch_directional_gradient(
     gammas: Tensor, batch: BatchInfo, grad_samples: Sequence[int] | None = None
 ) -> Tensor:
-    """``γ̄_k = R Σ_n γ_nk``: directional gradient of the loss on the gradient samples.
-
-    Args:
-        gammas: Per-sample directional gradients, ``[N_grad, K]``.
-        batch: Batch context (gives ``R`` of the loss on the gradient samples).
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        ``γ̄``, shape ``[K]``.
-    """
+    """``γ̄_k = R Σ_n γ_nk``, ``[K]``, of ``gammas`` ``[N_grad, K]``."""
     return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
 
@@ -82,18 +60,7 @@ def directional_derivatives(
     batch: BatchInfo,
     grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs.
-
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues, ``[K]``.
-        batch: Batch context of the Gram matrix.
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        The directional derivatives.
-    """
+    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs."""
     gammas = directional_gradients(vt_grads, gram_evecs, evals)
     return DirectionalDerivatives(
         evals=evals,
@@ -105,10 +72,6 @@ def directional_derivatives(
 
 def check_dampings(dampings: Tensor, evals: Tensor) -> None:
     """Check that a damping rule returned one ``δ_k ≥ 0`` (or ``inf``) per direction.
-
-    Args:
-        dampings: The dampings.
-        evals: Eigenvalues of the directions, ``[K]``.
 
     Raises:
         InvalidArgumentError: If the shape is wrong or a damping is negative or NaN.
@@ -125,19 +88,10 @@ def check_dampings(dampings: Tensor, evals: Tensor) -> None:
 
 
 def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Tensor:
-    """``t_k = −γ̄_k / (λ_k + δ_k)``, the step along each direction (``0`` if skipped).
-
-    Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-
-    Returns:
-        ``t``, shape ``[K]``.
+    """``t_k = −γ̄_k / (λ_k + δ_k)``, ``[K]``, the step along each direction.
 
     Raises:
-        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
-            shape.
+        InvalidArgumentError: As :func:`check_dampings`.
     """
     check_dampings(dampings, evals)
     return torch.where(
@@ -148,23 +102,10 @@ def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Ten
 def newton_coefficients(
     gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
 ) -> Tensor:
-    """Gram-space vector ``u`` with ``Δθ = V u`` the damped Newton step.
-
-    ``u = −Σ_k γ̄_k / ((λ_k + δ_k) √λ_k) ẽ_k``; a direction with ``δ_k = ∞`` gets no
-    step.
-
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        evals: Their eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-
-    Returns:
-        ``u``, shape ``[N·C]``.
+    """Gram-space vector ``u``, ``[N·C]``, with ``Δθ = V u`` the damped Newton step.
 
     Raises:
-        InvalidArgumentError: If a damping is negative or NaN, or has the wrong
-            shape.
+        InvalidArgumentError: As :func:`check_dampings`.
     """
     return gram_evecs @ (newton_step_sizes(evals, gamma_bar, dampings) / evals.sqrt())
 
@@ -172,20 +113,9 @@ def newton_coefficients(
 def predicted_decrease(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, lr: float = 1.0
 ) -> Tensor:
-    """Decrease of the GGN's quadratic model along each direction of ``lr · Δθ``.
+    """Decrease ``d_k``, ``[K]``, of the GGN's quadratic model along each direction.
 
-    Along direction ``k`` the step moves by ``t_k = −lr γ̄_k / (λ_k + δ_k)`` and
-    changes the model ``m(t) = γ̄_k t + ½ λ_k t²``; the decrease is ``−m(t_k)``
-    (``0`` for a skipped direction, ``δ_k = ∞``).
-
-    Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-        lr: Scale of the step.
-
-    Returns:
-        The predicted decrease per direction, ``[K]``.
+    Of the step ``lr · Δθ``; ``0`` for a skipped direction.
     """
     gain = lr / (evals + dampings)
     decrease = gamma_bar.pow(2) * gain * (1 - 0.5 * evals * gain)
@@ -197,25 +127,9 @@ def trust_region_dampings(
 ) -> Tensor:
     """Dampings for which the GGN's quadratic model vouches for the step ``lr · Δθ``.
 
-    Two rules, in this order (``docs/math.rst``, "Trust region of a Newton step"):
-
-    1. No overshoot: ``δ_k ≥ (lr − 1) λ_k``, so that ``lr · Δθ`` carries no
-       direction past the minimum of its quadratic model and no direction
-       predicts an increase of the loss (a no-op for ``lr ≤ 1``).
-    2. Trust region: if the predicted decrease of the whole step exceeds
-       ``max_decrease``, the smallest ``μ > 0`` added to every damping brings it
-       down to ``max_decrease`` (a Levenberg-Marquardt damping; it shortens the
-       flat directions most). ``max_decrease ≤ 0`` skips every direction.
-
-    Args:
-        evals: Eigenvalues ``λ_k > 0``, ``[K]``.
-        gamma_bar: Batch directional gradients ``γ̄_k``, ``[K]``.
-        dampings: ``δ_k ≥ 0`` (``inf`` to skip), ``[K]``.
-        lr: Scale ``> 0`` of the step.
-        max_decrease: Largest predicted decrease of the loss the step may have.
-
-    Returns:
-        The dampings after both rules, ``[K]``; ``inf`` stays ``inf``.
+    No overshoot (``δ_k ≥ (lr − 1) λ_k``), then the smallest ``μ`` added to every
+    damping that brings the predicted decrease down to ``max_decrease`` (``≤ 0``:
+    every direction skipped); ``inf`` stays ``inf``.
     """
     dampings = torch.maximum(dampings, (lr - 1.0) * evals)
 
@@ -247,10 +161,9 @@ def damped_step_sizes(
     max_decrease: float | None = None,
     stacklevel: int = 4,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and its steps along the directions.
+    """The dampings of a damped Newton step and its step sizes ``lr·t_k``.
 
-    ``lr · Δθ = Σ_k t_k e_k`` with ``t_k = −lr γ̄_k / (λ_k + δ_k)``; with
-    ``max_decrease`` the damping rule's dampings are raised by
+    With ``max_decrease`` the rule's dampings are raised by
     :func:`trust_region_dampings`. Warns with
     :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
 
@@ -302,25 +215,12 @@ def newton_coefficients_damped(
     lr: float = 1.0,
     max_decrease: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and its Gram-space vector ``u``.
+    """The dampings of a damped Newton step and ``u``, ``[N·C]``, with ``lr·Δθ = V u``.
 
-    ``lr · Δθ = V u`` with ``u = Σ_k t_k ẽ_k / √λ_k`` (:func:`damped_step_sizes`).
-
-    Args:
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
-        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
-        lr: Scale of the step.
-        max_decrease: Largest decrease of the loss the GGN's quadratic model may
-            predict for the step (``None``: no bound).
-
-    Returns:
-        The dampings used, ``[K]``, and ``u``, ``[N·C]``.
+    Arguments as for :func:`damped_step_sizes`.
 
     Raises:
-        InvalidArgumentError: If ``lr`` is not a positive finite number,
-            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
-            invalid.
+        InvalidArgumentError: As :func:`damped_step_sizes`.
     """
     dampings, sizes = damped_step_sizes(
         gram_evecs,
@@ -342,29 +242,14 @@ def damped_newton_step(
     lr: float = 1.0,
     max_decrease: float | None = None,
 ) -> NewtonStep:
-    """The damped Newton step in parameter space, with one product with ``V``.
+    """The damped Newton step ``lr · Δθ`` in parameter space, one product with ``V``.
 
-    The step is ``lr · Δθ`` (:func:`newton_coefficients_damped`); the result
-    holds the dampings actually used. A step to which no direction contributes
-    (no numerically non-zero eigenvalue, every direction skipped, or ``γ̄ = 0``)
-    is zero and warns with :class:`~vivit.errors.ZeroStepWarning`.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        gram_evecs: Gram eigenvectors of the directions, ``[N·C, K]``.
-        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
-        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
-        lr: Scale of the step.
-        max_decrease: Largest decrease of the loss the GGN's quadratic model may
-            predict for the step (``None``: no bound).
-
-    Returns:
-        The step with the quantities that define it.
+    Arguments as for :func:`damped_step_sizes`; ``factors`` has one entry per
+    parameter. A step to which no direction contributes is zero and warns with
+    :class:`~vivit.errors.ZeroStepWarning`.
 
     Raises:
-        InvalidArgumentError: If ``lr`` is not a positive finite number,
-            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
-            invalid.
+        InvalidArgumentError: As :func:`damped_step_sizes`.
     """
     dampings, u = newton_coefficients_damped(
         gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
@@ -379,14 +264,7 @@ def damped_newton_step(
 def warn_if_zero_step(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, stacklevel: int = 3
 ) -> None:
-    """Warn that a Newton step is zero because no direction contributes to it.
-
-    Args:
-        evals: Eigenvalues of the directions, ``[K]``.
-        gamma_bar: Batch directional gradients, ``[K]``.
-        dampings: Dampings of the step (``inf``: skipped), ``[K]``.
-        stacklevel: Of the warning (the caller's caller by default).
-    """
+    """Warn that a Newton step is zero, and why, if no direction contributes to it."""
     if evals.numel() == 0:
         reason = (
             "the GGN has no numerically non-zero eigenvalue (e.g. a saturated "

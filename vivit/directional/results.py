@@ -31,7 +31,10 @@ def _snr(mean: Tensor, variance: Tensor) -> Tensor:
 class DirectionalDerivatives:
     """First and second directional derivatives along GGN eigenvectors.
 
-    Directions ``k`` are ordered like the eigenvalues, ascending.
+    Directions ``k`` are ordered like the eigenvalues, ascending. Variances and
+    signal-to-noise ratios raise :class:`~vivit.InvalidSubsamplingError` for
+    fewer than two samples (of ``subsampling_grad`` for ``γ``, of ``subsampling``
+    for ``λ``).
 
     Attributes:
         evals: GGN eigenvalues ``λ_k`` of the directions, ``[K]``.
@@ -54,20 +57,12 @@ class DirectionalDerivatives:
 
     @property
     def gamma_var(self) -> Tensor:
-        """Unbiased sample variance (``ddof=1``) of ``γ_·k``, ``[K]``.
-
-        Raises:
-            InvalidSubsamplingError: For fewer than two samples (``subsampling_grad``).
-        """
+        """Unbiased sample variance (``ddof=1``) of ``γ_·k``, ``[K]``."""
         return _variance(self.gammas, "gammas", "subsampling_grad")
 
     @property
     def gamma_snr(self) -> Tensor:
-        """Signal-to-noise ratio ``mean² / variance`` of ``γ_·k``, ``[K]``.
-
-        Raises:
-            InvalidSubsamplingError: For fewer than two samples (``subsampling_grad``).
-        """
+        """Signal-to-noise ratio ``mean² / variance`` of ``γ_·k``, ``[K]``."""
         return _snr(self.gamma_mean, self.gamma_var)
 
     @property
@@ -77,20 +72,12 @@ class DirectionalDerivatives:
 
     @property
     def lambda_var(self) -> Tensor:
-        """Unbiased sample variance (``ddof=1``) of ``λ_·k``, ``[K]``.
-
-        Raises:
-            InvalidSubsamplingError: For fewer than two samples (``subsampling``).
-        """
+        """Unbiased sample variance (``ddof=1``) of ``λ_·k``, ``[K]``."""
         return _variance(self.lambdas, "lambdas", "subsampling")
 
     @property
     def lambda_snr(self) -> Tensor:
-        """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``.
-
-        Raises:
-            InvalidSubsamplingError: For fewer than two samples (``subsampling``).
-        """
+        """Signal-to-noise ratio ``mean² / variance`` of ``λ_·k``, ``[K]``."""
         return _snr(self.lambda_mean, self.lambda_var)
 
 

@@ -1,10 +1,8 @@
 """Gram algebra: products of the GGN square root ``V`` computed from layer factors.
 
-Every parameter contributes columns to ``V``. A :class:`ParamFactors` object holds
-them in the cheapest form its layer allows and answers the products the
-computations need: Gram blocks ``V₁ᵀ V₂``, ``V u`` and ``Vᵀ w``. Rows and columns of
-every Gram-space quantity are ordered sample-major: entry ``n * C + c`` is column
-``c`` of sample ``n``.
+A :class:`ParamFactors` holds a parameter's columns of ``V`` in the cheapest form
+its layer allows and answers ``V₁ᵀ V₂``, ``V u`` and ``Vᵀ w``. Gram space is
+ordered sample-major: entry ``n·C + c`` is column ``c`` of sample ``n``.
 """
 
 from vivit.gram.blocks import SampleBlockFactors

@@ -1,12 +1,8 @@
 """A parameter's columns of ``V`` over several blocks of samples.
 
-The samples of a GGN may come in blocks: the batches of a data loader, the shards
-of the processes of a ``torch.distributed`` group, the chunks of a large batch.
-``V = [V_1, V_2, …]`` stacks the blocks' columns, so its Gram matrix is made of
-cross-Gram blocks ``V_aᵀ V_b`` of the blocks' factors (never of ``V``), and
-``V u = Σ_b V_b u_b`` (``docs/math.rst``, "Data sets and processes"). Each
-block keeps the scale of its columns, so rescaling a loader's batches to the
-loss on all samples copies no factors.
+The batches of a loader, the shards of processes, the chunks of a large batch:
+``V = [V_1, V_2, …]``, whose products are those of the blocks' factors
+(``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
@@ -23,11 +19,9 @@ from vivit.gram.factors import ParamFactors
 class SampleBlockFactors(ParamFactors):
     """Columns of ``V`` of one parameter, held per block of samples.
 
-    Gram-space entries are ordered block by block, each block sample-major:
-    entry ``(offset_b + n)·C + c`` is column ``c`` of sample ``n`` of block ``b``.
-    Block ``b``'s columns are ``scale_b`` times those of its factors: rescaling a
-    block (``√(R_union/R_block)``) copies nothing, the products apply the scale
-    (``scale_a·scale_b·V_aᵀ V_b``, ``V u = Σ_b V_b (scale_b u_b)``).
+    Gram-space entries are ordered block by block, each block sample-major. Block
+    ``b``'s columns are ``scale_b`` times those of its factors: rescaling a block
+    copies nothing, the products apply the scale. Nested blocks are flattened.
 
     Args:
         blocks: Factors of the same parameter, one per block of samples, with the
@@ -120,9 +114,6 @@ class SampleBlockFactors(ParamFactors):
         Args:
             a: Index of the row block.
             b: Index of the column block (``a`` for a diagonal block).
-
-        Returns:
-            ``[rows of block a, rows of block b]``.
         """
         other = None if a == b else self.blocks[b]
         return self.blocks[a].gram(other) * (self.scales[a] * self.scales[b])
@@ -168,10 +159,7 @@ class SampleBlockFactors(ParamFactors):
         )
 
     def select(self, samples: Sequence[int]) -> ParamFactors:  # noqa: D102
-        """Restrict to samples (positions over all blocks), in the given order.
-
-        Consecutive samples of the same block stay one block.
-        """
+        """Restrict to samples (over all blocks); consecutive ones stay one block."""
         starts = [0]
         for block in self.blocks:
             starts.append(starts[-1] + block.num_samples)

@@ -15,8 +15,7 @@ from vivit.gram.symmetric import self_gram
 class DenseFactors(ParamFactors):
     """A parameter's columns of ``V`` stored as a matrix.
 
-    Used for parameters whose ``V`` is small (biases, normalization layers) or whose
-    layer has no factor form.
+    For small ``V`` (biases, normalization layers) or layers without a factor form.
 
     Args:
         columns: ``Vᵀ`` restricted to the parameter, shape ``[N, C, *param_shape]``;
@@ -36,9 +35,6 @@ class DenseFactors(ParamFactors):
 
         Args:
             blocks: Columns of the same parameter, each already scaled.
-
-        Returns:
-            One set of columns over all their samples, in block order.
         """
         first = blocks[0]
         columns = torch.cat([block._vt for block in blocks])

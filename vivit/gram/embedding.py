@@ -1,9 +1,7 @@
 """Columns of ``V`` of an embedding table, held as token indices and vectors.
 
-For ``z = E[i]`` (rows of a table ``E`` of ``[vocabulary, D]``) the column
-``(n, c)`` of ``V_E`` is ``Σ_t e_{i_n[t]} s̃_nc[t]ᵀ``: the backpropagated vector at
-each position added to the row of that position's token. The one-hot inputs are
-never formed; the indices stand for them (``docs/math.rst``, "Layer
+Column ``(n, c)`` adds the backpropagated vector of each position to the row of
+its token; the indices stand for the one-hot inputs (``docs/math.rst``, "Layer
 structure").
 """
 

@@ -1,10 +1,8 @@
 """Columns of ``V`` of layers whose weight Jacobian is an outer product.
 
-For a Linear layer ``z = W a + b`` the column ``(n, c)`` of ``V_W`` is
-``Σ_t s̃_nc[t] a_n[t]ᵀ``: the backpropagated vector at the layer output times the
-layer input, summed over positions ``t`` (sequence entries; the patches of an
-unfolded convolution input). Convolutions with channel groups are a stack of such
-products, one per group. ``docs/math.rst`` ("Layer structure") gives the formulas.
+Column ``(n, c)`` of a Linear or (grouped) convolution weight is
+``Σ_t s̃_nc[t] a_n[t]ᵀ`` over positions ``t`` (``docs/math.rst``, "Layer
+structure"); each product takes the cheapest route (:mod:`~vivit.gram.planner`).
 """
 
 from __future__ import annotations
@@ -26,14 +24,10 @@ COMPACT_RATIO = 4
 #: The GGN's ``V``: replaces the factors wherever it is no larger, since every Gram
 #: matrix and eigenvector forms it anyway (``compact``).
 GGN_COMPACT_RATIO = 1
-#: Multiply-adds one entry of a large intermediate costs besides its products: it
-#: is written to memory and read back (the "sample_pairs" Gram route's, copied
-#: once more into the layout of its next product; ``V`` formed by "through_v" for
-#: ``V u``). Measured on ResNet-18's convolutions (one thread, N = 64): the
-#: Gram route beats "pairs" 3x at T = 16 positions (C = 10: 6.2x fewer
-#: multiply-adds) and loses 1.7x at T = 4 (2.9x fewer); ``V u`` for 10 vectors
-#: with C = 1 at T = 4 takes 0.095 s through ``V`` (3x fewer multiply-adds) and
-#: 0.029 s factored. 32 puts both break-evens between the measured cases.
+#: Multiply-adds one entry of a large intermediate costs besides its products (it
+#: is written and read back): the "sample_pairs" Gram route's, ``V`` formed for
+#: ``V u``. Calibrated between the ResNet-18 timings that
+#: ``tests/gram/test_factors.py`` (``test_planner_routes_of_resnet18_*``) quotes.
 COPY_WORK = 32
 
 
@@ -48,11 +42,9 @@ def holds_v_explicitly(
 ) -> bool:
     """Whether a weight keeps its columns of ``V`` explicitly rather than as factors.
 
-    The one rule of :meth:`OuterProductFactors.compact`, which the engine applies
-    and :mod:`vivit.memory` counts. Per sample, ``V`` has ``C·G·O·P`` entries,
-    its factors ``G·T·P`` (layer inputs) plus ``C·G·T·O`` (backpropagated
-    vectors); ``V`` replaces them where ``ratio`` times its entries are at most
-    theirs.
+    The rule of :meth:`OuterProductFactors.compact`: per sample, ``V`` has
+    ``C·G·O·P`` entries, its factors ``G·T·(P + C·O)``; ``V`` replaces them where
+    ``ratio`` times its entries are at most theirs.
 
     Args:
         columns: Columns per sample ``C`` (``1`` for per-sample gradients).
@@ -74,17 +66,20 @@ def holds_v_explicitly(
 class OuterProductFactors(ParamFactors):
     """A weight's columns of ``V`` held as layer inputs and backpropagated vectors.
 
+    Both are stored detached: products never track gradients.
+
     Args:
         inputs: Layer inputs ``a``, shape ``[N, G, T, P]`` (groups ``G``, positions
             ``T``, input features per group ``P``).
         outputs: Backpropagated vectors ``s̃`` at the layer output, shape
             ``[C, N, G, T, O]`` (output features per group ``O``).
-
-    Both are detached: products never track gradients.
         param_shape: Shape of the weight; it must hold ``G * O * P`` entries laid out
             as ``[G, O, P]``, or as ``[P, O]`` if ``transposed``.
         transposed: The weight is stored input-major, ``[P, O]`` (``G = 1``): the
             ``torch.addmm(bias, a, W)`` of Hugging Face's ``Conv1D``.
+
+    Raises:
+        ValueError: If inputs and outputs disagree in samples, groups or positions.
     """
 
     def __init__(
@@ -124,13 +119,10 @@ class OuterProductFactors(ParamFactors):
 
         Args:
             blocks: Factors of the same weight, each already scaled.
-            inputs_cache: Concatenated inputs of earlier calls, with the blocks'
-                inputs they came from: factors whose blocks share their inputs
-                (``V`` and the per-sample gradients of a weight) then share the
-                concatenation too. Appended to.
-
-        Returns:
-            One set of factors over all their samples, in block order.
+            inputs_cache: Concatenated inputs of earlier calls with the blocks'
+                inputs they came from (appended to): factors whose blocks share
+                their inputs (``V`` and the per-sample gradients of a weight) then
+                share the concatenation too.
         """
         parts = [block._a for block in blocks]
         cache = [] if inputs_cache is None else inputs_cache
@@ -242,40 +234,19 @@ class OuterProductFactors(ParamFactors):
         )
 
     def _samples_within_budget(self, per_sample: int) -> int:
-        """Samples of ``self`` whose intermediates fit the planner's budget.
-
-        Args:
-            per_sample: Entries of the intermediates per sample of ``self``.
-
-        Returns:
-            A number of samples, at least one.
-        """
+        """Samples (at least one) of ``per_sample`` entries each that fit the budget."""
         budget = planner.budget_entries(self._a.dtype)
         return max(1, min(self.num_samples, budget // per_sample))
 
     def _features_per_chunk(self, rows: int) -> int:
-        """Output features (of all groups) whose columns of ``V`` fit the budget.
-
-        Args:
-            rows: Rows of ``Vᵀ`` alive at once (both operands of a cross-Gram).
-
-        Returns:
-            A number of the ``G·O`` output features, at least one.
-        """
+        """Output features (of ``G·O``, at least one) whose ``rows`` of ``Vᵀ`` fit."""
         budget = planner.budget_entries(self._a.dtype)
         return max(1, min(self._G * self._O, budget // max(1, rows * self._P)))
 
     def _feature_chunks(self, chunk: int) -> list[tuple[slice, slice]]:
-        """Split the ``G·O`` output features into ``(groups, features)`` blocks.
+        """``(groups, features)`` slices of ``chunk`` output features each.
 
-        Whole groups are taken together while ``chunk`` covers at least one group,
-        otherwise one group is split along its output features.
-
-        Args:
-            chunk: Output features per block.
-
-        Returns:
-            Slices into the group and output-feature axes of the factors.
+        Whole groups while ``chunk`` covers one, else a group split by features.
         """
         G, O = self._G, self._O
         if chunk >= O:
@@ -288,18 +259,7 @@ class OuterProductFactors(ParamFactors):
         ]
 
     def _gram_through_v(self, other: OuterProductFactors, chunk: int) -> Tensor:
-        """``Vᵀ V_other`` with ``V`` formed a block of output features at a time.
-
-        The Gram block is a sum over the weight's entries, so it is the sum of the
-        blocks' Gram matrices; only one block of ``V`` (of each operand) is alive.
-
-        Args:
-            other: Second set of factors of the same parameter (or ``self``).
-            chunk: Output features per block (see :meth:`_features_per_chunk`).
-
-        Returns:
-            Gram block, shape ``[self.num_rows, other.num_rows]``.
-        """
+        """``Vᵀ V_other``, summed over blocks of ``chunk`` output features of ``V``."""
         gram = None
         for groups, features in self._feature_chunks(chunk):
             vt = self._materialize(groups, features)
@@ -311,17 +271,9 @@ class OuterProductFactors(ParamFactors):
         return gram
 
     def _gram_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
-        """``G̃[(n,c),(m,d)] = Σ_{g,t,t'} (s̃_nc[g,t]·s̃_md[g,t']) (a_n[g,t]·a_m[g,t'])``.
+        """``Vᵀ V_other`` from products of position pairs, ``samples`` rows at a time.
 
-        Computed for a block of ``samples`` samples ``n`` at a time, so that the
-        pairwise products ``[n, C, r2, G, T, T]`` stay within the budget.
-
-        Args:
-            other: Second set of factors of the same parameter.
-            samples: Samples of ``self`` per block (see :meth:`_samples_per_chunk`).
-
-        Returns:
-            Gram block, shape ``[self.num_rows, other.num_rows]``.
+        ``G̃[(n,c),(m,d)] = Σ_{g,t,t'} (s̃_nc[g,t]·s̃_md[g,t']) (a_n[g,t]·a_m[g,t'])``.
         """
         C = self.num_columns
         gram = self._a.new_empty(self.num_rows, other.num_rows)
@@ -335,23 +287,11 @@ class OuterProductFactors(ParamFactors):
         return gram
 
     def _gram_sample_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
-        """``G̃[(n,c),(m,d)] = Σ_{g,t,u} s̃_nc[g,t]ᵀ (k_nm[g,t,u] s̃_md[g,u])``.
+        """``Vᵀ V_other``, the other operand's vectors weighted by input kernels first.
 
-        ``k_nm[g,t,u] = a_n[g,t]·a_m[g,u]`` are the inputs' position-pair products.
-        Weighting the other operand's vectors by them first,
-        ``z_nm[g,t,d] = Σ_u k_nm[g,t,u] s̃_md[g,u]``, costs ``C`` times fewer
-        multiply-adds than the products of all pairs of vectors of ``pairs``
-        (``docs/math.rst``, "Layer structure"). Computed for a block of
-        ``samples`` samples ``n`` at a time; of ``Vᵀ V`` only the blocks of the
-        lower triangle (at least ``NUM_BLOCKS`` of them), mirrored.
-
-        Args:
-            other: Second set of factors of the same parameter.
-            samples: Samples of ``self`` per block (see
-                :meth:`_sample_pairs_per_chunk`).
-
-        Returns:
-            Gram block, shape ``[self.num_rows, other.num_rows]``.
+        ``C`` times fewer multiply-adds than :meth:`_gram_pairs` (``docs/math.rst``,
+        "Layer structure"); ``samples`` rows at a time, of ``Vᵀ V`` only the
+        lower triangle (at least ``NUM_BLOCKS`` blocks), mirrored.
         """
         C, D = self.num_columns, other.num_columns
         T, O = self._T, self._O
@@ -437,15 +377,7 @@ class OuterProductFactors(ParamFactors):
         return vt
 
     def _materialize(self, groups: slice, features: slice) -> Tensor:
-        """Rows of ``Vᵀ`` restricted to a block of groups and output features.
-
-        Args:
-            groups: Slice of the groups.
-            features: Slice of the output features per group.
-
-        Returns:
-            ``[N·C, g·o·P]`` for the ``g`` selected groups and ``o`` features.
-        """
+        """Rows of ``Vᵀ`` of ``g`` groups and ``o`` features each, ``[N·C, g·o·P]``."""
         outputs = self._s[:, :, groups, :, features]
         vt = einsum("cngto,ngtp->ncgop", outputs, self._a[:, groups])
         return vt.reshape(self.num_rows, -1)
@@ -453,17 +385,10 @@ class OuterProductFactors(ParamFactors):
     def compact(self, ratio: int = COMPACT_RATIO) -> ParamFactors:
         """``V`` held explicitly where it is sufficiently smaller than these factors.
 
-        For a convolution on large images (many positions ``T``) ``V`` has fewer
-        entries than the unfolded input and the backpropagated vectors together;
-        holding it instead frees those and makes every later product one matrix
-        product. Forming ``V`` costs ``T`` multiply-adds per entry, paid even if no
-        product follows (per-sample gradient factors are used only for
-        directional derivatives), so by default it is formed only where it has at
-        most ``1 / COMPACT_RATIO`` of the factors' entries. The GGN's factors pass
-        ``GGN_COMPACT_RATIO``: the Gram matrix (through ``V``) and the eigenvectors
-        (``V u``) would each form ``V`` again, so holding it pays wherever it is no
-        larger than the factors (on the 3c3d CNN with one Monte-Carlo sample, the
-        second convolution).
+        With many positions ``T`` (convolutions on large images) ``V`` is smaller
+        than the factors and makes every later product one matrix product; forming
+        it costs ``T`` multiply-adds per entry, paid even if no product follows
+        (hence :data:`COMPACT_RATIO` and :data:`GGN_COMPACT_RATIO`).
 
         Args:
             ratio: ``V`` is formed where ``ratio`` times its entries are at most

@@ -1,23 +1,9 @@
-"""Choose the cheaper of several contraction routes for one product.
+"""Choose the cheapest of several contraction routes for one product.
 
-The cost model. A route is described by
-
-- ``flops``: the multiply-adds of its contractions, counted from the tensor shapes
-  (``m·n·k`` for an ``[m, k] @ [k, n]`` product). It ignores how fast each kernel
-  runs: a large matrix product runs several times more multiply-adds per second
-  than a small batched ``einsum``, so routes within a small factor of each other
-  are close calls;
-- ``memory``: the tensor entries of its largest intermediate, counted before it is
-  allocated. Routes that work in chunks (``V`` formed a block of output features
-  at a time; pairwise products a block of samples at a time) report the chunk,
-  whose size they pick from the same budget, not the whole tensor. The result
-  (a Gram block ``[N·C, N·C]``) is not counted: every route allocates it.
-
-The planner picks the route with the least work among those whose largest
-intermediate, in bytes of the factors' data type, fits :data:`MEMORY_BUDGET_BYTES`;
-if none fits, the one with the smallest intermediate. The budget bounds one
-intermediate, not the peak of a backward pass: the factors themselves, BackPACK's
-backpropagated quantities and the ``[N·C, N·C]`` Gram matrix come on top.
+The route with the fewest multiply-adds among those whose largest intermediate
+fits :data:`MEMORY_BUDGET_BYTES`, else the one with the smallest intermediate.
+Multiply-adds ignore kernel speed, so routes within a small factor are close
+calls. The budget bounds one intermediate, not the peak of a backward pass.
 """
 
 from __future__ import annotations
@@ -26,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-#: Largest intermediate (in bytes) a route may create: routes work in chunks of at
-#: most this size, and one that cannot is avoided. 256 MiB, i.e. 2**26 entries in
-#: float32, 2**25 in float64: large enough that chunked matrix products run at
-#: full speed, small next to the Gram matrix at large N·C.
+#: Largest intermediate (in bytes) a route may create; chunked routes pick their
+#: chunks from it. Large enough for full-speed matrix products, small next to the
+#: Gram matrix at large N·C.
 MEMORY_BUDGET_BYTES = 2**28
 
 
@@ -39,8 +24,9 @@ class Route:
 
     Attributes:
         name: Identifier of the route.
-        flops: Multiply-adds it performs.
-        memory: Entries of its largest intermediate tensor.
+        flops: Multiply-adds of its contractions, counted from the shapes.
+        memory: Entries of its largest intermediate (of a chunk, for a chunked
+            route; the result is not counted).
     """
 
     name: str
@@ -49,14 +35,11 @@ class Route:
 
 
 def budget_entries(dtype: torch.dtype, budget: int | None = None) -> int:
-    """How many entries of ``dtype`` fit into a budget.
+    """How many entries of ``dtype`` (at least 1) fit into a budget.
 
     Args:
         dtype: Data type of the intermediates.
         budget: Budget in bytes (``None``: :data:`MEMORY_BUDGET_BYTES`).
-
-    Returns:
-        The budget in tensor entries (at least 1).
     """
     budget = MEMORY_BUDGET_BYTES if budget is None else budget
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -68,16 +51,12 @@ def choose(
     dtype: torch.dtype = torch.float32,
     budget: int | None = None,
 ) -> str:
-    """Return the name of the cheapest route whose intermediates fit the budget.
+    """The name of the cheapest route whose intermediate fits the budget.
 
     Args:
         *routes: Candidate routes.
         dtype: Data type of the intermediates (sets the bytes per entry).
-        budget: Maximum size of an intermediate, in bytes (``None``:
-            :data:`MEMORY_BUDGET_BYTES`).
-
-    Returns:
-        Name of the chosen route.
+        budget: Bytes (``None``: :data:`MEMORY_BUDGET_BYTES`).
     """
     entries = budget_entries(dtype, budget)
     fitting = [r for r in routes if r.memory <= entries]

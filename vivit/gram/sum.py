@@ -1,10 +1,8 @@
 """Columns of ``V`` of a parameter used in several ways: the sum of the uses' forms.
 
-A tied embedding table is looked up (an :class:`~vivit.gram.EmbeddingFactors`)
-and multiplied as the output layer's weight (an
-:class:`~vivit.gram.OuterProductFactors`); its columns of ``V`` are the sum
-``V = Σ_u V_u``, so its Gram matrix holds the cross terms ``V_uᵀ V_w`` of every
-pair of uses (``docs/math.rst``, "Layer structure").
+E.g. a tied embedding table, looked up and used as the output layer's weight:
+``V = Σ_u V_u``, whose Gram matrix holds every pair's cross terms
+(``docs/math.rst``, "Layer structure").
 """
 
 from __future__ import annotations

@@ -13,15 +13,13 @@ MIN_ROWS = 512
 def self_gram(vt: Tensor, out: Tensor | None = None) -> Tensor:
     """``Vᵀ V`` for ``Vᵀ`` given as a ``[R, D]`` matrix.
 
-    A matrix product does not know that ``Vᵀ V`` is symmetric (PyTorch exposes no
-    symmetric rank-k update), so for large ``R`` the lower triangle is computed in
-    row blocks, each multiplied into its place, and mirrored.
+    PyTorch has no symmetric rank-k update, so for large ``R`` the lower triangle
+    is computed in row blocks and mirrored.
 
     Args:
         vt: ``Vᵀ``, shape ``[R, D]``.
-        out: A symmetric ``[R, R]`` matrix to add ``Vᵀ V`` to, in place (for
-            summing Gram matrices without a temporary of their size); ``None``
-            returns a new matrix.
+        out: A symmetric ``[R, R]`` matrix to add ``Vᵀ V`` to in place (no
+            temporary of its size); ``None`` returns a new matrix.
 
     Returns:
         The symmetric ``[R, R]`` Gram matrix (``out`` if given).

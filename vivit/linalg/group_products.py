@@ -1,8 +1,8 @@
 """Products with ``V`` and ``G̃ = Vᵀ V`` of a parameter group, from its factors.
 
-``V`` of a group stacks its parameters' rows, so ``G̃ = Σ_p V_pᵀ V_p`` and
-``G̃ U = Σ_p V_pᵀ (V_p U)`` (``docs/math.rst``, "Layer structure"): neither needs
-``V`` nor ``G̃`` of the whole group at once.
+Sums over the group's parameters, ``G̃ = Σ_p V_pᵀ V_p``: none forms the group's
+``V`` (``docs/math.rst``, "Layer structure"). ``factors`` holds one
+:class:`~vivit.gram.ParamFactors` per parameter of the group.
 """
 
 from __future__ import annotations
@@ -17,14 +17,7 @@ from vivit.gram import ParamFactors
 
 
 def group_gram(factors: Sequence[ParamFactors]) -> Tensor:
-    """The Gram matrix ``G̃ = Σ_p V_pᵀ V_p`` of a group.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-
-    Returns:
-        ``[N·C, N·C]``.
-    """
+    """The Gram matrix ``G̃ = Σ_p V_pᵀ V_p`` of a group, ``[N·C, N·C]``."""
     gram = factors[0].gram()
     for f in factors[1:]:
         gram.add_(f.gram())
@@ -32,15 +25,7 @@ def group_gram(factors: Sequence[ParamFactors]) -> Tensor:
 
 
 def gram_matmul(factors: Sequence[ParamFactors], vectors: Tensor) -> Tensor:
-    """``G̃ U = Σ_p V_pᵀ (V_p U)`` without forming ``G̃``.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        vectors: ``U``, Gram-space vectors as columns, ``[N·C, K]``.
-
-    Returns:
-        ``G̃ U``, ``[N·C, K]``.
-    """
+    """``G̃ U = Σ_p V_pᵀ (V_p U)`` for columns ``U`` ``[N·C, K]``, without ``G̃``."""
     rows = vectors.T.contiguous()
     result = factors[0].vtmp(factors[0].vmp(rows))
     for f in factors[1:]:
@@ -49,15 +34,7 @@ def gram_matmul(factors: Sequence[ParamFactors], vectors: Tensor) -> Tensor:
 
 
 def vt_matmul(factors: Sequence[ParamFactors], vectors: Sequence[Tensor]) -> Tensor:
-    """``Vᵀ W`` for parameter-space vectors in parameter-list format.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        vectors: One tensor ``[K, *p.shape]`` per parameter.
-
-    Returns:
-        ``[K, N·C]``.
-    """
+    """``Vᵀ W``, ``[K, N·C]``, for one tensor ``[K, *p.shape]`` per parameter."""
     pairs = list(zip(factors, vectors, strict=True))
     result = pairs[0][0].vtmp(pairs[0][1])
     for f, w in pairs[1:]:
@@ -66,36 +43,19 @@ def vt_matmul(factors: Sequence[ParamFactors], vectors: Sequence[Tensor]) -> Ten
 
 
 def v_matmul(factors: Sequence[ParamFactors], coefficients: Tensor) -> list[Tensor]:
-    """``V u`` for Gram-space vectors, in parameter-list format.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-        coefficients: ``[K, N·C]``.
-
-    Returns:
-        One tensor ``[K, *p.shape]`` per parameter.
-    """
+    """``V u`` for rows ``[K, N·C]``: one tensor ``[K, *p.shape]`` per parameter."""
     return [f.vmp(coefficients) for f in factors]
 
 
 def num_params(factors: Sequence[ParamFactors]) -> int:
-    """Number of parameters ``D`` of the group (rows of ``V``).
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-
-    Returns:
-        ``D``.
-    """
+    """Number of parameters ``D`` of the group (rows of ``V``)."""
     return sum(f.param_shape.numel() for f in factors)
 
 
 class VProducts(Protocol):
     """Products with ``V`` and ``G̃ = Vᵀ V`` of one parameter group.
 
-    Answered from stored factors (:class:`FactorProducts`) or by passes over the
-    data (:mod:`vivit.sources.streamed`); the eigensolvers, the operator and the
-    results layer use only these.
+    From stored factors (:class:`FactorProducts`) or by passes over the data.
 
     Attributes:
         dtype: Type the products run in (``gram_dtype`` or the factors').
@@ -114,11 +74,7 @@ class VProducts(Protocol):
 
 
 class FactorProducts:
-    """:class:`VProducts` of a group from its stored factors.
-
-    Args:
-        factors: Factors of ``V``, one per parameter of the group.
-    """
+    """:class:`VProducts` of a group from its stored factors, one per parameter."""
 
     def __init__(self, factors: Sequence[ParamFactors]):
         self.factors = list(factors)

@@ -1,21 +1,9 @@
-"""The low-rank GGN of a parameter group as a linear operator.
+"""The low-rank GGN of a parameter group as a linear operator, never formed.
 
-Every product goes through products with ``V`` (``docs/math.rst``, "Layer
-structure" and "The Gram matrix and exact eigenpairs"), or through the implicit
-products ``G v = Jᵀ H J v`` of ``solver="implicit"`` (``docs/math.rst``,
-"Implicit GGN-vector products"); ``G`` is never formed. Through ``V``:
-
-- ``G w = V (Vᵀ w)``;
-- on the leading eigenspace, with Gram eigenpairs ``(λ_k, ũ_k)`` and
-  ``e_k = V ũ_k / √λ_k``, the pseudo-inverse
-  ``G_K⁺ w = Σ_k e_k e_kᵀ w / λ_k = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
-
-Vectors are flat tensors over the group's parameters (each flattened row-major, in
-the group's order), ``[D]`` or ``[D, K]`` for ``K`` of them, or lists of tensors
-shaped like the parameters (``p.shape``, or ``[K, *p.shape]``).
-:meth:`GGNOperator.to_scipy` wraps the products into a
-:class:`scipy.sparse.linalg.LinearOperator` of shape ``(D, D)``, as curvlinops'
-operators are, for ``scipy.sparse.linalg.eigsh``, ``cg`` and friends.
+``G w`` and the pseudo-inverse ``G_K⁺ w`` on the leading eigenspace, through
+products with ``V`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs")
+or implicit products (``docs/math.rst``, "Implicit GGN-vector products"); also as
+a :class:`scipy.sparse.linalg.LinearOperator`.
 """
 
 from __future__ import annotations
@@ -60,9 +48,6 @@ class OperatorProducts(Protocol):
 class GramSpaceProducts:
     """:class:`OperatorProducts` through products with ``V``.
 
-    ``G w = V (Vᵀ w)``; with Gram eigenpairs ``(λ_k, ũ_k)``,
-    ``G_K⁺ w = V Ũ diag(λ⁻²) Ũᵀ Vᵀ w``.
-
     Args:
         products: ``V·u`` and ``Vᵀ·w`` of the group.
     """
@@ -89,9 +74,10 @@ class GramSpaceProducts:
 class GGNOperator:
     """``G`` of one parameter group, applied through products; never formed.
 
-    Obtained from :meth:`vivit.LowRankGGN.operator` (products through the stored
-    factors, or implicit products with ``solver="implicit"``) or
-    :meth:`vivit.StreamingGGN.operator` (two passes over the data per product).
+    Vectors are flat over the group's parameters (each flattened row-major, in the
+    group's order), ``[D]`` or ``[D, K]``, or one tensor per parameter, ``p.shape``
+    or ``[K, *p.shape]``. Obtained from :meth:`vivit.LowRankGGN.operator` or
+    :meth:`vivit.StreamingGGN.operator`.
 
     Args:
         products: ``G w`` and ``G_K⁺ w`` of the group.
@@ -121,15 +107,7 @@ class GGNOperator:
         self._work_dtype = products.dtype
 
     def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
-        """``G v``.
-
-        Args:
-            vectors: ``[D]``, ``[D, K]``, or one tensor per parameter shaped like
-                it (optionally with a leading axis ``K``).
-
-        Returns:
-            ``G v`` in the format of ``vectors``.
-        """
+        """``G v`` in the format of ``vectors`` (see :class:`GGNOperator`)."""
         rows, restore = self._to_rows(vectors)
         return restore(self._products.ggn_matmul(rows))
 
@@ -150,6 +128,10 @@ class GGNOperator:
 
         Returns:
             ``Σ_k e_k e_kᵀ v / λ_k`` in the format of ``vectors``.
+
+        Raises:
+            NonFiniteError: If eigenvalues too small for the products' type make
+                it overflow.
         """
         evals, directions = self._eigenpairs(top_k, solver)
         rows, restore = self._to_rows(vectors)
@@ -164,25 +146,13 @@ class GGNOperator:
         return restore(result)
 
     def to_scipy(self) -> LinearOperator:
-        """``G`` as a ``scipy.sparse.linalg.LinearOperator`` on flat NumPy vectors.
-
-        Returns:
-            The symmetric operator of shape ``(D, D)``.
-        """
+        """``G`` as a symmetric ``LinearOperator`` ``(D, D)`` on flat NumPy vectors."""
         return self._scipy(self.matvec)
 
     def pinv_to_scipy(
         self, top_k: int | None = None, solver: str | None = None
     ) -> LinearOperator:
-        """``G_K⁺`` (see :meth:`pinv_matvec`) as a ``LinearOperator``.
-
-        Args:
-            top_k: As for :meth:`pinv_matvec`.
-            solver: As for :meth:`pinv_matvec`.
-
-        Returns:
-            The symmetric operator of shape ``(D, D)``.
-        """
+        """``G_K⁺`` (:meth:`pinv_matvec`) as a symmetric ``LinearOperator``."""
         self._eigenpairs(top_k, solver)  # compute (and check) the eigenpairs now
         return self._scipy(lambda v: self.pinv_matvec(v, top_k, solver))
 
@@ -211,11 +181,7 @@ class GGNOperator:
     def _to_rows(
         self, vectors: Tensor | Sequence[Tensor]
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
-        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
-
-        The rows are in the products' type, the results of the way back in the
-        parameters'.
-        """
+        """Rows ``[K, *p.shape]`` in the products' type, and the way back."""
         rows, restore = self._parameter_rows(vectors)
         rows = [row.to(self._work_dtype) for row in rows]
         return rows, lambda result: restore([r.to(self.dtype) for r in result])
@@ -223,11 +189,7 @@ class GGNOperator:
     def _parameter_rows(
         self, vectors: Tensor | Sequence[Tensor]
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
-        """Vectors in parameter-list format ``[K, *p.shape]`` and the way back.
-
-        Raises:
-            ValueError: If the vectors do not match the group's parameters.
-        """
+        """Rows ``[K, *p.shape]`` and the way back; refuses mismatched vectors."""
         size = self.shape[0]
         if isinstance(vectors, Tensor):
             if vectors.ndim not in (1, 2) or vectors.shape[0] != size:

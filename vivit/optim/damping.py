@@ -1,20 +1,11 @@
 """Dampings for Newton steps in the GGN eigenspace.
 
-A damping is a callable
-
-    ``damping(evals, gram_evecs, gammas, lambdas) -> deltas``
-
-that maps the eigenvalues ``evals`` (shape ``[K]``) of the step's directions, the Gram
-matrix eigenvectors ``gram_evecs`` (``[NC, K]``), and the per-sample first and second
-directional derivatives ``gammas`` (``[N_grad, K]``) and ``lambdas`` (``[N_ggn, K]``,
-rows are samples) to one damping ``δ_k ≥ 0`` per direction (``[K]``). The Newton
-step along direction ``k`` is ``-γ̄_k / (λ_k + δ_k)``; ``δ_k = inf`` skips the
-direction (it gets no step).
-
-Scale: depending on the loss reduction, ``evals`` are on the "sum" scale
-(``λ_k = Σ_n λ_nk``) or the "mean" scale (``λ_k = mean_n λ_nk``), and the step uses
-``γ̄_k`` on the same scale. A damping must therefore be returned on the scale of
-``evals``.
+A damping is a callable ``damping(evals, gram_evecs, gammas, lambdas) -> deltas``
+from the directions' eigenvalues ``[K]``, Gram eigenvectors ``[NC, K]`` and
+per-sample directional derivatives ``gammas`` ``[N_grad, K]`` and ``lambdas``
+``[N_ggn, K]`` to one ``δ_k ≥ 0`` per direction, ``[K]`` (``inf`` skips it), on the
+scale of ``evals``: the loss's reduction puts them on the "sum" or the "mean" scale
+(``docs/math.rst``, "Damped Newton step in the eigenspace").
 """
 
 from __future__ import annotations
@@ -30,14 +21,14 @@ from vivit.errors import InvalidArgumentError
 class ConstantDamping:
     """The same damping for every direction.
 
-    The value is used as is, on the scale of ``evals``: with a sum-reduced loss, the
-    same constant damps relatively less than with a mean-reduced loss.
+    On the scale of ``evals``: with a sum-reduced loss the same constant damps
+    relatively less than with a mean-reduced loss.
 
     Args:
-        damping: Non-negative damping added to every eigenvalue. Default: ``1.0``.
+        damping: Non-negative damping added to every eigenvalue.
 
     Raises:
-        ValueError: If ``damping`` is negative or not a number.
+        InvalidArgumentError: If ``damping`` is negative or NaN.
     """
 
     def __init__(self, damping: float = 1.0):
@@ -48,78 +39,45 @@ class ConstantDamping:
     def __call__(
         self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
     ) -> Tensor:
-        """Return the constant damping for each direction.
-
-        Args:
-            evals: Eigenvalues of the directions, shape ``[K]``.
-            gram_evecs: Gram matrix eigenvectors, shape ``[NC, K]`` (unused).
-            gammas: First directional derivatives, shape ``[N_grad, K]`` (unused).
-            lambdas: Second directional derivatives, shape ``[N_ggn, K]`` (unused).
-
-        Returns:
-            ``damping`` for each direction, shape ``[K]``, dtype and device of
-            ``evals``.
-        """
+        """``damping`` for each direction, like ``evals``; the rest is unused."""
         return torch.full_like(evals, self.damping)
 
 
 class BootstrapDamping:
     """Per-direction damping whose predicted loss change is most reliably negative.
 
-    For direction ``k``, let ``γ̄ = mean_n γ_nk`` and ``λ̄ = mean_n λ_nk`` be the
-    per-sample-mean estimates. A damping ``δ'`` from ``damping_grid`` gives the step
-    ``τ(δ') = -γ̄ / (λ̄ + δ')``. Its predicted loss change (per sample) is estimated
-    on ``num_resamples`` bootstrap resamples ``b``: the rows of ``gammas`` and,
-    independently, those of ``lambdas`` are drawn with replacement, their means
-    ``γ̂_b``, ``λ̂_b`` give
+    With the sample means ``γ̄``, ``λ̄`` of direction ``k``, each grid value ``δ'``
+    gives the step ``τ = −γ̄ / (λ̄ + δ')`` and the predicted change
+    ``Δ_b = γ̂_b τ + ½ λ̂_b τ²`` on bootstrap resamples ``b`` (the rows of
+    ``gammas`` and of ``lambdas`` drawn independently; ``γ̂_b``, ``λ̂_b`` their
+    means). The rule picks the grid value that minimises the upper ``percentile``
+    of ``Δ_b`` (ties: the smaller one), and skips the direction (``inf``) where
+    that is not negative for any value, always where ``γ̄ = 0``. With exact
+    curvature it shrinks the Newton step by about ``g / |γ̄|``, ``g`` the lower
+    ``100 − percentile`` percentile of ``sign(γ̄) γ̂_b``, and skips ``g ≤ 0``. A
+    single sample is taken as exact.
 
-        ``Δ_b(δ') = γ̂_b τ + ½ λ̂_b τ²``.
+    The grid is on the per-sample-mean scale; the result ``δ'_k · evals_k / λ̄_k``
+    on that of ``evals`` (``N · δ'_k`` for a loss summed over the ``N`` samples of
+    ``lambdas``; where ``λ̄_k ≤ 0`` the ratio ``Σ evals / Σ λ̄`` of the other
+    directions, or 1).
 
-    The rule picks, per direction, the grid value minimising the upper
-    ``percentile`` of ``Δ_b(δ')`` over the resamples, i.e. the most negative
-    pessimistic prediction (ties go to the smaller damping). If this percentile is
-    not negative for any grid value, the loss decrease is not reliable and the
-    direction is skipped (``δ = inf``); this is the case whenever ``γ̄ = 0``.
-
-    Noise-free data (all samples equal) gives the smallest grid value, since the
-    undamped Newton step minimises an exact quadratic. With exact curvature, the
-    percentile is ``½ λ̄ τ² - |τ| g``, with ``g`` the lower ``100 - percentile``
-    percentile of ``sign(γ̄) γ̂_b`` (a pessimistic slope), so the rule shrinks the
-    Newton step by about ``g / |γ̄|``, and skips directions whose gradient sign is
-    uncertain (``g ≤ 0``).
-
-    Scale: the grid holds dampings ``δ'`` for the per-sample-mean scale. The
-    returned damping is ``δ_k = δ'_k · evals_k / λ̄_k``, so that
-    ``λ_k + δ_k = (evals_k / λ̄_k) · (λ̄_k + δ'_k)``: the evaluated ``δ'_k``
-    rescaled to the scale of ``evals`` (``λ_k = evals_k``). This equals ``δ'_k``
-    for a mean-reduced loss and ``N · δ'_k`` for a sum-reduced loss over ``N``
-    samples (if ``lambdas`` are from the same samples as ``evals``). Where
-    ``λ̄_k ≤ 0`` the ratio ``Σ evals / Σ λ̄`` over the other directions is used
-    (``1`` if there are none).
-
-    With a single sample (``N_grad = 1`` or ``N_ggn = 1``), resampling reproduces
-    it, so that quantity is treated as exact. Without directions (``K = 0``) the
-    result is empty.
-
-    The rule accounts for the sampling noise of ``γ`` and ``λ``, not for how far
-    the quadratic model holds: along a direction with ``λ̄ ≪ δ'_min`` and a
-    reliable gradient sign it picks the smallest grid value, a step of about
-    ``γ̄ / δ'_min``. :class:`~vivit.optim.DampedNewton` bounds such steps by its
-    trust region (``trust_fraction``); with :meth:`vivit.LowRankGGN.newton`,
-    pass ``max_decrease`` for the same protection.
+    Only sampling noise is accounted for: a flat direction with a reliable
+    gradient sign gets the smallest grid value, a step of about ``γ̄ / δ'_min``.
+    Bound it by a trust region (``trust_fraction`` of
+    :class:`~vivit.optim.DampedNewton`, ``max_decrease`` of
+    :meth:`vivit.LowRankGGN.newton`).
 
     Args:
-        damping_grid: Candidate non-negative, finite dampings ``δ'`` on the
-            per-sample-mean scale. Default: 21 values log-spaced in
-            ``[1e-3, 1e2]``. Candidates with ``λ̄ + δ' ≤ 0`` are never chosen.
-        num_resamples: Number of bootstrap resamples. Default: ``100``.
-        percentile: Percentile (in ``(0, 100]``) of the resampled predicted
-            changes that must be negative and is minimised. Default: ``95.0``.
-        generator: Random number generator for the resamples, for reproducible
-            results. Default: ``None`` (PyTorch's global generator).
+        damping_grid: Candidate non-negative, finite dampings ``δ'`` (default: 21
+            log-spaced in ``[1e-3, 1e2]``); ``λ̄ + δ' ≤ 0`` is never chosen.
+        num_resamples: Number of bootstrap resamples.
+        percentile: Percentile in ``(0, 100]`` of the resampled changes that must
+            be negative and is minimised.
+        generator: Generator of the resamples (``None``: PyTorch's global one).
 
     Raises:
-        ValueError: If an argument is out of range.
+        InvalidArgumentError: If an argument is out of range.
     """
 
     def __init__(
@@ -157,19 +115,11 @@ class BootstrapDamping:
     ) -> Tensor:
         """Choose a damping per direction by bootstrapping the predicted change.
 
-        Args:
-            evals: Eigenvalues of the directions, shape ``[K]``; set the scale of
-                the result.
-            gram_evecs: Gram matrix eigenvectors, shape ``[NC, K]`` (unused).
-            gammas: First directional derivatives, shape ``[N_grad, K]``.
-            lambdas: Second directional derivatives, shape ``[N_ggn, K]``.
-
-        Returns:
-            Dampings ``δ_k ≥ 0`` on the scale of ``evals``, ``inf`` for skipped
-            directions, shape ``[K]``, dtype and device of ``evals``.
+        The interface of the module; ``evals`` sets the scale, type and device of the
+        result, ``gram_evecs`` is unused.
 
         Raises:
-            ValueError: If the shapes do not match or there are no samples.
+            InvalidArgumentError: If the shapes do not match or there are no samples.
         """
         (K,) = evals.shape
         if K == 0:  # no direction: nothing to choose

@@ -1,0 +1,104 @@
+"""The report of a Gram eigensolve and the iterative solvers' ``tol`` and ``seed``.
+
+Defaults and checks of the arguments every front door passes on to
+:func:`~vivit.linalg.iterative.block_krylov_eigh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vivit.errors import InvalidArgumentError
+
+#: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
+SEEDS = (-(2**63), 2**64)
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """The default relative residual tolerance for ``dtype``, ``max(100·ε, 1e-12)``.
+
+    ``100·ε`` lies above the rounding of a product with a stored matrix (products
+    whose terms cancel can round above it: the rounding floor).
+    """
+    return max(100 * torch.finfo(dtype).eps, 1e-12)
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    """How the leading eigenpairs of a Gram matrix were computed.
+
+    For the dense solver ``cycles`` and ``products`` are ``0``, and the fields
+    after ``fallback`` are ``None``.
+
+    Attributes:
+        solver: ``"dense"``, ``"iterative"`` (on the Gram matrix) or
+            ``"matrix_free"`` (on products with ``V``).
+        requested: The solver asked for (``"auto"`` or one of the above).
+        residual: Largest relative residual ``‖G̃ ũ − λ ũ‖ / λ_max`` of the returned
+            pairs, from fresh products (``None`` for a full decomposition, whose
+            bound LAPACK guarantees).
+        tolerance: The bound the pairs satisfy (``None`` for dense): the requested
+            one, or ``2·rounding`` where that is larger.
+        converged: Whether ``residual ≤ tolerance`` (always ``True`` for dense).
+        cycles: Krylov cycles run.
+        products: Vectors the operator was multiplied onto (all solves).
+        fallback: Why another solver than the requested one ran, or ``None``.
+        rounding: The products' measured rounding ``ρ``, relative to ``θ_max``.
+        requested_tolerance: The bound asked for.
+        basis_columns: Columns of a cycle's Krylov basis.
+        basis_cut: Why the basis holds fewer columns than its default, e.g.
+            ``"basis cut to 96 of 210 columns by memory"``.
+        block_size: Block size ``b`` of the solve that returned the pairs.
+        widened: Why a block narrower than ``top_k`` was widened
+            (:func:`~vivit.linalg.iterative.narrow_block_doubt`).
+    """
+
+    solver: str
+    requested: str
+    residual: float | None
+    tolerance: float | None
+    converged: bool
+    cycles: int = 0
+    products: int = 0
+    fallback: str | None = None
+    rounding: float | None = None
+    requested_tolerance: float | None = None
+    basis_columns: int | None = None
+    basis_cut: str | None = None
+    block_size: int | None = None
+    widened: str | None = None
+
+
+def check_tolerance(tol: object, name: str = "tol") -> None:
+    """Check a relative residual bound (``name`` in the message).
+
+    Raises:
+        InvalidArgumentError: If it is not ``None`` or a number in ``(0, 1)`` (a
+            bound of 1 or more would accept any Ritz pairs).
+    """
+    if tol is not None and (
+        isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a number in (0, 1) or None, got {tol!r}: the relative "
+            "residual bound of the eigenpairs, e.g. 1e-6 (None: the data type's "
+            "default)."
+        )
+
+
+def check_seed(seed: object, name: str = "seed") -> None:
+    """Check the seed of the random start block (``name`` in the message).
+
+    Raises:
+        InvalidArgumentError: If it is not an integer in ``[-2⁶³, 2⁶⁴)``.
+    """
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int)
+        or not SEEDS[0] <= seed < SEEDS[1]
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be an integer in [-2**63, 2**64), got {seed!r}."
+        )
