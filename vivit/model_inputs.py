@@ -1,10 +1,7 @@
 """A mini-batch's model inputs: one tensor, or a dict of tensors passed by keyword.
 
-A model is called as ``model(inputs)`` when the inputs are a tensor and as
-``model(**inputs)`` when they are a mapping of names to tensors (a Hugging Face
-model's ``input_ids``, ``attention_mask``, ``pixel_values``). Every tensor of a
-mapping holds the samples along its first axis: slicing the samples (chunks,
-subsampling, the independence check) slices every one of them alike.
+Every tensor of a dict holds the samples along its first axis: slicing the samples
+slices every one of them alike.
 """
 
 from __future__ import annotations
@@ -21,9 +18,6 @@ ModelInputs = Tensor | Mapping[str, Tensor]
 def input_tensors(inputs: ModelInputs) -> list[Tensor]:
     """The tensors of the inputs: the tensor itself, or the mapping's values.
 
-    Args:
-        inputs: A batch's inputs.
-
     Returns:
         The tensors, in the mapping's order.
     """
@@ -31,10 +25,10 @@ def input_tensors(inputs: ModelInputs) -> list[Tensor]:
 
 
 def num_samples(inputs: ModelInputs) -> int:
-    """Samples of the inputs: the first axis of (every) tensor.
+    """Number of samples ``N``: the first axis of (every) tensor.
 
     Args:
-        inputs: A batch's inputs (checked: the tensors agree on the first axis).
+        inputs: Checked inputs: the tensors agree on the first axis.
 
     Returns:
         ``N``.
@@ -74,10 +68,6 @@ def take_samples(inputs: ModelInputs, index: slice | Tensor) -> ModelInputs:
 
 def call_model(model: Module, inputs: ModelInputs) -> object:
     """``model(**inputs)`` for a mapping, ``model(inputs)`` for a tensor.
-
-    Args:
-        model: The network (or any callable module).
-        inputs: A batch's inputs.
 
     Returns:
         What the model returns.
