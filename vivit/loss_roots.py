@@ -1,9 +1,7 @@
 """The columns of a loss-Hessian root, formed a block of columns at a time.
 
-Unit roots ``S`` with ``S Sᵀ`` the Hessian of the unit loss at every position,
-exact or Monte Carlo, in BackPACK's layout ``[K, N, *out]`` (``docs/math.rst``,
-"Losses"); :class:`vivit.losses.LossCurvature` scales them by ``√R_S`` and the
-positions' scales.
+Unit roots (``S Sᵀ`` the unit loss's Hessian at every position), exact or Monte
+Carlo, in BackPACK's layout ``[K, N, *out]`` (``docs/math.rst``, "Losses").
 """
 
 from __future__ import annotations
@@ -26,10 +24,7 @@ _Columns = Callable[[int, int, "slice | Tensor"], Tensor]
 
 
 class LossRoot:
-    """A loss-Hessian root ``[K, |S|, *out]``, formed a block of columns at a time.
-
-    Indexing it with a slice of columns forms just those: no buffer of the whole
-    root exists unless asked for (``root[:]``).
+    """A loss-Hessian root ``[K, |S|, *out]``; a slice of columns forms just those.
 
     Args:
         unit: ``(start, stop, rows) ↦`` unit-root columns ``start:stop`` of the
@@ -67,14 +62,7 @@ class LossRoot:
         return self._factor.device
 
     def rows(self, index: Tensor) -> LossRoot:
-        """The root of some of its samples, ``[K, len(index), *out]``, as lazy.
-
-        Args:
-            index: Positions in ``S`` (a long tensor).
-
-        Returns:
-            Their root.
-        """
+        """The root ``[K, len(index), *out]`` of the samples at positions ``index``."""
         return LossRoot(self._unit, len(self), self._samples_shape, self._factor, index)
 
     def __getitem__(self, columns: slice) -> Tensor:
@@ -104,19 +92,12 @@ class LossRoot:
 
 
 def exact_columns(kind: str, output: Tensor) -> _Columns:
-    """Columns of the exact unit root of ``output``, ``[K, N, *out]``.
+    """Columns of the exact unit root of ``output``, each non-zero at one position.
 
     Computed in float64 and rounded once to the output's dtype: a float32 softmax
     root breaks its exact null space (``S_nᵀ 1 = 0``) and shows spurious
     eigenvalues near ``ε₃₂²`` (``docs/math.rst``, "Precision and the numerical
     zero").
-
-    Args:
-        kind: ``"mse"``, ``"bce"`` or ``"ce"``.
-        output: The model output ``[N, *out]``.
-
-    Returns:
-        The columns; each is non-zero at one position only.
     """
     wide = output.double() if output.dtype == torch.float32 else output
     if kind == "ce":
@@ -164,26 +145,12 @@ def _softmax_columns(probs: Tensor, output: Tensor) -> _Columns:
 
 
 def draw_columns(draws: Tensor) -> _Columns:
-    """Columns of Monte-Carlo draws ``[M, N, *out]`` as they are.
-
-    Args:
-        draws: The draws of :func:`sampled_unit_roots`.
-
-    Returns:
-        The columns, ``K = M``.
-    """
+    """Columns of Monte-Carlo draws ``[M, N, *out]`` as they are."""
     return lambda start, stop, rows: draws[start:stop, rows]
 
 
 def position_columns(draws: Tensor) -> _Columns:
-    """Columns ``m·P + p``: draw ``m`` at position ``p`` alone, zeros elsewhere.
-
-    Args:
-        draws: Cross-entropy draws ``[M, N, C, *T]`` (``P = T₁⋯T_k`` positions).
-
-    Returns:
-        The columns, ``K = M·P``.
-    """
+    """Columns ``m·P + p`` of draws ``[M, N, C, *T]``: draw ``m`` at position ``p``."""
     flat = draws.reshape(*draws.shape[:3], -1)  # [M, N, C, P]
     positions = flat.shape[3]
 
@@ -201,17 +168,7 @@ def position_columns(draws: Tensor) -> _Columns:
 def sampled_unit_roots(
     kind: str, output: Tensor, mc_samples: int, generator: torch.Generator | None
 ) -> Tensor:
-    """``M^{-1/2}`` times ``M`` sampled unit-loss gradients.
-
-    Args:
-        kind: ``"mse"``, ``"bce"`` or ``"ce"``.
-        output: The model output ``[N, *out]``.
-        mc_samples: ``M``.
-        generator: Drawn from (``None``: torch's global generator).
-
-    Returns:
-        ``[M, N, *out]``.
-    """
+    """``M^{-1/2}`` times ``M`` sampled unit-loss gradients, ``[M, N, *out]``."""
     shape = (mc_samples, *output.shape)
     if kind == "mse":  # unit Hessian 1 (the 2 of (f - y)² is in the scale): ε ~ N(0, 1)
         draws = torch.randn(

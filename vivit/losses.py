@@ -182,11 +182,7 @@ class LossCurvature:
         return self._structure.normalization
 
     def columns_per_sample(self, mc_samples: int = 0, mc_per: str = "sequence") -> int:
-        """Columns of ``V`` per sample: ``K`` of :meth:`root`.
-
-        Args:
-            mc_samples: ``0`` (exact) or ``M``.
-            mc_per: As for :meth:`root`.
+        """Columns of ``V`` per sample: ``K`` of :meth:`root` (same arguments).
 
         Returns:
             ``output[0].numel()`` (exact), ``M·P`` (cross-entropy, Monte Carlo per
@@ -212,15 +208,13 @@ class LossCurvature:
         """``√R_S · S_n`` for the samples ``S``, formed a column block at a time.
 
         Args:
-            samples: Sample indices (``None``: all); ``R_S`` is that of the loss
-                on these samples alone.
+            samples: Sample indices (``None``: all).
             mc_samples: ``0`` for the exact root, else ``M`` Monte-Carlo samples
                 per datum.
             generator: Drawn from here, once (``None``: torch's global one).
             mc_per: Monte Carlo on a cross-entropy output ``[N, C, *T]``:
                 ``"token"`` (a column per draw and position, entry ``m·P + p``)
-                or ``"sequence"`` (``docs/math.rst``, "Losses"). Other losses
-                draw ``M`` columns either way.
+                or ``"sequence"`` (``docs/math.rst``, "Losses").
 
         Returns:
             The root ``[K, |S|, *output.shape[1:]]``: exact, or an unbiased
@@ -254,11 +248,7 @@ class LossCurvature:
         generator: torch.Generator | None = None,
         mc_per: str = "sequence",
     ) -> Tensor:
-        """The whole root of :meth:`root` (same arguments) as one tensor.
-
-        Returns:
-            ``[K, |S|, *output.shape[1:]]``.
-        """
+        """The whole root of :meth:`root` (same arguments) as one tensor."""
         return self.root(samples, mc_samples, generator, mc_per)[:]
 
 
