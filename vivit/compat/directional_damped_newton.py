@@ -37,10 +37,6 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
         """The damped Newton step of the group.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix, factors and ``Vᵀ∇ℓ_n``.
-
         Returns:
             The step, one tensor per parameter, shaped like it and in its dtype.
         """

@@ -76,10 +76,6 @@ class DirectionalDerivativesComputation(CriterionComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
         """Directional derivatives of the group.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix and ``Vᵀ∇ℓ_n``.
-
         Returns:
             ``γ`` ``[N_grad, K]`` and ``λ`` ``[N_ggn, K]``, directions in the
             criterion's order; zero columns for numerically zero or negative

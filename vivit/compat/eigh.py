@@ -36,10 +36,6 @@ class EighComputation(CriterionComputation):
     ) -> tuple[Tensor, list[Tensor]]:
         """Eigenvalues and eigenvectors of the group's GGN block.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix and factors.
-
         Returns:
             Selected eigenvalues ``[K]`` as computed, in the criterion's order, and
             the eigenvectors, one tensor ``[K, *p.shape]`` per parameter: of unit

@@ -29,10 +29,6 @@ class EigvalshComputation(GroupComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
         """Eigenvalues of the group's GGN block.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix.
-
         Returns:
             All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending,
             as computed (numerical zeros possibly slightly negative), in
