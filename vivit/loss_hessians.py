@@ -50,14 +50,7 @@ class LossHessianProducts:
 
     @torch.no_grad()  # never differentiated (out= refuses tensors that need grad)
     def hessian_matmul(self, tangents: Tensor) -> Tensor:
-        """``H_n u_n`` of every sample: the Hessian of ``ℓ_n`` (not of ``L``).
-
-        Args:
-            tangents: ``[K, N, *out]``, ``K`` vectors per sample.
-
-        Returns:
-            ``[K, N, *out]``.
-        """
+        """``H_n u_n`` (``ℓ_n``'s Hessian, not ``L``'s) of tangents ``[K, N, *out]``."""
         if self._kind == "ce":
             # one temporary of the tangents' shape, reused in place (each new
             # one of a vocabulary's size costs its first touch of memory)

@@ -65,7 +65,9 @@ class Hierarchy:
     gram: Tensor
 
     def part(self, name: str) -> SpectrumPart:
-        """A part by name: ``"full"`` or one of :data:`PARTS`.
+        """A part by name.
+
+        One of ``"full"``, ``"class_means"``, ``"cross_class"``, ``"within_class"``.
 
         Raises:
             InvalidArgumentError: For another name.

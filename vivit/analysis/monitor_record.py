@@ -66,15 +66,9 @@ def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
 def curvature_record(
     ggn: LowRankGGN, top_k: int, damping: float | Damping
 ) -> dict[str, object]:
-    """The curvature fields of a record (all but step, time, overhead and batch).
+    """The curvature fields of :data:`FIELDS` (all but step, time, overhead, batch).
 
-    Args:
-        ggn: The GGN of the monitored batch at the current parameters.
-        top_k: Number of leading directions.
-        damping: Damping of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
-
-    Returns:
-        Field name to its value, as :data:`FIELDS` describes.
+    ``damping`` is that of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
     """
     newton = ggn.newton(top_k, damping=damping)
     directional = newton.directional

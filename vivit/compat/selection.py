@@ -22,14 +22,10 @@ from vivit.sources.collector import GroupCurvature
 
 
 def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
-    """Reorder the rows of Gram-space vectors: ``n·C + c`` becomes ``c·N + n``.
+    """Vectors ``[N·C, K]`` reordered from sample-major (``n·C + c``) to class-major.
 
-    Args:
-        gram_vectors: Vectors as columns, ``[N·C, K]``, sample-major.
-        columns_per_sample: ``C`` (``M`` with Monte-Carlo sampling).
-
-    Returns:
-        The same vectors, ``[N·C, K]``, class-major (ViViT 1.0's, BackPACK's).
+    ``columns_per_sample`` is ``C`` (``M`` with Monte Carlo); class-major row
+    ``c·N + n`` is ViViT 1.0's (BackPACK's) layout.
     """
     rows, num_vectors = gram_vectors.shape
     num_samples = rows // columns_per_sample
@@ -116,15 +112,8 @@ def select_eigenpairs(
 ) -> Selection:
     """Decompose the Gram matrix and keep the eigenpairs the criterion selects.
 
-    Args:
-        curvature: The group's curvature.
-        criterion: The group's ``"criterion"``; receives all eigenvalues,
-            ascending.
-        warn_small_eigvals: Warn (``UserWarning``) if a kept eigenvalue is
-            smaller in magnitude.
-
-    Returns:
-        The selected eigenpairs and the numerical-zero tolerance.
+    The criterion receives all eigenvalues, ascending; a ``UserWarning`` says if a
+    kept one is smaller in magnitude than ``warn_small_eigvals``.
     """
     evals, evecs = gram_eigh(curvature.gram)
     tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
