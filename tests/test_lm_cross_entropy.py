@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import vivit.losses
+import vivit.loss_roots
 import vivit.memory.estimate
 import vivit.sources.stored
 from tests.fixtures.checks import REORDERED_REL, assert_rel, assert_within
@@ -73,7 +73,7 @@ def test_root_blocks_are_the_whole_root(dtype, monkeypatch):
         parts = [root[k : k + step] for k in range(0, len(root), step)]
         assert torch.equal(torch.cat(parts), whole)
     # the whole root formed in blocks of a few columns (LossRoot's own blocks)
-    monkeypatch.setattr(vivit.losses, "ROOT_BLOCK_ENTRIES", 100)
+    monkeypatch.setattr(vivit.loss_roots, "ROOT_BLOCK_ENTRIES", 100)
     assert torch.equal(root[:], whole)
     assert torch.equal(root[2:], whole[2:])
     # column c·P + p is non-zero at position p only
@@ -89,14 +89,14 @@ def test_func_engine_never_forms_the_whole_root(monkeypatch):
     ``docs/math.rst``, "Tolerances of the tests").
     """
     largest = []
-    getitem = vivit.losses.LossRoot.__getitem__
+    getitem = vivit.loss_roots.LossRoot.__getitem__
 
     def recording(self, columns):
         block = getitem(self, columns)
         largest.append(len(block))
         return block
 
-    monkeypatch.setattr(vivit.losses.LossRoot, "__getitem__", recording)
+    monkeypatch.setattr(vivit.loss_roots.LossRoot, "__getitem__", recording)
     model, loss_func, X, y = _problem("mean")
     ggn = LowRankGGN(model, loss_func, (X, y), engine=FuncEngine(memory_budget=200))
     assert 0 < max(largest) < C * T  # never all C·T columns at once

@@ -1,15 +1,9 @@
 """vivit: exact, cheap curvature of neural networks from the GGN's low-rank structure.
 
-Front doors:
-
-- :class:`LowRankGGN`: one call outside a training loop (a mini-batch or a
-  data loader).
-- :class:`StreamingGGN`: leading eigenpairs over a data loader whose layer
-  factors do not fit into memory.
-- :class:`EigvalshComputation`, :class:`EighComputation`,
-  :class:`DirectionalDerivativesComputation`,
-  :class:`DirectionalDampedNewtonComputation`: the ViViT-compatible BackPACK
-  extension + hook API for use inside a training loop.
+Front doors: :class:`LowRankGGN` (one call: a mini-batch or a data loader),
+:class:`StreamingGGN` (a data loader whose layer factors do not fit into memory),
+and the ViViT-compatible BackPACK extension + hook classes for use inside a
+training loop (:class:`EighComputation` and friends).
 """
 
 from vivit.compat import (

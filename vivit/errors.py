@@ -1,8 +1,7 @@
-"""Exceptions raised for input the library cannot work with.
+"""Exceptions raised for input the library cannot work with, and its warnings.
 
-Each says what is wrong and what to do about it. Every exception the library raises
-on purpose derives from :class:`VivitError` (and from the built-in exception a caller
-would expect, e.g. ``ValueError``), so ``except vivit.VivitError`` catches misuse
+Each exception derives from :class:`VivitError` and from the built-in one a caller
+would expect (e.g. ``ValueError``): ``except vivit.VivitError`` catches misuse
 without catching bugs.
 """
 
@@ -44,8 +43,7 @@ class GradientContextError(VivitError, RuntimeError):
 class BatchNormTrainingError(VivitError, ValueError):
     """A BatchNorm layer using batch statistics: its output couples the samples.
 
-    It does so in training mode and, built with ``track_running_stats=False``, in
-    eval mode too.
+    In training mode, and in eval mode too if built with ``track_running_stats=False``.
     """
 
 
@@ -113,11 +111,9 @@ class FewerEigenpairsWarning(UserWarning):
 
 
 class RoundingFloorWarning(UserWarning):
-    """An iterative eigensolver stopped at the rounding floor of its products.
+    """An iterative eigensolver's tolerance was raised to its products' rounding.
 
-    The requested residual lies below the rounding of the operator's products
-    (e.g. float32 GGN-vector products), so the tolerance was raised to it
-    (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+    See ``docs/math.rst``, "Precision and the numerical zero" (rounding floor).
     """
 
 

@@ -1,10 +1,6 @@
-"""Hugging Face models: token logits for cross-entropy, next-token targets, imports.
+"""Hugging Face models: token logits for cross-entropy, next-token targets, labels.
 
-Nothing here imports ``transformers``: a Hugging Face model is an ``nn.Module``
-whose structured output the ``output`` option selects from
-(:func:`~vivit.engines.base.select_output`) and whose dict of inputs a batch
-carries as ``(inputs, targets)`` (:mod:`vivit.model_inputs`). See the guide's
-"Hugging Face models".
+Nothing here imports ``transformers``; see the guide, "Hugging Face models".
 """
 
 from __future__ import annotations
@@ -25,11 +21,10 @@ IGNORE_INDEX = -100
 
 
 def token_logits(output: object) -> Tensor:
-    """The ``logits`` of a token-level model, class axis moved to dim 1.
+    """The ``logits`` ``[N, T, C]`` of a token-level model as ``[N, C, T]``.
 
-    Hugging Face language models (and token classifiers) return logits
-    ``[N, T, C]``; ``CrossEntropyLoss`` wants the classes on dim 1, ``[N, C, T]``,
-    with targets ``[N, T]``. Pass ``output=vivit.huggingface.token_logits``.
+    ``CrossEntropyLoss`` wants the classes on dim 1: pass
+    ``output=vivit.huggingface.token_logits``.
 
     Args:
         output: The model's return value, with a ``logits`` key or attribute.
@@ -59,13 +54,9 @@ def causal_lm_targets(
 ) -> Tensor:
     """Next-token targets of a causal language model, padding excluded.
 
-    Position ``t`` predicts token ``t + 1``: ``targets[:, t] = input_ids[:, t+1]``.
-    The last position has no next token, and a position counts only if both its
-    token and the next are real (``attention_mask`` 1): every other target is
-    ``ignore_index``, which ``CrossEntropyLoss`` (same ``ignore_index``) leaves
-    out of the loss, its mean and the GGN exactly (``docs/math.rst``, "Losses").
-    The model's logits ``[N, T, C]`` go with them through
-    ``output=token_logits``.
+    ``targets[:, t] = input_ids[:, t+1]`` where both tokens are real
+    (``attention_mask`` 1), else ``ignore_index`` (the last position too), which
+    ``CrossEntropyLoss`` leaves out of the loss and the GGN exactly.
 
     Args:
         input_ids: Token ids ``[N, T]``.
@@ -115,34 +106,17 @@ def split_batch(
 ) -> tuple[dict[str, Tensor], Tensor]:
     """A Hugging Face batch dict as ``(inputs, targets)``: the labels taken out.
 
-    Hugging Face collators put the labels into the batch beside the model's
-    inputs, ``{"input_ids", "attention_mask", "labels"}``; vivit takes the pair
-    ``(inputs, targets)`` and calls ``model(**inputs)`` without the labels.
-
-    ``shift`` says how the labels line up with the logits, and has no default
-    because a wrong choice gives the curvature of another loss without an error:
-
-    * ``shift=True``: a causal language model's labels ``[N, T]`` (e.g. of
-      ``DataCollatorForLanguageModeling(mlm=False)``) are *not* shifted; the
-      model shifts them inside, position ``t`` predicting ``labels[:, t + 1]``.
-      The targets are shifted here the same way: ``targets[:, t] = labels[:, t
-      + 1]``, the last position ``ignore_index``. With ``output=token_logits``
-      and ``CrossEntropyLoss()``, the loss is the one the model returns from
-      the labels (``model(**batch).loss``), padding (``-100``) excluded.
-    * ``shift=False``: labels that already line up with the logits, used as
-      they are: a sequence or image classifier's ``[N]`` (``output="logits"``),
-      a token classifier's or a masked language model's ``[N, T]``
-      (``output=token_logits``).
-
-    Targets equal to ``ignore_index`` (Hugging Face's ``-100``) are left out of
-    the loss and the GGN exactly (``docs/math.rst``, "Losses"). Unlike
-    :func:`causal_lm_targets`, which also skips predictions made from padding,
-    ``shift=True`` keeps every position whose next label counts, as the model's
-    own loss does; with right padding both agree.
+    ``shift`` has no default because a wrong choice gives the curvature of another
+    loss without an error (the guide, "Hugging Face models").
 
     Args:
         batch: The collator's batch: the model's keyword inputs and the labels.
-        shift: Whether the labels are a causal language model's (shifted here).
+        shift: ``True`` for a causal language model's labels ``[N, T]``, which
+            the model shifts inside: ``targets[:, t] = labels[:, t + 1]``, the
+            last position ``ignore_index``, so the loss is the model's own
+            ``model(**batch).loss``. ``False`` for labels already aligned with
+            the logits (a classifier's ``[N]``, a token classifier's or masked
+            language model's ``[N, T]``), used as they are.
         key: The labels' key in the batch.
         ignore_index: The loss's ``ignore_index``.
 
@@ -184,7 +158,7 @@ class SplitLabels:
     """A loader of Hugging Face batch dicts as one of ``(inputs, targets)``.
 
     Each batch goes through :func:`split_batch` as it is drawn; passing over it
-    again passes over the loader again (as :class:`~vivit.StreamingGGN` does).
+    again passes over the loader again.
 
     Args:
         loader: Batches with their labels inside (a ``DataLoader`` with a
@@ -234,14 +208,9 @@ def split_labels(
 ) -> SplitLabels:
     """A loader of Hugging Face batch dicts, labels inside, for vivit.
 
-    ``LowRankGGN(model, CrossEntropyLoss(), split_labels(loader, shift=True),
-    output=token_logits)`` for a causal language model's loader; see
-    :func:`split_batch` for ``shift``.
-
     Args:
         loader: Batches ``{"input_ids", "attention_mask", "labels", ...}``.
-        shift: ``True`` for a causal language model's labels, ``False`` for
-            labels aligned with the logits.
+        shift: As for :func:`split_batch`.
         key: The labels' key in each batch.
         ignore_index: The loss's ``ignore_index``.
 

@@ -1,21 +1,8 @@
-"""Products with the loss Hessian w.r.t. the model output, analytic and per position.
+"""Products ``H_n u`` with the loss Hessian w.r.t. the output, and output gradients.
 
-The implicit route (``docs/math.rst``, "Implicit GGN-vector products") needs,
-per sample ``n``, ``H_n u`` for a vector ``u`` shaped like the sample's output
-and the output gradient ``∂ℓ_n/∂f_n``, never a root ``S_n`` or a ``C × C``
-matrix. ``∇²ℓ_n`` is, at every output position ``p``, ``c_np`` times the Hessian
-of the unit loss (``docs/math.rst``, "Losses"):
-
-* ``MSELoss``: ``1`` (elementwise);
-* ``BCEWithLogitsLoss``: ``σ(1 − σ)`` (elementwise);
-* ``CrossEntropyLoss``: ``diag(p) − p pᵀ`` over the class axis 1, applied as
-  ``p ⊙ u − p (pᵀ u)``.
-
-The scales ``c_np`` (class weights, ``ignore_index``, ``label_smoothing``,
-``pos_weight``, the mean over positions), the checks of the loss module and its
-targets and the normalization ``R`` are those of
-:class:`vivit.losses.LossCurvature`: this module accepts exactly what it accepts.
-Memory: a product holds a few tensors of the tangents' shape, ``[K, N, *out]``.
+What the implicit route needs instead of a root ``S_n`` (``docs/math.rst``,
+"Implicit GGN-vector products"). The scales, checks and normalization are those of
+:class:`vivit.losses.LossCurvature`, so this module accepts exactly what it accepts.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ class LossHessianProducts:
     """``H_n u`` and ``∂ℓ_n/∂f_n`` of every sample of a batch, for any ``u``.
 
     Args:
-        loss_func: A supported loss module (:func:`vivit.losses.check_loss_function`).
+        loss_func: A supported loss module.
         output: The model output the loss function receives, ``[N, ...]``.
         targets: The targets it receives.
 
@@ -63,14 +50,7 @@ class LossHessianProducts:
 
     @torch.no_grad()  # never differentiated (out= refuses tensors that need grad)
     def hessian_matmul(self, tangents: Tensor) -> Tensor:
-        """``H_n u_n`` of every sample: the Hessian of ``ℓ_n`` (not of ``L``).
-
-        Args:
-            tangents: ``[K, N, *out]``, ``K`` vectors per sample.
-
-        Returns:
-            ``[K, N, *out]``.
-        """
+        """``H_n u_n`` (``ℓ_n``'s Hessian, not ``L``'s) of tangents ``[K, N, *out]``."""
         if self._kind == "ce":
             # one temporary of the tangents' shape, reused in place (each new
             # one of a vocabulary's size costs its first touch of memory)
@@ -81,14 +61,10 @@ class LossHessianProducts:
         return self._scale * tangents
 
     def output_gradients(self) -> Tensor:
-        """``∂ℓ_n/∂f_n`` of every sample, ``[N, *out]``.
-
-        The gradient of the loss ``L = R Σ_n ℓ_n`` w.r.t. the output, divided by
-        ``R`` (a sample's output enters only its own ``ℓ_n``); zero where the
-        samples carry no weight (``R = 0``).
+        """``∂ℓ_n/∂f_n`` of every sample, ``[N, *out]``: ``∂L/∂f`` divided by ``R``.
 
         Returns:
-            The output gradients.
+            The output gradients (zero if ``R = 0``: no sample carries weight).
         """
         factor = self.normalization.reduction_factor()
         output = self._output.detach().requires_grad_()

@@ -1,37 +1,15 @@
 """Loss-Hessian square roots of ``torch.nn`` loss modules, for every engine.
 
-The GGN needs, per sample, a factor of the Hessian of the loss with respect to the
-model output, with exactly the scaling the loss module applies (``docs/math.rst``,
-section "Losses"). This module computes it from the loss module, the model output
-and the targets alone (no BackPACK), after validating the module's options and the
-targets. Supported: ``MSELoss``, ``CrossEntropyLoss`` (class-index or probability
-targets, outputs ``[N, C]`` or ``[N, C, *T]``, ``weight``, ``ignore_index``,
-``label_smoothing``) and ``BCEWithLogitsLoss`` (``weight``, ``pos_weight``, soft
-targets), each with reduction ``"mean"`` or ``"sum"``.
-
-Interface::
-
-    check_loss_function(loss_func)               # before the forward pass
-    curvature = LossCurvature(loss_func, output, targets)   # validates the targets
-    curvature.normalization.reduction_factor(samples)       # R of the loss on samples
-    curvature.root(samples, mc_samples, generator, mc_per)  # √R_S · S_n, lazily
-    curvature.sqrt_hessian(samples, mc_samples, generator, mc_per)  # all at once
-
-The root has BackPACK's layout ``[K, |S|, *output.shape[1:]]`` with
-``K = output[0].numel()`` (exact; for ``[N, C, *T]`` outputs entry ``c·T + t``,
-non-zero at position ``t`` only), ``K = M·T`` (Monte Carlo per token, entry
-``m·T + t``) or ``K = M`` (per sequence). :meth:`LossCurvature.root` forms a
-block of columns when sliced, never the whole root unless asked. Its ``R_S`` is
-that of the same loss evaluated on the samples ``S`` alone, so the GGN of a
-subsampling is exact, and
-``L = R Σ_n ℓ_n`` holds with the per-sample losses ``ℓ_n`` of ``docs/math.rst``.
-:class:`LossNormalization` is the one place where ``R`` is computed.
+Validates a loss module and its targets, and computes from the model output alone
+(no BackPACK) the normalization ``R`` and the roots ``√R_S · S_n`` with the
+module's exact scaling (``docs/math.rst``, "Losses"; the supported options are
+listed in the guide, "Loss functions and targets").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +18,13 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 
 from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError, InvalidTargetsError, UnsupportedLossError
+from vivit.loss_roots import (
+    LossRoot,
+    draw_columns,
+    exact_columns,
+    position_columns,
+    sampled_unit_roots,
+)
 
 #: Loss modules whose GGN the library computes.
 SUPPORTED_LOSSES: tuple[type[Module], ...] = (
@@ -54,7 +39,7 @@ def _supported_names() -> str:
 
 
 def check_loss_function(loss_func: object) -> None:
-    """Check that a loss function is a supported module with supported options.
+    """Check, before the forward pass, that a loss function is supported.
 
     Args:
         loss_func: The loss function.
@@ -62,8 +47,8 @@ def check_loss_function(loss_func: object) -> None:
     Raises:
         UnsupportedLossError: If it is not a module (e.g. a function such as
             ``torch.nn.functional.cross_entropy``), not a supported module, or
-            has a reduction other than ``"mean"``/``"sum"`` or a negative or
-            non-finite weight.
+            has a reduction other than ``"mean"``/``"sum"`` or a negative weight.
+        NonFiniteError: If a weight is NaN or infinite.
     """
     if not isinstance(loss_func, Module):
         raise UnsupportedLossError(
@@ -103,12 +88,7 @@ def _describe(obj: object) -> str:
 class LossNormalization:
     """How a loss module normalizes: ``L_S = R_S Σ_{n∈S} ℓ_n`` on samples ``S``.
 
-    ``R_S = 1 / Σ_{n∈S} w_n`` for reduction ``"mean"`` and ``1`` for ``"sum"``. The
-    sample weights ``w_n`` are ``1`` unless targets are ignored or classes weighted
-    (``CrossEntropyLoss`` with class-index targets), where ``w_n`` is the weight of
-    sample ``n``'s counted targets divided by its number of positions
-    (``docs/math.rst``, "Losses"). If the samples carry no weight at all (every
-    target ignored), their loss is ``0/0`` and ``R_S = 0``: they have no curvature.
+    The one place where ``R`` is computed (``docs/math.rst``, "Losses").
 
     Attributes:
         reduction: ``"mean"`` or ``"sum"``.
@@ -124,14 +104,14 @@ class LossNormalization:
         return len(self.sample_weights)
 
     def reduction_factor(self, samples: Sequence[int] | None = None) -> float:
-        """``R`` of the loss evaluated on ``samples`` alone.
+        """``R_S`` of the loss evaluated on ``samples`` alone.
 
         Args:
             samples: Sample indices in the mini-batch; ``None`` for all.
 
         Returns:
-            ``1 / Σ_{n∈S} w_n`` for mean reduction (``0`` if that sum is ``0``),
-            ``1`` for sum reduction.
+            ``1 / Σ_{n∈S} w_n`` for mean reduction (``0`` if that sum is ``0``:
+            no curvature), ``1`` for sum reduction.
         """
         if self.reduction == "sum":
             return 1.0
@@ -146,14 +126,10 @@ class LossNormalization:
 
 @dataclass(frozen=True)
 class _Structure:
-    """Per-position Hessian scales of a loss, relative to its unit loss.
+    """Per-position Hessian scales ``κ c_np`` of a loss, relative to its unit loss.
 
-    Attributes:
-        kind: ``"mse"``, ``"bce"`` (elementwise) or ``"ce"`` (softmax over axis 1).
-        scale: ``c_np ≥ 0`` such that ``∇²ℓ_n`` is ``c_np`` times the unit Hessian
-            at position ``p`` (``1``, ``σ(1-σ)`` or ``diag(p) - ppᵀ``); shape
-            ``[N, *output.shape[1:]]`` (elementwise) or ``[N, *T]`` (softmax).
-        normalization: The loss's normalization.
+    ``kind`` is ``"mse"``, ``"bce"`` (elementwise) or ``"ce"`` (softmax over axis
+    1); ``scale`` is ``[N, *output.shape[1:]]`` (elementwise) or ``[N, *T]``.
     """
 
     kind: str
@@ -171,6 +147,7 @@ class LossCurvature:
 
     Raises:
         UnsupportedLossError: If the loss module or an option is not supported.
+        InvalidArgumentError: If the output has no sample.
         InvalidTargetsError: If the targets do not fit the output or the loss
             (shape, type, class range, negative probabilities, every target
             ignored).
@@ -205,15 +182,11 @@ class LossCurvature:
         return self._structure.normalization
 
     def columns_per_sample(self, mc_samples: int = 0, mc_per: str = "sequence") -> int:
-        """Columns of ``V`` per sample: ``K`` of :meth:`root`.
-
-        Args:
-            mc_samples: ``0`` (exact) or ``M``.
-            mc_per: ``"token"`` or ``"sequence"`` (see :meth:`root`).
+        """Columns of ``V`` per sample: ``K`` of :meth:`root` (same arguments).
 
         Returns:
-            ``output[0].numel()`` (exact: ``C·P`` for cross-entropy on ``[N, C,
-            *T]``), ``M·P`` (cross-entropy, Monte Carlo per token) or ``M``.
+            ``output[0].numel()`` (exact), ``M·P`` (cross-entropy, Monte Carlo per
+            token) or ``M``.
         """
         if not mc_samples:
             return self.output[0].numel()
@@ -232,24 +205,20 @@ class LossCurvature:
         generator: torch.Generator | None = None,
         mc_per: str = "sequence",
     ) -> LossRoot:
-        """``√R_S · S_n`` for the samples ``S``, column block by column block.
+        """``√R_S · S_n`` for the samples ``S``, formed a column block at a time.
 
         Args:
-            samples: Sample indices (``None``: all). ``R_S`` is that of the loss on
-                these samples alone.
-            mc_samples: ``0`` for the exact root, else the number ``M`` of
-                Monte-Carlo samples per datum.
-            generator: Random generator for the Monte-Carlo samples (``None``:
-                torch's global generator); drawn from here, once.
-            mc_per: With Monte Carlo on a cross-entropy output ``[N, C, *T]``:
-                ``"token"`` keeps each position's draw as its own column
-                (``M·P`` columns, entry ``m·P + p``), ``"sequence"`` one column
-                per draw over all positions (``M``). Other losses draw ``M``
-                columns either way (``docs/math.rst``, "Losses").
+            samples: Sample indices (``None``: all).
+            mc_samples: ``0`` for the exact root, else ``M`` Monte-Carlo samples
+                per datum.
+            generator: Drawn from here, once (``None``: torch's global one).
+            mc_per: Monte Carlo on a cross-entropy output ``[N, C, *T]``:
+                ``"token"`` (a column per draw and position, entry ``m·P + p``)
+                or ``"sequence"`` (``docs/math.rst``, "Losses").
 
         Returns:
-            The root ``[K, |S|, *output.shape[1:]]``; ``S_n S_nᵀ`` is the Hessian
-            of ``ℓ_n`` w.r.t. the output (exact) or an unbiased estimate of it.
+            The root ``[K, |S|, *output.shape[1:]]``: exact, or an unbiased
+            estimate of ``S_n S_nᵀ``.
         """
         structure = self._structure
         output, scale = self.output, structure.scale
@@ -261,13 +230,13 @@ class LossCurvature:
         positions = scale.unsqueeze(1) if structure.kind == "ce" else scale
         factor = root_r * positions.sqrt()
         if not mc_samples:
-            unit = _exact_columns(structure.kind, output)
+            unit = exact_columns(structure.kind, output)
         else:
-            draws = _sampled_unit_roots(structure.kind, output, mc_samples, generator)
+            draws = sampled_unit_roots(structure.kind, output, mc_samples, generator)
             unit = (
-                _draw_columns(draws)
+                draw_columns(draws)
                 if self._positions_per_draw(mc_per) == 1
-                else _position_columns(draws)
+                else position_columns(draws)
             )
         num_columns = self.columns_per_sample(mc_samples, mc_per)
         return LossRoot(unit, num_columns, output.shape, factor)
@@ -279,101 +248,8 @@ class LossCurvature:
         generator: torch.Generator | None = None,
         mc_per: str = "sequence",
     ) -> Tensor:
-        """The whole root of :meth:`root` (same arguments) as one tensor.
-
-        Returns:
-            ``[K, |S|, *output.shape[1:]]``.
-        """
+        """The whole root of :meth:`root` (same arguments) as one tensor."""
         return self.root(samples, mc_samples, generator, mc_per)[:]
-
-
-#: Entries of the unit root formed at once (float64 for a float32 output) when
-#: many columns are asked for: 2**22, 32 MiB.
-ROOT_BLOCK_ENTRIES = 2**22
-
-
-class LossRoot:
-    """A loss-Hessian root ``[K, |S|, *out]``, formed a block of columns at a time.
-
-    The exact root of ``C·P`` columns per sample has each column non-zero at one
-    position only: indexing it with a slice of columns forms just those, so no
-    buffer of the whole root exists unless asked for (``root[:]``).
-
-    Args:
-        unit: ``(start, stop, rows) ↦`` unit-root columns ``start:stop`` of the
-            samples ``rows``, ``[stop - start, len(rows), *out]``.
-        num_columns: ``K``.
-        samples_shape: ``[|S|, *out]``.
-        factor: ``√R_S`` times the positions' scales, ``[|S|, ...]``
-            broadcasting to ``samples_shape``.
-        rows: The samples (of ``S``) this root holds: all, or an index.
-    """
-
-    def __init__(
-        self,
-        unit: _Columns,
-        num_columns: int,
-        samples_shape: torch.Size,
-        factor: Tensor,
-        rows: slice | Tensor = slice(None),
-    ):
-        self._unit = unit
-        self._factor = factor
-        self._rows = rows
-        num_rows = (
-            len(range(samples_shape[0])[rows]) if isinstance(rows, slice) else len(rows)
-        )
-        self.shape = torch.Size((num_columns, num_rows, *samples_shape[1:]))
-        self._samples_shape = samples_shape
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the columns are formed."""
-        return self._factor.device
-
-    def rows(self, index: Tensor) -> LossRoot:
-        """The root of some of its samples.
-
-        Args:
-            index: Positions in ``S`` (a long tensor).
-
-        Returns:
-            Their root ``[K, len(index), *out]``, formed as lazily.
-        """
-        return LossRoot(self._unit, len(self), self._samples_shape, self._factor, index)
-
-    def __getitem__(self, columns: slice) -> Tensor:
-        """Columns ``columns`` (a slice with step 1), ``[len, |S|, *out]``."""
-        start, stop, step = columns.indices(len(self))
-        if step != 1:
-            raise InvalidArgumentError(
-                f"A loss root is indexed by consecutive columns, got step {step}."
-            )
-        stop = max(start, stop)
-        factor = self._factor[self._rows].unsqueeze(0)
-        per_column = max(1, self.shape[1:].numel())
-        step = max(1, ROOT_BLOCK_ENTRIES // per_column)
-        if stop - start <= step:
-            return self._unit(start, stop, self._rows) * factor
-        # many columns (BackPACK takes them all): the float64 unit root of one
-        # block of columns at a time, written into the result
-        root = factor.new_empty(stop - start, *self.shape[1:])
-        for first in range(start, stop, step):
-            last = min(stop, first + step)
-            torch.mul(
-                self._unit(first, last, self._rows),
-                factor,
-                out=root[first - start : last - start],
-            )
-        return root
-
-
-# ----------------------------------------------------------------------------------
-# Loss structures: validation, per-position scales, normalization
-# ----------------------------------------------------------------------------------
 
 
 def _kappa(reduction: str, positions: int) -> float:
@@ -590,124 +466,3 @@ def _classes_last(output: Tensor, targets: Tensor) -> str:
         "Hugging Face models return them: move them to dim 1 with "
         "output=vivit.huggingface.token_logits (or logits.movedim(-1, 1))."
     )
-
-
-# ----------------------------------------------------------------------------------
-# Unit roots: S with S Sᵀ the Hessian of the unit loss at every position
-# ----------------------------------------------------------------------------------
-
-
-#: ``(start, stop, rows) ↦`` columns ``start:stop`` of a unit root for the samples
-#: ``rows``, ``[stop - start, len(rows), *out]``.
-_Columns = Callable[[int, int, "slice | Tensor"], Tensor]
-
-
-def _exact_columns(kind: str, output: Tensor) -> _Columns:
-    """Columns of the exact unit root, BackPACK's layout ``[K, N, *out]``.
-
-    Each column is non-zero at one position: for the elementwise losses column
-    ``k`` at output entry ``k``, for cross-entropy column ``c·P + p`` at position
-    ``p`` (``diag(√p) - p √pᵀ`` there). Only the requested columns are formed.
-
-    Computed in float64 and rounded once to the output's dtype: a float32 softmax
-    root has absolute errors of about ``ε₃₂``, which break its exact null space
-    (``S_nᵀ 1 = 0``) and appear as spurious eigenvalues near ``ε₃₂²`` once the
-    Gram matrix is accumulated in float64 (``docs/math.rst``, "Precision and the
-    numerical zero").
-    """
-    wide = output.double() if output.dtype == torch.float32 else output
-    if kind == "ce":
-        probs = wide.softmax(1)
-        return _softmax_columns(probs.reshape(*probs.shape[:2], -1), output)
-    if kind == "bce":
-        sigma = wide.sigmoid()
-        return _diagonal_columns((sigma * (1 - sigma)).sqrt().flatten(1), output)
-    return _diagonal_columns(torch.ones_like(wide).flatten(1), output)
-
-
-def _diagonal_columns(values: Tensor, output: Tensor) -> _Columns:
-    """Columns ``k`` of ``values [N, E]`` at entry ``k``, in the output's dtype."""
-
-    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
-        index = torch.arange(start, stop, device=values.device)
-        picked = values[rows]
-        unit = picked.new_zeros(stop - start, *picked.shape)
-        unit[index - start, :, index] = picked[:, index].T
-        return unit.reshape(stop - start, len(picked), *output.shape[1:]).to(
-            output.dtype
-        )
-
-    return columns
-
-
-def _softmax_columns(probs: Tensor, output: Tensor) -> _Columns:
-    """Columns ``v·P + p`` of ``diag(√p) - p √pᵀ`` per position, ``probs [N, C, P]``.
-
-    Column ``v·P + p`` holds ``√p_c δ_vc - p_c √p_v`` at position ``p``, zeros
-    elsewhere.
-    """
-    positions = probs.shape[2]
-
-    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
-        index = torch.arange(start, stop, device=probs.device)
-        v, p = index // positions, index % positions
-        picked = probs[rows]
-        tau = picked.sqrt()
-        block = -picked[:, :, p] * tau[:, v, p].unsqueeze(1)  # [N, C, k]
-        block[:, v, index - start] += tau[:, v, p]
-        unit = picked.new_zeros(stop - start, *picked.shape)
-        unit[index - start, :, :, p] = block.permute(2, 0, 1)
-        return unit.reshape(stop - start, len(picked), *output.shape[1:]).to(
-            output.dtype
-        )
-
-    return columns
-
-
-def _draw_columns(draws: Tensor) -> _Columns:
-    """Columns of Monte-Carlo draws ``[M, N, *out]`` as they are."""
-    return lambda start, stop, rows: draws[start:stop, rows]
-
-
-def _position_columns(draws: Tensor) -> _Columns:
-    """Columns ``m·P + p``: draw ``m`` at position ``p`` alone, zeros elsewhere.
-
-    ``draws`` is ``[M, N, C, *T]`` (cross-entropy, ``P = T₁⋯T_k`` positions).
-    """
-    flat = draws.reshape(*draws.shape[:3], -1)  # [M, N, C, P]
-    positions = flat.shape[3]
-
-    def columns(start: int, stop: int, rows: slice | Tensor) -> Tensor:
-        index = torch.arange(start, stop, device=draws.device)
-        m, p = index // positions, index % positions
-        picked = flat[:, rows]
-        unit = picked.new_zeros(stop - start, *picked.shape[1:])
-        unit[index - start, :, :, p] = picked[m, :, :, p]
-        return unit.reshape(stop - start, picked.shape[1], *draws.shape[2:])
-
-    return columns
-
-
-def _sampled_unit_roots(
-    kind: str, output: Tensor, mc_samples: int, generator: torch.Generator | None
-) -> Tensor:
-    """``M^{-1/2}`` times ``M`` sampled unit-loss gradients, ``[M, N, *out]``."""
-    shape = (mc_samples, *output.shape)
-    if kind == "mse":  # unit Hessian 1 (the 2 of (f - y)² is in the scale): ε ~ N(0, 1)
-        draws = torch.randn(
-            shape, dtype=output.dtype, device=output.device, generator=generator
-        )
-    elif kind == "bce":  # y ~ Bernoulli(σ): ∇ℓ = σ - y
-        sigma = output.sigmoid().expand(shape)
-        draws = sigma - torch.bernoulli(sigma, generator=generator)
-    else:  # y ~ Categorical(p): ∇ℓ = p - onehot(y)
-        num_classes = output.shape[1]
-        probs = output.softmax(1)
-        flat = probs.movedim(1, -1).reshape(-1, num_classes)
-        labels = torch.multinomial(
-            flat, mc_samples, replacement=True, generator=generator
-        )  # [N·P, M]
-        onehot = torch.nn.functional.one_hot(labels.T, num_classes).to(output.dtype)
-        onehot = onehot.reshape(mc_samples, *probs.movedim(1, -1).shape).movedim(-1, 2)
-        draws = probs.unsqueeze(0) - onehot
-    return draws / math.sqrt(mc_samples)

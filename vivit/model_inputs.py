@@ -1,10 +1,7 @@
 """A mini-batch's model inputs: one tensor, or a dict of tensors passed by keyword.
 
-A model is called as ``model(inputs)`` when the inputs are a tensor and as
-``model(**inputs)`` when they are a mapping of names to tensors (a Hugging Face
-model's ``input_ids``, ``attention_mask``, ``pixel_values``). Every tensor of a
-mapping holds the samples along its first axis: slicing the samples (chunks,
-subsampling, the independence check) slices every one of them alike.
+Every tensor of a dict holds the samples along its first axis: slicing the samples
+slices every one of them alike.
 """
 
 from __future__ import annotations
@@ -19,37 +16,19 @@ ModelInputs = Tensor | Mapping[str, Tensor]
 
 
 def input_tensors(inputs: ModelInputs) -> list[Tensor]:
-    """The tensors of the inputs: the tensor itself, or the mapping's values.
-
-    Args:
-        inputs: A batch's inputs.
-
-    Returns:
-        The tensors, in the mapping's order.
-    """
+    """The inputs' tensors: the tensor itself, or the mapping's values, in order."""
     return list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
 
 
 def num_samples(inputs: ModelInputs) -> int:
-    """Samples of the inputs: the first axis of (every) tensor.
-
-    Args:
-        inputs: A batch's inputs (checked: the tensors agree on the first axis).
-
-    Returns:
-        ``N``.
-    """
+    """Number of samples ``N``: the first axis of (every tensor of) checked inputs."""
     return input_tensors(inputs)[0].shape[0]
 
 
 def map_inputs(
     inputs: ModelInputs, function: Callable[[Tensor], Tensor]
 ) -> ModelInputs:
-    """The inputs with ``function`` applied to every tensor.
-
-    Args:
-        inputs: A batch's inputs.
-        function: Maps a tensor to a tensor (e.g. a slice of its samples).
+    """The inputs with ``function`` (tensor to tensor) applied to every tensor.
 
     Returns:
         A tensor, or a dict with the same keys.
@@ -60,28 +39,12 @@ def map_inputs(
 
 
 def take_samples(inputs: ModelInputs, index: slice | Tensor) -> ModelInputs:
-    """Some samples of the inputs: every tensor indexed along its first axis.
-
-    Args:
-        inputs: A batch's inputs.
-        index: A slice or an index tensor of samples.
-
-    Returns:
-        The inputs of those samples.
-    """
+    """Some samples of the inputs: every tensor indexed by ``index`` along axis 0."""
     return map_inputs(inputs, lambda tensor: tensor[index])
 
 
 def call_model(model: Module, inputs: ModelInputs) -> object:
-    """``model(**inputs)`` for a mapping, ``model(inputs)`` for a tensor.
-
-    Args:
-        model: The network (or any callable module).
-        inputs: A batch's inputs.
-
-    Returns:
-        What the model returns.
-    """
+    """``model(**inputs)`` for a mapping, ``model(inputs)`` for a tensor."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     return model(inputs)

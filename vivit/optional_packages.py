@@ -1,10 +1,4 @@
-"""Optional packages: imported when asked for, named when missing.
-
-``transformers`` and ``lightning`` import ``torchvision`` (Lightning through
-``torchmetrics``) whenever it is installed, and PyPI's torchvision wheel, which
-BackPACK requires, does not load beside PyTorch's CPU build.
-:func:`hide_broken_torchvision` lets both import without it.
-"""
+"""Optional packages imported when asked for, named when missing; torchvision hidden."""
 
 from __future__ import annotations
 
@@ -44,12 +38,10 @@ def import_optional(module: str, package: str, what: str) -> ModuleType:
 
 
 class _HiddenDistribution(DistributionFinder):
-    """A ``sys.meta_path`` finder under which a package's metadata is not found.
+    """A ``sys.meta_path`` finder that finds no modules and hides ``name``'s metadata.
 
-    Libraries that ask whether torchvision is installed through its metadata
-    (``importlib.metadata.version``, as Lightning's ``RequirementCache`` does)
-    get ``PackageNotFoundError``, as if it were not installed; it finds no
-    modules (``find_spec`` is ``None``, so the import system goes on).
+    For libraries asking through ``importlib.metadata`` (Lightning's
+    ``RequirementCache``) whether the package is installed.
     """
 
     def __init__(self, name: str) -> None:
@@ -72,20 +64,14 @@ def hide_broken_torchvision() -> bool:
 
     PyPI's torchvision wheel (which BackPACK requires) does not load beside
     PyTorch's CPU build (``RuntimeError: operator torchvision::nms does not
-    exist``), and ``transformers`` and ``lightning`` (through ``torchmetrics``)
-    import torchvision whenever it is installed. Call this before importing
-    them: if torchvision loads, nothing changes; if it fails with that error,
-    torchvision is hidden in this process, as if it were not installed: its
-    import fails with ``ImportError`` (``sys.modules["torchvision"] = None``)
-    and its metadata is not found (``importlib.metadata.version("torchvision")``
-    raises ``PackageNotFoundError``). Both packages then run without it (text
-    and vision models, trainers and callbacks do; only torchvision-backed image
-    processors and metrics are missing). The clean alternative is a torchvision
-    built for the installed torch (e.g. from PyTorch's CPU wheel index).
-    Calling it again changes nothing.
+    exist``), and both packages import it whenever it is installed. Call this
+    before importing them: a torchvision that loads is left alone; a broken one
+    is hidden in this process as if it were not installed (its import and its
+    metadata are not found), and only torchvision-backed image processors and
+    metrics are missing. See the guide, "Hugging Face models".
 
     Returns:
-        Whether torchvision was hidden by this call.
+        Whether torchvision was hidden by this call (``False`` when called again).
     """
     try:
         import torchvision  # noqa: F401

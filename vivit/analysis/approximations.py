@@ -1,12 +1,7 @@
 """The top-k eigenpairs and the damped Newton step of each approximation of the GGN.
 
-Every approximation ``Ĝ`` of the GGN is reduced to what the audit compares
-(``docs/math.rst``, "Approximation audit"): its ``k`` leading eigenpairs and its
-damped Newton step ``ŝ = −(Ĝ + δI)⁻¹ g`` with the mini-batch gradient ``g``, as
-float64 vectors over all audited parameters. Low-rank approximations (exact,
-Monte-Carlo, subsampled, block-diagonal) come from a :class:`~vivit.LowRankGGN`,
-the diagonal from the exact one's eigenpairs; KFAC and EKFAC live in
-:mod:`vivit.analysis.kfac`.
+What the audit compares (``docs/math.rst``, "Approximation audit"), as float64
+vectors over all audited parameters, for the low-rank and diagonal approximations.
 """
 
 from __future__ import annotations
@@ -41,15 +36,7 @@ class ApproximateCurvature:
 
 
 def flat_rows(tensors: Sequence[Tensor], rows: int) -> Tensor:
-    """Tensors ``[rows, *p.shape]`` (one per parameter) as float64 ``[rows, D]``.
-
-    Args:
-        tensors: One tensor per parameter, leading axis ``rows``.
-        rows: Number of rows.
-
-    Returns:
-        The rows, each parameter flattened row-major, in the given order.
-    """
+    """Tensors ``[rows, *p.shape]`` (one per parameter) as float64 ``[rows, D]``."""
     return torch.cat([t.detach().reshape(rows, -1).double() for t in tensors], dim=1)
 
 
@@ -69,11 +56,9 @@ def low_rank_curvature(
 ) -> ApproximateCurvature:
     """Top-k eigenpairs and damped step of a (block-diagonal) ``LowRankGGN``.
 
-    Per group ``b`` with non-zero eigenpairs ``(λ_j, e_j)`` (all of them, from
-    :meth:`~vivit.LowRankGGN.eigh` with ``top_k=None``): the leading ``k`` of
-    all groups' pairs, and the step ``s_b = newton_step(None, b, δ) − (g_b −
-    Σ_j e_j e_jᵀ g_b) / δ``, the library's damped step on the range plus the
-    gradient's component outside it, which together are ``−(Ĝ_b + δI)⁻¹ g_b``.
+    A group's step is the library's damped step on the range minus the
+    gradient's component outside it divided by ``δ`` (``docs/math.rst``,
+    "Approximation audit").
 
     Args:
         ggn: The approximation; its groups must partition ``params``.
@@ -82,7 +67,7 @@ def low_rank_curvature(
         damping: ``δ > 0``.
 
     Returns:
-        The approximation's curvature.
+        The approximation's curvature (float64, CPU).
     """
     size = sum(p.numel() for p in params)
     device = ggn.gradient()[0].device
@@ -116,18 +101,9 @@ def low_rank_curvature(
 
 
 def exact_diagonal(ggn: LowRankGGN) -> Tensor:
-    """The diagonal of the exact GGN, ``diag(G)_d = Σ_j λ_j e_jd²``.
+    """The diagonal ``Σ_j λ_j e_jd²`` of the exact GGN (one group), float64 ``[D]``.
 
-    From the non-zero eigenpairs of :meth:`~vivit.LowRankGGN.eigh` (one group
-    over all parameters): ``G = Σ_j λ_j e_j e_jᵀ``; the numerically zero
-    eigenvalues left out change an entry by at most the numerical-zero
-    tolerance (``docs/math.rst``, "Approximation audit").
-
-    Args:
-        ggn: The exact GGN, one group.
-
-    Returns:
-        ``[D]`` float64 diagonal, parameters flattened in the group's order.
+    From the non-zero eigenpairs (``docs/math.rst``, "Approximation audit").
     """
     evals, evecs = ggn.eigh(None)
     directions = flat_rows(evecs, evals.numel())
@@ -137,19 +113,10 @@ def exact_diagonal(ggn: LowRankGGN) -> Tensor:
 def diagonal_curvature(
     diagonal: Tensor, gradient: Tensor, top_k: int, damping: float
 ) -> ApproximateCurvature:
-    """Top-k eigenpairs and damped step of a diagonal matrix ``Ĝ = diag(d)``.
+    """Top-k eigenpairs and damped step ``−g / (d + δ)`` of ``Ĝ = diag(d)``, ``d ≥ 0``.
 
-    Its eigenpairs are the entries with the unit coordinate vectors; its step is
-    ``−g / (d + δ)`` entry by entry (the full inverse).
-
-    Args:
-        diagonal: ``d`` ``[D]``, non-negative.
-        gradient: ``g`` ``[D]``.
-        top_k: Number of leading eigenpairs.
-        damping: ``δ > 0``.
-
-    Returns:
-        The approximation's curvature (float64, CPU).
+    ``top_k`` and ``damping`` as for :func:`low_rank_curvature`; ``d``, ``g``
+    ``[D]``.
     """
     diagonal, gradient = diagonal.double().cpu(), gradient.double().cpu()
     values, index = diagonal.topk(min(top_k, diagonal.numel()))

@@ -1,11 +1,6 @@
 """Which approximation of the GGN can I trust on my model? One table answers.
 
-:func:`audit_approximations` computes the exact top-k eigenpairs of a
-mini-batch's GGN (:class:`~vivit.LowRankGGN`) and its damped Newton step, then,
-for each approximation, the relative errors of its top-k eigenvalues, the
-principal angles between its top-k eigenspace and the exact one, and the cosine
-between its damped Newton step and the exact one (``docs/math.rst``,
-"Approximation audit", defines every number).
+``docs/math.rst``, "Approximation audit", defines every number of the table.
 """
 
 from __future__ import annotations
@@ -64,8 +59,8 @@ class AuditRow:
         relative_errors: ``|λ̂_i − λ_i| / λ_i`` for the exact top ``k``.
         principal_cosines: ``cos θ_i`` of the principal angles, descending.
         principal_sines: ``sin θ_i``, ascending.
-        step_cosine: Cosine between its damped Newton step and the exact one
-            (``None`` for a zero gradient).
+        step_cosine: ``cos(s, ŝ)`` of the damped Newton steps (``None`` for a
+            zero gradient).
         step_norm_ratio: ``‖ŝ‖ / ‖s‖`` (``None`` for a zero gradient).
         time_s: Seconds to compute it.
     """
@@ -100,11 +95,7 @@ class AuditRow:
         return sum(c * c for c in self.principal_cosines) / len(self.principal_cosines)
 
     def to_dict(self) -> dict:
-        """Every field and summary of the row.
-
-        Returns:
-            A JSON-compatible dict.
-        """
+        """Every field and summary of the row, as a JSON-compatible dict."""
         return {
             **asdict(self),
             "max_relative_error": self.max_relative_error,
@@ -139,19 +130,11 @@ class ApproximationAudit:
     rows: list[AuditRow]
 
     def as_rows(self) -> list[dict]:
-        """The table: one dict per approximation.
-
-        Returns:
-            :meth:`AuditRow.to_dict` of every row.
-        """
+        """The table: :meth:`AuditRow.to_dict` of every row."""
         return [row.to_dict() for row in self.rows]
 
     def to_dict(self) -> dict:
-        """Every number and setting of the audit.
-
-        Returns:
-            A JSON-compatible dict.
-        """
+        """Every number and setting of the audit, as a JSON-compatible dict."""
         return {
             **{k: v for k, v in asdict(self).items() if k != "rows"},
             "rows": self.as_rows(),
@@ -254,33 +237,12 @@ def audit_approximations(
 ) -> ApproximationAudit:
     """Audit approximations of a mini-batch's GGN against the exact one.
 
-    The exact GGN ``G`` of ``loss_func(model(inputs), targets)`` over the model's
-    trainable parameters, its top-k eigenpairs and damped Newton step ``s =
-    −(G + δI)⁻¹ g`` (``g`` the mini-batch gradient) come from
-    :class:`~vivit.LowRankGGN`. Each approximation ``Ĝ`` gives its top-k
-    eigenpairs and its step ``ŝ = −(Ĝ + δI)⁻¹ g`` with the same ``g`` and ``δ``:
-
-    - ``"mc"``: the Monte-Carlo GGN, one row per entry of ``mc_samples``
-      (``LowRankGGN(mc_samples=M)``, generator seeded with ``seed``);
-    - ``"subsampled"``: the GGN of the loss on ``subsampling`` alone;
-    - ``"block_diagonal"``: one GGN block per group of ``param_groups``;
-    - ``"diagonal"``: the exact GGN's diagonal ``Σ_j λ_j e_j²`` from the exact
-      eigenpairs; its step is the full inverse ``−g / (diag(G) + δ)``;
-    - ``"kfac"``, ``"ekfac"``: curvlinops' KFAC and EKFAC of the GGN
-      (``fisher_type="type-2"``), their step curvlinops' exactly damped inverse.
-      Without curvlinops (``pip install 'vivit[audit]'``) these rows say
-      ``"not installed"``; for a model with parameters outside ``Linear`` and
-      ``Conv2d`` layers they say ``"unsupported"``.
-
-    The low-rank steps are the library's
-    :meth:`~vivit.LowRankGGN.newton_step` on all non-zero eigendirections plus
-    the gradient's component outside them divided by ``δ``.
-
-    Example::
-
-        audit = audit_approximations(model, CrossEntropyLoss(), (X, y), top_k=5)
-        print(audit)            # the table
-        audit.as_rows()         # one dict per approximation
+    The exact GGN's top-k eigenpairs and damped Newton step come from
+    :class:`~vivit.LowRankGGN`; each approximation's are compared with them
+    (``docs/math.rst``, "Approximation audit"; the guide, "Auditing
+    approximations"). The KFAC and EKFAC rows need curvlinops (``pip install
+    'vivit[audit]'``): without it they say ``"not installed"``, and for a model
+    with parameters outside ``Linear`` and ``Conv2d`` layers ``"unsupported"``.
 
     Args:
         model: The network (BatchNorm and dropout in eval mode).

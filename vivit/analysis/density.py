@@ -1,14 +1,7 @@
 """Spectral density of a symmetric PSD operator by stochastic Lanczos quadrature.
 
-For each of ``n_v`` random unit probes ``x``, ``k`` Lanczos steps on ``A`` give the
-Gauss quadrature of the probe's weighted spectral measure ``Σ_i (xᵀu_i)² δ_λi``:
-nodes the Ritz values ``θ_j``, weights the squared first entries of the
-tridiagonal matrix's eigenvectors. Their average estimates the spectral measure
-``(1/n) Σ_i δ_λi``; the error in Wasserstein-1 distance is bounded by Chen,
-Trogdon and Ubaru (2021) (``docs/math.rst``, "Spectral density by stochastic
-Lanczos quadrature"). Only products ``A·X`` are needed: a dense matrix (a Gram
-matrix), :meth:`vivit.LowRankGGN.operator` (products with ``V``) or any
-callable.
+From products ``A·X`` alone, with its Wasserstein-1 error bound (``docs/math.rst``,
+"Spectral density by stochastic Lanczos quadrature").
 """
 
 from __future__ import annotations
@@ -26,10 +19,7 @@ from vivit.errors import InvalidArgumentError, NonFiniteError
 
 
 class MatrixOperator(Protocol):
-    """An operator with ``matvec`` on ``[n, b]`` blocks, a shape, type and device.
-
-    :class:`~vivit.linalg.operator.GGNOperator` is one.
-    """
+    """An operator with ``matvec`` on ``[n, b]`` blocks, a shape, type and device."""
 
     shape: tuple[int, int]
     dtype: torch.dtype
@@ -40,10 +30,7 @@ class MatrixOperator(Protocol):
 
 @dataclass(frozen=True)
 class SpectralDensity:
-    """The quadrature measure of stochastic Lanczos quadrature.
-
-    Every probe contributes ``k`` nodes; their weights over all probes sum to the
-    dimension ``n``, so the measure counts eigenvalues.
+    """The quadrature measure of stochastic Lanczos quadrature; it counts eigenvalues.
 
     Attributes:
         nodes: ``[n_v, k]`` Ritz values of each probe (a probe whose Krylov
@@ -67,12 +54,9 @@ class SpectralDensity:
     def density(self, grid: Tensor, width: float) -> Tensor:
         """The measure smoothed by a Gaussian kernel: eigenvalues per unit.
 
-        ``ρ(x) = Σ_j w_j φ_σ(x − θ_j)``, ``φ_σ`` the normal density of standard
-        deviation ``σ = width``; integrates to ``dim`` over the real line.
-
         Args:
             grid: Points ``x`` (1-d).
-            width: ``σ > 0``.
+            width: Standard deviation ``σ > 0`` of the kernel.
 
         Returns:
             ``ρ`` at the grid points, in the grid's type.
@@ -90,22 +74,14 @@ class SpectralDensity:
         return kernel @ weights
 
     def count(self, threshold: float) -> float:
-        """Estimated number of eigenvalues above ``threshold``.
+        """Estimated number of eigenvalues above ``threshold``: the nodes' weight.
 
-        Args:
-            threshold: E.g. the numerical-zero tolerance (a rank estimate).
-
-        Returns:
-            The weight of the nodes above it.
+        With the numerical-zero tolerance as ``threshold``, a rank estimate.
         """
         return self.weights[self.nodes > threshold].sum().item()
 
     def trace(self) -> float:
-        """Estimated trace ``Σ_j w_j θ_j``: Hutchinson's estimate with the probes.
-
-        Returns:
-            The trace estimate.
-        """
+        """Estimated trace ``Σ_j w_j θ_j``: Hutchinson's estimate with the probes."""
         return (self.weights * self.nodes).sum().item()
 
 
@@ -121,16 +97,8 @@ def spectral_density(
 ) -> SpectralDensity:
     """The spectral measure of a symmetric PSD operator by stochastic Lanczos.
 
-    Runs ``lanczos_steps`` Lanczos steps from every probe at once (one product
-    with an ``[n, n_v]`` block per step) with full reorthogonalization against
-    the probe's earlier vectors (memory ``k·n·n_v`` numbers). A probe whose Krylov
-    space is exhausted stops; its quadrature is then exact.
-
-    Example::
-
-        density = spectral_density(ggn.gram(), lanczos_steps=40, probes=20)
-        rho = density.density(torch.linspace(0, 5, 500), width=0.05)
-        density = spectral_density(ggn.operator())   # parameter space, D × D
+    All probes run at once, fully reorthogonalized (memory ``k·n·n_v`` numbers);
+    see the guide, "The structure of the spectrum".
 
     Args:
         operator: A symmetric ``[n, n]`` tensor; an object with ``matvec`` on
@@ -232,12 +200,7 @@ def _probes(
 def _lanczos(
     matmul: Callable[[Tensor], Tensor], start: Tensor, steps: int
 ) -> tuple[Tensor, Tensor, list[int]]:
-    """Lanczos of every probe column at once, fully reorthogonalized.
-
-    Returns the diagonals ``α [k, n_v]``, off-diagonals ``β [k, n_v]`` and each
-    probe's number of steps (fewer where its Krylov space is exhausted: ``β``
-    below ``n·ε`` times the largest ``|α| + β`` seen).
-    """
+    """``α [k, n_v]``, ``β [k, n_v]`` and each probe's steps (fewer once exhausted)."""
     size, count = start.shape
     basis = torch.zeros(steps, size, count, dtype=start.dtype, device=start.device)
     alphas = torch.zeros(steps, count, dtype=start.dtype)
@@ -276,8 +239,7 @@ def _lanczos(
 def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float:
     """Wasserstein-1 distance of the quadrature measure and the exact spectrum.
 
-    Both as probability measures (weights ``/ n``, each eigenvalue ``1/n``):
-    ``∫ |F_SLQ(x) − F(x)| dx`` of their cumulative distributions.
+    Both as probability measures: ``∫ |F_SLQ(x) − F(x)| dx``.
 
     Args:
         density: The quadrature measure.
@@ -316,15 +278,11 @@ def wasserstein_bound(
 ) -> float:
     """Chen, Trogdon and Ubaru's bound on the Wasserstein-1 error of SLQ.
 
-    With probability at least ``1 − η``, ``k`` Lanczos steps from each of ``n_v``
-    probes uniform on the unit sphere give
-    ``W₁ ≤ (λ_max − λ_min)·(12/(2k − 1) + √(ln(2n/η)/((n + 2)·n_v)))``, in exact
-    arithmetic (``docs/math.rst``, "Spectral density by stochastic Lanczos
-    quadrature"). With ``k ≥ n`` steps the quadrature is exact and the first term
-    is zero.
+    Holds with probability at least ``1 − η``, in exact arithmetic
+    (``docs/math.rst``, "Spectral density by stochastic Lanczos quadrature").
 
     Args:
-        dim: ``n``.
+        dim: Side length ``n`` of the operator.
         lanczos_steps: ``k``.
         probes: ``n_v``.
         spread: ``λ_max − λ_min`` (or an upper bound: ``λ_max`` for a PSD

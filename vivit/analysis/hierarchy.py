@@ -1,12 +1,7 @@
-"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix.
+"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix alone.
 
-Column ``(n, c)`` of ``V`` belongs to the pair (label ``y_n``, output class ``c``).
-Projecting each pair's columns onto their (weighted) mean splits ``G = V Vᵀ``
-exactly into the class means (``c = y_n``), the cross-class means (``c ≠ y_n``)
-and the within-class deviations. Each part is ``V A Aᵀ Vᵀ`` for a Gram-space
-matrix ``A``, so its non-zero spectrum is that of ``Aᵀ G̃ A`` and its eigenvectors
-are ``V`` times Gram-space coefficients: no product with ``V`` and no further
-backward pass (``docs/math.rst``, "Hierarchy of the spectrum").
+Each part is ``V A Aᵀ Vᵀ`` for a Gram-space matrix ``A``: no product with ``V`` and
+no further backward pass (``docs/math.rst``, "Hierarchy of the spectrum").
 """
 
 from __future__ import annotations
@@ -44,16 +39,16 @@ class SpectrumPart:
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """The GGN split into class means, cross-class means and within-class parts.
+    """The GGN split exactly into class means, cross-class means and within-class.
 
-    ``G = G_class + G_cross + G_within`` exactly (``docs/math.rst``, "Hierarchy of
-    the spectrum"). Obtained from :func:`hierarchy`.
+    Obtained from :func:`hierarchy` (``docs/math.rst``, "Hierarchy of the
+    spectrum").
 
     Attributes:
         full: The GGN of all analysed groups together.
-        class_means: ``Σ_a ‖w_aa‖² m_aa m_aaᵀ``: rank at most ``C``.
-        cross_class: ``Σ_{a≠c} ‖w_ac‖² m_ac m_acᵀ``: rank at most ``C(C−1)``.
-        within_class: ``Σ_{a,c}`` of the deviations from the pair means.
+        class_means: ``G_class``, rank at most ``C``.
+        cross_class: ``G_cross``, rank at most ``C(C−1)``.
+        within_class: ``G_within``, the deviations from the pair means.
         group_spectra: Every eigenvalue of each analysed group's own GGN block
             (one parameter group each, e.g. one per layer), ascending.
         zero_tolerance: Eigenvalues at or below it are numerically zero (that of
@@ -72,12 +67,7 @@ class Hierarchy:
     def part(self, name: str) -> SpectrumPart:
         """A part by name.
 
-        Args:
-            name: ``"full"``, ``"class_means"``, ``"cross_class"`` or
-                ``"within_class"``.
-
-        Returns:
-            The part.
+        One of ``"full"``, ``"class_means"``, ``"cross_class"``, ``"within_class"``.
 
         Raises:
             InvalidArgumentError: For another name.
@@ -91,9 +81,7 @@ class Hierarchy:
         return getattr(self, name)
 
     def cosines(self, name: str, top_k: int | None = None) -> Tensor:
-        """Inner products of the full GGN's eigenvectors with a part's.
-
-        ``E_fullᵀ E_part = C_fullᵀ G̃ C_part`` from the Gram-space coefficients.
+        """Inner products ``E_fullᵀ E_part = C_fullᵀ G̃ C_part`` of the eigenvectors.
 
         Args:
             name: The part (see :meth:`part`).
@@ -109,9 +97,7 @@ class Hierarchy:
     def overlap(self, name: str, top_k: int, full_top_k: int | None = None) -> float:
         """How much of a part's top eigenspace lies in the GGN's top eigenspace.
 
-        ``‖E_fullᵀ E_part‖_F² / k`` for the part's ``k = top_k`` and the full
-        GGN's ``full_top_k`` leading eigenvectors (``k`` fewer if the part has
-        fewer non-zero eigenvalues): 1 if the part's space lies inside the full
+        ``‖E_fullᵀ E_part‖_F² / k``: 1 if the part's space lies inside the full
         one, 0 if orthogonal to it.
 
         Args:
@@ -149,24 +135,10 @@ def hierarchy(
     """Split a cross-entropy GGN into Papyan's class, cross-class and within parts.
 
     Needs the exact loss-Hessian roots (``mc_samples=0``) of a loss with one
-    class axis: the ``N·C`` Gram rows are (sample ``n``, class ``c``),
-    sample-major. The GGN analysed is that of every parameter in ``groups``
-    (their Gram matrices summed: with one group per layer, the full GGN), and
-    each group's own spectrum comes with it: one backward pass gives the
-    hierarchy and the per-layer spectra.
-
-    Cost: the groups' Gram matrices (formed if not yet) and their
-    eigendecompositions (the groups' spectra), one more ``N·C × N·C``
-    eigendecomposition for the full GGN and one for the within-class part; at
-    most about five ``N·C × N·C`` matrices at once beyond what ``ggn`` holds.
-
-    Example::
-
-        ggn = LowRankGGN(model, CrossEntropyLoss(), (X, y),
-                         param_groups=[list(m.parameters()) for m in layers])
-        parts = hierarchy(ggn, y)
-        parts.class_means.eigenvalues      # at most C
-        parts.overlap("class_means", C)    # its top space inside the GGN's top C
+    class axis (the guide, "The structure of the spectrum"). The GGN analysed is
+    that of every parameter in ``groups`` (their Gram matrices summed), and each
+    group's own spectrum comes with it. Memory: about five ``N·C × N·C``
+    matrices at once beyond what ``ggn`` holds.
 
     Args:
         ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
@@ -177,9 +149,6 @@ def hierarchy(
         probabilities: ``[N, C]`` softmax probabilities ``p_nc`` of the samples:
             Papyan's probability-weighted means (weights ``√p_nc`` on the
             columns). ``None``: plain means over the samples of each label.
-
-    Returns:
-        The parts, their spectra and eigenvectors, and the groups' spectra.
 
     Raises:
         InvalidArgumentError: For labels or probabilities that do not match the

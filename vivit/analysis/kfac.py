@@ -1,12 +1,8 @@
 """KFAC and EKFAC of the GGN from curvlinops, the optional extra ``vivit[audit]``.
 
-Nothing here approximates the GGN itself: curvlinops' ``KFACLinearOperator`` and
-``EKFACLinearOperator`` (``fisher_type="type-2"``: the exact loss Hessian, so
-they approximate the GGN, not a sampled Fisher) give the matrix, its leading
-eigenpairs come from :func:`vivit.linalg.iterative.block_krylov_eigh` on its
-products, and its damped Newton step from curvlinops'
-``KFACInverseLinearOperator`` with exact damping, ``(K + δI)⁻¹``
-(``docs/math.rst``, "Approximation audit").
+``fisher_type="type-2"`` (the exact loss Hessian: the GGN, not a sampled Fisher);
+the damped step is curvlinops' exactly damped inverse (``docs/math.rst``,
+"Approximation audit").
 """
 
 from __future__ import annotations
@@ -28,11 +24,7 @@ NOT_INSTALLED = "pip install 'vivit[audit]' (curvlinops-for-pytorch) for this ro
 
 
 def curvlinops_installed() -> bool:
-    """Whether curvlinops can be imported.
-
-    Returns:
-        ``True`` if the ``curvlinops`` package is installed.
-    """
+    """Whether the ``curvlinops`` package is installed."""
     return importlib.util.find_spec("curvlinops") is not None
 
 
@@ -50,20 +42,12 @@ def kronecker_factored_curvature(
     top_k: int,
     damping: float,
 ) -> ApproximateCurvature:
-    """Top-k eigenpairs and damped step of curvlinops' KFAC or EKFAC.
+    """Top-k eigenpairs and damped step of curvlinops' KFAC or EKFAC (``kind``).
 
-    Args:
-        kind: ``"kfac"`` or ``"ekfac"``.
-        model: The model.
-        loss_func: The loss module.
-        data: The mini-batch ``(inputs, targets)``.
-        params: All audited parameters, in the order of the flattened vectors.
-        gradient: The mini-batch gradient ``g`` ``[D]`` in that order.
-        top_k: Number of leading eigenpairs.
-        damping: ``δ > 0``.
-
-    Returns:
-        The approximation's curvature (float64, CPU).
+    ``params``, ``top_k`` and ``damping`` as for
+    :func:`vivit.analysis.approximations.low_rank_curvature`; ``gradient`` is the
+    mini-batch ``data``'s ``g`` ``[D]`` in the order of ``params``. The result is
+    float64, on the CPU.
 
     Raises:
         CurvlinopsRefusalError: If curvlinops refuses the model (parameters

@@ -1,20 +1,4 @@
-"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop.
-
-Example::
-
-    monitor = CurvatureMonitor(model, loss_func, every=10, top_k=5,
-                               path="runs/curvature.jsonl")
-    for inputs, targets in loader:
-        optimizer.zero_grad()
-        loss_func(model(inputs), targets).backward()
-        optimizer.step()
-        monitor.step((inputs, targets))
-    monitor.close()
-
-Each monitored step builds a :class:`~vivit.LowRankGGN` of the monitored batch at
-the current parameters and records what :mod:`vivit.analysis.monitor_record`
-describes. Training is left exactly as it was: see :class:`CurvatureMonitor`.
-"""
+"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop."""
 
 from __future__ import annotations
 
@@ -43,25 +27,11 @@ class CurvatureMonitor:
     """Records the GGN's curvature every ``every`` training steps.
 
     Call :meth:`step` once per training step, after ``optimizer.step()``; every
-    ``every``-th call (steps ``every, 2·every, ...``) builds a
-    :class:`~vivit.LowRankGGN` at the current parameters and records its top
-    eigenvalues, the gradient's share in their span, the SNRs of ``γ`` and ``λ``
-    per direction and the angle of the damped Newton step to ``−∇L``
-    (:data:`vivit.analysis.monitor_record.FIELDS` lists every field). Records go
-    to :attr:`records`, to the JSON lines file ``path`` and to TensorBoard.
-
-    Which batch: the *current* batch (``batch=None``; pass the batch the step
-    trained on to :meth:`step`) follows the data the optimizer sees, so its
-    numbers carry that batch's sampling noise; a *fixed* monitoring batch
-    (``batch=(inputs, targets)``, or a loader of several) gives curves in which
-    only the parameters change, at the cost of holding that batch.
-
-    Training is left as it was: the model's ``.grad`` (the GGN's gradient is its
-    own), every module's training flag (the model runs in evaluation mode while
-    the GGN is computed: dropout and BatchNorm must, and each module's flag is
-    restored afterwards), torch's global random number generators (Monte-Carlo
-    sampling draws from the monitor's own generator, seeded with ``seed``,
-    unless ``options`` name one) and the model's hooks.
+    ``every``-th call builds a :class:`~vivit.LowRankGGN` at the current
+    parameters (in evaluation mode) and records the fields of
+    :data:`vivit.analysis.monitor_record.FIELDS`. Training is left as it was:
+    ``.grad``, training flags, torch's global generators and hooks (the guide,
+    "Curvature during training").
 
     Args:
         model: The network being trained.
@@ -70,20 +40,19 @@ class CurvatureMonitor:
         top_k: Number of leading eigendirections recorded.
         path: JSON lines file the records are appended to (``None``: none).
         batch: A fixed monitoring batch, or an iterable of batches (anything
-            :class:`~vivit.LowRankGGN` takes as ``data``); ``None``: the batch
-            passed to each :meth:`step`.
+            :class:`~vivit.LowRankGGN` takes as ``data``), for curves in which
+            only the parameters change; ``None``: the batch passed to each
+            :meth:`step`.
         damping: Damping of the Newton step whose angle is recorded: a constant
             ``δ ≥ 0`` or a rule (see :meth:`vivit.LowRankGGN.newton`).
         params: The parameters whose curvature is monitored (``None``: every
             trainable one).
-        seed: Seed of the monitor's own generator for Monte-Carlo sampling.
-        tensorboard: TensorBoard log directory (``None``: no TensorBoard). If
-            ``tensorboard`` is not installed, one warning
-            (:class:`~vivit.MissingPackageWarning`) says so and the records go
-            to the file only.
-        **options: Options of the curvature request
-            (:class:`~vivit.options.CurvatureOptions`: ``mc_samples``,
-            ``subsampling``, ``engine``, ``solver``, ``output``, ...), checked
+        seed: Seed of the monitor's own generator for Monte-Carlo sampling
+            (unless ``options`` name a generator).
+        tensorboard: TensorBoard log directory (``None``: no TensorBoard); if
+            ``tensorboard`` is not installed, one
+            :class:`~vivit.MissingPackageWarning` says so.
+        **options: Options of :class:`~vivit.options.CurvatureOptions`, checked
             once here.
 
     Attributes:
@@ -173,9 +142,6 @@ class CurvatureMonitor:
             index: The step index written to the record (``None``: the steps
                 counted so far).
 
-        Returns:
-            The record.
-
         Raises:
             InvalidArgumentError: For a missing or superfluous batch.
         """
@@ -233,18 +199,9 @@ class CurvatureMonitor:
 
 
 def _kept_copy(batch: object) -> object:
-    """A fixed mini-batch as the monitor keeps it: its tensors cloned.
+    """A fixed mini-batch with its tensors cloned (a caller may reuse its buffers).
 
-    Records read it at every ``every``-th step; a caller that changes its tensors
-    in place afterwards (e.g. reuses the buffers) changes no record. A loader, or
-    anything malformed (refused by :class:`~vivit.LowRankGGN` with its reason),
-    is kept as it is.
-
-    Args:
-        batch: What the caller passed as ``batch``.
-
-    Returns:
-        The batch to keep.
+    A loader, or anything malformed (refused later, named), is kept as it is.
     """
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         return batch

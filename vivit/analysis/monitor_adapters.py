@@ -1,9 +1,7 @@
 """A CurvatureMonitor as a PyTorch Lightning or Hugging Face Trainer callback.
 
-Both packages are optional and imported only when an adapter is built; a missing
-one raises :class:`~vivit.MissingPackageError` naming it. Both import torchvision
-where it is installed; one that cannot load beside this torch is hidden first
-(:func:`~vivit.huggingface.hide_broken_torchvision`).
+Both packages are optional, imported when an adapter is built, a broken
+torchvision hidden first (:func:`~vivit.huggingface.hide_broken_torchvision`).
 """
 
 from __future__ import annotations
@@ -18,15 +16,14 @@ from vivit.optional_packages import hide_broken_torchvision, import_optional
 def lightning_callback(monitor: CurvatureMonitor) -> Any:
     """A Lightning ``Callback`` that steps ``monitor`` after each optimizer step.
 
-    The step index is the trainer's ``global_step`` (optimizer steps, so a step
-    with gradient accumulation is counted once); the batch is the training batch
-    (``(inputs, targets)``) unless the monitor has a fixed one. The monitor's
-    ``model`` is the network whose output ``loss_func`` takes (the
-    ``LightningModule`` itself if its ``forward`` returns it). The monitor is
-    closed when training ends.
+    At the trainer's ``global_step`` (once per accumulated step), with the
+    training batch unless the monitor has a fixed one; closes the monitor when
+    training ends.
 
     Args:
-        monitor: The monitor.
+        monitor: The monitor; its ``model`` is the network whose output
+            ``loss_func`` takes (the ``LightningModule`` if its ``forward``
+            returns it).
 
     Returns:
         A ``lightning.pytorch.Callback`` for ``Trainer(callbacks=[...])``.
@@ -64,14 +61,11 @@ def lightning_callback(monitor: CurvatureMonitor) -> Any:
 def huggingface_callback(monitor: CurvatureMonitor) -> Any:
     """A Hugging Face ``TrainerCallback`` that steps ``monitor`` after each step.
 
-    The ``Trainer`` does not hand its batches to callbacks, so the monitor needs
-    a fixed monitoring batch (for a model taking a dict of tensors, the
-    ``output="logits"`` option and a batch the model and ``loss_func`` accept).
-    The step index is the trainer state's ``global_step``. The monitor is closed
-    when training ends.
+    At the trainer state's ``global_step``; closes the monitor when training ends.
 
     Args:
-        monitor: A monitor with a fixed monitoring batch.
+        monitor: A monitor with a fixed monitoring batch (the ``Trainer`` hands
+            no batches to callbacks).
 
     Returns:
         A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``.

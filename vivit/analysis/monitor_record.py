@@ -1,12 +1,7 @@
 """One monitoring record from a LowRankGGN, its JSON line, and reading lines back.
 
-A record holds, for the GGN of one batch at the current parameters
-(``docs/math.rst``, "Curvature during training"): the top eigenvalues
-(descending; the first is the sharpness), the gradient's share in their span
-``‖P_k ∇L‖² / ‖∇L‖² = Σ_k γ̄_k² / ‖∇L‖²``, the signal-to-noise ratios of ``γ_·k``
-and ``λ_·k`` per direction ("Directional derivatives and curvature noise"), the
-dampings and the angle between the damped Newton step and ``−∇L`` ("Damped
-Newton step in the eigenspace").
+Every field is listed in :data:`FIELDS` and defined in ``docs/math.rst``,
+"Curvature during training".
 """
 
 from __future__ import annotations
@@ -60,16 +55,7 @@ def _flat(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
-    """Angle between a step and the steepest descent direction ``−∇L``.
-
-    Args:
-        step: The step, flattened.
-        gradient: The gradient, flattened.
-
-    Returns:
-        ``arccos(−stepᵀ∇L / (‖step‖‖∇L‖))`` in degrees, or ``None`` if either is
-        zero.
-    """
+    """Angle in degrees between a flattened step and ``−∇L`` (``None`` if one is 0)."""
     norms = step.norm() * gradient.norm()
     if norms == 0:
         return None
@@ -80,15 +66,9 @@ def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
 def curvature_record(
     ggn: LowRankGGN, top_k: int, damping: float | Damping
 ) -> dict[str, object]:
-    """The curvature fields of a record (all but step, time, overhead and batch).
+    """The curvature fields of :data:`FIELDS` (all but step, time, overhead, batch).
 
-    Args:
-        ggn: The GGN of the monitored batch at the current parameters.
-        top_k: Number of leading directions.
-        damping: Damping of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
-
-    Returns:
-        Field name to its value, as :data:`FIELDS` describes.
+    ``damping`` is that of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
     """
     newton = ggn.newton(top_k, damping=damping)
     directional = newton.directional
@@ -109,14 +89,7 @@ def curvature_record(
 
 
 def to_json_line(record: dict[str, object]) -> str:
-    """A record as one line of strict JSON (no NaN or infinity).
-
-    Args:
-        record: The record.
-
-    Returns:
-        The line, without its newline.
-    """
+    """A record as one line of strict JSON (no NaN or infinity), without newline."""
     return json.dumps(record, allow_nan=False)
 
 

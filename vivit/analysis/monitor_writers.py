@@ -23,11 +23,7 @@ class JsonLinesWriter:
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, object]) -> None:
-        """Append a record.
-
-        Args:
-            record: The record.
-        """
+        """Append a record."""
         self._file.write(to_json_line(record) + "\n")
         self._file.flush()
 
@@ -37,15 +33,7 @@ class JsonLinesWriter:
 
 
 def tensorboard_scalars(record: dict[str, object]) -> dict[str, float]:
-    """The record's numbers as TensorBoard tags, one per direction for lists.
-
-    Args:
-        record: The record.
-
-    Returns:
-        Tag (``monitor/eigenvalue/1``, ``monitor/gradient_share``, ...) to value;
-        ``None`` values are left out.
-    """
+    """The record's numbers by tag (``monitor/eigenvalues/1``, ...), ``None`` out."""
     scalars = {}
     for name, value in record.items():
         if isinstance(value, list):
@@ -58,11 +46,7 @@ def tensorboard_scalars(record: dict[str, object]) -> dict[str, float]:
 
 
 class TensorBoardWriter:
-    """Writes each record's numbers as TensorBoard scalars at its step.
-
-    Args:
-        log_dir: TensorBoard's log directory.
-    """
+    """Writes each record's numbers as TensorBoard scalars at its step."""
 
     def __init__(self, log_dir: str | Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -70,11 +54,7 @@ class TensorBoardWriter:
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def write(self, record: dict[str, object]) -> None:
-        """Add the record's scalars.
-
-        Args:
-            record: The record.
-        """
+        """Add the record's scalars."""
         for tag, value in tensorboard_scalars(record).items():
             self._writer.add_scalar(tag, value, record["step"], record["time"])
         self._writer.flush()
@@ -85,15 +65,7 @@ class TensorBoardWriter:
 
 
 def tensorboard_writer(log_dir: str | Path) -> TensorBoardWriter | None:
-    """A TensorBoard writer, or ``None`` with one warning if it is not installed.
-
-    Args:
-        log_dir: TensorBoard's log directory.
-
-    Returns:
-        The writer, or ``None`` when ``torch.utils.tensorboard`` cannot be
-        imported (the package ``tensorboard`` is missing).
-    """
+    """A TensorBoard writer, or ``None`` with one warning if it cannot be imported."""
     try:
         return TensorBoardWriter(log_dir)
     except ImportError as error:

@@ -1,8 +1,6 @@
 """The ViViT-compatible computation classes (``vivit-for-pytorch`` 1.0's API).
 
-Each hands out a BackPACK extension and an extension hook for use inside a training
-loop, and returns its result per parameter group after the backward pass. ViViT
-1.0's import paths (``vivit.linalg.eigh`` and friends) re-export them.
+See ``docs/migration.rst``; ViViT 1.0's import paths re-export them.
 """
 
 from vivit.compat.directional_damped_newton import DirectionalDampedNewtonComputation

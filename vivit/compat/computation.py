@@ -1,10 +1,7 @@
-"""The BackPACK protocol every ViViT-compatible computation class follows.
+"""The BackPACK extension + hook protocol every ViViT-compatible class follows.
 
-A computation hands out a BackPACK extension and an extension hook; the hook turns
-each parameter group's curvature into the computation's result as soon as the
-group is complete, and :meth:`GroupComputation.get_result` returns it. The classes
-behave as ViViT 1.0 (``vivit-for-pytorch``) does; :class:`CriterionComputation`
-works on the eigenpairs a group's criterion selects (:mod:`vivit.compat.selection`).
+The hook turns each parameter group's curvature into the computation's result as
+soon as the group is complete; :meth:`GroupComputation.get_result` returns it.
 """
 
 from __future__ import annotations
@@ -63,11 +60,7 @@ class GroupComputation:
         self._results: dict[int, Any] = {}
 
     def get_extension(self) -> GramGGN:
-        """Instantiate the BackPACK extension for this computation.
-
-        Returns:
-            Extension to pass to ``with backpack(...)``.
-        """
+        """The BackPACK extension to pass to ``with backpack(...)``."""
         return GramGGN(
             mc_samples=self._mc_samples,
             subsampling=self._subsampling,
@@ -76,15 +69,15 @@ class GroupComputation:
         )
 
     def get_extension_hook(self, param_groups: list[dict]) -> Callable[[Module], None]:
-        """Instantiate the BackPACK extension hook that computes the results.
+        """The hook to pass as ``extension_hook`` to ``with backpack(...)``.
 
         Args:
             param_groups: Groups as for a ``torch.optim.Optimizer``: dicts with
-                ``"params"`` (and the keys the computation requires). Each group
-                defines one diagonal block of the GGN.
+                ``"params"`` (and the keys the computation requires), each one
+                diagonal block of the GGN.
 
         Returns:
-            Hook to pass as ``extension_hook`` to ``with backpack(...)``.
+            The hook.
         """
         check_grad_mode(f"{type(self).__name__}.get_extension_hook")
         check_param_groups(param_groups, self.required_keys)
@@ -109,33 +102,21 @@ class GroupComputation:
         return ContributionHook(collector)
 
     def gradient_samples(self) -> list[int] | None:
-        """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all).
-
-        Returns:
-            Sample indices or ``None``.
-        """
+        """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all)."""
         return None
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Any:
-        """Turn a group's curvature into this computation's result.
-
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix and factors.
-
-        Returns:
-            The group's result.
-        """
+        """Turn a group's curvature (Gram matrix, factors) into its result."""
         raise NotImplementedError
 
     def get_result(self, group: dict) -> Any:
-        """The group's result after the backward pass.
+        """The group's result after the backward pass (see :meth:`compute`).
 
         Args:
-            group: The parameter group.
+            group: The parameter group passed to :meth:`get_extension_hook`.
 
         Returns:
-            What :meth:`compute` made of the group's curvature.
+            The result.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.
@@ -158,13 +139,12 @@ class CriterionComputation(GroupComputation):
     Each parameter group carries ``"params"`` and ``"criterion"``.
 
     Args:
-        subsampling: Samples whose curvature is used; ``None`` for all.
-        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        verbose: Print what happens during backpropagation.
+        subsampling: As for :class:`GroupComputation`.
+        mc_samples: As for :class:`GroupComputation`.
+        verbose: As for :class:`GroupComputation`.
         warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
             smaller in magnitude. ``0`` disables the warning.
-        gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's).
+        gram_dtype: As for :class:`GroupComputation`.
     """
 
     required_keys = ("params", "criterion")

@@ -17,18 +17,11 @@ from vivit.sources.collector import GroupCurvature
 class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     """Provide a BackPACK extension and hook for directionally damped Newton steps.
 
-    ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the eigenvectors each group's
-    ``"criterion"`` selects, with ``γ̄_k`` the directional gradient of the loss on
-    the gradient samples and ``δ_k`` from the group's ``"damping"``, a callable
-    ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K], lambdas [N_ggn, K]) →
-    [K]`` (see :mod:`vivit.optim.damping`) or, beyond ViViT, a constant ``δ ≥ 0``.
-    The step is formed with one product with ``V``.
-
-    As in ViViT 1.0, the damping receives the selected eigenvalues as computed and
-    the Gram eigenvectors ordered class-major (row ``c·N + n`` is output ``c`` of
-    sample ``n`` of the GGN samples). A direction whose eigenvalue is at or below
-    the numerical-zero tolerance is the zero vector: its ``γ`` and ``λ`` are zero
-    and it contributes no step.
+    The step along the eigenvectors each group's ``"criterion"`` selects
+    (``docs/math.rst``, "Damped Newton step in the eigenspace"), with ``δ_k`` from
+    the group's ``"damping"``: a callable ``(evals [K], gram_evecs [N·C, K],
+    gammas [N_grad, K], lambdas [N_ggn, K]) → [K]`` (:mod:`vivit.optim.damping`;
+    ``gram_evecs`` class-major, ``docs/migration.rst``) or a constant ``δ ≥ 0``.
 
     Arguments are those of :class:`DirectionalDerivativesComputation`.
     """
@@ -44,13 +37,8 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> list[Tensor]:
         """The damped Newton step of the group.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix, factors and ``Vᵀ∇ℓ_n``.
-
         Returns:
-            The step, one tensor per parameter, shaped like the parameter and in
-            its dtype.
+            The step, one tensor per parameter, shaped like it and in its dtype.
         """
         selection, directional = self._directional(group, curvature)
         damping, evals = group["damping"], selection.evals

@@ -18,26 +18,10 @@ from vivit.sources.collector import GroupCurvature
 class DirectionalDerivativesComputation(CriterionComputation):
     """Provide a BackPACK extension and hook for 1ˢᵗ/2ⁿᵈ directional derivatives.
 
-    The directions are GGN eigenvectors ``e_k`` selected by each group's
-    ``"criterion"``; ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k``
-    (``docs/math.rst``).
-    Neither per-sample gradients nor ``V`` are formed where a layer has a factor
-    form. Both loss reductions and any number of MC samples are supported.
-
-    As in ViViT 1.0 any criterion works. A selected eigenvalue at or below the
-    numerical-zero tolerance has the zero vector as its direction, so its ``γ``
-    and ``λ`` columns are zero (ViViT returned NaN or rounding noise there).
-
-    Usage::
-
-        computation = DirectionalDerivativesComputation()
-        groups = [{"params": list(model.parameters()), "criterion": top_3}]
-        with backpack(
-            *computation.get_extensions(),
-            extension_hook=computation.get_extension_hook(groups),
-        ):
-            loss.backward()
-        gammas, lambdas = computation.get_result(groups[0])
+    ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k`` along the GGN eigenvectors
+    ``e_k`` each group's ``"criterion"`` selects, as for
+    :class:`~vivit.EighComputation` (``docs/math.rst``, "Directional derivatives
+    and curvature noise").
 
     Args:
         subsampling_grad: Samples whose directional gradients ``γ`` are computed
@@ -46,12 +30,9 @@ class DirectionalDerivativesComputation(CriterionComputation):
             directional curvatures ``λ`` are computed (``None``: all).
         mc_samples_ggn: ``0`` for the exact loss Hessian, else ``M`` MC samples.
         verbose: Print what happens during backpropagation.
-        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
-            smaller in magnitude. ``0`` disables the warning.
-        gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.options.CurvatureOptions`). ``γ`` and
-            ``λ`` are returned in it.
+        warn_small_eigvals: As for :class:`~vivit.EighComputation`.
+        gram_dtype: As for :class:`~vivit.EigvalshComputation`; ``γ`` and ``λ`` are
+            returned in it.
     """
 
     compute_gradients = True
@@ -78,11 +59,7 @@ class DirectionalDerivativesComputation(CriterionComputation):
         )
 
     def get_extensions(self) -> list[GramGGN]:
-        """Instantiate the BackPACK extensions for this computation.
-
-        Returns:
-            Extensions to unpack into ``with backpack(...)``.
-        """
+        """The BackPACK extensions to unpack into ``with backpack(...)``."""
         return [self.get_extension()]
 
     def gradient_samples(self) -> list[int] | None:  # noqa: D102
@@ -99,15 +76,10 @@ class DirectionalDerivativesComputation(CriterionComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:
         """Directional derivatives of the group.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix and ``Vᵀ∇ℓ_n``.
-
         Returns:
-            ``γ`` of shape ``[N_grad, K]`` (``γ[n, k]``: sample ``n`` of the gradient
-            samples, direction ``k``) and ``λ`` of shape ``[N_ggn, K]``; directions
-            ordered as the criterion selected them (ascending for ascending
-            indices); zero columns for numerically zero or negative eigenvalues.
+            ``γ`` ``[N_grad, K]`` and ``λ`` ``[N_ggn, K]``, directions in the
+            criterion's order; zero columns for numerically zero or negative
+            eigenvalues.
         """
         _, directional = self._directional(group, curvature)
         return directional.gammas, directional.lambdas

@@ -15,24 +15,7 @@ class EighComputation(CriterionComputation):
     Each parameter group carries ``"params"`` and ``"criterion"``, a function that
     receives the Gram matrix's eigenvalues (ascending) and returns the indices of
     those whose eigenvectors are computed, e.g. ``lambda evals: [evals.numel() - 1]``
-    for the leading one, or ``lambda evals: list(range(evals.numel()))`` for all.
-
-    As in ViViT 1.0 any selection works: the selected eigenvalues are returned as
-    computed, including numerically zero or (through rounding) negative ones.
-    An eigenvalue at or below the numerical-zero tolerance
-    (:func:`~vivit.linalg.solvers.numerical_zero_tolerance`) has no resolvable
-    direction; its eigenvector is the zero vector (finite, never NaN).
-
-    Usage::
-
-        computation = EighComputation()
-        groups = [{"params": list(model.parameters()), "criterion": top_3}]
-        with backpack(
-            computation.get_extension(),
-            extension_hook=computation.get_extension_hook(groups),
-        ):
-            loss.backward()
-        evals, evecs = computation.get_result(groups[0])
+    for the leading one. Any selection works, as in ViViT 1.0 (``docs/migration.rst``).
 
     Args:
         subsampling: Indices of the samples whose curvature is used (``None``: all).
@@ -42,10 +25,8 @@ class EighComputation(CriterionComputation):
         warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
             smaller in magnitude (its eigenvector divides by ``√λ``). ``0``
             disables the warning.
-        gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.options.CurvatureOptions`).
-            Eigenvectors are returned in the parameters' dtype.
+        gram_dtype: As for :class:`~vivit.EigvalshComputation`; eigenvectors are
+            returned in the parameters' dtype.
     """
 
     keep_factors = True
@@ -55,16 +36,10 @@ class EighComputation(CriterionComputation):
     ) -> tuple[Tensor, list[Tensor]]:
         """Eigenvalues and eigenvectors of the group's GGN block.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix and factors.
-
         Returns:
-            Selected eigenvalues ``[K]`` (in the order the criterion selected
-            them; ascending for ascending indices) and the eigenvectors, one tensor
-            ``[K, *p.shape]`` per parameter of the group: eigenvector ``k`` is
-            ``[evecs_p[k] for evecs_p in evecs]``, of unit norm, or zero if
-            ``evals[k]`` is numerically zero or negative.
+            Selected eigenvalues ``[K]`` as computed, in the criterion's order, and
+            the eigenvectors, one tensor ``[K, *p.shape]`` per parameter: of unit
+            norm, or zero if ``evals[k]`` is numerically zero or negative.
         """
         selection = self._select(group, curvature)
         evecs = gram_to_param(

@@ -12,21 +12,12 @@ from vivit.sources.collector import GroupCurvature
 class EigvalshComputation(GroupComputation):
     """Provide a BackPACK extension and hook to compute GGN eigenvalues.
 
-    Usage::
-
-        computation = EigvalshComputation()
-        groups = [{"params": list(model.parameters())}]
-        with backpack(
-            computation.get_extension(),
-            extension_hook=computation.get_extension_hook(groups),
-        ):
-            loss.backward()
-        evals = computation.get_result(groups[0])
+    Each parameter group carries ``"params"``; see ``docs/migration.rst`` for the
+    protocol.
 
     Args:
-        subsampling: Indices of the samples whose curvature is used. ``None`` uses
-            the whole mini-batch. The GGN is then that of the same loss on those
-            samples alone (mean over them for ``reduction="mean"``).
+        subsampling: Indices of the samples whose curvature is used (``None``:
+            all); the GGN is that of the same loss on those samples alone.
         mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its unbiased
             Monte-Carlo estimate with ``M`` samples per datum.
         verbose: Print what happens during backpropagation.
@@ -38,13 +29,9 @@ class EigvalshComputation(GroupComputation):
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:
         """Eigenvalues of the group's GGN block.
 
-        Args:
-            group: The parameter group.
-            curvature: Its Gram matrix.
-
         Returns:
             All ``N·C`` (``N·M`` with MC) eigenvalues of the Gram matrix, ascending,
-            as computed: the GGN's non-zero eigenvalues plus numerical zeros
-            (possibly slightly negative through rounding), in ``gram_dtype``.
+            as computed (numerical zeros possibly slightly negative), in
+            ``gram_dtype``.
         """
         return gram_eigvalsh(curvature.gram)

@@ -1,11 +1,7 @@
 """The Gram eigenpairs a parameter group's criterion selects, by ViViT 1.0's rules.
 
-The criterion receives all eigenvalues and may pick any (:func:`select_eigenpairs`);
-what is computed along the picked directions (:func:`selected_directional_derivatives`)
-treats those of numerically zero eigenvalues as zero vectors. Gram-space vectors
-are handed out class-major (entry ``c·N + n``), as ViViT's were; the Gram pipeline
-underneath is sample-major (``n·C + c``), and :func:`to_class_major` converts at
-the boundary.
+Directions of numerically zero eigenvalues are zero vectors; Gram-space vectors are
+handed out class-major, as ViViT's were (``docs/migration.rst``).
 """
 
 from __future__ import annotations
@@ -26,17 +22,10 @@ from vivit.sources.collector import GroupCurvature
 
 
 def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
-    """Reorder the rows of Gram-space vectors from sample-major to class-major.
+    """Vectors ``[N·C, K]`` reordered from sample-major (``n·C + c``) to class-major.
 
-    Row ``n·C + c`` (vivit's Gram pipeline) becomes row ``c·N + n`` (ViViT 1.0,
-    BackPACK's layout ``[C, N, ...]``).
-
-    Args:
-        gram_vectors: Vectors as columns, ``[N·C, K]``, sample-major.
-        columns_per_sample: ``C`` (``M`` with Monte-Carlo sampling).
-
-    Returns:
-        The same vectors, ``[N·C, K]``, class-major.
+    ``columns_per_sample`` is ``C`` (``M`` with Monte Carlo); class-major row
+    ``c·N + n`` is ViViT 1.0's (BackPACK's) layout.
     """
     rows, num_vectors = gram_vectors.shape
     num_samples = rows // columns_per_sample
@@ -50,19 +39,18 @@ def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
 def criterion_indices(keep: object, num_evals: int) -> Tensor:
     """Turn what a criterion returned into indices of the eigenvalues it keeps.
 
-    Accepts what indexing the eigenvalues accepted in ViViT 1.0: a sequence or
-    1-d tensor of integer indices (negative ones count from the end), or a boolean
-    mask over all eigenvalues.
-
     Args:
-        keep: The criterion's return value.
+        keep: The criterion's return value: integer indices (a sequence or 1-d
+            tensor; negative ones count from the end) or a boolean mask over all
+            eigenvalues, as indexing accepted in ViViT 1.0.
         num_evals: Number of eigenvalues the criterion received.
 
     Returns:
         Indices, ``[K]`` (long).
 
     Raises:
-        ValueError: If ``keep`` is none of these, or an index is out of range.
+        InvalidArgumentError: If ``keep`` is none of these, or an index is out
+            of range.
     """
     try:
         indices = torch.as_tensor(keep)
@@ -101,8 +89,7 @@ class Selection:
     """The Gram eigenpairs a group's criterion selected.
 
     Attributes:
-        evals: Selected eigenvalues as computed (possibly numerically zero or
-            negative), ``[K]``, in the order the criterion gave.
+        evals: Selected eigenvalues ``[K]`` as computed, in the criterion's order.
         gram_evecs: Their Gram eigenvectors, sample-major, ``[N·C, K]``.
         tolerance: The Gram matrix's numerical-zero tolerance; directions with
             eigenvalues at or below it are zero vectors.
@@ -125,18 +112,8 @@ def select_eigenpairs(
 ) -> Selection:
     """Decompose the Gram matrix and keep the eigenpairs the criterion selects.
 
-    As in ViViT 1.0: the criterion receives all eigenvalues (ascending) and may
-    return any indices; the selected eigenvalues are kept as computed, and a
-    ``UserWarning`` is raised if one is smaller in magnitude than
-    ``warn_small_eigvals``.
-
-    Args:
-        curvature: The group's curvature.
-        criterion: The group's ``"criterion"``.
-        warn_small_eigvals: Warn if a kept eigenvalue is smaller in magnitude.
-
-    Returns:
-        The selected eigenpairs and the numerical-zero tolerance.
+    The criterion receives all eigenvalues, ascending; a ``UserWarning`` says if a
+    kept one is smaller in magnitude than ``warn_small_eigvals``.
     """
     evals, evecs = gram_eigh(curvature.gram)
     tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
@@ -161,10 +138,7 @@ def selected_directional_derivatives(
     batch: BatchInfo,
     grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along every selected direction.
-
-    Along a direction that is a zero vector (eigenvalue at or below the
-    tolerance) all derivatives are zero; the eigenvalue is kept as computed.
+    """``γ``, ``λ`` and ``γ̄`` along every selected direction (zero along zero vectors).
 
     Args:
         vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.

@@ -1,7 +1,4 @@
-"""ViViT 1.0's import path.
-
-The class lives in vivit.compat.directional_damped_newton.
-"""
+"""ViViT 1.0's import path; the class lives in vivit.compat."""
 
 from vivit.compat.directional_damped_newton import DirectionalDampedNewtonComputation
 

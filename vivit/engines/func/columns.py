@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vivit.losses import LossRoot
+from vivit.loss_roots import LossRoot
 
 
 class VectorStack:
