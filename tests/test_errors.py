@@ -6,6 +6,7 @@ from backpack import backpack, extend
 from torch import nn
 
 import vivit.gram.memory
+from tests.fixtures.problems import mlp
 from vivit import (
     BatchNormTrainingError,
     DirectionalDampedNewtonComputation,
@@ -24,7 +25,7 @@ from vivit.optim import DampedNewton
 
 def mlp_problem(N=4):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = mlp(3, 4, 2, activation=nn.ReLU)
     return model, nn.CrossEntropyLoss(), (torch.randn(N, 3), torch.randint(0, 2, (N,)))
 
 

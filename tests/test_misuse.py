@@ -18,6 +18,7 @@ from tests.fixtures.checks import (
     EIGVAL_RTOL,
     assert_top_eigvals,
 )
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     EighComputation,
@@ -47,7 +48,7 @@ REDUCTIONS = ["mean", "sum"]
 def problem(dtype=torch.float64, reduction="mean", N=4, loss="ce"):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(dtype)
+    model = mlp(3, 4, 2).to(dtype)
     X = torch.randn(N, 3, generator=gen).to(dtype)
     if loss == "ce":
         y = torch.randint(0, 2, (N,), generator=gen)

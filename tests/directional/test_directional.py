@@ -20,14 +20,13 @@ sample) is an O(1) relative error.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
 from backpack import backpack
 
+from tests.directional.per_sample import Reference, reference
 from tests.fixtures.checks import (
     EIGVEC_PRODUCT_REL,
     REORDERED_REL,
@@ -36,20 +35,16 @@ from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
     assert_within,
+    flat_evecs,
     rounding_rel,
 )
 from tests.fixtures.problems import (
     ARCHITECTURES,
     Problem,
-    Setup,
     get_problem,
-    prepare,
     problem_ids,
 )
 from tests.fixtures.reference import (
-    dense_gradient,
-    per_sample_ggns,
-    per_sample_gradients,
     reduction_factor,
 )
 from vivit import (
@@ -88,35 +83,10 @@ assert {(p.loss, p.reduction) for p in PROBLEMS} == {
 }
 
 
-class Reference(NamedTuple):
-    setup: Setup
-    grads: torch.Tensor  # [N, D] per-sample gradients ∇ℓ_n
-    ggns: torch.Tensor  # [N, D, D] per-sample GGNs G_n
-    gradient: torch.Tensor  # [D] ∇L
-
-
-@functools.cache
-def reference(name: str) -> Reference:
-    """The extended float64 problem and its dense per-sample quantities (cached)."""
-    setup = prepare(get_problem(name), DTYPE, seed=0)
-    model, loss_func, X, y = setup
-    return Reference(
-        setup,
-        per_sample_gradients(model, loss_func, X, y),
-        per_sample_ggns(model, loss_func, X, y),
-        dense_gradient(model, loss_func, X, y),
-    )
-
-
 def subsampled_ggn(ref: Reference, samples: list[int]) -> torch.Tensor:
     """G of the loss on ``samples`` alone: R_S Σ_{n∈S} G_n."""
     R = reduction_factor(ref.setup.loss_func, len(samples))
     return R * ref.ggns[samples].sum(0)
-
-
-def flat_evecs(evecs: list[torch.Tensor]) -> torch.Tensor:
-    """Eigenvectors as rows ``[K, D]`` in the reference's parameter order."""
-    return torch.cat([e.flatten(1) for e in evecs], dim=1)
 
 
 def assert_residuals(

@@ -14,27 +14,25 @@ itself is amplified).
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
 from backpack import backpack
 
+from tests.directional.per_sample import Reference, reference
 from tests.fixtures.checks import (
     EIGVEC_PRODUCT_REL,
     REORDERED_REL,
     assert_eigenpairs,
     assert_rel,
     assert_within,
+    flat_evecs,
     orthonormality_bound,
 )
-from tests.fixtures.problems import Setup, get_problem, prepare
+from tests.fixtures.problems import get_problem
 from tests.fixtures.reference import (
     flatten_params,
-    per_sample_ggns,
-    per_sample_gradients,
     reduction_factor,
 )
 from vivit import DirectionalDampedNewtonComputation, LowRankGGN
@@ -60,27 +58,10 @@ NAMES = [
 ]
 
 
-class Reference(NamedTuple):
-    setup: Setup
-    grads: torch.Tensor  # [N, D]
-    ggns: torch.Tensor  # [N, D, D]
-
-
-@functools.cache
-def reference(name: str) -> Reference:
-    setup = prepare(get_problem(name), DTYPE, seed=0)
-    model, loss_func, X, y = setup
-    return Reference(
-        setup,
-        per_sample_gradients(model, loss_func, X, y),
-        per_sample_ggns(model, loss_func, X, y),
-    )
-
-
 def eigenpairs(ref: Reference, ggn: LowRankGGN, top_k, samples):
     """vivit's eigenpairs, checked against the dense GGN of ``samples``."""
     evals, evecs = ggn.eigh(top_k=top_k)
-    E = torch.cat([e.flatten(1) for e in evecs], dim=1)  # [K, D]
+    E = flat_evecs(evecs)  # [K, D]
     n = ref.setup.inputs.shape[0] if samples is None else len(samples)
     ggns = ref.ggns if samples is None else ref.ggns[samples]
     G = reduction_factor(ref.setup.loss_func, n) * ggns.sum(0)
