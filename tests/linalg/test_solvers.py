@@ -212,20 +212,6 @@ def test_restarts_on_the_factors():
 # The solver itself --------------------------------------------------------------
 
 
-def test_block_krylov_decaying_spectrum():
-    evals = torch.logspace(0, -8, 300, dtype=torch.float64)
-    A = psd_matrix(evals)
-    found, vectors, report = block_krylov_eigh(
-        A.__matmul__, 300, 5, dtype=torch.float64
-    )
-    # within tol·λ_max ("Iterative solvers"; A's own rounding is D·ε·λ_max)
-    assert report.tolerance == report.requested_tolerance  # no rounding floor
-    assert_top_eigvals(found, evals.flip(0), report.tolerance)
-    residual = (A @ vectors - vectors * found).norm(dim=0).max()
-    assert residual <= report.tolerance * evals[0]
-    assert report.cycles >= 1 and report.products > 0
-
-
 def test_block_krylov_stops_as_soon_as_converged():
     """Rayleigh-Ritz after every block: a fast-decaying spectrum stops early.
 
@@ -241,7 +227,7 @@ def test_block_krylov_stops_as_soon_as_converged():
     assert report.tolerance == report.requested_tolerance  # no rounding floor
     assert_top_eigvals(found, evals.flip(0), report.tolerance)
     assert report.cycles == 1
-    assert report.products < basis_capacity(default_block_size(5, 300), 300)
+    assert 0 < report.products < basis_capacity(default_block_size(5, 300), 300)
     residual = (A @ vectors - vectors * found).norm(dim=0).max()
     assert residual <= report.tolerance * evals[0]
 
