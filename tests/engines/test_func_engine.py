@@ -351,7 +351,7 @@ def test_func_mc_unbiased(name, mc_samples):
             loss_func,
             (X, y),
             mc_samples=mc_samples,
-            mc_per="sequence",  # N·M columns; per token: test_lm_cross_entropy.py
+            mc_per="sequence",  # N·M columns; per token: tests/losses/test_sequences.py
             generator=gen,
             engine="func",
         )

@@ -97,8 +97,8 @@ def test_mc_and_subsampling(problem, options):
     generator = torch.Generator().manual_seed(3)
     dense = LowRankGGN(model, loss_func, (X, y), generator=generator, **options)
     # the MC estimate's reference is the dense solver on the same samples (the dense
-    # solver is tested against torch.func in tests/test_lowrank.py); exact subsampling
-    # is compared with the reference GGN of the subset itself
+    # solver is tested against torch.func in tests/lowrank/test_problems.py); exact
+    # subsampling is compared with the reference GGN of the subset itself
     G = (
         dense_ggn(model, loss_func, X, y, subsampling=options["subsampling"])
         if "subsampling" in options
