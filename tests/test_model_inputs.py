@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn
 from vivit import InvalidArgumentError, LowRankGGN, StreamingGGN
 from vivit.huggingface import causal_lm_targets, token_logits
@@ -131,7 +132,7 @@ class Keyword(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        self.net = mlp(3, 4, 2)
 
     def forward(self, features):
         return self.net(features)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from tests.fixtures.checks import rounding_rel
-from tests.fixtures.problems import get_problem, prepare
+from tests.fixtures.problems import get_problem, mlp, prepare
 from tests.fixtures.reference import dense_ggn
 from vivit import InvalidArgumentError, LowRankGGN, NonFiniteError
 from vivit.analysis import (
@@ -39,7 +39,7 @@ def gram(reduction: str, samples: int = 40) -> Tensor:
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+        model = mlp(8, 16, 5).double()
     X = torch.randn(samples, 8, generator=generator, dtype=torch.float64)
     y = torch.randint(0, 5, (samples,), generator=generator)
     return LowRankGGN(model, nn.CrossEntropyLoss(reduction=reduction), (X, y)).gram()

@@ -16,12 +16,13 @@ import torch
 from torch import nn
 
 from tests.fixtures.optional_packages import BROKEN, installed, run_beside
+from tests.fixtures.problems import mlp
 from vivit import InvalidArgumentError, MissingPackageError
 from vivit.analysis import CurvatureMonitor, huggingface_callback, lightning_callback
 
 
 def _monitor(**kwargs):
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = mlp(4, 5, 3)
     return CurvatureMonitor(model, nn.CrossEntropyLoss(), top_k=2, **kwargs)
 
 

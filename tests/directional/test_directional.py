@@ -20,9 +20,7 @@ sample) is an O(1) relative error.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -36,20 +34,17 @@ from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
     assert_within,
+    flat_evecs,
     rounding_rel,
 )
+from tests.fixtures.per_sample import Reference, reference
 from tests.fixtures.problems import (
     ARCHITECTURES,
     Problem,
-    Setup,
     get_problem,
-    prepare,
     problem_ids,
 )
 from tests.fixtures.reference import (
-    dense_gradient,
-    per_sample_ggns,
-    per_sample_gradients,
     reduction_factor,
 )
 from vivit import (
@@ -88,37 +83,6 @@ assert {(p.loss, p.reduction) for p in PROBLEMS} == {
 }
 
 
-class Reference(NamedTuple):
-    setup: Setup
-    grads: torch.Tensor  # [N, D] per-sample gradients ∇ℓ_n
-    ggns: torch.Tensor  # [N, D, D] per-sample GGNs G_n
-    gradient: torch.Tensor  # [D] ∇L
-
-
-@functools.cache
-def reference(name: str) -> Reference:
-    """The extended float64 problem and its dense per-sample quantities (cached)."""
-    setup = prepare(get_problem(name), DTYPE, seed=0)
-    model, loss_func, X, y = setup
-    return Reference(
-        setup,
-        per_sample_gradients(model, loss_func, X, y),
-        per_sample_ggns(model, loss_func, X, y),
-        dense_gradient(model, loss_func, X, y),
-    )
-
-
-def subsampled_ggn(ref: Reference, samples: list[int]) -> torch.Tensor:
-    """G of the loss on ``samples`` alone: R_S Σ_{n∈S} G_n."""
-    R = reduction_factor(ref.setup.loss_func, len(samples))
-    return R * ref.ggns[samples].sum(0)
-
-
-def flat_evecs(evecs: list[torch.Tensor]) -> torch.Tensor:
-    """Eigenvectors as rows ``[K, D]`` in the reference's parameter order."""
-    return torch.cat([e.flatten(1) for e in evecs], dim=1)
-
-
 def assert_residuals(
     G: torch.Tensor, evals: torch.Tensor, E: torch.Tensor, nc: int
 ) -> None:
@@ -126,18 +90,6 @@ def assert_residuals(
     ``docs/math.rst`` (:ref:`math-precision`, "Eigenvectors"; ``nc`` Gram rows).
     """
     assert_eigenpairs(evals, [E], G, nc)
-
-
-def gamma_reference(ref: Reference, E: torch.Tensor, samples) -> torch.Tensor:
-    """γ_nk = e_kᵀ∇ℓ_n, ``[N_grad, K]``."""
-    grads = ref.grads if samples is None else ref.grads[samples]
-    return grads @ E.T
-
-
-def lambda_reference(ref: Reference, E: torch.Tensor, samples) -> torch.Tensor:
-    """λ_nk = e_kᵀ G_n e_k, ``[N_ggn, K]``."""
-    ggns = ref.ggns if samples is None else ref.ggns[samples]
-    return torch.einsum("kd,nde,ke->nk", E, ggns, E)
 
 
 def directions(ref: Reference, subsampling, top_k=TOP_K, **kwargs):
@@ -158,7 +110,7 @@ def test_lowrank_directional_derivatives(problem):
     ref = reference(problem.name)
     ggn, evals, E = directions(ref, SUB_GGN)
     assert evals.shape == (TOP_K,)
-    assert_residuals(subsampled_ggn(ref, SUB_GGN), evals, E, ggn.gram().shape[0])
+    assert_residuals(ref.ggn(SUB_GGN), evals, E, ggn.gram().shape[0])
 
     dd = ggn.directional_derivatives(top_k=TOP_K, subsampling_grad=SUB_GRAD)
     assert isinstance(dd, DirectionalDerivatives)
@@ -166,9 +118,9 @@ def test_lowrank_directional_derivatives(problem):
     assert dd.gammas.shape == (len(SUB_GRAD), TOP_K)
     assert dd.lambdas.shape == (len(SUB_GGN), TOP_K)
 
-    gammas = gamma_reference(ref, E, SUB_GRAD)
+    gammas = ref.gammas(E, SUB_GRAD)
     assert_rel(align_signs(dd.gammas, gammas), gammas)
-    assert_rel(dd.lambdas, lambda_reference(ref, E, SUB_GGN))
+    assert_rel(dd.lambdas, ref.lambdas(E, SUB_GGN))
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=problem_ids(PROBLEMS))
@@ -176,7 +128,7 @@ def test_computation_directional_derivatives(problem):
     """The BackPACK-hook API, directions chosen by a top-3 criterion."""
     ref = reference(problem.name)
     ggn, evals, E = directions(ref, SUB_GGN)
-    assert_residuals(subsampled_ggn(ref, SUB_GGN), evals, E, ggn.gram().shape[0])
+    assert_residuals(ref.ggn(SUB_GGN), evals, E, ggn.gram().shape[0])
 
     model, loss_func, X, y = ref.setup
     seen = []
@@ -205,9 +157,9 @@ def test_computation_directional_derivatives(problem):
 
     assert gammas.shape == (len(SUB_GRAD), TOP_K)
     assert lambdas.shape == (len(SUB_GGN), TOP_K)
-    gamma_ref = gamma_reference(ref, E, SUB_GRAD)
+    gamma_ref = ref.gammas(E, SUB_GRAD)
     assert_rel(align_signs(gammas, gamma_ref), gamma_ref)
-    assert_rel(lambdas, lambda_reference(ref, E, SUB_GGN))
+    assert_rel(lambdas, ref.lambdas(E, SUB_GGN))
 
 
 def test_computation_two_groups():
@@ -229,7 +181,7 @@ def test_computation_two_groups():
         loss.backward()
 
     ggn = LowRankGGN(model, loss_func, (X, y), param_groups=blocks)
-    G = subsampled_ggn(ref, list(range(X.shape[0])))
+    G = ref.ggn()
     offsets = [0, sizes[0], sum(sizes)]
     for g, (group, top_k) in enumerate(zip(groups, [1, 2], strict=True)):
         sl = slice(offsets[g], offsets[g + 1])
@@ -238,9 +190,9 @@ def test_computation_two_groups():
         assert_residuals(G[sl, sl], evals, E, ggn.gram(g).shape[0])
         sub_ref = Reference(ref.setup, ref.grads[:, sl], ref.ggns[:, sl, sl], None)
         gammas, lambdas = comp.get_result(group)
-        gamma_ref = gamma_reference(sub_ref, E, None)
+        gamma_ref = sub_ref.gammas(E, None)
         assert_rel(align_signs(gammas, gamma_ref), gamma_ref)
-        assert_rel(lambdas, lambda_reference(sub_ref, E, None))
+        assert_rel(lambdas, sub_ref.lambdas(E, None))
 
 
 # ----------------------------------------------------------------------------------
@@ -262,7 +214,7 @@ def test_batch_relations(problem):
 
     R = reduction_factor(ref.setup.loss_func, N)
     # One sign per direction, from the per-sample values; the sum follows it.
-    gammas = align_signs(dd.gammas, gamma_reference(ref, E, None))
+    gammas = align_signs(dd.gammas, ref.gammas(E, None))
     assert_rel(R * gammas.sum(0), E @ ref.gradient)
 
 
@@ -273,7 +225,7 @@ def test_all_directions_give_trace(name):
     """top_k=None spans range(G_S) ⊇ range(G_n), n ∈ S: Σ_k λ_nk = tr(G_n)."""
     ref = reference(name)
     ggn, evals, E = directions(ref, SUB_GGN, top_k=None)
-    assert_residuals(subsampled_ggn(ref, SUB_GGN), evals, E, ggn.gram().shape[0])
+    assert_residuals(ref.ggn(SUB_GGN), evals, E, ggn.gram().shape[0])
     dd = ggn.directional_derivatives()
     traces = torch.einsum("ndd->n", ref.ggns[SUB_GGN])
     assert_rel(dd.lambdas.sum(1), traces)
@@ -362,12 +314,12 @@ def test_mc_batch_relation_and_gammas(name, mc_samples):
 
     R_ggn = reduction_factor(ref.setup.loss_func, len(SUB_GGN))
     assert_rel(R_ggn * dd.lambdas.sum(0), evals)
-    gammas = gamma_reference(ref, E, SUB_GRAD)
+    gammas = ref.gammas(E, SUB_GRAD)
     assert_rel(align_signs(dd.gammas, gammas), gammas)
 
     # The MC GGN is not the exact one: λ differ from e_kᵀ G_n e_k.
     # (apart by more than the bound they would be compared at if they were equal)
-    assert_differs(dd.lambdas, lambda_reference(ref, E, SUB_GGN), EIGVEC_PRODUCT_REL)
+    assert_differs(dd.lambdas, ref.lambdas(E, SUB_GGN), EIGVEC_PRODUCT_REL)
 
     # Same for the BackPACK-hook API (its own MC draw).
     model, loss_func, X, y = ref.setup

@@ -14,9 +14,7 @@ itself is amplified).
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -28,13 +26,13 @@ from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
     assert_within,
+    flat_evecs,
     orthonormality_bound,
 )
-from tests.fixtures.problems import Setup, get_problem, prepare
+from tests.fixtures.per_sample import Reference, reference
+from tests.fixtures.problems import get_problem
 from tests.fixtures.reference import (
     flatten_params,
-    per_sample_ggns,
-    per_sample_gradients,
     reduction_factor,
 )
 from vivit import DirectionalDampedNewtonComputation, LowRankGGN
@@ -60,42 +58,12 @@ NAMES = [
 ]
 
 
-class Reference(NamedTuple):
-    setup: Setup
-    grads: torch.Tensor  # [N, D]
-    ggns: torch.Tensor  # [N, D, D]
-
-
-@functools.cache
-def reference(name: str) -> Reference:
-    setup = prepare(get_problem(name), DTYPE, seed=0)
-    model, loss_func, X, y = setup
-    return Reference(
-        setup,
-        per_sample_gradients(model, loss_func, X, y),
-        per_sample_ggns(model, loss_func, X, y),
-    )
-
-
 def eigenpairs(ref: Reference, ggn: LowRankGGN, top_k, samples):
     """vivit's eigenpairs, checked against the dense GGN of ``samples``."""
     evals, evecs = ggn.eigh(top_k=top_k)
-    E = torch.cat([e.flatten(1) for e in evecs], dim=1)  # [K, D]
-    n = ref.setup.inputs.shape[0] if samples is None else len(samples)
-    ggns = ref.ggns if samples is None else ref.ggns[samples]
-    G = reduction_factor(ref.setup.loss_func, n) * ggns.sum(0)
-    assert_eigenpairs(evals, evecs, G, ggn.gram().shape[0])
+    E = flat_evecs(evecs)  # [K, D]
+    assert_eigenpairs(evals, evecs, ref.ggn(samples), ggn.gram().shape[0])
     return evals, E
-
-
-def dense_step(ref: Reference, evals, E, dampings, grad_samples):
-    """−Σ_k γ̄_k / (λ_k + δ_k) e_k and γ̄ (times the direction's sign)."""
-    grads = ref.grads if grad_samples is None else ref.grads[grad_samples]
-    R = reduction_factor(ref.setup.loss_func, grads.shape[0])
-    gamma_bar = R * (grads @ E.T).sum(0)
-    dampings = torch.as_tensor(dampings, dtype=DTYPE).expand_as(evals)
-    coefficients = torch.where(dampings.isinf(), 0.0, -gamma_bar / (evals + dampings))
-    return coefficients @ E, gamma_bar
 
 
 def assert_step(step: list[torch.Tensor], params, expected: torch.Tensor) -> None:
@@ -144,7 +112,7 @@ def test_lowrank_newton(name, damping):
     ggn = LowRankGGN(model, loss_func, (X, y), subsampling=SUB_GGN)
     evals, E = eigenpairs(ref, ggn, TOP_K, SUB_GGN)
     dampings = evaluated(damping, evals)
-    expected, gamma_bar = dense_step(ref, evals, E, dampings, SUB_GRAD)
+    expected, gamma_bar = ref.newton_step(evals, E, dampings, SUB_GRAD)
 
     newton = ggn.newton(top_k=TOP_K, damping=damping, subsampling_grad=SUB_GRAD)
     assert isinstance(newton, NewtonStep)
@@ -189,7 +157,7 @@ def test_lowrank_newton_all_directions_all_samples(name):
     ggn = LowRankGGN(model, loss_func, (X, y))
     evals, E = eigenpairs(ref, ggn, None, None)
     assert evals.numel() > TOP_K
-    expected, _ = dense_step(ref, evals, E, evals.max().item(), None)
+    expected, _ = ref.newton_step(evals, E, evals.max().item(), None)
     newton = ggn.newton(damping=evals.max().item())
     assert newton.dampings.shape == evals.shape
     assert_step(newton.step, list(model.parameters()), expected)
@@ -235,7 +203,7 @@ def test_computation_newton(name, damping):
     params = list(model.parameters())
     ggn = LowRankGGN(model, loss_func, (X, y), subsampling=SUB_GGN)
     evals, E = eigenpairs(ref, ggn, TOP_K, SUB_GGN)
-    expected, _ = dense_step(ref, evals, E, evaluated(damping, evals), SUB_GRAD)
+    expected, _ = ref.newton_step(evals, E, evaluated(damping, evals), SUB_GRAD)
 
     comp = DirectionalDampedNewtonComputation(
         subsampling_grad=SUB_GRAD, subsampling_ggn=SUB_GGN

@@ -28,6 +28,7 @@ from tests.fixtures.checks import (
     assert_rel,
     assert_top_eigvals,
 )
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn, dense_gradient, flatten_params
 from vivit import LowRankGGN, UnsupportedLayerError
 from vivit.engines.func.vjp import ExplicitColumns
@@ -38,7 +39,7 @@ RTOL = EIGVAL_RTOL[torch.float64]
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(D, H), nn.Tanh(), nn.Linear(H, C)).double()
+    return mlp(D, H, C).double()
 
 
 def _data(reduction: str):

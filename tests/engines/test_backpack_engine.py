@@ -24,7 +24,7 @@ from tests.fixtures.checks import (
     assert_rel,
     assert_top_eigvals,
 )
-from tests.fixtures.problems import prepare, select
+from tests.fixtures.problems import mlp, prepare, select
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     BatchNormTrainingError,
@@ -406,7 +406,7 @@ def assert_usable(model: nn.Module, loss_func: nn.Module) -> None:
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: nn.Sequential(nn.Linear(D_IN, 4), nn.ReLU(), nn.Linear(4, C)),
+        lambda: mlp(D_IN, 4, C, activation=nn.ReLU),
         # the converter switches ReLU to inplace=False; it must be switched back
         lambda: nn.Sequential(SumBlock(inplace=True), nn.Linear(D_IN, C)),
     ],
@@ -436,7 +436,7 @@ def test_untouched_after_error():
 
 def test_user_extended_model_stays_extended():
     torch.manual_seed(0)
-    model = extend(nn.Sequential(nn.Linear(D_IN, 4), nn.ReLU(), nn.Linear(4, C)))
+    model = extend(mlp(D_IN, 4, C, activation=nn.ReLU))
     loss_func = extend(nn.CrossEntropyLoss())
     modules = [*model.modules(), loss_func]
     hooks = [(len(m._forward_hooks), len(m._backward_hooks)) for m in modules]

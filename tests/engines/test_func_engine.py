@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -39,13 +38,12 @@ from tests.fixtures.checks import (
     layer_groups,
 )
 from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS, TwiceLinear
-from tests.fixtures.problems import PROBLEMS, Setup, prepare, problem_ids
+from tests.fixtures.per_sample import Reference, per_sample_reference
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids
 from tests.fixtures.recurrent_problems import RECURRENT_PROBLEMS
 from tests.fixtures.reference import (
     dense_ggn,
     dense_gradient,
-    per_sample_ggns,
-    per_sample_gradients,
     reduction_factor,
 )
 from vivit import LowRankGGN, SampleCouplingError
@@ -68,37 +66,11 @@ TOP_K = 3
 ALL_FUNC_PROBLEMS = FUNC_PROBLEMS + PADDED_PROBLEMS + RECURRENT_PROBLEMS
 
 
-class Reference(NamedTuple):
-    setup: Setup
-    grads: torch.Tensor  # [N, D] ∇ℓ_n
-    ggns: torch.Tensor  # [N, D, D] G_n
-    gradient: torch.Tensor  # [D] ∇L
-
-
 @functools.cache
 def func_reference(name: str) -> Reference:
+    """The per-sample references of the func problem ``name``."""
     (problem,) = [p for p in ALL_FUNC_PROBLEMS if p.name == name]
-    setup = problem.setup()
-    model, loss_func, X, y = setup
-    return Reference(
-        setup,
-        per_sample_gradients(model, loss_func, X, y),
-        per_sample_ggns(model, loss_func, X, y),
-        dense_gradient(model, loss_func, X, y),
-    )
-
-
-def ggn_of(ref: Reference, samples: list[int] | None) -> torch.Tensor:
-    """G of the loss on ``samples`` alone: R_S Σ_{n∈S} G_n."""
-    ggns = ref.ggns if samples is None else ref.ggns[samples]
-    return reduction_factor(ref.setup.loss_func, len(ggns)) * ggns.sum(0)
-
-
-def dense_newton(ref: Reference, evals, E, damping: float, grad_samples):
-    """−Σ_k γ̄_k / (λ_k + δ) e_k with γ̄_k = e_kᵀ ∇L of the gradient samples."""
-    grads = ref.grads if grad_samples is None else ref.grads[grad_samples]
-    gamma_bar = reduction_factor(ref.setup.loss_func, len(grads)) * (grads @ E.T).sum(0)
-    return (-gamma_bar / (evals + damping)) @ E
+    return per_sample_reference(problem.setup())
 
 
 # ----------------------------------------------------------------------------------
@@ -114,7 +86,7 @@ def test_func_problem(name, subsampling):
     model, loss_func, X, y = ref.setup
     ggn = LowRankGGN(model, loss_func, (X, y), subsampling=subsampling)
     assert ggn.engine == "func"
-    G = ggn_of(ref, subsampling)
+    G = ref.ggn(subsampling)
     assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), REL)
     evals, evecs = ggn.eigh()
     assert_eigenpairs(evals, evecs, G, ggn.eigvalsh().numel())
@@ -123,13 +95,12 @@ def test_func_problem(name, subsampling):
     E = flat_evecs(top_evecs)
     grad_samples = [1, 2, 0]
     dd = ggn.directional_derivatives(top_k=TOP_K, subsampling_grad=grad_samples)
-    gammas = ref.grads[grad_samples] @ E.T
+    gammas = ref.gammas(E, grad_samples)
     assert_rel(align_signs(dd.gammas, gammas), gammas)
-    ggns = ref.ggns if subsampling is None else ref.ggns[subsampling]
-    assert_rel(dd.lambdas, torch.einsum("kd,nde,ke->nk", E, ggns, E))
+    assert_rel(dd.lambdas, ref.lambdas(E, subsampling))
 
     step = ggn.newton_step(top_k=TOP_K, damping=0.3, subsampling_grad=grad_samples)
-    expected = dense_newton(ref, top, E, 0.3, grad_samples)
+    expected, _ = ref.newton_step(top, E, 0.3, grad_samples)
     actual = torch.cat([s.flatten() for s in step])
     assert (actual - expected).norm() <= REL * expected.norm()
     assert_rel(torch.cat([g.flatten() for g in ggn.gradient()]), ref.gradient)
@@ -351,14 +322,14 @@ def test_func_mc_unbiased(name, mc_samples):
             loss_func,
             (X, y),
             mc_samples=mc_samples,
-            mc_per="sequence",  # N·M columns; per token: test_lm_cross_entropy.py
+            mc_per="sequence",  # N·M columns; per token: tests/losses/test_sequences.py
             generator=gen,
             engine="func",
         )
         for _ in range(runs)
     ]
     traces = torch.stack([ggn.gram().trace() for ggn in ggns])
-    exact = ggn_of(ref, None).trace()
+    exact = ref.ggn().trace()
     standard_error = traces.std() / runs**0.5
     # 4 standard errors: a false alarm has p < 1e-4 (and the seed fixes the outcome)
     assert (traces.mean() - exact).abs() <= 4 * standard_error
@@ -372,7 +343,7 @@ def test_func_mc_unbiased(name, mc_samples):
     dd = ggn.directional_derivatives()
     R = reduction_factor(loss_func, len(X))
     assert_rel(R * dd.lambdas.sum(0), evals)
-    gammas = ref.grads @ flat_evecs(evecs).T
+    gammas = ref.gammas(flat_evecs(evecs))
     assert_rel(align_signs(dd.gammas, gammas), gammas)
 
 

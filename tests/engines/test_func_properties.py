@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -32,6 +32,7 @@ from tests.fixtures.checks import (
     flat_evecs,
     record,
 )
+from tests.fixtures.hypothesis_settings import reproducible
 from tests.fixtures.reference import dense_ggn, per_sample_gradients, reduction_factor
 from vivit import LowRankGGN
 
@@ -39,13 +40,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop:UserWarning"
 )
 
-SETTINGS = settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+SETTINGS = reproducible(12)
 BLOCKS = ("layernorm", "gelu", "residual", "twice", "attention", "tied")
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     InvalidArgumentError,
@@ -47,7 +48,7 @@ class Structured(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        self.net = nn.Sequential(nn.Linear(D, 4), nn.Tanh(), nn.Linear(4, C))
+        self.net = mlp(D, 4, C)
 
     def forward(self, x):
         logits = self.net(x)

@@ -18,6 +18,7 @@ from tests.fixtures.checks import (
     assert_eigenpairs,
     assert_rel,
     assert_top_eigvals,
+    flat_evecs,
 )
 from tests.fixtures.problems import prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn, per_sample_gradients
@@ -52,7 +53,7 @@ def test_tiny_budget_matches_dense_ggn(problem, subsampling, tiny_budget):
 
     # γ_nk = e_kᵀ ∇ℓ_n through the chunked cross-Gram with the gradient factors
     directional = ggn.directional_derivatives(top_k=3)
-    E = torch.cat([e.flatten(1) for e in evecs], dim=1)
+    E = flat_evecs(evecs)
     grads = per_sample_gradients(model, loss_func, X, y)
     # eigenvectors are defined up to sign; γ_nk changes sign with e_k; products
     # with the 3 leading eigenvectors

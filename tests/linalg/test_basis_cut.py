@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.fixtures.checks import assert_top_eigvals
+from tests.fixtures.reference import psd_matrix
 from vivit import InvalidArgumentError
 from vivit.linalg.iterative import (
     MAX_RESTARTS,
@@ -26,12 +27,6 @@ SPECTRA = {
     "harmonic": 1 / (1 + torch.arange(SIZE, dtype=torch.float64)),
     "square-root": (1 + torch.arange(SIZE, dtype=torch.float64)) ** -0.5,
 }
-
-
-def psd_matrix(evals, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    Q, _ = torch.linalg.qr(torch.randn(SIZE, SIZE, generator=generator).double())
-    return (Q * evals) @ Q.T
 
 
 @pytest.mark.parametrize("spectrum", list(SPECTRA))

@@ -25,7 +25,7 @@ from backpack import backpack, extend
 from torch import nn
 
 from tests.fixtures.checks import assert_eigenpairs
-from tests.fixtures.problems import get_problem, prepare
+from tests.fixtures.problems import get_problem, mlp, prepare
 from tests.fixtures.reference import dense_ggn
 from vivit import DirectionalDerivativesComputation, EigvalshComputation, LowRankGGN
 
@@ -47,13 +47,7 @@ def trained_problem(reduction):
         centers = 2 * torch.randn(C, D_IN)
         y = torch.randint(0, C, (N,))
         X = centers[y] + torch.randn(N, D_IN)
-        model = nn.Sequential(
-            nn.Linear(D_IN, HIDDEN),
-            nn.Tanh(),
-            nn.Linear(HIDDEN, HIDDEN),
-            nn.Tanh(),
-            nn.Linear(HIDDEN, C),
-        )
+        model = mlp(D_IN, HIDDEN, HIDDEN, C)
     loss_func = nn.CrossEntropyLoss(reduction=reduction)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
     for _ in range(150):

@@ -28,8 +28,8 @@ from tests.fixtures.checks import (
     flat_evecs,
     orthonormality_bound,
 )
-from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
-from tests.fixtures.reference import dense_ggn
+from tests.fixtures.problems import PROBLEMS, mlp, prepare, problem_ids, select
+from tests.fixtures.reference import dense_ggn, psd_matrix
 from vivit import (
     InvalidArgumentError,
     LowRankGGN,
@@ -97,8 +97,8 @@ def test_mc_and_subsampling(problem, options):
     generator = torch.Generator().manual_seed(3)
     dense = LowRankGGN(model, loss_func, (X, y), generator=generator, **options)
     # the MC estimate's reference is the dense solver on the same samples (the dense
-    # solver is tested against torch.func in tests/test_lowrank.py); exact subsampling
-    # is compared with the reference GGN of the subset itself
+    # solver is tested against torch.func in tests/lowrank/test_problems.py); exact
+    # subsampling is compared with the reference GGN of the subset itself
     G = (
         dense_ggn(model, loss_func, X, y, subsampling=options["subsampling"])
         if "subsampling" in options
@@ -212,26 +212,6 @@ def test_restarts_on_the_factors():
 # The solver itself --------------------------------------------------------------
 
 
-def psd_matrix(size, evals, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    Q, _ = torch.linalg.qr(torch.randn(size, size, generator=generator).double())
-    return (Q * evals) @ Q.T
-
-
-def test_block_krylov_decaying_spectrum():
-    evals = torch.logspace(0, -8, 300, dtype=torch.float64)
-    A = psd_matrix(300, evals)
-    found, vectors, report = block_krylov_eigh(
-        A.__matmul__, 300, 5, dtype=torch.float64
-    )
-    # within tol·λ_max ("Iterative solvers"; A's own rounding is D·ε·λ_max)
-    assert report.tolerance == report.requested_tolerance  # no rounding floor
-    assert_top_eigvals(found, evals.flip(0), report.tolerance)
-    residual = (A @ vectors - vectors * found).norm(dim=0).max()
-    assert residual <= report.tolerance * evals[0]
-    assert report.cycles >= 1 and report.products > 0
-
-
 def test_block_krylov_stops_as_soon_as_converged():
     """Rayleigh-Ritz after every block: a fast-decaying spectrum stops early.
 
@@ -239,7 +219,7 @@ def test_block_krylov_stops_as_soon_as_converged():
     (``products == capacity``).
     """
     evals = torch.logspace(0, -8, 300, dtype=torch.float64)
-    A = psd_matrix(300, evals)
+    A = psd_matrix(evals)
     found, vectors, report = block_krylov_eigh(
         A.__matmul__, 300, 5, dtype=torch.float64
     )
@@ -247,7 +227,7 @@ def test_block_krylov_stops_as_soon_as_converged():
     assert report.tolerance == report.requested_tolerance  # no rounding floor
     assert_top_eigvals(found, evals.flip(0), report.tolerance)
     assert report.cycles == 1
-    assert report.products < basis_capacity(default_block_size(5, 300), 300)
+    assert 0 < report.products < basis_capacity(default_block_size(5, 300), 300)
     residual = (A @ vectors - vectors * found).norm(dim=0).max()
     assert residual <= report.tolerance * evals[0]
 
@@ -265,7 +245,7 @@ def test_block_krylov_multiple_eigenvalue(top_k):
             torch.linspace(1, 0.01, 95, dtype=torch.float64),
         ]
     )
-    A = psd_matrix(100, evals)
+    A = psd_matrix(evals)
     found, vectors, report = block_krylov_eigh(
         A.__matmul__, 100, top_k, dtype=torch.float64
     )
@@ -296,7 +276,7 @@ def test_a_narrow_block_finds_every_copy_of_a_multiple_eigenvalue(case, width):
     equal Ritz values with smaller ones below is caught, and the solve with
     ``b = k`` returns every copy (``docs/math.rst``, "Narrow blocks")."""
     evals, top_k = MULTIPLE[case]
-    A = psd_matrix(100, evals.double())
+    A = psd_matrix(evals.double())
     found, _, report = block_krylov_eigh(
         A.__matmul__, 100, top_k, dtype=torch.float64, block_size=width
     )
@@ -312,7 +292,7 @@ def test_a_narrow_block_alone_misses_copies(monkeypatch, case):
     leading ones: smaller eigenvalues take the place of unseen copies."""
     monkeypatch.setattr(iterative, "narrow_block_doubt", lambda *args: None)
     evals, top_k = MULTIPLE[case]
-    A = psd_matrix(100, evals.double())
+    A = psd_matrix(evals.double())
     found, vectors, report = block_krylov_eigh(
         A.__matmul__, 100, top_k, dtype=torch.float64, block_size=2
     )
@@ -326,7 +306,7 @@ def test_a_narrow_block_needs_fewer_products_on_a_simple_spectrum():
     """Distinct eigenvalues: nothing to doubt, the narrow block's pairs are
     returned, after fewer products than with ``b = k``."""
     evals = torch.linspace(1, 0, 300, dtype=torch.float64) ** 3
-    A = psd_matrix(300, evals)
+    A = psd_matrix(evals)
     found, vectors, report = block_krylov_eigh(
         A.__matmul__, 300, 10, dtype=torch.float64, block_size=3
     )
@@ -348,7 +328,7 @@ def test_a_multiple_eigenvalue_at_the_bottom_needs_no_wider_block():
             torch.linspace(1, 0.01, 94, dtype=torch.float64),
         ]
     )
-    A = psd_matrix(100, evals)
+    A = psd_matrix(evals)
     found, _, report = block_krylov_eigh(
         A.__matmul__, 100, 4, dtype=torch.float64, block_size=2
     )
@@ -360,7 +340,7 @@ def test_a_narrow_block_on_an_operator_of_lower_rank():
     """Rank 2 and ``k = 6``: a block of 2 spans at most 4 directions, so the solve
     runs again with ``b = 6`` (two eigenvalues and four zeros)."""
     evals = torch.cat([torch.tensor([2.0, 1.0]), torch.zeros(48)]).double()
-    A = psd_matrix(50, evals)
+    A = psd_matrix(evals)
     found, _, report = block_krylov_eigh(
         A.__matmul__, 50, 6, dtype=torch.float64, block_size=2
     )
@@ -403,7 +383,7 @@ def test_block_krylov_thick_restarts(monkeypatch, dtype):
     it converges in float32 too, and in fewer products than restarting from ``b``
     Ritz vectors."""
     evals = torch.linspace(1, 0, 600, dtype=torch.float64) ** 2
-    A = psd_matrix(600, evals).to(dtype)
+    A = psd_matrix(evals).to(dtype)
     found, vectors, report = block_krylov_eigh(A.__matmul__, 600, 3, dtype=dtype)
     assert report.cycles > 1
     # float32 products of a float32 A round below 100·ε₃₂: tol·λ_max, no floor
@@ -427,7 +407,7 @@ def cancelling_products(A, scale):
     GGN-vector products", "Rounding of the products").
     """
     size = A.shape[0]
-    L = psd_matrix(size, torch.linspace(1, 2, size, dtype=torch.float64), seed=1)
+    L = psd_matrix(torch.linspace(1, 2, size, dtype=torch.float64), seed=1)
     summed, subtracted = (A + scale * L).float(), (scale * L).float()
     return lambda U: summed @ U - subtracted @ U
 
@@ -452,7 +432,7 @@ def test_block_krylov_stops_at_the_products_rounding_floor(scale, top_k):
     accepted at ``2ρ`` and said so; against the exact float64 ``A`` they are within
     ``1.5·tolerance·λ_max`` (``docs/math.rst``, "The Gram matrix and exact
     eigenpairs", "Rounding floor of the products")."""
-    A = psd_matrix(300, CLUSTERED)
+    A = psd_matrix(CLUSTERED)
     with pytest.warns(RoundingFloorWarning, match="rounding of the operator"):
         found, vectors, report = block_krylov_eigh(
             cancelling_products(A, scale), 300, top_k, dtype=torch.float32
@@ -471,7 +451,7 @@ def test_block_krylov_measures_no_floor_for_exact_products():
     """Float64 products of the same matrix: the confirmation measures their
     rounding, far below ``tol`` (within the ``D·ε·λ_max`` of ``EIGVAL_RTOL``), and
     the pairs are accepted at ``tol``, without a warning."""
-    A = psd_matrix(300, CLUSTERED)
+    A = psd_matrix(CLUSTERED)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RoundingFloorWarning)
         found, _, report = block_krylov_eigh(A.__matmul__, 300, 10, dtype=torch.float64)
@@ -493,7 +473,7 @@ def test_block_krylov_residual_holds_against_the_exact_operator(
     float64 ``A`` they are within ``1.5·tolerance·θ_max`` (``docs/math.rst``,
     "The Gram matrix and exact eigenpairs", "Rounding floor of the products"),
     with a warning exactly where the floor is above ``tol``."""
-    A = psd_matrix(300, CLUSTERED, seed=matrix_seed)
+    A = psd_matrix(CLUSTERED, seed=matrix_seed)
     products = cancelling_products(A, scale)
     for seed in range(6):
         with warnings.catch_warnings(record=True) as caught:
@@ -516,7 +496,7 @@ def test_block_krylov_without_a_floor_stops_at_the_first_rounding_above_tol():
     confirmation that measures ``2ρ > tol`` ends the solve: no residual of such
     products confirms ``tol`` against the exact operator (``docs/math.rst``,
     "Rounding floor of the products")."""
-    A = psd_matrix(300, CLUSTERED)
+    A = psd_matrix(CLUSTERED)
     calls = []
     products = cancelling_products(A, 1000.0)
     with pytest.raises(SolverNotConvergedError, match="no residual they give"):
@@ -532,7 +512,7 @@ def test_block_krylov_without_a_floor_stops_at_the_first_rounding_above_tol():
 
 def test_block_krylov_refuses_a_floor_above_the_largest_eigenvalue():
     """Products rounded beyond ``λ_max`` resolve nothing: an error, not pairs."""
-    A = psd_matrix(300, CLUSTERED)
+    A = psd_matrix(CLUSTERED)
     with pytest.raises(SolverNotConvergedError, match="measured rounding"):
         block_krylov_eigh(cancelling_products(A, 1e7), 300, 5, dtype=torch.float32)
 
@@ -567,7 +547,7 @@ def test_auto_prefers_the_dense_solver_to_a_rounding_floor():
     """Under "auto" a Gram route whose products round above ``tol`` falls back to
     the exact dense solver instead of accepting pairs at the floor; asked for by
     name, the matrix-free solver accepts them and warns."""
-    A = psd_matrix(300, CLUSTERED)
+    A = psd_matrix(CLUSTERED)
     arguments = {"size": 300, "dtype": torch.float32, "device": torch.device("cpu")}
     products = cancelling_products(A, 1000.0)
     with pytest.warns(RuntimeWarning, match="Falling back to the dense solver"):
@@ -584,7 +564,7 @@ def test_auto_prefers_the_dense_solver_to_a_rounding_floor():
 
 
 def test_block_krylov_deterministic_for_a_seed():
-    A = psd_matrix(120, torch.linspace(1, 0, 120, dtype=torch.float64) ** 4)
+    A = psd_matrix(torch.linspace(1, 0, 120, dtype=torch.float64) ** 4)
     first = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)
     second = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=7)
     other = block_krylov_eigh(A.__matmul__, 120, 4, dtype=torch.float64, seed=8)
@@ -615,7 +595,7 @@ def test_block_krylov_zero_matrix():
 
 def test_block_krylov_refuses_a_bound_that_accepts_anything():
     """``tol ≥ 1`` would accept Ritz pairs that are not the leading eigenpairs."""
-    A = psd_matrix(50, torch.linspace(1, 0, 50, dtype=torch.float64))
+    A = psd_matrix(torch.linspace(1, 0, 50, dtype=torch.float64))
     for tol in [1.0, 5.0, float("inf"), float("nan"), 0.0, True, "1e-3"]:
         with pytest.raises(InvalidArgumentError, match="tol must be a number"):
             block_krylov_eigh(A.__matmul__, 50, 2, dtype=torch.float64, tol=tol)
@@ -624,7 +604,7 @@ def test_block_krylov_refuses_a_bound_that_accepts_anything():
 
 
 def test_block_krylov_not_converged():
-    A = psd_matrix(200, torch.linspace(1, 0.9, 200, dtype=torch.float64))
+    A = psd_matrix(torch.linspace(1, 0.9, 200, dtype=torch.float64))
     with pytest.raises(SolverNotConvergedError, match="solver='dense'"):
         block_krylov_eigh(
             A.__matmul__,
@@ -686,13 +666,7 @@ def test_choose_solver_rules(monkeypatch):
 def benchmark_mlp(batch_size):
     """The MLP 784-128-64-10 of ``benchmarks/`` on random data, float32."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(784, 128),
-        torch.nn.ReLU(),
-        torch.nn.Linear(128, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 10),
-    )
+    model = mlp(784, 128, 64, 10, activation=torch.nn.ReLU)
     X, y = torch.randn(batch_size, 784), torch.randint(0, 10, (batch_size,))
     return LowRankGGN(model, torch.nn.CrossEntropyLoss(), (X, y))
 
@@ -791,7 +765,7 @@ def test_factor_work():
 
 
 def test_leading_eigenpairs_reports_dense_residual():
-    A = psd_matrix(50, torch.logspace(0, -3, 50, dtype=torch.float64))
+    A = psd_matrix(torch.logspace(0, -3, 50, dtype=torch.float64))
     evals, _, report = leading_eigenpairs(
         [],
         3,

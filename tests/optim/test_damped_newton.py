@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from backpack import extend
 from torch import nn
 
 import vivit.sources.stored
@@ -17,29 +16,21 @@ from tests.fixtures.checks import (
     assert_differs,
     assert_rel,
     assert_within,
+    flat_evecs,
     orthonormality_bound,
     rounding_rel,
 )
+from tests.fixtures.problems import mlp
+from tests.optim.problems import DTYPE, blobs, least_squares
 from vivit import InvalidArgumentError, LowRankGGN
 from vivit.optim import BootstrapDamping, DampedNewton, NewtonStep
 from vivit.sources.runs import run_engine
-
-DTYPE = torch.float64
-
-
-def least_squares_problem(reduction: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    X = torch.randn(20, 3, generator=gen, dtype=DTYPE)
-    y = X @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=DTYPE) + 0.3
-    y = y + 0.5 * torch.randn(20, 1, generator=gen, dtype=DTYPE)  # not interpolable
-    model = extend(nn.Linear(3, 1).to(DTYPE))
-    return model, extend(nn.MSELoss(reduction=reduction)), X, y
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_undamped_step_solves_least_squares(reduction):
     """GGN = Hessian for a linear model: one full Newton step is the minimiser."""
-    model, loss_func, X, y = least_squares_problem(reduction)
+    model, loss_func, X, y = least_squares(reduction)
     A = torch.cat([X, torch.ones(20, 1, dtype=DTYPE)], dim=1)
     solution = torch.linalg.lstsq(A, y).solution.squeeze(1)  # [w, b]
     initial = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
@@ -62,26 +53,13 @@ def test_undamped_step_solves_least_squares(reduction):
     assert model.weight.grad.norm() + model.bias.grad.norm() < 1e-10
 
 
-def classification_problem(seed: int = 0):
-    """Three Gaussian blobs in 2d, an MLP with a hidden layer of 8."""
-    gen = torch.Generator().manual_seed(seed)
-    centers = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]], dtype=DTYPE)
-    y = torch.arange(3).repeat(10)
-    X = centers[y] + 0.8 * torch.randn(30, 2, generator=gen, dtype=DTYPE)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3))
-    model = model.to(DTYPE)
-    return extend(model), extend(nn.CrossEntropyLoss()), X, y
-
-
 @pytest.mark.parametrize(
     "damping",
     [0.1, BootstrapDamping(generator=torch.Generator().manual_seed(0))],
     ids=["constant", "bootstrap"],
 )
 def test_training_loss_decreases(damping):
-    model, loss_func, X, y = classification_problem()
+    model, loss_func, X, y = blobs()
     optimizer = DampedNewton(model.parameters(), lr=1.0, damping=damping, top_k=10)
 
     def closure():
@@ -99,7 +77,7 @@ def test_training_loss_decreases(damping):
 
 
 def test_param_groups_with_own_lr_and_top_k():
-    model, loss_func, X, y = classification_problem(seed=1)
+    model, loss_func, X, y = blobs(seed=1)
     first, second = list(model[0].parameters()), list(model[2].parameters())
     groups = [
         {"params": first, "lr": 0.5, "top_k": 2},
@@ -145,7 +123,7 @@ def test_param_groups_with_own_lr_and_top_k():
 
 
 def test_last_steps_and_directions_shapes():
-    model, loss_func, X, y = classification_problem()
+    model, loss_func, X, y = blobs()
     params = list(model.parameters())
     optimizer = DampedNewton(
         params, damping=0.1, top_k=5, keep_directions=True, trust_fraction=None
@@ -164,7 +142,7 @@ def test_last_steps_and_directions_shapes():
     ((evals, evecs),) = optimizer.last_directions
     torch.testing.assert_close(evals, newton.directional.evals, rtol=0, atol=0)
     assert [e.shape for e in evecs] == [(5, *p.shape) for p in params]
-    E = torch.cat([e.flatten(1) for e in evecs], dim=1)
+    E = flat_evecs(evecs)
     nc = newton.directional.lambdas.shape[0] * 3  # N·C, 3 classes
     assert_within(
         E @ E.T,
@@ -195,7 +173,7 @@ def _train_mc(seed: int, model, loss_func, X, y, steps: int = 2):
 
 
 def test_mc_reproducible_with_generator():
-    model, loss_func, X, y = classification_problem()
+    model, loss_func, X, y = blobs()
     first = _train_mc(0, model, loss_func, X, y)
     again = _train_mc(0, model, loss_func, X, y)
     other = _train_mc(1, model, loss_func, X, y)
@@ -212,7 +190,7 @@ def test_gram_dtype_and_solver_reach_the_step(solver, monkeypatch):
     and its eigenvectors, so the steps agree to EIGVEC_PRODUCT_REL32 = 1e-4 relative.
     """
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = mlp(6, 8, 3)
     X, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
     loss_func = nn.CrossEntropyLoss()
     reports = []
@@ -242,7 +220,7 @@ def test_gram_dtype_and_solver_reach_the_step(solver, monkeypatch):
 
 def test_chunked_steps_are_those_of_the_whole_batch(monkeypatch):
     """chunk_size reaches every step: exact GGN, float64, to EIGVEC_PRODUCT_REL."""
-    model, loss_func, X, y = classification_problem()
+    model, loss_func, X, y = blobs()
     chunks = []
 
     def recording_run(engine, model, part, request, sink):
@@ -275,7 +253,7 @@ def test_chunked_steps_are_those_of_the_whole_batch(monkeypatch):
 
 
 def test_chunk_size_with_a_closure_is_refused():
-    model, loss_func, X, y = classification_problem()
+    model, loss_func, X, y = blobs()
     optimizer = DampedNewton(model.parameters(), chunk_size=4)
     with pytest.raises(InvalidArgumentError, match="step\\(data="):
         optimizer.step(lambda: loss_func(model(X), y))

@@ -11,11 +11,10 @@ from backpack import extend
 from torch import nn
 
 from tests.fixtures.checks import DIRECTION_REL, assert_within, record, rounding_rel
+from tests.optim.problems import DTYPE, blobs, least_squares
 from vivit import LowRankGGN, UnboundedStepWarning, ZeroStepWarning
 from vivit.directional.gram_space import predicted_decrease, trust_region_dampings
 from vivit.optim import BootstrapDamping, DampedNewton
-
-DTYPE = torch.float64
 
 
 def _directions(seed: int = 0, K: int = 6):
@@ -97,15 +96,6 @@ def test_zero_bound_skips_every_direction():
     assert torch.isinf(out).all()
 
 
-def least_squares(reduction: str):
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(20, 3, generator=gen, dtype=DTYPE)
-    y = X @ torch.tensor([[1.0], [-2.0], [0.5]], dtype=DTYPE) + 0.3
-    y = y + 0.5 * torch.randn(20, 1, generator=gen, dtype=DTYPE)
-    model = extend(nn.Linear(3, 1).to(DTYPE))
-    return model, extend(nn.MSELoss(reduction=reduction)), X, y
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("damping", [0.0, 1e-8])
 def test_trust_region_on_a_quadratic_loss_decreases_by_the_fraction(reduction, damping):
@@ -164,18 +154,8 @@ def test_saturated_softmax_gives_a_zero_step_with_a_warning(agree, damping):
     assert all(torch.equal(s, torch.zeros_like(s)) for s in newton.step)
 
 
-def blobs():
-    gen = torch.Generator().manual_seed(0)
-    centers = torch.tensor([[2.0, 0.0], [-1.0, 1.7], [-1.0, -1.7]], dtype=DTYPE)
-    y = torch.arange(3).repeat(6)
-    X = centers[y] + 0.8 * torch.randn(18, 2, generator=gen, dtype=DTYPE)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3)).to(DTYPE)
-    return extend(model), extend(nn.CrossEntropyLoss()), X, y
-
-
 def test_every_direction_skipped_gives_a_zero_step_with_a_warning():
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     ggn = LowRankGGN(model, loss_func, (X, y))
 
     def skip_all(evals, gram_evecs, gammas, lambdas):
@@ -189,7 +169,7 @@ def test_every_direction_skipped_gives_a_zero_step_with_a_warning():
 @pytest.mark.parametrize("batch_size", [1, 18])
 def test_single_gradient_sample_with_bootstrap(batch_size):
     """One gradient sample: the bootstrap treats it as exact; finite step, no error."""
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     X, y = X[:batch_size], y[:batch_size]
     damping = BootstrapDamping(generator=torch.Generator().manual_seed(0))
     optimizer = DampedNewton(model.parameters(), damping=damping, subsampling_grad=[0])
@@ -206,7 +186,7 @@ def test_bootstrap_without_directions_returns_no_damping():
 
 
 def test_non_finite_loss_is_refused_and_parameters_unchanged():
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     X = X.clone()
     X[3, 0] = torch.nan
     before = [p.detach().clone() for p in model.parameters()]
@@ -219,7 +199,7 @@ def test_non_finite_loss_is_refused_and_parameters_unchanged():
 
 def test_non_finite_step_is_refused_and_parameters_unchanged():
     """``lr = 1e308`` overflows; without a trust region nothing else stops it."""
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = DampedNewton(
         model.parameters(), lr=1e308, damping=0.0, trust_fraction=None
@@ -231,7 +211,7 @@ def test_non_finite_step_is_refused_and_parameters_unchanged():
 
 
 def test_negative_loss_needs_no_trust_region():
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     optimizer = DampedNewton(model.parameters())
     with pytest.raises(ValueError, match="trust_fraction=None"):
         optimizer.step(lambda: loss_func(model(X), y) - 10.0)
@@ -242,7 +222,7 @@ def test_negative_loss_needs_no_trust_region():
 
 @pytest.mark.parametrize("value", [0, -0.5, math.nan, math.inf, True, "0.25"])
 def test_invalid_trust_fraction(value):
-    model, _, _, _ = blobs()
+    model, _, _, _ = blobs(per_class=6)
     with pytest.raises(ValueError, match="trust_fraction"):
         DampedNewton(model.parameters(), trust_fraction=value)
 
@@ -260,7 +240,7 @@ def test_invalid_trust_fraction(value):
 )
 def test_invalid_group_setting_is_refused_when_added_and_at_step(setting, value):
     """One check for the constructor's groups, added groups and changed values."""
-    model, loss_func, X, y = blobs()
+    model, loss_func, X, y = blobs(per_class=6)
     first, last = list(model[0].parameters()), list(model[2].parameters())
     words = f"Parameter group 1: {setting}"
     with pytest.raises(ValueError, match=words):

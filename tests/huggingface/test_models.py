@@ -39,7 +39,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop:UserWarning"
 )
 RTOL = EIGVAL_RTOL[torch.float64]
-EXAMPLE = Path(__file__).parents[1] / "exp" / "huggingface.py"
+EXAMPLE = Path(__file__).parents[2] / "exp" / "huggingface.py"
 N, T, VOCAB, CLASSES = 3, 5, hf_models.VOCAB, hf_models.CLASSES
 
 

@@ -29,22 +29,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 from backpack import extend
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import prune
 
 from tests.fixtures.checks import EIGVAL_RTOL, assert_top_eigvals
+from tests.fixtures.hypothesis_settings import reproducible
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN, VivitError
 
-SETTINGS = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+SETTINGS = reproducible(150)
 
 C = 3
 #: Faults a call may carry (0 to 2 of them); each overrides one valid choice.
@@ -247,7 +243,7 @@ def _build(call: Call):
     gen = torch.Generator().manual_seed(call.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(call.seed)
-        net = nn.Sequential(nn.Linear(2, 4), nn.Sigmoid(), nn.Linear(4, C))
+        net = mlp(2, 4, C, activation=nn.Sigmoid)
     net = net.to(call.dtype)
     inputs = torch.randn(call.batch_size, 2, generator=gen).to(call.dtype)
     loss_func, targets = _loss_and_targets(call, gen)
@@ -394,7 +390,7 @@ def _damping(name):
 
 
 @pytest.mark.filterwarnings("ignore::vivit.FewerEigenpairsWarning")  # top_k > rank
-@settings(SETTINGS, max_examples=60)
+@reproducible(60)
 @given(
     top_k=st.sampled_from(TOP_KS),
     group=st.sampled_from(GROUP_INDICES),
@@ -406,7 +402,7 @@ def test_methods_give_finite_results_or_a_library_error(
     top_k, group, damping, subsampling_grad, method
 ):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, C)).double()
+    model = mlp(2, 4, C).double()
     inputs = torch.randn(4, 2, dtype=torch.float64)
     targets = torch.tensor([0, 2, -100, 1])
     ggn = LowRankGGN(

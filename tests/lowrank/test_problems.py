@@ -180,7 +180,7 @@ def test_gradient_and_batch_directional_gradient(problem, subsampling):
     flat = torch.cat([g.flatten() for g in ggn.gradient()])
     assert_rel(flat, grad, REORDERED_REL)  # the dense reference's sums
     _, evecs = ggn.eigh(top_k=3)
-    E = torch.cat([e.flatten(start_dim=1) for e in evecs], dim=1)
+    E = flat_evecs(evecs)
     gamma_bar = ggn.directional_derivatives(top_k=3).gamma_bar
     assert_rel(gamma_bar, E @ grad, EIGVEC_PRODUCT_REL)  # leading eigenvectors
 

@@ -29,6 +29,7 @@ from tests.fixtures.checks import (
     assert_top_eigvals,
     flat_evecs,
 )
+from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import EigvalshComputation, LowRankGGN
 
@@ -38,10 +39,6 @@ pytestmark = pytest.mark.filterwarnings(
 
 N, C, T = 5, 4, 3
 W = [0.5, 2.0, 1.0, 0.25]
-
-
-def _mlp():
-    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, C))
 
 
 def _seq():  # [N, 3, T] -> [N, C, T]: class axis 1, positions last
@@ -61,7 +58,7 @@ def _setup(name: str, reduction: str, dtype=torch.float64):
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     seq = "seq" in name
-    model = (_seq() if seq else _mlp()).to(dtype)
+    model = (_seq() if seq else mlp(3, 5, C)).to(dtype)
     X = torch.randn((N, 3, T) if seq else (N, 3), generator=gen).to(dtype)
     label_shape = (N, T) if seq else (N,)
     out_shape = (N, C, T) if seq else (N, C)

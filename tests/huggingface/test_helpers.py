@@ -1,7 +1,7 @@
 """The Hugging Face helpers: next-token targets, token logits, labels taken out of
 collated batches (no transformers).
 
-The models themselves are tested in ``tests/test_huggingface_models.py``.
+The models themselves are tested in ``tests/huggingface/test_models.py``.
 """
 
 from __future__ import annotations

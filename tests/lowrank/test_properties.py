@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -30,7 +30,9 @@ from tests.fixtures.checks import (
     EIGVEC_PRODUCT_REL,
     assert_eigenpairs,
     assert_within,
+    flat_evecs,
 )
+from tests.fixtures.hypothesis_settings import reproducible
 from tests.fixtures.reference import (
     dense_ggn,
     flatten_params,
@@ -42,13 +44,7 @@ from vivit import LowRankGGN
 DTYPE = torch.float64
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "sigmoid": nn.Sigmoid}
 
-SETTINGS = settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+SETTINGS = reproducible(25)
 
 
 @dataclass
@@ -139,11 +135,6 @@ def lowrank(case: Case, **kwargs) -> LowRankGGN:
     )
 
 
-def flatten_params_rows(evecs: list[torch.Tensor]) -> torch.Tensor:
-    """Eigenvectors ``[K, *p.shape]`` per parameter as rows ``[K, D]``."""
-    return torch.cat([e.flatten(1) for e in evecs], dim=1)
-
-
 def dense(case: Case) -> torch.Tensor:
     return dense_ggn(
         case.model,
@@ -204,7 +195,7 @@ def test_newton_step_matches_dense(case, top_k, relative_damping, grad_subsampli
     grads = per_sample_gradients(case.model, case.loss_func, case.inputs, case.targets)
     if grad_samples is not None:
         grads = grads[grad_samples]
-    E = flatten_params_rows(evecs)
+    E = flat_evecs(evecs)
     gamma_bar = reduction_factor(case.loss_func, grads.shape[0]) * (grads @ E.T).sum(0)
     expected = -(gamma_bar / (evals + damping)) @ E
     actual = flatten_params(step)

@@ -1,0 +1,1 @@
+"""Tests of the Hugging Face helpers (``vivit/huggingface.py``) and models."""

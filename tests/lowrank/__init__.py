@@ -1,0 +1,1 @@
+"""Tests of the front door ``LowRankGGN`` (``vivit/lowrank.py``)."""

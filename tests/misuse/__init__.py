@@ -1,0 +1,1 @@
+"""Bad input at every front door: a clear, typed error, or the right result."""
