@@ -69,7 +69,7 @@ def main() -> None:
         seconds, ggn = cpu_time(lambda s=solver: request(model, loss_func, loader, s))
         result[solver] = round(seconds / unit, 1)
         if solver == "auto":
-            result["route"], result["reason"] = ggn.route.name, ggn.route.reason
+            result["route"], result["reason"] = ggn.plan.route, ggn.plan.reason
     print(json.dumps(result))
 
 

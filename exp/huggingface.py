@@ -96,10 +96,10 @@ def main():
         params = sum(p.numel() for p in model.parameters())
         top = ", ".join(f"{v:.3g}" for v in evals.flip(0).tolist())
         print(
-            f"{name:7s} {params:7,d} parameters, {ggn.route.name} route "
+            f"{name:7s} {params:7,d} parameters, {ggn.plan.route} route "
             f"(engine {ggn.engine}), {seconds:5.2f} s: top-5 eigenvalues {top}"
         )
-        print(f"        why: {ggn.route.reason}")
+        print(f"        why: {ggn.plan.reason}")
 
 
 if __name__ == "__main__":

@@ -181,8 +181,8 @@ def test_the_page_draws_the_layers_in_the_order_of_the_data_flow():
         "engines",
         "Gram-space formulas",
         "options",
-        "memory",
         "sources",
+        "memory and the plan",
         "results",
         "front doors",
         "analysis",
@@ -191,7 +191,8 @@ def test_the_page_draws_the_layers_in_the_order_of_the_data_flow():
     where = layer_of(LAYERS)
     assert where["vivit/analysis/monitor.py"] > where["vivit/lowrank.py"]
     assert where["vivit/lowrank.py"] > where["vivit/results.py"]
-    assert where["vivit/results.py"] > where["vivit/sources/stored.py"]
+    assert where["vivit/results.py"] > where["vivit/memory/plan.py"]
+    assert where["vivit/memory/plan.py"] > where["vivit/sources/stored.py"]
     assert where["vivit/sources/stored.py"] > where["vivit/options.py"]
     assert where["vivit/options.py"] > where["vivit/engines/choice.py"]
     assert where["vivit/engines/base.py"] > where["vivit/gram/factors.py"]

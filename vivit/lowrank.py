@@ -12,12 +12,13 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_grad_mode
 from vivit.distributed import ShardExchange, local_module, resolve_group
 from vivit.engines.base import Engine, OutputSelector
-from vivit.memory.route import RouteChoice
+from vivit.memory.plan import Plan
+from vivit.memory.request import agreed_plan, plan_request
 from vivit.options import CurvatureOptions
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature, checked_param_groups
+from vivit.sources.data import Data
 from vivit.sources.implicit import ImplicitFactors
-from vivit.sources.route import agreed_route, choose_route
 from vivit.sources.stored import StoredFactors
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class LowRankGGN(CurvatureResults):
             after its construction communicates. On the implicit route every
             product is summed over the ranks (one ``all_reduce``), so every
             rank must make the same calls in the same order. Each rank chooses
-            a route from its own shard; all run the one :attr:`route` names.
+            a route from its own shard; all run the one :attr:`plan` names.
         chunk_size: As for :class:`~vivit.options.CurvatureOptions`.
         output: As for :class:`~vivit.options.CurvatureOptions`.
         max_batches: As for :class:`~vivit.options.CurvatureOptions`.
@@ -91,14 +92,12 @@ class LowRankGGN(CurvatureResults):
         communication: Bytes and time of the exchange between the ranks
             (:class:`~vivit.distributed.ExchangeReport`; zero in one process),
             on the implicit route also of every product since.
-        route: The route that ran and why (:class:`~vivit.memory.route.
-            RouteChoice`): ``"gram"`` (factors of ``V``) or ``"implicit"``
-            (GGN-vector products), which ``solver="auto"`` chooses for a
-            mini-batch or a loader by memory and cost (:mod:`vivit.memory.route`,
-            from the data by :mod:`vivit.sources.route`; under a process group
-            from every rank's choice, the same on every rank); the memory
-            estimate of the request takes the same decision
-            (:func:`vivit.memory.estimate_memory`).
+        plan: What ran and why (:class:`~vivit.memory.plan.Plan`): its
+            ``route``, ``"gram"`` (factors of ``V``) or ``"implicit"``
+            (GGN-vector products), and ``reason``; ``str(ggn.plan)`` says both.
+            Under a process group the same on every rank. The memory estimate of
+            a request reads the same plan (:func:`vivit.memory.estimate_memory`);
+            ``None`` for :meth:`from_loss`.
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (see the
@@ -203,20 +202,24 @@ class LowRankGGN(CurvatureResults):
             check_grad_mode("LowRankGGN")
             checked = options()
             module = local_module(model)
-            groups, _ = checked_param_groups(module, loss_func, param_groups)
-            route = choose_route(module, loss_func, data, groups, checked)
+            groups, names = checked_param_groups(module, loss_func, param_groups)
+            data = Data(module, loss_func, data, checked, grouped=group is not None)
+            plan = plan_request(module, loss_func, data, groups, checked)
             # under a group every rank runs one route, decided from every shard's
-            route = shards.decide((checked.solver, route), agreed_route)
-            if route.name == "implicit":  # no engine, no V: G v by JVP and VJP
+            plan = shards.decide((checked.solver, plan), agreed_plan)
+            if plan.route == "implicit":  # no engine, no V: G v by JVP and VJP
                 checked = checked.replace(solver="implicit")
                 source = ImplicitFactors(
-                    module, loss_func, data, groups, checked, shards
+                    module, loss_func, data, groups, checked, shards, plan
                 )
             else:
+                if group is None:
+                    plan.check(checked.solver)
                 source = StoredFactors.run(
-                    module, loss_func, data, groups, checked, shards, route.estimate
-                )
-        self._init(source, checked, route)
+                    module, loss_func, data, groups, names, checked, shards,
+                    plan.engine, plan,
+                )  # fmt: skip
+        self._init(source, checked, plan)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""
@@ -226,10 +229,10 @@ class LowRankGGN(CurvatureResults):
         self,
         source: StoredFactors | ImplicitFactors,
         options: CurvatureOptions,
-        route: RouteChoice,
+        plan: Plan | None,
     ) -> None:
         super().__init__(source, options)
-        self.route = route
+        self.plan = plan
         self.shards = source.shards
         self.communication = source.communication
 
@@ -311,5 +314,5 @@ class LowRankGGN(CurvatureResults):
 
         source = StoredFactors.from_loss(loss, param_groups, options, BackpackEngine())
         ggn = cls.__new__(cls)
-        ggn._init(source, options, RouteChoice("gram", "from_loss: BackPACK's factors"))
+        ggn._init(source, options, None)
         return ggn

@@ -32,7 +32,7 @@ from vivit._validation import (
 )
 from vivit.distributed.group import resolve_group
 from vivit.engines.base import Engine, OutputSelector, check_output_selector
-from vivit.engines.choice import check_engine
+from vivit.engines.choice import check_engine, runs_without_engine
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.iterative import check_seed, check_tolerance
 from vivit.linalg.solvers import check_gram_dtype
@@ -219,6 +219,9 @@ class CurvatureOptions:
         check_output_selector(self.output)
         check_max_batches(self.max_batches)
         object.__setattr__(self, "group", resolve_group(self.process_group))
+        obstacle = implicit_obstacle(self)
+        if self.solver == "implicit" and obstacle is not None:
+            raise InvalidArgumentError(obstacle)
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(
                 "chunk_size is not supported with a process group (each rank "
@@ -261,3 +264,27 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
             f"Unknown option(s) {unknown}: not options of a curvature request"
             f"{also}; the options are {sorted(options)}."
         )
+
+
+def implicit_obstacle(options: CurvatureOptions) -> str | None:
+    """Why the implicit route cannot honour the options, or ``None`` if it can."""
+    if options.mc_samples:
+        return (
+            "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
+            "per position, never formed), which costs what a sampled one would: "
+            "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
+            "Gram route (solver='auto') for the MC estimate."
+        )
+    if options.gram_dtype is not None:
+        return (
+            "gram_dtype is the type of the Gram matrix and of the products with V, "
+            "which solver='implicit' never forms: its products run in the model's "
+            "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
+            "the model (model.double()) for float64 products."
+        )
+    if not runs_without_engine(options.engine):
+        return (
+            f"solver='implicit' runs no engine (its products are torch.func's), got "
+            f"engine={options.engine!r}: drop engine, or use a Gram route."
+        )
+    return None

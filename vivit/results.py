@@ -53,6 +53,7 @@ from vivit.linalg.top_k import (
     leading_eigenpairs,
     relative_residual,
 )
+from vivit.memory.costs import choose_solver
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, GroupSource
 from vivit.sources.collector import in_param_dtypes
@@ -212,7 +213,7 @@ class CurvatureResults:
             keep = self._gram_nonzero(source, evals, top_k)
         else:
             if leading is None:
-                resolved = solver if solver != "auto" else source.choose_solver(top_k)
+                resolved = solver if solver != "auto" else _auto_solver(source, top_k)
                 leading = self._compute_leading(
                     source, top_k, resolved, solver, tol, seed
                 )
@@ -614,6 +615,14 @@ class CurvatureResults:
             tol=tol,
             seed=seed,
         ).step
+
+
+def _auto_solver(source: GroupSource, top_k: int) -> str:
+    """The solver ``"auto"`` stands for: the source's only one, or the cheapest."""
+    if len(source.solvers) == 1:
+        return source.solvers[0]
+    formed = source.formed_gram() is not None
+    return choose_solver(source.factors, top_k, source.dtype, source.device, formed)
 
 
 def warn_fewer_eigenpairs(

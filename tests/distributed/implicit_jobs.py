@@ -18,6 +18,7 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
+import vivit.memory.plan
 from tests.distributed.jobs import (
     LOADERS,
     SHARDS,
@@ -31,16 +32,12 @@ from tests.distributed.jobs import (
 )
 from tests.distributed.spawn import run_rank
 from tests.fixtures.func_problems import CharLSTM, NoForwardMode
-from tests.fixtures.implicit_basis import smallest_basis_memory
+from tests.fixtures.memory import smallest_basis_memory
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
-from vivit.memory import estimate as estimate_module
-from vivit.memory.estimate import implicit_estimate
+from vivit.memory import estimate_memory
 from vivit.optim import DampedNewton
-from vivit.options import CurvatureOptions
-from vivit.sources import route as route_module
 from vivit.sources.data import fingerprint
-from vivit.sources.route import RouteChoice
 
 #: Leading eigenpairs of every scenario.
 TOP_K = 3
@@ -156,7 +153,7 @@ def union_subsampling(world_size: int) -> list[int]:
 def quantities(ggn: LowRankGGN) -> tuple[dict[str, Tensor], dict[str, object]]:
     """Every result of every group: tensors, and the rest (reports, layout)."""
     tensors = {"loss": ggn.loss}
-    other: dict[str, object] = {"route": (ggn.route.name, ggn.route.reason)}
+    other: dict[str, object] = {"route": (ggn.plan.route, ggn.plan.reason)}
     for g in range(len(ggn.param_groups)):
         tensors[f"gradient{g}"] = torch.cat([t.flatten() for t in ggn.gradient(g)])
         evals, evecs = ggn.eigh(TOP_K, g)
@@ -217,14 +214,18 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
     return quantities(LowRankGGN(model, loss_func, data, **kwargs))[0]
 
 
-def smallest_basis(model: nn.Module, inputs: Tensor) -> int:
+def smallest_basis(model: nn.Module, loss_func: nn.Module, inputs: Tensor) -> int:
     """Bytes that fit the products and the smallest Krylov basis for ``TOP_K``.
 
     (:func:`tests.fixtures.implicit_basis.smallest_basis_memory`).
     """
-    groups = [list(model.parameters())]
-    default = implicit_estimate(model, inputs, groups, CurvatureOptions(), TOP_K)
-    return smallest_basis_memory(default, TOP_K, groups[0][0].dtype)[1]
+    params = list(model.parameters())
+    default = estimate_memory(
+        model, inputs, len(inputs), loss_func=loss_func, top_k=TOP_K,
+        solver="implicit",
+    )  # fmt: skip
+    size = sum(p.numel() for p in params)
+    return smallest_basis_memory(default, TOP_K, params[0].dtype, size)[1]
 
 
 def patched(module: object, when: bool, **values: object):
@@ -232,9 +233,9 @@ def patched(module: object, when: bool, **values: object):
     return mock.patch.multiple(module, **values) if when else nullcontext()
 
 
-def forced_route(*args, **kwargs) -> RouteChoice:
+def forced_route(plan) -> tuple[str, str]:
     """The last rank's own choice under ``solver="auto"``: the implicit route."""
-    return RouteChoice("implicit", "forced on this rank by the test")
+    return "implicit", "forced on this rank by the test"
 
 
 def run_scenario(name: str, rank: int, world_size: int) -> dict:
@@ -244,13 +245,14 @@ def run_scenario(name: str, rank: int, world_size: int) -> dict:
     if scenario.loader and len(LOADERS[world_size][rank]) > 1:
         data = loader(data, LOADERS[world_size][rank])
     last = rank == world_size - 1
-    with patched(route_module, compare_routes=forced_route, when=last):
+    with patched(vivit.memory.plan.Plan, _compare=forced_route, when=last):
         ggn = LowRankGGN(
             model, loss_func, data, **options(scenario, model, rank, world_size)
         )
     cut = scenario.memory_cut and last
-    available = smallest_basis(model, data[0]) if cut else None
-    with patched(estimate_module, available_bytes=lambda device: available, when=cut):
+    available = smallest_basis(model, loss_func, data[0]) if cut else None
+    memory = {"available_bytes": lambda device: available}
+    with patched(vivit.memory.plan, **memory, when=cut):
         tensors, other = quantities(ggn)
     layout = ggn.shards
     report = ggn.communication
@@ -267,8 +269,8 @@ def run_scenario(name: str, rank: int, world_size: int) -> dict:
 def auto_without_forcing(rank: int, world_size: int) -> tuple[str, str]:
     """``solver="auto"`` on a small MLP: the Gram route on every rank."""
     model, loss_func, shards = setup(SCENARIOS["mlp-mse-mean-auto"], world_size)
-    route = LowRankGGN(model, loss_func, shards[rank]).route
-    return route.name, route.reason
+    plan = LowRankGGN(model, loss_func, shards[rank]).plan
+    return plan.route, plan.reason
 
 
 # Training -------------------------------------------------------------------------
@@ -370,7 +372,7 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
 
     def memory() -> None:
         ggn = implicit()
-        with patched(estimate_module, available_bytes=lambda d: 1024, when=last):
+        with patched(vivit.memory.plan, available_bytes=lambda d: 1024, when=last):
             ggn.eigh(TOP_K)
 
     def directions(ggn: LowRankGGN, top_k: int) -> None:

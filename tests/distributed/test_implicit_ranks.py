@@ -55,9 +55,9 @@ from tests.fixtures.reference import (
     per_sample_gradients,
 )
 from vivit.errors import DistributedError
-from vivit.memory.route import fixed_route
+from vivit.memory.plan import Plan, Sizes
+from vivit.memory.request import agreed_plan, fixed_route
 from vivit.options import CurvatureOptions
-from vivit.sources.route import RouteChoice, agreed_route
 
 MODULE = "tests.distributed.implicit_jobs"
 CASES = [(w, name) for w, names in JOBS.items() for name in names]
@@ -272,18 +272,23 @@ def test_the_agreed_route():
     """One process keeps its choice; equal choices stay; different ones run the
     implicit route, naming every rank's reason, unless a rank cannot run it;
     different solvers are refused."""
-    gram, implicit = RouteChoice("gram", "cheaper"), RouteChoice("implicit", "fits")
-    assert agreed_route([("auto", gram)]) is gram
-    assert agreed_route([("auto", gram), ("auto", gram)]) == gram
-    both = agreed_route([("auto", gram), ("auto", implicit)])
-    assert both.name == "implicit"
+
+    def plan(route, reason, forced=False):
+        sizes, groups = Sizes(1, 1, 1, 1), [[torch.zeros(1)]]
+        return Plan(None, sizes, None, groups, (route, reason, forced))
+
+    gram, implicit = plan("gram", "cheaper"), plan("implicit", "fits")
+    assert agreed_plan([("auto", gram)]) is gram
+    assert agreed_plan([("auto", gram), ("auto", gram)]) is gram
+    both = agreed_plan([("auto", gram), ("auto", implicit)])
+    assert both.route == "implicit"
     assert "rank 0: gram route: cheaper; rank 1: implicit route: fits" in both.reason
-    same = agreed_route([("auto", gram), ("auto", RouteChoice("gram", "other"))])
-    assert same.name == "gram" and "every rank chose it" in same.reason
+    same = agreed_plan([("auto", gram), ("auto", plan("gram", "other"))])
+    assert same.route == "gram" and "every rank chose it" in same.reason
     with pytest.raises(DistributedError, match="rank 1 asks for solver='dense'"):
-        agreed_route([("auto", gram), ("dense", gram)])
+        agreed_plan([("auto", gram), ("dense", gram)])
     # a rank whose shard the implicit route cannot run (a one-pass iterator)
-    forced = fixed_route(CurvatureOptions(), "an iterator is passed over once")
-    assert forced.name == "gram" and forced.forced
-    mixed = agreed_route([("auto", implicit), ("auto", forced)])
-    assert mixed.name == "gram" and "the only one some rank can run" in mixed.reason
+    forced = plan(*fixed_route(CurvatureOptions(), "an iterator is passed over once"))
+    assert forced.route == "gram" and forced.forced
+    mixed = agreed_plan([("auto", implicit), ("auto", forced)])
+    assert mixed.route == "gram" and "the only one some rank can run" in mixed.reason

@@ -195,8 +195,8 @@ def test_pruned_gradient_is_masked():
 
 def _counting(model: nn.Module) -> list[int]:
     """Count passes of samples through the model's first Linear (no hook: it would
-    change the engine). The memory estimate's probe of one sample before the run
-    (vivit.memory.estimate.check_batch_fits) is not a pass over the batch."""
+    change the engine). The request's measurement on a copy of the model, made
+    once per request shape (vivit.memory.profile), is made before counting."""
     layer = next(m for m in model.modules() if isinstance(m, nn.Linear))
     calls = [0]
     forward = layer.forward
@@ -216,8 +216,9 @@ def _counting(model: nn.Module) -> list[int]:
 def test_forward_calls_per_construction(engine, chosen, forwards):
     """BackPACK: one forward; func: one, plus the sample-independence check."""
     model = _mlp()
-    calls = _counting(model)
     loss_func, X, y = _data("mean")
+    LowRankGGN(model, loss_func, (X, y), engine=engine)  # measured once
+    calls = _counting(model)
     ggn = LowRankGGN(model, loss_func, (X, y), engine=engine)
     assert (ggn.engine, calls[0]) == (chosen, forwards)
 
@@ -245,8 +246,9 @@ def test_forward_calls_of_auto_choosing_func(
         lambda self: setattr(self, "vectorized", vectorized),
     )
     model = factory()
-    calls = _counting(model)
     loss_func, X, y = _data("mean")
+    LowRankGGN(model, loss_func, (X, y))  # measured once
+    calls = _counting(model)
     assert LowRankGGN(model, loss_func, (X, y)).engine == "func"
     assert calls[0] == forwards
 

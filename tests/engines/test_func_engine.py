@@ -134,13 +134,13 @@ def test_batch_norm_keeps_factor_form(monkeypatch):
     left to the explicit one-sample-at-a-time pass, the batch runs in one chunk
     (test_func_problem checks the columns against the dense GGN)."""
     explicit = []
-    chunking = FuncEngine.chunking
+    vectors_per_pass = FuncEngine._vectors_per_pass
 
-    def spy(self, num_samples, num_vectors, width, dense):
+    def spy(self, samples, width, dense):
         explicit.append(dense)
-        return chunking(self, num_samples, num_vectors, width, dense)
+        return vectors_per_pass(self, samples, width, dense)
 
-    monkeypatch.setattr(FuncEngine, "chunking", spy)
+    monkeypatch.setattr(FuncEngine, "_vectors_per_pass", spy)
     model, loss_func, X, y = func_reference("resnet-block-ce-mean").setup
     ggn = LowRankGGN(model, loss_func, (X, y), mc_samples=1, engine="func")
     assert ggn.gram().shape == (len(X), len(X))

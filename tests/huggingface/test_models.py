@@ -96,7 +96,7 @@ def test_hugging_face_models_on_the_implicit_route(name, reduction):
     ggn = LowRankGGN(
         model, loss_func, (inputs, targets), output=output, solver="implicit"
     )
-    assert ggn.route.name == "implicit"
+    assert ggn.plan.route == "implicit"
     evals, _ = ggn.eigh(top_k=3)
     reference = dense_ggn(
         model, loss_func, inputs, targets, output=_as_function(output)

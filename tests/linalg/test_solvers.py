@@ -28,7 +28,7 @@ from tests.fixtures.checks import (
     flat_evecs,
     orthonormality_bound,
 )
-from tests.fixtures.problems import PROBLEMS, mlp, prepare, problem_ids, select
+from tests.fixtures.problems import PROBLEMS, prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn, psd_matrix
 from vivit import (
     InvalidArgumentError,
@@ -36,9 +36,7 @@ from vivit import (
     RoundingFloorWarning,
     SolverNotConvergedError,
 )
-from vivit.gram import DenseFactors, OuterProductFactors, SampleBlockFactors
 from vivit.linalg import iterative
-from vivit.linalg import top_k as top_k_module
 from vivit.linalg.group_products import gram_matmul
 from vivit.linalg.iterative import (
     SolverReport,
@@ -47,7 +45,7 @@ from vivit.linalg.iterative import (
     default_block_size,
     default_tolerance,
 )
-from vivit.linalg.top_k import choose_solver, leading_eigenpairs
+from vivit.linalg.top_k import leading_eigenpairs
 
 ITERATIVE = ["iterative", "matrix_free"]
 TOP_K = 3
@@ -638,130 +636,6 @@ def test_auto_falls_back_to_dense(monkeypatch):
     explicit = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
     with pytest.raises(SolverNotConvergedError):
         explicit.eigh(top_k=TOP_K, solver="iterative")
-
-
-# The cost model --------------------------------------------------------------
-
-
-def test_choose_solver_rules(monkeypatch):
-    cpu, f32 = torch.device("cpu"), torch.float32
-    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
-    choose = choose_solver
-    # all or many eigenpairs: dense
-    assert choose(5120, None, num_params=10**6, dtype=f32, device=cpu) == "dense"
-    assert choose(100, 50, num_params=10**6, dtype=f32, device=cpu) == "dense"
-    # few pairs of a large Gram: iterative; of a small one: dense
-    assert choose(5120, 10, num_params=10**6, dtype=f32, device=cpu) == "iterative"
-    assert choose(200, 10, num_params=10**6, dtype=f32, device=cpu) == "dense"
-    # a GGN smaller than its Gram matrix (D < N·C, V-products costed as explicit
-    # columns without the factors): matrix-free, unless formed
-    assert choose(20000, 5, num_params=1898, dtype=f32, device=cpu) == "matrix_free"
-    formed = choose(20000, 5, num_params=1898, dtype=f32, device=cpu, gram_formed=True)
-    assert formed == "iterative"
-    # a Gram matrix that does not fit: matrix-free
-    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**26)
-    assert choose(5120, 10, num_params=10**6, dtype=f32, device=cpu) == "matrix_free"
-
-
-def benchmark_mlp(batch_size):
-    """The MLP 784-128-64-10 of ``benchmarks/`` on random data, float32."""
-    torch.manual_seed(0)
-    model = mlp(784, 128, 64, 10, activation=torch.nn.ReLU)
-    X, y = torch.randn(batch_size, 784), torch.randint(0, 10, (batch_size,))
-    return LowRankGGN(model, torch.nn.CrossEntropyLoss(), (X, y))
-
-
-@pytest.mark.parametrize(
-    "batch_size, expected", [(128, "iterative"), (512, "matrix_free")]
-)
-def test_choose_solver_with_factors(monkeypatch, batch_size, expected):
-    """The choices measured fastest on the benchmarks' MLP (benchmarks/README.md).
-
-    N = 512: forming the 5120² Gram matrix (100 MB, about 30 passes over it) costs
-    more than the whole matrix-free solve; N = 128: the Gram matrix is formed
-    in the cache, and its products are 5 times cheaper than ``V``-products.
-    """
-    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
-    ggn = benchmark_mlp(batch_size)
-    factors = ggn._group(0).ggn_factors
-    options = {
-        "num_params": 109386,
-        "dtype": torch.float32,
-        "device": torch.device("cpu"),
-    }
-    size = 10 * batch_size
-    assert choose_solver(size, 10, factors=factors, **options) == expected
-    # once the Gram matrix exists, its products are the cheaper ones
-    formed = choose_solver(size, 10, factors=factors, gram_formed=True, **options)
-    assert formed == "iterative"
-
-
-def test_choose_solver_compares_the_solves_after_forming_the_gram(monkeypatch):
-    """Forming the Gram matrix, however costly, does not decide iterative vs dense."""
-
-    class Costly(DenseFactors):
-        def gram_work(self):
-            return 10**15
-
-        def product_work(self, num_vectors):
-            return 10**15 * num_vectors
-
-    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
-    factors = [Costly(torch.zeros(512, 10, 1))]
-    cpu, f32 = torch.device("cpu"), torch.float32
-    options = {"num_params": 10**6, "dtype": f32, "device": cpu, "factors": factors}
-    assert choose_solver(5120, 10, **options) == "iterative"
-    assert choose_solver(200, 10, **options) == "dense"
-
-
-def test_v_products_pay_for_reading_the_factors(monkeypatch):
-    """Per-token Monte-Carlo factors of a language model: ``V``-products lose.
-
-    The shapes of ``gpt2-4l-128-v500`` at N = 8, one sample per token (R = 512,
-    C = T = 64 columns per sample, 0.7 GB of factors): measured (one thread)
-    forming the Gram matrix and the dense solve 3.5 s, matrix-free 6.1 s
-    (``benchmarks/solver_costs.py``). Counting the multiply-adds alone chose
-    the matrix-free solver; the factors' memory passes decide.
-    """
-    monkeypatch.setattr(top_k_module, "available_bytes", lambda device: 2**40)
-    meta = torch.device("meta")
-
-    def weight(outputs, inputs):
-        return OuterProductFactors(
-            torch.empty(8, 1, 64, inputs, device=meta),
-            torch.empty(64, 8, 1, 64, outputs, device=meta),
-            torch.Size([outputs, inputs]),
-        )
-
-    layer = [weight(384, 128), weight(128, 128), weight(512, 128), weight(128, 512)]
-    options = {
-        "num_params": 865536,
-        "dtype": torch.float32,
-        "device": torch.device("cpu"),
-        "factors": 4 * layer + [weight(500, 128)],
-    }
-    assert choose_solver(512, 10, **options) == "dense"
-    monkeypatch.setattr(top_k_module, "v_product_passes", lambda *args: 0.0)
-    assert choose_solver(512, 10, **options) == "matrix_free"
-
-
-def test_factor_work():
-    """The work the cost model reads off the factors, from their shapes."""
-    ggn = benchmark_mlp(64)
-    weight = ggn._group(0).ggn_factors[0]  # Linear 784 → 128, factor form
-    N, C, O, P = 64, 10, 128, 784
-    assert weight.product_work(20) == 2 * 20 * (N * C * O + N * O * P)
-    # the Gram matrix from products of sample pairs: (NC)²·O + N²·P + (NC)²
-    assert weight.gram_work() == (N * C) ** 2 * O + N**2 * P + (N * C) ** 2
-    bias = ggn._group(0).ggn_factors[1]  # explicit columns
-    assert bias.product_work(20) == 2 * 20 * N * C * O
-    # in two blocks of samples: the products add up; the Gram is two diagonal
-    # blocks and one cross block (mirrored), 3/4 of the pairs of the whole
-    halves = SampleBlockFactors(
-        [weight.select(range(32)), weight.select(range(32, 64))]
-    )
-    assert halves.product_work(20) == weight.product_work(20)
-    assert halves.gram_work() == 3 * weight.gram_work() // 4
 
 
 def test_leading_eigenpairs_reports_dense_residual():

@@ -15,14 +15,17 @@ import torch
 from torch import nn
 
 import vivit.loss_roots
-import vivit.memory.estimate
+import vivit.memory
+import vivit.memory.plan
 import vivit.sources.stored
 from tests.fixtures.checks import REORDERED_REL, assert_rel, assert_within
 from tests.fixtures.func_problems import CharLSTM
+from tests.fixtures.memory import available
 from tests.fixtures.reference import dense_ggn
 from vivit import FactorsTooLargeError, FewerEigenpairsWarning, LowRankGGN
 from vivit.engines.func import FuncEngine
 from vivit.losses import LossCurvature
+from vivit.memory.plan import ESTIMATE_FACTOR
 
 N, C, T = 4, 3, 6
 
@@ -264,17 +267,16 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
     engine, monkeypatch
 ):
     model, loss_func, X, y = _problem("mean")
+    options = {"engine": engine, "solver": "matrix_free"}
     needs = vivit.memory.estimate_memory(
-        model, X[:1], N, loss_func=loss_func, engine=engine
+        model, X[:1], N, loss_func=loss_func, **options
     )
-    kept = needs.activations + needs.factors + needs.backward
+    LowRankGGN(model, loss_func, (X, y), **options)  # measured on a copy, once
     ran = []
-    monkeypatch.setattr(vivit.sources.stored, "run_block", ran.append)
-    monkeypatch.setattr(
-        vivit.memory.estimate, "available_bytes", lambda device: kept // 2
-    )
+    monkeypatch.setattr(vivit.sources.stored, "run_part", ran.append)
+    available(monkeypatch, int(needs.passes / ESTIMATE_FACTOR / 2))
     with pytest.raises(FactorsTooLargeError) as error:
-        LowRankGGN(model, loss_func, (X, y), engine=engine)
+        LowRankGGN(model, loss_func, (X, y), **options)
     message = str(error.value)
     assert f"{N * C * T} columns" in message
     for option in ("mc_samples=1", "subsampling", "chunk_size", "StreamingGGN"):
@@ -286,16 +288,13 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
 def test_a_batch_that_fits_runs(monkeypatch):
     """Within the estimate's factor (ESTIMATE_FACTOR) the batch is not refused."""
     model, loss_func, X, y = _problem("mean")
+    options = {"engine": "backpack", "solver": "matrix_free"}
     needs = vivit.memory.estimate_memory(
-        model, X[:1], N, loss_func=loss_func, engine="backpack"
+        model, X[:1], N, loss_func=loss_func, **options
     )
-    kept = needs.activations + needs.factors + needs.backward
-    monkeypatch.setattr(
-        vivit.memory.estimate,
-        "available_bytes",
-        lambda device: kept // vivit.memory.estimate.ESTIMATE_FACTOR + 1,
-    )
-    LowRankGGN(model, loss_func, (X, y), engine="backpack").gram()
+    enough = int(needs.passes / ESTIMATE_FACTOR) + 1
+    monkeypatch.setattr(vivit.memory.plan, "available_bytes", lambda device: enough)
+    LowRankGGN(model, loss_func, (X, y), **options).gram()
 
 
 class _PositionalConv(nn.Module):
@@ -317,7 +316,7 @@ def test_a_parameter_outside_the_leaf_layers_is_estimated(monkeypatch):
     needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, engine="func"
     )
-    assert needs.factors > 0
-    monkeypatch.setattr(vivit.memory.estimate, "available_bytes", lambda device: 0)
+    assert needs.kept > 0
+    available(monkeypatch, 0)
     with pytest.raises(FactorsTooLargeError):
-        LowRankGGN(model, loss_func, (X, y))
+        LowRankGGN(model, loss_func, (X, y), solver="matrix_free")

@@ -2,8 +2,7 @@
 
 Run as ``python tests/memory/measure_implicit_memory.py``; prints one JSON line per
 request with the measured increase of resident memory (as ``measure_memory.py``
-measures it) and :func:`vivit.memory.estimate.implicit_estimate`, or, for the
-requests under ``solver="auto"``, the estimate of the route the request takes
+measures it) and the estimate of the route the request takes
 (:func:`vivit.memory.estimate_memory`, :func:`vivit.memory.estimate_data_set_memory`).
 """
 
@@ -21,8 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the benchmarks
 from benchmarks.problems import make_problem  # noqa: E402
 from vivit import LowRankGGN  # noqa: E402
 from vivit.memory import estimate_data_set_memory, estimate_memory  # noqa: E402
-from vivit.memory.estimate import implicit_estimate  # noqa: E402
-from vivit.options import CurvatureOptions  # noqa: E402
 
 
 class CharLSTM(nn.Module):
@@ -106,7 +103,7 @@ def measure_auto() -> None:
                     "measured": measured,
                     "estimate": estimate.total,
                     "route": estimate.route,
-                    "parts": [estimate.activations, estimate.products, estimate.krylov],
+                    "parts": [estimate.passes, estimate.solve],
                 }
             )
         )
@@ -119,20 +116,18 @@ def main() -> None:
         X, y = batch(N)
         run_request(model, (X[:4], y[:4]), top_k, options)
         measured = peak_increase(partial(run_request, model, (X, y), top_k, options))
-        estimate = implicit_estimate(
-            model,
-            X,
-            [list(model.parameters())],
-            CurvatureOptions(**options),
-            top_k,
-        )
+        estimate = estimate_memory(
+            model, X[:1], N, loss_func=nn.CrossEntropyLoss(), top_k=top_k,
+            solver="implicit", **options,
+        )  # fmt: skip
         print(
             json.dumps(
                 {
                     "request": name,
                     "measured": measured,
                     "estimate": estimate.total,
-                    "parts": [estimate.activations, estimate.products, estimate.krylov],
+                    "route": estimate.route,
+                    "parts": [estimate.passes, estimate.solve],
                 }
             )
         )

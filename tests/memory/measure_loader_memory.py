@@ -3,12 +3,11 @@
 Run as ``python tests/memory/measure_loader_memory.py``; prints one JSON line per loader
 with the measured peak increase of resident memory while ``LowRankGGN`` passes
 over it (``measure_memory.peak_increase``: every allocation of 128 KiB or more
-served by its own ``mmap``) and the estimate the library refuses with, taken
-from the refusal when no memory is available (after the first batch).
+served by its own ``mmap``) and the estimate of that pass, the one the library
+checks before it (:func:`vivit.memory.estimate_data_set_memory`).
 """
 
 import json
-import re
 from functools import partial
 
 import torch
@@ -16,8 +15,8 @@ from measure_memory import cnn, mlp, peak_increase, prepare_measurement
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import vivit.memory.budget
-from vivit import FactorsTooLargeError, LowRankGGN
+from vivit import LowRankGGN
+from vivit.memory import estimate_data_set_memory
 
 #: (name, model, input shape, samples, batch size, LowRankGGN options)
 LOADERS = [
@@ -28,18 +27,12 @@ LOADERS = [
 ]
 
 
-def estimate(model, loss_func, loader, options) -> int:
-    """The estimate in the refusal with no memory available, in bytes."""
-    original = vivit.memory.budget.available_bytes
-    vivit.memory.budget.available_bytes = lambda device: 0
-    try:
-        LowRankGGN(model, loss_func, loader, **options)
-    except FactorsTooLargeError as error:
-        mib = float(re.search(r"need about ([\d.]+) MiB", str(error)).group(1))
-        return int(mib * 2**20)
-    finally:
-        vivit.memory.budget.available_bytes = original
-    raise RuntimeError("not refused")
+def estimate(model, loss_func, example, samples, batch_size, options) -> int:
+    """The estimate of the pass over the loader (its factors kept), in bytes."""
+    return estimate_data_set_memory(
+        model, example, samples, batch_size, loss_func=loss_func, top_k=1,
+        solver="matrix_free", **options,
+    ).passes  # fmt: skip
 
 
 def main() -> None:
@@ -56,9 +49,11 @@ def main() -> None:
         print(
             json.dumps(
                 {
-                    "loader": name,
+                    "request": name,
                     "measured": measured,
-                    "estimate": estimate(model, loss_func, loader, options),
+                    "estimate": estimate(
+                        model, loss_func, X[:1], samples, batch_size, options
+                    ),
                 }
             )
         )

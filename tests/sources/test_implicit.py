@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import vivit.memory.plan
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     REORDERED_REL,
@@ -32,7 +33,7 @@ from tests.fixtures.func_problems import (
     PADDED_PROBLEMS,
     NoForwardMode,
 )
-from tests.fixtures.implicit_basis import smallest_basis_memory
+from tests.fixtures.memory import available, smallest_basis_memory
 from tests.fixtures.reference import dense_ggn
 from vivit import (
     FewerEigenpairsWarning,
@@ -40,7 +41,6 @@ from vivit import (
     RoundingFloorWarning,
     StreamingGGN,
 )
-from vivit.engines.func import implicit as implicit_products
 from vivit.errors import (
     InvalidArgumentError,
     ModelChangedError,
@@ -49,10 +49,9 @@ from vivit.errors import (
 )
 from vivit.linalg.iterative import SolverReport
 from vivit.linalg.solvers import numerical_zero_tolerance
-from vivit.memory import estimate as estimate_module
-from vivit.memory.estimate import ESTIMATE_FACTOR, implicit_estimate
+from vivit.memory import estimate_memory
+from vivit.memory.plan import ESTIMATE_FACTOR
 from vivit.optim import DampedNewton
-from vivit.options import CurvatureOptions
 from vivit.results import warn_unresolved_eigenpairs
 from vivit.sources import implicit as implicit_source
 
@@ -188,9 +187,8 @@ def test_directional_and_newton_match_gram_route(name, subsampling):
 def test_passes_of_fewer_vectors_match_dense(monkeypatch, name):
     """Where one vector's tangents fill :data:`PASS_BYTES` (here 1 byte), every
     product and γ/λ pass takes one vector at a time; the results equal the
-    reference and the Gram route, and the estimate counts one vector's
-    tangents."""
-    monkeypatch.setattr(implicit_products, "PASS_BYTES", 1)
+    reference and the Gram route."""
+    monkeypatch.setattr(vivit.memory.plan, "PASS_BYTES", 1)
     s = PROBLEMS[name].setup()
     data = (s.inputs, s.targets)
     implicit = LowRankGGN(s.model, s.loss_func, data, solver="implicit")
@@ -203,10 +201,7 @@ def test_passes_of_fewer_vectors_match_dense(monkeypatch, name):
     assert_rel(ours.directional.lambdas, theirs.directional.lambdas)
     gammas = theirs.directional.gammas
     assert_rel(align_signs(ours.directional.gammas, gammas), gammas)
-    groups = [list(s.model.parameters())]
-    options = CurvatureOptions()
-    estimate = implicit_estimate(s.model, s.inputs, groups, options, TOP_K)
-    assert estimate.products == estimate.activations  # one vector per pass
+    assert implicit.plan.pass_width(TOP_K) == 1  # one vector per pass
 
 
 @pytest.mark.parametrize("name", ["lstm-ce-mean", "groupnorm-bce-mean"])
@@ -624,16 +619,20 @@ def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
         warn_unresolved_eigenpairs(2, evals, 1, zero, report, source)
 
 
-def _memory_for_the_smallest_basis(monkeypatch, s, top_k, options):
+def _memory_for_the_smallest_basis(monkeypatch, s, top_k, subsampling=None):
     """Memory available: the products' estimate and a basis of ``k + 2·b`` columns.
 
-    Returns that basis' columns and the default's.
+    Returns that basis' columns, the default's, and the bytes.
     """
-    groups = [list(s.model.parameters())]
-    default = implicit_estimate(s.model, s.inputs, groups, options, top_k)
-    least, available = smallest_basis_memory(default, top_k, groups[0][0].dtype)
-    monkeypatch.setattr(estimate_module, "available_bytes", lambda device: available)
-    return least, default.basis_columns
+    default = estimate_memory(
+        s.model, s.inputs, len(s.inputs), loss_func=s.loss_func, top_k=top_k,
+        solver="implicit", subsampling=subsampling,
+    )  # fmt: skip
+    params = sum(p.numel() for p in s.model.parameters())
+    dtype = next(s.model.parameters()).dtype
+    least, bytes_ = smallest_basis_memory(default, top_k, dtype, params)
+    available(monkeypatch, bytes_)
+    return least, default.basis_columns, bytes_
 
 
 @pytest.mark.parametrize(
@@ -658,8 +657,8 @@ def test_a_basis_cut_by_memory_converges_to_dense(monkeypatch, name, subsampling
     full = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
     full.eigh(top_k=TOP_K)
     uncut = full.solver_report()
-    least, default = _memory_for_the_smallest_basis(
-        monkeypatch, s, TOP_K, CurvatureOptions(**options)
+    least, default, _ = _memory_for_the_smallest_basis(
+        monkeypatch, s, TOP_K, subsampling
     )
     assert least < default == uncut.basis_columns and uncut.basis_cut is None
     ggn = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
@@ -679,12 +678,8 @@ def test_memory_below_the_smallest_basis_is_refused(monkeypatch):
     """A byte less than the products and ``k + 2·b`` columns, beyond the estimate's
     factor 1.5: refused before the first product, the cut basis named."""
     s = PROBLEMS["lstm-ce-mean"].setup()
-    least, default = _memory_for_the_smallest_basis(
-        monkeypatch, s, TOP_K, CurvatureOptions()
-    )
-    needed = estimate_module.available_bytes(None)
-    too_little = int(needed / ESTIMATE_FACTOR) - 1
-    monkeypatch.setattr(estimate_module, "available_bytes", lambda device: too_little)
+    least, default, needed = _memory_for_the_smallest_basis(monkeypatch, s, TOP_K)
+    available(monkeypatch, int(needed / ESTIMATE_FACTOR) - 1)
     ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
     passes = ggn._source.passes
     with pytest.raises(

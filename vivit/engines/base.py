@@ -245,6 +245,9 @@ class CurvatureRequest:
             the factors').
         output: Selects the output tensor from the model's return value
             (:func:`select_output`).
+        samples_per_pass: Most samples per backward pass of an engine that
+            splits a part (``None``: all at once); the plan decides it from the
+            engine's :attr:`~Engine.memory_budget`.
     """
 
     param_groups: list[list[Parameter]]
@@ -256,6 +259,7 @@ class CurvatureRequest:
     num_grams: int | None = None
     gram_dtype: torch.dtype | None = None
     output: OutputSelector = None
+    samples_per_pass: int | None = None
 
     @property
     def grams_formed(self) -> int:
@@ -294,9 +298,12 @@ class Engine(ABC):
 
     Attributes:
         name: ``"backpack"`` or ``"func"``.
+        memory_budget: Tensor entries one backward pass may hold, for an engine
+            that splits a part's samples into passes (``None``: it does not).
     """
 
     name: str
+    memory_budget: int | None = None
 
     @abstractmethod
     def run(

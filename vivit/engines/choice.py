@@ -84,3 +84,12 @@ def resolve_engine(
         return BackpackEngine()
     logger.info("engine='auto': using 'func'. %s", reason)
     return FuncEngine()
+
+
+def runs_without_engine(engine: str | Engine) -> bool:
+    """Whether an ``engine`` option allows the implicit route (torch.func, no engine).
+
+    ``"auto"`` and ``"func"`` do; BackPACK and an engine instance name an engine
+    the route would not run.
+    """
+    return engine in ("auto", "func")

@@ -133,6 +133,12 @@ class SampleBlockFactors(ParamFactors):
                 gram[cols, rows] = cross.T
         return gram
 
+    def gram_memory(self) -> int:  # noqa: D102
+        return max(block.gram_memory() for block in self.blocks)
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        return max(block.product_memory(num_vectors) for block in self.blocks)
+
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
         return sum(block.product_work(num_vectors) for block in self.blocks)
 

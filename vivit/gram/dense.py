@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from vivit.gram.blocks import SampleBlockFactors
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import ParamFactors, scaled_cat
 from vivit.gram.symmetric import self_gram
 
 
@@ -30,14 +30,17 @@ class DenseFactors(ParamFactors):
         )
 
     @classmethod
-    def concatenate(cls, blocks: Sequence[DenseFactors]) -> DenseFactors:
+    def concatenate(
+        cls, blocks: Sequence[DenseFactors], scales: Sequence[float]
+    ) -> DenseFactors:
         """The columns of consecutive blocks of samples as one matrix (a copy).
 
         Args:
-            blocks: Columns of the same parameter, each already scaled.
+            blocks: Columns of the same parameter.
+            scales: Each block's scale.
         """
         first = blocks[0]
-        columns = torch.cat([block._vt for block in blocks])
+        columns = scaled_cat([block._vt for block in blocks], scales, dim=0)
         return cls(columns.reshape(-1, first.num_columns, *first.param_shape))
 
     def scaled(self, factor: float) -> DenseFactors:  # noqa: D102

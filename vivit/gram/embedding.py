@@ -80,6 +80,17 @@ class EmbeddingFactors(ParamFactors):
             * (self.param_shape[1])
         )
 
+    def gram_memory(self) -> int:  # noqa: D102
+        return (
+            self.num_rows
+            * min(self._i.numel(), self.param_shape[0])
+            * (self.param_shape[1])
+        )
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        C, N, T, D = self._s.shape
+        return num_vectors * N * T * D
+
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
         C, N, T, D = self._s.shape
         return 2 * num_vectors * C * N * T * D

@@ -115,9 +115,31 @@ class ParamFactors(ABC):
         """
         return self.num_rows**2 * self.param_shape.numel()
 
+    def gram_memory(self) -> int:
+        """Entries of the largest intermediate of :meth:`gram` (explicit ``V``: 0)."""
+        return 0
+
+    def product_memory(self, num_vectors: int) -> int:
+        """Entries of the largest intermediate of :meth:`vmp` or :meth:`vtmp`."""
+        return 0
+
     @abstractmethod
     def materialize(self) -> Tensor:
         """``Vᵀ`` formed explicitly, ``[N·C, p.numel()]``."""
+
+
+def scaled_cat(tensors: Sequence[Tensor], scales: Sequence[float], dim: int) -> Tensor:
+    """``torch.cat`` of ``scale · tensor`` without a scaled copy of each."""
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    result = tensors[0].new_empty(shape)
+    start = 0
+    for tensor, scale in zip(tensors, scales, strict=True):
+        part = result.narrow(dim, start, tensor.shape[dim]).copy_(tensor)
+        if scale != 1.0:
+            part.mul_(scale)
+        start += tensor.shape[dim]
+    return result
 
 
 def per_sample_projections(x: Tensor, vectors: Tensor) -> Tensor:

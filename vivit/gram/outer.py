@@ -15,7 +15,7 @@ from torch import Tensor, einsum
 from vivit.gram import planner
 from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
-from vivit.gram.factors import ParamFactors, per_sample_projections
+from vivit.gram.factors import ParamFactors, per_sample_projections, scaled_cat
 from vivit.gram.symmetric import NUM_BLOCKS, self_gram
 
 #: Per-sample gradients: ``V`` replaces the factors where it has at most this many
@@ -113,12 +113,14 @@ class OuterProductFactors(ParamFactors):
     def concatenate(
         cls,
         blocks: Sequence[OuterProductFactors],
+        scales: Sequence[float],
         inputs_cache: list[tuple[list[Tensor], Tensor]] | None = None,
     ) -> OuterProductFactors:
         """The factors of consecutive blocks of samples as one (a copy).
 
         Args:
-            blocks: Factors of the same weight, each already scaled.
+            blocks: Factors of the same weight.
+            scales: Each block's scale.
             inputs_cache: Concatenated inputs of earlier calls with the blocks'
                 inputs they came from (appended to): factors whose blocks share
                 their inputs (``V`` and the per-sample gradients of a weight) then
@@ -139,7 +141,7 @@ class OuterProductFactors(ParamFactors):
             cache.append((parts, inputs))
         return cls(
             inputs,
-            torch.cat([block._s for block in blocks], dim=1),
+            scaled_cat([block._s for block in blocks], scales, dim=1),
             blocks[0].param_shape,
             blocks[0].transposed,
         )
@@ -174,6 +176,15 @@ class OuterProductFactors(ParamFactors):
 
     def gram_work(self) -> int:  # noqa: D102
         return self._gram_route(self).flops
+
+    def gram_memory(self) -> int:  # noqa: D102
+        route = self._gram_route(self)
+        if route.name != "through_v":
+            return route.memory
+        # V's chunk is formed by an einsum that copies both operands' chunks
+        chunk = self._gram_features_per_chunk(self)
+        N, T = self.num_samples, self._T
+        return route.memory + N * T * (self.num_columns * chunk + self._G * self._P)
 
     def _gram_features_per_chunk(self, other: OuterProductFactors) -> int:
         rows = self.num_rows if other is self else self.num_rows + other.num_rows
@@ -339,6 +350,13 @@ class OuterProductFactors(ParamFactors):
 
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
         return 2 * self._product_route(num_vectors).flops
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        route = self._product_route(num_vectors)
+        if route.name != "through_v":
+            return route.memory
+        # V is formed by an einsum that copies both operands
+        return route.memory + self._s.numel() + self._a.numel()
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         K = u.shape[0]

@@ -72,6 +72,12 @@ class SumFactors(ParamFactors):
     def gram_work(self) -> int:  # noqa: D102
         return len(self.parts) ** 2 * max(part.gram_work() for part in self.parts)
 
+    def gram_memory(self) -> int:  # noqa: D102
+        return max(part.gram_memory() for part in self.parts)
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        return max(part.product_memory(num_vectors) for part in self.parts)
+
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
         return sum(part.product_work(num_vectors) for part in self.parts)
 

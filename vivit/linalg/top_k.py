@@ -1,91 +1,26 @@
-"""Leading eigenpairs of a group's Gram matrix: which solver, and running it.
+"""Leading eigenpairs of a group's Gram matrix or GGN: the solvers, and running one.
 
-Three solvers compute the ``k`` leading eigenpairs of ``G̃ = Vᵀ V`` (``N·C = R``
-rows, ``docs/math.rst``, "The Gram matrix and exact eigenpairs"):
-
-``"dense"``
-    LAPACK on the Gram matrix: ``O(R³)`` work (``4/3·R³`` multiply-adds for the
-    reduction to tridiagonal form), 2–3 more ``R × R`` matrices of workspace.
-``"iterative"``
-    Restarted block Krylov iteration (:mod:`vivit.linalg.iterative`) on the Gram
-    matrix: products with ``G̃`` (``R²`` each, as matrix products of ``b``
-    columns, :func:`solver_block_size`) until the residuals are small enough, and
-    ``O(m²·R)`` orthogonalization for a basis of ``m`` columns.
-``"matrix_free"``
-    The same iteration on ``G̃ U = Σ_p V_pᵀ (V_p U)``: the Gram matrix is never
-    formed; a product costs the factors' two ``V``-products, at most ``2·R·D``.
-``"implicit"``
-    The same iteration on ``G`` itself in the group's parameter space (``D``
-    rows), each product ``G v = Jᵀ H J v`` a JVP and a VJP through the model
-    per block of samples (:mod:`vivit.sources.implicit`); neither ``V`` nor
-    the Gram matrix exists. A route chosen at construction
-    (``LowRankGGN(..., solver="implicit")``, or ``"auto"`` at construction
-    when the Gram route's columns cost more or do not fit:
-    :mod:`vivit.memory.route`).
-
-The cost model behind ``"auto"`` (all quantities known before any work):
-
-1. All eigenpairs, or more than ``PARTIAL_FRACTION·R`` of them: ``"dense"``.
-2. The Gram matrix not formed yet and too large for the available memory (with
-   the iterative workspace): ``"matrix_free"``.
-3. Otherwise the solver of least expected work, in multiply-adds, where the
-   iterative solvers multiply :data:`EXPECTED_BLOCKS` blocks of ``b`` vectors
-   (:func:`iterative_work`):
-
-   - ``"dense"``: forming the Gram matrix (if it is not formed), then
-     ``4/3·R³``;
-   - ``"iterative"``: forming the Gram matrix (if it is not formed), then per
-     block ``b`` Gram products (``R²`` each, the block a pass over the Gram
-     matrix), ``b = max(2·k, k + 8)``;
-   - ``"matrix_free"``: per block ``V``-products with ``b = k`` columns, as the
-     factors compute them (:meth:`ParamFactors.product_work
-     <vivit.gram.ParamFactors.product_work>`: ``2·K·N·(C·out + out·in)`` for a
-     Linear weight in factor form, ``2·K·R·numel`` for explicit columns),
-     and per block two passes over the factors' entries
-     (:func:`v_product_passes`): a product with ``b = k`` vectors is bound by
-     reading the factors.
-
-   Forming the Gram matrix costs what its factors' contractions do
-   (:meth:`ParamFactors.gram_work <vivit.gram.ParamFactors.gram_work>`) plus
-   :data:`GRAM_PASSES` passes over an ``R × R`` matrix per parameter. Where
-   such a matrix does not fit into :data:`CACHE_BYTES`, a pass over one entry
-   costs :data:`PASS_WORK` multiply-adds, else nothing. The iterative solver
-   must be expected to do :data:`ITERATIVE_ADVANTAGE` times less work than the
-   dense one to be chosen over it (both after forming the Gram matrix, which
-   both need); ``"dense"`` whose workspace does not fit yields to the iterative
-   solver that does.
-
-The constants are measured on a 2-core CPU (``benchmarks/solver_costs.py``, CPU
-time, one thread, float32, exact top-10 of an MLP 784-128-64-10 at ``N`` = 128 to
-1024 and of the 3c3d CNN at ``N`` = 16 to 64; ``benchmarks/README.md``): at
-``N = 512`` the matrix-free solver is the fastest (no Gram matrix of 100 MB to
-form and to pass over), at ``N ≤ 256`` (a Gram matrix in the cache) the iterative
-one, and on the CNN, whose convolutions make every ``V``-product cost a
-backward pass, the dense or the iterative one. Before the backward pass,
-:func:`vivit.memory.estimate_memory` passes factors of the request's shapes on
-the meta device (no entries), so its ``"auto"`` is the request's.
-
-An iterative solve that does not converge raises
-:class:`~vivit.errors.SolverNotConvergedError` when it was asked for explicitly;
-under ``"auto"`` it falls back to the dense solver with a warning (and the
-:class:`~vivit.linalg.iterative.SolverReport` says why).
+``"dense"`` is LAPACK on the Gram matrix; ``"iterative"`` block Krylov
+(:mod:`vivit.linalg.iterative`) on the Gram matrix; ``"matrix_free"`` the same
+iteration on products with the factors of ``V`` (the Gram matrix never formed);
+``"implicit"`` the same on ``G`` in parameter space (a route of its own,
+:mod:`vivit.sources.implicit`). Which one ``"auto"`` runs is the cost model's
+choice (:mod:`vivit.memory.costs`). An iterative solve that does not converge
+raises where it was asked for by name and falls back to the dense solver under
+``"auto"`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from vivit.errors import InvalidArgumentError, SolverNotConvergedError
-from vivit.gram import ParamFactors
 from vivit.gram.memory import (
-    PARTIAL_FRACTION,
-    available_bytes,
-    dense_workspace_bytes,
     itemsize,
 )
 from vivit.linalg.iterative import (
@@ -100,9 +35,6 @@ from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
 #: The accepted values of ``solver``.
 SOLVERS = ("auto", "dense", "iterative", "matrix_free", "implicit")
-#: Blocks the cost model expects an iterative solve to multiply: measured 6–17
-#: (``b = k`` and ``b = 2·k``, top-10 and top-1 on the benchmarks' MLPs and CNN).
-EXPECTED_BLOCKS = 15
 #: Block size of the implicit route's products (at most ``top_k``): thinner
 #: blocks reach the leading eigenpairs in fewer products (a higher Krylov degree
 #: per product), a vmapped product of ``b`` vectors costs a fixed overhead plus
@@ -114,19 +46,6 @@ IMPLICIT_BLOCK = 3
 #: Extra columns of the block of Gram products beyond ``top_k``
 #: (:func:`solver_block_size`).
 GRAM_OVERSAMPLING = 8
-#: The iterative solver is chosen over the dense one if it is expected to do this
-#: many times less work.
-ITERATIVE_ADVANTAGE = 2.0
-#: Multiply-adds that one pass over an entry of an ``R × R`` matrix costs where the
-#: matrix is larger than the cache: a product of the Gram matrix with a block of
-#: ``b = 20`` columns runs at memory speed (measured 20–30 on the 2-core CPU).
-PASS_WORK = 25
-#: Passes over ``R × R`` matrices per parameter while a Gram matrix is formed (the
-#: parameter's block, its lower triangle mirrored, the sum of the group; measured
-#: 6–7 at ``R`` = 5120 and 10240).
-GRAM_PASSES = 6
-#: Matrices of at most this many bytes are taken to stay in the cache.
-CACHE_BYTES = 32 * 2**20
 #: Bytes per entry of the iterative solvers' Krylov blocks (float64).
 _KRYLOV_ITEMSIZE = 8
 
@@ -274,215 +193,6 @@ def fitting_basis_columns(
         else:
             high = middle - 1
     return low
-
-
-def dense_work(size: int) -> float:
-    """Multiply-adds of the dense solver, ``4/3·R³``.
-
-    Args:
-        size: Side length ``R`` of the Gram matrix.
-
-    Returns:
-        The work.
-    """
-    return 4 / 3 * size**3
-
-
-def iterative_work(size: int, width: int, product: float, passes: float = 0.0) -> float:
-    """Expected multiply-adds of an iterative solve.
-
-    Args:
-        size: Side length ``R`` of the Gram matrix.
-        width: Block size ``b`` (:func:`solver_block_size`).
-        product: Multiply-adds of one operator-vector product.
-        passes: Multiply-adds of the memory passes of one operator-block product
-            (the Gram matrix read once, or the factors twice:
-            :func:`v_product_passes`).
-
-    Returns:
-        ``q · (b · product + passes) + 2·m²·R`` for :data:`EXPECTED_BLOCKS` blocks
-        ``q`` and ``m = q·b`` basis columns (orthogonalization).
-    """
-    columns = min(size, EXPECTED_BLOCKS * width)
-    return EXPECTED_BLOCKS * (width * product + passes) + 2 * columns**2 * size
-
-
-def pass_work(size: int, dtype: torch.dtype) -> float:
-    """Multiply-adds of one pass over an ``R × R`` matrix (:data:`PASS_WORK`).
-
-    Args:
-        size: ``R``.
-        dtype: Data type of the matrix.
-
-    Returns:
-        ``PASS_WORK · R²`` where the matrix exceeds :data:`CACHE_BYTES`, else ``0``.
-    """
-    return _memory_pass_work(size**2, dtype)
-
-
-def _memory_pass_work(entries: int, dtype: torch.dtype) -> float:
-    """``PASS_WORK`` per entry of a tensor larger than :data:`CACHE_BYTES`, else 0."""
-    if entries * itemsize(dtype) <= CACHE_BYTES:
-        return 0.0
-    return PASS_WORK * entries
-
-
-def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
-    """Expected multiply-adds of forming a group's Gram matrix.
-
-    Args:
-        factors: The group's factors of ``V``.
-        dtype: Data type of the Gram matrix.
-
-    Returns:
-        The factors' contractions plus :data:`GRAM_PASSES` passes per parameter.
-    """
-    size = factors[0].num_rows
-    passes = GRAM_PASSES * len(factors) * pass_work(size, dtype)
-    return passes + sum(f.gram_work() for f in factors)
-
-
-def v_product_work(factors: Sequence[ParamFactors], width: int) -> float:
-    """Multiply-adds per Gram-space vector of ``Vᵀ(V U)`` through the factors.
-
-    Args:
-        factors: The group's factors of ``V``.
-        width: Block size ``b`` of the products.
-
-    Returns:
-        The products' work with a block of ``b`` vectors, divided by ``b``.
-    """
-    return sum(f.product_work(width) for f in factors) / width
-
-
-def factor_entries(factors: Sequence[ParamFactors]) -> int:
-    """Entries of the tensors that hold a group's factors (both products read them)."""
-    return sum(tensor.numel() for f in factors for tensor in f.tensors())
-
-
-def v_product_passes(entries: int, dtype: torch.dtype) -> float:
-    """Multiply-adds of the memory passes of one block of ``V``-products.
-
-    Both products (``V U`` and ``Vᵀ W``) read every entry of the factors; with a
-    block of ``b = k`` vectors they run at memory speed, not at the speed their
-    multiply-adds alone suggest (a language model's per-token Monte-Carlo
-    factors: 11 GMAC/s for the contractions counted by
-    :meth:`~vivit.gram.ParamFactors.product_work`, against 75 for forming the
-    Gram matrix).
-
-    Args:
-        entries: Entries of the factors (``R·D`` for explicit columns).
-        dtype: Their data type.
-
-    Returns:
-        ``2 · PASS_WORK · entries`` where the factors exceed :data:`CACHE_BYTES`,
-        else ``0``.
-    """
-    return 2.0 * _memory_pass_work(entries, dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class SolverWork:
-    """Expected multiply-adds of each top-``k`` solver (the module docstring).
-
-    Attributes:
-        formation: Forming the Gram matrix (``0`` without factors).
-        dense: The dense solve of the formed Gram matrix.
-        iterative: The iterative solve on the formed Gram matrix.
-        matrix_free: The iterative solve on ``V``-products, passes included.
-    """
-
-    formation: float
-    dense: float
-    iterative: float
-    matrix_free: float
-
-
-def solver_work(
-    size: int,
-    top_k: int,
-    *,
-    num_params: int,
-    dtype: torch.dtype,
-    factors: Sequence[ParamFactors] | None = None,
-) -> SolverWork:
-    """The work :func:`choose_solver` compares.
-
-    Args:
-        size: Side length ``R = N·C`` of the Gram matrix.
-        top_k: Number of leading eigenpairs.
-        num_params: Parameters ``D`` of the group.
-        dtype: Data type of the Gram matrix.
-        factors: As for :func:`choose_solver`.
-
-    Returns:
-        Each solver's expected multiply-adds.
-    """
-    gram_width = solver_block_size("iterative", top_k, size)
-    width = solver_block_size("matrix_free", top_k, size)
-    if factors is None:
-        formation, product = 0.0, 2.0 * size * num_params
-        entries = size * num_params
-    else:
-        formation = gram_work(factors, dtype)
-        product = v_product_work(factors, width)
-        entries = factor_entries(factors)
-    passes = v_product_passes(entries, dtype)
-    return SolverWork(
-        formation=formation,
-        dense=dense_work(size),
-        iterative=iterative_work(size, gram_width, size**2, pass_work(size, dtype)),
-        matrix_free=iterative_work(size, width, product, passes),
-    )
-
-
-def choose_solver(
-    size: int,
-    top_k: int | None,
-    *,
-    num_params: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    gram_formed: bool = False,
-    num_grams: int = 1,
-    factors: Sequence[ParamFactors] | None = None,
-) -> str:
-    """The solver ``"auto"`` uses (see the module docstring for the rules).
-
-    Args:
-        size: Side length ``R = N·C`` of the Gram matrix.
-        top_k: Number of leading eigenpairs (``None``: all).
-        num_params: Parameters ``D`` of the group.
-        dtype: Data type of the Gram matrix.
-        device: Its device.
-        gram_formed: Whether the Gram matrix exists already.
-        num_grams: Gram matrices held at once if it is formed.
-        factors: The group's factors of ``V``, for the work of forming the Gram
-            matrix and of ``V``-products (only their shapes are used: they may be
-            on the meta device; ``None``: not counted, and ``V``-products costed
-            as explicit columns, ``2·R·D``).
-
-    Returns:
-        ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
-    """
-    if top_k is None or top_k > PARTIAL_FRACTION * size:
-        return "dense"
-    available = available_bytes(device)
-    grams = (0 if gram_formed else num_grams) * size**2 * itemsize(dtype)
-    iterative_bytes = grams + iterative_workspace_bytes(size, top_k, dtype)
-    if not gram_formed and iterative_bytes > available:
-        return "matrix_free"
-    work = solver_work(size, top_k, num_params=num_params, dtype=dtype, factors=factors)
-    formation = 0.0 if gram_formed else work.formation
-    if not gram_formed and work.matrix_free < formation + min(
-        work.iterative, work.dense
-    ):
-        return "matrix_free"
-    # both of these form the Gram matrix: compare the solves alone
-    dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
-    if ITERATIVE_ADVANTAGE * work.iterative <= work.dense or not dense_fits:
-        return "iterative"
-    return "dense"
 
 
 def leading_eigenpairs(

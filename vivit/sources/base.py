@@ -39,6 +39,8 @@ class GroupSource(Protocol):
         products: ``V·u``, ``Vᵀ·w`` and ``G̃·U`` of the group.
         route: Name of the solver that iterates on :attr:`products` (reported by
             :meth:`~vivit.LowRankGGN.solver_report`).
+        solvers: The solvers it runs (``"auto"`` picks among several by the
+            cost model, :func:`~vivit.memory.costs.choose_solver`).
         keeps_directions: Whether parameter-space eigenvectors are worth keeping
             between calls (each product is a pass over the data).
         parameter_space: Whether the leading eigenpairs are computed on ``G`` in
@@ -57,6 +59,7 @@ class GroupSource(Protocol):
     num_rows: int
     products: VProducts
     route: str
+    solvers: tuple[str, ...]
     keeps_directions: bool
     parameter_space: bool
 
@@ -73,9 +76,6 @@ class GroupSource(Protocol):
             GramTooLargeError: If it and the workspace would not fit.
             InvalidArgumentError: If the source cannot form it.
         """
-
-    def choose_solver(self, top_k: int) -> str:
-        """The solver ``"auto"`` stands for, for ``top_k`` leading eigenpairs."""
 
     def check_solver(self, solver: str) -> None:
         """Refuse a solver this source cannot run, naming what to do instead."""

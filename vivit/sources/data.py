@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 
 import torch
 from torch import Tensor
@@ -111,10 +111,6 @@ class Data:
         data: ``(inputs, targets)``, or an iterable of such batches.
         options: The checked options (``chunk_size``, ``subsampling``,
             ``max_batches``, ``progress``).
-        reread: The front door's name where the source passes over the data more
-            than once (an iterator is refused; batches and the model are checked
-            against the first pass; every pass starts from the same random
-            state); ``None`` for one pass.
         grouped: Whether the process is a rank of a group (its parts are
             combined with the other ranks').
 
@@ -130,7 +126,6 @@ class Data:
         data: object,
         options: CurvatureOptions,
         *,
-        reread: str | None = None,
         grouped: bool = False,
     ):
         self.single = is_batch(data)
@@ -148,33 +143,81 @@ class Data:
                 "subsampling selects samples of one mini-batch; with a data loader, "
                 "pass a loader over the samples whose curvature you want."
             )
-        elif reread is not None and isinstance(data, Iterator):
-            raise InvalidArgumentError(
-                f"{reread} passes over the data more than once, but an iterator or "
-                f"generator ({type(data).__name__}) can be passed over once: pass a "
-                "list of batches or a DataLoader."
-            )
         self.passes = 0
         self._model, self._loss_func, self._data = model, loss_func, data
-        self._options, self._reread, self._grouped = options, reread, grouped
+        self._options, self._grouped = options, grouped
+        self._reread: str | None = None
         self._digests: list[str] = []
-        if reread is not None:
-            self._start = RandomState.capture(model.parameters())
-            self._model_state = model_fingerprint(model)
+        self._first: tuple[ModelInputs, Tensor] | None = None
+
+    def reread(self, front: str) -> None:
+        """Let a source pass more than once (before its first pass).
+
+        Every pass then starts from the random state of now, and the batches and
+        the model are checked against the first pass.
+
+        Args:
+            front: The front door's name, for messages.
+
+        Raises:
+            InvalidArgumentError: For an iterator or generator.
+        """
+        if isinstance(self._data, Iterator):
+            raise InvalidArgumentError(
+                f"{front} passes over the data more than once, but an iterator or "
+                f"generator ({type(self._data).__name__}) can be passed over once: "
+                "pass a list of batches or a DataLoader."
+            )
+        self._reread = front
+        self._start = RandomState.capture(self._model.parameters())
+        self._model_state = model_fingerprint(self._model)
 
     @property
-    def first_inputs(self) -> ModelInputs:
-        """A mini-batch's inputs, or those of a loader's first batch (read now)."""
+    def source(self) -> object:
+        """The data as the caller passed it (a loader), or the mini-batch."""
+        return self._data
+
+    def peek(self) -> tuple[ModelInputs, Tensor] | None:
+        """The first batch, checked (``None``: a loader without any).
+
+        An iterator's batch is put back in front of the rest, so the pass sees it.
+        """
         if self.single:
-            return self._data[0][0]
-        with naming_batch(0):
-            first = next(iter(self._batches()), None)
-        if first is None:
-            raise InvalidArgumentError(
-                "The data loader yielded no batch: pass at least one (inputs, "
-                "targets) batch."
+            return self._data[0]
+        if self._first is None:
+            self._first = next(iterate_batches(self._data, self._model, 1), None)
+            if isinstance(self._data, Iterator) and self._first is not None:
+                self._data = chain([self._first], self._data)
+        return self._first
+
+    def batch_sizes(self) -> tuple[list[int], str]:
+        """The samples of each batch (those of a loader's first for the others).
+
+        Returns:
+            The sizes, and what they are in words (``""`` for a mini-batch).
+        """
+        if self.single:
+            return [num_samples(self._data[0][0])], ""
+        if isinstance(self._data, Sequence):  # every batch at hand
+            batches = iterate_batches(
+                self._data, self._model, self._options.max_batches
             )
-        return first[0]
+            sizes = [num_samples(inputs) for inputs, _ in batches]
+            largest = max(sizes, default=0)
+            words = f"a list of {len(sizes)} batches of {sum(sizes)} samples"
+            return sizes, f"{words} (the largest {largest})"
+        size = num_samples(self.peek()[0])
+        count = self.num_batches()
+        if count is None:
+            return [size], (
+                f"a data loader without len(), judged on its first batch of {size} "
+                "samples (more batches add to the Gram route's memory and cost only; "
+                "its memory is checked again while its pass runs)"
+            )
+        return [size] * count, (
+            f"a data loader of about {count * size} samples ({count} batches of "
+            f"the first batch's {size})"
+        )
 
     def num_batches(self) -> int | None:
         """Batches of a pass, if known (``1`` for a mini-batch)."""

@@ -40,21 +40,14 @@ from vivit.distributed import (
 )
 from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
-from vivit.engines.func.implicit import BlockFunction, check_modes_agree, pass_width
+from vivit.engines.func.implicit import BlockFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError
-from vivit.gram.memory import PARTIAL_FRACTION, itemsize
+from vivit.gram.memory import PARTIAL_FRACTION
 from vivit.loss_hessians import LossHessianProducts
-from vivit.memory.estimate import (
-    check_implicit_fits,
-    probed_activation_width,
-    products_estimate,
-)
-from vivit.memory.route import implicit_obstacle
-from vivit.model_inputs import ModelInputs, call_model, map_inputs, num_samples
+from vivit.model_inputs import call_model
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
-from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part, fingerprint, weightless
 from vivit.sources.union import UnionOutput, union_batch, unnormalizing_scale
 
@@ -73,6 +66,7 @@ class ImplicitGroup:
     """
 
     route = "implicit"
+    solvers = ("implicit",)
     keeps_directions = True
     parameter_space = True
 
@@ -102,9 +96,6 @@ class ImplicitGroup:
             "says why)."
         )
 
-    def choose_solver(self, top_k: int) -> str:  # noqa: D102
-        return "implicit"
-
     def check_solver(self, solver: str) -> None:  # noqa: D102
         if solver not in ("auto", "implicit"):
             raise InvalidArgumentError(
@@ -117,8 +108,8 @@ class ImplicitGroup:
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
         """``G v = R_S Σ_{n∈S} J_nᵀ H_n J_n v``: one pass over the data.
 
-        Each block of samples takes the vectors in vmapped passes of at most
-        :func:`~vivit.engines.func.implicit.pass_width` of them.
+        Each part of the samples takes the vectors in the vmapped passes that
+        fit (:meth:`~vivit.memory.plan.Plan.pass_width`).
 
         Args:
             vectors: One tensor ``[K, *p.shape]`` per parameter.
@@ -164,9 +155,9 @@ class ImplicitGroup:
         """Columns of the Krylov basis for ``top_k`` pairs that the memory allows.
 
         Checked against the memory available before the solver allocates its
-        basis or runs a product (:func:`~vivit.memory.estimate.
-        check_implicit_fits`, once per ``top_k``), after ``top_k`` is checked
-        to be a few pairs (:func:`check_few_pairs`).
+        basis or runs a product (:meth:`~vivit.memory.plan.Plan.basis_columns`,
+        once per ``top_k``), after ``top_k`` is checked to be a few pairs
+        (:func:`check_few_pairs`).
 
         Args:
             top_k: Leading eigenpairs asked for (the products' block width).
@@ -350,12 +341,15 @@ class ImplicitFactors(CurvatureSource):
     Args:
         model: The network (a ``DistributedDataParallel``'s ``.module``).
         loss_func: The loss module.
-        data: ``(inputs, targets)``, or a re-iterable loader of such batches
-            (this rank's shard under a process group).
-        param_groups: Lists of parameters (``None``: every trainable one).
+        data: The checked data, a batch or a re-iterable loader (this rank's
+            shard under a process group).
+        param_groups: The checked parameter groups.
         options: The checked options (``solver="implicit"``).
         shards: The exchange of the process group (``options.group``);
             ``None`` runs locally.
+        plan: The request's plan (:class:`~vivit.memory.plan.Plan`): vectors
+            per pass and the Krylov basis that fit (``None``: all vectors in one
+            pass, the default basis).
 
     Attributes:
         param_groups: The parameter groups.
@@ -370,9 +364,7 @@ class ImplicitFactors(CurvatureSource):
         local_batch: The batch context of this process's samples.
 
     Raises:
-        InvalidArgumentError: For options the route cannot honour (Monte-Carlo
-            sampling, ``gram_dtype``, an engine other than ``"auto"``/``"func"``),
-            an iterator as data, or a subsampling with a loader.
+        InvalidArgumentError: For an iterator as data.
         DistributedError: Under a process group, on every rank but the failing
             one if a rank failed, and on every rank if the ranks' requests or
             targets' shapes per sample differ.
@@ -384,37 +376,22 @@ class ImplicitFactors(CurvatureSource):
         self,
         model: Module,
         loss_func: Module,
-        data: object,
-        param_groups: Sequence[Sequence[Parameter]] | None,
+        data: Data,
+        param_groups: list[list[Parameter]],
         options: CurvatureOptions,
         shards: ShardExchange | None = None,
+        plan: object | None = None,
     ):
         shards = shards or ShardExchange(None)
         check_grad_mode("LowRankGGN")
-        _check_implicit_options(options)
-        self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
+        self.param_groups = param_groups
         check_layers(model)
-        self._data = Data(
-            model,
-            loss_func,
-            data,
-            options,
-            reread="LowRankGGN (solver='implicit')",
-            grouped=shards.group is not None,
-        )
-        self._model, self._options = model, options
+        data.reread("LowRankGGN (solver='implicit')")
+        self._data, self._model, self._options, self._plan = data, model, options, plan
         self._basis_columns: dict[int, int | None] = {}
-        self._largest_block: tuple[ModelInputs, int] | None = None  # probe, size
         self.lockstep = LockStep(shards.group, shards.report)
         shards.agree(self._fingerprint(model, loss_func, options, shards), None)
         self._first_pass(shards)
-        inputs, block = self._largest_block
-        # activation entries per sample: the products' memory, from one sample
-        self._width = probed_activation_width(model, inputs, self.param_groups, options)
-        dtype = self.param_groups[0][0].dtype
-        self._vector_bytes = (
-            None if self._width is None else block * self._width * itemsize(dtype)
-        )
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
 
     @property
@@ -423,11 +400,7 @@ class ImplicitFactors(CurvatureSource):
         return self._data.passes
 
     def vector_chunks(self, vectors: Sequence[Tensor]) -> Iterator[list[Tensor]]:
-        """The vectors of a product in the vmapped passes a block takes them in.
-
-        At most :func:`~vivit.engines.func.implicit.pass_width` vectors per
-        pass, from the bytes of one vector's tangents over the largest block of
-        samples (one pass where the model cannot be probed).
+        """The vectors of a product in the vmapped passes that fit (the plan's).
 
         Args:
             vectors: One tensor ``[K, *p.shape]`` per parameter.
@@ -436,7 +409,7 @@ class ImplicitFactors(CurvatureSource):
             The same, ``[K', *p.shape]`` with ``K' ≤ K``, in order.
         """
         count = vectors[0].shape[0]
-        width = pass_width(count, self._vector_bytes)
+        width = count if self._plan is None else self._plan.pass_width(count)
         for start in range(0, count, width):
             yield [v[start : start + width] for v in vectors]
 
@@ -461,8 +434,7 @@ class ImplicitFactors(CurvatureSource):
     def check_fits(self, top_k: int) -> int | None:
         """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
 
-        The estimate is that of the largest block of samples the first pass
-        saw (a mini-batch, a chunk of it, or a loader's batch). Under a process
+        The plan's estimate of the largest part of the samples. Under a process
         group every rank checks its own shard, and the basis is the smallest
         any rank allows; a refusal on one rank raises on every rank.
 
@@ -487,13 +459,8 @@ class ImplicitFactors(CurvatureSource):
         return self._basis_columns[top_k]
 
     def _shard_fits(self, top_k: int) -> int | None:
-        """:meth:`check_fits` of this process's data alone."""
-        if self._width is None:
-            return None
-        block, groups = self._largest_block[1], self.param_groups
-        estimate = products_estimate(self._width, block, groups, top_k)
-        check_implicit_fits(estimate, groups[0][0].device)
-        return estimate.basis_columns
+        """:meth:`check_fits` of this process's data alone (the plan's)."""
+        return None if self._plan is None else self._plan.basis_columns(top_k)
 
     def run_pass(
         self, group: int, description: str, visit: Callable[[Part, BlockFunction], None]
@@ -526,10 +493,6 @@ class ImplicitFactors(CurvatureSource):
         model = self._model
 
         def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
-            size = num_samples(part.inputs)
-            if self._largest_block is None or size > self._largest_block[1]:
-                probe = map_inputs(part.inputs, lambda t: t[:1].clone())
-                self._largest_block = (probe, size)
             if part.index == 0:
                 for group in self.param_groups:
                     function = BlockFunction(model, group, part.inputs, selector)
@@ -603,10 +566,3 @@ class ImplicitFactors(CurvatureSource):
             "the gradient", lambda: [g.detach() * scale * total for g in gradients]
         )
         return loss, summed
-
-
-def _check_implicit_options(options: CurvatureOptions) -> None:
-    """Refuse the options the implicit route cannot honour, naming what to do."""
-    obstacle = implicit_obstacle(options)
-    if obstacle is not None:
-        raise InvalidArgumentError(obstacle)

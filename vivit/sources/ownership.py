@@ -36,6 +36,17 @@ def _storage(tensor: Tensor) -> int | None:
     return storage.data_ptr() if storage.nbytes() > 0 else None
 
 
+def stored_bytes(curvature: Iterable[GroupCurvature], counted: set[int]) -> int:
+    """Bytes of the factor tensors' storages not in ``counted`` (then added to it)."""
+    total = 0
+    for tensor in _factor_tensors(curvature):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in counted:
+            counted.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def _factor_tensors(curvature: Iterable[GroupCurvature]) -> Iterator[Tensor]:
     """Every tensor that the factors of ``V`` and of the gradients hold."""
     for group in curvature:

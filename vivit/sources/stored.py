@@ -10,6 +10,7 @@ matrix, ``V·u``, ``Vᵀ·w``, ``Vᵀ∇ℓ_n``) runs on them without another pa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from torch import Tensor
@@ -24,18 +25,14 @@ from vivit.distributed import (
     request_fingerprint,
 )
 from vivit.engines.base import BatchInfo, CurvatureRequest, Engine, EngineOutput
-from vivit.engines.choice import resolve_engine
 from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.gram.memory import check_gram_fits
-from vivit.linalg.group_products import FactorProducts, group_gram, num_params
-from vivit.linalg.top_k import choose_solver
-from vivit.memory.budget import FactorBudget
-from vivit.memory.estimate import MemoryEstimate, check_batch_fits
+from vivit.linalg.group_products import FactorProducts, group_gram
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
-from vivit.sources.collector import GroupCurvature, checked_param_groups
+from vivit.sources.collector import GroupCurvature
 from vivit.sources.data import Data, Part, engine_context
-from vivit.sources.ownership import CallerMemory
+from vivit.sources.ownership import CallerMemory, stored_bytes
 from vivit.sources.runs import PartResult, run_engine, run_part
 from vivit.sources.union import (
     UnionOutput,
@@ -55,6 +52,7 @@ class StoredGroup:
     """
 
     route = "matrix_free"
+    solvers = ("dense", "iterative", "matrix_free")
     keeps_directions = False
     parameter_space = False
 
@@ -69,6 +67,7 @@ class StoredGroup:
         self.dtype = factors[0].dtype
         self.device = self.params[0].device
         self.num_rows = factors[0].num_rows
+        self.factors = factors
         self.products = FactorProducts(factors)
 
     def formed_gram(self) -> Tensor | None:  # noqa: D102
@@ -96,18 +95,6 @@ class StoredGroup:
             batch_axis=False,
         )
         self.curvature.gram = gram
-
-    def choose_solver(self, top_k: int) -> str:  # noqa: D102
-        factors = self.curvature.ggn_factors
-        return choose_solver(
-            self.num_rows,
-            top_k,
-            num_params=num_params(factors),
-            dtype=self.dtype,
-            device=self.device,
-            gram_formed=self.curvature.gram is not None,
-            factors=factors,
-        )
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
         if solver == "implicit":
@@ -219,42 +206,37 @@ class StoredFactors(CurvatureSource):
         cls,
         model: Module,
         loss_func: Module,
-        data: object,
-        param_groups: Sequence[Sequence[Parameter]] | None,
+        data: Data,
+        param_groups: list[list[Parameter]],
+        names: dict[int, str],
         options: CurvatureOptions,
         shards: ShardExchange,
-        estimate: MemoryEstimate | None = None,
+        engine: Engine,
+        plan: object | None = None,
     ) -> StoredFactors:
-        """Check the model and data, run the engine on every part, combine them.
+        """Run the engine on every part of the data, and combine the parts.
 
         Args:
             model: The network (a ``DistributedDataParallel``'s ``.module``).
             loss_func: The loss module.
-            data: One mini-batch or an iterable of them (checked here).
-            param_groups: Lists of parameters (``None``: every trainable one).
+            data: The checked data.
+            param_groups: The checked parameter groups.
+            names: The parameters' names (by ``id``), for messages.
             options: The checked options.
             shards: The exchange of the process group (``options.group``).
-            estimate: The mini-batch's memory estimate if the route choice
-                probed it; ``None``: probed here.
+            engine: The engine.
+            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): the
+                engine's samples per pass, and a loader's memory checked after
+                every part (``None``: neither).
 
         Returns:
             The stored factors.
         """
-        param_groups, names = checked_param_groups(model, loss_func, param_groups)
         grouped = shards.group is not None
-        data = Data(model, loss_func, data, options, grouped=grouped)
-        request = _request(param_groups, options)
-        chosen = resolve_engine(options.engine, model, loss_func, options.output)
-        if data.single and not grouped:
-            check_batch_fits(
-                model,
-                loss_func,
-                data.first_inputs,
-                param_groups,
-                options,
-                chosen,
-                estimate,
-            )
+        request = dataclasses.replace(
+            _request(param_groups, options),
+            samples_per_pass=None if plan is None else plan.samples_per_pass,
+        )
         fingerprint = request_fingerprint(
             loss_func,
             param_groups,
@@ -263,49 +245,38 @@ class StoredFactors(CurvatureSource):
             mc_per=options.mc_per,
             gram_dtype=options.gram_dtype,
             solver=(options.solver, options.solver_tol, options.solver_seed),
-            engine=chosen.name,
+            engine=engine.name,
             # a loader's is compared after its pass, in the exchange
             **{SAMPLE_SHAPE: data.sample_shape},
         )
         requests = block_requests(request, lambda seed: shards.agree(fingerprint, seed))
-        budget = (
-            None
-            if data.single
-            else FactorBudget(
-                data.num_batches(),
-                model,
-                options,
-                request.num_grams,
-                loss_func,
-                param_groups,
-            )
-        )
         parts: list[list[GroupCurvature]] = []
         caller_memory = CallerMemory()
         model_memory = [*model.parameters(), *model.buffers()]
+        watch = None if plan is None or data.single else plan.watch(stored_bytes)
 
         def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
             # MC: part p of rank r draws from stream r + W·p (docs/math.rst,
             # "Several processes"); in one process from stream p
             stream = shards.rank + shards.world_size * part.index
             result = run_part(
-                lambda sink: run_engine(chosen, model, part, requests(stream), sink),
+                lambda sink: run_engine(engine, model, part, requests(stream), sink),
                 param_groups,
                 options.gram_dtype,
             )
             caller_memory.note(result.curvature, [*part.caller_tensors, *model_memory])
             if part.batch is not None:  # a loader may refill its tensors next batch
                 caller_memory.own(result.curvature)
-            if budget:
-                budget.admit(result.curvature, part.batch, part.inputs)
             parts.append(result.curvature)
+            if watch is not None:
+                watch(result.curvature, part)
             return result.curvature[0].batch, result.output
 
         union = data.walk(visit, "")
         return cls(
             param_groups,
             options,
-            chosen.name,
+            engine.name,
             names,
             parts,
             union,

@@ -27,7 +27,7 @@ from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part
 from vivit.sources.runs import PartResult, run_engine, run_part
-from vivit.sources.union import block_requests, block_scale, union_batch
+from vivit.sources.union import UnionOutput, block_requests, block_scale, union_batch
 
 
 class StreamedGroup:
@@ -42,6 +42,7 @@ class StreamedGroup:
     """
 
     route = "streaming"
+    solvers = ("matrix_free",)
     keeps_directions = True
     parameter_space = False
 
@@ -66,9 +67,6 @@ class StreamedGroup:
             "computes a few leading eigenpairs: pass top_k (e.g. eigh(top_k=10)), "
             "or build a LowRankGGN over the loader if its factors fit into memory."
         )
-
-    def choose_solver(self, top_k: int) -> str:  # noqa: D102
-        return "matrix_free"
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
         _check_streamable_solver(solver)
@@ -191,7 +189,8 @@ class StreamedFactors(CurvatureSource):
     ):
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
         _check_streamable(options)
-        self._data = Data(model, loss_func, data, options, reread="StreamingGGN")
+        self._data = Data(model, loss_func, data, options)
+        self._data.reread("StreamingGGN")
         engine = resolve_engine(options.engine, model, loss_func, options.output)
         self.engine = engine.name
         self._options = options
@@ -238,7 +237,7 @@ class StreamedFactors(CurvatureSource):
         visit: Callable[[int, PartResult], None],
         description: str,
         gradients: bool = False,
-    ) -> None:
+    ) -> UnionOutput:
         """One pass: runs the engine on every part and hands its result on.
 
         Args:

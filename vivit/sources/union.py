@@ -210,21 +210,22 @@ def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
     """One set of factors for the non-empty blocks of samples (a copy)."""
     if not isinstance(factors, SampleBlockFactors):
         return factors
-    blocks = [
-        block if scale == 1.0 else block.scaled(scale)
+    kept = [
+        (block, scale)
         for block, scale in zip(factors.blocks, factors.scales, strict=True)
         if block.num_samples > 0
     ]
+    blocks, scales = [b for b, _ in kept], [s for _, s in kept]
     kind = type(blocks[0])
     if len(blocks) == 1:
-        return blocks[0]
+        return blocks[0] if scales[0] == 1.0 else blocks[0].scaled(scales[0])
     if not all(type(block) is kind for block in blocks):
-        return SampleBlockFactors(blocks)
+        return SampleBlockFactors(blocks, scales)
     if kind is OuterProductFactors:
-        return OuterProductFactors.concatenate(blocks, inputs_cache)
+        return OuterProductFactors.concatenate(blocks, scales, inputs_cache)
     if kind is DenseFactors:
-        return DenseFactors.concatenate(blocks)
-    return SampleBlockFactors(blocks)
+        return DenseFactors.concatenate(blocks, scales)
+    return SampleBlockFactors(blocks, scales)
 
 
 class UnionOutput:

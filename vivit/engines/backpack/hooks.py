@@ -63,7 +63,7 @@ def _hooks(module: Module) -> Iterator[None]:
     installed: list[tuple[Module, bool | None, list[RemovableHandle]]] = []
     try:
         for layer in module.modules():
-            if is_no_op(layer) or getattr(layer, EXTENDED_FLAG, False):
+            if is_no_op(layer) or _extended(layer):
                 continue
             previous = layer._is_full_backward_hook
             handles = [
@@ -81,6 +81,12 @@ def _hooks(module: Module) -> Iterator[None]:
             # torch remembers that the layer had full backward hooks and would
             # refuse the caller's register_backward_hook: forget it again.
             layer._is_full_backward_hook = previous
+
+
+def _extended(layer: Module) -> bool:
+    """Whether ``backpack.extend`` hooked the layer (a copy keeps the flag alone)."""
+    hooks = layer._forward_hooks.values()
+    return getattr(layer, EXTENDED_FLAG, False) and hook_store_io in hooks
 
 
 def _clean(modules: list[Module]) -> None:

@@ -1,66 +1,24 @@
 """The func engine: curvature factors of any model whose samples are independent.
 
-No ``backpack.extend`` and nothing left on the caller's model: temporary forward
-hooks record the inputs and outputs of convolution and BatchNorm layers, a
-``TorchFunctionMode`` the calls of ``F.linear``, ``torch.addmm``, ``F.embedding``
-and the normalizations (:mod:`~vivit.engines.func.functional`; recurrent
-layers' fused kernels evaluated step by step,
-:mod:`~vivit.engines.func.recurrent`), and
-``torch.autograd.grad`` (vmapped over stacked vectors, ``is_grads_batched``, or in
-a loop where that is faster, see
-:class:`~vivit.engines.func.vjp.BatchedVJP`) pushes back the columns of the
-loss-Hessian root ``√R S_n`` (``docs/math.rst``, "The GGN and its square root")
-together with the per-sample output gradients ``∂ℓ_n/∂f_n`` and probe vectors
-that tell which sample owns each row of a recorded output:
+Nothing is left on the caller's model: temporary forward hooks record
+convolution and BatchNorm layers, a ``TorchFunctionMode`` the calls of
+``F.linear``, ``torch.addmm``, ``F.embedding`` and the normalizations
+(:mod:`~vivit.engines.func.functional`; recurrent kernels step by step,
+:mod:`~vivit.engines.func.recurrent`), and batched ``torch.autograd.grad``
+pushes back the loss-Hessian root's columns, the per-sample output gradients and
+probe vectors that tell which sample owns each row (``docs/math.rst``, "Layer
+structure"). Weights of recorded calls keep their factor form, biases and
+normalization weights columns summed from the vectors; every other parameter
+gets explicit columns (:class:`~vivit.engines.func.columns.OneHotPerSample` or
+a vmapped pullback, :class:`~vivit.engines.func.vjp.ExplicitColumns`).
 
-* weights of the recorded calls keep inputs (token indices) and backpropagated
-  vectors (:class:`~vivit.gram.OuterProductFactors`,
-  :class:`~vivit.gram.EmbeddingFactors`; their sum,
-  :class:`~vivit.gram.SumFactors`, for a parameter used in several forms),
-  biases the vectors summed over positions, normalization weights
-  ``Σ_t x̂[t] ⊙ s̃[t]`` (BatchNorm in evaluation mode too, recorded by module
-  hooks with ``x̂`` from the running statistics); calls of one form stack along
-  the positions.
-* Every other parameter (a table looked up for every sample alike,
-  parameters used in other operations) gets its columns of ``V`` explicitly
-  (:class:`~vivit.gram.DenseFactors`): autograd sums a batch's contributions at a
-  parameter, so each sample's vectors are pushed back in an otherwise zero batch
-  (:class:`~vivit.engines.func.columns.OneHotPerSample`), or a vmap over the
-  samples of one sample's pullback does it in one pass, whichever is faster
-  (:class:`~vivit.engines.func.vjp.ExplicitColumns`).
-
-Cost model. With ``N`` samples, ``V = C + 1`` vectors per sample (``C·T + 1``
-for cross-entropy on ``[N, C, *T]``; ``M + 1`` with MC, ``M·T + 1`` per token),
-formed a pass's vectors at a time (:mod:`vivit.engines.func.columns`), ``w``
-activation entries per sample (measured in the first forward pass) and ``D``
-entries of the parameters without a factor form, the engine processes ``B``
-samples at a time. ``B`` is the largest chunk whose memory stays below
-``memory_budget`` entries, at most :data:`DENSE_CHUNK` if ``D > 0``; vectors are
-split further if even one sample does not fit. ``w`` counts the outputs of the
-leaf modules, at least those of the recorded calls. Per chunk: one vmapped
-backward pass of the ``V`` vectors (each holding the chunk's samples; with
-recorded calls, ``2·(1 + ⌈log₁₆ B⌉)`` probe vectors besides, except for the chunk of
-the whole batch, whose rows the probes found before) to the recorded outputs,
-memory ``≈ V·B·w`` entries; and, if ``D > 0``, one of ``B·V`` one-hot vectors
-to the other parameters, memory ``≈ B·V·(B·w + D)`` and ``B`` times the
-necessary work, or its vectorized twin (a forward pass under ``vmap`` besides).
-In total: the work of ``V`` backward passes of the batch (``B·V`` with
-``D > 0``), ``N·V`` rows of ``D`` entries for the parameters without a factor
-form, and factor forms of ``N·V·(T·O) + N·T·P`` entries per weight (``V`` and
-the per-sample gradients view them, where each sample's rows are consecutive;
-otherwise a gathered copy; a bias keeps their sum over the positions; the
-chunks are written into place).
-
-Forward passes (calls of the model). Two when one chunk holds the batch
-(``B = N``): the first computes the loss, the gradient and the factors (its
-graph is kept for the backward passes of the vectors); the second, without
-gradients, checks that the samples are independent
-(:func:`~vivit.engines.func.independence.check_samples_independent`), which one
-evaluation cannot show. With ``B < N``, each chunk runs a forward pass of its
-own ``B`` samples besides (together one more pass over the batch): the graph of
-the whole batch would hold the memory the chunks save, and the one-hot backward
-pass through it would do ``N/B`` times the work. User hooks see every call; the
-check's runs without gradients.
+A part of the samples runs in chunks of ``request.samples_per_pass`` samples
+(the plan's, from :attr:`FuncEngine.memory_budget`; at most :data:`DENSE_CHUNK`
+where some parameter has explicit columns, whose one-hot pass does ``B`` times
+the necessary work), each a forward pass of its own; the vectors of a chunk go
+back in passes that fit the budget. One more forward pass without gradients
+checks that the samples are independent
+(:func:`~vivit.engines.func.independence.check_samples_independent`).
 """
 
 from __future__ import annotations
@@ -196,11 +154,11 @@ class FuncEngine(Engine):
         uses_of = forward.factor_uses(output)
         rows_of = forward.resolve_rows(output, uses_of)
         dense = [p for p in params if id(p) not in uses_of]
-        chunk, per_pass = self.chunking(
-            num_samples(inputs),
-            batch.columns_per_sample + request.compute_gradients,
-            forward.width.per_sample,
-            sum(p.numel() for p in dense),
+        chunk = request.samples_per_pass or num_samples(inputs)
+        if dense:  # the one-hot pass does chunk times the necessary work
+            chunk = min(chunk, DENSE_CHUNK)
+        per_pass = self._vectors_per_pass(
+            chunk, forward.width.per_sample, sum(p.numel() for p in dense)
         )
         # the graph of the first forward pass serves the chunk of the whole batch
         reuse = chunk >= num_samples(inputs)
@@ -258,33 +216,9 @@ class FuncEngine(Engine):
             root, batch.ggn_samples, gradients, range(output_grad.shape[0])
         )
 
-    def chunking(
-        self, num_samples: int, num_vectors: int, width: int, dense: int
-    ) -> tuple[int, int]:
-        """Samples per chunk and vectors per backward pass (see the cost model).
-
-        :mod:`vivit.memory` estimates a request's memory with it.
-
-        Args:
-            num_samples: Samples of the batch ``N``.
-            num_vectors: Vectors per sample ``V``.
-            width: Activation entries per sample ``w``.
-            dense: Entries ``D`` of the parameters without a factor form.
-
-        Returns:
-            ``B`` and the vectors per backward pass.
-        """
-
-        def memory(samples: int) -> int:
-            factor = num_vectors * samples * width
-            one_hot = samples * num_vectors * (samples * width + dense) if dense else 0
-            return max(factor, one_hot)
-
-        samples = min(num_samples, DENSE_CHUNK) if dense else num_samples
-        while samples > 1 and memory(samples) > self.memory_budget:
-            samples = (samples + 1) // 2
-        per_vector = samples * width + dense
-        return samples, max(1, self.memory_budget // max(per_vector, 1))
+    def _vectors_per_pass(self, samples: int, width: int, dense: int) -> int:
+        """Vectors per backward pass of a chunk: as many as the budget holds."""
+        return max(1, self.memory_budget // max(samples * width + dense, 1))
 
     def _collect(
         self,

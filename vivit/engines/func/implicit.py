@@ -23,23 +23,6 @@ from vivit.engines.base import OutputSelector, select_output
 from vivit.errors import UnsupportedLayerError
 from vivit.model_inputs import ModelInputs
 
-#: Bytes of the vmapped tangents one pass over a block of samples may hold: a
-#: product with more vectors runs them in passes of fewer (:func:`pass_width`).
-#: Passes this large cost no noticeable overhead each, and the tangents of many
-#: vectors held at once would be the largest buffers of a language model's solve.
-PASS_BYTES = 2**29
-
-
-def pass_width(vectors: int, vector_bytes: int | None) -> int:
-    """Vectors per vmapped pass: all, or as many as :data:`PASS_BYTES` allow.
-
-    ``vector_bytes`` is what one vector's tangents take over the block of samples
-    (activation entries times their size; ``None``: unknown, one pass). At least 1.
-    """
-    if vector_bytes is None or vector_bytes <= 0:
-        return vectors
-    return max(1, min(vectors, PASS_BYTES // vector_bytes))
-
 
 @contextmanager
 def forward_mode_kernels(model: Module) -> Iterator[None]:
@@ -146,7 +129,7 @@ class BlockFunction:
         """``Jᵀ w`` summed over the samples, for ``K`` output-space vectors.
 
         The forward pass that records the pullback runs once per block; the
-        chunks of a product's vectors (:func:`pass_width`) reuse it.
+        passes of a product's vectors reuse it.
 
         Args:
             cotangents: ``[K, N, *out]``.

@@ -1,0 +1,152 @@
+"""One cost model, in multiply-adds, for every automatic choice.
+
+The solvers of the Gram route and the two routes are compared by their expected
+work (``docs/math.rst``, "Choosing the route", "Choosing the solver"):
+
+- matrix products and the eigensolvers' linear algebra by their multiply-adds;
+- passes through the model by their measured multiply-adds, times
+  :data:`PASS_SLOWDOWN`, plus :data:`OP_WORK` per operation they run;
+- a pass over a matrix larger than :data:`CACHE_BYTES` at :data:`PASS_WORK` per
+  entry (such products run at memory speed);
+- a Krylov solve as :data:`EXPECTED_BLOCKS` products with blocks of ``b``
+  vectors and the orthogonalization of its basis.
+
+The constants are calibrated by ``benchmarks/solver_costs.py`` and
+``benchmarks/eigenpairs.py`` (``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vivit.gram import ParamFactors
+from vivit.gram.memory import (
+    PARTIAL_FRACTION,
+    available_bytes,
+    dense_workspace_bytes,
+    itemsize,
+)
+from vivit.linalg.top_k import iterative_workspace_bytes, solver_block_size
+
+#: Blocks of products an iterative solve is expected to multiply.
+EXPECTED_BLOCKS = 15
+#: The iterative solver is chosen over the dense one if it is expected to do this
+#: many times less work.
+ITERATIVE_ADVANTAGE = 2.0
+#: Multiply-adds one pass over an entry of a matrix larger than the cache costs.
+PASS_WORK = 25
+#: Passes over ``R × R`` matrices per parameter while a Gram matrix is formed.
+GRAM_PASSES = 6
+#: Matrices of at most this many bytes are taken to stay in the cache.
+CACHE_BYTES = 32 * 2**20
+#: How many times slower than a large matrix product a pass through the model
+#: runs per multiply-add.
+PASS_SLOWDOWN = 3.0
+#: Multiply-adds that one operation of a pass costs besides its arithmetic.
+OP_WORK = 3e5
+
+
+def pass_cost(work: float, ops: float) -> float:
+    """Multiply-adds a pass through the model costs (its arithmetic, its calls)."""
+    return PASS_SLOWDOWN * work + OP_WORK * ops
+
+
+def memory_passes(entries: float, dtype: torch.dtype) -> float:
+    """Work of one pass over a tensor: ``PASS_WORK`` per entry beyond the cache."""
+    return PASS_WORK * entries if entries * itemsize(dtype) > CACHE_BYTES else 0.0
+
+
+def krylov_work(size: int, width: int, product: float) -> float:
+    """An iterative solve: ``EXPECTED_BLOCKS`` products, the basis orthogonalized."""
+    columns = min(size, EXPECTED_BLOCKS * width)
+    return EXPECTED_BLOCKS * product + 2 * columns**2 * size
+
+
+def dense_work(size: int) -> float:
+    """The dense solver's ``4/3·R³``."""
+    return 4 / 3 * size**3
+
+
+def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
+    """Forming a group's Gram matrix: its contractions and passes over it."""
+    size = factors[0].num_rows
+    passes = GRAM_PASSES * len(factors) * memory_passes(size**2, dtype)
+    return passes + sum(f.gram_work() for f in factors)
+
+
+def solver_works(
+    factors: Sequence[ParamFactors], top_k: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Expected work of each Gram-route solver on a group's factors.
+
+    Returns:
+        ``"formation"`` (the Gram matrix), ``"dense"`` and ``"iterative"`` on the
+        formed matrix, and ``"matrix_free"`` on products with the factors (their
+        memory passes included).
+    """
+    size = factors[0].num_rows
+    gram_width = solver_block_size("iterative", top_k, size)
+    width = solver_block_size("matrix_free", top_k, size)
+    entries = sum(t.numel() for f in factors for t in f.tensors())
+    products = sum(f.product_work(width) for f in factors)
+    return {
+        "formation": gram_work(factors, dtype),
+        "dense": dense_work(size),
+        "iterative": krylov_work(
+            size, gram_width, gram_width * size**2 + memory_passes(size**2, dtype)
+        ),
+        "matrix_free": krylov_work(
+            size, width, products + 2 * memory_passes(entries, dtype)
+        ),
+    }
+
+
+def choose_solver(
+    factors: Sequence[ParamFactors],
+    top_k: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    gram_formed: bool = False,
+    num_grams: int = 1,
+    available: int | None = None,
+) -> str:
+    """The Gram-route solver ``"auto"`` stands for.
+
+    All pairs, or more than ``PARTIAL_FRACTION`` of them: ``"dense"``. A Gram
+    matrix that does not fit: ``"matrix_free"``. Else the least expected work,
+    the iterative solver only where :data:`ITERATIVE_ADVANTAGE` times cheaper
+    than the dense one (or where that one's workspace does not fit).
+
+    Args:
+        factors: The group's factors of ``V`` (only their shapes are read).
+        top_k: Leading eigenpairs (``None``: all).
+        dtype: Type of the Gram matrix.
+        device: Its device.
+        gram_formed: Whether the Gram matrix exists already.
+        num_grams: Gram matrices held at once if it is formed.
+        available: Bytes the solve may take (``None``: what the device has).
+
+    Returns:
+        ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
+    """
+    size = factors[0].num_rows
+    if top_k is None or top_k > PARTIAL_FRACTION * size:
+        return "dense"
+    available = available_bytes(device) if available is None else available
+    grams = (0 if gram_formed else num_grams) * size**2 * itemsize(dtype)
+    if not gram_formed and grams + iterative_workspace_bytes(size, top_k, dtype) > (
+        available
+    ):
+        return "matrix_free"
+    work = solver_works(factors, top_k, dtype)
+    formation = 0.0 if gram_formed else work["formation"]
+    if not gram_formed and work["matrix_free"] < formation + min(
+        work["iterative"], work["dense"]
+    ):
+        return "matrix_free"
+    dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
+    if ITERATIVE_ADVANTAGE * work["iterative"] <= work["dense"] or not dense_fits:
+        return "iterative"
+    return "dense"

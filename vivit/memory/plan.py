@@ -1,0 +1,535 @@
+"""The plan of a request: route, samples per pass, vectors per pass, Krylov basis.
+
+A :class:`Plan` is made once from the request's measured profile
+(:mod:`vivit.memory.profile`) and the sizes of its data; the run follows it
+and the estimate of a request reads it, so both take the same decisions
+(``docs/math.rst``, "Memory of a request", "Choosing the route"):
+
+1. The route: the one the options fix; else the implicit route where the Gram
+   route's passes do not fit or cost more (:mod:`vivit.memory.costs`), provided
+   the implicit products fit; a request neither route fits is refused.
+2. The samples per backward pass of an engine with a ``memory_budget``.
+3. The implicit route's vectors per pass and its Krylov basis: what fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from vivit.engines.base import Engine
+from vivit.errors import FactorsTooLargeError, ProductsTooLargeError
+from vivit.gram.memory import (
+    PARTIAL_FRACTION,
+    available_bytes,
+    check_gram_fits,
+    dense_workspace_bytes,
+    format_bytes,
+    gram_bytes,
+    itemsize,
+)
+from vivit.linalg.iterative import basis_capacity
+from vivit.linalg.top_k import (
+    fitting_basis_columns,
+    iterative_workspace_bytes,
+    solver_block_size,
+)
+from vivit.memory.costs import choose_solver, krylov_work, pass_cost, solver_works
+from vivit.memory.profile import Profile
+
+#: The estimate lies within this factor of the measured peak, either way: a
+#: request is refused only where its estimate over this factor does not fit.
+ESTIMATE_FACTOR = 1.5
+#: Leading eigenpairs the route is chosen for.
+ROUTE_TOP_K = 10
+#: Bytes of the tangents one vmapped implicit pass over a part may hold.
+PASS_BYTES = 2**29
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The samples of a request.
+
+    Attributes:
+        samples: ``N``, every sample.
+        curvature: ``N_S``, the curvature samples.
+        part: Samples of the largest part (a chunk, a loader's batch).
+        parts: Parts of a pass.
+        loader: Whether the data is a loader's batches.
+    """
+
+    samples: int
+    curvature: int
+    part: int
+    parts: int
+    loader: bool = False
+
+    @classmethod
+    def of(cls, batches: list[int], curvature: int | None, chunk: int | None) -> Sizes:
+        """Batches of ``batches`` samples in chunks of ``chunk`` (curvature: N_S)."""
+        part = min(chunk or max(batches), max(batches))
+        total = sum(batches)
+        parts = sum(math.ceil(b / part) for b in batches)
+        return cls(total, curvature or total, part, parts, len(batches) > 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The peak memory of a request on its route, in bytes.
+
+    Attributes:
+        route: ``"gram"`` or ``"implicit"``.
+        reason: Why the request takes it.
+        engine: The engine (``"implicit"`` on the implicit route).
+        solver: The eigensolver the estimate is for.
+        num_rows: Side ``N·C`` of the Gram matrix (the curvature samples on the
+            implicit route).
+        passes: Peak of the passes over the data: activations, the parts'
+            factors, the backward passes' or the products' intermediates
+            (measured, extrapolated).
+        kept: What the Gram route's factors keep after the passes (measured).
+        solve: The Gram matrices and the solver's workspace, or the Krylov
+            basis (closed forms).
+        basis_columns: Columns of the implicit route's Krylov basis.
+        default_columns: Those of its default basis (more where memory cut it).
+    """
+
+    route: str
+    reason: str
+    engine: str
+    solver: str
+    num_rows: int
+    passes: int
+    kept: int
+    solve: int
+    basis_columns: int | None = None
+    default_columns: int | None = None
+
+    @property
+    def total(self) -> int:
+        """Peak bytes: the passes, or the kept factors with the solve."""
+        if self.route == "implicit":
+            return self.passes + self.solve
+        return max(self.passes, self.kept + self.solve)
+
+    def __str__(self) -> str:
+        cut = (
+            f" (cut from {self.default_columns} by memory)"
+            if (self.basis_columns or 0) < (self.default_columns or 0)
+            else ""
+        )
+        parts = (
+            f"products {format_bytes(self.passes)}, Krylov basis of "
+            f"{self.basis_columns} columns{cut} {format_bytes(self.solve)}"
+            if self.route == "implicit"
+            else f"passes {format_bytes(self.passes)}, factors "
+            f"{format_bytes(self.kept)}, {self.solver} solve {format_bytes(self.solve)}"
+        )
+        return f"{format_bytes(self.total)} on the {self.route} route ({parts})"
+
+
+class Plan:
+    """The decisions of one request, from its profile and sizes.
+
+    Args:
+        profile: The request's measured profile (``None``: not measured).
+        sizes: Its samples.
+        engine: The Gram route's engine.
+        param_groups: The parameter groups (sizes, type, device).
+        fixed: The route the options or data fix, and why (``None``: compared).
+        words: The data in words, for the reason (``""``: a mini-batch).
+        available: Bytes the request may take (``None``: what the parameters'
+            device has now).
+
+    Attributes:
+        route: ``"gram"`` or ``"implicit"``.
+        reason: Why, in words (the numbers compared).
+        forced: Whether the implicit route cannot run on these data or options.
+        engine: The Gram route's engine.
+
+    Raises:
+        ProductsTooLargeError: If neither route fits.
+    """
+
+    def __init__(
+        self,
+        profile: Profile | None,
+        sizes: Sizes,
+        engine: Engine,
+        param_groups: list[list[Tensor]],
+        fixed: tuple[str, str, bool] | None = None,
+        words: str = "",
+        available: int | None = None,
+    ):
+        self.profile, self.sizes, self.engine = profile, sizes, engine
+        self.num_params = [sum(p.numel() for p in group) for group in param_groups]
+        self.device = param_groups[0][0].device
+        self.dtype = param_groups[0][0].dtype
+        self.available = available
+        self.reason = ""
+        if fixed is None:
+            route, reason = self._compare()
+            self.route, self.forced = route, False
+            self.reason = f"{words}: {reason}" if words else reason
+        else:
+            self.route, self.reason, self.forced = fixed
+
+    def __str__(self) -> str:
+        return f"{self.route} route: {self.reason}"
+
+    def agreed(self, route: str, reason: str) -> Plan:
+        """This plan on the route a process group agreed on."""
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__, route=route, reason=reason)
+        return plan
+
+    def _available(self) -> int:
+        if self.available is not None:
+            return self.available
+        return available_bytes(self.device)
+
+    # -- estimates ----------------------------------------------------------------
+    def gram_estimate(self, top_k: int | None, solver: str = "auto") -> MemoryEstimate:
+        """The Gram route's peak for ``top_k`` pairs (``None``: all) by ``solver``."""
+        gram, sizes = self.profile.gram, self.sizes
+        n, n_s, part = sizes.samples, sizes.curvature, sizes.part
+        kept = gram.kept(n, n_s)
+        part_s = min(part, n_s)
+        passes = gram.kept(n - part, n_s - part_s) + self._part_pass(part, part_s)
+        if sizes.parts > 1:  # the parts merged, one parameter's copy at a time
+            passes = max(passes, kept + gram.largest(n, n_s))
+        factors = gram.factors_of(n_s)
+        size, groups = n_s * gram.columns, len(self.num_params)
+        if solver == "auto" and factors is None:  # too large to measure
+            solver = "dense" if top_k is None else "matrix_free"
+        elif solver == "auto":
+            solver = choose_solver(
+                factors[0], top_k, gram.dtype, self.device,
+                available=self._available(),
+            )  # fmt: skip
+        solve = self._solve_bytes(solver, size, top_k, groups)
+        return MemoryEstimate(
+            "gram", self.reason, self.engine.name, solver, size, int(passes),
+            int(kept), int(solve),
+        )  # fmt: skip
+
+    def implicit_estimate(
+        self, top_k: int, available: int | None = None
+    ) -> MemoryEstimate:
+        """The implicit route's peak for ``top_k`` pairs, its basis cut to fit."""
+        implicit, part = self.profile.implicit, self.sizes.part
+        size = max(self.num_params)
+        width = self.pass_width(min(top_k, size))
+        passes = max(implicit.peak(part, width), self.profile.baseline[0](part))
+        available = self._available() if available is None else available
+        columns = fitting_basis_columns(
+            size, top_k, self.dtype, available - passes, 0, "implicit"
+        )
+        krylov = iterative_workspace_bytes(
+            size, top_k, self.dtype, 0, columns, "implicit"
+        )
+        block = solver_block_size("implicit", top_k, size)
+        return MemoryEstimate(
+            "implicit", self.reason, "implicit", "implicit", self.sizes.curvature,
+            int(passes), 0, int(krylov), columns,
+            basis_capacity(block, size, top_k=top_k),
+        )  # fmt: skip
+
+    def estimate(self, top_k: int | None, solver: str = "auto") -> MemoryEstimate:
+        """The estimate of the route the plan takes."""
+        if self.route == "implicit":
+            return self.implicit_estimate(top_k)
+        return self.gram_estimate(top_k, solver)
+
+    # -- the run's checks ---------------------------------------------------------
+    def check(self, solver: str = "auto") -> None:
+        """Refuse a Gram route whose passes cannot fit, before they run.
+
+        Args:
+            solver: The requested solver; ``"dense"`` forms every group's Gram
+                matrix of all samples, checked too.
+
+        Raises:
+            FactorsTooLargeError: If the passes' estimate over
+                :data:`ESTIMATE_FACTOR` exceeds the memory available.
+            GramTooLargeError: If the dense solver's Gram matrices cannot fit.
+        """
+        if self.profile is None or self.profile.gram is None:
+            return
+        estimate = self.gram_estimate(1, "matrix_free")
+        if solver == "dense":
+            groups = len(self.num_params)
+            check_gram_fits(estimate.num_rows, groups, self.profile.gram.dtype,
+                            self.device)  # fmt: skip
+        available = self._available()
+        if estimate.passes <= ESTIMATE_FACTOR * available:
+            return
+        raise FactorsTooLargeError(
+            f"The passes over these {self.sizes.samples} samples keep factors of V "
+            f"with {estimate.num_rows} columns (N·C, N·C·T for sequences of T "
+            f"positions): estimated {format_bytes(estimate.passes)} (at least "
+            f"{format_bytes(estimate.passes / ESTIMATE_FACTOR)}), but only "
+            f"{format_bytes(available)} are available on {self.device}. Refused "
+            f"before running. {_GRAM_ADVICE}"
+        )
+
+    def watch(
+        self, stored_bytes: Callable[[list, set], int]
+    ) -> Callable[[list, object], None]:
+        """A check of a loader's pass after each part: its factors extrapolated.
+
+        Args:
+            stored_bytes: The bytes of a part's kept factors not counted before.
+
+        Returns:
+            Called with each part's curvature and the part; raises
+            :class:`~vivit.FactorsTooLargeError` where the factors of all
+            batches (their number: ``len(loader)``, else one more) and one
+            part's pass cannot fit.
+        """
+        counted: set[int] = set()
+        stored, total = [0], self.sizes.parts if self.sizes.loader else None
+        available = self._available()
+
+        def admit(curvature: list, part: object) -> None:
+            stored[0] += stored_bytes(curvature, counted)
+            done = part.index + 1
+            parts = max(total, done) if total is not None else done + 1
+            factors = stored[0] * parts // done
+            passes = 0
+            if self.profile is not None and self.profile.gram is not None:
+                passes = self._part_pass(self.sizes.part, self.sizes.part)
+            estimate = factors + passes
+            if estimate <= ESTIMATE_FACTOR * available:
+                return
+            whole = "the whole loader" if total is not None else "one more batch"
+            of = parts if total is not None else "an unknown number of"
+            raise FactorsTooLargeError(
+                f"The layer factors of {whole} and one batch's pass need about "
+                f"{format_bytes(estimate)} (factors {format_bytes(factors)}, "
+                f"extrapolated from {format_bytes(stored[0])} for the first {done} "
+                f"of {of} batches), but only {format_bytes(available)} are "
+                f"available on {self.device}. {_GRAM_ADVICE}"
+            )
+
+        return admit
+
+    def basis_columns(self, top_k: int) -> int | None:
+        """Columns of the implicit route's Krylov basis that fit (``None``: default).
+
+        Raises:
+            ProductsTooLargeError: If not even the smallest basis fits.
+        """
+        if self.profile is None or self.profile.implicit is None:
+            return None
+        estimate = self.implicit_estimate(top_k)
+        available = self._available()
+        if estimate.total <= ESTIMATE_FACTOR * available:
+            return estimate.basis_columns
+        raise ProductsTooLargeError(
+            f"solver='implicit' needs an estimated {estimate}, but only "
+            f"{format_bytes(available)} are available on {self.device}. Refused "
+            "before the first product. Ask for fewer pairs (top_k), use the "
+            "curvature of fewer samples (subsampling=[...]) or a smaller batch (a "
+            "loader's: smaller batches), bound the products' activations with "
+            "chunk_size=..., or use a Gram route with Monte-Carlo sampling "
+            "(solver='auto', mc_samples=1)."
+        )
+
+    def pass_width(self, vectors: int) -> int:
+        """Vectors per vmapped implicit pass over a part: as many as fit."""
+        if self.profile is None or self.profile.implicit is None:
+            return vectors
+        peak = self.profile.implicit.peak
+        part = self.sizes.part
+        per_vector = peak(part, 2) - peak(part, 1)
+        return max(1, min(vectors, int(PASS_BYTES // max(per_vector, 1))))
+
+    # -- decisions ----------------------------------------------------------------
+    @functools.cached_property
+    def samples_per_pass(self) -> int | None:
+        """The most samples of a part whose engine pass fits the engine's budget.
+
+        ``None``: a part at once (no budget, or the whole part fits).
+        """
+        budget = self.engine.memory_budget
+        if budget is None or self.profile is None or self.profile.gram is None:
+            return None
+        budget *= itemsize(self.profile.gram.dtype)
+        samples = part = self.sizes.part
+        while samples > 1 and self._transient(samples) > budget:
+            samples = (samples + 1) // 2
+        return None if samples >= part else samples
+
+    def _transient(self, samples: int) -> float:
+        """Bytes of one engine pass beyond the factors it keeps."""
+        gram = self.profile.gram
+        return gram.peak(samples) - gram.kept(samples)
+
+    def _part_pass(self, part: int, curvature: int) -> float:
+        """Peak of one part's pass, ``samples_per_pass`` at a time."""
+        gram = self.profile.gram
+        if self.samples_per_pass is None:
+            return gram.pass_peak(part, curvature)
+        activations = self.profile.baseline[0](part)
+        transient = self._transient(self.samples_per_pass)
+        return gram.kept(part, curvature) + max(activations, transient)
+
+    def _solve_bytes(
+        self, solver: str, size: int, top_k: int | None, groups: int
+    ) -> float:
+        """The Gram matrices and the solver's workspace (``docs/math.rst``).
+
+        Closed forms: the Gram matrices, the dense or iterative workspace, the
+        eigenvectors in parameter space, and the factors' largest intermediate
+        of forming a Gram matrix or of a product with ``V``.
+        """
+        dtype = self.profile.gram.dtype
+        entry = itemsize(dtype)
+        per_group = self.profile.gram.factors_of(self.sizes.curvature) or [[]]
+        factors = [f for group in per_group for f in group]
+        count = min(size, size if top_k is None else top_k)
+        # the eigenvectors V ũ / √λ, formed by one product with V after the solve
+        product = max((f.product_memory(count) for f in factors), default=0)
+        directions = (count * max(self.num_params) + product) * entry
+        if solver == "matrix_free":
+            width = solver_block_size("matrix_free", top_k, size)
+            product = max((f.product_memory(width) for f in factors), default=0)
+            product *= entry
+            workspace = iterative_workspace_bytes(
+                size, top_k, dtype, max(self.num_params)
+            )
+            return max(workspace + product, directions)
+        workspace = (
+            dense_workspace_bytes(size, top_k, dtype, self.device)
+            if solver == "dense"
+            else iterative_workspace_bytes(size, top_k, dtype)
+        )
+        square = size**2 * entry
+        # while formed: the groups' sums, a parameter's block, its intermediate
+        formation = max((f.gram_memory() for f in factors), default=0) * entry
+        formation += square
+        return max(
+            gram_bytes(size, groups, workspace, dtype),
+            groups * square + formation,
+            groups * square + directions,
+        )
+
+    def _compare(self) -> tuple[str, str]:
+        """Memory first, then work: the route under ``"auto"``."""
+        if self.profile is None or self.profile.gram is None:
+            return "gram", (
+                "the routes' memory and work could not be measured (the logger "
+                "'vivit' says why); pass solver='implicit' for GGN-vector products"
+            )
+        available = self._available()
+        gram = self.gram_estimate(ROUTE_TOP_K, "matrix_free")
+        if gram.passes > ESTIMATE_FACTOR * available:
+            reason = (
+                f"the Gram route's passes over the data ({gram.num_rows} columns "
+                f"of V) need at least {format_bytes(gram.passes / ESTIMATE_FACTOR)}, "
+                f"but {format_bytes(available)} are available"
+            )
+            return self._implicit_if_it_fits(gram, reason, available)
+        if self.profile.gram.factors is None:
+            return self._implicit_if_it_fits(
+                gram, "the Gram route's factors are too large to measure", available
+            )
+        costs = self.costs(measure=False)
+        if costs["gram"] > costs["implicit"]:  # a lower bound: measure it
+            costs = self.costs()
+        at_least = "" if costs["measured"] else "at least "
+        reason = (
+            f"the Gram route costs about {costs['gram']:.2g} multiply-adds (passes "
+            f"{costs['passes']:.2g}, solve {costs['solve']:.2g}), the implicit "
+            f"route {at_least}{costs['implicit']:.2g} for {ROUTE_TOP_K} eigenpairs"
+        )
+        if costs["gram"] > costs["implicit"]:
+            return self._implicit_if_it_fits(gram, reason, available)
+        return "gram", reason
+
+    def costs(self, measure: bool = True) -> dict[str, object]:
+        """Both routes' expected work for :data:`ROUTE_TOP_K` pairs, multiply-adds.
+
+        Args:
+            measure: Measure the implicit route's products; ``False``: bound
+                them from below by as many plain forward and backward passes
+                (a product of ``b`` vectors costs at least ``b`` of them).
+
+        Returns:
+            ``"gram"`` (its ``"passes"`` and ``"solve"``), ``"implicit"``, and
+            whether that was ``"measured"``.
+        """
+        gram, sizes = self.profile.gram, self.sizes
+        part, parts = sizes.part, sizes.parts
+        passes = pass_cost(gram.work(sizes.samples), parts * gram.ops(part))
+        solve = 0.0
+        for factors in gram.factors_of(sizes.curvature):
+            size = factors[0].num_rows
+            top_k = min(ROUTE_TOP_K, size)
+            work = solver_works(factors, top_k, gram.dtype)
+            formed = work["formation"] + work["dense"]
+            if top_k <= PARTIAL_FRACTION * size:
+                formed = work["formation"] + min(work["dense"], work["iterative"])
+                formed = min(formed, work["matrix_free"])
+            solve += formed
+        implicit = self.profile.implicit if measure else None
+        _, base_work, base_ops = self.profile.baseline
+        products = 0.0
+        for params in self.num_params:
+            width = solver_block_size("implicit", ROUTE_TOP_K, params)
+            if implicit is None:
+                work, ops = width * base_work(part), base_ops(part)
+            else:
+                work, ops = implicit.work(part, width), implicit.ops(part, width)
+            products += krylov_work(params, width, parts * pass_cost(work, ops))
+        return {
+            "gram": passes + solve,
+            "passes": passes,
+            "solve": solve,
+            "implicit": products,
+            "measured": implicit is not None,
+        }
+
+    def _implicit_if_it_fits(
+        self, gram: MemoryEstimate, reason: str, available: int
+    ) -> tuple[str, str]:
+        """The implicit route where its products fit, else the Gram route (or none)."""
+        if self.profile.implicit is None:
+            return "gram", f"{reason}; but the implicit route could not be measured"
+        products = self.implicit_estimate(ROUTE_TOP_K, available)
+        if products.total <= ESTIMATE_FACTOR * available:
+            return "implicit", reason
+        if gram.passes <= ESTIMATE_FACTOR * available:
+            return "gram", f"{reason}; but solver='implicit' needs {products}"
+        streaming = (
+            ", or keep no factors: vivit.StreamingGGN(model, loss_func, "
+            "loader).eigh(top_k=...)"
+            if self.sizes.loader
+            else ""
+        )
+        raise ProductsTooLargeError(
+            f"Neither exact route fits into the {format_bytes(available)} "
+            f"available: the Gram route's passes need an estimated "
+            f"{format_bytes(gram.passes)}, and solver='implicit' {products}. "
+            "Refused before running. Ask for fewer pairs (eigh(top_k=...) with "
+            "solver='implicit'), use the curvature of fewer samples "
+            "(subsampling=[...]) or smaller batches, bound the activations with "
+            "chunk_size=..., or Monte-Carlo sample the loss Hessian on the Gram "
+            f"route (mc_samples=1){streaming}."
+        )
+
+
+#: What to do where the Gram route's factors do not fit.
+_GRAM_ADVICE = (
+    "Store fewer columns: Monte-Carlo sample the loss Hessian (mc_samples=1), use "
+    "the curvature of fewer samples (subsampling=[...]) or a smaller batch, "
+    "chunk_size=... (bounds the backward pass, not the kept factors); or keep no "
+    "factors at all: solver='implicit' (GGN-vector products) or "
+    "vivit.StreamingGGN(model, loss_func, loader).eigh(top_k=...), which "
+    "recomputes them in every pass."
+)

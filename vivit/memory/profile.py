@@ -1,0 +1,530 @@
+"""A request's memory and work, measured on one and two samples, then extrapolated.
+
+The request's own code runs on a copy of the model that shares its parameters
+(buffers copied, hooks removed, random state forked): a plain forward and
+backward pass, the Gram route's pass with its Gram matrix and a product with
+its factors, and the implicit route's product, each under a
+:class:`~vivit.memory.counter.Counter`. Each quantity is then a plane in the
+variables the math scales it with (``docs/math.rst``, "Memory of a request"):
+the samples and the curvature samples of a pass, the samples and samples times
+vectors of an implicit product. Profiles are kept per model and request shape,
+so a training loop measures once.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import CrossEntropyLoss, Module, Parameter
+
+from vivit.distributed import ShardExchange
+from vivit.engines.base import Engine, select_output
+from vivit.gram import ParamFactors
+from vivit.gram.memory import available_bytes, itemsize
+from vivit.losses import LossCurvature
+from vivit.memory.counter import Usage, measure
+from vivit.model_inputs import (
+    ModelInputs,
+    call_model,
+    input_tensors,
+    map_inputs,
+    num_samples,
+    take_samples,
+)
+from vivit.options import CurvatureOptions
+from vivit.sources.data import Data, engine_context
+from vivit.sources.implicit import ImplicitFactors
+from vivit.sources.stored import StoredFactors
+
+logger = logging.getLogger("vivit")
+
+
+#: The Gram route is measured only where its floor on the samples measured is at
+#: most this fraction of the memory available.
+MEASURE_FRACTION = 1 / 16
+#: Samples and vectors measured: sizes of 1 take other paths in some kernels.
+_SAMPLES, _VECTORS = (2, 4), (2, 3)
+
+#: The terms of a plane in ``(x, y)``: constant, ``x``, ``y``, ``x·y``.
+_TERMS = (
+    lambda x, y: 1.0,
+    lambda x, y: float(x),
+    lambda x, y: float(y),
+    lambda x, y: float(x * y),
+)
+
+
+@dataclass(frozen=True)
+class Plane:
+    """The largest of planes ``a + b·x + c·y + d·x·y``, fitted through points.
+
+    Fitted through traces (bytes after each operation) of one sequence of
+    operations, one plane per operation: the peak of a larger request is the
+    largest of them, wherever in the sequence it falls. Through single values
+    (or traces of different sequences: their peaks), one plane.
+
+    Attributes:
+        coefficients: ``[K, terms]``, one plane per row.
+    """
+
+    coefficients: Tensor
+
+    def __call__(self, x: float, y: float | None = None) -> float:
+        """The largest value at ``(x, y)`` (``y = x`` if not given), at least 0."""
+        y = x if y is None else y
+        terms = self.coefficients.shape[1]
+        basis = torch.tensor([t(x, y) for t in _TERMS[:terms]], dtype=torch.float64)
+        if terms == 2:  # fitted on the diagonal: x and y are one variable
+            basis[1] = x
+        return max(0.0, float((self.coefficients @ basis).max()))
+
+    @classmethod
+    def fit(cls, points: dict[tuple[int, int], list[float] | float]) -> Plane:
+        """Through two points on the diagonal, three, or four (bilinear)."""
+        keys = list(points)
+        values = [
+            points[k] if isinstance(points[k], list) else [points[k]] for k in keys
+        ]
+        if len({len(v) for v in values}) > 1:  # other operations: their peaks
+            values = [[max(v)] for v in values]
+        matrix = torch.tensor(
+            [[t(*k) for t in _TERMS[: max(2, len(keys))]] for k in keys],
+            dtype=torch.float64,
+        )
+        if len(keys) == 2:
+            matrix[:, 1] = torch.tensor([k[0] for k in keys], dtype=torch.float64)
+        rhs = torch.tensor(values, dtype=torch.float64)  # [points, K]
+        return cls(torch.linalg.solve(matrix, rhs).T.contiguous())
+
+    @property
+    def slope(self) -> float:
+        """The coefficient of ``y`` (of ``x`` on the diagonal) of the largest plane."""
+        return float(self.coefficients[:, -1].max())
+
+
+@dataclass(frozen=True)
+class GramProfile:
+    """The Gram route's pass and products, by samples ``n`` and curvature samples.
+
+    Attributes:
+        peak: Peak bytes of one part's pass through the engine (all samples
+            curvature samples).
+        curvature_peak: Its peak by samples and curvature samples (the peaks
+            alone).
+        kept: Bytes its factors, gradient and loss keep afterwards.
+        largest: Bytes of the parameter whose kept factors are largest (merging
+            parts copies one parameter at a time).
+        work: Multiply-adds of the pass.
+        ops: Operations of the pass.
+        factors: Each group's factors of ``V`` for one sample, on the meta
+            device (their shapes give the Gram matrix's and products' work);
+            ``None`` where too large to measure.
+        columns: Columns of ``V`` per sample.
+        dtype: Type of the Gram-space products.
+    """
+
+    peak: Plane
+    curvature_peak: Plane
+    kept: Plane
+    largest: Plane
+    work: Plane
+    ops: Plane
+    factors: list[list[ParamFactors]] | None
+    columns: int
+    dtype: torch.dtype
+
+    def pass_peak(self, samples: int, curvature: int) -> float:
+        """Peak bytes of a part's pass of ``samples``, ``curvature`` of them."""
+        fewer = self.curvature_peak(samples, samples) - self.curvature_peak(
+            samples, curvature
+        )
+        return self.peak(samples) - fewer
+
+    def factors_of(self, curvature: int) -> list[list[ParamFactors]] | None:
+        """Each group's factors for ``curvature`` samples, shapes only."""
+        if self.factors is None:
+            return None
+        rows = [0] * curvature
+        return [[f.select(rows) for f in group] for group in self.factors]
+
+
+@dataclass(frozen=True)
+class ImplicitProfile:
+    """One implicit product, by samples ``n`` and vectors ``p`` (bilinear).
+
+    Attributes:
+        peak: Peak bytes of the product (activations, tangents, images).
+        work: Its multiply-adds.
+        ops: Its operations.
+    """
+
+    peak: Plane
+    work: Plane
+    ops: Plane
+
+
+class Profile:
+    """What a request uses: a plain pass, and each route when first asked for.
+
+    Args:
+        model: The network (measured on a copy sharing its parameters).
+        loss_func: The loss module.
+        batch: A batch of the data (its first samples are used).
+        param_groups: The checked parameter groups.
+        options: The checked options, the engine resolved.
+        subsampled: Also measure a pass with fewer curvature samples.
+
+    Attributes:
+        baseline: Peak bytes, multiply-adds and operations of a plain forward
+            and backward pass of ``n`` samples.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        loss_func: Module,
+        batch: tuple[ModelInputs, Tensor],
+        param_groups: list[list[Parameter]],
+        options: CurvatureOptions,
+        subsampled: bool,
+    ):
+        self._device = param_groups[0][0].device
+        self._twin, param_groups, batch = _twin(model, param_groups, batch)
+        if batch[1] is None:
+            batch = (batch[0], _targets(self._twin, loss_func, batch[0], options))
+        self._request = (loss_func, batch, param_groups, subsampled)
+        self._options = options.replace(
+            chunk_size=None, subsampling=None, process_group=False,
+            max_batches=None, progress=False, solver="auto",
+        )  # fmt: skip
+        params = [p for group in param_groups for p in group]
+        usage = {}
+        with engine_context(params):
+            for n in _SAMPLES:
+                shape, usage[n, n] = measure(
+                    lambda n=n: _plain_pass(
+                        self._twin, loss_func, _take(batch, n), params, options
+                    )
+                )
+        self.baseline = _planes(usage)
+        self.outputs, self.columns = shape
+        self._dtype = options.gram_dtype or params[0].dtype
+        self._entry = itemsize(self._dtype)
+
+    def gram_floor(self, samples: int) -> int:
+        """Bytes the Gram route keeps at least: ``K`` output-sized vectors a sample."""
+        return samples * self.columns * self.outputs * self._entry
+
+    @functools.cached_property
+    def gram(self) -> GramProfile | None:
+        """The Gram route's profile (``None`` where it cannot run on the copy).
+
+        Not measured where even its floor (:meth:`gram_floor`) on the samples
+        measured exceeds :data:`MEASURE_FRACTION` of the memory available:
+        ``factors`` is then ``None`` and its memory that floor.
+        """
+        floor = self.gram_floor(_SAMPLES[-1])
+        if floor > MEASURE_FRACTION * available_bytes(self._device):
+            slope = floor / _SAMPLES[-1]
+            line = Plane(torch.tensor([[0.0, slope]], dtype=torch.float64))
+            zero = Plane(torch.zeros(1, 2, dtype=torch.float64))
+            return GramProfile(line, zero, line, zero, zero, zero, None,
+                               self.columns, self._dtype)  # fmt: skip
+        return self._route(_gram_profile)
+
+    @functools.cached_property
+    def implicit(self) -> ImplicitProfile | None:
+        """The implicit route's profile (``None`` where it cannot run on the copy)."""
+        return self._route(_implicit_profile)
+
+    def _route(self, measure_route: Callable) -> object:
+        loss_func, batch, groups, subsampled = self._request
+        params = [p for group in groups for p in group]
+        try:
+            with engine_context(params):
+                return measure_route(
+                    self._twin, loss_func, batch, groups, self._options, subsampled
+                )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+            _log(error)
+            return None
+
+
+#: Profiles measured before, per model and request shape.
+_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def profile(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor],
+    param_groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+    subsampled: bool = False,
+) -> Profile | None:
+    """The request's profile on a copy of the model (``None`` where it cannot run).
+
+    Kept per model and request shape; each route is measured when first asked
+    for. Where the request cannot run on the copy the logger ``"vivit"`` says
+    why, and the run itself raises what is wrong.
+
+    Args:
+        model: The network.
+        loss_func: The loss module.
+        batch: A batch of the data (its first samples are used).
+        param_groups: The checked parameter groups.
+        options: The checked options.
+        engine: The Gram route's engine, resolved on ``model``.
+        subsampled: Also measure a pass with fewer curvature samples.
+    """
+    key = (*_key(model, loss_func, batch, param_groups, options, engine), subsampled)
+    known = _PROFILES.setdefault(model, {})
+    if key not in known:
+        try:
+            known[key] = Profile(
+                model, loss_func, batch, param_groups,
+                options.replace(engine=engine, solver="auto"), subsampled,
+            )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
+            _log(error)
+            known[key] = None
+    return known[key]
+
+
+def _log(error: Exception) -> None:
+    logger.info(
+        "Cannot measure the request on a copy of the model (%s: %s); it runs "
+        "without a memory check.",
+        type(error).__name__,
+        error,
+    )
+
+
+def _gram_profile(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor],
+    param_groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    subsampled: bool,
+) -> GramProfile:
+    small, large = _SAMPLES
+    points = [(small, small), (large, large)] + ([(large, small)] if subsampled else [])
+    usage: dict[tuple[int, int], Usage] = {}
+    largest: dict[tuple[int, int], float] = {}
+    source = None
+    for n, curvature in points:
+        run_options = options.replace(
+            subsampling=None if curvature == n else list(range(curvature))
+        )
+        data = Data(model, loss_func, _take(batch, n), run_options)
+        del source  # the previous point's factors
+        source, usage[n, curvature] = measure(
+            lambda d=data, o=run_options: StoredFactors.run(
+                model,
+                loss_func,
+                d,
+                param_groups,
+                {},
+                o,
+                ShardExchange(None),
+                o.engine,
+            )  # fmt: skip
+        )
+        largest[n, curvature] = max(_largest_bytes(g.curvature) for g in source.groups)
+    diagonal = {k: u for k, u in usage.items() if k[0] == k[1]}
+    return GramProfile(
+        peak=Plane.fit({k: u.trace for k, u in diagonal.items()}),
+        curvature_peak=Plane.fit({k: u.peak for k, u in usage.items()}),
+        kept=Plane.fit({k: u.kept for k, u in usage.items()}),
+        largest=Plane.fit(largest),
+        work=Plane.fit({k: u.work for k, u in diagonal.items()}),
+        ops=Plane.fit({k: u.ops for k, u in diagonal.items()}),
+        factors=[
+            [_on_meta(f).select([0]) for f in g.curvature.ggn_factors]
+            for g in source.groups
+        ],
+        columns=source.groups[0].batch.columns_per_sample,
+        dtype=source.groups[0].dtype,
+    )
+
+
+def _implicit_profile(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor],
+    param_groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    subsampled: bool,
+) -> ImplicitProfile:
+    usage: dict[tuple[int, int], Usage] = {}
+    group = max(range(len(param_groups)), key=lambda g: _numel(param_groups[g]))
+    for n, vectors in itertools.product(_SAMPLES, _VECTORS):
+        data = Data(model, loss_func, _take(batch, n), options)
+        source = ImplicitFactors(
+            model,
+            loss_func,
+            data,
+            param_groups,
+            options.replace(solver="implicit", engine="auto"),
+        )
+        values = [torch.zeros(vectors, *p.shape, dtype=p.dtype, device=p.device)
+                  for p in param_groups[group]]  # fmt: skip
+        usage[n, vectors] = measure(
+            lambda s=source, v=values: s.groups[group].ggn_matmul(v)
+        )[1]
+    return ImplicitProfile(
+        Plane.fit({k: u.trace for k, u in usage.items()}),
+        *_planes(usage)[1:],
+    )
+
+
+def _planes(usage: dict[tuple[int, int], Usage]) -> tuple[Plane, Plane, Plane]:
+    """Peak bytes (by traces), multiply-adds and operations as planes."""
+    return tuple(
+        Plane.fit({key: getattr(u, name) for key, u in usage.items()})
+        for name in ("trace", "work", "ops")
+    )
+
+
+def _plain_pass(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor],
+    params: list[Parameter],
+    options: CurvatureOptions,
+) -> tuple[int, int]:
+    """A forward and backward pass of the loss (the baseline's activations).
+
+    Returns:
+        The output's entries per sample and the columns of ``V`` per sample.
+    """
+    output = select_output(call_model(model, batch[0]), options.output)
+    torch.autograd.grad(loss_func(output, batch[1]), params, allow_unused=True)
+    loss = LossCurvature(loss_func, output.detach(), batch[1])
+    columns = loss.columns_per_sample(options.mc_samples, options.mc_per)
+    return output[0].numel(), columns
+
+
+def _take(batch: tuple[ModelInputs, Tensor], n: int) -> tuple[ModelInputs, Tensor]:
+    """``n`` samples of a batch (repeated where it has fewer)."""
+    inputs, targets = batch
+    index = torch.arange(n) % num_samples(inputs)
+    return take_samples(inputs, index.to(targets.device)), targets[index]
+
+
+def _twin(
+    model: Module,
+    param_groups: list[list[Parameter]],
+    batch: tuple[ModelInputs, Tensor],
+) -> tuple[Module, list[list[Parameter]], tuple[ModelInputs, Tensor]]:
+    """A copy of the model without hooks, its parameter groups and the batch.
+
+    The copy shares the parameters (its buffers are its own); a model on the
+    meta device, which has shapes but no values, is made on the CPU with
+    values drawn for the copy and the batch alike.
+    """
+    params = list(model.parameters())
+    if not any(p.is_meta for p in params):
+        # shared: the parameters, and tensors kept as attributes (BackPACK's)
+        shared = [v for m in model.modules() for v in vars(m).values()]
+        memo = {id(v): v for v in [*params, *shared] if isinstance(v, Tensor)}
+        twin = copy.deepcopy(model, memo)
+    else:
+        twin = copy.deepcopy(model).to_empty(device="cpu")
+        with torch.no_grad():
+            for param in twin.parameters():
+                param.normal_(std=0.02)
+        index = {id(p): i for i, p in enumerate(params)}
+        twins = list(twin.parameters())
+        param_groups = [[twins[index[id(p)]] for p in group] for group in param_groups]
+        batch = tuple(None if b is None else map_inputs(b, _on_cpu) for b in batch)
+    for module in twin.modules():
+        for name, value in vars(module).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                value.clear()
+    return twin, param_groups, batch
+
+
+def _targets(
+    model: Module, loss_func: Module, inputs: ModelInputs, options: CurvatureOptions
+) -> Tensor:
+    """Targets of the shape the loss takes for the model's output of ``inputs``."""
+    with torch.no_grad():
+        output = select_output(call_model(model, inputs), options.output)
+    if isinstance(loss_func, CrossEntropyLoss):
+        shape = output.shape[:1] + output.shape[2:]
+        return torch.zeros(shape, dtype=torch.long, device=output.device)
+    return torch.zeros_like(output)
+
+
+def _on_cpu(tensor: Tensor) -> Tensor:
+    """A tensor's values on the CPU, drawn where it has none (the meta device)."""
+    if not tensor.is_meta:
+        return tensor
+    if tensor.is_floating_point():
+        return torch.randn(tensor.shape, dtype=tensor.dtype)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype)
+
+
+def _on_meta(factors: ParamFactors) -> ParamFactors:
+    return factors.map_tensors(lambda t: t.to("meta"))
+
+
+def _largest_bytes(curvature) -> int:
+    """Bytes of the storages of a group's largest parameter's factors."""
+    sizes = [0]
+    grads = curvature.grad_factors or [None] * len(curvature.ggn_factors)
+    for ggn, grad in zip(curvature.ggn_factors, grads, strict=True):
+        tensors = [t for f in (ggn, grad) if f is not None for t in f.tensors()]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tensors}  # fmt: skip
+        sizes.append(sum(storages.values()))
+    return max(sizes)
+
+
+def _numel(params: Sequence[Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _key(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor],
+    param_groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    engine: Engine,
+) -> tuple:
+    """What the profile depends on: shapes, types, options; not the batch size."""
+    inputs, targets = batch
+    targets = (None,) if targets is None else (tuple(targets.shape[1:]), targets.dtype)
+    return (
+        tuple((n, type(m)) for n, m in model.named_modules()),
+        tuple(
+            (n, tuple(p.shape), p.dtype, p.device, p.requires_grad)
+            for n, p in model.named_parameters()
+        ),  # fmt: skip
+        tuple((tuple(t.shape[1:]), t.dtype) for t in input_tensors(inputs)),
+        targets,
+        type(loss_func),
+        tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(loss_func).items()
+                if isinstance(v, int | float | str | bool | None)
+            )
+        ),  # fmt: skip
+        tuple(tuple(id(p) for p in group) for group in param_groups),
+        (options.mc_samples, options.mc_per, options.gram_dtype),
+        id(options.output) if callable(options.output) else options.output,
+        type(engine),
+    )
