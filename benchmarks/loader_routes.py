@@ -1,14 +1,16 @@
-"""The route ``solver="auto"`` takes over a data loader, against each route's time.
+"""The route ``route="auto"`` takes over a data loader, against each route's time.
 
-``LowRankGGN(model, loss_func, loader, solver=...)`` followed by
-``eigh(top_k=10)``, in CPU time (one thread) over that of one forward+backward
-pass of every batch (the best of five), for ``"auto"`` and each solver named;
+``LowRankGGN(model, loss_func, loader, ...)`` followed by ``eigh(top_k=10)``,
+in CPU time (one thread) over that of one forward+backward pass of every batch
+(the best of five), for each choice named: ``auto`` (the defaults),
+``implicit`` (``route="implicit"``) or a Gram-route solver (``dense``,
+``gram_krylov``, ``factor_krylov``);
 printed as one JSON line with the route ``"auto"`` took and its reason
 (``docs/math.rst``, "Choosing the route"; ``benchmarks/README.md``, "The route
 for data loaders").
 
 Run: ``python benchmarks/loader_routes.py --problem char-lstm --samples 32
---batch-size 8 --solvers auto implicit iterative``.
+--batch-size 8 --choices auto implicit gram_krylov``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ def cpu_time(function) -> tuple[float, object]:
     return time.process_time() - start, result
 
 
-def request(model, loss_func, loader, solver: str) -> LowRankGGN:
+def request(model, loss_func, loader, choice: str) -> LowRankGGN:
     """The curvature of the loader and its top 10 eigenpairs."""
-    ggn = LowRankGGN(model, loss_func, loader, solver=solver, progress=False)
+    options = (
+        {"route": choice}
+        if choice in ("auto", "implicit")
+        else {"route": "gram", "solver": choice}
+    )
+    ggn = LowRankGGN(model, loss_func, loader, progress=False, **options)
     ggn.eigh(top_k=10)
     return ggn
 
@@ -50,7 +57,7 @@ def main() -> None:
     parser.add_argument("--problem", choices=sorted(PROBLEMS), required=True)
     parser.add_argument("--samples", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--solvers", nargs="+", default=["auto", "implicit"])
+    parser.add_argument("--choices", nargs="+", default=["auto", "implicit"])
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the rounding floor's, reported elsewhere
     torch.set_num_threads(1)
@@ -65,10 +72,10 @@ def main() -> None:
         for _ in range(5)
     )
     result = {"problem": args.problem, "samples": args.samples, "batch": size}
-    for solver in args.solvers:
-        seconds, ggn = cpu_time(lambda s=solver: request(model, loss_func, loader, s))
-        result[solver] = round(seconds / unit, 1)
-        if solver == "auto":
+    for choice in args.choices:
+        seconds, ggn = cpu_time(lambda c=choice: request(model, loss_func, loader, c))
+        result[choice] = round(seconds / unit, 1)
+        if choice == "auto":
             result["route"], result["reason"] = ggn.plan.route, ggn.plan.reason
     print(json.dumps(result))
 

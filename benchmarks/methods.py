@@ -246,15 +246,15 @@ METHODS: dict[str, Method] = {
     ),
     "vivit-iterative": vivit_method(
         "this library, exact GGN, top-10, block Krylov on the Gram matrix",
-        solver="iterative",
+        solver="gram_krylov",
     ),
     "vivit-matrix-free": vivit_method(
         "this library, exact GGN, top-10, block Krylov on V-products (no Gram)",
-        solver="matrix_free",
+        solver="factor_krylov",
     ),
     "vivit-implicit": vivit_method(
         "this library, exact GGN, top-10, implicit GGN-vector products (no V)",
-        solver="implicit",
+        route="implicit",
     ),
     "vivit-gamma-lambda": vivit_method(
         "this library, exact GGN, γ and λ of every sample along the top-10 "
@@ -264,7 +264,7 @@ METHODS: dict[str, Method] = {
     "vivit-implicit-gamma-lambda": vivit_method(
         "this library, exact GGN, γ and λ along the top-10, implicit route",
         directional=True,
-        solver="implicit",
+        route="implicit",
     ),
     "vivit-mc1-gamma-lambda": vivit_method(
         "this library, Monte-Carlo GGN (1 sample), γ and λ along the top-10",

@@ -12,13 +12,13 @@ shard and rank 0 records the time of each phase:
 - ``backward``: the construction of ``LowRankGGN`` on the rank's shard minus
   the exchange and the Gram matrix (the agreement round and the engine's
   backward pass);
-- ``exchange``: the block round and the all-gather of the factors
+- ``exchange``: the shard round and the all-gather of the factors
   (``ggn.communication.seconds``; includes waiting for the slowest rank);
 - ``gram``: forming the union's Gram matrix: with several processes at
   construction, each rank its share of the blocks plus their all-gather
   (``ggn.communication.gram_seconds``); in one process ``ggn.gram()``;
 - ``solver``: the top-10 eigenpairs of the formed Gram matrix
-  (``solver="iterative"``).
+  (``solver="gram_krylov"``).
 
 Strong scaling: the union batch ``N`` is fixed, each rank holds ``N / W``
 samples. Weak scaling: each rank holds ``n`` samples, the union ``W·n``. The
@@ -172,7 +172,7 @@ def worker(args: argparse.Namespace) -> None:
             built, built_cpu = time.perf_counter(), time.process_time()
             ggn.gram()
             formed = time.perf_counter()
-            ggn.eigh(TOP_K, solver="iterative")
+            ggn.eigh(TOP_K, solver="gram_krylov")
             solved = time.perf_counter()
             report = ggn.communication
             exchange = report.seconds + report.gram_seconds

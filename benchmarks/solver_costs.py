@@ -69,7 +69,7 @@ def measure(
 
     times = {"backward": backward}
     times["gram"], _ = cpu_time(gram, repeats)
-    for solver in ("iterative", "matrix_free", "dense"):
+    for solver in ("gram_krylov", "factor_krylov", "dense"):
 
         def solve(solver=solver):
             ggn._leading.clear()  # benchmark only: drop the cached pairs
@@ -85,8 +85,8 @@ def measure(
     predicted = {
         "gram": work.formation,
         "dense": work.dense,
-        "iterative": work.iterative,
-        "matrix_free": work.matrix_free,
+        "gram_krylov": work.iterative,
+        "factor_krylov": work.matrix_free,
     }
     auto = top_k_module.choose_solver(size, top_k, device=X.device, **options)
     return {
@@ -124,15 +124,15 @@ def main() -> None:
             t, r = record["cpu_seconds"], record["rate"]
             totals = {
                 "dense": t["gram"] + t["dense"],
-                "iterative": t["gram"] + t["iterative"],
-                "matrix_free": t["matrix_free"],
+                "gram_krylov": t["gram"] + t["gram_krylov"],
+                "factor_krylov": t["factor_krylov"],
             }
             best = min(totals, key=totals.get)
             print(
                 f"{problem} N={batch_size} R={record['size']}: backward "
                 f"{t['backward']:.3f} s; gram {t['gram']:.3f} s; dense "
-                f"{t['dense']:.3f} s; iterative {t['iterative']:.3f} s; matrix-free "
-                f"{t['matrix_free']:.3f} s | after the backward pass: "
+                f"{t['dense']:.3f} s; iterative {t['gram_krylov']:.3f} s; matrix-free "
+                f"{t['factor_krylov']:.3f} s | after the backward pass: "
                 + ", ".join(f"{k} {v:.3f}" for k, v in totals.items())
                 + f" → fastest {best}, auto {record['auto']} | rates [GMAdd/s]: "
                 + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in r.items()),

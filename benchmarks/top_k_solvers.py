@@ -26,7 +26,7 @@ from torch import nn
 
 from vivit import LowRankGGN
 
-SOLVERS = ("dense", "iterative", "matrix_free", "auto")
+SOLVERS = ("dense", "gram_krylov", "factor_krylov", "auto")
 
 
 def mlp() -> nn.Module:
@@ -76,7 +76,7 @@ def main() -> None:
 
         total_time, (evals, report) = timed(total, args.repeats)
         eigh_time = float("nan")
-        if solver != "matrix_free":
+        if solver != "factor_krylov":
             ggn = LowRankGGN(model, loss_func, data, solver=solver)
             ggn.gram()
 

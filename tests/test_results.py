@@ -84,7 +84,7 @@ class Source:
         return self.build.__name__
 
 
-SOURCES = [Source(LowRankGGN, "matrix_free"), Source(StreamingGGN, "streaming")]
+SOURCES = [Source(LowRankGGN, "factor_krylov"), Source(StreamingGGN, "factor_krylov")]
 PROBLEMS = [
     get_problem(name)
     for name in (
@@ -298,7 +298,7 @@ class Recorded:
 @parametrize_sources
 def test_per_call_tolerance_and_seed(monkeypatch, source):
     ref = reference("mlp_tanh-ce-mean")
-    ggn = build(source, ref, solver="matrix_free", solver_tol=1e-4, solver_seed=3)
+    ggn = build(source, ref, solver="factor_krylov", solver_tol=1e-4, solver_seed=3)
     recorded = Recorded(monkeypatch)
     exact = torch.linalg.eigvalsh(ref.ggn)
 
@@ -328,7 +328,7 @@ def test_per_call_tolerance_and_seed(monkeypatch, source):
 def test_solver_report_names_the_route(source):
     ggn = build(source, reference("cnn-mse-sum"))
     assert ggn.solver_report() is None
-    ggn.eigh(2, solver="matrix_free")
+    ggn.eigh(2, solver="factor_krylov")
     report = ggn.solver_report()
     assert (report.solver, report.requested) == (source.route, source.route)
     assert report.converged and report.residual <= report.tolerance

@@ -73,7 +73,7 @@ def test_streaming_equals_stored_factors_and_reference(problem, engine):
     report = streaming.solver_report()
     assert_eigenpairs(evals, evecs, G, stored.gram().shape[0], report.tolerance)
     assert report.tolerance == report.requested_tolerance  # no rounding floor
-    assert report.solver == "streaming" and report.converged
+    assert report.solver == "factor_krylov" and report.converged
     # two passes per product with G̃, one for the eigenvectors
     assert streaming.passes == 3 + 2 * len(calls) + 1
 
@@ -355,7 +355,7 @@ def test_refusals_name_what_needs_the_gram_matrix(monkeypatch):
     ):
         with pytest.raises(InvalidArgumentError, match=never_forms):
             refused()
-    for solver in ("dense", "iterative"):
+    for solver in ("dense", "gram_krylov"):
         with pytest.raises(InvalidArgumentError, match=f"solver='{solver}' needs the"):
             ggn.eigh(top_k=2, solver=solver)
     assert ggn.passes == 1  # every refusal before a pass
@@ -364,7 +364,7 @@ def test_refusals_name_what_needs_the_gram_matrix(monkeypatch):
         def __iter__(self):
             raise AssertionError("the data were read before the options were refused")
 
-    for solver in ("dense", "iterative"):  # refused before the first pass
+    for solver in ("dense", "gram_krylov"):  # refused before the first pass
         with pytest.raises(InvalidArgumentError, match=f"solver='{solver}' needs the"):
             StreamingGGN(model, loss_func, Unread(), solver=solver)
     with pytest.raises(InvalidArgumentError, match="subsampling selects samples"):

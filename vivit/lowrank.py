@@ -13,8 +13,8 @@ from vivit._validation import check_grad_mode
 from vivit.distributed import ShardExchange, local_module, resolve_group
 from vivit.engines.base import Engine, OutputSelector
 from vivit.memory.plan import Plan
-from vivit.memory.request import agreed_plan, plan_request
-from vivit.options import CurvatureOptions
+from vivit.memory.request import agreed_plan, asked, plan_request
+from vivit.options import CurvatureOptions, derived
 from vivit.results import CurvatureResults
 from vivit.sources.collector import GroupCurvature, checked_param_groups
 from vivit.sources.data import Data
@@ -64,6 +64,7 @@ class LowRankGGN(CurvatureResults):
         subsampling: As for :class:`~vivit.options.CurvatureOptions`.
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
+        route: As for :class:`~vivit.options.CurvatureOptions`.
         solver: As for :class:`~vivit.options.CurvatureOptions`.
         solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
         solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
@@ -71,7 +72,7 @@ class LowRankGGN(CurvatureResults):
         progress: As for :class:`~vivit.options.CurvatureOptions`.
         process_group: As for :class:`~vivit.options.CurvatureOptions`. The
             Gram route forms the Gram matrices at construction, their blocks
-            split over the ranks (not with ``solver="matrix_free"``); nothing
+            split over the ranks (not with ``solver="factor_krylov"``); nothing
             after its construction communicates. On the implicit route every
             product is summed over the ranks (one ``all_reduce``), so every
             rank must make the same calls in the same order. Each rank chooses
@@ -121,6 +122,7 @@ class LowRankGGN(CurvatureResults):
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
+        route: str = "auto",
         solver: str = "auto",
         solver_tol: float | None = None,
         solver_seed: int = 0,
@@ -144,6 +146,7 @@ class LowRankGGN(CurvatureResults):
                 subsampling=subsampling,
                 generator=generator,
                 gram_dtype=gram_dtype,
+                route=route,
                 solver=solver,
                 solver_tol=solver_tol,
                 solver_seed=solver_seed,
@@ -206,9 +209,9 @@ class LowRankGGN(CurvatureResults):
             data = Data(module, loss_func, data, checked, grouped=group is not None)
             plan = plan_request(module, loss_func, data, groups, checked)
             # under a group every rank runs one route, decided from every shard's
-            plan = shards.decide((checked.solver, plan), agreed_plan)
+            plan = shards.decide((asked(checked), plan), agreed_plan)
             if plan.route == "implicit":  # no engine, no V: G v by JVP and VJP
-                checked = checked.replace(solver="implicit")
+                checked = derived(checked, route="implicit")
                 source = ImplicitFactors(
                     module, loss_func, data, groups, checked, shards, plan
                 )

@@ -92,20 +92,22 @@ class CurvatureOptions:
             results (Gram matrix, eigenvalues, ``γ``, ``λ``) come in
             ``gram_dtype``; parameter-space results (eigenvectors, steps, the
             gradient) in the parameters' dtype.
-        solver: Default eigensolver for a few leading eigenpairs (``top_k``):
-            ``"auto"`` (chosen by cost models: for a mini-batch or a loader,
-            the route at construction, :mod:`vivit.memory.route`; then the
-            Gram-space solver, :mod:`vivit.linalg.top_k`), ``"dense"``
-            (LAPACK on the Gram matrix), ``"iterative"`` (block Krylov on the
-            Gram matrix), ``"matrix_free"`` (block Krylov on products with
-            ``V``; the Gram matrix is never formed) or ``"implicit"``
-            (:class:`~vivit.LowRankGGN` only, chosen at construction: no engine
-            runs and no ``V`` exists; block Krylov on ``G v = Jᵀ H J v`` by a
-            JVP and a VJP through the model, ``docs/math.rst``, "Implicit
-            GGN-vector products" and "Choosing the route"). Every method that
-            takes ``top_k`` also takes ``solver`` to override it. Requests for all
-            eigenpairs (``top_k=None``, :meth:`~vivit.LowRankGGN.eigvalsh`)
-            always decompose the Gram matrix densely.
+        route: Where the curvature comes from (:class:`~vivit.LowRankGGN`,
+            decided at construction): ``"gram"`` (an engine's factors of ``V``,
+            a Gram-space solver), ``"implicit"`` (no ``V``: block Krylov on
+            ``G v = Jᵀ H J v`` by a JVP and a VJP through the model), or
+            ``"auto"``: the one the plan takes by memory and cost
+            (:mod:`vivit.memory.plan`; ``docs/math.rst``, "Choosing the route").
+        solver: The Gram route's eigensolver for a few leading eigenpairs
+            (``top_k``): ``"auto"`` (by the cost model,
+            :mod:`vivit.memory.costs`), ``"dense"`` (LAPACK on the Gram matrix),
+            ``"gram_krylov"`` (block Krylov on the Gram matrix) or
+            ``"factor_krylov"`` (block Krylov on products with the factors of
+            ``V``; the Gram matrix is never formed). A solver by name takes the
+            Gram route. Every method that takes ``top_k`` also takes ``solver``
+            to override it. Requests for all eigenpairs (``top_k=None``,
+            :meth:`~vivit.LowRankGGN.eigvalsh`) decompose the Gram matrix
+            densely.
         solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
             iterative solvers (default ``max(100·ε, 1e-12)`` of the data type);
             a method that takes ``tol`` overrides it per call.
@@ -143,7 +145,7 @@ class CurvatureOptions:
             (:class:`~vivit.DistributedError` on the others). A
             ``DistributedDataParallel`` model runs as its ``.module``. Not with
             ``chunk_size`` (each rank exchanges its shard as one block). With
-            ``solver="implicit"`` every rank passes over its own shard in every
+            ``route="implicit"`` every rank passes over its own shard in every
             product and the products are summed over the ranks: every call that
             multiplies is then a collective, made by every rank alike
             (``docs/math.rst``, "Implicit products on several processes").
@@ -190,6 +192,7 @@ class CurvatureOptions:
     subsampling: Sequence[int] | None = None
     generator: torch.Generator | None = None
     gram_dtype: torch.dtype | None = None
+    route: str = "auto"
     solver: str = "auto"
     solver_tol: float | None = None
     solver_seed: int = 0
@@ -202,6 +205,10 @@ class CurvatureOptions:
     group: ProcessGroup | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise InvalidArgumentError(
+                f"route must be one of {ROUTES}, got {self.route!r}."
+            )
         check_solver(self.solver)
         check_tolerance(self.solver_tol, "solver_tol")
         check_seed(self.solver_seed, "solver_seed")
@@ -220,7 +227,7 @@ class CurvatureOptions:
         check_max_batches(self.max_batches)
         object.__setattr__(self, "group", resolve_group(self.process_group))
         obstacle = implicit_obstacle(self)
-        if self.solver == "implicit" and obstacle is not None:
+        if self.route == "implicit" and obstacle is not None:
             raise InvalidArgumentError(obstacle)
         if self.chunk_size is not None and self.group is not None:
             raise InvalidArgumentError(
@@ -246,6 +253,24 @@ class CurvatureOptions:
         return dataclasses.replace(self, **changes)
 
 
+def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
+    """A copy with options the library derives from checked ones, not checked again.
+
+    Args:
+        options: Checked options.
+        **changes: Valid values (a subsampling as a tuple; ``process_group``
+            ``False``: this process alone).
+
+    Returns:
+        The copy.
+    """
+    copy = object.__new__(CurvatureOptions)
+    copy.__dict__.update(options.__dict__, **changes)
+    if changes.get("process_group", True) is False:
+        copy.__dict__["group"] = None
+    return copy
+
+
 def check_option_names(names: Iterable[str], also: str = "") -> None:
     """Refuse names that are not options of :class:`CurvatureOptions`.
 
@@ -266,25 +291,74 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
         )
 
 
+#: The accepted values of ``route``.
+ROUTES = ("auto", "gram", "implicit")
+
+
 def implicit_obstacle(options: CurvatureOptions) -> str | None:
     """Why the implicit route cannot honour the options, or ``None`` if it can."""
+    if options.solver != "auto":
+        return (
+            f"solver={options.solver!r} runs on the Gram route (on the Gram "
+            "matrix or the factors of V), which route='implicit' never forms: "
+            "drop solver, or use route='gram'."
+        )
     if options.mc_samples:
         return (
-            "solver='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
+            "route='implicit' multiplies the exact loss Hessian (diag(p) − ppᵀ "
             "per position, never formed), which costs what a sampled one would: "
             "Monte-Carlo sampling saves nothing there. Drop mc_samples, or use a "
-            "Gram route (solver='auto') for the MC estimate."
+            "Gram route (route='auto' or 'gram') for the MC estimate."
         )
     if options.gram_dtype is not None:
         return (
             "gram_dtype is the type of the Gram matrix and of the products with V, "
-            "which solver='implicit' never forms: its products run in the model's "
+            "which route='implicit' never forms: its products run in the model's "
             "type (the eigensolver's basis in float64). Drop gram_dtype, or cast "
             "the model (model.double()) for float64 products."
         )
     if not runs_without_engine(options.engine):
         return (
-            f"solver='implicit' runs no engine (its products are torch.func's), got "
+            f"route='implicit' runs no engine (its products are torch.func's), got "
             f"engine={options.engine!r}: drop engine, or use a Gram route."
         )
     return None
+
+
+def check_streaming_solver(solver: str) -> None:
+    """Refuse a solver that needs the Gram matrix, which a stream never forms."""
+    if solver in ("dense", "gram_krylov"):
+        raise InvalidArgumentError(
+            f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "
+            "forms: use solver='auto' or 'factor_krylov' (block Krylov on "
+            "products by passes over the data), or LowRankGGN over the loader."
+        )
+
+
+def check_streaming(options: CurvatureOptions) -> None:
+    """Refuse the options :class:`~vivit.StreamingGGN` cannot honour, naming them.
+
+    Raises:
+        InvalidArgumentError: For a solver that needs the Gram matrix, the
+            implicit route, a subsampling or a process group.
+    """
+    check_streaming_solver(options.solver)
+    if options.route == "implicit":
+        raise InvalidArgumentError(
+            "route='implicit' is a route of LowRankGGN: build LowRankGGN(model, "
+            "loss_func, loader, route='implicit'), which keeps no factors either "
+            "and passes over the loader in every product."
+        )
+    if options.subsampling is not None:
+        raise InvalidArgumentError(
+            "subsampling selects samples of one mini-batch, which StreamingGGN "
+            "does not need: pass a loader over the samples whose curvature you "
+            "want (or LowRankGGN(..., subsampling=...) for one mini-batch)."
+        )
+    if options.group is not None:
+        raise InvalidArgumentError(
+            "StreamingGGN streams over this process's loader alone: a process "
+            "group (the union of the ranks' loaders) is not supported. Pass "
+            "process_group=False, or use LowRankGGN(..., process_group=...) whose "
+            "factors are exchanged between the ranks."
+        )

@@ -13,7 +13,6 @@ parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs",
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import warnings
@@ -133,7 +132,7 @@ class CurvatureResults:
 
         ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
         (``docs/math.rst``, "Precision and the numerical zero"). With
-        ``solver="implicit"`` (no Gram matrix) the residual bound of the
+        ``route="implicit"`` (no Gram matrix) the residual bound of the
         group's latest leading pairs, ``(r + ρ)·λ_max`` ("Without the Gram
         matrix: the residual bound").
 
@@ -145,14 +144,14 @@ class CurvatureResults:
             leading pairs.
 
         Raises:
-            InvalidArgumentError: With ``solver="implicit"``, before any
+            InvalidArgumentError: With ``route="implicit"``, before any
                 request with ``top_k``.
         """
         source = self._source.group(group)
         if source.parameter_space:
             if group not in self._residual_zeros:
                 raise InvalidArgumentError(
-                    "solver='implicit' forms neither V nor the Gram matrix: its "
+                    "route='implicit' forms neither V nor the Gram matrix: its "
                     "numerical zero is the residual bound of the leading pairs it "
                     "computed, and none were computed yet. Call eigh(top_k=...) "
                     "(or another request with top_k) first."
@@ -323,26 +322,20 @@ class CurvatureResults:
             workspace = dense_workspace_bytes(size, top_k, source.dtype, source.device)
         else:
             workspace = iterative_workspace_bytes(size, top_k, source.dtype)
-        # products by passes over the data: no Gram matrix to fall back to
-        no_gram = source.route in ("matrix_free", "implicit")
         evals, evecs, report = leading_eigenpairs(
             products,
             top_k,
             solver,
             lambda: source.form_gram(workspace),
             size=size,
-            requested=requested if no_gram else solver,
+            # without a Gram matrix there is no dense solve to fall back to
+            requested=requested if "dense" in source.solvers else solver,
             dtype=source.dtype,
             device=source.device,
             tol=tol,
             seed=seed,
             max_columns=max_columns,
         )
-        if report.solver == "matrix_free" and source.route == "streaming":
-            # products by passes over the data (StreamingGGN)
-            report = dataclasses.replace(
-                report, solver=source.route, requested=source.route
-            )
         return evals, evecs, report
 
     def _param_directions(

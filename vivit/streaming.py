@@ -19,7 +19,7 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_grad_mode
 from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import InvalidArgumentError
-from vivit.options import CurvatureOptions
+from vivit.options import CurvatureOptions, check_streaming
 from vivit.results import CurvatureResults
 from vivit.sources.streamed import StreamedFactors
 
@@ -45,7 +45,7 @@ class StreamingGGN(CurvatureResults):
     (:class:`~vivit.options.CurvatureOptions`) and answers its methods, with
     what needs the whole Gram matrix refused by name: :meth:`gram`,
     :meth:`eigvalsh`, :meth:`zero_tolerance`, ``top_k=None`` and the solvers
-    ``"dense"`` and ``"iterative"`` (:class:`~vivit.InvalidArgumentError`).
+    ``"dense"`` and ``"gram_krylov"`` (:class:`~vivit.InvalidArgumentError`).
 
     The loader must be re-iterable and yield the same batches every time
     (``DataLoader(..., shuffle=False)``, no random augmentation): this is
@@ -78,8 +78,8 @@ class StreamingGGN(CurvatureResults):
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`: type of every
             product.
-        solver: ``"auto"`` or ``"matrix_free"``: block Krylov on the products
-            (reported as ``"streaming"``).
+        solver: ``"auto"`` or ``"factor_krylov"``: block Krylov on the products
+            (recomputed by passes over the data).
         solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
         solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
         engine: As for :class:`~vivit.options.CurvatureOptions`.
@@ -103,7 +103,7 @@ class StreamingGGN(CurvatureResults):
     Raises:
         VivitError: As :class:`~vivit.LowRankGGN` for malformed arguments or
             batches; :class:`~vivit.InvalidArgumentError` for an iterator, the
-            solver ``"dense"`` or ``"iterative"``, a subsampling or a process
+            solver ``"dense"`` or ``"gram_krylov"``, a subsampling or a process
             group (before the first pass).
     """
 
@@ -146,6 +146,7 @@ class StreamingGGN(CurvatureResults):
             output=output,
             max_batches=max_batches,
         )
+        check_streaming(options)
         self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
         super().__init__(self._stream, options)
 

@@ -17,7 +17,7 @@ from vivit import InvalidArgumentError, ParamGroupError
 from vivit.analysis import audit as audit_module
 from vivit.analysis import audit_approximations
 from vivit.losses import LossCurvature
-from vivit.sources.union import base_seed, block_generator
+from vivit.sources.union import base_seed, part_generator
 
 RTOL = EIGVAL_RTOL[torch.float64]
 TOP_K, DAMPING, SEED, MC = 3, 0.1, 7, 2
@@ -41,7 +41,7 @@ def _dense_mc_ggn(model, loss_func, inputs, targets, samples, seed):
     output, J = dense_output_jacobian(model, inputs)
     # the stream of the batch's one block (docs/math.rst, "Data sets and processes")
     base = base_seed(torch.Generator().manual_seed(seed))
-    generator = block_generator(base, 0, "cpu")
+    generator = part_generator(base, 0, "cpu")
     roots = LossCurvature(loss_func, output, targets).sqrt_hessian(
         None, samples, generator
     )  # [M, N, *out]

@@ -2,7 +2,7 @@
 
 Run from the repository root as ``python -m tests.distributed.implicit_jobs JOB
 RANK WORLD_SIZE RENDEZVOUS_FILE OUT_DIR`` (``tests/distributed/spawn.py``): each
-rank computes every scenario of the job with ``solver="implicit"`` (or
+rank computes every scenario of the job with ``route="implicit"`` (or
 ``"auto"``) on its shard, the failure cases and data-parallel training, and
 saves the results (``OUT_DIR/rank{RANK}.pt``). The scenarios are defined here
 once, for the ranks and the references alike.
@@ -66,7 +66,7 @@ class Scenario:
         layer_groups: One parameter group per layer (else one group).
         ignored_shard: Every target of rank 0's shard is ignored (mean
             cross-entropy): its shard carries no weight.
-        solver: ``"implicit"``, or ``"auto"`` with the last rank's own choice
+        route: ``"implicit"``, or ``"auto"`` with the last rank's own choice
             forced to the implicit route (:func:`forced_route`).
         memory_cut: The last rank has memory for the smallest Krylov basis only.
     """
@@ -78,7 +78,7 @@ class Scenario:
     subsample: bool = False
     layer_groups: bool = False
     ignored_shard: bool = False
-    solver: str = "implicit"
+    route: str = "implicit"
     memory_cut: bool = False
 
 
@@ -92,7 +92,7 @@ SCENARIOS = {
     "cnn-ce-mean-memory-cut": Scenario("cnn", "ce", "mean", memory_cut=True),
     "lstm-ce-mean-loaders": Scenario("lstm", "ce", "mean", loader=True),
     "lstm-ce-sum": Scenario("lstm", "ce", "sum"),
-    "mlp-mse-mean-auto": Scenario("mlp", "mse", "mean", solver="auto"),
+    "mlp-mse-mean-auto": Scenario("mlp", "mse", "mean", route="auto"),
 }
 
 #: Scenarios of each job (the three-rank job is shorter: 3 processes on 2 cores).
@@ -174,7 +174,7 @@ def options(scenario: Scenario, model: nn.Module, rank: int, world_size: int) ->
     """Keyword arguments of ``LowRankGGN`` of a rank."""
     kwargs = {
         "param_groups": param_groups(scenario, model),
-        "solver": scenario.solver,
+        "route": scenario.route,
         "solver_tol": TOL,
     }
     if scenario.subsample:
@@ -205,7 +205,7 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
     model, loss_func, data = reference_data(scenario, world_size)
     kwargs = {
         "param_groups": param_groups(scenario, model),
-        "solver": "implicit",
+        "route": "implicit",
         "solver_tol": TOL,
         "process_group": False,
     }
@@ -222,7 +222,7 @@ def smallest_basis(model: nn.Module, loss_func: nn.Module, inputs: Tensor) -> in
     params = list(model.parameters())
     default = estimate_memory(
         model, inputs, len(inputs), loss_func=loss_func, top_k=TOP_K,
-        solver="implicit",
+        route="implicit",
     )  # fmt: skip
     size = sum(p.numel() for p in params)
     return smallest_basis_memory(default, TOP_K, params[0].dtype, size)[1]
@@ -289,7 +289,7 @@ def optimizer(model: nn.Module, loss_func: nn.Module, **kwargs) -> DampedNewton:
         lr=0.5,
         damping=0.1,
         top_k=2,
-        solver="implicit",
+        route="implicit",
         model=model,
         loss_func=loss_func,
         **kwargs,
@@ -324,7 +324,8 @@ def train(rank: int, world_size: int) -> dict[str, Tensor]:
 
 
 class ChangingLoader:
-    """A loader whose second pass yields other targets (as a shuffling one would)."""
+    """A loader whose every pass yields other targets than the one before (as a
+    shuffling one would)."""
 
     def __init__(self, batches: list[tuple[Tensor, Tensor]]):
         self.batches = batches
@@ -333,7 +334,7 @@ class ChangingLoader:
     def __iter__(self):
         self.passes += 1
         for inputs, targets in self.batches:
-            yield inputs, targets if self.passes == 1 else targets.flip(0)
+            yield inputs, targets if self.passes % 2 else targets.flip(0)
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -360,7 +361,7 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     last = rank == world_size - 1
 
     def implicit(data=(inputs, targets), net=model, **kwargs) -> LowRankGGN:
-        return LowRankGGN(net, loss_func, data, solver="implicit", **kwargs)
+        return LowRankGGN(net, loss_func, data, route="implicit", **kwargs)
 
     def changed_model() -> None:
         net = deepcopy(model)
@@ -400,7 +401,7 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         "directions": lambda: directions(implicit(), TOP_K - 1 if last else TOP_K),
         # different requests: refused in the route round and the request round
         "solver": lambda: LowRankGGN(
-            model, loss_func, (inputs, targets), solver="implicit" if last else "auto"
+            model, loss_func, (inputs, targets), route="implicit" if last else "auto"
         ),
         "tolerance": lambda: implicit(solver_tol=1e-10 if last else None),
     }

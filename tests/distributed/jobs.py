@@ -21,7 +21,7 @@ from tests.distributed.spawn import run_rank
 from tests.fixtures.problems import ARCHITECTURES
 from vivit import LowRankGGN
 from vivit.optim import DampedNewton
-from vivit.sources.union import block_generator
+from vivit.sources.union import part_generator
 
 #: Shard sizes per world size (uneven on purpose).
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
@@ -46,7 +46,7 @@ class Scenario:
         layer_groups: One parameter group per layer (else one group).
         subsample: Each rank's GGN samples are every other sample of its shard,
             backwards (local indices).
-        solver: The constructor's solver (``"matrix_free"``: no Gram matrix is
+        solver: The constructor's solver (``"factor_krylov"``: no Gram matrix is
             formed at construction).
         loader: Each rank passes a loader over its shard (batches ``LOADERS``).
         ignored_shard: Every target of rank 0's shard is ignored (cross-entropy):
@@ -80,7 +80,7 @@ SCENARIOS = {
         "sequence_linear", "ce", "mean", "func", mc_samples=3, layer_groups=True
     ),
     "mlp-mse-func-subsampled-matrix-free": Scenario(
-        "mlp_relu", "mse", "mean", "func", subsample=True, solver="matrix_free"
+        "mlp_relu", "mse", "mean", "func", subsample=True, solver="factor_krylov"
     ),
     "loader-mlp-ce_weighted-backpack": Scenario(
         "mlp_tanh", "ce_weighted", "mean", "backpack", loader=True
@@ -208,7 +208,7 @@ def quantities(ggn: LowRankGGN) -> dict[str, Tensor]:
         out[f"newton{g}"] = flat(
             [s.unsqueeze(0) for s in ggn.newton_step(None, g, 0.1)]
         )
-        out[f"top2-matrix-free{g}"] = ggn.eigh(2, g, solver="matrix_free")[0]
+        out[f"top2-matrix-free{g}"] = ggn.eigh(2, g, solver="factor_krylov")[0]
     return out
 
 
@@ -237,9 +237,9 @@ def reference(scenario: Scenario, world_size: int) -> dict[str, Tensor]:
         streams = loader_streams(world_size)
 
         def stream(seed: int, block: int, device: torch.device) -> torch.Generator:
-            return block_generator(seed, streams[block], device)
+            return part_generator(seed, streams[block], device)
 
-        with mock.patch("vivit.sources.union.block_generator", stream):
+        with mock.patch("vivit.sources.union.part_generator", stream):
             return quantities(LowRankGGN(model, loss_func, batches, **kwargs))
     if scenario.mc_samples:
         return quantities(LowRankGGN(model, loss_func, shards, **kwargs))

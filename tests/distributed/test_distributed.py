@@ -34,7 +34,7 @@ from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import DistributedError, InvalidArgumentError, LowRankGGN
 from vivit.distributed import ALIGNMENT, request_fingerprint, resolve_group
 from vivit.distributed.packing import Packer, pack_factors, unpack_factors
-from vivit.gram import SampleBlockFactors
+from vivit.gram import StackedFactors
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ def test_factors_in_sample_blocks_travel_block_by_block():
     model, loss_func, shards = setup(SCENARIOS[BYTES_SCENARIO], 2)
     ggn = LowRankGGN(model, loss_func, shards[1], process_group=False)
     weight = ggn._group(0).ggn_factors[0]
-    blocks = SampleBlockFactors([weight, weight.select([0, 2])], [1.0, 0.5])
+    blocks = StackedFactors([weight, weight.select([0, 2])], [1.0, 0.5])
     packer = Packer()
     description = pack_factors(blocks, torch.float64, packer)
     # every tensor in the buffer (counted), none pickled with the description
@@ -244,6 +244,6 @@ def test_factors_in_sample_blocks_travel_block_by_block():
     buffer = torch.zeros(packer.size, dtype=torch.uint8)
     packer.fill(buffer)
     rebuilt = unpack_factors(description, buffer)
-    assert isinstance(rebuilt, SampleBlockFactors)
+    assert isinstance(rebuilt, StackedFactors)
     assert rebuilt.scales == blocks.scales
     assert torch.equal(rebuilt.gram(rebuilt), blocks.gram(blocks))

@@ -240,8 +240,8 @@ def test_an_error_on_one_rank_raises_on_every_rank(jobs, world_size):
         "3 vectors (digest",
         "directions": "make different calls: rank {last} computes γ, λ of group 0 "
         "along 2 vectors",
-        "solver": "rank {last} asks for solver='implicit', rank 0 for 'auto'",
-        "tolerance": "rank {last} asks for solver = ('implicit', 1e-10, 0)",
+        "solver": "rank {last} asks for route='implicit', rank 0 for solver='auto'",
+        "tolerance": "rank {last} asks for solver = ('auto', 1e-10, 0)",
     }
     assert_raised_on_every_rank(jobs[world_size], own, last)
     for results in jobs[world_size]:
@@ -278,17 +278,18 @@ def test_the_agreed_route():
         return Plan(None, sizes, None, groups, (route, reason, forced))
 
     gram, implicit = plan("gram", "cheaper"), plan("implicit", "fits")
-    assert agreed_plan([("auto", gram)]) is gram
-    assert agreed_plan([("auto", gram), ("auto", gram)]) is gram
-    both = agreed_plan([("auto", gram), ("auto", implicit)])
+    auto, dense = "solver='auto'", "solver='dense'"
+    assert agreed_plan([(auto, gram)]) is gram
+    assert agreed_plan([(auto, gram), (auto, gram)]) is gram
+    both = agreed_plan([(auto, gram), (auto, implicit)])
     assert both.route == "implicit"
     assert "rank 0: gram route: cheaper; rank 1: implicit route: fits" in both.reason
-    same = agreed_plan([("auto", gram), ("auto", plan("gram", "other"))])
+    same = agreed_plan([(auto, gram), (auto, plan("gram", "other"))])
     assert same.route == "gram" and "every rank chose it" in same.reason
     with pytest.raises(DistributedError, match="rank 1 asks for solver='dense'"):
-        agreed_plan([("auto", gram), ("dense", gram)])
+        agreed_plan([(auto, gram), (dense, gram)])
     # a rank whose shard the implicit route cannot run (a one-pass iterator)
     forced = plan(*fixed_route(CurvatureOptions(), "an iterator is passed over once"))
     assert forced.route == "gram" and forced.forced
-    mixed = agreed_plan([("auto", implicit), ("auto", forced)])
+    mixed = agreed_plan([(auto, implicit), (auto, forced)])
     assert mixed.route == "gram" and "the only one some rank can run" in mixed.reason

@@ -169,7 +169,7 @@ def test_through_v_in_feature_blocks(shape, budget, blocks, monkeypatch):
     ],
 )
 def test_sample_blocks_within_budget(route, equation, budget, blocks, monkeypatch):
-    """The routes through sample pairs work on blocks of samples within the budget."""
+    """The routes through sample pairs work in chunks of samples within the budget."""
     N, C, G, T, O, P = 3, 2, 1, 2, 3, 2
     factors, a, s = random_factors(N, C, G, T, O, P)
     other, a2, s2 = random_factors(N + 1, 3, G, T, O, P, seed=1)

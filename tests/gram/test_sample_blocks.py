@@ -1,4 +1,4 @@
-"""SampleBlockFactors against the explicitly stacked ``Vᵀ = [V_1ᵀ; V_2ᵀ; …]``.
+"""StackedFactors against the explicitly stacked ``Vᵀ = [V_1ᵀ; V_2ᵀ; …]``.
 
 Blocks of different factor types (outer-product and dense) and sizes, as a data
 loader's batches give them. float64 products of a few entries: ``1e-12``.
@@ -7,7 +7,7 @@ loader's batches give them. float64 products of a few entries: ``1e-12``.
 import pytest
 import torch
 
-from vivit.gram import DenseFactors, OuterProductFactors, SampleBlockFactors
+from vivit.gram import DenseFactors, OuterProductFactors, StackedFactors
 
 C, G, T, O, P = 2, 1, 3, 4, 5
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -36,7 +36,7 @@ def stacked(blocks):
 
 
 def test_gram_of_blocks(blocks):
-    factors = SampleBlockFactors(blocks)
+    factors = StackedFactors(blocks)
     vt = stacked(blocks)
     assert factors.num_samples == 6 and factors.num_rows == 12
     torch.testing.assert_close(factors.materialize(), vt, **TOL)
@@ -46,12 +46,12 @@ def test_gram_of_blocks(blocks):
     torch.testing.assert_close(factors.gram(other), vt @ other.materialize().T, **TOL)
     torch.testing.assert_close(other.gram(factors), other.materialize() @ vt.T, **TOL)
     torch.testing.assert_close(blocks[1].gram(factors), vt[6:10] @ vt.T, **TOL)
-    two = SampleBlockFactors([dense(1, 4), outer(2, 5)])
+    two = StackedFactors([dense(1, 4), outer(2, 5)])
     torch.testing.assert_close(factors.gram(two), vt @ stacked(two.blocks).T, **TOL)
 
 
 def test_products(blocks):
-    factors = SampleBlockFactors(blocks)
+    factors = StackedFactors(blocks)
     vt = stacked(blocks)
     gen = torch.Generator().manual_seed(9)
     u = torch.randn(3, 12, generator=gen, dtype=torch.float64)
@@ -61,20 +61,20 @@ def test_products(blocks):
 
 
 def test_scaled_to_and_nesting(blocks):
-    factors = SampleBlockFactors(blocks)
+    factors = StackedFactors(blocks)
     vt = stacked(blocks)
     torch.testing.assert_close(factors.scaled(0.5).materialize(), 0.5 * vt, **TOL)
     torch.testing.assert_close(factors.materialize(), vt, **TOL)
     single = factors.to(torch.float32)
     assert single.dtype == torch.float32 and factors.dtype == torch.float64
     assert factors.to(torch.float64) is factors
-    nested = SampleBlockFactors([SampleBlockFactors(blocks[:2]), blocks[2]])
+    nested = StackedFactors([StackedFactors(blocks[:2]), blocks[2]])
     assert len(nested.blocks) == 3
     torch.testing.assert_close(nested.gram(), vt @ vt.T, **TOL)
 
 
 def test_select_across_blocks(blocks):
-    factors = SampleBlockFactors(blocks)
+    factors = StackedFactors(blocks)
     vt = stacked(blocks)
     for samples in ([4], [0, 1], [5, 0, 3, 4], [2, 3, 4, 5]):
         rows = [n * C + c for n in samples for c in range(C)]
@@ -89,22 +89,22 @@ def test_select_across_blocks(blocks):
 
 def test_blocks_must_agree(blocks):
     with pytest.raises(ValueError, match="at least one block"):
-        SampleBlockFactors([])
+        StackedFactors([])
     with pytest.raises(ValueError, match="disagree"):
-        SampleBlockFactors([blocks[0], DenseFactors(torch.randn(2, C, 3, P))])
+        StackedFactors([blocks[0], DenseFactors(torch.randn(2, C, 3, P))])
     with pytest.raises(ValueError, match="disagree"):
-        SampleBlockFactors([blocks[0], blocks[1].to(torch.float32)])
+        StackedFactors([blocks[0], blocks[1].to(torch.float32)])
 
 
 def test_scales_are_applied_lazily(blocks):
     """Scaled blocks equal the stacked scaled columns; no factor is copied."""
     scales = [0.5, 2.0, 3.0]
-    factors = SampleBlockFactors(blocks, scales)
+    factors = StackedFactors(blocks, scales)
     vt = torch.cat([s * b.materialize() for b, s in zip(blocks, scales, strict=True)])
     assert factors.tensors()[0] is blocks[0].tensors()[0]
     torch.testing.assert_close(factors.materialize(), vt, **TOL)
     torch.testing.assert_close(factors.gram(), vt @ vt.T, **TOL)
-    other = SampleBlockFactors([dense(2, 7)], [4.0])
+    other = StackedFactors([dense(2, 7)], [4.0])
     vt_other = 4.0 * other.blocks[0].materialize()
     torch.testing.assert_close(factors.gram(other), vt @ vt_other.T, **TOL)
     torch.testing.assert_close(other.gram(factors), vt_other @ vt.T, **TOL)
@@ -114,8 +114,8 @@ def test_scales_are_applied_lazily(blocks):
     torch.testing.assert_close(factors.vtmp(w), w.flatten(1) @ vt.T, **TOL)
     rows = [n * C + c for n in (5, 0, 4) for c in range(C)]
     torch.testing.assert_close(factors.select([5, 0, 4]).materialize(), vt[rows])
-    nested = SampleBlockFactors([factors, blocks[0]], [2.0, 1.0]).materialize()
+    nested = StackedFactors([factors, blocks[0]], [2.0, 1.0]).materialize()
     torch.testing.assert_close(nested, torch.cat([2 * vt, blocks[0].materialize()]))
     torch.testing.assert_close(factors.scaled(2.0).materialize(), 2 * vt, **TOL)
     with pytest.raises(ValueError, match="2 scales for 3 sample blocks"):
-        SampleBlockFactors(blocks, [1.0, 2.0])
+        StackedFactors(blocks, [1.0, 2.0])

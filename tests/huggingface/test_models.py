@@ -94,7 +94,7 @@ def test_hugging_face_models_on_the_implicit_route(name, reduction):
     model = model.double().eval()
     loss_func = nn.CrossEntropyLoss(reduction=reduction)
     ggn = LowRankGGN(
-        model, loss_func, (inputs, targets), output=output, solver="implicit"
+        model, loss_func, (inputs, targets), output=output, route="implicit"
     )
     assert ggn.plan.route == "implicit"
     evals, _ = ggn.eigh(top_k=3)

@@ -119,7 +119,7 @@ def test_mc_and_subsampling(problem, options):
     assert_rel(op.matvec(V), G @ V, REORDERED_REL)
     pinv = (E / evals) @ E.T  # every non-zero eigenpair: the pseudo-inverse
     assert_within(op.pinv_matvec(V), pinv @ V, DIRECTION_REL * V.norm() / evals.min())
-    for solver in ("iterative", "matrix_free"):
+    for solver in ("gram_krylov", "factor_krylov"):
         top = (E[:, -TOP_K:] / evals[-TOP_K:]) @ E[:, -TOP_K:].T
         assert_within(
             op.pinv_matvec(V, top_k=TOP_K, solver=solver),

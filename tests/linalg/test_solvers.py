@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import vivit.sources.stored
+import vivit.results
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
@@ -47,7 +47,7 @@ from vivit.linalg.iterative import (
 )
 from vivit.linalg.top_k import leading_eigenpairs
 
-ITERATIVE = ["iterative", "matrix_free"]
+ITERATIVE = ["gram_krylov", "factor_krylov"]
 TOP_K = 3
 DTYPE = torch.float64
 #: Problems for MC and subsampling (every layer type, both losses and reductions).
@@ -155,7 +155,7 @@ def test_per_layer_groups_matrix_free():
     ggn = LowRankGGN(model, loss_func, (X, y), param_groups=groups)
     for index, group in enumerate(groups):
         G = dense_ggn(model, loss_func, X, y, params=group)
-        evals, evecs = ggn.eigh(top_k=2, group=index, solver="matrix_free")
+        evals, evecs = ggn.eigh(top_k=2, group=index, solver="factor_krylov")
         assert_leading_pairs(evals, evecs, G, 2, ggn.gram(index).shape[0])
 
 
@@ -179,7 +179,7 @@ def test_matrix_free_never_forms_the_gram(monkeypatch):
     monkeypatch.setattr(vivit.sources.stored, "group_gram", refuse)
     problem = select(architecture="conv1d", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
-    ggn = LowRankGGN(model, loss_func, (X, y), solver="matrix_free")
+    ggn = LowRankGGN(model, loss_func, (X, y), solver="factor_krylov")
     ggn.eigh(top_k=TOP_K)
     ggn.newton_step(top_k=TOP_K)
     num_params = sum(p.numel() for p in model.parameters())
@@ -364,7 +364,7 @@ def test_narrow_block_doubt(theta, width, doubt):
     pairs accepted at a rounding floor."""
     theta = torch.tensor(sorted(theta), dtype=torch.float64)
     top_k = 3 if doubt == "ran out" else theta.numel()
-    report = SolverReport("iterative", "iterative", 0.0, 1e-8, True, 1, 1)
+    report = SolverReport("gram_krylov", "gram_krylov", 0.0, 1e-8, True, 1, 1)
     report = dataclasses.replace(report, requested_tolerance=1e-8)
     found = iterative.narrow_block_doubt(theta, report, width, top_k)
     assert found is None if doubt is None else doubt in found
@@ -550,15 +550,20 @@ def test_auto_prefers_the_dense_solver_to_a_rounding_floor():
     products = cancelling_products(A, 1000.0)
     with pytest.warns(RuntimeWarning, match="Falling back to the dense solver"):
         evals, _, report = leading_eigenpairs(
-            products, 5, "matrix_free", A.float, requested="auto", **arguments
+            products, 5, "factor_krylov", A.float, requested="auto", **arguments
         )
     assert report.solver == "dense" and report.rounding is None
     assert_top_eigvals(evals, CLUSTERED.flip(0), EIGVAL_RTOL[torch.float32])
     with pytest.warns(RoundingFloorWarning):
         _, _, report = leading_eigenpairs(
-            products, 5, "matrix_free", A.float, requested="matrix_free", **arguments
+            products,
+            5,
+            "factor_krylov",
+            A.float,
+            requested="factor_krylov",
+            **arguments,
         )
-    assert report.solver == "matrix_free" and report.rounding is not None
+    assert report.solver == "factor_krylov" and report.rounding is not None
 
 
 def test_block_krylov_deterministic_for_a_seed():
@@ -618,7 +623,7 @@ def test_block_krylov_not_converged():
 def test_auto_falls_back_to_dense(monkeypatch):
     """Under "auto" a solve that does not converge warns and uses the dense one."""
     monkeypatch.setattr(
-        vivit.sources.stored, "choose_solver", lambda *a, **k: "iterative"
+        vivit.results, "choose_solver", lambda *a, **k: "gram_krylov"
     )
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
@@ -635,7 +640,7 @@ def test_auto_falls_back_to_dense(monkeypatch):
     )
     explicit = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
     with pytest.raises(SolverNotConvergedError):
-        explicit.eigh(top_k=TOP_K, solver="iterative")
+        explicit.eigh(top_k=TOP_K, solver="gram_krylov")
 
 
 def test_leading_eigenpairs_reports_dense_residual():
@@ -669,7 +674,7 @@ def test_bad_solver_arguments():
             LowRankGGN(model, loss_func, (X, y), solver_seed=seed)
     ggn = LowRankGGN(model, loss_func, (X, y))
     with pytest.raises(ValueError, match="pass top_k"):
-        ggn.eigh(solver="matrix_free")
+        ggn.eigh(solver="factor_krylov")
     with pytest.raises(ValueError, match="solver must be one of"):
         ggn.newton_step(top_k=2, solver="cg")
     assert ggn.solver_report() is None

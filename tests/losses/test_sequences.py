@@ -267,7 +267,7 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
     engine, monkeypatch
 ):
     model, loss_func, X, y = _problem("mean")
-    options = {"engine": engine, "solver": "matrix_free"}
+    options = {"engine": engine, "solver": "factor_krylov"}
     needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, **options
     )
@@ -281,14 +281,14 @@ def test_a_batch_whose_factors_cannot_fit_is_refused_before_running(
     assert f"{N * C * T} columns" in message
     for option in ("mc_samples=1", "subsampling", "chunk_size", "StreamingGGN"):
         assert option in message
-    assert "solver='implicit'" in message
+    assert "route='implicit'" in message
     assert not ran  # refused before the engine ran
 
 
 def test_a_batch_that_fits_runs(monkeypatch):
     """Within the estimate's factor (ESTIMATE_FACTOR) the batch is not refused."""
     model, loss_func, X, y = _problem("mean")
-    options = {"engine": "backpack", "solver": "matrix_free"}
+    options = {"engine": "backpack", "solver": "factor_krylov"}
     needs = vivit.memory.estimate_memory(
         model, X[:1], N, loss_func=loss_func, **options
     )
@@ -319,4 +319,4 @@ def test_a_parameter_outside_the_leaf_layers_is_estimated(monkeypatch):
     assert needs.kept > 0
     available(monkeypatch, 0)
     with pytest.raises(FactorsTooLargeError):
-        LowRankGGN(model, loss_func, (X, y), solver="matrix_free")
+        LowRankGGN(model, loss_func, (X, y), solver="factor_krylov")

@@ -69,8 +69,8 @@ AUTO_REQUESTS = [
 ]
 
 
-def run_request(model, data, top_k, options, solver="implicit") -> None:
-    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), data, solver=solver, **options)
+def run_request(model, data, top_k, options, route="implicit") -> None:
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), data, route=route, **options)
     ggn.eigh(top_k=top_k)
 
 
@@ -86,9 +86,9 @@ def measure_auto() -> None:
         X, y = batch(N)
         data = (X, y) if loader_batch is None else _batches(X, y, loader_batch)
         warm_up = (X[:2], y[:2]) if loader_batch is None else data[:2]
-        run_request(model, warm_up, top_k, {}, solver="auto")
+        run_request(model, warm_up, top_k, {}, route="auto")
         measured = peak_increase(
-            partial(run_request, model, data, top_k, {}, solver="auto")
+            partial(run_request, model, data, top_k, {}, route="auto")
         )
         request = {"loss_func": loss_func, "top_k": top_k}
         estimate = (
@@ -118,7 +118,7 @@ def main() -> None:
         measured = peak_increase(partial(run_request, model, (X, y), top_k, options))
         estimate = estimate_memory(
             model, X[:1], N, loss_func=nn.CrossEntropyLoss(), top_k=top_k,
-            solver="implicit", **options,
+            route="implicit", **options,
         )  # fmt: skip
         print(
             json.dumps(

@@ -31,7 +31,7 @@ def estimate(model, loss_func, example, samples, batch_size, options) -> int:
     """The estimate of the pass over the loader (its factors kept), in bytes."""
     return estimate_data_set_memory(
         model, example, samples, batch_size, loss_func=loss_func, top_k=1,
-        solver="matrix_free", **options,
+        solver="factor_krylov", **options,
     ).passes  # fmt: skip
 
 

@@ -140,7 +140,7 @@ class SequenceFirstConv1D(nn.Module):
 
 
 REQUESTS = [
-    ("cnn", cnn, (3, 32, 32), 32, None, {}, ["dense", "matrix_free"]),
+    ("cnn", cnn, (3, 32, 32), 32, None, {}, ["dense", "factor_krylov"]),
     ("cnn-mc", cnn, (3, 32, 32), 32, None, {"mc_samples": 1}, ["auto"]),
     (
         "cnn-subsampled",
@@ -149,9 +149,9 @@ REQUESTS = [
         32,
         None,
         {"subsampling": list(range(16))},
-        ["matrix_free"],
+        ["factor_krylov"],
     ),
-    ("3c3d-like", cnn3c3d, (3, 32, 32), 128, None, {}, ["matrix_free"]),
+    ("3c3d-like", cnn3c3d, (3, 32, 32), 128, None, {}, ["factor_krylov"]),
     (
         "3c3d-like-chunked",
         cnn3c3d,
@@ -159,13 +159,13 @@ REQUESTS = [
         128,
         None,
         {"chunk_size": 16},
-        ["matrix_free", "dense"],
+        ["factor_krylov", "dense"],
     ),
     ("3c3d-like-chunk-1", cnn3c3d, (3, 32, 32), 64, None, {"chunk_size": 1}, ["auto"]),
-    ("mlp", mlp, (784,), 128, None, {}, ["iterative", "matrix_free"]),
+    ("mlp", mlp, (784,), 128, None, {}, ["gram_krylov", "factor_krylov"]),
     ("mlp-groups", mlp, (784,), 128, None, {"groups": True}, ["dense"]),
     ("mlp-float64-gram", mlp, (784,), 128, None, GRAM64, ["dense"]),
-    ("cnn-float64-gram", cnn, (3, 32, 32), 32, None, GRAM64, ["matrix_free"]),
+    ("cnn-float64-gram", cnn, (3, 32, 32), 32, None, GRAM64, ["factor_krylov"]),
     ("cnn-func", cnn, (3, 32, 32), 32, None, {"engine": "func"}, ["dense"]),
     (
         "cnn-func-float64-gram",
@@ -174,7 +174,7 @@ REQUESTS = [
         32,
         None,
         {"engine": "func", **GRAM64},
-        ["iterative"],
+        ["gram_krylov"],
     ),
     (
         "3c3d-like-func-chunked",
@@ -183,7 +183,7 @@ REQUESTS = [
         64,
         None,
         {"engine": "func", "chunk_size": 16},
-        ["matrix_free"],
+        ["factor_krylov"],
     ),
     ("layer-norm-mlp", layer_norm_mlp, (784,), 128, None, {}, ["auto"]),
     ("mlp-loader", mlp, (784,), 512, 64, {}, ["auto"]),

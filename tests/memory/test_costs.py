@@ -9,7 +9,7 @@ import vivit.memory.costs
 from tests.fixtures.memory import available
 from tests.fixtures.problems import mlp
 from vivit import LowRankGGN
-from vivit.gram import DenseFactors, OuterProductFactors, SampleBlockFactors
+from vivit.gram import DenseFactors, OuterProductFactors, StackedFactors
 from vivit.memory.costs import choose_solver
 
 CPU, F32, META = torch.device("cpu"), torch.float32, torch.device("meta")
@@ -34,15 +34,15 @@ def test_choose_solver_rules(monkeypatch):
     assert choose_solver(large, None, F32, CPU) == "dense"
     assert choose_solver(explicit(10, 10, 10**6), 50, F32, CPU) == "dense"
     # few pairs of a large Gram: iterative; of a small one: dense
-    assert choose_solver(large, 10, F32, CPU) == "iterative"
+    assert choose_solver(large, 10, F32, CPU) == "gram_krylov"
     assert choose_solver(small, 10, F32, CPU) == "dense"
     # a GGN smaller than its Gram matrix (D < N·C): matrix-free, unless formed
     thin = explicit(2000, 10, 1898)
-    assert choose_solver(thin, 5, F32, CPU) == "matrix_free"
-    assert choose_solver(thin, 5, F32, CPU, gram_formed=True) == "iterative"
+    assert choose_solver(thin, 5, F32, CPU) == "factor_krylov"
+    assert choose_solver(thin, 5, F32, CPU, gram_formed=True) == "gram_krylov"
     # a Gram matrix that does not fit: matrix-free
     available(monkeypatch, 2**26)
-    assert choose_solver(large, 10, F32, CPU) == "matrix_free"
+    assert choose_solver(large, 10, F32, CPU) == "factor_krylov"
 
 
 def benchmark_mlp(batch_size):
@@ -54,7 +54,7 @@ def benchmark_mlp(batch_size):
 
 
 @pytest.mark.parametrize(
-    "batch_size, expected", [(128, "iterative"), (512, "matrix_free")]
+    "batch_size, expected", [(128, "gram_krylov"), (512, "factor_krylov")]
 )
 def test_choose_solver_with_factors(monkeypatch, batch_size, expected):
     """The choices measured fastest on the benchmarks' MLP: at N = 512 forming
@@ -64,7 +64,7 @@ def test_choose_solver_with_factors(monkeypatch, batch_size, expected):
     factors = benchmark_mlp(batch_size)._group(0).ggn_factors
     assert choose_solver(factors, 10, F32, CPU) == expected
     # once the Gram matrix exists, its products are the cheaper ones
-    assert choose_solver(factors, 10, F32, CPU, gram_formed=True) == "iterative"
+    assert choose_solver(factors, 10, F32, CPU, gram_formed=True) == "gram_krylov"
 
 
 def test_choose_solver_compares_the_solves_after_forming_the_gram(monkeypatch):
@@ -80,7 +80,7 @@ def test_choose_solver_compares_the_solves_after_forming_the_gram(monkeypatch):
     available(monkeypatch, 2**40)
     large = [Costly(torch.empty(512, 10, 10**6, device=META))]
     small = [Costly(torch.empty(20, 10, 10**6, device=META))]
-    assert choose_solver(large, 10, F32, CPU) == "iterative"
+    assert choose_solver(large, 10, F32, CPU) == "gram_krylov"
     assert choose_solver(small, 10, F32, CPU) == "dense"
 
 
@@ -101,7 +101,7 @@ def test_v_products_pay_for_reading_the_factors(monkeypatch):
     factors = 4 * layer + [weight(500, 128)]
     assert choose_solver(factors, 10, F32, CPU) == "dense"
     monkeypatch.setattr(vivit.memory.costs, "memory_passes", lambda *args: 0.0)
-    assert choose_solver(factors, 10, F32, CPU) == "matrix_free"
+    assert choose_solver(factors, 10, F32, CPU) == "factor_krylov"
 
 
 def test_factor_work():
@@ -114,10 +114,8 @@ def test_factor_work():
     assert weight.gram_work() == (N * C) ** 2 * O + N**2 * P + (N * C) ** 2
     bias = ggn._group(0).ggn_factors[1]  # explicit columns
     assert bias.product_work(20) == 2 * 20 * N * C * O
-    # in two blocks of samples: the products add up; the Gram is two diagonal
+    # in two parts of the samples: the products add up; the Gram is two diagonal
     # blocks and one cross block (mirrored), 3/4 of the pairs of the whole
-    halves = SampleBlockFactors(
-        [weight.select(range(32)), weight.select(range(32, 64))]
-    )
+    halves = StackedFactors([weight.select(range(32)), weight.select(range(32, 64))])
     assert halves.product_work(20) == weight.product_work(20)
     assert halves.gram_work() == 3 * weight.gram_work() // 4

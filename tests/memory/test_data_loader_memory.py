@@ -57,7 +57,7 @@ def passes_bytes(model, loss_func, batches, **options):
     samples = sum(len(y) for _, y in batches)
     return estimate_data_set_memory(
         model, batches[0][0], samples, len(batches[0][1]), loss_func=loss_func,
-        top_k=1, solver="matrix_free", **options,
+        top_k=1, solver="factor_krylov", **options,
     ).passes  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def test_refused_before_the_pass_when_the_length_is_known(loader_setup, monkeypa
     available(monkeypatch, int(needed / FACTOR / 2))
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError) as error:
-        LowRankGGN(model, loss_func, loader, solver="matrix_free")
+        LowRankGGN(model, loss_func, loader, solver="factor_krylov")
     assert loader.taken == 1  # the first batch, measured
     message = str(error.value)
     for hint in ("passes over these 4 samples", "mc_samples=1", "StreamingGGN"):
@@ -91,7 +91,7 @@ def test_refused_before_the_batch_that_does_not_fit_without_length(
     available(monkeypatch, int((one + two) / 2 / FACTOR))
     loader = Counting(batches, sized=False)
     with pytest.raises(FactorsTooLargeError, match="one more batch") as error:
-        LowRankGGN(model, loss_func, loader, solver="matrix_free")
+        LowRankGGN(model, loss_func, loader, solver="factor_krylov")
     assert "first 1 of an unknown number" in str(error.value)
     assert loader.taken < 4
 
@@ -110,7 +110,7 @@ def test_dense_solver_refused_before_the_pass_when_its_gram_cannot_fit(
     with pytest.raises(GramTooLargeError, match="300 x 300"):
         LowRankGGN(model, loss_func, loader, solver="dense")
     assert loader.taken == 1
-    LowRankGGN(model, loss_func, Counting(batches), solver="matrix_free")
+    LowRankGGN(model, loss_func, Counting(batches), solver="factor_krylov")
 
 
 def test_a_loader_in_chunks_is_checked_too(loader_setup, monkeypatch):
@@ -121,7 +121,7 @@ def test_a_loader_in_chunks_is_checked_too(loader_setup, monkeypatch):
     available(monkeypatch, int(needed / FACTOR / 2))
     loader = Counting(batches)
     with pytest.raises(FactorsTooLargeError, match="passes over these 12 samples"):
-        LowRankGGN(model, loss_func, loader, chunk_size=1, solver="matrix_free")
+        LowRankGGN(model, loss_func, loader, chunk_size=1, solver="factor_krylov")
     assert loader.taken == 1
     available(monkeypatch, 2**40)
     chunked = LowRankGGN(model, loss_func, Counting(batches), chunk_size=1)

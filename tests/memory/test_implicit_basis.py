@@ -23,7 +23,7 @@ GIB = 2**30
 def _plan(model, X, top_k, bytes_):
     """The plan of the implicit route for 8 samples like ``X``."""
     groups = [list(model.parameters())]
-    options = CurvatureOptions(solver="implicit", process_group=False)
+    options = CurvatureOptions(route="implicit", process_group=False)
     return sized_plan(model, X, None, groups, options, Sizes.of([8], None, None),
                       available=bytes_)  # fmt: skip
 
@@ -35,7 +35,7 @@ def test_the_estimate_states_the_basis_that_fits(top_k):
     refused with the estimate's factor 1.5."""
     model, X = mlp(300, 200, 10), torch.randn(8, 300)
     size = sum(p.numel() for p in model.parameters())
-    width = solver_block_size("implicit", top_k, size)
+    width = solver_block_size("ggn_krylov", top_k, size)
     full = basis_capacity(width, size, top_k=top_k)
     least = minimum_capacity(top_k, width, size)
     default = _plan(model, X, top_k, 2**50).implicit_estimate(top_k)
@@ -44,7 +44,7 @@ def test_the_estimate_states_the_basis_that_fits(top_k):
 
     def workspace(columns=None):
         return iterative_workspace_bytes(
-            size, top_k, torch.float32, 0, columns, "implicit"
+            size, top_k, torch.float32, 0, columns, "ggn_krylov"
         )
 
     assert default.solve == workspace(full)

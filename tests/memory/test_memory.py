@@ -53,8 +53,8 @@ def test_estimate_against_measured_peak():
     assert results["tied-transformer-auto"]["engine"] == "func"
     assert results["conv1d-seq-first-auto"]["engine"] == "func"
     # chunks of 16 bound the backward pass of N=128
-    whole = results["3c3d-like-matrix_free"]["measured"]
-    assert results["3c3d-like-chunked-matrix_free"]["measured"] < 0.7 * whole
+    whole = results["3c3d-like-factor_krylov"]["measured"]
+    assert results["3c3d-like-chunked-factor_krylov"]["measured"] < 0.7 * whole
 
 
 @LINUX
@@ -80,7 +80,7 @@ def test_estimate_parts():
     model, X = mlp(20, 16, 10), torch.randn(2, 20)
     dense = estimate_memory(model, X, 100, top_k=None, solver="dense")
     assert dense.num_rows == 1000 and dense.solve >= 4 * 1000**2 * 4  # Gram, LAPACK
-    matrix_free = estimate_memory(model, X, 100, top_k=5, solver="matrix_free")
+    matrix_free = estimate_memory(model, X, 100, top_k=5, solver="factor_krylov")
     assert matrix_free.solve < dense.solve and matrix_free.total < dense.total
     assert matrix_free.kept == dense.kept > 0 and matrix_free.passes == dense.passes
     mc = estimate_memory(model, X, 100, top_k=5, solver="dense", mc_samples=1)
@@ -88,8 +88,8 @@ def test_estimate_parts():
     assert estimate_memory(model, X, 100, num_curvature_samples=10).num_rows == 100
     assert estimate_memory(model, X, 100, top_k=5).solver in (
         "dense",
-        "iterative",
-        "matrix_free",
+        "gram_krylov",
+        "factor_krylov",
     )
     sizes = [estimate_memory(model, X, n, solver="dense").total for n in (1, 10, 100)]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
@@ -97,13 +97,15 @@ def test_estimate_parts():
 
 def test_chunks_bound_the_passes():
     model, X = cnn(), torch.randn(2, 3, 16, 16)
-    whole = estimate_memory(model, X, 256, solver="matrix_free")
-    chunked = estimate_memory(model, X, 256, solver="matrix_free", chunk_size=32)
+    whole = estimate_memory(model, X, 256, solver="factor_krylov")
+    chunked = estimate_memory(model, X, 256, solver="factor_krylov", chunk_size=32)
     assert chunked.passes < whole.passes and chunked.kept == whole.kept
     assert chunked.num_rows == whole.num_rows == 2560
-    assert estimate_memory(model, X, 256, solver="matrix_free", chunk_size=256) == whole
+    assert (
+        estimate_memory(model, X, 256, solver="factor_krylov", chunk_size=256) == whole
+    )
     budget = (whole.total + chunked.total) // 2
-    search = {"solver": "matrix_free", "count_resident": False}
+    search = {"solver": "factor_krylov", "count_resident": False}
     assert largest_batch(model, X, budget, **search) < 256
     assert largest_batch(model, X, budget, chunk_size=32, **search) >= 256
 
@@ -114,7 +116,7 @@ def test_chunks_never_raise_the_estimate():
     layers = [m for _ in range(8) for m in (nn.Linear(256, 256), nn.Tanh())]
     model, X = nn.Sequential(*layers, nn.Linear(256, 10)), torch.randn(1, 256)
     totals = [
-        estimate_memory(model, X, 512, chunk_size=size, solver="matrix_free").total
+        estimate_memory(model, X, 512, chunk_size=size, solver="factor_krylov").total
         for size in (None, 64, 1)
     ]
     assert totals == sorted(totals, reverse=True), totals
@@ -142,7 +144,7 @@ def test_largest_batch():
     N = largest_batch(model, X, budget, solver="dense", **request)
     assert estimate_memory(model, X, N, top_k=10, solver="dense").total <= budget
     assert estimate_memory(model, X, N + 1, top_k=10, solver="dense").total > budget
-    assert largest_batch(model, X, budget, solver="matrix_free", **request) > N
+    assert largest_batch(model, X, budget, solver="factor_krylov", **request) > N
     assert largest_batch(model, X, 1, solver="dense", count_resident=False) == 0
     assert largest_batch(model, X, 2**60, max_batch_size=1000) == 1000
 
@@ -197,8 +199,8 @@ def test_options_by_the_runs_names():
 def test_engine_is_the_one_the_run_resolves():
     """``engine="auto"`` as the run resolves it."""
     model, X = cnn(), torch.randn(2, 3, 16, 16)
-    backpack = estimate_memory(model, X, 64, solver="matrix_free")
-    func = estimate_memory(model, X, 64, solver="matrix_free", engine="func")
+    backpack = estimate_memory(model, X, 64, solver="factor_krylov")
+    func = estimate_memory(model, X, 64, solver="factor_krylov", engine="func")
     assert (backpack.engine, func.engine) == ("backpack", "func")
     assert func.kept > backpack.kept
     norm = nn.Sequential(nn.Linear(20, 16), nn.LayerNorm(16), nn.Linear(16, 10))
@@ -235,8 +237,8 @@ def test_an_engine_the_memory_code_does_not_know_is_estimated():
     """A new engine needs no change in the memory code: its own pass (here
     keeping a second copy of every factor) is measured, not modelled."""
     model, X = mlp(20, 16, 10), torch.randn(4, 20)
-    func = estimate_memory(model, X, 64, solver="matrix_free", engine="func")
-    doubling = estimate_memory(model, X, 64, solver="matrix_free", engine=Doubling())
+    func = estimate_memory(model, X, 64, solver="factor_krylov", engine="func")
+    doubling = estimate_memory(model, X, 64, solver="factor_krylov", engine=Doubling())
     assert doubling.engine == "doubling"
     ggn_factors = 64 * (20 + 10 * 16 + 16 + 10 * 10 + 10) * 4  # V's entries
     assert doubling.passes - func.passes >= ggn_factors
@@ -275,7 +277,7 @@ def test_misuse():
     with pytest.raises(ValueError, match="solver must be one of"):
         estimate_memory(model, X, 10, solver="eig")
     with pytest.raises(ValueError, match="pass top_k"):
-        estimate_memory(model, X, 10, top_k=None, solver="iterative")
+        estimate_memory(model, X, 10, top_k=None, solver="gram_krylov")
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
         estimate_memory(model, X, 10, chunk_size=-1)
     with pytest.raises(ValueError, match="budget_bytes must be positive"):
@@ -291,12 +293,12 @@ def test_refusal_uses_the_solver(monkeypatch):
     square = (problem.batch_size * problem.num_outputs) ** 2 * 8
     ggn = LowRankGGN(model, loss_func, (X, y))
     available(monkeypatch, square // 2)
-    with pytest.raises(GramTooLargeError, match="solver='matrix_free'"):
+    with pytest.raises(GramTooLargeError, match="solver='factor_krylov'"):
         ggn.eigh(top_k=2, solver="dense")
     with pytest.raises(GramTooLargeError):
         ggn.eigvalsh()
     evals, _ = ggn.eigh(top_k=2)  # auto: the Gram does not fit → matrix-free
-    assert ggn.solver_report().solver == "matrix_free"
+    assert ggn.solver_report().solver == "factor_krylov"
     assert evals.numel() == 2
 
 

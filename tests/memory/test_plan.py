@@ -113,8 +113,8 @@ def test_a_request_is_measured_once_per_shape(monkeypatch):
 def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
     """Gram factors beyond the memory, implicit products within it."""
     model, loss_func, X, y = _vocabulary_problem()
-    products = estimate_memory(model, X, N, loss_func=loss_func, solver="implicit")
-    gram = estimate_memory(model, X, N, loss_func=loss_func, solver="matrix_free")
+    products = estimate_memory(model, X, N, loss_func=loss_func, route="implicit")
+    gram = estimate_memory(model, X, N, loss_func=loss_func, solver="factor_krylov")
     assert gram.passes > ESTIMATE_FACTOR * products.total
     available(monkeypatch, products.total)
     ggn = LowRankGGN(model, loss_func, (X, y))
@@ -126,8 +126,8 @@ def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
 def test_neither_route_fits_is_refused_up_front(monkeypatch):
     s = PROBLEMS["lstm-ce-mean"].setup()
     args = (s.model, s.inputs, len(s.inputs))
-    products = estimate_memory(*args, loss_func=s.loss_func, solver="implicit")
-    gram = estimate_memory(*args, loss_func=s.loss_func, solver="matrix_free")
+    products = estimate_memory(*args, loss_func=s.loss_func, route="implicit")
+    gram = estimate_memory(*args, loss_func=s.loss_func, solver="factor_krylov")
     needed = min(products.total, gram.passes) / ESTIMATE_FACTOR
     available(monkeypatch, int(needed * 0.99))
     with pytest.raises(ProductsTooLargeError) as error:
@@ -142,8 +142,8 @@ def test_implicit_products_that_do_not_fit_keep_the_gram_route(monkeypatch):
     """Cheaper by work, but its products do not fit: the Gram route, saying so."""
     s = PROBLEMS["lstm-ce-mean"].setup()
     args = (s.model, s.inputs, len(s.inputs))
-    products = estimate_memory(*args, loss_func=s.loss_func, solver="implicit")
-    gram = estimate_memory(*args, loss_func=s.loss_func, solver="matrix_free")
+    products = estimate_memory(*args, loss_func=s.loss_func, route="implicit")
+    gram = estimate_memory(*args, loss_func=s.loss_func, solver="factor_krylov")
     assert gram.passes < products.total  # a small LSTM: a basis of 184-vectors
     _costs(monkeypatch, gram=1.0, implicit=0.0)
     available(monkeypatch, gram.passes)
@@ -153,7 +153,7 @@ def test_implicit_products_that_do_not_fit_keep_the_gram_route(monkeypatch):
 
 def test_solver_implicit_refuses_before_the_first_product(monkeypatch):
     s = PROBLEMS["lstm-ce-mean"].setup()
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     passes = ggn._source.passes
     available(monkeypatch, 1)
     with pytest.raises(ProductsTooLargeError, match="Refused before the first"):
@@ -181,7 +181,7 @@ def test_an_unmeasurable_request_runs_the_gram_route(monkeypatch):
 @pytest.mark.parametrize(
     ("options", "name", "says"),
     [
-        ({"solver": "implicit"}, "implicit", "solver='implicit' was asked for"),
+        ({"solver": "implicit"}, "implicit", "route='implicit' was asked for"),
         ({"solver": "dense"}, "gram", "solver='dense' was asked for"),
         ({"mc_samples": 1}, "gram", "Monte-Carlo sampling saves nothing"),
         ({"engine": "backpack"}, "gram", "runs no engine"),
@@ -282,7 +282,7 @@ def test_a_loader_whose_gram_factors_do_not_fit_runs_implicit(monkeypatch):
     _costs(monkeypatch, gram=0.0, implicit=1.0)
     assert LowRankGGN(model, loss_func, loader).plan.route == "gram"  # memory aside
     products = estimate_data_set_memory(
-        model, X, 4, 2, loss_func=loss_func, solver="implicit"
+        model, X, 4, 2, loss_func=loss_func, route="implicit"
     )
     available(monkeypatch, products.total)
     ggn = LowRankGGN(model, loss_func, loader)
@@ -330,18 +330,18 @@ def test_solver_implicit_checks_a_loader_before_its_first_product(monkeypatch):
     model, loss_func, X, y = _vocabulary_problem(4)
     loader, top_k = [(X[:1], y[:1]), (X[1:], y[1:])], 2
     default = estimate_memory(
-        model, X, 3, loss_func=loss_func, solver="implicit", top_k=top_k
+        model, X, 3, loss_func=loss_func, route="implicit", top_k=top_k
     )
     params = sum(p.numel() for p in model.parameters())
     least, bytes_ = smallest_basis_memory(default, top_k, torch.float64, params)
     available(monkeypatch, bytes_)
-    ggn = LowRankGGN(model, loss_func, loader, solver="implicit")
+    ggn = LowRankGGN(model, loss_func, loader, route="implicit")
     evals, _ = ggn.eigh(top_k=top_k)
     assert ggn.solver_report().basis_columns == least < default.basis_columns
     G = dense_ggn(model, loss_func, X, y)
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
     available(monkeypatch, int(bytes_ / ESTIMATE_FACTOR) - 1)
-    ggn = LowRankGGN(model, loss_func, loader, solver="implicit")
+    ggn = LowRankGGN(model, loss_func, loader, route="implicit")
     passes = ggn._source.passes
     with pytest.raises(ProductsTooLargeError, match="Refused before the first"):
         ggn.eigh(top_k=top_k)
@@ -406,7 +406,7 @@ def test_the_estimate_of_a_loader_takes_the_runs_route(monkeypatch):
 
 def test_memory_decides_for_the_estimate_as_for_the_run(monkeypatch):
     model, loss_func, X, y = _vocabulary_problem()
-    products = estimate_memory(model, X, N, loss_func=loss_func, solver="implicit")
+    products = estimate_memory(model, X, N, loss_func=loss_func, route="implicit")
     available(monkeypatch, products.total)
     estimate = estimate_memory(model, X[:1], N, loss_func=loss_func)
     run = LowRankGGN(model, loss_func, (X, y)).plan
@@ -440,25 +440,25 @@ def test_gpt2_with_its_vocabulary_is_estimated_on_the_implicit_route(monkeypatch
 def test_solver_implicit_by_name_gives_the_implicit_estimate():
     model, loss_func, X, _ = _classifier()
     estimate = estimate_memory(
-        model, X[:1], 64, loss_func=loss_func, top_k=3, solver="implicit"
+        model, X[:1], 64, loss_func=loss_func, top_k=3, route="implicit"
     )
     assert estimate.route == "implicit"
-    assert estimate.reason == "solver='implicit' was asked for"
+    assert estimate.reason == "route='implicit' was asked for"
     with pytest.raises(InvalidArgumentError, match="pass top_k"):
-        estimate_memory(model, X[:1], 64, top_k=None, solver="implicit")
+        estimate_memory(model, X[:1], 64, top_k=None, route="implicit")
 
 
 def test_the_implicit_estimate_of_a_loader_does_not_grow_with_its_samples():
     model, loss_func, X, _ = _vocabulary_problem()
     small, large = (
         estimate_data_set_memory(
-            model, X[:1], samples, 2, loss_func=loss_func, solver="implicit"
+            model, X[:1], samples, 2, loss_func=loss_func, route="implicit"
         )
         for samples in (4, 4000)
     )
     assert small.total == large.total
     chunked = estimate_data_set_memory(
-        model, X[:1], 4000, 2, loss_func=loss_func, chunk_size=1, solver="implicit"
+        model, X[:1], 4000, 2, loss_func=loss_func, chunk_size=1, route="implicit"
     )
     assert chunked.passes < small.passes
 
@@ -477,8 +477,8 @@ def test_largest_batch_under_auto_is_that_of_some_exact_route():
     search = {"loss_func": loss_func, "top_k": 3, "count_resident": False}
     budget = 64 * 2**20
     auto = largest_batch(model, X[:1], budget, **search)
-    implicit = largest_batch(model, X[:1], budget, solver="implicit", **search)
-    gram = largest_batch(model, X[:1], budget, solver="matrix_free", **search)
+    implicit = largest_batch(model, X[:1], budget, route="implicit", **search)
+    gram = largest_batch(model, X[:1], budget, solver="factor_krylov", **search)
     assert auto == implicit > 100 * max(gram, 1)
     # held to the Gram route by an option the implicit route cannot honour
     mc = {"mc_samples": 1, "mc_per": "sequence"}

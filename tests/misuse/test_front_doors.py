@@ -756,7 +756,7 @@ def test_gram_too_large_is_refused_with_options(monkeypatch):
     with pytest.raises(GramTooLargeError) as info:  # before the backward pass
         LowRankGGN(model, loss_func, (X, y), solver="dense")
     message = str(info.value)
-    for option in ("GiB", "mc_samples=1", "subsampling", "solver='matrix_free'"):
+    for option in ("GiB", "mc_samples=1", "subsampling", "solver='factor_krylov'"):
         assert option in message
     ggn = LowRankGGN(model, loss_func, (X, y))  # "auto" forms the Gram on demand
     with pytest.raises(GramTooLargeError):

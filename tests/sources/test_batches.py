@@ -1,4 +1,4 @@
-"""Data checks of a block of samples: unbatched samples are named (issue 19).
+"""Data checks of a part of the samples: unbatched samples are named (issue 19).
 
 Torch layers accept one sample without a batch axis; the library reads the first
 axis as the samples. A list of unbatched samples (an autoencoder's ``(x, x)``

@@ -79,7 +79,7 @@ def assert_same_ggn(
     assert_rel(loader.loss, single.loss, REL)
     for a, b in zip(loader.gradient(group), single.gradient(group), strict=True):
         assert_rel(a, b, REL)
-    for solver in ("dense", "iterative", "matrix_free"):
+    for solver in ("dense", "gram_krylov", "factor_krylov"):
         evals, evecs = loader.eigh(top_k=2, group=group, solver=solver)
         evals_s, evecs_s = single.eigh(top_k=2, group=group, solver=solver)
         assert_rel(evals, evals_s, REL)

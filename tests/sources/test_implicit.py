@@ -1,4 +1,4 @@
-"""The implicit route (``solver="implicit"``) against the dense float64 reference
+"""The implicit route (``route="implicit"``) against the dense float64 reference
 and the Gram route (``docs/math.rst``, "Implicit GGN-vector products").
 
 Tolerances (:ref:`math-test-tolerances`): ``G v`` is the dense reference's sum in
@@ -68,7 +68,7 @@ def _assert_product(actual: torch.Tensor, G: torch.Tensor, v: torch.Tensor) -> N
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_ggn_vector_products_match_dense(name):
     s = PROBLEMS[name].setup()
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     v = torch.randn(
         G.shape[0], 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
@@ -80,7 +80,7 @@ def test_ggn_vector_products_match_dense(name):
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_eigenpairs_match_dense(name):
     s = PROBLEMS[name].setup()
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, evecs = ggn.eigh(top_k=TOP_K)
     report = ggn.solver_report()
@@ -96,7 +96,7 @@ def test_narrow_blocks_match_dense(name):
     """Top 8 in blocks of 3 (``IMPLICIT_BLOCK``): every problem's spectrum is
     certain without a wider block (``docs/math.rst``, "Narrow blocks")."""
     s = PROBLEMS[name].setup()
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, evecs = ggn.eigh(top_k=8)
     report = ggn.solver_report()
@@ -118,7 +118,7 @@ def test_one_group_per_layer_matches_the_blocks_of_dense(name):
         s.loss_func,
         (s.inputs, s.targets),
         param_groups=groups,
-        solver="implicit",
+        route="implicit",
     )
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     order = {id(p): i for i, p in enumerate(s.model.parameters())}
@@ -148,7 +148,7 @@ def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
     X = torch.randn(6, 4, dtype=torch.float64, generator=generator)
     y = torch.randn(6, 3, dtype=torch.float64, generator=generator)
     loss_func = nn.MSELoss(reduction=reduction)
-    ggn = LowRankGGN(model, loss_func, (X, y), solver="implicit")
+    ggn = LowRankGGN(model, loss_func, (X, y), route="implicit")
     G = dense_ggn(model, loss_func, X, y)
     evals, evecs = ggn.eigh(top_k=7)
     report = ggn.solver_report()
@@ -167,7 +167,7 @@ def test_directional_and_newton_match_gram_route(name, subsampling):
     s = PROBLEMS[name].setup()
     data = (s.inputs, s.targets)
     implicit = LowRankGGN(
-        s.model, s.loss_func, data, solver="implicit", subsampling=subsampling
+        s.model, s.loss_func, data, route="implicit", subsampling=subsampling
     )
     gram = LowRankGGN(s.model, s.loss_func, data, subsampling=subsampling)
     ours, theirs = implicit.newton(top_k=TOP_K), gram.newton(top_k=TOP_K)
@@ -191,7 +191,7 @@ def test_passes_of_fewer_vectors_match_dense(monkeypatch, name):
     monkeypatch.setattr(vivit.memory.plan, "PASS_BYTES", 1)
     s = PROBLEMS[name].setup()
     data = (s.inputs, s.targets)
-    implicit = LowRankGGN(s.model, s.loss_func, data, solver="implicit")
+    implicit = LowRankGGN(s.model, s.loss_func, data, route="implicit")
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     v = torch.randn(G.shape[0], 4, dtype=G.dtype, generator=torch.Generator())
     _assert_product(implicit.operator().matvec(v), G, v)
@@ -212,7 +212,7 @@ def test_loader_and_chunks_equal_one_batch(name):
     v = torch.randn(G.shape[0], 2, dtype=torch.float64)
     for data, chunk_size in [(loader, None), ((s.inputs, s.targets), 2)]:
         ggn = LowRankGGN(
-            s.model, s.loss_func, data, solver="implicit", chunk_size=chunk_size
+            s.model, s.loss_func, data, route="implicit", chunk_size=chunk_size
         )
         _assert_product(ggn.operator().matvec(v), G, v)
         assert_rel(
@@ -233,7 +233,7 @@ def test_blocks_whose_targets_are_all_ignored_carry_no_weight():
     loader = [(X[:1], y[:1]), (X[1:], y[1:])]
     for data, chunk_size in [(loader, None), ((X, y), 1)]:
         ggn = LowRankGGN(
-            model, loss_func, data, solver="implicit", chunk_size=chunk_size
+            model, loss_func, data, route="implicit", chunk_size=chunk_size
         )
         _assert_product(ggn.operator().matvec(v), G, v)
         assert_rel(ggn.loss, loss_func(model(X), y).detach(), REORDERED_REL)
@@ -249,7 +249,7 @@ def test_float32_lstm_products_match_dense(name):
     s, s32 = PROBLEMS[name].setup(), PROBLEMS[name].setup(torch.float32)
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     ggn = LowRankGGN(
-        s32.model, s32.loss_func, (s32.inputs, s32.targets), solver="implicit"
+        s32.model, s32.loss_func, (s32.inputs, s32.targets), route="implicit"
     )
     v = torch.randn(G.shape[0], 2, generator=torch.Generator().manual_seed(0))
     actual = ggn.operator().matvec(v).double()
@@ -265,7 +265,7 @@ def test_subsampled_products_match_dense():
         s.model,
         s.loss_func,
         (s.inputs, s.targets),
-        solver="implicit",
+        route="implicit",
         subsampling=subsampling,
     )
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets, subsampling=subsampling)
@@ -279,7 +279,7 @@ def test_damped_newton_runs_implicit():
     optimizer = DampedNewton(
         s.model.parameters(),
         top_k=2,
-        solver="implicit",
+        route="implicit",
         model=s.model,
         loss_func=s.loss_func,
     )
@@ -290,7 +290,7 @@ def test_damped_newton_runs_implicit():
 
 def _implicit():
     s = PROBLEMS["twice-mse-mean"].setup()
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     return s, ggn
 
 
@@ -338,7 +338,7 @@ def test_refuses_options(options, match):
     s = PROBLEMS["twice-mse-mean"].setup()
     with pytest.raises(InvalidArgumentError, match=match):
         LowRankGGN(
-            s.model, s.loss_func, (s.inputs, s.targets), solver="implicit", **options
+            s.model, s.loss_func, (s.inputs, s.targets), route="implicit", **options
         )
 
 
@@ -346,11 +346,11 @@ def test_refuses_implicit_on_gram_routes_and_iterators():
     s = PROBLEMS["twice-mse-mean"].setup()
     data = (s.inputs, s.targets)
     with pytest.raises(InvalidArgumentError, match="chosen at construction"):
-        LowRankGGN(s.model, s.loss_func, data).eigh(top_k=2, solver="implicit")
+        LowRankGGN(s.model, s.loss_func, data).eigh(top_k=2, route="implicit")
     with pytest.raises(InvalidArgumentError, match="route of LowRankGGN"):
-        StreamingGGN(s.model, s.loss_func, [data], solver="implicit")
+        StreamingGGN(s.model, s.loss_func, [data], route="implicit")
     with pytest.raises(InvalidArgumentError, match="passed over once"):
-        LowRankGGN(s.model, s.loss_func, iter([data]), solver="implicit")
+        LowRankGGN(s.model, s.loss_func, iter([data]), route="implicit")
 
 
 def test_refuses_a_changed_model():
@@ -395,7 +395,7 @@ def test_unsupported_forward_ad_is_named():
     model = LinearThen(NoForwardMode).double()
     # the construction's check of forward against reverse mode finds it
     with pytest.raises(NotImplementedError, match="implicit route computes J v"):
-        LowRankGGN(model, nn.MSELoss(), _mse_batch(), solver="implicit")
+        LowRankGGN(model, nn.MSELoss(), _mse_batch(), route="implicit")
 
 
 def test_forward_and_reverse_mode_that_disagree_are_refused():
@@ -403,7 +403,7 @@ def test_forward_and_reverse_mode_that_disagree_are_refused():
     with pytest.raises(
         UnsupportedLayerError, match="derivatives of this model disagree"
     ):
-        LowRankGGN(model, nn.MSELoss(), _mse_batch(), solver="implicit")
+        LowRankGGN(model, nn.MSELoss(), _mse_batch(), route="implicit")
 
 
 class PaddedTokens(nn.Module):
@@ -429,7 +429,7 @@ def test_embedding_padding_rows_are_constants_as_in_reverse_mode(tied):
     x = torch.tensor([[0, 1, 2, 0], [3, 0, 4, 5], [0, 0, 1, 2]])
     y = torch.randint(0, 6, (3, 4))
     loss_func = nn.CrossEntropyLoss()
-    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    ggn = LowRankGGN(model, loss_func, (x, y), route="implicit")
     G = dense_ggn(model, loss_func, x, y)
     v = torch.randn(G.shape[0], 3, dtype=torch.float64)
     _assert_product(ggn.operator().matvec(v), G, v)
@@ -463,7 +463,7 @@ def test_float32_products_at_their_rounding_floor_match_dense():
     torch.manual_seed(0)
     model, loss_func = ShiftedLogits(1e3), nn.CrossEntropyLoss()
     x, y = torch.randn(4, 6), torch.randint(0, 50, (4,))
-    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    ggn = LowRankGGN(model, loss_func, (x, y), route="implicit")
     with pytest.warns(RoundingFloorWarning, match="float64 products"):
         evals, evecs = ggn.eigh(top_k=TOP_K)
     report = ggn.solver_report()
@@ -529,7 +529,7 @@ def test_pairs_above_the_residual_bound_are_returned(reduction, subsampling):
     loss_func = nn.CrossEntropyLoss(reduction=reduction)
     x, y = torch.randn(6, 200, 3), torch.randint(0, 5, (6, 200))
     ggn = LowRankGGN(
-        model, loss_func, (x, y), solver="implicit", subsampling=subsampling
+        model, loss_func, (x, y), route="implicit", subsampling=subsampling
     )
     with pytest.warns(FewerEigenpairsWarning, match="1 of the 13 leading Ritz"):
         evals, evecs = ggn.eigh(top_k=13)
@@ -560,7 +560,7 @@ def test_pairs_below_the_rounding_floor_are_not_returned(reduction):
     model, loss_func = ShiftedLogits(1e3), nn.CrossEntropyLoss(reduction=reduction)
     scales = torch.tensor([1.0, 0.5, 0.2, 0.1, 0.05, 0.02])
     x, y = torch.randn(4, 6) * scales, torch.randint(0, 50, (4,))
-    ggn = LowRankGGN(model, loss_func, (x, y), solver="implicit")
+    ggn = LowRankGGN(model, loss_func, (x, y), route="implicit")
     with (
         pytest.warns(RoundingFloorWarning),
         pytest.warns(FewerEigenpairsWarning, match=r"model\.double\(\)"),
@@ -579,7 +579,7 @@ def test_kept_pairs_are_reported_and_judged_with_their_own_solve():
     torch.manual_seed(0)
     model = ScaledSequenceLinear([1.0, 0.1, 0.01], 5)
     x, y = torch.randn(6, 20, 3), torch.randint(0, 5, (6, 20))
-    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (x, y), solver="implicit")
+    ggn = LowRankGGN(model, nn.CrossEntropyLoss(), (x, y), route="implicit")
     evals, _ = ggn.eigh(top_k=5, tol=1e-6)
     first, zero = ggn.solver_report(), ggn.zero_tolerance()
     ggn.eigh(top_k=5, tol=1e-3)
@@ -604,7 +604,7 @@ def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
     where the products' rounding ``ρ`` exceeds the residual reached, a smaller
     tol cannot lower it and the warning names the float64 model instead."""
     report = SolverReport(
-        solver="implicit",
+        route="implicit",
         requested="implicit",
         residual=residual,
         tolerance=1e-5,
@@ -626,7 +626,7 @@ def _memory_for_the_smallest_basis(monkeypatch, s, top_k, subsampling=None):
     """
     default = estimate_memory(
         s.model, s.inputs, len(s.inputs), loss_func=s.loss_func, top_k=top_k,
-        solver="implicit", subsampling=subsampling,
+        route="implicit", subsampling=subsampling,
     )  # fmt: skip
     params = sum(p.numel() for p in s.model.parameters())
     dtype = next(s.model.parameters()).dtype
@@ -654,14 +654,14 @@ def test_a_basis_cut_by_memory_converges_to_dense(monkeypatch, name, subsampling
     "A basis cut by memory"), and the report says so."""
     s = PROBLEMS[name].setup()
     data, options = (s.inputs, s.targets), {"subsampling": subsampling}
-    full = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
+    full = LowRankGGN(s.model, s.loss_func, data, route="implicit", **options)
     full.eigh(top_k=TOP_K)
     uncut = full.solver_report()
     least, default, _ = _memory_for_the_smallest_basis(
         monkeypatch, s, TOP_K, subsampling
     )
     assert least < default == uncut.basis_columns and uncut.basis_cut is None
-    ggn = LowRankGGN(s.model, s.loss_func, data, solver="implicit", **options)
+    ggn = LowRankGGN(s.model, s.loss_func, data, route="implicit", **options)
     evals, evecs = ggn.eigh(top_k=TOP_K)
     report = ggn.solver_report()
     assert report.converged and report.basis_columns == least
@@ -680,7 +680,7 @@ def test_memory_below_the_smallest_basis_is_refused(monkeypatch):
     s = PROBLEMS["lstm-ce-mean"].setup()
     least, default, needed = _memory_for_the_smallest_basis(monkeypatch, s, TOP_K)
     available(monkeypatch, int(needed / ESTIMATE_FACTOR) - 1)
-    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), solver="implicit")
+    ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     passes = ggn._source.passes
     with pytest.raises(
         ProductsTooLargeError, match="Refused before the first"

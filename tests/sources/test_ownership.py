@@ -78,7 +78,7 @@ def _data(inputs, targets, loader):
 
 def _results(ggn: LowRankGGN) -> dict:
     """Every result of a GGN (its tensors), computed now."""
-    evals, evecs = ggn.eigh(top_k=2, solver="matrix_free")
+    evals, evecs = ggn.eigh(top_k=2, solver="factor_krylov")
     directional = ggn.directional_derivatives(top_k=2, solver="dense")
     vector = [torch.ones_like(p) for p in ggn.param_groups[0]]
     return {
@@ -88,7 +88,7 @@ def _results(ggn: LowRankGGN) -> dict:
         "evecs": evecs,
         "gammas": directional.gammas,
         "lambdas": directional.lambdas,
-        "newton": ggn.newton_step(top_k=2, solver="iterative"),
+        "newton": ggn.newton_step(top_k=2, solver="gram_krylov"),
         "newton-all": ggn.newton_step(),
         "operator": ggn.operator().matvec(vector),
         "gradient": ggn.gradient(),

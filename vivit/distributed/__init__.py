@@ -20,7 +20,7 @@ Protocol of one construction:
    parameter shapes, solver, checksums of the model's parameters and buffers)
    and its Monte-Carlo seed. A mismatch is refused on
    every rank; all ranks use rank 0's seed.
-3. *Block round* (``all_gather_object``, after the local backward pass): every
+3. *Shard round* (``all_gather_object``, after the local backward pass): every
    rank sends whether it succeeded and, if so, the description of its block
    (batch context, factor types and tensor shapes, byte offsets) and its
    targets' shape per sample (a loader's is known only now). A failure on
@@ -32,7 +32,7 @@ Protocol of one construction:
    gradient factors, the loss), bit for bit
    (:mod:`~vivit.distributed.packing`). The gradient of each block's loss is
    ``R_b Σ_n ∇ℓ_n`` of its per-sample gradient factors
-   (:func:`~vivit.distributed.packing.block_gradient`).
+   (:func:`~vivit.distributed.packing.shard_gradient`).
 5. *Gram matrices* (one ``all_gather_object`` of whether they fit on each rank,
    then one ``all_gather`` per group, :meth:`ShardExchange.gram`): each rank
    forms its share of the blocks ``V_aᵀ V_b``
@@ -40,8 +40,8 @@ Protocol of one construction:
    matrix-free solver.
 
 The implicit route (:mod:`vivit.sources.implicit`) exchanges no factors: its
-block round carries each rank's batch context and loss
-(:meth:`ShardExchange.block_contexts`), one ``all_reduce`` sums the gradients,
+shard round carries each rank's batch context and loss
+(:meth:`ShardExchange.shard_contexts`), one ``all_reduce`` sums the gradients,
 and after the construction every product, ``γ``/``λ`` pass and memory check is
 a call all ranks make together (:mod:`~vivit.distributed.lockstep`).
 

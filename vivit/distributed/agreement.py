@@ -22,7 +22,7 @@ from vivit.sources.data import SAMPLE_SHAPE_ADVICE
 MODEL_STATE = "model state"
 
 #: Key of the targets' shape per sample in a request's fingerprint (``None`` for a
-#: loader, whose shape is known after its pass: compared in the block round).
+#: loader, whose shape is known after its pass: compared in the shard round).
 SAMPLE_SHAPE = "target_shape_per_sample"
 
 

@@ -25,7 +25,7 @@ from vivit.distributed.agreement import (
 )
 from vivit.distributed.gram import sharded_gram
 from vivit.distributed.layout import ExchangeReport
-from vivit.distributed.packing import Packer, pack_block, unpack_block
+from vivit.distributed.packing import Packer, pack_shard, unpack_shard
 from vivit.engines.base import BatchInfo
 from vivit.errors import DistributedError
 from vivit.gram import ParamFactors
@@ -156,7 +156,7 @@ class ShardExchange:
 
         Args:
             factors: The group's factors of ``V`` over the union, one
-                :class:`~vivit.gram.SampleBlockFactors` per parameter with one
+                :class:`~vivit.gram.StackedFactors` per parameter with one
                 block per rank.
 
         Returns:
@@ -181,7 +181,7 @@ class ShardExchange:
                 loader's batches combined).
             param_groups: The parameter groups, to attach to the rebuilt curvature.
             sample_shape: The shape per sample of this rank's targets, compared
-                across the ranks in the block round.
+                across the ranks in the shard round.
 
         Returns:
             One block per rank, identical on every rank.
@@ -195,25 +195,25 @@ class ShardExchange:
         (block,) = blocks
         start, before = time.perf_counter(), self.report.seconds
         packer = Packer()
-        description = pack_block(block, packer)
+        description = pack_shard(block, packer)
         gathered = self._round((description, packer.size, packer.payload, sample_shape))
         check_sample_shapes([shape for *_, shape in gathered])
         size = max(size for _, size, _, _ in gathered)
         buffers = self._all_gather_bytes(packer, size, block.output.loss.device)
         rebuilt = [
-            unpack_block(desc, data, param_groups)
+            unpack_shard(desc, data, param_groups)
             for (desc, *_), data in zip(gathered, buffers, strict=True)
         ]
         self.report.payload_bytes = [payload for _, _, payload, _ in gathered]
         self.report.buffer_bytes = size
-        # the whole exchange, the block round (which timed itself) included
+        # the whole exchange, the shard round (which timed itself) included
         self.report.seconds = before + time.perf_counter() - start
         return rebuilt
 
-    def block_contexts(
+    def shard_contexts(
         self, batch: BatchInfo, loss: Tensor, sample_shape: tuple[int, ...] | None
     ) -> list[tuple[BatchInfo, Tensor]]:
-        """The implicit route's block round: every rank's batch context and loss.
+        """The implicit route's shard round: every rank's batch context and loss.
 
         The implicit route keeps no factors: every rank's sample weights (its
         ``R``) and GGN samples and the loss on its shard are all it exchanges

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vivit.gram import ParamFactors, SampleBlockFactors
+from vivit.gram import ParamFactors, StackedFactors
 
 
 def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, int]]]:
@@ -60,7 +60,7 @@ def sharded_gram(
 
     Args:
         factors: The factors of ``V`` over the union, one
-            :class:`~vivit.gram.SampleBlockFactors` per parameter with one block
+            :class:`~vivit.gram.StackedFactors` per parameter with one block
             per rank.
         group: The process group.
 
@@ -70,8 +70,7 @@ def sharded_gram(
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     per_param = [
-        f if isinstance(f, SampleBlockFactors) else SampleBlockFactors([f])
-        for f in factors
+        f if isinstance(f, StackedFactors) else StackedFactors([f]) for f in factors
     ]
     rows = [block.num_rows for block in per_param[0].blocks]
     owners = gram_block_owners(len(rows), world_size)
@@ -91,7 +90,7 @@ def sharded_gram(
     return gram, buffer.numel() * buffer.element_size()
 
 
-def _block_sum(per_param: Sequence[SampleBlockFactors], a: int, b: int) -> Tensor:
+def _block_sum(per_param: Sequence[StackedFactors], a: int, b: int) -> Tensor:
     """Gram block ``(a, b)`` summed over the parameters."""
     block = per_param[0].block_gram(a, b)
     for param in per_param[1:]:

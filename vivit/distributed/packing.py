@@ -1,4 +1,4 @@
-"""A rank's block of samples as one flat byte buffer, and back, bit for bit.
+"""A rank's part of the samples as one flat byte buffer, and back, bit for bit.
 
 The tensors travel in the buffer (:class:`Packer`); a picklable description
 (factor classes, batch context, slots of the tensors) travels alongside it.
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from vivit.engines.base import BatchInfo, EngineOutput
-from vivit.gram import ParamFactors, SampleBlockFactors
+from vivit.gram import ParamFactors, StackedFactors
 from vivit.sources.collector import GroupCurvature
 from vivit.sources.runs import PartResult
 
@@ -71,7 +71,7 @@ def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> t
 
     The factors are held in ``gram_dtype``; they were computed in the model's
     type ``dtype``, so casting back is exact and halves the bytes of float32
-    factors accumulated in float64. Factors held per block of samples (a rank's
+    factors accumulated in float64. Factors held per part of the samples (a rank's
     batches whose factors took different forms) describe each block.
 
     Args:
@@ -82,9 +82,9 @@ def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> t
     Returns:
         The picklable description :func:`unpack_factors` rebuilds them from.
     """
-    if isinstance(factors, SampleBlockFactors):
+    if isinstance(factors, StackedFactors):
         blocks = [pack_factors(block, dtype, packer) for block in factors.blocks]
-        return SampleBlockFactors, blocks, list(factors.scales)
+        return StackedFactors, blocks, list(factors.scales)
     state = {
         name: packer.add(value.to(dtype) if value.is_floating_point() else value)
         if isinstance(value, Tensor)
@@ -105,9 +105,9 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
         The factors (views of ``buffer`` where no cast was needed).
     """
     cls, held_dtype, state = description
-    if cls is SampleBlockFactors:  # (cls, blocks, scales)
+    if cls is StackedFactors:  # (cls, blocks, scales)
         blocks = [unpack_factors(block, buffer) for block in held_dtype]
-        return SampleBlockFactors(blocks, state)
+        return StackedFactors(blocks, state)
     factors = cls.__new__(cls)
     factors.__dict__.update(
         {
@@ -118,15 +118,15 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
     return factors.to(held_dtype)
 
 
-def pack_block(block: PartResult, packer: Packer) -> dict:
+def pack_shard(block: PartResult, packer: Packer) -> dict:
     """Describe a block: its groups' factors and batch contexts, and its loss.
 
     Args:
-        block: A rank's block of samples.
+        block: A rank's part of the samples.
         packer: Receives its tensors.
 
     Returns:
-        The picklable description :func:`unpack_block` rebuilds it from.
+        The picklable description :func:`unpack_shard` rebuilds it from.
     """
     groups = []
     for curvature in block.curvature:
@@ -144,13 +144,13 @@ def pack_block(block: PartResult, packer: Packer) -> dict:
     return {"groups": groups, "loss": packer.add(block.output.loss)}
 
 
-def unpack_block(
+def unpack_shard(
     description: dict, buffer: Tensor, param_groups: list[list[Tensor]]
 ) -> PartResult:
-    """The block :func:`pack_block` described, its gradients from its factors.
+    """The block :func:`pack_shard` described, its gradients from its factors.
 
     Args:
-        description: What :func:`pack_block` returned.
+        description: What :func:`pack_shard` returned.
         buffer: The filled byte buffer.
         param_groups: The parameter groups, to attach to the curvature.
 
@@ -169,7 +169,7 @@ def unpack_block(
         for params, group in zip(param_groups, description["groups"], strict=True)
     ]
     gradients = [
-        block_gradient(factors, group.batch, buffer.device).to(param.dtype)
+        shard_gradient(factors, group.batch, buffer.device).to(param.dtype)
         for group in curvature
         for factors, param in zip(group.grad_factors, group.params, strict=True)
     ]
@@ -177,7 +177,7 @@ def unpack_block(
     return PartResult(curvature, EngineOutput(loss=loss, gradients=gradients))
 
 
-def block_gradient(
+def shard_gradient(
     grad_factors: ParamFactors, batch: BatchInfo, device: torch.device
 ) -> Tensor:
     """``∇L_b = R_b Σ_n ∇ℓ_n`` of a block from its per-sample gradient factors.

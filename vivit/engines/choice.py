@@ -93,3 +93,8 @@ def runs_without_engine(engine: str | Engine) -> bool:
     the route would not run.
     """
     return engine in ("auto", "func")
+
+
+def runs_from_a_loss(engine: str | Engine) -> bool:
+    """Whether an ``engine`` option allows a loss computed elsewhere (BackPACK's)."""
+    return engine in ("auto", "backpack")

@@ -5,11 +5,11 @@ its layer allows and answers ``V₁ᵀ V₂``, ``V u`` and ``Vᵀ w``. Gram spac
 ordered sample-major: entry ``n·C + c`` is column ``c`` of sample ``n``.
 """
 
-from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
 from vivit.gram.embedding import EmbeddingFactors
 from vivit.gram.factors import ParamFactors
 from vivit.gram.outer import OuterProductFactors
+from vivit.gram.stacked import StackedFactors
 from vivit.gram.sum import SumFactors
 
 __all__ = [
@@ -17,6 +17,6 @@ __all__ = [
     "EmbeddingFactors",
     "OuterProductFactors",
     "ParamFactors",
-    "SampleBlockFactors",
+    "StackedFactors",
     "SumFactors",
 ]

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.factors import ParamFactors, scaled_cat
+from vivit.gram.stacked import StackedFactors
 from vivit.gram.symmetric import self_gram
 
 
@@ -33,7 +33,7 @@ class DenseFactors(ParamFactors):
     def concatenate(
         cls, blocks: Sequence[DenseFactors], scales: Sequence[float]
     ) -> DenseFactors:
-        """The columns of consecutive blocks of samples as one matrix (a copy).
+        """The columns of consecutive parts of the samples as one matrix (a copy).
 
         Args:
             blocks: Columns of the same parameter.
@@ -53,7 +53,7 @@ class DenseFactors(ParamFactors):
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
             return self_gram(self._vt)
-        if isinstance(other, SampleBlockFactors):
+        if isinstance(other, StackedFactors):
             return other.gram(self).T
         return self._vt @ other.materialize().T
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, einsum
 
-from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.factors import ParamFactors, per_sample_projections
+from vivit.gram.stacked import StackedFactors
 from vivit.gram.symmetric import self_gram
 
 
@@ -59,7 +59,7 @@ class EmbeddingFactors(ParamFactors):
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None or other is self:
             return self_gram(self._used_rows(*self._tokens()))
-        if isinstance(other, SampleBlockFactors):
+        if isinstance(other, StackedFactors):
             return other.gram(self).T
         if isinstance(other, EmbeddingFactors):
             tokens, place = torch.unique(

@@ -283,5 +283,5 @@ def check_gram_fits(
             "sample the loss Hessian (mc_samples=1 gives N columns instead of N·C), "
             "subsample the curvature (subsampling=[...]), or use a smaller "
             "mini-batch; for a few leading eigenpairs, LowRankGGN(..., "
-            "solver='matrix_free') never forms the Gram matrix."
+            "solver='factor_krylov') never forms the Gram matrix."
         )

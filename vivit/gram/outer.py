@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, einsum
 
 from vivit.gram import planner
-from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.dense import DenseFactors
 from vivit.gram.factors import ParamFactors, per_sample_projections, scaled_cat
+from vivit.gram.stacked import StackedFactors
 from vivit.gram.symmetric import NUM_BLOCKS, self_gram
 
 #: Per-sample gradients: ``V`` replaces the factors where it has at most this many
@@ -116,7 +116,7 @@ class OuterProductFactors(ParamFactors):
         scales: Sequence[float],
         inputs_cache: list[tuple[list[Tensor], Tensor]] | None = None,
     ) -> OuterProductFactors:
-        """The factors of consecutive blocks of samples as one (a copy).
+        """The factors of consecutive parts of the samples as one (a copy).
 
         Args:
             blocks: Factors of the same weight.
@@ -160,7 +160,7 @@ class OuterProductFactors(ParamFactors):
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         other = self if other is None else other
-        if isinstance(other, SampleBlockFactors):
+        if isinstance(other, StackedFactors):
             return other.gram(self).T
         if (
             not isinstance(other, OuterProductFactors)

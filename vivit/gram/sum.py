@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vivit.gram.blocks import SampleBlockFactors
 from vivit.gram.factors import ParamFactors
+from vivit.gram.stacked import StackedFactors
 
 
 class SumFactors(ParamFactors):
@@ -64,7 +64,7 @@ class SumFactors(ParamFactors):
                     cross = part.gram(later)
                     gram.add_(cross).add_(cross.T)
             return gram
-        if isinstance(other, SampleBlockFactors):
+        if isinstance(other, StackedFactors):
             return other.gram(self).T
         others = other.parts if isinstance(other, SumFactors) else [other]
         return sum(part.gram(theirs) for part in self.parts for theirs in others)

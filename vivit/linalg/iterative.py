@@ -349,8 +349,8 @@ def _block_krylov(
                     if limit > tol:
                         _warn_rounding_floor(tol, limit, residual, rounding, dtype)
                     report = SolverReport(
-                        solver="iterative",
-                        requested="iterative",
+                        solver="gram_krylov",
+                        requested="gram_krylov",
                         residual=residual,
                         tolerance=limit,
                         converged=True,
@@ -380,11 +380,11 @@ def _block_krylov(
         f"The iterative eigensolver did not reach the relative residual "
         f"{_unreached(tol, limit, rounding, rounding_floor)} "
         f"for the top {top_k} eigenpairs of the {size} x {size} operator (the Gram "
-        "matrix; with solver='implicit' the GGN in parameter space): best "
+        "matrix; with route='implicit' the GGN in parameter space): best "
         f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
         f"products{'' if cut is None else f'; {cut}'}). Use a larger tol (at "
         "least the rounding floor of the data type, about 100·eps), float64 "
-        "(gram_dtype=torch.float64; with solver='implicit' a float64 model, "
+        "(gram_dtype=torch.float64; with route='implicit' a float64 model, "
         "model.double()), or, where the Gram matrix can be formed (LowRankGGN), "
         "solver='dense' (exact, "
         "O((N·C)^3))."
@@ -418,7 +418,7 @@ def _warn_rounding_floor(
 ) -> None:
     """Say that the pairs were accepted at the products' rounding floor."""
     wider = (
-        "For more, use float64 products (with solver='implicit' a float64 model, "
+        "For more, use float64 products (with route='implicit' a float64 model, "
         "model.double())."
         if dtype != torch.float64
         else "The products are float64 already: their rounding is the limit."

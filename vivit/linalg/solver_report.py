@@ -33,8 +33,8 @@ class SolverReport:
     after ``fallback`` are ``None``.
 
     Attributes:
-        solver: ``"dense"``, ``"iterative"`` (on the Gram matrix) or
-            ``"matrix_free"`` (on products with ``V``).
+        solver: ``"dense"``, ``"gram_krylov"`` (on the Gram matrix) or
+            ``"factor_krylov"`` (on products with ``V``).
         requested: The solver asked for (``"auto"`` or one of the above).
         residual: Largest relative residual ``‖G̃ ũ − λ ũ‖ / λ_max`` of the returned
             pairs, from fresh products (``None`` for a full decomposition, whose

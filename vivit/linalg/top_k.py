@@ -1,9 +1,9 @@
 """Leading eigenpairs of a group's Gram matrix or GGN: the solvers, and running one.
 
-``"dense"`` is LAPACK on the Gram matrix; ``"iterative"`` block Krylov
-(:mod:`vivit.linalg.iterative`) on the Gram matrix; ``"matrix_free"`` the same
+``"dense"`` is LAPACK on the Gram matrix; ``"gram_krylov"`` block Krylov
+(:mod:`vivit.linalg.iterative`) on the Gram matrix; ``"factor_krylov"`` the same
 iteration on products with the factors of ``V`` (the Gram matrix never formed);
-``"implicit"`` the same on ``G`` in parameter space (a route of its own,
+``"ggn_krylov"`` the same on ``G`` in parameter space (a route of its own,
 :mod:`vivit.sources.implicit`). Which one ``"auto"`` runs is the cost model's
 choice (:mod:`vivit.memory.costs`). An iterative solve that does not converge
 raises where it was asked for by name and falls back to the dense solver under
@@ -34,7 +34,13 @@ from vivit.linalg.iterative import (
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
 #: The accepted values of ``solver``.
-SOLVERS = ("auto", "dense", "iterative", "matrix_free", "implicit")
+SOLVERS = ("auto", "dense", "gram_krylov", "factor_krylov")
+#: Former solver names, and what they are now.
+RENAMED = {
+    "iterative": "solver='gram_krylov'",
+    "matrix_free": "solver='factor_krylov'",
+    "implicit": "a route: route='implicit', chosen at construction",
+}
 #: Block size of the implicit route's products (at most ``top_k``): thinner
 #: blocks reach the leading eigenpairs in fewer products (a higher Krylov degree
 #: per product), a vmapped product of ``b`` vectors costs a fixed overhead plus
@@ -61,10 +67,14 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
         ValueError: If it is not a solver, if ``top_k`` is invalid, or if an
             iterative solver is asked for all eigenpairs.
     """
+    if solver in RENAMED:
+        raise InvalidArgumentError(
+            f"solver={solver!r} is now {RENAMED[solver]} (docs/migration.rst)."
+        )
     if not isinstance(solver, str) or solver not in SOLVERS:
         raise InvalidArgumentError(f"solver must be one of {SOLVERS}, got {solver!r}.")
     check_top_k(top_k)
-    if top_k is None and solver in ("iterative", "matrix_free", "implicit"):
+    if top_k is None and solver != "dense" and solver != "auto":
         raise InvalidArgumentError(
             f"solver={solver!r} computes a few leading eigenpairs: pass top_k "
             "(e.g. top_k=10), or use solver='dense' for all of them."
@@ -74,26 +84,26 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
     """Block size ``b`` of an iterative solver (at most ``R``).
 
-    ``"implicit"``: ``b = min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
+    ``"ggn_krylov"``: ``b = min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
     :func:`~vivit.linalg.iterative.narrow_block_doubt` (a cluster that could hide
     a copy of a multiple eigenvalue is solved again with ``b = k``).
-    ``"matrix_free"``: ``b = k`` (:func:`~vivit.linalg.iterative.
-    default_block_size`). ``"iterative"``:
+    ``"factor_krylov"``: ``b = k`` (:func:`~vivit.linalg.iterative.
+    default_block_size`). ``"gram_krylov"``:
     ``b = max(2·k, k + GRAM_OVERSAMPLING)``: a product with a Gram matrix larger
     than the cache costs a pass over it, so wider blocks (fewer passes) win
     although they need more products.
 
     Args:
-        solver: ``"iterative"``, ``"matrix_free"`` or ``"implicit"``.
+        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"``.
         top_k: Number of leading eigenpairs.
-        size: Side length ``R`` of the Gram matrix (``D`` for ``"implicit"``).
+        size: Side length ``R`` of the Gram matrix (``D`` for ``"ggn_krylov"``).
 
     Returns:
         ``b``.
     """
-    if solver == "implicit":
+    if solver == "ggn_krylov":
         return min(size, top_k, IMPLICIT_BLOCK)
-    if solver == "matrix_free":
+    if solver == "factor_krylov":
         return default_block_size(top_k, size)
     return min(size, max(2 * top_k, top_k + GRAM_OVERSAMPLING))
 
@@ -118,8 +128,8 @@ def iterative_workspace_bytes(
         columns: Columns ``m`` of the basis (``None``: its default,
             :func:`~vivit.linalg.iterative.basis_capacity`; a basis cut by
             memory: :func:`fitting_basis_columns`).
-        solver: ``"iterative"``, ``"matrix_free"`` or ``"implicit"`` (``None``:
-            ``"iterative"`` without ``params``, else ``"matrix_free"``); its
+        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"`` (``None``:
+            ``"gram_krylov"`` without ``params``, else ``"factor_krylov"``); its
             block size :func:`solver_block_size`.
 
     Returns:
@@ -131,7 +141,7 @@ def iterative_workspace_bytes(
         two blocks in the products' dtype.
     """
     if solver is None:
-        solver = "iterative" if params is None else "matrix_free"
+        solver = "gram_krylov" if params is None else "factor_krylov"
     width = solver_block_size(solver, top_k, size)
     wide = max(width, min(top_k, size))
     if columns is None:
@@ -178,7 +188,7 @@ def fitting_basis_columns(
         ``max_columns``.
     """
     if solver is None:
-        solver = "iterative" if params is None else "matrix_free"
+        solver = "gram_krylov" if params is None else "factor_krylov"
     width = solver_block_size(solver, top_k, size)
     top_k = min(top_k, size)
     low = minimum_capacity(top_k, width, size)  # returned where nothing fits
@@ -215,11 +225,11 @@ def leading_eigenpairs(
         products: ``U ↦ G̃ U`` without the Gram matrix (``[N·C, K]`` columns),
             for the matrix-free solver.
         top_k: Number of leading eigenpairs.
-        solver: ``"dense"``, ``"iterative"``, ``"matrix_free"`` or
-            ``"implicit"`` (``products`` are then ``G V`` in parameter space).
+        solver: ``"dense"``, ``"gram_krylov"``, ``"factor_krylov"`` or
+            ``"ggn_krylov"`` (``products`` are then ``G V`` in parameter space).
         gram: Returns the Gram matrix, forming it if needed (not called by the
             matrix-free and implicit solvers).
-        size: Side length ``N·C`` of the Gram matrix (``D`` for ``"implicit"``).
+        size: Side length ``N·C`` of the Gram matrix (``D`` for ``"ggn_krylov"``).
         requested: The solver the caller asked for; under ``"auto"`` an iterative
             solve that does not converge falls back to ``"dense"``.
         dtype: Data type of the factors' products.
@@ -249,7 +259,7 @@ def leading_eigenpairs(
             converged=True,
         )
         return evals, evecs, report
-    matmul = gram().__matmul__ if solver == "iterative" else products
+    matmul = gram().__matmul__ if solver == "gram_krylov" else products
     try:
         evals, evecs, report = block_krylov_eigh(
             matmul,
@@ -262,7 +272,7 @@ def leading_eigenpairs(
             block_size=solver_block_size(solver, top_k, size),
             max_columns=max_columns,
             # under "auto" the Gram routes fall back to the exact dense solver
-            rounding_floor=requested != "auto" or solver == "implicit",
+            rounding_floor=requested != "auto" or solver == "ggn_krylov",
         )
     except SolverNotConvergedError as error:
         if requested != "auto":

@@ -82,22 +82,22 @@ def solver_works(
     """Expected work of each Gram-route solver on a group's factors.
 
     Returns:
-        ``"formation"`` (the Gram matrix), ``"dense"`` and ``"iterative"`` on the
-        formed matrix, and ``"matrix_free"`` on products with the factors (their
+        ``"formation"`` (the Gram matrix), ``"dense"`` and ``"gram_krylov"`` on the
+        formed matrix, and ``"factor_krylov"`` on products with the factors (their
         memory passes included).
     """
     size = factors[0].num_rows
-    gram_width = solver_block_size("iterative", top_k, size)
-    width = solver_block_size("matrix_free", top_k, size)
+    gram_width = solver_block_size("gram_krylov", top_k, size)
+    width = solver_block_size("factor_krylov", top_k, size)
     entries = sum(t.numel() for f in factors for t in f.tensors())
     products = sum(f.product_work(width) for f in factors)
     return {
         "formation": gram_work(factors, dtype),
         "dense": dense_work(size),
-        "iterative": krylov_work(
+        "gram_krylov": krylov_work(
             size, gram_width, gram_width * size**2 + memory_passes(size**2, dtype)
         ),
-        "matrix_free": krylov_work(
+        "factor_krylov": krylov_work(
             size, width, products + 2 * memory_passes(entries, dtype)
         ),
     }
@@ -115,7 +115,7 @@ def choose_solver(
     """The Gram-route solver ``"auto"`` stands for.
 
     All pairs, or more than ``PARTIAL_FRACTION`` of them: ``"dense"``. A Gram
-    matrix that does not fit: ``"matrix_free"``. Else the least expected work,
+    matrix that does not fit: ``"factor_krylov"``. Else the least expected work,
     the iterative solver only where :data:`ITERATIVE_ADVANTAGE` times cheaper
     than the dense one (or where that one's workspace does not fit).
 
@@ -129,7 +129,7 @@ def choose_solver(
         available: Bytes the solve may take (``None``: what the device has).
 
     Returns:
-        ``"dense"``, ``"iterative"`` or ``"matrix_free"``.
+        ``"dense"``, ``"gram_krylov"`` or ``"factor_krylov"``.
     """
     size = factors[0].num_rows
     if top_k is None or top_k > PARTIAL_FRACTION * size:
@@ -139,14 +139,14 @@ def choose_solver(
     if not gram_formed and grams + iterative_workspace_bytes(size, top_k, dtype) > (
         available
     ):
-        return "matrix_free"
+        return "factor_krylov"
     work = solver_works(factors, top_k, dtype)
     formation = 0.0 if gram_formed else work["formation"]
-    if not gram_formed and work["matrix_free"] < formation + min(
-        work["iterative"], work["dense"]
+    if not gram_formed and work["factor_krylov"] < formation + min(
+        work["gram_krylov"], work["dense"]
     ):
-        return "matrix_free"
+        return "factor_krylov"
     dense_fits = grams + dense_workspace_bytes(size, top_k, dtype, device) <= available
-    if ITERATIVE_ADVANTAGE * work["iterative"] <= work["dense"] or not dense_fits:
-        return "iterative"
+    if ITERATIVE_ADVANTAGE * work["gram_krylov"] <= work["dense"] or not dense_fits:
+        return "gram_krylov"
     return "dense"

@@ -168,8 +168,8 @@ def largest_batch(
         return 0
     fixed = fixed_route(options)
     routes = ["gram", "implicit"] if fixed is None else [fixed[0]]
-    solver = options.solver if options.solver in ("dense", "iterative") else "auto"
-    solver = "matrix_free" if options.solver == "matrix_free" else solver
+    solver = options.solver if options.solver in ("dense", "gram_krylov") else "auto"
+    solver = "factor_krylov" if options.solver == "factor_krylov" else solver
     if top_k is None:  # all pairs: a Gram route's
         routes = [route for route in routes if route == "gram"]
 
@@ -249,9 +249,7 @@ def _estimate(
             "The request could not run on a copy of the model with these example "
             "inputs (the logger 'vivit' says why, level INFO)."
         )
-    return plan.estimate(
-        top_k, options.solver if options.solver != "implicit" else "auto"
-    )
+    return plan.estimate(top_k, options.solver)
 
 
 def _checked_groups(

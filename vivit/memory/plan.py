@@ -205,7 +205,7 @@ class Plan:
         factors = gram.factors_of(n_s)
         size, groups = n_s * gram.columns, len(self.num_params)
         if solver == "auto" and factors is None:  # too large to measure
-            solver = "dense" if top_k is None else "matrix_free"
+            solver = "dense" if top_k is None else "factor_krylov"
         elif solver == "auto":
             solver = choose_solver(
                 factors[0], top_k, gram.dtype, self.device,
@@ -227,14 +227,14 @@ class Plan:
         passes = max(implicit.peak(part, width), self.profile.baseline[0](part))
         available = self._available() if available is None else available
         columns = fitting_basis_columns(
-            size, top_k, self.dtype, available - passes, 0, "implicit"
+            size, top_k, self.dtype, available - passes, 0, "ggn_krylov"
         )
         krylov = iterative_workspace_bytes(
-            size, top_k, self.dtype, 0, columns, "implicit"
+            size, top_k, self.dtype, 0, columns, "ggn_krylov"
         )
-        block = solver_block_size("implicit", top_k, size)
+        block = solver_block_size("ggn_krylov", top_k, size)
         return MemoryEstimate(
-            "implicit", self.reason, "implicit", "implicit", self.sizes.curvature,
+            "implicit", self.reason, "implicit", "ggn_krylov", self.sizes.curvature,
             int(passes), 0, int(krylov), columns,
             basis_capacity(block, size, top_k=top_k),
         )  # fmt: skip
@@ -260,7 +260,7 @@ class Plan:
         """
         if self.profile is None or self.profile.gram is None:
             return
-        estimate = self.gram_estimate(1, "matrix_free")
+        estimate = self.gram_estimate(1, "factor_krylov")
         if solver == "dense":
             groups = len(self.num_params)
             check_gram_fits(estimate.num_rows, groups, self.profile.gram.dtype,
@@ -331,7 +331,7 @@ class Plan:
         if estimate.total <= ESTIMATE_FACTOR * available:
             return estimate.basis_columns
         raise ProductsTooLargeError(
-            f"solver='implicit' needs an estimated {estimate}, but only "
+            f"route='implicit' needs an estimated {estimate}, but only "
             f"{format_bytes(available)} are available on {self.device}. Refused "
             "before the first product. Ask for fewer pairs (top_k), use the "
             "curvature of fewer samples (subsampling=[...]) or a smaller batch (a "
@@ -396,8 +396,8 @@ class Plan:
         # the eigenvectors V ũ / √λ, formed by one product with V after the solve
         product = max((f.product_memory(count) for f in factors), default=0)
         directions = (count * max(self.num_params) + product) * entry
-        if solver == "matrix_free":
-            width = solver_block_size("matrix_free", top_k, size)
+        if solver == "factor_krylov":
+            width = solver_block_size("factor_krylov", top_k, size)
             product = max((f.product_memory(width) for f in factors), default=0)
             product *= entry
             workspace = iterative_workspace_bytes(
@@ -424,10 +424,10 @@ class Plan:
         if self.profile is None or self.profile.gram is None:
             return "gram", (
                 "the routes' memory and work could not be measured (the logger "
-                "'vivit' says why); pass solver='implicit' for GGN-vector products"
+                "'vivit' says why); pass route='implicit' for GGN-vector products"
             )
         available = self._available()
-        gram = self.gram_estimate(ROUTE_TOP_K, "matrix_free")
+        gram = self.gram_estimate(ROUTE_TOP_K, "factor_krylov")
         if gram.passes > ESTIMATE_FACTOR * available:
             reason = (
                 f"the Gram route's passes over the data ({gram.num_rows} columns "
@@ -474,14 +474,14 @@ class Plan:
             work = solver_works(factors, top_k, gram.dtype)
             formed = work["formation"] + work["dense"]
             if top_k <= PARTIAL_FRACTION * size:
-                formed = work["formation"] + min(work["dense"], work["iterative"])
-                formed = min(formed, work["matrix_free"])
+                formed = work["formation"] + min(work["dense"], work["gram_krylov"])
+                formed = min(formed, work["factor_krylov"])
             solve += formed
         implicit = self.profile.implicit if measure else None
         _, base_work, base_ops = self.profile.baseline
         products = 0.0
         for params in self.num_params:
-            width = solver_block_size("implicit", ROUTE_TOP_K, params)
+            width = solver_block_size("ggn_krylov", ROUTE_TOP_K, params)
             if implicit is None:
                 work, ops = width * base_work(part), base_ops(part)
             else:
@@ -505,7 +505,7 @@ class Plan:
         if products.total <= ESTIMATE_FACTOR * available:
             return "implicit", reason
         if gram.passes <= ESTIMATE_FACTOR * available:
-            return "gram", f"{reason}; but solver='implicit' needs {products}"
+            return "gram", f"{reason}; but route='implicit' needs {products}"
         streaming = (
             ", or keep no factors: vivit.StreamingGGN(model, loss_func, "
             "loader).eigh(top_k=...)"
@@ -515,9 +515,9 @@ class Plan:
         raise ProductsTooLargeError(
             f"Neither exact route fits into the {format_bytes(available)} "
             f"available: the Gram route's passes need an estimated "
-            f"{format_bytes(gram.passes)}, and solver='implicit' {products}. "
+            f"{format_bytes(gram.passes)}, and route='implicit' {products}. "
             "Refused before running. Ask for fewer pairs (eigh(top_k=...) with "
-            "solver='implicit'), use the curvature of fewer samples "
+            "route='implicit'), use the curvature of fewer samples "
             "(subsampling=[...]) or smaller batches, bound the activations with "
             "chunk_size=..., or Monte-Carlo sample the loss Hessian on the Gram "
             f"route (mc_samples=1){streaming}."
@@ -529,7 +529,7 @@ _GRAM_ADVICE = (
     "Store fewer columns: Monte-Carlo sample the loss Hessian (mc_samples=1), use "
     "the curvature of fewer samples (subsampling=[...]) or a smaller batch, "
     "chunk_size=... (bounds the backward pass, not the kept factors); or keep no "
-    "factors at all: solver='implicit' (GGN-vector products) or "
+    "factors at all: route='implicit' (GGN-vector products) or "
     "vivit.StreamingGGN(model, loss_func, loader).eigh(top_k=...), which "
     "recomputes them in every pass."
 )

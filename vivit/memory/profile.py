@@ -39,7 +39,7 @@ from vivit.model_inputs import (
     num_samples,
     take_samples,
 )
-from vivit.options import CurvatureOptions
+from vivit.options import CurvatureOptions, derived
 from vivit.sources.data import Data, engine_context
 from vivit.sources.implicit import ImplicitFactors
 from vivit.sources.stored import StoredFactors
@@ -201,9 +201,10 @@ class Profile:
         if batch[1] is None:
             batch = (batch[0], _targets(self._twin, loss_func, batch[0], options))
         self._request = (loss_func, batch, param_groups, subsampled)
-        self._options = options.replace(
-            chunk_size=None, subsampling=None, process_group=False,
-            max_batches=None, progress=False, solver="auto",
+        # the caller's generator is not drawn from: its samples are the run's
+        self._options = derived(
+            options, chunk_size=None, subsampling=None, process_group=False,
+            max_batches=None, progress=False, solver="auto", generator=None,
         )  # fmt: skip
         params = [p for group in param_groups for p in group]
         usage = {}
@@ -292,7 +293,7 @@ def profile(
         try:
             known[key] = Profile(
                 model, loss_func, batch, param_groups,
-                options.replace(engine=engine, solver="auto"), subsampled,
+                derived(options, engine=engine, solver="auto"), subsampled,
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
             _log(error)
@@ -323,8 +324,8 @@ def _gram_profile(
     largest: dict[tuple[int, int], float] = {}
     source = None
     for n, curvature in points:
-        run_options = options.replace(
-            subsampling=None if curvature == n else list(range(curvature))
+        run_options = derived(
+            options, subsampling=None if curvature == n else tuple(range(curvature))
         )
         data = Data(model, loss_func, _take(batch, n), run_options)
         del source  # the previous point's factors
@@ -375,7 +376,7 @@ def _implicit_profile(
             loss_func,
             data,
             param_groups,
-            options.replace(solver="implicit", engine="auto"),
+            derived(options, route="implicit", engine="auto"),
         )
         values = [torch.zeros(vectors, *p.shape, dtype=p.dtype, device=p.device)
                   for p in param_groups[group]]  # fmt: skip

@@ -33,8 +33,8 @@ def fixed_route(
     Returns:
         ``None`` where ``"auto"`` compares the routes.
     """
-    if options.solver == "implicit":
-        return "implicit", "solver='implicit' was asked for", False
+    if options.route != "auto":
+        return options.route, f"route={options.route!r} was asked for", False
     if options.solver != "auto":
         return "gram", f"solver={options.solver!r} was asked for", False
     obstacle = implicit_obstacle(options) or obstacle
@@ -119,20 +119,30 @@ def sized_plan(
     return Plan(measured, sizes, engine, param_groups, fixed, available=available)
 
 
+def asked(options: CurvatureOptions) -> str:
+    """What a rank asked for, in words: its route, else its solver."""
+    if options.route != "auto":
+        return f"route={options.route!r}"
+    return f"solver={options.solver!r}"
+
+
 def agreed_plan(choices: list[tuple[str, Plan]]) -> Plan:
-    """The plan every rank of a group runs, from every rank's solver and plan.
+    """The plan every rank of a group runs, from every rank's request and plan.
 
     Where the ranks chose differently, the implicit route runs (it runs on any
     shard), unless some rank cannot run it.
 
+    Args:
+        choices: Every rank's request in words (:func:`asked`) and plan.
+
     Raises:
-        DistributedError: If the ranks asked for different solvers.
+        DistributedError: If the ranks asked for different routes or solvers.
     """
     solver, first = choices[0]
     if len(choices) == 1:
         return first
     asked = [
-        f"rank {rank} asks for solver={theirs!r}, rank 0 for {solver!r}"
+        f"rank {rank} asks for {theirs}, rank 0 for {solver}"
         for rank, (theirs, _) in enumerate(choices)
         if theirs != solver
     ]

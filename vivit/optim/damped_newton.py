@@ -80,6 +80,7 @@ from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
 from vivit.distributed import agree_across_ranks
 from vivit.engines.base import Engine, OutputSelector
+from vivit.engines.choice import runs_from_a_loss
 from vivit.errors import (
     InvalidArgumentError,
     NonFiniteError,
@@ -150,6 +151,8 @@ class DampedNewton(Optimizer):
         generator: As for :class:`~vivit.options.CurvatureOptions`.
         keep_directions: Keep the last step's eigenvectors in parameter space.
         gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
+        route: As for :class:`~vivit.options.CurvatureOptions`: where each
+            step's curvature comes from.
         solver: As for :class:`~vivit.options.CurvatureOptions`: the eigensolver for
             ``top_k`` directions.
         model: The network, for steps given ``data`` instead of a closure.
@@ -189,6 +192,7 @@ class DampedNewton(Optimizer):
         generator: torch.Generator | None = None,
         keep_directions: bool = False,
         gram_dtype: torch.dtype | None = None,
+        route: str = "auto",
         solver: str = "auto",
         model: Module | None = None,
         loss_func: Module | None = None,
@@ -210,6 +214,7 @@ class DampedNewton(Optimizer):
             subsampling=subsampling,
             generator=generator,
             gram_dtype=gram_dtype,
+            route=route,
             solver=solver,
             engine=engine,
             process_group=process_group,
@@ -371,10 +376,11 @@ def _check_closure_options(options: CurvatureOptions) -> None:
             "shard (optimizer built with model= and loss_func=), or "
             "pass process_group=False for independent steps."
         )
-    if options.engine not in ("auto", "backpack"):
+    if not runs_from_a_loss(options.engine) or options.route == "implicit":
         raise InvalidArgumentError(
             f"A closure's loss can only be backpropagated by the BackPACK "
-            f"engine, not {options.engine!r}: build the optimizer with "
+            f"engine on the Gram route, not engine={options.engine!r}, "
+            f"route={options.route!r}: build the optimizer with "
             "model= and loss_func= and call step(data=(inputs, targets))."
         )
 

@@ -4,7 +4,7 @@
 - :mod:`vivit.sources.data`: the caller's data, checked once, and every pass
   over it, part by part (chunks, batches, random state, progress);
 - :mod:`vivit.sources.runs`: one part of the samples through an engine;
-- :mod:`vivit.sources.union`: combining blocks of samples (scales, unions,
+- :mod:`vivit.sources.union`: combining parts of the samples (scales, unions,
   merges, Monte-Carlo streams);
 - :mod:`vivit.sources.stored`: stored factors of ``V`` (a batch, chunks, a loader,
   the ranks' shards);

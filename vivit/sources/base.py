@@ -37,8 +37,6 @@ class GroupSource(Protocol):
         device: Device of the products.
         num_rows: Side length ``N·C`` of the Gram matrix.
         products: ``V·u``, ``Vᵀ·w`` and ``G̃·U`` of the group.
-        route: Name of the solver that iterates on :attr:`products` (reported by
-            :meth:`~vivit.LowRankGGN.solver_report`).
         solvers: The solvers it runs (``"auto"`` picks among several by the
             cost model, :func:`~vivit.memory.costs.choose_solver`).
         keeps_directions: Whether parameter-space eigenvectors are worth keeping
@@ -58,7 +56,6 @@ class GroupSource(Protocol):
     device: torch.device
     num_rows: int
     products: VProducts
-    route: str
     solvers: tuple[str, ...]
     keeps_directions: bool
     parameter_space: bool

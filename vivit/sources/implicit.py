@@ -1,14 +1,14 @@
 """Implicit curvature: GGN-vector products in parameter space, no ``V`` at all.
 
-The source of ``LowRankGGN(..., solver="implicit")`` (``docs/math.rst``,
+The source of ``LowRankGGN(..., route="implicit")`` (``docs/math.rst``,
 "Implicit GGN-vector products"). It runs no engine and keeps no factor: every
 product ``G v = R Σ_n J_nᵀ H_n J_n v`` passes over the data, one JVP, the
 analytic loss-Hessian products (:mod:`vivit.loss_hessians`) and one VJP per
-block of samples (:mod:`vivit.engines.func.implicit`). The leading eigenpairs
+part of the samples (:mod:`vivit.engines.func.implicit`). The leading eigenpairs
 come from block Krylov on ``G`` in the group's flattened parameter space;
 directional derivatives take one more pass (``J_n e_k`` of every sample).
 
-A block of samples is a mini-batch, a loader's batch or a chunk of either
+A part of the samples is a mini-batch, a loader's batch or a chunk of either
 (``chunk_size``); the products are summed over the blocks with the
 normalization ``R`` of the loss on all (curvature) samples, as the Gram routes
 combine blocks (``docs/math.rst``, "Data sets and processes"). Every pass must
@@ -40,7 +40,7 @@ from vivit.distributed import (
 )
 from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
-from vivit.engines.func.implicit import BlockFunction, check_modes_agree
+from vivit.engines.func.implicit import PartFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION
@@ -65,8 +65,7 @@ class ImplicitGroup:
         index: Position of the group.
     """
 
-    route = "implicit"
-    solvers = ("implicit",)
+    solvers = ("ggn_krylov",)
     keeps_directions = True
     parameter_space = True
 
@@ -88,7 +87,7 @@ class ImplicitGroup:
 
     def form_gram(self, workspace_bytes: int) -> Tensor:  # noqa: D102
         raise InvalidArgumentError(
-            "solver='implicit' forms neither V nor the Gram matrix, so it computes "
+            "route='implicit' forms neither V nor the Gram matrix, so it computes "
             "a few leading eigenpairs: pass top_k (e.g. eigh(top_k=10)). The Gram "
             "matrix and all eigenvalues (eigvalsh, top_k=None) need a Gram route: "
             "name its solver, LowRankGGN(..., solver='dense') (solver='auto' takes "
@@ -97,10 +96,10 @@ class ImplicitGroup:
         )
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        if solver not in ("auto", "implicit"):
+        if solver != "auto":
             raise InvalidArgumentError(
                 f"solver={solver!r} runs on the Gram matrix or on V, which "
-                "solver='implicit' never forms: use solver='implicit' (or 'auto'), "
+                "route='implicit' never forms: use route='implicit' (or 'auto'), "
                 f"or build LowRankGGN(..., solver={solver!r}) for the Gram route."
             )
 
@@ -127,7 +126,7 @@ class ImplicitGroup:
         factor = self.batch.ggn_reduction_factor
         result: list[Tensor] = []
 
-        def visit(part: Part, function: BlockFunction) -> None:
+        def visit(part: Part, function: PartFunction) -> None:
             hessian = weights = None
             pieces = []
             for chunk in self._source.vector_chunks(vectors):
@@ -224,7 +223,7 @@ class ImplicitGroup:
         """``γ`` and ``λ`` of this process's samples (on the CPU under a group)."""
         gammas, lambdas = [], []
 
-        def visit(part: Part, function: BlockFunction) -> None:
+        def visit(part: Part, function: PartFunction) -> None:
             hessian = gradients = None
             part_gammas, part_lambdas = [], []
             for chunk in self._source.vector_chunks(evecs):
@@ -302,7 +301,7 @@ def check_few_pairs(top_k: int, rank: int) -> None:
     if top_k > max(FEW_PAIRS, MANY_PAIRS_FRACTION * rank):
         raise InvalidArgumentError(
             f"top_k={top_k} asks for a large part of the GGN's at most {rank} "
-            "non-zero eigenpairs: solver='implicit' finds a few leading pairs by "
+            "non-zero eigenpairs: route='implicit' finds a few leading pairs by "
             "Krylov iterations (5–10 GGN-vector products per pair and a basis of "
             "about 3·top_k vectors of the parameters' size), which would take far "
             f"longer than a direct solve. Ask for at most "
@@ -344,7 +343,7 @@ class ImplicitFactors(CurvatureSource):
         data: The checked data, a batch or a re-iterable loader (this rank's
             shard under a process group).
         param_groups: The checked parameter groups.
-        options: The checked options (``solver="implicit"``).
+        options: The checked options (``route="implicit"``).
         shards: The exchange of the process group (``options.group``);
             ``None`` runs locally.
         plan: The request's plan (:class:`~vivit.memory.plan.Plan`): vectors
@@ -386,7 +385,7 @@ class ImplicitFactors(CurvatureSource):
         check_grad_mode("LowRankGGN")
         self.param_groups = param_groups
         check_layers(model)
-        data.reread("LowRankGGN (solver='implicit')")
+        data.reread("LowRankGGN (route='implicit')")
         self._data, self._model, self._options, self._plan = data, model, options, plan
         self._basis_columns: dict[int, int | None] = {}
         self.lockstep = LockStep(shards.group, shards.report)
@@ -427,7 +426,7 @@ class ImplicitFactors(CurvatureSource):
             model if shards.group is not None else None,  # checksums: ranks only
             solver=(options.solver, options.solver_tol, options.solver_seed),
             engine="implicit",
-            # a loader's is compared after its pass, in the block round
+            # a loader's is compared after its pass, in the shard round
             **{SAMPLE_SHAPE: self._data.sample_shape},
         )
 
@@ -463,7 +462,7 @@ class ImplicitFactors(CurvatureSource):
         return None if self._plan is None else self._plan.basis_columns(top_k)
 
     def run_pass(
-        self, group: int, description: str, visit: Callable[[Part, BlockFunction], None]
+        self, group: int, description: str, visit: Callable[[Part, PartFunction], None]
     ) -> None:
         """One pass: ``visit`` every part and its output as a function of a group.
 
@@ -474,7 +473,7 @@ class ImplicitFactors(CurvatureSource):
         params = self.param_groups[group]
 
         def visit_part(part: Part) -> None:
-            function = BlockFunction(
+            function = PartFunction(
                 self._model, params, part.inputs, self._options.output
             )
             visit(part, function)
@@ -485,7 +484,7 @@ class ImplicitFactors(CurvatureSource):
         """Loss, gradient, each block's normalization; samples checked independent.
 
         Under a process group this rank's shard is one block of the union:
-        the ranks exchange their blocks' contexts and losses (the block round)
+        the ranks exchange their blocks' contexts and losses (the shard round)
         and sum their gradients rescaled to the union's ``R``.
         """
         params = [p for group in self.param_groups for p in group]
@@ -495,7 +494,7 @@ class ImplicitFactors(CurvatureSource):
         def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
             if part.index == 0:
                 for group in self.param_groups:
-                    function = BlockFunction(model, group, part.inputs, selector)
+                    function = PartFunction(model, group, part.inputs, selector)
                     check_modes_agree(function, group)
             output = select_output(call_model(model, part.inputs), selector)
             hessian = LossHessianProducts(part.loss_func, output.detach(), part.targets)
@@ -530,7 +529,7 @@ class ImplicitFactors(CurvatureSource):
             self.local_batch = dataclasses.replace(
                 self.local_batch, ggn_samples=tuple(self._options.subsampling)
             )
-        ranks = shards.block_contexts(self.local_batch, loss.detach(), sample_shape)
+        ranks = shards.shard_contexts(self.local_batch, loss.detach(), sample_shape)
         self.union = union_batch([batch for batch, _ in ranks])
         self.loss = loss
         if shards.group is not None:

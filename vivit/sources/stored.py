@@ -1,7 +1,7 @@
 """Stored factors: one pass keeps every block's factors of ``V``.
 
 The source of :class:`~vivit.LowRankGGN`. One mini-batch, its chunks, a loader's
-batches and the ranks' shards are blocks of samples; each is run by the engine
+batches and the ranks' shards are parts of the samples; each is run by the engine
 with the loss on its own samples, and the blocks are combined into the curvature
 of their union (:mod:`vivit.sources.union`, ``docs/math.rst``, "Data sets and
 processes"). The factors of ``V`` are kept, so every later product (the Gram
@@ -36,9 +36,9 @@ from vivit.sources.ownership import CallerMemory, stored_bytes
 from vivit.sources.runs import PartResult, run_engine, run_part
 from vivit.sources.union import (
     UnionOutput,
-    block_requests,
     combine_curvatures,
-    merged_blocks,
+    merged_parts,
+    part_requests,
 )
 
 
@@ -51,8 +51,7 @@ class StoredGroup:
         gradient: The gradient of the loss, one tensor per parameter.
     """
 
-    route = "matrix_free"
-    solvers = ("dense", "iterative", "matrix_free")
+    solvers = ("dense", "gram_krylov", "factor_krylov")
     keeps_directions = False
     parameter_space = False
 
@@ -97,13 +96,7 @@ class StoredGroup:
         self.curvature.gram = gram
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        if solver == "implicit":
-            raise InvalidArgumentError(
-                "solver='implicit' is a route chosen at construction: this "
-                "LowRankGGN keeps factors of V, on which every other solver runs. "
-                "Build LowRankGGN(..., solver='implicit') for products that need "
-                "no V, or pass 'auto', 'dense', 'iterative' or 'matrix_free'."
-            )
+        pass  # every solver runs on the factors
 
     def directional_gradients(  # noqa: D102
         self,
@@ -145,7 +138,7 @@ class StoredFactors(CurvatureSource):
         """Combine the parts' curvature into that of their union.
 
         This process's parts are merged into one set of factors per parameter
-        (:func:`~vivit.sources.union.merged_blocks`); under a process group that
+        (:func:`~vivit.sources.union.merged_parts`); under a process group that
         is the rank's one part in the exchange, and every rank's parts are
         combined in rank order.
         """
@@ -155,7 +148,7 @@ class StoredFactors(CurvatureSource):
         # refuses a loader without batches, and one whose every target is
         # ignored (a rank's shard: after the exchange)
         loss, gradients = union.result(part=shards.group is not None)
-        curvature = merged_blocks(parts, options.subsampling)
+        curvature = merged_parts(parts, options.subsampling)
         if shards.group is None:  # the exchange rebuilds every part from bytes
             caller_memory.own(curvature)
         else:
@@ -179,7 +172,7 @@ class StoredFactors(CurvatureSource):
             gradient = [next(gradients) for _ in group]
             _check_gradient(group, gradient, names)
             self.groups.append(StoredGroup(index, part, gradient))
-        if shards.group is not None and options.solver != "matrix_free":
+        if shards.group is not None and options.solver != "factor_krylov":
             self._form_grams_together(shards)
 
     def _form_grams_together(self, shards: ShardExchange) -> None:
@@ -249,7 +242,7 @@ class StoredFactors(CurvatureSource):
             # a loader's is compared after its pass, in the exchange
             **{SAMPLE_SHAPE: data.sample_shape},
         )
-        requests = block_requests(request, lambda seed: shards.agree(fingerprint, seed))
+        requests = part_requests(request, lambda seed: shards.agree(fingerprint, seed))
         parts: list[list[GroupCurvature]] = []
         caller_memory = CallerMemory()
         model_memory = [*model.parameters(), *model.buffers()]
@@ -317,7 +310,7 @@ class StoredFactors(CurvatureSource):
         params = [p for group in param_groups for p in group]
         check_params(params, {})
         # MC: a batch's stream, as for a model and data
-        request = block_requests(_request(param_groups, options))(0)
+        request = part_requests(_request(param_groups, options))(0)
         compute_loss = loss if callable(loss) else lambda: loss
         with engine_context(params):
             result = run_part(

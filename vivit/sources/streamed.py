@@ -22,12 +22,12 @@ from vivit.engines.choice import resolve_engine
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
-from vivit.options import CurvatureOptions
+from vivit.options import CurvatureOptions, check_streaming_solver
 from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part
 from vivit.sources.runs import PartResult, run_engine, run_part
-from vivit.sources.union import UnionOutput, block_requests, block_scale, union_batch
+from vivit.sources.union import UnionOutput, part_requests, part_scale, union_batch
 
 
 class StreamedGroup:
@@ -41,8 +41,7 @@ class StreamedGroup:
         index: Position of the group.
     """
 
-    route = "streaming"
-    solvers = ("matrix_free",)
+    solvers = ("factor_krylov",)
     keeps_directions = True
     parameter_space = False
 
@@ -69,7 +68,7 @@ class StreamedGroup:
         )
 
     def check_solver(self, solver: str) -> None:  # noqa: D102
-        _check_streamable_solver(solver)
+        check_streaming_solver(solver)
 
     def directional_gradients(  # noqa: D102
         self,
@@ -148,11 +147,11 @@ class StreamedGroup:
         """A pass handing every block's factors of the group (rescaled) to ``visit``."""
         scales = self._source.scales
 
-        def visit_block(index: int, block: PartResult) -> None:
+        def visit_part(index: int, block: PartResult) -> None:
             factors = block.curvature[self.index].ggn_factors
             visit(index, [f.scaled(scales[index]) for f in factors])
 
-        self._source.run_pass(visit_block, what)
+        self._source.run_pass(visit_part, what)
 
 
 class StreamedFactors(CurvatureSource):
@@ -188,7 +187,6 @@ class StreamedFactors(CurvatureSource):
         options: CurvatureOptions,
     ):
         self.param_groups, _ = checked_param_groups(model, loss_func, param_groups)
-        _check_streamable(options)
         self._data = Data(model, loss_func, data, options)
         self._data.reread("StreamingGGN")
         engine = resolve_engine(options.engine, model, loss_func, options.output)
@@ -205,7 +203,7 @@ class StreamedFactors(CurvatureSource):
             output=options.output,
         )
         # part p draws its Monte-Carlo samples from stream p in every pass
-        requests = block_requests(request)
+        requests = part_requests(request)
 
         def run(part: Part, gradients: bool) -> PartResult:
             part_request = dataclasses.replace(
@@ -275,43 +273,9 @@ class StreamedFactors(CurvatureSource):
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         self.union = union_batch(union.batches)
         self.scales = [
-            block_scale(self.union.ggn_reduction_factor, batch.ggn_reduction_factor)
+            part_scale(self.union.ggn_reduction_factor, batch.ggn_reduction_factor)
             for batch in union.batches
         ]
         self.bounds = [0]
         for count in rows:
             self.bounds.append(self.bounds[-1] + count)
-
-
-def _check_streamable_solver(solver: str) -> None:
-    """Refuse a solver that needs the Gram matrix, naming what to do instead."""
-    if solver == "implicit":
-        raise InvalidArgumentError(
-            "solver='implicit' is a route of LowRankGGN: build LowRankGGN(model, "
-            "loss_func, loader, solver='implicit'), which keeps no factors either "
-            "and passes over the loader in every product."
-        )
-    if solver in ("dense", "iterative"):
-        raise InvalidArgumentError(
-            f"solver={solver!r} needs the Gram matrix, which StreamingGGN never "
-            "forms: use solver='auto' or 'matrix_free' (block Krylov on "
-            "products by passes over the data), or LowRankGGN over the loader."
-        )
-
-
-def _check_streamable(options: CurvatureOptions) -> None:
-    """Refuse the options a stream over a loader cannot honour, naming them."""
-    _check_streamable_solver(options.solver)
-    if options.subsampling is not None:
-        raise InvalidArgumentError(
-            "subsampling selects samples of one mini-batch, which StreamingGGN "
-            "does not need: pass a loader over the samples whose curvature you "
-            "want (or LowRankGGN(..., subsampling=...) for one mini-batch)."
-        )
-    if options.group is not None:
-        raise InvalidArgumentError(
-            "StreamingGGN streams over this process's loader alone: a process "
-            "group (the union of the ranks' loaders) is not supported. Pass "
-            "process_group=False, or use LowRankGGN(..., process_group=...) whose "
-            "factors are exchanged between the ranks."
-        )

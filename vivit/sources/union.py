@@ -1,17 +1,17 @@
-"""Blocks of samples combined into the curvature of their union.
+"""Parts of the samples combined into the curvature of their union.
 
-A block of samples is a loader's batch, a chunk of a mini-batch, or a rank's
+A part of the samples is a loader's batch, a chunk of a mini-batch, or a rank's
 shard. An engine computes each with the loss on that block alone; this module
 turns the blocks' results into those of the loss on all samples together
 (``docs/math.rst``, "Data sets and processes"):
 
-- the GGN's columns are rescaled by ``√(R_union / R_block)`` (:func:`block_scale`)
+- the GGN's columns are rescaled by ``√(R_union / R_block)`` (:func:`part_scale`)
   and stacked (:func:`concatenate_curvatures`), then merged into one set of
-  factors per parameter (:func:`merged_blocks`);
+  factors per parameter (:func:`merged_parts`);
 - losses and gradients are summed with the weights ``R_union / R_block``
   (:class:`UnionOutput`);
 - Monte-Carlo samples are drawn per block from streams ``seed + b``
-  (:func:`block_requests`), so a block's draws do not depend on the others.
+  (:func:`part_requests`), so a block's draws do not depend on the others.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from vivit.gram import (
     DenseFactors,
     OuterProductFactors,
     ParamFactors,
-    SampleBlockFactors,
+    StackedFactors,
 )
 from vivit.losses import LossNormalization
 from vivit.sources.collector import GroupCurvature
 
 
-def block_scale(union_factor: float, block_factor: float) -> float:
+def part_scale(union_factor: float, block_factor: float) -> float:
     """``√(R_union / R_block)``: rescales a block's ``V`` (or ``1`` if ``R_block=0``).
 
     A block whose ``R`` is ``0`` carries no weight (every target ignored): its
@@ -68,7 +68,7 @@ def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
 
 
 def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
-    """One group's curvature on the union of several blocks of samples.
+    """One group's curvature on the union of several parts of the samples.
 
     The blocks (batches of a loader, shards of processes) were computed each with
     the loss on its own samples; their columns of ``V`` are rescaled from the
@@ -101,11 +101,11 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
             )
     batch = union_batch([part.batch for part in parts])
     scales = [
-        block_scale(batch.ggn_reduction_factor, part.batch.ggn_reduction_factor)
+        part_scale(batch.ggn_reduction_factor, part.batch.ggn_reduction_factor)
         for part in parts
     ]
     ggn_factors = [
-        SampleBlockFactors(column, scales)
+        StackedFactors(column, scales)
         for column in zip(*(part.ggn_factors for part in parts), strict=True)
     ]
     curvature = GroupCurvature(
@@ -117,7 +117,7 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
     )
     if first.grad_factors is not None:
         curvature.grad_factors = [
-            SampleBlockFactors(column)
+            StackedFactors(column)
             for column in zip(*(part.grad_factors for part in parts), strict=True)
         ]
     return curvature
@@ -139,7 +139,7 @@ def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvatur
     ]
 
 
-def merged_blocks(
+def merged_parts(
     blocks: list[list[GroupCurvature]], subsampling: Sequence[int] | None
 ) -> list[GroupCurvature]:
     """Every group's curvature on one process's blocks, one set of factors each.
@@ -207,8 +207,8 @@ def merged_chunks(
 
 
 def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
-    """One set of factors for the non-empty blocks of samples (a copy)."""
-    if not isinstance(factors, SampleBlockFactors):
+    """One set of factors for the non-empty parts of the samples (a copy)."""
+    if not isinstance(factors, StackedFactors):
         return factors
     kept = [
         (block, scale)
@@ -220,12 +220,12 @@ def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
     if len(blocks) == 1:
         return blocks[0] if scales[0] == 1.0 else blocks[0].scaled(scales[0])
     if not all(type(block) is kind for block in blocks):
-        return SampleBlockFactors(blocks, scales)
+        return StackedFactors(blocks, scales)
     if kind is OuterProductFactors:
         return OuterProductFactors.concatenate(blocks, scales, inputs_cache)
     if kind is DenseFactors:
         return DenseFactors.concatenate(blocks, scales)
-    return SampleBlockFactors(blocks, scales)
+    return StackedFactors(blocks, scales)
 
 
 class UnionOutput:
@@ -304,11 +304,11 @@ def _unnormalized(output: EngineOutput, batch: BatchInfo) -> EngineOutput:
     return EngineOutput(output.loss * scale, [g * scale for g in output.gradients])
 
 
-def block_requests(
+def part_requests(
     request: CurvatureRequest,
     agree: Callable[[int | None], int | None] | None = None,
 ) -> Callable[[int], CurvatureRequest]:
-    """The request of each block of samples: its own MC stream (exact: as is).
+    """The request of each part of the samples: its own MC stream (exact: as is).
 
     Draws the base seed (:func:`base_seed`) once: every pass over the blocks
     with the returned requests draws the same samples. Without a generator the
@@ -333,7 +333,7 @@ def block_requests(
         return lambda index: request
     device = request.params[0].device
     return lambda index: dataclasses.replace(
-        request, generator=block_generator(seed, index, device)
+        request, generator=part_generator(seed, index, device)
     )
 
 
@@ -351,10 +351,10 @@ def base_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))
 
 
-def block_generator(
+def part_generator(
     seed: int, block: int, device: torch.device | str
 ) -> torch.Generator:
-    """The generator of the Monte-Carlo samples of one block of samples.
+    """The generator of the Monte-Carlo samples of one part of the samples.
 
     Block ``b`` (a loader's ``b``-th batch or chunk; under a process group of
     ``W`` ranks, ``b = r + W·i`` for the ``i``-th batch of rank ``r``) draws

@@ -1,4 +1,4 @@
-"""GGN-vector products ``G v = Jᵀ H J v`` of one block of samples, by torch.func.
+"""GGN-vector products ``G v = Jᵀ H J v`` of one part of the samples, by torch.func.
 
 Per block of ``K`` parameter-space vectors: ``J v`` by ``torch.func.jvp`` vmapped
 over the tangents, the loss-Hessian product (:mod:`vivit.loss_hessians`), and
@@ -72,8 +72,8 @@ class PaddingRowsConstant(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class BlockFunction:
-    """The model output of one block of samples as a function of a group's parameters.
+class PartFunction:
+    """The model output of a part of the samples as a function of a group's params.
 
     Args:
         model: The network (left unchanged).
@@ -153,12 +153,12 @@ def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
         raise UnsupportedLayerError(
             f"The implicit route computes {what} through the model, and an "
             f"operation of the model has no such rule in PyTorch: {error} Use "
-            "another solver (solver='auto' or 'matrix_free'), whose engines need "
+            "another solver (solver='auto' or 'factor_krylov'), whose engines need "
             "reverse-mode AD only."
         ) from error
 
 
-def check_modes_agree(function: BlockFunction, params: Sequence[Parameter]) -> None:
+def check_modes_agree(function: PartFunction, params: Sequence[Parameter]) -> None:
     """Refuse a model whose forward- and reverse-mode derivatives disagree.
 
     For one random pair ``(v, w)`` (a generator of its own, seed 0), ``wᵀ(J v)`` and
@@ -196,5 +196,5 @@ def check_modes_agree(function: BlockFunction, params: Sequence[Parameter]) -> N
             "(a custom autograd.Function, or a backward that drops a gradient), "
             "so GGN-vector products by JVP and VJP would be wrong. Use a Gram "
             "route, which differentiates by reverse mode only: solver='dense', "
-            "'iterative' or 'matrix_free'."
+            "'gram_krylov' or 'factor_krylov'."
         )

@@ -1,4 +1,4 @@
-"""A parameter's columns of ``V`` over several blocks of samples.
+"""A parameter's columns of ``V`` over several parts of the samples.
 
 The batches of a loader, the shards of processes, the chunks of a large batch:
 ``V = [V_1, V_2, …]``, whose products are those of the blocks' factors
@@ -16,15 +16,15 @@ from torch import Tensor
 from vivit.gram.factors import ParamFactors
 
 
-class SampleBlockFactors(ParamFactors):
-    """Columns of ``V`` of one parameter, held per block of samples.
+class StackedFactors(ParamFactors):
+    """Columns of ``V`` of one parameter, held per part of the samples.
 
     Gram-space entries are ordered block by block, each block sample-major. Block
     ``b``'s columns are ``scale_b`` times those of its factors: rescaling a block
     copies nothing, the products apply the scale. Nested blocks are flattened.
 
     Args:
-        blocks: Factors of the same parameter, one per block of samples, with the
+        blocks: Factors of the same parameter, one per part of the samples, with the
             same columns per sample.
         scales: Each block's scale (default: ``1`` for all).
 
@@ -45,14 +45,14 @@ class SampleBlockFactors(ParamFactors):
         flat: list[ParamFactors] = []
         flat_scales: list[float] = []
         for block, scale in zip(blocks, scales, strict=True):
-            if isinstance(block, SampleBlockFactors):
+            if isinstance(block, StackedFactors):
                 flat.extend(block.blocks)
                 flat_scales.extend(scale * inner for inner in block.scales)
             else:
                 flat.append(block)
                 flat_scales.append(float(scale))
         if not flat:
-            raise ValueError("SampleBlockFactors needs at least one block.")
+            raise ValueError("StackedFactors needs at least one block.")
         first = flat[0]
         for block in flat[1:]:
             if (block.param_shape, block.num_columns, block.dtype) != (
@@ -83,10 +83,10 @@ class SampleBlockFactors(ParamFactors):
         blocks = [block.map_tensors(function) for block in self.blocks]
         if all(new is old for new, old in zip(blocks, self.blocks, strict=True)):
             return self
-        return SampleBlockFactors(blocks, self.scales)
+        return StackedFactors(blocks, self.scales)
 
-    def scaled(self, factor: float) -> SampleBlockFactors:  # noqa: D102
-        return SampleBlockFactors(self.blocks, [factor * s for s in self.scales])
+    def scaled(self, factor: float) -> StackedFactors:  # noqa: D102
+        return StackedFactors(self.blocks, [factor * s for s in self.scales])
 
     def _row_bounds(self) -> list[int]:
         bounds = [0]
@@ -97,7 +97,7 @@ class SampleBlockFactors(ParamFactors):
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
             return self._self_gram()
-        if isinstance(other, SampleBlockFactors):
+        if isinstance(other, StackedFactors):
             others = list(zip(other.blocks, other.scales, strict=True))
         else:
             others = [(other, 1.0)]
@@ -180,7 +180,7 @@ class SampleBlockFactors(ParamFactors):
                 runs[-1][1].append(n - starts[b])
             else:
                 runs.append((b, [n - starts[b]]))
-        return SampleBlockFactors(
+        return StackedFactors(
             [self.blocks[b].select(local) for b, local in runs],
             [self.scales[b] for b, _ in runs],
         )
