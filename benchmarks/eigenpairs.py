@@ -6,6 +6,9 @@ of :data:`methods.METHODS`: a plain forward+backward pass (the baseline), this
 library (exact, MC-1, subsampled, per-layer groups), power iteration on GGN-vector
 products, ViViT 1.0.0 and curvlinops + scipy ``eigsh``. The peers run in a side
 environment the harness creates on first use (:mod:`peers`).
+``--before TREE`` also runs every method of this library from ``TREE``, a
+checkout of an earlier version, as ``<method>@before``, interleaved with this
+version's (a change's effect, side by side in one run).
 
 Each (problem, N, method) runs in a fresh Python process (``--worker``) of its
 method's environment, which
@@ -57,6 +60,7 @@ with ``-quick`` for ``--quick``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -142,16 +146,38 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 # Driver -------------------------------------------------------------------------
 
 
-def _worker_env(env: str, peers_python: str | None) -> tuple[str, dict[str, str]]:
-    """Interpreter and environment variables of a worker of ``env``."""
+def _worker_env(env: str, args: argparse.Namespace) -> tuple[str, Path, dict[str, str]]:
+    """Interpreter, worker script and environment variables of a worker of ``env``."""
     variables = dict(os.environ)
     if env == "peers":
         # ViViT 1.0 imports as `vivit`: keep this repository off the path
         variables.pop("PYTHONPATH", None)
-        return peers_python or str(peers.python()), variables
+        python = args.peers_python or str(peers.python())
+        return python, Path(__file__).resolve(), variables
+    root = Path(args.before).resolve() if env == "before" else ROOT
     path = variables.get("PYTHONPATH")
-    variables["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
-    return sys.executable, variables
+    variables["PYTHONPATH"] = str(root) + (os.pathsep + path if path else "")
+    return sys.executable, root / "benchmarks" / "eigenpairs.py", variables
+
+
+def add_before_methods(methods: list[str], tree: str) -> list[str]:
+    """Each method of this library also as ``<method>@before``: run by ``tree``.
+
+    ``tree`` is a checkout of an earlier version of the repository (e.g.
+    ``git worktree add /tmp/before <commit>``); its own worker script and
+    methods run, in this environment, interleaved with this version's.
+    """
+    with_before = []
+    for name in methods:
+        with_before.append(name)
+        method = METHODS[name]
+        if method.env == "main" and not method.baseline:
+            description = f"{method.description} [before: {tree}]"
+            METHODS[f"{name}@before"] = dataclasses.replace(
+                method, description=description, env="before"
+            )
+            with_before.append(f"{name}@before")
+    return with_before
 
 
 def run_case(
@@ -168,14 +194,14 @@ def run_case(
     if env in args.unavailable:
         record["status"] = f"skipped: {args.unavailable[env]}"
         return record
-    interpreter, variables = _worker_env(env, args.peers_python)
+    interpreter, script, variables = _worker_env(env, args)
     command = [
         interpreter,
-        str(Path(__file__).resolve()),
+        str(script),
         "--worker",
         f"--problem={problem}",
         f"--batch-size={batch_size}",
-        f"--method={method}",
+        f"--method={method.removesuffix('@before')}",
         f"--repeats={args.repeats}",
         f"--device={args.device}",
         f"--threads={args.threads}",
@@ -293,6 +319,8 @@ def run_driver(args: argparse.Namespace) -> None:
     methods = args.methods or list(METHODS)
     if BASELINE not in methods:
         methods.insert(0, BASELINE)
+    if args.before:
+        methods = add_before_methods(methods, args.before)
     args.unavailable = {}
     if any(METHODS[m].env == "peers" for m in methods):
         if args.no_peers:
@@ -463,6 +491,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peers-python",
         help="an interpreter that imports the peers (ViViT 1.0 as vivit, curvlinops) "
         "and not this library, used instead of creating benchmarks/.venvs/peers",
+    )
+    parser.add_argument(
+        "--before",
+        help="a checkout of an earlier version: every method of this library also "
+        "runs from it, as <method>@before, side by side in this run",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(

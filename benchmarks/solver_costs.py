@@ -5,12 +5,11 @@ machine may be shared, CPU time does not count waiting for a core) of
 
 - ``backward``: ``LowRankGGN(...)`` (forward and backward pass, factors kept);
 - ``gram``: forming the Gram matrix from the factors;
-- ``dense`` / ``iterative``: ``eigh(top_k)`` on the formed Gram matrix;
-- ``matrix_free``: ``eigh(top_k)`` through the factors (no Gram matrix);
+- ``dense`` / ``gram_krylov``: ``eigh(top_k)`` on the formed Gram matrix;
+- ``factor_krylov``: ``eigh(top_k)`` through the factors (no Gram matrix);
 
 the minimum over ``--repeats`` calls after one warm-up, printed with the cost
-model's predictions (:mod:`vivit.linalg.top_k`: ``gram_work``, ``dense_work``,
-``iterative_work`` with Gram products, with ``V``-products) and the rate
+model's predictions (:func:`vivit.memory.costs.solver_works`) and the rate
 (multiply-adds per CPU second) each part reached.
 
 Run: ``python benchmarks/solver_costs.py --problems mlp-relu 3c3d --threads 1``.
@@ -26,7 +25,7 @@ import torch
 from problems import make_problem
 
 from vivit import LowRankGGN
-from vivit.linalg import top_k as top_k_module
+from vivit.memory.costs import choose_solver, solver_works
 
 #: (problem, N) pairs measured by default.
 CASES = {
@@ -76,19 +75,9 @@ def measure(
             return ggn.eigh(top_k=top_k, solver=solver)
 
         times[solver], _ = cpu_time(solve, repeats)
-    options = {
-        "num_params": sum(p.numel() for p in model.parameters()),
-        "dtype": factors[0].dtype,
-        "factors": factors,
-    }
-    work = top_k_module.solver_work(size, top_k, **options)
-    predicted = {
-        "gram": work.formation,
-        "dense": work.dense,
-        "gram_krylov": work.iterative,
-        "factor_krylov": work.matrix_free,
-    }
-    auto = top_k_module.choose_solver(size, top_k, device=X.device, **options)
+    predicted = solver_works(factors, top_k, factors[0].dtype)
+    predicted["gram"] = predicted.pop("formation")
+    auto = choose_solver(factors, top_k, factors[0].dtype, X.device)
     return {
         "problem": problem,
         "N": batch_size,

@@ -70,7 +70,7 @@ def test_large_vocabulary_runs_implicit_and_is_exact():
     assert costs["gram"] > costs["implicit"] and costs["measured"]
     assert f"{costs['gram']:.2g} multiply-adds" in ggn.plan.reason
     evals, _ = ggn.eigh(top_k=3)
-    assert ggn.solver_report().solver == "implicit"
+    assert ggn.solver_report().solver == "ggn_krylov"
     G = dense_ggn(model, loss_func, X, y)
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
 
@@ -181,7 +181,7 @@ def test_an_unmeasurable_request_runs_the_gram_route(monkeypatch):
 @pytest.mark.parametrize(
     ("options", "name", "says"),
     [
-        ({"solver": "implicit"}, "implicit", "route='implicit' was asked for"),
+        ({"route": "implicit"}, "implicit", "route='implicit' was asked for"),
         ({"solver": "dense"}, "gram", "solver='dense' was asked for"),
         ({"mc_samples": 1}, "gram", "Monte-Carlo sampling saves nothing"),
         ({"engine": "backpack"}, "gram", "runs no engine"),

@@ -84,7 +84,7 @@ def test_eigenpairs_match_dense(name):
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, evecs = ggn.eigh(top_k=TOP_K)
     report = ggn.solver_report()
-    assert report.solver == "implicit" and report.converged
+    assert report.solver == "ggn_krylov" and report.converged
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
     nc = ggn._source.group(0).num_rows
     assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
@@ -346,7 +346,7 @@ def test_refuses_implicit_on_gram_routes_and_iterators():
     s = PROBLEMS["twice-mse-mean"].setup()
     data = (s.inputs, s.targets)
     with pytest.raises(InvalidArgumentError, match="chosen at construction"):
-        LowRankGGN(s.model, s.loss_func, data).eigh(top_k=2, route="implicit")
+        LowRankGGN(s.model, s.loss_func, data).eigh(top_k=2, solver="implicit")
     with pytest.raises(InvalidArgumentError, match="route of LowRankGGN"):
         StreamingGGN(s.model, s.loss_func, [data], route="implicit")
     with pytest.raises(InvalidArgumentError, match="passed over once"):

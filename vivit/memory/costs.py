@@ -1,18 +1,10 @@
 """One cost model, in multiply-adds, for every automatic choice.
 
-The solvers of the Gram route and the two routes are compared by their expected
-work (``docs/math.rst``, "Choosing the route", "Choosing the solver"):
-
-- matrix products and the eigensolvers' linear algebra by their multiply-adds;
-- passes through the model by their measured multiply-adds, times
-  :data:`PASS_SLOWDOWN`, plus :data:`OP_WORK` per operation they run;
-- a pass over a matrix larger than :data:`CACHE_BYTES` at :data:`PASS_WORK` per
-  entry (such products run at memory speed);
-- a Krylov solve as :data:`EXPECTED_BLOCKS` products with blocks of ``b``
-  vectors and the orthogonalization of its basis.
-
-The constants are calibrated by ``benchmarks/solver_costs.py`` and
-``benchmarks/eigenpairs.py`` (``benchmarks/results/``).
+Arithmetic counts its multiply-adds, a pass through the model its measured ones
+times :data:`PASS_SLOWDOWN` plus :data:`OP_WORK` per operation, a pass over a
+matrix larger than the cache :data:`PASS_WORK` per entry (``docs/math.rst``,
+"Choosing the route", "Choosing the solver"). The constants are calibrated by
+``benchmarks/solver_costs.py`` and ``benchmarks/eigenpairs.py``.
 """
 
 from __future__ import annotations
@@ -79,13 +71,7 @@ def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
 def solver_works(
     factors: Sequence[ParamFactors], top_k: int, dtype: torch.dtype
 ) -> dict[str, float]:
-    """Expected work of each Gram-route solver on a group's factors.
-
-    Returns:
-        ``"formation"`` (the Gram matrix), ``"dense"`` and ``"gram_krylov"`` on the
-        formed matrix, and ``"factor_krylov"`` on products with the factors (their
-        memory passes included).
-    """
+    """Expected work of each Gram-route solver, and ``"formation"`` of the Gram."""
     size = factors[0].num_rows
     gram_width = solver_block_size("gram_krylov", top_k, size)
     width = solver_block_size("factor_krylov", top_k, size)
@@ -112,24 +98,14 @@ def choose_solver(
     num_grams: int = 1,
     available: int | None = None,
 ) -> str:
-    """The Gram-route solver ``"auto"`` stands for.
+    """The Gram-route solver ``"auto"`` stands for: the least expected work.
 
-    All pairs, or more than ``PARTIAL_FRACTION`` of them: ``"dense"``. A Gram
-    matrix that does not fit: ``"factor_krylov"``. Else the least expected work,
-    the iterative solver only where :data:`ITERATIVE_ADVANTAGE` times cheaper
-    than the dense one (or where that one's workspace does not fit).
-
-    Args:
-        factors: The group's factors of ``V`` (only their shapes are read).
-        top_k: Leading eigenpairs (``None``: all).
-        dtype: Type of the Gram matrix.
-        device: Its device.
-        gram_formed: Whether the Gram matrix exists already.
-        num_grams: Gram matrices held at once if it is formed.
-        available: Bytes the solve may take (``None``: what the device has).
-
-    Returns:
-        ``"dense"``, ``"gram_krylov"`` or ``"factor_krylov"``.
+    All pairs, or more than ``PARTIAL_FRACTION`` of them: ``"dense"``; a Gram
+    matrix that does not fit: ``"factor_krylov"``; ``"gram_krylov"`` only where
+    :data:`ITERATIVE_ADVANTAGE` times cheaper than ``"dense"`` (or where that
+    one's workspace does not fit). Only the factors' shapes are read;
+    ``num_grams`` Gram matrices are held at once unless ``gram_formed``;
+    ``available``: bytes the solve may take (``None``: what the device has).
     """
     size = factors[0].num_rows
     if top_k is None or top_k > PARTIAL_FRACTION * size:

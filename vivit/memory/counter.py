@@ -1,11 +1,8 @@
 """What a piece of code allocates and computes: bytes live, multiply-adds, operations.
 
-:class:`Counter` watches every ATen operation run under it: the bytes of the
-tensor storages it allocates while they live (a storage that an operation's
-inputs hold is a view, not an allocation), after each operation; the
-multiply-adds of matrix products and convolutions (PyTorch's FLOP formulas);
-and how many operations ran (each costs a fixed overhead besides its
-arithmetic).
+A storage counts from the operation that allocates it until it is freed; one that
+an operation's inputs hold is a view, not an allocation. Multiply-adds are
+PyTorch's FLOP formulas halved (matrix products and convolutions).
 """
 
 from __future__ import annotations
@@ -22,15 +19,7 @@ from torch.utils.flop_counter import flop_registry
 
 @dataclass(frozen=True)
 class Usage:
-    """What a call used.
-
-    Attributes:
-        trace: Bytes allocated after each operation, beyond what was allocated
-            before the call (its peak is the largest).
-        kept: Bytes still allocated after it (what its result holds).
-        work: Multiply-adds of its matrix products and convolutions.
-        ops: Operations it ran.
-    """
+    """Bytes live after each operation and at the end, multiply-adds, operations."""
 
     trace: list[int]
     kept: int
@@ -41,6 +30,14 @@ class Usage:
     def peak(self) -> int:
         """Most bytes allocated at once during the call."""
         return max(self.trace, default=0)
+
+
+def _storages(tree: object) -> list[torch.UntypedStorage]:
+    return [
+        t.untyped_storage()
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta"
+    ]
 
 
 class Counter(TorchDispatchMode):
@@ -60,45 +57,28 @@ class Counter(TorchDispatchMode):
         flops = flop_registry.get(func.overloadpacket)
         if flops is not None:
             self.work += flops(*args, **kwargs, out_val=out) / 2
-        inputs = None
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in self._live:
-                continue
-            if inputs is None:  # a view of an input is no allocation
-                inputs = {
-                    t.untyped_storage()._cdata
-                    for t in tree_leaves((args, kwargs))
-                    if isinstance(t, torch.Tensor) and t.device.type != "meta"
-                }
-            if key in inputs:
-                continue
-            size = storage.nbytes()
-            self._live[key] = weakref.ref(storage, self._freed(key, size))
-            self.current += size
+        new = [s for s in _storages(out) if s._cdata not in self._live]
+        if new:
+            inputs = {s._cdata for s in _storages((args, kwargs))}
+            for storage in new:
+                if storage._cdata not in inputs | self._live.keys():
+                    self._count(storage)
         self.trace.append(self.current)
         return out
 
-    def _freed(self, key: int, size: int) -> Callable[[object], None]:
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage._cdata, storage.nbytes()
+
         def freed(_: object) -> None:
             self._live.pop(key, None)
             self.current -= size
 
-        return freed
+        self._live[key] = weakref.ref(storage, freed)
+        self.current += size
 
 
 def measure(call: Callable[[], object]) -> tuple[object, Usage]:
-    """Run ``call`` and count what it used.
-
-    Args:
-        call: The code to measure.
-
-    Returns:
-        Its result (kept alive, so that ``kept`` counts it) and its usage.
-    """
+    """Run ``call``; its result (kept alive, so ``kept`` counts it) and usage."""
     with Counter() as counter:
         result = call()
     return result, Usage(counter.trace, counter.current, counter.work, counter.ops)

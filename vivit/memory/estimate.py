@@ -1,9 +1,7 @@
 """The memory of a request before it runs: its plan's estimate, from sizes alone.
 
-:func:`estimate_memory` (a mini-batch), :func:`estimate_data_set_memory` (a
-loader) and :func:`largest_batch` measure the request on a copy of the model
-with example inputs (:mod:`vivit.memory.profile`) and read the estimate of the
-route its plan takes (:class:`~vivit.memory.plan.MemoryEstimate`).
+The request is measured on a copy of the model with example inputs
+(:mod:`vivit.memory.profile`); the estimate is that of the route its plan takes.
 """
 
 from __future__ import annotations
@@ -167,11 +165,9 @@ def largest_batch(
     if budget <= 0:
         return 0
     fixed = fixed_route(options)
-    routes = ["gram", "implicit"] if fixed is None else [fixed[0]]
-    solver = options.solver if options.solver in ("dense", "gram_krylov") else "auto"
-    solver = "factor_krylov" if options.solver == "factor_krylov" else solver
+    routes = {"gram", "implicit"} if fixed is None else {fixed[0]}
     if top_k is None:  # all pairs: a Gram route's
-        routes = [route for route in routes if route == "gram"]
+        routes -= {"implicit"}
 
     def fits(batch_size: int) -> bool:
         sizes = Sizes.of([batch_size], None, options.chunk_size)
@@ -181,12 +177,15 @@ def largest_batch(
         )  # fmt: skip
         if plan.profile is None:
             return False
-        estimates = []
-        if "gram" in routes and plan.profile.gram is not None:
-            estimates.append(plan.gram_estimate(top_k, solver))
-        if "implicit" in routes and plan.profile.implicit is not None:
-            estimates.append(plan.implicit_estimate(top_k, budget))
-        return any(e.total <= budget for e in estimates)
+        estimates = {
+            "gram": lambda: plan.gram_estimate(top_k, options.solver),
+            "implicit": lambda: plan.implicit_estimate(top_k, budget),
+        }
+        return any(
+            getattr(plan.profile, route) is not None
+            and estimates[route]().total <= budget
+            for route in routes
+        )
 
     low, high = 0, 1
     while high <= max_batch_size and fits(high):

@@ -1,15 +1,8 @@
 """The plan of a request: route, samples per pass, vectors per pass, Krylov basis.
 
-A :class:`Plan` is made once from the request's measured profile
-(:mod:`vivit.memory.profile`) and the sizes of its data; the run follows it
-and the estimate of a request reads it, so both take the same decisions
-(``docs/math.rst``, "Memory of a request", "Choosing the route"):
-
-1. The route: the one the options fix; else the implicit route where the Gram
-   route's passes do not fit or cost more (:mod:`vivit.memory.costs`), provided
-   the implicit products fit; a request neither route fits is refused.
-2. The samples per backward pass of an engine with a ``memory_budget``.
-3. The implicit route's vectors per pass and its Krylov basis: what fits.
+A :class:`Plan` is made once from the request's measured profile and the sizes
+of its data; the run follows it and the estimate reads it, so both take the same
+decisions (``docs/math.rst``, "Memory of a request", "Choosing the route").
 """
 
 from __future__ import annotations
@@ -52,15 +45,7 @@ PASS_BYTES = 2**29
 
 @dataclass(frozen=True)
 class Sizes:
-    """The samples of a request.
-
-    Attributes:
-        samples: ``N``, every sample.
-        curvature: ``N_S``, the curvature samples.
-        part: Samples of the largest part (a chunk, a loader's batch).
-        parts: Parts of a pass.
-        loader: Whether the data is a loader's batches.
-    """
+    """``N`` samples, ``N_S`` curvature samples, parts of at most ``part``."""
 
     samples: int
     curvature: int
@@ -82,20 +67,16 @@ class MemoryEstimate:
     """The peak memory of a request on its route, in bytes.
 
     Attributes:
-        route: ``"gram"`` or ``"implicit"``.
-        reason: Why the request takes it.
+        route: ``"gram"`` or ``"implicit"``, and ``reason``: why.
         engine: The engine (``"implicit"`` on the implicit route).
         solver: The eigensolver the estimate is for.
-        num_rows: Side ``N·C`` of the Gram matrix (the curvature samples on the
-            implicit route).
-        passes: Peak of the passes over the data: activations, the parts'
-            factors, the backward passes' or the products' intermediates
-            (measured, extrapolated).
+        num_rows: ``N·C``, the Gram matrix's side (``N_S`` on the implicit route).
+        passes: Peak of the passes over the data (measured, extrapolated).
         kept: What the Gram route's factors keep after the passes (measured).
         solve: The Gram matrices and the solver's workspace, or the Krylov
             basis (closed forms).
-        basis_columns: Columns of the implicit route's Krylov basis.
-        default_columns: Those of its default basis (more where memory cut it).
+        basis_columns: Columns of the implicit route's Krylov basis, and
+            ``default_columns`` those of its default one (memory may cut it).
     """
 
     route: str
@@ -135,21 +116,11 @@ class MemoryEstimate:
 class Plan:
     """The decisions of one request, from its profile and sizes.
 
-    Args:
-        profile: The request's measured profile (``None``: not measured).
-        sizes: Its samples.
-        engine: The Gram route's engine.
-        param_groups: The parameter groups (sizes, type, device).
-        fixed: The route the options or data fix, and why (``None``: compared).
-        words: The data in words, for the reason (``""``: a mini-batch).
-        available: Bytes the request may take (``None``: what the parameters'
-            device has now).
-
-    Attributes:
-        route: ``"gram"`` or ``"implicit"``.
-        reason: Why, in words (the numbers compared).
-        forced: Whether the implicit route cannot run on these data or options.
-        engine: The Gram route's engine.
+    ``fixed``: the route the options or data fix, why, and whether the implicit
+    route cannot run (``None``: compared, :meth:`_compare`). ``words``: the data
+    in words, for the reason. ``available``: bytes the request may take
+    (``None``: what the device has now). ``route`` and ``reason`` say what ran
+    and why (``str(plan)`` both); ``forced``: the implicit route cannot run.
 
     Raises:
         ProductsTooLargeError: If neither route fits.
@@ -188,9 +159,9 @@ class Plan:
         return plan
 
     def _available(self) -> int:
-        if self.available is not None:
-            return self.available
-        return available_bytes(self.device)
+        return (
+            available_bytes(self.device) if self.available is None else (self.available)
+        )
 
     # -- estimates ----------------------------------------------------------------
     def gram_estimate(self, top_k: int | None, solver: str = "auto") -> MemoryEstimate:
@@ -249,22 +220,18 @@ class Plan:
     def check(self, solver: str = "auto") -> None:
         """Refuse a Gram route whose passes cannot fit, before they run.
 
-        Args:
-            solver: The requested solver; ``"dense"`` forms every group's Gram
-                matrix of all samples, checked too.
-
         Raises:
             FactorsTooLargeError: If the passes' estimate over
                 :data:`ESTIMATE_FACTOR` exceeds the memory available.
-            GramTooLargeError: If the dense solver's Gram matrices cannot fit.
+            GramTooLargeError: If ``solver`` is ``"dense"`` and its Gram
+                matrices of all samples cannot fit.
         """
         if self.profile is None or self.profile.gram is None:
             return
         estimate = self.gram_estimate(1, "factor_krylov")
         if solver == "dense":
-            groups = len(self.num_params)
-            check_gram_fits(estimate.num_rows, groups, self.profile.gram.dtype,
-                            self.device)  # fmt: skip
+            check_gram_fits(estimate.num_rows, len(self.num_params),
+                            self.profile.gram.dtype, self.device)  # fmt: skip
         available = self._available()
         if estimate.passes <= ESTIMATE_FACTOR * available:
             return
@@ -280,29 +247,24 @@ class Plan:
     def watch(
         self, stored_bytes: Callable[[list, set], int]
     ) -> Callable[[list, object], None]:
-        """A check of a loader's pass after each part: its factors extrapolated.
+        """A check of a loader's pass, called with each part and its curvature.
 
-        Args:
-            stored_bytes: The bytes of a part's kept factors not counted before.
-
-        Returns:
-            Called with each part's curvature and the part; raises
-            :class:`~vivit.FactorsTooLargeError` where the factors of all
-            batches (their number: ``len(loader)``, else one more) and one
-            part's pass cannot fit.
+        It refuses (:class:`~vivit.FactorsTooLargeError`) where the factors of
+        all batches (``len(loader)``, else one more), extrapolated from
+        ``stored_bytes`` of those so far, and one part's pass cannot fit.
         """
         counted: set[int] = set()
         stored, total = [0], self.sizes.parts if self.sizes.loader else None
         available = self._available()
+        passes = 0
+        if self.profile is not None and self.profile.gram is not None:
+            passes = self._part_pass(self.sizes.part, self.sizes.part)
 
         def admit(curvature: list, part: object) -> None:
             stored[0] += stored_bytes(curvature, counted)
             done = part.index + 1
             parts = max(total, done) if total is not None else done + 1
             factors = stored[0] * parts // done
-            passes = 0
-            if self.profile is not None and self.profile.gram is not None:
-                passes = self._part_pass(self.sizes.part, self.sizes.part)
             estimate = factors + passes
             if estimate <= ESTIMATE_FACTOR * available:
                 return
@@ -336,8 +298,8 @@ class Plan:
             "before the first product. Ask for fewer pairs (top_k), use the "
             "curvature of fewer samples (subsampling=[...]) or a smaller batch (a "
             "loader's: smaller batches), bound the products' activations with "
-            "chunk_size=..., or use a Gram route with Monte-Carlo sampling "
-            "(solver='auto', mc_samples=1)."
+            "chunk_size=..., or use the Gram route with Monte-Carlo sampling "
+            "(mc_samples=1)."
         )
 
     def pass_width(self, vectors: int) -> int:
@@ -352,10 +314,7 @@ class Plan:
     # -- decisions ----------------------------------------------------------------
     @functools.cached_property
     def samples_per_pass(self) -> int | None:
-        """The most samples of a part whose engine pass fits the engine's budget.
-
-        ``None``: a part at once (no budget, or the whole part fits).
-        """
+        """Most samples of a part per engine pass in its budget (``None``: all)."""
         budget = self.engine.memory_budget
         if budget is None or self.profile is None or self.profile.gram is None:
             return None

@@ -1,14 +1,11 @@
-"""A request's memory and work, measured on one and two samples, then extrapolated.
+"""A request's memory and work, measured on a few samples, then extrapolated.
 
 The request's own code runs on a copy of the model that shares its parameters
-(buffers copied, hooks removed, random state forked): a plain forward and
-backward pass, the Gram route's pass with its Gram matrix and a product with
-its factors, and the implicit route's product, each under a
-:class:`~vivit.memory.counter.Counter`. Each quantity is then a plane in the
-variables the math scales it with (``docs/math.rst``, "Memory of a request"):
-the samples and the curvature samples of a pass, the samples and samples times
-vectors of an implicit product. Profiles are kept per model and request shape,
-so a training loop measures once.
+(hooks removed, the caller's random generator untouched) under a
+:class:`~vivit.memory.counter.Counter`: a plain pass, the Gram route's pass and
+the implicit route's product. Each quantity is a plane in the sizes the math
+scales it with (``docs/math.rst``, "Memory of a request"). Profiles are kept per
+model and request shape, so a training loop measures once.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import functools
 import itertools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +50,7 @@ MEASURE_FRACTION = 1 / 16
 #: Samples and vectors measured: sizes of 1 take other paths in some kernels.
 _SAMPLES, _VECTORS = (2, 4), (2, 3)
 
+_F64 = torch.float64
 #: The terms of a plane in ``(x, y)``: constant, ``x``, ``y``, ``x·y``.
 _TERMS = (
     lambda x, y: 1.0,
@@ -64,69 +62,49 @@ _TERMS = (
 
 @dataclass(frozen=True)
 class Plane:
-    """The largest of planes ``a + b·x + c·y + d·x·y``, fitted through points.
+    """The largest of planes ``a + b·x + c·y + d·x·y``, ``coefficients [K, terms]``.
 
-    Fitted through traces (bytes after each operation) of one sequence of
-    operations, one plane per operation: the peak of a larger request is the
-    largest of them, wherever in the sequence it falls. Through single values
-    (or traces of different sequences: their peaks), one plane.
-
-    Attributes:
-        coefficients: ``[K, terms]``, one plane per row.
+    Fitted through 2 (``a + b·x``), 3 or 4 points. Through traces of one
+    sequence of operations, one plane per operation: a larger request's peak is
+    the largest, wherever it falls. Through traces of different lengths (other
+    operations), one plane through their peaks.
     """
 
     coefficients: Tensor
 
     def __call__(self, x: float, y: float | None = None) -> float:
         """The largest value at ``(x, y)`` (``y = x`` if not given), at least 0."""
+        terms = _TERMS[: self.coefficients.shape[1]]
         y = x if y is None else y
-        terms = self.coefficients.shape[1]
-        basis = torch.tensor([t(x, y) for t in _TERMS[:terms]], dtype=torch.float64)
-        if terms == 2:  # fitted on the diagonal: x and y are one variable
-            basis[1] = x
+        basis = torch.tensor([t(x, y) for t in terms], dtype=_F64)
         return max(0.0, float((self.coefficients @ basis).max()))
 
     @classmethod
     def fit(cls, points: dict[tuple[int, int], list[float] | float]) -> Plane:
-        """Through two points on the diagonal, three, or four (bilinear)."""
-        keys = list(points)
-        values = [
-            points[k] if isinstance(points[k], list) else [points[k]] for k in keys
-        ]
-        if len({len(v) for v in values}) > 1:  # other operations: their peaks
+        """Through ``{(x, y): trace or value}``."""
+        values = [v if isinstance(v, list) else [v] for v in points.values()]
+        if len({len(v) for v in values}) > 1:
             values = [[max(v)] for v in values]
-        matrix = torch.tensor(
-            [[t(*k) for t in _TERMS[: max(2, len(keys))]] for k in keys],
-            dtype=torch.float64,
-        )
-        if len(keys) == 2:
-            matrix[:, 1] = torch.tensor([k[0] for k in keys], dtype=torch.float64)
-        rhs = torch.tensor(values, dtype=torch.float64)  # [points, K]
+        terms = _TERMS[: max(2, len(points))]
+        matrix = torch.tensor([[t(*k) for t in terms] for k in points], dtype=_F64)
+        rhs = torch.tensor(values, dtype=_F64)  # [points, K]
         return cls(torch.linalg.solve(matrix, rhs).T.contiguous())
-
-    @property
-    def slope(self) -> float:
-        """The coefficient of ``y`` (of ``x`` on the diagonal) of the largest plane."""
-        return float(self.coefficients[:, -1].max())
 
 
 @dataclass(frozen=True)
 class GramProfile:
-    """The Gram route's pass and products, by samples ``n`` and curvature samples.
+    """The Gram route's pass of ``x`` samples, ``y`` of them curvature samples.
 
     Attributes:
-        peak: Peak bytes of one part's pass through the engine (all samples
-            curvature samples).
-        curvature_peak: Its peak by samples and curvature samples (the peaks
-            alone).
+        peak: Peak bytes of a pass, by its traces (``y = x``).
+        curvature_peak: Peak bytes by ``(x, y)`` (the peaks alone).
         kept: Bytes its factors, gradient and loss keep afterwards.
-        largest: Bytes of the parameter whose kept factors are largest (merging
-            parts copies one parameter at a time).
-        work: Multiply-adds of the pass.
-        ops: Operations of the pass.
+        largest: Bytes of the largest parameter's kept factors (merging parts
+            copies one parameter at a time).
+        work: Multiply-adds of a pass.
+        ops: Operations of a pass.
         factors: Each group's factors of ``V`` for one sample, on the meta
-            device (their shapes give the Gram matrix's and products' work);
-            ``None`` where too large to measure.
+            device; ``None`` where too large to measure.
         columns: Columns of ``V`` per sample.
         dtype: Type of the Gram-space products.
     """
@@ -142,10 +120,8 @@ class GramProfile:
     dtype: torch.dtype
 
     def pass_peak(self, samples: int, curvature: int) -> float:
-        """Peak bytes of a part's pass of ``samples``, ``curvature`` of them."""
-        fewer = self.curvature_peak(samples, samples) - self.curvature_peak(
-            samples, curvature
-        )
+        """Peak bytes of a pass of ``samples``, ``curvature`` of them."""
+        fewer = self.curvature_peak(samples) - self.curvature_peak(samples, curvature)
         return self.peak(samples) - fewer
 
     def factors_of(self, curvature: int) -> list[list[ParamFactors]] | None:
@@ -158,13 +134,7 @@ class GramProfile:
 
 @dataclass(frozen=True)
 class ImplicitProfile:
-    """One implicit product, by samples ``n`` and vectors ``p`` (bilinear).
-
-    Attributes:
-        peak: Peak bytes of the product (activations, tangents, images).
-        work: Its multiply-adds.
-        ops: Its operations.
-    """
+    """An implicit product over ``x`` samples, ``y`` vectors: bytes, work, ops."""
 
     peak: Plane
     work: Plane
@@ -174,17 +144,8 @@ class ImplicitProfile:
 class Profile:
     """What a request uses: a plain pass, and each route when first asked for.
 
-    Args:
-        model: The network (measured on a copy sharing its parameters).
-        loss_func: The loss module.
-        batch: A batch of the data (its first samples are used).
-        param_groups: The checked parameter groups.
-        options: The checked options, the engine resolved.
-        subsampled: Also measure a pass with fewer curvature samples.
-
-    Attributes:
-        baseline: Peak bytes, multiply-adds and operations of a plain forward
-            and backward pass of ``n`` samples.
+    ``baseline``: the plain pass's peak bytes, multiply-adds and operations by
+    samples. ``subsampled``: also measure a pass with fewer curvature samples.
     """
 
     def __init__(
@@ -218,25 +179,23 @@ class Profile:
         self.baseline = _planes(usage)
         self.outputs, self.columns = shape
         self._dtype = options.gram_dtype or params[0].dtype
-        self._entry = itemsize(self._dtype)
 
     def gram_floor(self, samples: int) -> int:
         """Bytes the Gram route keeps at least: ``K`` output-sized vectors a sample."""
-        return samples * self.columns * self.outputs * self._entry
+        return samples * self.columns * self.outputs * itemsize(self._dtype)
 
     @functools.cached_property
     def gram(self) -> GramProfile | None:
         """The Gram route's profile (``None`` where it cannot run on the copy).
 
-        Not measured where even its floor (:meth:`gram_floor`) on the samples
-        measured exceeds :data:`MEASURE_FRACTION` of the memory available:
-        ``factors`` is then ``None`` and its memory that floor.
+        Where even its floor on the samples measured exceeds
+        :data:`MEASURE_FRACTION` of the memory available, not measured: its
+        memory is that floor and ``factors`` is ``None``.
         """
         floor = self.gram_floor(_SAMPLES[-1])
         if floor > MEASURE_FRACTION * available_bytes(self._device):
-            slope = floor / _SAMPLES[-1]
-            line = Plane(torch.tensor([[0.0, slope]], dtype=torch.float64))
-            zero = Plane(torch.zeros(1, 2, dtype=torch.float64))
+            line = Plane(torch.tensor([[0.0, floor / _SAMPLES[-1]]], dtype=_F64))
+            zero = Plane(torch.zeros(1, 2, dtype=_F64))
             return GramProfile(line, zero, line, zero, zero, zero, None,
                                self.columns, self._dtype)  # fmt: skip
         return self._route(_gram_profile)
@@ -248,15 +207,9 @@ class Profile:
 
     def _route(self, measure_route: Callable) -> object:
         loss_func, batch, groups, subsampled = self._request
-        params = [p for group in groups for p in group]
-        try:
-            with engine_context(params):
-                return measure_route(
-                    self._twin, loss_func, batch, groups, self._options, subsampled
-                )  # fmt: skip
-        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
-            _log(error)
-            return None
+        with engine_context([p for group in groups for p in group]):
+            return _logged(measure_route, self._twin, loss_func, batch, groups,
+                           self._options, subsampled)  # fmt: skip
 
 
 #: Profiles measured before, per model and request shape.
@@ -272,42 +225,32 @@ def profile(
     engine: Engine,
     subsampled: bool = False,
 ) -> Profile | None:
-    """The request's profile on a copy of the model (``None`` where it cannot run).
+    """The request's profile (``None`` where it cannot run on a copy of the model).
 
-    Kept per model and request shape; each route is measured when first asked
-    for. Where the request cannot run on the copy the logger ``"vivit"`` says
-    why, and the run itself raises what is wrong.
-
-    Args:
-        model: The network.
-        loss_func: The loss module.
-        batch: A batch of the data (its first samples are used).
-        param_groups: The checked parameter groups.
-        options: The checked options.
-        engine: The Gram route's engine, resolved on ``model``.
-        subsampled: Also measure a pass with fewer curvature samples.
+    Kept per model and request shape. Where the request cannot run on the copy,
+    the logger ``"vivit"`` says why (the run itself raises what is wrong).
+    ``batch``: its first samples are measured; ``engine``: the Gram route's.
     """
     key = (*_key(model, loss_func, batch, param_groups, options, engine), subsampled)
     known = _PROFILES.setdefault(model, {})
     if key not in known:
-        try:
-            known[key] = Profile(
-                model, loss_func, batch, param_groups,
-                derived(options, engine=engine, solver="auto"), subsampled,
-            )  # fmt: skip
-        except Exception as error:  # noqa: BLE001 (an estimate must not fail a run)
-            _log(error)
-            known[key] = None
+        options = derived(options, engine=engine, solver="auto")
+        known[key] = _logged(
+            Profile, model, loss_func, batch, param_groups, options, subsampled
+        )
     return known[key]
 
 
-def _log(error: Exception) -> None:
-    logger.info(
-        "Cannot measure the request on a copy of the model (%s: %s); it runs "
-        "without a memory check.",
-        type(error).__name__,
-        error,
-    )
+def _logged(function: Callable, *args: object) -> object:
+    """``function(*args)``, or ``None`` where it raises: an estimate never fails."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001
+        logger.info(
+            "Cannot measure the request on a copy of the model (%s: %s); it runs "
+            "without a memory check.", type(error).__name__, error,
+        )  # fmt: skip
+        return None
 
 
 def _gram_profile(
@@ -324,36 +267,33 @@ def _gram_profile(
     largest: dict[tuple[int, int], float] = {}
     source = None
     for n, curvature in points:
-        run_options = derived(
+        run = derived(
             options, subsampling=None if curvature == n else tuple(range(curvature))
         )
-        data = Data(model, loss_func, _take(batch, n), run_options)
+        data = Data(model, loss_func, _take(batch, n), run)
         del source  # the previous point's factors
         source, usage[n, curvature] = measure(
-            lambda d=data, o=run_options: StoredFactors.run(
-                model,
-                loss_func,
-                d,
-                param_groups,
-                {},
-                o,
-                ShardExchange(None),
-                o.engine,
-            )  # fmt: skip
+            lambda d=data, o=run: StoredFactors.run(
+                model, loss_func, d, param_groups, {}, o, ShardExchange(None), o.engine
+            )
         )
         largest[n, curvature] = max(_largest_bytes(g.curvature) for g in source.groups)
     diagonal = {k: u for k, u in usage.items() if k[0] == k[1]}
+    peak, work, ops = _planes(diagonal)
     return GramProfile(
-        peak=Plane.fit({k: u.trace for k, u in diagonal.items()}),
+        peak=peak,
         curvature_peak=Plane.fit({k: u.peak for k, u in usage.items()}),
         kept=Plane.fit({k: u.kept for k, u in usage.items()}),
         largest=Plane.fit(largest),
-        work=Plane.fit({k: u.work for k, u in diagonal.items()}),
-        ops=Plane.fit({k: u.ops for k, u in diagonal.items()}),
+        work=work,
+        ops=ops,
         factors=[
-            [_on_meta(f).select([0]) for f in g.curvature.ggn_factors]
+            [
+                f.map_tensors(lambda t: t.to("meta")).select([0])
+                for f in g.curvature.ggn_factors
+            ]
             for g in source.groups
-        ],
+        ],  # fmt: skip
         columns=source.groups[0].batch.columns_per_sample,
         dtype=source.groups[0].dtype,
     )
@@ -368,25 +308,17 @@ def _implicit_profile(
     subsampled: bool,
 ) -> ImplicitProfile:
     usage: dict[tuple[int, int], Usage] = {}
-    group = max(range(len(param_groups)), key=lambda g: _numel(param_groups[g]))
+    group = max(param_groups, key=lambda g: sum(p.numel() for p in g))
+    index = param_groups.index(group)
+    options = derived(options, route="implicit", engine="auto")
     for n, vectors in itertools.product(_SAMPLES, _VECTORS):
         data = Data(model, loss_func, _take(batch, n), options)
-        source = ImplicitFactors(
-            model,
-            loss_func,
-            data,
-            param_groups,
-            derived(options, route="implicit", engine="auto"),
-        )
-        values = [torch.zeros(vectors, *p.shape, dtype=p.dtype, device=p.device)
-                  for p in param_groups[group]]  # fmt: skip
+        source = ImplicitFactors(model, loss_func, data, param_groups, options)
+        values = [p.new_zeros(vectors, *p.shape) for p in group]
         usage[n, vectors] = measure(
-            lambda s=source, v=values: s.groups[group].ggn_matmul(v)
+            lambda s=source, v=values: s.groups[index].ggn_matmul(v)
         )[1]
-    return ImplicitProfile(
-        Plane.fit({k: u.trace for k, u in usage.items()}),
-        *_planes(usage)[1:],
-    )
+    return ImplicitProfile(*_planes(usage))
 
 
 def _planes(usage: dict[tuple[int, int], Usage]) -> tuple[Plane, Plane, Plane]:
@@ -404,16 +336,12 @@ def _plain_pass(
     params: list[Parameter],
     options: CurvatureOptions,
 ) -> tuple[int, int]:
-    """A forward and backward pass of the loss (the baseline's activations).
-
-    Returns:
-        The output's entries per sample and the columns of ``V`` per sample.
-    """
+    """A plain pass; the output's entries and the columns of ``V`` per sample."""
     output = select_output(call_model(model, batch[0]), options.output)
     torch.autograd.grad(loss_func(output, batch[1]), params, allow_unused=True)
     loss = LossCurvature(loss_func, output.detach(), batch[1])
-    columns = loss.columns_per_sample(options.mc_samples, options.mc_per)
-    return output[0].numel(), columns
+    return output[0].numel(), loss.columns_per_sample(options.mc_samples,
+                                                      options.mc_per)  # fmt: skip
 
 
 def _take(batch: tuple[ModelInputs, Tensor], n: int) -> tuple[ModelInputs, Tensor]:
@@ -428,11 +356,10 @@ def _twin(
     param_groups: list[list[Parameter]],
     batch: tuple[ModelInputs, Tensor],
 ) -> tuple[Module, list[list[Parameter]], tuple[ModelInputs, Tensor]]:
-    """A copy of the model without hooks, its parameter groups and the batch.
+    """A copy of the model without hooks that shares its parameters.
 
-    The copy shares the parameters (its buffers are its own); a model on the
-    meta device, which has shapes but no values, is made on the CPU with
-    values drawn for the copy and the batch alike.
+    A model on the meta device (shapes, no values) is made on the CPU with
+    values drawn, and so is the batch.
     """
     params = list(model.parameters())
     if not any(p.is_meta for p in params):
@@ -477,24 +404,15 @@ def _on_cpu(tensor: Tensor) -> Tensor:
     return torch.zeros(tensor.shape, dtype=tensor.dtype)
 
 
-def _on_meta(factors: ParamFactors) -> ParamFactors:
-    return factors.map_tensors(lambda t: t.to("meta"))
-
-
 def _largest_bytes(curvature) -> int:
     """Bytes of the storages of a group's largest parameter's factors."""
-    sizes = [0]
     grads = curvature.grad_factors or [None] * len(curvature.ggn_factors)
-    for ggn, grad in zip(curvature.ggn_factors, grads, strict=True):
-        tensors = [t for f in (ggn, grad) if f is not None for t in f.tensors()]
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for t in tensors}  # fmt: skip
-        sizes.append(sum(storages.values()))
+    sizes = [0]
+    for factors in zip(curvature.ggn_factors, grads, strict=True):
+        tensors = [t for f in factors if f is not None for t in f.tensors()]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+        sizes.append(sum(s.nbytes() for s in storages.values()))
     return max(sizes)
-
-
-def _numel(params: Sequence[Parameter]) -> int:
-    return sum(p.numel() for p in params)
 
 
 def _key(
@@ -507,22 +425,18 @@ def _key(
 ) -> tuple:
     """What the profile depends on: shapes, types, options; not the batch size."""
     inputs, targets = batch
-    targets = (None,) if targets is None else (tuple(targets.shape[1:]), targets.dtype)
+    scalars = (int, float, str, bool, type(None))
     return (
         tuple((n, type(m)) for n, m in model.named_modules()),
         tuple(
-            (n, tuple(p.shape), p.dtype, p.device, p.requires_grad)
+            (n, p.shape, p.dtype, p.device, p.requires_grad)
             for n, p in model.named_parameters()
         ),  # fmt: skip
-        tuple((tuple(t.shape[1:]), t.dtype) for t in input_tensors(inputs)),
-        targets,
+        tuple((t.shape[1:], t.dtype) for t in input_tensors(inputs)),
+        None if targets is None else (targets.shape[1:], targets.dtype),
         type(loss_func),
         tuple(
-            sorted(
-                (k, v)
-                for k, v in vars(loss_func).items()
-                if isinstance(v, int | float | str | bool | None)
-            )
+            sorted((k, v) for k, v in vars(loss_func).items() if isinstance(v, scalars))
         ),  # fmt: skip
         tuple(tuple(id(p) for p in group) for group in param_groups),
         (options.mc_samples, options.mc_per, options.gram_dtype),

@@ -1,15 +1,16 @@
-"""A request's plan, from its data, or from sizes alone (the estimate's).
+"""A request's plan, from its data or from sizes alone (the estimate's).
 
 The route is fixed where the options name it or the implicit route cannot run
-(:func:`fixed_route`); otherwise the plan compares the two, from the request
-measured on the data's first batch. Under a process group every rank plans
-from its own shard and all run the route :func:`agreed_plan` takes.
+(:func:`fixed_route`); otherwise the plan compares the two, measured on the
+data's first batch. Under a process group every rank plans from its own shard
+and all run the plan :func:`agreed_plan` takes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from torch import Tensor
 from torch.nn import CrossEntropyLoss, Module, Parameter
 
 from vivit.engines.choice import resolve_engine
@@ -26,12 +27,8 @@ def fixed_route(
 ) -> tuple[str, str, bool] | None:
     """The route the options fix, why, and whether the implicit one cannot run.
 
-    Args:
-        options: The checked options.
-        obstacle: What the data rules out of the implicit route, if anything.
-
-    Returns:
-        ``None`` where ``"auto"`` compares the routes.
+    ``obstacle``: what the data rules out of the implicit route, if anything.
+    ``None``: ``"auto"`` compares the routes.
     """
     if options.route != "auto":
         return options.route, f"route={options.route!r} was asked for", False
@@ -56,32 +53,23 @@ def plan_request(
         ProductsTooLargeError: If neither route fits, before anything of the
             data's size runs.
     """
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
-    iterator = None
+    obstacle = None
     if isinstance(data.source, Iterator):
-        iterator = (
+        obstacle = (
             f"an iterator or generator ({type(data.source).__name__}) can be passed "
             "over once, and the implicit route passes over the data in every "
             "product: pass a list of batches or a DataLoader"
         )
-    fixed = fixed_route(options, iterator)
+    fixed = fixed_route(options, obstacle)
     batch = data.peek()
     if batch is None:  # refused as empty by the pass
-        empty = ("gram", "the data loader yields no batch", False)
-        return Plan(None, Sizes(1, 1, 1, 1), engine, param_groups, empty)
-    batches, words = data.batch_sizes()
-    curvature = None if options.subsampling is None else len(options.subsampling)
-    sizes = Sizes.of(batches, curvature, options.chunk_size)
-    measured = profile(
-        model,
-        loss_func,
-        batch,
-        param_groups,
-        options,
-        engine,
-        subsampled=curvature is not None,
-    )
-    return Plan(measured, sizes, engine, param_groups, fixed, words)
+        fixed = ("gram", "the data loader yields no batch", False)
+        sizes, words = Sizes(1, 1, 1, 1), ""
+    else:
+        batches, words = data.batch_sizes()
+        curvature = None if options.subsampling is None else len(options.subsampling)
+        sizes = Sizes.of(batches, curvature, options.chunk_size)
+    return _plan(model, loss_func, batch, param_groups, options, sizes, fixed, words)
 
 
 def sized_plan(
@@ -96,27 +84,38 @@ def sized_plan(
 ) -> Plan:
     """The plan of a request of ``sizes`` samples like ``inputs`` (an estimate).
 
-    The request is measured on ``inputs`` with targets of the loss's shape
-    (``loss_func`` ``None``: cross-entropy); ``available`` bytes may be taken
-    (``None``: what the device has); ``compare=False`` leaves the route
-    undecided (the Gram route's), for estimates of both routes.
+    Targets of the loss's shape are made (``loss_func`` ``None``:
+    cross-entropy); ``available`` bytes may be taken (``None``: what the device
+    has); ``compare=False`` leaves the route the Gram route, for estimates of
+    both.
     """
-    loss_func = CrossEntropyLoss() if loss_func is None else loss_func
-    engine = resolve_engine(options.engine, model, loss_func, options.output)
     fixed = fixed_route(options)
     if fixed is None and not compare:
         fixed = ("gram", "not compared", False)
-    batch = (inputs, None)  # targets of the loss's shape, made on the copy
-    measured = profile(
-        model,
-        loss_func,
-        batch,
-        param_groups,
-        options,
-        engine,
-        subsampled=sizes.curvature < sizes.samples,
+    loss_func = CrossEntropyLoss() if loss_func is None else loss_func
+    batch = (inputs, None)
+    return _plan(
+        model, loss_func, batch, param_groups, options, sizes, fixed, "", available
     )
-    return Plan(measured, sizes, engine, param_groups, fixed, available=available)
+
+
+def _plan(
+    model: Module,
+    loss_func: Module,
+    batch: tuple[ModelInputs, Tensor | None] | None,
+    param_groups: list[list[Parameter]],
+    options: CurvatureOptions,
+    sizes: Sizes,
+    fixed: tuple[str, str, bool] | None,
+    words: str,
+    available: int | None = None,
+) -> Plan:
+    engine = resolve_engine(options.engine, model, loss_func, options.output)
+    subsampled = sizes.curvature < sizes.samples
+    measured = batch and profile(
+        model, loss_func, batch, param_groups, options, engine, subsampled
+    )
+    return Plan(measured, sizes, engine, param_groups, fixed, words, available)
 
 
 def asked(options: CurvatureOptions) -> str:
@@ -127,43 +126,32 @@ def asked(options: CurvatureOptions) -> str:
 
 
 def agreed_plan(choices: list[tuple[str, Plan]]) -> Plan:
-    """The plan every rank of a group runs, from every rank's request and plan.
+    """The plan every rank runs, from every rank's request (:func:`asked`) and plan.
 
     Where the ranks chose differently, the implicit route runs (it runs on any
     shard), unless some rank cannot run it.
 
-    Args:
-        choices: Every rank's request in words (:func:`asked`) and plan.
-
     Raises:
         DistributedError: If the ranks asked for different routes or solvers.
     """
-    solver, first = choices[0]
-    if len(choices) == 1:
-        return first
-    asked = [
-        f"rank {rank} asks for {theirs}, rank 0 for {solver}"
+    request, first = choices[0]
+    differ = [
+        f"rank {rank} asks for {theirs}, rank 0 for {request}"
         for rank, (theirs, _) in enumerate(choices)
-        if theirs != solver
+        if theirs != request
     ]
-    if asked:
-        raise DistributedError(
-            "; ".join(asked) + ". Every rank must pass the same options."
-        )
-    names = {plan.route for _, plan in choices}
-    reasons = "; ".join(f"rank {r}: {plan}" for r, (_, plan) in enumerate(choices))
+    if differ:
+        message = "; ".join(differ)
+        raise DistributedError(f"{message}. Every rank must pass the same options.")
     if len({plan.reason for _, plan in choices}) == 1:
         return first
-    if len(names) == 1:
+    reasons = "; ".join(f"rank {r}: {plan}" for r, (_, plan) in enumerate(choices))
+    if len({plan.route for _, plan in choices}) == 1:
         return first.agreed(first.route, f"every rank chose it ({reasons})")
     if any(plan.forced for _, plan in choices):
-        return first.agreed(
-            "gram",
-            "the ranks chose differently, and all run the Gram route, the only "
-            f"one some rank can run ({reasons})",
-        )
+        route, why = "gram", "the Gram route, the only one some rank can run"
+    else:
+        route, why = "implicit", "the implicit route, which runs on every shard"
     return first.agreed(
-        "implicit",
-        "the ranks chose differently, and all run the implicit route, which runs "
-        f"on every shard ({reasons})",
+        route, f"the ranks chose differently, and all run {why} ({reasons})"
     )
