@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import vivit.results
+import vivit.eigenpairs
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
@@ -622,7 +622,9 @@ def test_block_krylov_not_converged():
 
 def test_auto_falls_back_to_dense(monkeypatch):
     """Under "auto" a solve that does not converge warns and uses the dense one."""
-    monkeypatch.setattr(vivit.results, "choose_solver", lambda *a, **k: "gram_krylov")
+    monkeypatch.setattr(
+        vivit.eigenpairs, "choose_solver", lambda *a, **k: "gram_krylov"
+    )
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
     ggn = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
