@@ -18,6 +18,7 @@ from vivit.engines.base import (
     ParamContribution,
 )
 from vivit.errors import InvalidTargetsError, NoCurvatureError
+from vivit.options import CurvatureOptions
 from vivit.sources.collector import GroupCollector, GroupCurvature
 from vivit.sources.data import Part, weightless
 
@@ -36,6 +37,21 @@ class PartResult:
 
     curvature: list[GroupCurvature]
     output: EngineOutput
+
+
+def curvature_request(
+    param_groups: list[list[Parameter]], options: CurvatureOptions, **fields: object
+) -> CurvatureRequest:
+    """What the engine computes for the options (``fields``: the source's own)."""
+    return CurvatureRequest(
+        param_groups=param_groups,
+        mc_samples=options.mc_samples,
+        mc_per=options.mc_per,
+        generator=options.generator,
+        gram_dtype=options.gram_dtype,
+        output=options.output,
+        **fields,
+    )
 
 
 def run_part(

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
-from vivit.engines.base import BatchInfo, CurvatureRequest, EngineOutput
+from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.engines.choice import resolve_engine
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
@@ -26,8 +26,8 @@ from vivit.options import CurvatureOptions, check_streaming_solver
 from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part
-from vivit.sources.runs import PartResult, run_engine, run_part
-from vivit.sources.union import UnionOutput, part_requests, part_scale, union_batch
+from vivit.sources.runs import PartResult, curvature_request, run_engine, run_part
+from vivit.sources.union import UnionOutput, part_requests, part_scales, union_batch
 
 
 class StreamedGroup:
@@ -192,15 +192,8 @@ class StreamedFactors(CurvatureSource):
         engine = resolve_engine(options.engine, model, loss_func, options.output)
         self.engine = engine.name
         self._options = options
-        request = CurvatureRequest(
-            param_groups=self.param_groups,
-            mc_samples=options.mc_samples,
-            mc_per=options.mc_per,
-            generator=options.generator,
-            compute_gradients=False,
-            num_grams=0,
-            gram_dtype=options.gram_dtype,
-            output=options.output,
+        request = curvature_request(
+            self.param_groups, options, compute_gradients=False, num_grams=0
         )
         # part p draws its Monte-Carlo samples from stream p in every pass
         requests = part_requests(request)
@@ -272,10 +265,7 @@ class StreamedFactors(CurvatureSource):
         gradients = iter(gradients)
         self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
         self.union = union_batch(union.batches)
-        self.scales = [
-            part_scale(self.union.ggn_reduction_factor, batch.ggn_reduction_factor)
-            for batch in union.batches
-        ]
+        self.scales = part_scales(self.union, union.batches)
         self.bounds = [0]
         for count in rows:
             self.bounds.append(self.bounds[-1] + count)
