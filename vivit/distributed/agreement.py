@@ -76,9 +76,7 @@ def request_fingerprint(
     Args:
         loss_func: The loss module (its type, options and weights), if any.
         param_groups: The parameter groups (their shapes and types).
-        model: The network, if any: the values of its ``state_dict`` (parameters
-            and persistent buffers; :class:`TensorChecksum`) must agree too,
-            since each rank runs its shard through its own replica.
+        model: The network, if any: its ``state_dict``'s checksums.
         **options: Further options that shape the results.
 
     Returns:
@@ -132,9 +130,7 @@ def run_fingerprint(
 
 
 def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
-    """Check that every rank of ``group`` holds the same ``value``.
-
-    One ``all_gather_object``; every rank must call it.
+    """Check that every rank of ``group`` holds the same ``value`` (a collective).
 
     Args:
         group: The process group.

@@ -36,15 +36,12 @@ Decision = TypeVar("Decision")
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
-    Use as a context manager around everything a rank does before the exchange:
-    an exception that leaves it before this rank has taken part in the three
-    rounds (route, request, shard) is reported to the other ranks in the round
-    they wait in (and re-raised here), so that every rank raises instead of
-    waiting.
+    A context manager around everything a rank does before the exchange: an
+    exception that leaves it before this rank's three rounds (route, request,
+    shard) is sent to the others in the round they wait in, so every rank raises.
 
     Args:
-        group: The process group, or ``None`` to run locally (every method then
-            passes its input through).
+        group: The process group, or ``None``: every method passes its input through.
     """
 
     def __init__(self, group: dist.ProcessGroup | None):
@@ -99,15 +96,7 @@ class ShardExchange:
         return [message[:-1] for message in gathered]
 
     def decide(self, item: Item, rule: Callable[[list[Item]], Decision]) -> Decision:
-        """The route round: one decision from every rank's item, the same on all.
-
-        Args:
-            item: This rank's item (picklable).
-            rule: Decides from every rank's item, in rank order (raising a
-                :class:`~vivit.errors.DistributedError` raises on every rank).
-
-        Returns:
-            The decision (``rule([item])`` locally).
+        """The route round: ``rule`` of every rank's item (rank order), on every rank.
 
         Raises:
             DistributedError: On every rank, if a rank failed before the round
@@ -118,12 +107,7 @@ class ShardExchange:
         return self._last_if_raises(rule, self._round(item))
 
     def agree(self, fingerprint: dict[str, object], seed: int | None) -> int | None:
-        """The request round: every rank asks for the same; rank 0's MC seed.
-
-        Args:
-            fingerprint: This rank's request
-                (:func:`~vivit.distributed.agreement.request_fingerprint`).
-            seed: This rank's Monte-Carlo base seed (``None`` for the exact GGN).
+        """The request round: every rank asks for the same; rank 0's MC ``seed``.
 
         Raises:
             DistributedError: On every rank, if a rank failed before the backward
@@ -143,15 +127,7 @@ class ShardExchange:
         return [all(column) for column in zip(*gathered, strict=True)]
 
     def gram(self, factors: Sequence[ParamFactors]) -> Tensor:
-        """A group's Gram matrix of the union, formed together (:func:`sharded_gram`).
-
-        Args:
-            factors: The group's factors of ``V`` over the union, one
-                :class:`~vivit.gram.StackedFactors` per parameter, a block per rank.
-
-        Returns:
-            ``[N·C, N·C]``, identical on every rank.
-        """
+        """A group's Gram matrix of the union, formed together (``sharded_gram``)."""
         start = time.perf_counter()
         gram, buffer_bytes = sharded_gram(factors, self.group)
         self.report.gram_buffer_bytes += buffer_bytes
@@ -164,15 +140,12 @@ class ShardExchange:
         param_groups: list[list[Tensor]],
         sample_shape: tuple[int, ...] | None = None,
     ) -> list[PartResult]:
-        """The shard round and the data: every rank's block, rebuilt from the bytes.
+        """The shard round and the data: every rank's block (rank order), rebuilt.
 
         Args:
             blocks: This rank's block (exactly one: its shard's parts merged).
             param_groups: The parameter groups, to attach to the rebuilt curvature.
             sample_shape: The shape per sample of this rank's targets.
-
-        Returns:
-            One block per rank, in rank order, identical on every rank.
 
         Raises:
             DistributedError: If another rank failed before the exchange, or

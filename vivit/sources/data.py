@@ -157,7 +157,7 @@ class Data:
                 "pass a list of batches or a DataLoader."
             )
         self._reread = front
-        self._start = RandomState.capture(self._model.parameters())
+        self._start = random_state(self._model.parameters())
         self._model_state = self._model_fingerprint()
 
     @property
@@ -222,10 +222,9 @@ class Data:
             description: What the pass computes (its progress bar's text).
 
         Raises:
-            ModelChangedError: On a later pass, if the model changed since the
-                first (``reread``).
-            NondeterministicDataError: On a later pass, if the loader yields
-                other batches (``reread``).
+            ModelChangedError: On a later pass (``reread``), if the model changed.
+            NondeterministicDataError: On a later pass (``reread``), if the loader
+                yields other batches.
         """
         if self._reread is not None and self.passes:
             self._check_model_unchanged()
@@ -378,35 +377,22 @@ def _random_devices(params: Iterable[Tensor]) -> list[torch.device]:
     return [p.device for p in params if p.device.type == "cuda"][:1]
 
 
-@dataclass(frozen=True)
-class RandomState:
-    """The random state passes start from (CPU and the parameters' CUDA device)."""
-
-    cpu: Tensor
-    cuda: tuple[tuple[torch.device, Tensor], ...]
-
-    @classmethod
-    def capture(cls, params: Iterable[Tensor]) -> RandomState:
-        """The current random state of the devices the parameters live on."""
-        devices = _random_devices(params)
-        cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
-        return cls(torch.get_rng_state(), cuda)
-
-    def restore(self) -> None:
-        """Set the generators to this state."""
-        torch.set_rng_state(self.cpu)
-        for device, state in self.cuda:
-            torch.cuda.set_rng_state(state, device)
+def random_state(params: Iterable[Tensor]) -> tuple[Tensor, list]:
+    """The random state of the CPU and of the parameters' CUDA device."""
+    cuda = [(d, torch.cuda.get_rng_state(d)) for d in _random_devices(params)]
+    return torch.get_rng_state(), cuda
 
 
 @contextmanager
 def engine_context(
-    params: Iterable[Tensor], start: RandomState | None = None
+    params: Iterable[Tensor], start: tuple[Tensor, list] | None = None
 ) -> Iterator[None]:
-    """Random state forked (from ``start``, else the caller's), gradients on."""
+    """Random state forked (set to ``start``, else the caller's), gradients on."""
     with torch.random.fork_rng(devices=_random_devices(params)):
         if start is not None:
-            start.restore()
+            torch.set_rng_state(start[0])
+            for device, state in start[1]:
+                torch.cuda.set_rng_state(state, device)
         with torch.enable_grad():
             yield
 

@@ -57,7 +57,7 @@ def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
     )
 
 
-def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
+def _concatenated(parts: Sequence[GroupCurvature]) -> GroupCurvature:
     """One group's curvature on the union of blocks: ``V`` rescaled and stacked.
 
     Per-sample gradients ``∇ℓ_n`` do not depend on ``R``: stacked as they are.
@@ -107,8 +107,7 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
 def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
     """Each group's curvature on all blocks (each a list per group) together."""
     return [
-        concatenate_curvatures([block[g] for block in blocks])
-        for g in range(len(blocks[0]))
+        _concatenated([block[g] for block in blocks]) for g in range(len(blocks[0]))
     ]
 
 
