@@ -53,8 +53,8 @@ class LockStep:
             The sums, shaped like the share; bitwise identical on every rank.
 
         Raises:
-            DistributedError: On every rank but the failing one, if a rank
-                failed; on every rank, if a rank's call or shapes differ.
+            DistributedError: If a rank failed (on the others), or a rank's call
+                or shapes differ (on every rank).
         """
         if self.group is None:
             return list(compute())

@@ -1,7 +1,6 @@
-"""A rank's part of the samples as one flat byte buffer, and back, bit for bit.
+"""A rank's part of the samples as one byte buffer and a description, and back.
 
-The tensors travel in the buffer (:class:`Packer`); a picklable description
-(factor classes, batch context, slots of the tensors) travels alongside it.
+Bit for bit; the picklable description holds factor classes, batch context, slots.
 """
 
 from __future__ import annotations

@@ -204,13 +204,9 @@ class ImplicitGroup:
 def check_few_pairs(top_k: int, rank: int) -> None:
     """Refuse a ``top_k`` that is a large part of the spectrum on the implicit route.
 
-    Args:
-        top_k: Leading eigenpairs asked for.
-        rank: At most so many are non-zero, ``min(D, N·C·T)``.
-
     Raises:
         InvalidArgumentError: If ``top_k`` exceeds both :data:`FEW_PAIRS` and
-            :data:`MANY_PAIRS_FRACTION` of ``rank``.
+            :data:`MANY_PAIRS_FRACTION` of ``rank`` (``min(D, N·C·T)``).
     """
     if top_k > max(FEW_PAIRS, MANY_PAIRS_FRACTION * rank):
         raise InvalidArgumentError(
@@ -251,20 +247,17 @@ class ImplicitFactors(CurvatureSource):
             pass, the default basis).
 
     Attributes:
-        param_groups: The parameter groups.
         loss: The loss on all samples (detached; of every rank's shards).
         engine: ``"implicit"`` (no engine runs).
         shards: Where each rank's samples sit in the union.
         communication: Bytes and time of the exchanges between the ranks.
         lockstep: The calls the ranks make together (local in one process).
-        union: The batch context of all samples (every rank's).
-        local_batch: The batch context of this process's samples.
+        union: The batch context of all samples; ``local_batch``: this process's.
 
     Raises:
         InvalidArgumentError: For an iterator as data.
-        DistributedError: Under a process group, on every rank but the failing
-            one if a rank failed, and on every rank if the ranks' requests or
-            targets' shapes per sample differ.
+        DistributedError: Under a process group, if a rank failed or the ranks'
+            requests or targets' shapes per sample differ.
     """
 
     engine = "implicit"
@@ -324,13 +317,9 @@ class ImplicitFactors(CurvatureSource):
             yield hessian, output, tangents, hessian.hessian_matmul(tangents)
 
     def check_fits(self, top_k: int) -> int | None:
-        """The Krylov basis columns that fit for ``top_k`` pairs (checked once).
+        """The Krylov basis columns that fit for ``top_k`` pairs (``None``: default).
 
-        The plan's estimate of the largest part of the samples; under a process
-        group the smallest any rank allows, a refusal on one rank raising on all.
-
-        Returns:
-            The columns (``None``: not estimated, the default basis).
+        Under a process group the fewest any rank allows; checked once per ``top_k``.
 
         Raises:
             ProductsTooLargeError: If not even the smallest basis fits (on a
@@ -428,12 +417,7 @@ class ImplicitFactors(CurvatureSource):
     def _union_output(
         self, ranks: list[tuple[BatchInfo, Tensor]], gradients: list[Tensor]
     ) -> tuple[Tensor, list[Tensor]]:
-        """The loss and gradient of every rank's samples together.
-
-        The losses combine as a loader's batches do (:class:`~vivit.sources.
-        union.UnionOutput`, in rank order); each rank rescales its gradient to
-        the union's ``R``, ``(R / R_r) ∇L_r``, and one ``all_reduce`` sums them.
-        """
+        """The loss and gradient of every rank's samples: ``Σ_r (R / R_r) ∇L_r``."""
         union = UnionOutput()
         for batch, loss in ranks:
             union.add(batch, EngineOutput(loss, []))

@@ -38,13 +38,7 @@ from vivit.sources.union import (
 
 
 class StoredGroup:
-    """One group's stored factors (a :class:`~vivit.sources.base.GroupSource`).
-
-    Args:
-        index: Position of the group.
-        curvature: The group's curvature on all samples, factors kept.
-        gradient: The gradient of the loss, one tensor per parameter.
-    """
+    """One group's stored factors (a :class:`~vivit.sources.base.GroupSource`)."""
 
     solvers = ("dense", "gram_krylov", "factor_krylov")
     keeps_directions = False
@@ -126,8 +120,7 @@ class StoredFactors(CurvatureSource):
         self.param_groups = param_groups
         self.engine = engine
         shards = shards or ShardExchange(None)
-        # refuses a loader without batches, and one whose every target is
-        # ignored (a rank's shard: after the exchange)
+        # refuses no batch, or every target ignored (a rank's shard: after the exchange)
         loss, gradients = union.result(part=shards.group is not None)
         curvature = merged_parts(parts, options.subsampling)
         if shards.group is None:  # the exchange rebuilds every part from bytes
@@ -202,11 +195,10 @@ class StoredFactors(CurvatureSource):
             param_groups: The checked parameter groups.
             names: The parameters' names (by ``id``), for messages.
             options: The checked options.
-            shards: The exchange of the process group (``options.group``).
+            shards: The exchange of the process group.
             engine: The engine.
-            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): the
-                engine's samples per pass, and a loader's memory checked after
-                every part (``None``: neither).
+            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): samples per
+                pass, a loader's memory watched (``None``: neither).
         """
         request = dataclasses.replace(
             _request(param_groups, options),
