@@ -8,7 +8,9 @@ The batches of a loader, the shards of processes, the chunks of a large batch:
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -55,15 +57,11 @@ class StackedFactors(ParamFactors):
             raise ValueError("StackedFactors needs at least one block.")
         first = flat[0]
         for block in flat[1:]:
-            if (block.param_shape, block.num_columns, block.dtype) != (
-                first.param_shape,
-                first.num_columns,
-                first.dtype,
-            ):
+            kind = (tuple(block.param_shape), block.num_columns, block.dtype)
+            if kind != (tuple(first.param_shape), first.num_columns, first.dtype):
                 raise ValueError(
                     "Sample blocks disagree: parameter shape, columns per sample and "
-                    f"dtype {tuple(block.param_shape)}, {block.num_columns}, "
-                    f"{block.dtype} against {tuple(first.param_shape)}, "
+                    f"dtype {kind} against {tuple(first.param_shape)}, "
                     f"{first.num_columns}, {first.dtype}."
                 )
         self.blocks = flat
@@ -88,11 +86,9 @@ class StackedFactors(ParamFactors):
     def scaled(self, factor: float) -> StackedFactors:  # noqa: D102
         return StackedFactors(self.blocks, [factor * s for s in self.scales])
 
-    def _row_bounds(self) -> list[int]:
-        bounds = [0]
-        for block in self.blocks:
-            bounds.append(bounds[-1] + block.num_rows)
-        return bounds
+    def _bounds(self, attribute: str = "num_rows") -> list[int]:
+        """Where each block starts in Gram space (or in the samples), and the end."""
+        return list(accumulate((getattr(b, attribute) for b in self.blocks), initial=0))
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
@@ -109,18 +105,13 @@ class StackedFactors(ParamFactors):
         )
 
     def block_gram(self, a: int, b: int) -> Tensor:
-        """The Gram block ``scale_a·scale_b·V_aᵀ V_b`` of two blocks.
-
-        Args:
-            a: Index of the row block.
-            b: Index of the column block (``a`` for a diagonal block).
-        """
+        """The Gram block ``scale_a·scale_b·V_aᵀ V_b`` of blocks ``a`` and ``b``."""
         other = None if a == b else self.blocks[b]
         return self.blocks[a].gram(other) * (self.scales[a] * self.scales[b])
 
     def _self_gram(self) -> Tensor:
         """``Vᵀ V`` from the blocks on and above the diagonal, mirrored."""
-        bounds = self._row_bounds()
+        bounds = self._bounds()
         diagonal = self.block_gram(0, 0)
         gram = diagonal.new_empty(bounds[-1], bounds[-1])
         for a in range(len(self.blocks)):
@@ -149,7 +140,7 @@ class StackedFactors(ParamFactors):
         return round((sum(r * r for r in roots) + sum(roots) ** 2) / 2)
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
-        bounds = self._row_bounds()
+        bounds = self._bounds()
         result = self.blocks[0].vmp(self.scales[0] * u[:, : bounds[1]])
         for b, block in enumerate(self.blocks[1:], start=1):
             result.add_(block.vmp(self.scales[b] * u[:, bounds[b] : bounds[b + 1]]))
@@ -166,16 +157,14 @@ class StackedFactors(ParamFactors):
 
     def select(self, samples: Sequence[int]) -> ParamFactors:  # noqa: D102
         """Restrict to samples (over all blocks); consecutive ones stay one block."""
-        starts = [0]
-        for block in self.blocks:
-            starts.append(starts[-1] + block.num_samples)
-        runs: list[tuple[int, list[int]]] = []
         if len(samples) == 0:
             return self.blocks[0].select([])
+        starts = self._bounds("num_samples")
+        runs: list[tuple[int, list[int]]] = []
         for n in samples:
             if not 0 <= n < self.num_samples:
                 raise IndexError(f"Sample {n} out of range [0, {self.num_samples}).")
-            b = next(b for b in range(len(self.blocks)) if n < starts[b + 1])
+            b = bisect_right(starts, n) - 1
             if runs and runs[-1][0] == b:
                 runs[-1][1].append(n - starts[b])
             else:
