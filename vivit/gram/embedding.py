@@ -21,8 +21,8 @@ class EmbeddingFactors(ParamFactors):
     """An embedding table's columns of ``V`` as indices and backpropagated vectors.
 
     Args:
-        indices: Token of every position, ``[N, T]`` (integers below the table's
-            rows); positions that contribute nothing carry zero vectors.
+        indices: Token of every position, ``[N, T]``; positions that contribute
+            nothing carry zero vectors.
         vectors: Backpropagated vectors at the looked-up rows, ``[C, N, T, D]``.
         param_shape: Shape of the table, ``[vocabulary, D]``.
 

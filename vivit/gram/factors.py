@@ -113,6 +113,28 @@ class ParamFactors(ABC):
         """``Vᵀ`` formed explicitly, ``[N·C, p.numel()]``."""
 
 
+class CompositeFactors(ParamFactors):
+    """Factors made of other factors of the same parameter, :attr:`members`."""
+
+    members: list[ParamFactors]
+
+    def tensors(self) -> list[Tensor]:  # noqa: D102
+        return [tensor for member in self.members for tensor in member.tensors()]
+
+    @property
+    def dtype(self) -> torch.dtype:  # noqa: D102
+        return self.members[0].dtype
+
+    def gram_memory(self) -> int:  # noqa: D102
+        return max(member.gram_memory() for member in self.members)
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        return max(member.product_memory(num_vectors) for member in self.members)
+
+    def product_work(self, num_vectors: int) -> int:  # noqa: D102
+        return sum(member.product_work(num_vectors) for member in self.members)
+
+
 def scaled_cat(tensors: Sequence[Tensor], scales: Sequence[float], dim: int) -> Tensor:
     """``torch.cat`` of ``scale · tensor`` without a scaled copy of each."""
     shape = list(tensors[0].shape)

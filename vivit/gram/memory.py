@@ -187,8 +187,8 @@ def check_gram_fits(
     Args:
         num_rows: Side length ``N·C`` (``N·M`` with MC) of each Gram matrix.
         num_groups: Gram matrices held at once (``0``: none formed, nothing to check).
-        dtype: Data type of the Gram matrix.
-        device: Device of the Gram matrix.
+        dtype: Their data type.
+        device: Their device.
         workspace_bytes: The eigensolver's memory on top of the Gram matrices
             (default: a full dense decomposition, :func:`dense_workspace_bytes`).
 

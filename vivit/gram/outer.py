@@ -33,8 +33,6 @@ COPY_WORK = 32
 class OuterProductFactors(ParamFactors):
     """A weight's columns of ``V`` held as layer inputs and backpropagated vectors.
 
-    Both are stored detached: products never track gradients.
-
     Args:
         inputs: Layer inputs ``a``, shape ``[N, G, T, P]`` (groups ``G``, positions
             ``T``, input features per group ``P``).
@@ -158,15 +156,12 @@ class OuterProductFactors(ParamFactors):
         )
         pairs = planner.Route(
             "pairs",
-            flops=r1 * r2 * G * T * T * O
-            + n1 * n2 * G * T * T * P
-            + r1 * r2 * G * T * T,
+            flops=G * T * T * (r1 * r2 * (O + 1) + n1 * n2 * P),
             memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
-        routes = {
-            r.name: r for r in (through_v, pairs, self._sample_pairs_route(other))
-        }
-        return routes[planner.choose(*routes.values(), dtype=self._a.dtype)]
+        routes = (through_v, pairs, self._sample_pairs_route(other))
+        name = planner.choose(*routes, dtype=self._a.dtype)
+        return next(route for route in routes if route.name == name)
 
     def _sample_pairs_route(self, other: OuterProductFactors) -> planner.Route:
         """The cost of :meth:`_gram_sample_pairs` (with its copies, see COPY_WORK)."""
@@ -176,10 +171,7 @@ class OuterProductFactors(ParamFactors):
         intermediate = n1 * n2 * G * T * D * O
         return planner.Route(
             "sample_pairs",
-            flops=n1 * n2 * G * T * T * P
-            + T * intermediate
-            + C * intermediate
-            + COPY_WORK * intermediate,
+            flops=n1 * n2 * G * T * T * P + (T + C + COPY_WORK) * intermediate,
             memory=self._sample_pairs_per_chunk(other) * 2 * n2 * T * (D * O + T),
         )
 
@@ -207,10 +199,7 @@ class OuterProductFactors(ParamFactors):
         return max(1, min(self._G * self._O, budget // max(1, rows * self._P)))
 
     def _feature_chunks(self, chunk: int) -> list[tuple[slice, slice]]:
-        """``(groups, features)`` slices of ``chunk`` output features each.
-
-        Whole groups while ``chunk`` covers one, else a group split by features.
-        """
+        """``(groups, features)`` slices of ``chunk`` features (whole groups if ≥ O)."""
         G, O = self._G, self._O
         if chunk >= O:
             per = chunk // O
@@ -252,9 +241,8 @@ class OuterProductFactors(ParamFactors):
     def _gram_sample_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
         """``Vᵀ V_other``, the other operand's vectors weighted by input kernels first.
 
-        ``C`` times fewer multiply-adds than :meth:`_gram_pairs` (``docs/math.rst``,
-        "Layer structure"); ``samples`` rows at a time, of ``Vᵀ V`` only the
-        lower triangle (at least ``NUM_BLOCKS`` blocks), mirrored.
+        ``C`` times fewer multiply-adds than :meth:`_gram_pairs`; ``samples`` rows at
+        a time, of ``Vᵀ V`` only the lower triangle, mirrored.
         """
         C, D = self.num_columns, other.num_columns
         T, O = self._T, self._O

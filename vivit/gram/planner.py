@@ -21,18 +21,11 @@ MEMORY_BUDGET_BYTES = 2**28
 
 @dataclass(frozen=True)
 class Route:
-    """Cost of one way to evaluate a product.
-
-    Attributes:
-        name: Identifier of the route.
-        flops: Multiply-adds of its contractions, counted from the shapes.
-        memory: Entries of its largest intermediate (of a chunk, for a chunked
-            route; the result is not counted).
-    """
+    """Cost of one way to evaluate a product."""
 
     name: str
-    flops: int
-    memory: int
+    flops: int  # multiply-adds, counted from the shapes
+    memory: int  # entries of the largest intermediate (of a chunk; not the result)
 
 
 def budget_entries(dtype: torch.dtype, budget: int | None = None) -> int:

@@ -1,8 +1,7 @@
 """A parameter's columns of ``V`` over several parts of the samples.
 
 The batches of a loader, the shards of processes, the chunks of a large batch:
-``V = [V_1, V_2, …]``, whose products are those of the blocks' factors
-(``docs/math.rst``, "Data sets and processes").
+``V = [V_1, V_2, …]`` (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
@@ -15,20 +14,15 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import CompositeFactors, ParamFactors
 
 
-class StackedFactors(ParamFactors):
+class StackedFactors(CompositeFactors):
     """Columns of ``V`` of one parameter, held per part of the samples.
 
     Gram-space entries are ordered block by block, each block sample-major. Block
-    ``b``'s columns are ``scale_b`` times those of its factors: rescaling a block
-    copies nothing, the products apply the scale. Nested blocks are flattened.
-
-    Args:
-        blocks: Factors of the same parameter, one per part of the samples, with the
-            same columns per sample.
-        scales: Each block's scale (default: ``1`` for all).
+    ``b``'s columns are ``scales[b]`` (default 1) times those of ``blocks[b]``: the
+    products apply the scale, nothing is copied. Nested blocks are flattened.
 
     Raises:
         ValueError: If there are no blocks, they disagree in parameter shape,
@@ -64,18 +58,11 @@ class StackedFactors(ParamFactors):
                     f"dtype {kind} against {tuple(first.param_shape)}, "
                     f"{first.num_columns}, {first.dtype}."
                 )
-        self.blocks = flat
+        self.blocks = self.members = flat
         self.scales = flat_scales
         self.num_samples = sum(block.num_samples for block in flat)
         self.num_columns = first.num_columns
         self.param_shape = first.param_shape
-
-    @property
-    def dtype(self) -> torch.dtype:  # noqa: D102
-        return self.blocks[0].dtype
-
-    def tensors(self) -> list[Tensor]:  # noqa: D102
-        return [t for block in self.blocks for t in block.tensors()]
 
     def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:  # noqa: D102
         blocks = [block.map_tensors(function) for block in self.blocks]
@@ -123,15 +110,6 @@ class StackedFactors(ParamFactors):
                 gram[rows, cols] = cross
                 gram[cols, rows] = cross.T
         return gram
-
-    def gram_memory(self) -> int:  # noqa: D102
-        return max(block.gram_memory() for block in self.blocks)
-
-    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
-        return max(block.product_memory(num_vectors) for block in self.blocks)
-
-    def product_work(self, num_vectors: int) -> int:  # noqa: D102
-        return sum(block.product_work(num_vectors) for block in self.blocks)
 
     def gram_work(self) -> int:  # noqa: D102
         # each block's Gram, and the cross-Gram of blocks a < b: √(work_a · work_b)
