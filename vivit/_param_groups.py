@@ -195,14 +195,11 @@ def optimizer_param_groups(params: object) -> list:
         )
     if not all(isinstance(item, dict) for item in items):
         return _group_params(items, 0)
+    groups = []
     for index, group in enumerate(items):
         if "params" not in group:
             raise ParamGroupError(f"Group {index} does not specify ['params'].")
-    return [
-        {**group, "params": _group_params(_as_list(group["params"]), index)}
-        for index, group in enumerate(items)
-    ]
-
-
-def _as_list(params: object) -> object:
-    return [params] if isinstance(params, Tensor) else params
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else params
+        groups.append({**group, "params": _group_params(params, index)})
+    return groups

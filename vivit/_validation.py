@@ -293,9 +293,8 @@ def check_params(
         if param.is_meta and not allow_meta:
             raise InvalidArgumentError(
                 f"The {name} is on the meta device: it has a shape but no values. "
-                "Materialize the model first (e.g. model.to_empty(device='cpu'), "
-                "then load its weights); vivit.memory.estimate_memory accepts "
-                "meta models."
+                "Materialize the model first (e.g. model.to_empty(device='cpu'), then "
+                "load its weights); vivit.memory.estimate_memory accepts meta models."
             )
         if param.is_inference():
             raise GradientContextError(
@@ -309,8 +308,7 @@ def check_params(
     if len(dtypes) > 1:
         raise UnsupportedDtypeError(
             f"The parameters have different dtypes {sorted(map(str, dtypes))}: cast "
-            "the model to one of float32 or float64 (model.float() or "
-            "model.double())."
+            "the model to one of float32 or float64 (model.float() or model.double())."
         )
 
 
@@ -465,9 +463,8 @@ def check_batch_norm(module: Module, name: str = "") -> None:
             "normalizes with the mini-batch's statistics even in eval mode"
         )
         remedy = (
-            "Build it with track_running_stats=True, let it gather running "
-            "statistics in training mode, and call model.eval() before computing "
-            "curvature"
+            "Build it with track_running_stats=True, let it gather running statistics "
+            "in training mode, and call model.eval() before computing curvature"
         )
     else:
         return
