@@ -81,16 +81,10 @@ def check_subsampling(
 def check_positive_int(
     value: object, name: str, meaning: str = "", none: str | None = None
 ) -> None:
-    """Check that ``value`` is a positive ``int`` (not a bool), or ``None``.
+    """Raise InvalidArgumentError unless ``value`` is a positive int (not a bool).
 
-    Args:
-        value: The argument.
-        name: Its name in the message.
-        meaning: What it counts, for the message.
-        none: What ``None`` stands for; ``None`` refuses ``None``.
-
-    Raises:
-        InvalidArgumentError: Otherwise.
+    ``name`` and what it counts (``meaning``) go into the message; ``none`` says
+    what a ``None`` value stands for (``none=None``: ``None`` is refused).
     """
     if value is None and none is not None:
         return
