@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from vivit._param_groups import check_param_groups
 from vivit._validation import (
     check_grad_mode,
     check_mc_samples,
-    check_param_groups,
     check_params,
     check_subsampling,
 )

@@ -16,13 +16,13 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from vivit._param_groups import optimizer_param_groups
 from vivit._validation import (
     check_damping,
     check_grad_mode,
     check_lr,
     check_params,
     check_subsampling,
-    optimizer_param_groups,
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep

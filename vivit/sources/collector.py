@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit._param_groups import param_group_lists
 from vivit._validation import (
     check_model,
     check_params,
     check_subsampling,
-    param_group_lists,
 )
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import check_finite, check_params, param_group_lists
+from vivit._param_groups import param_group_lists
+from vivit._validation import check_finite, check_params
 from vivit.directional.gram_space import directional_gradients
 from vivit.distributed import ShardExchange, ShardLayout
 from vivit.distributed.agreement import run_fingerprint
