@@ -45,7 +45,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import vivit.results
+import vivit.eigenpairs
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
@@ -286,13 +286,13 @@ class Recorded:
 
     def __init__(self, monkeypatch):
         self.calls: list[tuple[float | None, int]] = []
-        solve = vivit.results.leading_eigenpairs
+        solve = vivit.eigenpairs.leading_eigenpairs
 
         def recording(*args, **kwargs):
             self.calls.append((kwargs["tol"], kwargs["seed"]))
             return solve(*args, **kwargs)
 
-        monkeypatch.setattr(vivit.results, "leading_eigenpairs", recording)
+        monkeypatch.setattr(vivit.eigenpairs, "leading_eigenpairs", recording)
 
 
 @parametrize_sources

@@ -1,8 +1,7 @@
-"""Exceptions raised for input the library cannot work with, and its warnings.
+"""Exceptions for input the library cannot work with, and its warnings.
 
-Each exception derives from :class:`VivitError` and from the built-in one a caller
-would expect (e.g. ``ValueError``): ``except vivit.VivitError`` catches misuse
-without catching bugs.
+Each derives from :class:`VivitError` and the built-in one a caller would expect
+(e.g. ``ValueError``): ``except vivit.VivitError`` catches misuse, not bugs.
 """
 
 from __future__ import annotations
@@ -41,10 +40,7 @@ class GradientContextError(VivitError, RuntimeError):
 
 
 class BatchNormTrainingError(VivitError, ValueError):
-    """A BatchNorm layer using batch statistics: its output couples the samples.
-
-    In training mode, and in eval mode too if built with ``track_running_stats=False``.
-    """
+    """A BatchNorm layer using batch statistics (training mode, or no running stats)."""
 
 
 class GramTooLargeError(VivitError, MemoryError):

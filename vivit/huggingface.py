@@ -71,11 +71,7 @@ def causal_lm_targets(
         InvalidArgumentError: If ``input_ids`` is not an integer ``[N, T]`` tensor
             or the mask has another shape.
     """
-    if (
-        not isinstance(input_ids, Tensor)
-        or input_ids.dim() != 2
-        or input_ids.is_floating_point()
-    ):
+    if not _are_token_ids(input_ids):
         raise InvalidArgumentError(
             "input_ids must be an integer tensor [N, T] of token ids, got "
             f"{_summary(input_ids)}."
@@ -92,8 +88,7 @@ def causal_lm_targets(
     targets[:, :-1] = input_ids[:, 1:]
     if attention_mask is not None:
         real = attention_mask != 0
-        counted = real[:, :-1] & real[:, 1:]
-        targets[:, :-1][~counted] = ignore_index
+        targets[:, :-1][~(real[:, :-1] & real[:, 1:])] = ignore_index
     return targets
 
 
@@ -139,33 +134,29 @@ def split_batch(
     labels = batch[key]
     if not shift:
         return inputs, labels
-    if (
-        not isinstance(labels, Tensor)
-        or labels.dim() != 2
-        or labels.is_floating_point()
-    ):
+    if not _are_token_ids(labels):
         raise InvalidArgumentError(
             f"shift=True shifts a causal language model's labels, integer [N, T], "
             f"got {_summary(labels)}: labels that line up with the logits (a "
             "classifier's [N], a token classifier's [N, T]) take shift=False."
         )
-    targets = torch.full_like(labels, ignore_index, dtype=torch.long)
-    targets[:, :-1] = labels[:, 1:]
-    return inputs, targets
+    return inputs, causal_lm_targets(labels, ignore_index=ignore_index)
 
 
 class SplitLabels:
-    """A loader of Hugging Face batch dicts as one of ``(inputs, targets)``.
+    """A re-iterable loader of Hugging Face batch dicts as ``(inputs, targets)``.
 
-    Each batch goes through :func:`split_batch` as it is drawn; passing over it
-    again passes over the loader again.
+    Each batch goes through :func:`split_batch` as it is drawn.
 
     Args:
-        loader: Batches with their labels inside (a ``DataLoader`` with a
-            Hugging Face collator, ``Trainer.get_train_dataloader()``).
+        loader: Batches ``{"input_ids", "attention_mask", "labels", ...}`` (a
+            ``DataLoader`` with a Hugging Face collator).
         shift: As for :func:`split_batch`.
-        key: As for :func:`split_batch`.
-        ignore_index: As for :func:`split_batch`.
+        key: The labels' key in each batch.
+        ignore_index: The loss's ``ignore_index``.
+
+    Raises:
+        InvalidArgumentError: If ``shift`` is not a bool.
     """
 
     def __init__(
@@ -176,9 +167,8 @@ class SplitLabels:
         key: str = "labels",
         ignore_index: int = IGNORE_INDEX,
     ):
-        self.loader = loader
-        self.shift = shift
-        self.key = key
+        _check_shift(shift)
+        self.loader, self.shift, self.key = loader, shift, key
         self.ignore_index = ignore_index
 
     def __iter__(self) -> Iterator[tuple[dict[str, Tensor], Tensor]]:
@@ -189,11 +179,7 @@ class SplitLabels:
             )
 
     def __len__(self) -> int:
-        """The loader's number of batches.
-
-        Raises:
-            TypeError: If the loader has no length.
-        """
+        """The loader's number of batches (a ``TypeError`` if it has none)."""
         if not isinstance(self.loader, Sized):
             raise TypeError(f"{type(self.loader).__name__} has no len()")
         return len(self.loader)
@@ -208,19 +194,10 @@ def split_labels(
 ) -> SplitLabels:
     """A loader of Hugging Face batch dicts, labels inside, for vivit.
 
-    Args:
-        loader: Batches ``{"input_ids", "attention_mask", "labels", ...}``.
-        shift: As for :func:`split_batch`.
-        key: The labels' key in each batch.
-        ignore_index: The loss's ``ignore_index``.
-
-    Returns:
-        The loader's batches as ``(inputs, targets)``, re-iterable.
-
-    Raises:
-        InvalidArgumentError: If ``shift`` is not a bool.
+    The :class:`SplitLabels` of the arguments: ``loader``'s batches as
+    ``(inputs, targets)``, re-iterable (``InvalidArgumentError`` if ``shift`` is
+    not a bool).
     """
-    _check_shift(shift)
     return SplitLabels(loader, shift=shift, key=key, ignore_index=ignore_index)
 
 
@@ -231,6 +208,13 @@ def _check_shift(shift: object) -> None:
             f"shift must be True (a causal language model's labels, shifted here) "
             f"or False (labels aligned with the logits), got {shift!r}."
         )
+
+
+def _are_token_ids(value: object) -> bool:
+    """Whether ``value`` is an integer tensor ``[N, T]``."""
+    return (
+        isinstance(value, Tensor) and value.dim() == 2 and not value.is_floating_point()
+    )
 
 
 def _summary(value: object) -> str:

@@ -1,8 +1,8 @@
 """Products ``H_n u`` with the loss Hessian w.r.t. the output, and output gradients.
 
 What the implicit route needs instead of a root ``S_n`` (``docs/math.rst``,
-"Implicit GGN-vector products"). The scales, checks and normalization are those of
-:class:`vivit.losses.LossCurvature`, so this module accepts exactly what it accepts.
+"Implicit GGN-vector products"); scales, checks and normalization are
+:class:`vivit.losses.LossCurvature`'s.
 """
 
 from __future__ import annotations
@@ -31,15 +31,12 @@ class LossHessianProducts:
     """
 
     def __init__(self, loss_func: Module, output: Tensor, targets: Tensor):
-        curvature = LossCurvature(loss_func, output, targets)
-        structure = curvature._structure  # the scales c_np, computed once there
+        curvature = LossCurvature(loss_func, output, targets)  # the scales c_np
         self.normalization: LossNormalization = curvature.normalization
-        self._kind = structure.kind
-        self._loss_func = loss_func
+        self._kind, self._loss_func = curvature._kind, loss_func
+        self._output = output = curvature.output
         self._targets = curvature.targets
-        output = curvature.output
-        self._output = output
-        self._scale = structure.scale.to(device=output.device, dtype=output.dtype)
+        self._scale = curvature._scale.to(device=output.device, dtype=output.dtype)
         if self._kind == "ce":
             self._probs = output.softmax(1)
             # c_np·p, [N, C, *T]: one factor for the product's last step

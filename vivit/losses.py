@@ -27,15 +27,8 @@ from vivit.loss_roots import (
 )
 
 #: Loss modules whose GGN the library computes.
-SUPPORTED_LOSSES: tuple[type[Module], ...] = (
-    MSELoss,
-    CrossEntropyLoss,
-    BCEWithLogitsLoss,
-)
-
-
-def _supported_names() -> str:
-    return ", ".join(f"torch.nn.{cls.__name__}" for cls in SUPPORTED_LOSSES)
+SUPPORTED_LOSSES = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
+_SUPPORTED_NAMES = ", ".join(f"torch.nn.{cls.__name__}" for cls in SUPPORTED_LOSSES)
 
 
 def check_loss_function(loss_func: object) -> None:
@@ -50,38 +43,34 @@ def check_loss_function(loss_func: object) -> None:
             has a reduction other than ``"mean"``/``"sum"`` or a negative weight.
         NonFiniteError: If a weight is NaN or infinite.
     """
+    kind = type(loss_func).__name__
     if not isinstance(loss_func, Module):
+        name = getattr(loss_func, "__qualname__", None) or kind
         raise UnsupportedLossError(
-            f"loss_func must be a torch.nn loss module, got {_describe(loss_func)}. "
-            f"Use one of {_supported_names()} (e.g. torch.nn.CrossEntropyLoss() "
+            f"loss_func must be a torch.nn loss module, got {name!s} ({kind}). "
+            f"Use one of {_SUPPORTED_NAMES} (e.g. torch.nn.CrossEntropyLoss() "
             "instead of torch.nn.functional.cross_entropy)."
         )
     if type(loss_func) not in SUPPORTED_LOSSES:
         raise UnsupportedLossError(
-            f"The loss function {type(loss_func).__name__} is not supported; "
-            f"supported: {_supported_names()}."
+            f"The loss function {kind} is not supported; supported: {_SUPPORTED_NAMES}."
         )
     if loss_func.reduction not in ("mean", "sum"):
         raise UnsupportedLossError(
-            f"{type(loss_func).__name__} has reduction={loss_func.reduction!r}; the "
+            f"{kind} has reduction={loss_func.reduction!r}; the "
             "GGN is defined for a scalar loss: use reduction='mean' or 'sum'."
         )
     for name in ("weight", "pos_weight"):
         weight = getattr(loss_func, name, None)
         if weight is None:
             continue
-        check_finite(weight, f"{type(loss_func).__name__}.{name}")
+        check_finite(weight, f"{kind}.{name}")
         if (weight < 0).any():
             raise UnsupportedLossError(
-                f"{type(loss_func).__name__}.{name} has negative entries "
-                f"({weight.min().item():g}): the loss Hessian is then not positive "
-                "semi-definite and has no square root. Use non-negative weights."
+                f"{kind}.{name} has negative entries ({weight.min().item():g}): the "
+                "loss Hessian is then not positive semi-definite and has no square "
+                "root. Use non-negative weights."
             )
-
-
-def _describe(obj: object) -> str:
-    name = getattr(obj, "__qualname__", None) or type(obj).__name__
-    return f"{name!s} ({type(obj).__name__})"
 
 
 @dataclass(frozen=True)
@@ -104,37 +93,24 @@ class LossNormalization:
         return len(self.sample_weights)
 
     def reduction_factor(self, samples: Sequence[int] | None = None) -> float:
-        """``R_S`` of the loss evaluated on ``samples`` alone.
+        """``R_S`` of the loss on the mini-batch's ``samples`` alone (``None``: all).
 
-        Args:
-            samples: Sample indices in the mini-batch; ``None`` for all.
-
-        Returns:
-            ``1 / Σ_{n∈S} w_n`` for mean reduction (``0`` if that sum is ``0``:
-            no curvature), ``1`` for sum reduction.
+        ``1 / Σ_{n∈S} w_n`` for mean reduction (``0`` if that sum is ``0``: no
+        curvature), ``1`` for sum reduction.
         """
         if self.reduction == "sum":
             return 1.0
-        weights = (
-            self.sample_weights
-            if samples is None
-            else [self.sample_weights[n] for n in samples]
-        )
+        weights = self.sample_weights
+        if samples is not None:
+            weights = [weights[n] for n in samples]
         total = math.fsum(weights)
         return 1.0 / total if total > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class _Structure:
-    """Per-position Hessian scales ``κ c_np`` of a loss, relative to its unit loss.
-
-    ``kind`` is ``"mse"``, ``"bce"`` (elementwise) or ``"ce"`` (softmax over axis
-    1); ``scale`` is ``[N, *output.shape[1:]]`` (elementwise) or ``[N, *T]``.
-    """
-
-    kind: str
-    scale: Tensor
-    normalization: LossNormalization
+#: A loss's ``kind`` (``"mse"``, ``"bce"``: elementwise; ``"ce"``: softmax over
+#: axis 1), Hessian scales ``κ c_np`` relative to its unit loss (``[N, *out]``, or
+#: ``[N, *T]`` for ``"ce"``) and normalization.
+_Structure = tuple[str, Tensor, LossNormalization]
 
 
 class LossCurvature:
@@ -144,6 +120,9 @@ class LossCurvature:
         loss_func: A supported loss module (see :func:`check_loss_function`).
         output: The model output the loss function receives, ``[N, ...]``.
         targets: The targets it receives.
+
+    Attributes:
+        normalization: The loss's reduction and per-sample weights.
 
     Raises:
         UnsupportedLossError: If the loss module or an option is not supported.
@@ -170,23 +149,16 @@ class LossCurvature:
         self.output = output.detach()
         self.targets = targets.detach()
         if isinstance(loss_func, CrossEntropyLoss):
-            self._structure = _cross_entropy(loss_func, self.output, self.targets)
-        elif isinstance(loss_func, BCEWithLogitsLoss):
-            self._structure = _bce_with_logits(loss_func, self.output, self.targets)
+            structure = _cross_entropy(loss_func, self.output, self.targets)
         else:
-            self._structure = _mse(loss_func, self.output, self.targets)
-
-    @property
-    def normalization(self) -> LossNormalization:
-        """The loss's reduction and per-sample weights."""
-        return self._structure.normalization
+            structure = _elementwise(loss_func, self.output, self.targets)
+        self._kind, self._scale, self.normalization = structure
 
     def columns_per_sample(self, mc_samples: int = 0, mc_per: str = "sequence") -> int:
-        """Columns of ``V`` per sample: ``K`` of :meth:`root` (same arguments).
+        """Columns of ``V`` per sample, ``K`` of :meth:`root` (same arguments).
 
-        Returns:
-            ``output[0].numel()`` (exact), ``M·P`` (cross-entropy, Monte Carlo per
-            token) or ``M``.
+        ``output[0].numel()`` (exact), ``M·P`` (cross-entropy, Monte Carlo per token)
+        or ``M``.
         """
         if not mc_samples:
             return self.output[0].numel()
@@ -194,7 +166,7 @@ class LossCurvature:
 
     def _positions_per_draw(self, mc_per: str) -> int:
         """``P`` if each position of a cross-entropy output draws its own column."""
-        if self._structure.kind == "ce" and mc_per == "token":
+        if self._kind == "ce" and mc_per == "token":
             return self.output[0, 0].numel()
         return 1
 
@@ -220,19 +192,18 @@ class LossCurvature:
             The root ``[K, |S|, *output.shape[1:]]``: exact, or an unbiased
             estimate of ``S_n S_nᵀ``.
         """
-        structure = self._structure
-        output, scale = self.output, structure.scale
+        output, scale = self.output, self._scale
         if samples is not None:
             index = torch.as_tensor(list(samples), dtype=torch.long)
             output, scale = output[index.to(output.device)], scale[index]
-        root_r = math.sqrt(structure.normalization.reduction_factor(samples))
+        root_r = math.sqrt(self.normalization.reduction_factor(samples))
         scale = scale.to(device=output.device, dtype=output.dtype)
-        positions = scale.unsqueeze(1) if structure.kind == "ce" else scale
+        positions = scale.unsqueeze(1) if self._kind == "ce" else scale
         factor = root_r * positions.sqrt()
         if not mc_samples:
-            unit = exact_columns(structure.kind, output)
+            unit = exact_columns(self._kind, output)
         else:
-            draws = sampled_unit_roots(structure.kind, output, mc_samples, generator)
+            draws = sampled_unit_roots(self._kind, output, mc_samples, generator)
             unit = (
                 draw_columns(draws)
                 if self._positions_per_draw(mc_per) == 1
@@ -276,17 +247,14 @@ def _check_same_shape(loss_func: Module, output: Tensor, targets: Tensor) -> Non
     check_finite(targets, "targets")
 
 
-def _mse(loss_func: MSELoss, output: Tensor, targets: Tensor) -> _Structure:
+def _elementwise(loss_func: Module, output: Tensor, targets: Tensor) -> _Structure:
+    """``MSELoss`` (scales ``2κ``) or ``BCEWithLogitsLoss`` (``κ`` times weights)."""
     _check_same_shape(loss_func, output, targets)
     kappa = _kappa(loss_func.reduction, output[0].numel())
-    scale = torch.full(output.shape, 2.0 * kappa, dtype=torch.float64)
-    return _Structure("mse", scale, _uniform(loss_func.reduction, output.shape[0]))
-
-
-def _bce_with_logits(
-    loss_func: BCEWithLogitsLoss, output: Tensor, targets: Tensor
-) -> _Structure:
-    _check_same_shape(loss_func, output, targets)
+    normalization = _uniform(loss_func.reduction, output.shape[0])
+    if isinstance(loss_func, MSELoss):
+        scale = torch.full(output.shape, 2.0 * kappa, dtype=torch.float64)
+        return "mse", scale, normalization
     for name in ("weight", "pos_weight"):
         weight = getattr(loss_func, name)
         if weight is not None and not _broadcasts(weight.shape, output.shape):
@@ -304,32 +272,30 @@ def _bce_with_logits(
                 f"BCEWithLogitsLoss.{name} has shape {tuple(weight.shape)}, which "
                 f"does not broadcast to the output shape {tuple(output.shape)}.{hint}"
             )
-    scale = torch.full(
-        output.shape,
-        _kappa(loss_func.reduction, output[0].numel()),
-        dtype=torch.float64,
-    )
+    scale = torch.full(output.shape, kappa, dtype=torch.float64)
     y = targets.to(torch.float64).cpu()
     if loss_func.pos_weight is not None:
         # ∇²ℓ = weight · (1 + (pos_weight - 1) y) · σ(1-σ)
         pos_weight = loss_func.pos_weight.detach().to(torch.float64).cpu()
         factor = 1 + (pos_weight - 1) * y
         if (factor < 0).any():
-            n = int((factor < 0).reshape(len(y), -1).any(1).nonzero()[0])
+            n = _first_sample(factor < 0)
             raise InvalidTargetsError(
-                "BCEWithLogitsLoss with pos_weight has a negative loss Hessian for "
-                f"targets outside [0, 1] (first at sample {n}): use targets in "
-                "[0, 1]."
+                f"BCEWithLogitsLoss with pos_weight has a negative loss Hessian for "
+                f"targets outside [0, 1] (first at sample {n}): use targets in [0, 1]."
             )
         scale = scale * factor
     if loss_func.weight is not None:
         scale = scale * loss_func.weight.detach().to(torch.float64).cpu()
-    scale = scale.expand(output.shape)
-    return _Structure("bce", scale, _uniform(loss_func.reduction, output.shape[0]))
+    return "bce", scale.expand(output.shape), normalization
 
 
 #: Class-index dtypes ``CrossEntropyLoss`` accepts.
 _INDEX_DTYPES = (torch.int64, torch.uint8)
+
+
+def _first_sample(mask: Tensor) -> int:
+    return int(mask.reshape(len(mask), -1).any(1).nonzero()[0])
 
 
 def _broadcasts(shape: torch.Size, target: torch.Size) -> bool:
@@ -381,7 +347,7 @@ def _cross_entropy(
         _check_same_shape(loss_func, output, targets)
         q = targets.to(torch.float64).cpu()
         if (q < 0).any():
-            n = int((q < 0).reshape(len(q), -1).any(1).nonzero()[0])
+            n = _first_sample(q < 0)
             raise InvalidTargetsError(
                 "CrossEntropyLoss got probability targets with negative entries "
                 f"(first at sample {n}): soft targets must be non-negative (they "
@@ -389,7 +355,7 @@ def _cross_entropy(
             )
         q = (1 - smoothing) * q + smoothing / num_classes
         mass = torch.einsum("c,nc...->n...", weight, q)
-        return _Structure("ce", kappa * mass, _uniform(reduction, output.shape[0]))
+        return "ce", kappa * mass, _uniform(reduction, output.shape[0])
 
     if targets.dtype not in _INDEX_DTYPES:
         raise InvalidTargetsError(
@@ -410,12 +376,11 @@ def _cross_entropy(
     counted = y != loss_func.ignore_index
     outside = counted & ((y < 0) | (y >= num_classes))
     if outside.any():
-        n = int(outside.reshape(len(y), -1).any(1).nonzero()[0])
-        bad = y.reshape(len(y), -1)[n][outside.reshape(len(y), -1)[n]][0].item()
+        n = _first_sample(outside)
+        bad = y[n][outside[n]][0].item()
         raise InvalidTargetsError(
-            f"CrossEntropyLoss got the class index {bad} at sample {n}, outside "
-            f"[0, {num_classes}) and not the ignore_index "
-            f"({loss_func.ignore_index})."
+            f"CrossEntropyLoss got the class index {bad} at sample {n}, outside [0, "
+            f"{num_classes}) and not the ignore_index ({loss_func.ignore_index})."
         )
     if reduction == "mean" and not counted.any():
         raise InvalidTargetsError(
@@ -438,7 +403,7 @@ def _cross_entropy(
         normalization = LossNormalization(reduction, tuple(sample_weights.tolist()))
     else:
         normalization = _uniform(reduction, output.shape[0])
-    return _Structure("ce", kappa * mass, normalization)
+    return "ce", kappa * mass, normalization
 
 
 def _flattened_positions(output: Tensor, targets: Tensor) -> str:

@@ -28,11 +28,7 @@ def num_samples(inputs: ModelInputs) -> int:
 def map_inputs(
     inputs: ModelInputs, function: Callable[[Tensor], Tensor]
 ) -> ModelInputs:
-    """The inputs with ``function`` (tensor to tensor) applied to every tensor.
-
-    Returns:
-        A tensor, or a dict with the same keys.
-    """
+    """The inputs (a tensor, or a dict: same keys) with ``function`` applied to each."""
     if isinstance(inputs, Mapping):
         return {key: function(value) for key, value in inputs.items()}
     return function(inputs)

@@ -15,15 +15,9 @@ logger = logging.getLogger("vivit")
 
 
 def import_optional(module: str, package: str, what: str) -> ModuleType:
-    """Import ``module`` of the optional ``package``, or say how to install it.
+    """Import ``module`` (``"lightning.pytorch"``) of the optional ``package``.
 
-    Args:
-        module: The module to import, e.g. ``"lightning.pytorch"``.
-        package: The package to install for it, e.g. ``"lightning"``.
-        what: What needs it, the error message's subject.
-
-    Returns:
-        The module.
+    ``what`` needs it: the subject of the message that says how to install it.
 
     Raises:
         MissingPackageError: If ``module`` cannot be imported.
@@ -38,10 +32,9 @@ def import_optional(module: str, package: str, what: str) -> ModuleType:
 
 
 class _HiddenDistribution(DistributionFinder):
-    """A ``sys.meta_path`` finder that finds no modules and hides ``name``'s metadata.
+    """A ``sys.meta_path`` finder hiding ``name``'s metadata (finds no modules).
 
-    For libraries asking through ``importlib.metadata`` (Lightning's
-    ``RequirementCache``) whether the package is installed.
+    For ``importlib.metadata`` users such as Lightning's ``RequirementCache``.
     """
 
     def __init__(self, name: str) -> None:

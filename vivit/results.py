@@ -1,21 +1,13 @@
 """Every result of the GGN's low-rank structure, written once over a source.
 
-:class:`CurvatureResults` answers what a user asks — the Gram matrix, its
-eigenvalues, the leading eigenpairs, directional derivatives, damped Newton
-steps, the GGN as an operator, solver reports — for any curvature source
-(:mod:`vivit.sources.base`): stored factors (:class:`~vivit.LowRankGGN`) or
-factors recomputed in passes over a loader (:class:`~vivit.StreamingGGN`). It
-picks the eigensolver (the cost model of :mod:`vivit.linalg.top_k`, or the
-source's only route), caches what it computed, and maps Gram-space results to
-parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs",
-"Directional derivatives and curvature noise", "Damped Newton step").
+For stored factors (:class:`~vivit.LowRankGGN`) or factors recomputed by passes
+(:class:`~vivit.StreamingGGN`): picks the eigensolver, caches what it computed and
+maps Gram-space results to parameter space (``docs/math.rst``, "The Gram matrix
+and exact eigenpairs", "Directional derivatives and curvature noise").
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +27,8 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
-from vivit.errors import FewerEigenpairsWarning, InvalidArgumentError
+from vivit.eigenpairs import auto_solver, compute_leading, gram_nonzero, resolved
+from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import dense_workspace_bytes, itemsize
 from vivit.linalg.iterative import SolverReport, check_seed, check_tolerance
 from vivit.linalg.operator import GGNOperator, GramSpaceProducts
@@ -44,27 +37,18 @@ from vivit.linalg.solvers import (
     gram_eigh,
     numerical_zero_tolerance,
     residual_zero_tolerance,
-    top_k_indices,
 )
-from vivit.linalg.top_k import (
-    check_solver,
-    iterative_workspace_bytes,
-    leading_eigenpairs,
-    relative_residual,
-)
-from vivit.memory.costs import choose_solver
+from vivit.linalg.top_k import check_solver, relative_residual
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, GroupSource
 from vivit.sources.collector import in_param_dtypes
 
 
 class CurvatureResults:
-    """The results of a curvature source; the base of the front doors.
+    """The results of a curvature ``source`` under checked ``options``.
 
-    Args:
-        source: Where the curvature comes from.
-        options: The checked options (the default solver, its tolerance and
-            seed).
+    The base of the front doors; ``options`` give the default solver, its tolerance
+    and seed.
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -89,10 +73,7 @@ class CurvatureResults:
 
     # Gram space ---------------------------------------------------------------
     def gram(self, group: int = 0) -> Tensor:
-        """The Gram matrix ``Vᵀ V`` of a group (formed on the first call).
-
-        Args:
-            group: Index of the parameter group.
+        """The Gram matrix ``Vᵀ V`` of parameter group ``group`` (formed once).
 
         Returns:
             ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
@@ -116,10 +97,7 @@ class CurvatureResults:
         return self._decompositions[group]
 
     def eigvalsh(self, group: int = 0) -> Tensor:
-        """All eigenvalues of the Gram matrix: the GGN's non-zero spectrum.
-
-        Args:
-            group: Index of the parameter group.
+        """All eigenvalues of the group's Gram matrix: the GGN's non-zero spectrum.
 
         Returns:
             ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
@@ -128,20 +106,15 @@ class CurvatureResults:
         return self._gram_eigh(group)[0].clone()
 
     def zero_tolerance(self, group: int = 0) -> float:
-        """Eigenvalues at or below this value are numerically zero.
+        """The group's eigenvalues at or below this value are numerically zero.
 
-        ``N·C · ε_gram · λ_max + ε_model² · tr(G̃)``: follows ``gram_dtype``
-        (``docs/math.rst``, "Precision and the numerical zero"). With
-        ``route="implicit"`` (no Gram matrix) the residual bound of the
-        group's latest leading pairs, ``(r + ρ)·λ_max`` ("Without the Gram
-        matrix: the residual bound").
-
-        Args:
-            group: Index of the parameter group.
+        That of its Gram matrix, following ``gram_dtype``; with ``route="implicit"``
+        the residual bound of its latest leading pairs (``docs/math.rst``,
+        "Precision and the numerical zero", "Without the Gram matrix: the residual
+        bound").
 
         Returns:
-            The tolerance of the group's Gram matrix, or of its latest
-            leading pairs.
+            The tolerance.
 
         Raises:
             InvalidArgumentError: With ``route="implicit"``, before any
@@ -162,10 +135,7 @@ class CurvatureResults:
         )
 
     def solver_report(self, group: int = 0) -> SolverReport | None:
-        """How the group's latest leading eigenpairs were computed.
-
-        Args:
-            group: Index of the parameter group.
+        """How the latest leading eigenpairs of group ``group`` were computed.
 
         Returns:
             The solver used, its relative residual ``max_k ‖G̃ũ_k − λ_kũ_k‖ /
@@ -186,12 +156,11 @@ class CurvatureResults:
         tol: float | None = None,
         seed: int | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The ``top_k`` leading numerically non-zero eigenpairs of the Gram matrix.
+        """The ``top_k`` leading non-zero Gram eigenpairs: kept, full, or computed.
 
-        Uses leading pairs computed before by the same solver (``"auto"``: the
-        one it chose first), tolerance and seed if they hold enough pairs; else
-        the full decomposition if it is needed, or exists and the solver is
-        ``"auto"``; else computes (and keeps) only the leading eigenpairs.
+        Kept pairs of the same solver (``"auto"``: its first choice), tolerance and
+        seed if enough; else the full decomposition if needed, or if it exists and
+        the solver is ``"auto"``; else only the leading pairs, kept.
         """
         if solver is None:  # the default applies to requests for a few pairs
             solver = "auto" if top_k is None else self._options.solver
@@ -209,16 +178,14 @@ class CurvatureResults:
         )
         if full:
             evals, evecs = self._gram_eigh(group)
-            keep = self._gram_nonzero(source, evals, top_k)
+            keep = gram_nonzero(source, evals, top_k, self._options)
         else:
             if leading is None:
-                resolved = solver if solver != "auto" else _auto_solver(source, top_k)
-                leading = self._compute_leading(
-                    source, top_k, resolved, solver, tol, seed
-                )
-                self._leading[(group, resolved, tol, seed)] = leading
+                chosen = solver if solver != "auto" else auto_solver(source, top_k)
+                leading = compute_leading(source, top_k, chosen, solver, tol, seed)
+                self._leading[(group, chosen, tol, seed)] = leading
                 if solver == "auto":
-                    self._auto_solvers[(group, tol, seed)] = resolved
+                    self._auto_solvers[(group, tol, seed)] = chosen
                 # directions kept from the pairs replaced here would mix two
                 # solves (their signs may differ)
                 self._directions_in_params = {
@@ -227,10 +194,12 @@ class CurvatureResults:
             evals, evecs, report = leading
             # the report of the pairs returned, also where they were kept
             self._reports[group] = report
-            if source.parameter_space:
-                keep = self._resolved(source, evals, top_k, report)
+            if source.parameter_space:  # the numerical zero: the residual bound
+                zero = residual_zero_tolerance(evals, report.residual, report.rounding)
+                self._residual_zeros[source.index] = zero
+                keep = resolved(source, evals, top_k, report, zero)
             else:
-                keep = self._gram_nonzero(source, evals, top_k)
+                keep = gram_nonzero(source, evals, top_k, self._options)
         evals, evecs = evals[keep], evecs[:, keep]
         if full and top_k is not None:  # leading pairs of the full decomposition
             gram = source.formed_gram()
@@ -246,35 +215,6 @@ class CurvatureResults:
             self._reports[group] = self._full_reports[key]
         return evals, evecs
 
-    def _gram_nonzero(
-        self, source: GroupSource, evals: Tensor, top_k: int | None
-    ) -> list[int]:
-        """The ``top_k`` leading eigenvalues above the Gram matrix's numerical zero."""
-        # without the Gram matrix, tr(G̃) is bounded by N·C·λ_max
-        gram = source.formed_gram()
-        trace = None if gram is None else gram.trace().item()
-        keep = top_k_indices(evals, top_k, source.num_rows, source.factor_dtype, trace)
-        if top_k is not None and len(keep) < top_k:
-            warn_fewer_eigenpairs(top_k, len(keep), source.num_rows, self._options)
-        return keep
-
-    def _resolved(
-        self, source: GroupSource, evals: Tensor, top_k: int, report: SolverReport
-    ) -> list[int]:
-        """The Ritz values of a parameter-space solve its residual bound resolves.
-
-        No Gram matrix is decomposed, so its numerical zero does not apply: a
-        Ritz value at or below the pairs' residual bound against the exact
-        ``G`` may be a zero eigenvalue (``docs/math.rst``, "Without the Gram
-        matrix: the residual bound").
-        """
-        zero = residual_zero_tolerance(evals, report.residual, report.rounding)
-        self._residual_zeros[source.index] = zero
-        keep = top_k_indices(evals, top_k, tolerance=zero)
-        if len(keep) < top_k:
-            warn_unresolved_eigenpairs(top_k, evals, len(keep), zero, report, source)
-        return keep
-
     def _kept_leading(
         self,
         group: int,
@@ -285,10 +225,8 @@ class CurvatureResults:
     ) -> tuple[Tensor, Tensor, SolverReport] | None:
         """Leading pairs computed before that answer this request, if any.
 
-        ``"auto"`` stands for the solver it chose first for the group, tolerance
-        and seed, so that later requests for as many pairs or fewer use the same
-        directions as earlier ones, also after a full decomposition (where the
-        top eigenvalues are repeated, the leading directions are not unique).
+        ``"auto"`` stands for its first choice, so that later requests reuse the
+        same directions (not unique where top eigenvalues repeat).
         """
         if top_k is None:
             return None
@@ -303,50 +241,10 @@ class CurvatureResults:
             return None
         return leading
 
-    def _compute_leading(
-        self,
-        source: GroupSource,
-        top_k: int,
-        solver: str,
-        requested: str,
-        tol: float | None,
-        seed: int,
-    ) -> tuple[Tensor, Tensor, SolverReport]:
-        max_columns = None
-        if source.parameter_space:  # block Krylov on G itself, D rows
-            size, products = source.num_params, source.flat_ggn_matmul
-            max_columns = source.basis_columns(top_k)  # refused if none fits
-        else:
-            size, products = source.num_rows, source.products.gram_matmul
-        if solver == "dense":
-            workspace = dense_workspace_bytes(size, top_k, source.dtype, source.device)
-        else:
-            workspace = iterative_workspace_bytes(size, top_k, source.dtype)
-        evals, evecs, report = leading_eigenpairs(
-            products,
-            top_k,
-            solver,
-            lambda: source.form_gram(workspace),
-            size=size,
-            # without a Gram matrix there is no dense solve to fall back to
-            requested=requested if "dense" in source.solvers else solver,
-            dtype=source.dtype,
-            device=source.device,
-            tol=tol,
-            seed=seed,
-            max_columns=max_columns,
-        )
-        return evals, evecs, report
-
     def _param_directions(
         self, source: GroupSource, evals: Tensor, gram_evecs: Tensor, key: tuple
     ) -> list[Tensor]:
-        """The eigenvectors ``e_k = V ẽ_k / √λ_k`` in the products' type.
-
-        Kept between calls (under ``key``) where each product passes over the
-        data; none is formed for no direction. A parameter-space source's
-        directions are the eigenvectors already.
-        """
+        """The eigenvectors ``e_k = V ẽ_k / √λ_k`` (kept under ``key`` if costly)."""
         if key in self._directions_in_params:
             return self._directions_in_params[key]
         if source.parameter_space:
@@ -397,10 +295,10 @@ class CurvatureResults:
         return evals, [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
 
     def operator(self, group: int = 0) -> GGNOperator:
-        """The group's GGN as a linear operator: ``G·v``, ``G⁺·v``, scipy.
+        """The GGN of group ``group`` as a linear operator: ``G·v``, ``G⁺·v``, scipy.
 
         Products go through the source's products with ``V``; ``G`` is never
-        formed. See :class:`~vivit.linalg.operator.GGNOperator`.
+        formed (:class:`~vivit.linalg.operator.GGNOperator`).
 
         Example::
 
@@ -410,9 +308,6 @@ class CurvatureResults:
             Gv = op.matvec(v)                   # v: [D] over the group's parameters
             step = op.pinv_matvec(g, top_k=10)  # G⁺ on the top-10 eigenspace
             evals = eigsh(op.to_scipy(), k=3, return_eigenvectors=False)
-
-        Args:
-            group: Index of the parameter group.
 
         Returns:
             The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
@@ -431,14 +326,10 @@ class CurvatureResults:
 
     # Gradient and directional derivatives -----------------------------------
     def gradient(self, group: int = 0) -> list[Tensor]:
-        """The gradient ``∇L`` of the loss from the same backward pass(es).
-
-        Args:
-            group: Index of the parameter group.
+        """The gradient ``∇L`` of the loss on all samples (whatever ``subsampling``).
 
         Returns:
-            One tensor per parameter of the group, shaped like it (gradient of the
-            loss on all samples, whatever the curvature subsampling); copies.
+            One tensor per parameter of group ``group``, shaped like it; copies.
         """
         return [g.clone() for g in self._source.group(group).gradient]
 
@@ -491,13 +382,9 @@ class CurvatureResults:
     ) -> DirectionalDerivatives:
         """Per-sample first and second derivatives along the leading eigenvectors.
 
-        Args:
-            top_k: Number of leading directions (``None``: all non-zero).
-            group: Index of the parameter group.
-            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
-            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
-            tol: As for :meth:`eigh`.
-            seed: As for :meth:`eigh`.
+        ``top_k``, ``group``, ``solver``, ``tol`` and ``seed`` choose the directions
+        as in :meth:`eigh`; the gradients of the samples ``subsampling_grad``
+        (``None``: all) give ``γ``.
 
         Returns:
             ``γ [N_grad, K]``, ``λ [N_ggn, K]`` and their per-direction statistics.
@@ -519,10 +406,10 @@ class CurvatureResults:
     ) -> NewtonStep:
         """The directionally damped Newton step with its ingredients.
 
-        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the leading eigenvectors, with
-        ``γ̄_k`` the directional gradient of the loss on the gradient samples. The
-        step is one product of ``V`` with a Gram-space vector. A step to which no
-        direction contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
+        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the directions that
+        :meth:`directional_derivatives` takes for the same arguments (one product
+        of ``V`` with a Gram-space vector). A step to which no direction
+        contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
 
         Args:
             top_k: Number of leading directions (``None``: all non-zero).
@@ -532,12 +419,12 @@ class CurvatureResults:
             subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
             lr: Scale of the returned step, ``lr · Δθ``.
             max_decrease: Largest loss decrease the GGN's quadratic model may
-                predict for ``lr · Δθ``; the dampings are raised to meet it as
-                ``docs/math.rst`` derives ("Trust region of a Newton step").
-                ``None``: the dampings as the rule gives them.
-            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
-            tol: As for :meth:`eigh`.
-            seed: As for :meth:`eigh`.
+                predict for ``lr · Δθ``, met by raising the dampings
+                (``docs/math.rst``, "Trust region of a Newton step"); ``None``:
+                the dampings as the rule gives them.
+            solver: Eigensolver for ``top_k`` pairs, as in :meth:`eigh`.
+            tol: Tolerance of the iterative solvers, as in :meth:`eigh`.
+            seed: Seed of their start block, as in :meth:`eigh`.
 
         Returns:
             The step, the directional derivatives, ``γ̄`` and the dampings used.
@@ -584,144 +471,11 @@ class CurvatureResults:
         tol: float | None = None,
         seed: int | None = None,
     ) -> list[Tensor]:
-        """The directionally damped Newton step on the leading eigenspace.
-
-        Args:
-            top_k: Number of leading directions (``None``: all non-zero).
-            group: Index of the parameter group.
-            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
-                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
-            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
-            solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
-            tol: As for :meth:`eigh`.
-            seed: As for :meth:`eigh`.
+        """The step of :meth:`newton` (same arguments, ``lr=1``) alone.
 
         Returns:
-            The step (see :meth:`newton`), one tensor per parameter, shaped like it.
+            One tensor per parameter, shaped like it.
         """
         return self.newton(
-            top_k,
-            group,
-            damping,
-            subsampling_grad,
-            solver=solver,
-            tol=tol,
-            seed=seed,
+            top_k, group, damping, subsampling_grad, solver=solver, tol=tol, seed=seed
         ).step
-
-
-def _auto_solver(source: GroupSource, top_k: int) -> str:
-    """The solver ``"auto"`` stands for: the source's only one, or the cheapest."""
-    if len(source.solvers) == 1:
-        return source.solvers[0]
-    formed = source.formed_gram() is not None
-    return choose_solver(source.factors, top_k, source.dtype, source.device, formed)
-
-
-def warn_fewer_eigenpairs(
-    top_k: int, found: int, rows: int, options: CurvatureOptions
-) -> None:
-    """Warn that ``found < top_k`` eigenpairs are returned, and say why.
-
-    Args:
-        top_k: The pairs asked for.
-        found: The numerically non-zero pairs there are.
-        rows: The Gram matrix's side.
-        options: The request's options (Monte Carlo explains a small side).
-    """
-    if rows < top_k:
-        why = (
-            f"the Gram matrix has only {rows} rows (N·C, N·C·T for sequences of T "
-            "positions"
-        )
-        if options.mc_samples and options.mc_per == "sequence":
-            why += (
-                "; here Monte Carlo per sequence keeps N·M: mc_per='token' keeps N·M·T"
-            )
-        elif options.mc_samples:
-            why += "; here Monte Carlo keeps N·M, N·M·T per token"
-        why += ")"
-    else:
-        why = (
-            f"{rows - found} of the Gram matrix's {rows} eigenvalues are numerical "
-            "zeros (at or below the tolerance of docs/math.rst, 'Precision and the "
-            "numerical zero'; cross-entropy's GGN has rank at most N·(C - 1), "
-            "N·(C - 1)·T on sequences)"
-        )
-    warnings.warn(
-        f"top_k={top_k} eigenpairs were asked for, but only {found} exist: {why}. "
-        f"The {found} that exist are returned.",
-        FewerEigenpairsWarning,
-        stacklevel=_outside_the_package(),
-    )
-
-
-def warn_unresolved_eigenpairs(
-    top_k: int,
-    evals: Tensor,
-    found: int,
-    zero: float,
-    report: SolverReport,
-    source: GroupSource,
-) -> None:
-    """Warn that a parameter-space solve resolves ``found < top_k`` pairs, and why.
-
-    Args:
-        top_k: The pairs asked for.
-        evals: The Ritz values the solver returned.
-        found: Those above ``zero``.
-        zero: The residual bound
-            (:func:`~vivit.linalg.solvers.residual_zero_tolerance`).
-        report: The solve's report (its tolerance and measured rounding).
-        source: The group (its parameters and the products' type).
-    """
-    computed = evals.numel()
-    why = []
-    if computed < top_k:
-        why.append(f"the group has only {computed} parameters")
-    if found < computed:
-        largest = evals.abs().max().item()
-        why.append(
-            f"{computed - found} of the {computed} leading Ritz values are at or "
-            f"below {zero:.1e} = {zero / largest:.1e}·λ_max, the eigensolver's "
-            "residual bound against the exact GGN (the relative residual it reached, "
-            f"{report.residual:.1e}, plus the products' rounding, "
-            f"{report.rounding:.1e}), so "
-            "they cannot be told from zero eigenvalues (docs/math.rst, 'Precision "
-            "and the numerical zero', 'Without the Gram matrix: the residual bound')"
-        )
-        # the rounding sets the bound at the floor, or where the residual the
-        # solver reached lies below it: a smaller tol would not lower it
-        rounding_sets = report.tolerance > report.requested_tolerance or (
-            report.rounding >= report.residual
-        )
-        if rounding_sets:
-            remedy = (
-                " The products' rounding sets the bound: a float64 model "
-                "(model.double()) lowers it by about 1e9."
-                if source.dtype != torch.float64
-                else " The products are float64 already: their rounding is the limit."
-            )
-        else:
-            remedy = " A smaller tol (eigh(top_k, tol=...)) lowers the bound."
-    else:
-        remedy = ""
-    warnings.warn(
-        f"top_k={top_k} eigenpairs were asked for, but only {found} are resolved: "
-        f"{'; '.join(why)}. The {found} resolved are returned.{remedy}",
-        FewerEigenpairsWarning,
-        stacklevel=_outside_the_package(),
-    )
-
-
-def _outside_the_package() -> int:
-    """``stacklevel`` of the first caller outside ``vivit`` (of the warning's caller).
-
-    The results reach the eigenpairs through calls of different depths (``eigh``,
-    ``directional_derivatives``, ``newton_step``, the compat classes).
-    """
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

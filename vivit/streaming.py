@@ -1,10 +1,7 @@
 """Leading GGN eigenpairs of a data set whose layer factors do not fit into memory.
 
-:class:`~vivit.LowRankGGN` over a data loader keeps every batch's layer factors
-(one pass). :class:`StreamingGGN` keeps none: each product with the Gram matrix
-recomputes them in two passes over the loader (:mod:`vivit.sources.streamed`,
-``docs/math.rst``, "Data sets and processes"); every result is the same as
-:class:`~vivit.LowRankGGN`'s, computed by the same code (:mod:`vivit.results`).
+Each product with the Gram matrix recomputes the factors in two passes over the
+loader (:mod:`vivit.sources.streamed`); the results are :mod:`vivit.results`'.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from torch.nn import Module, Parameter
 from vivit._validation import check_grad_mode
 from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import InvalidArgumentError
-from vivit.options import CurvatureOptions, check_streaming
+from vivit.options import check_streaming, options_from
 from vivit.results import CurvatureResults
 from vivit.sources.streamed import StreamedFactors
 
@@ -32,27 +29,21 @@ class StreamingGGN(CurvatureResults):
 
     The GGN is that of the loss on all samples of the loader together, as for
     :class:`~vivit.LowRankGGN` over a loader, which stores every batch's layer
-    factors in one pass; when they do not fit, this class stores none. The
-    construction makes one pass (loss, gradient, each batch's normalization);
-    :meth:`eigh` then makes two passes per product with the Gram matrix and one
-    more for the eigenvectors (``docs/math.rst``, "Data sets and processes");
-    :meth:`directional_derivatives` one more for ``γ`` (per-sample gradients
-    against the eigenvectors), :meth:`newton` one more for the step, and every
-    product of :meth:`operator` one or two. The leading eigenpairs and their
-    eigenvectors are kept per group, solver, tolerance and seed.
+    factors; this class stores none. The construction makes one pass (loss,
+    gradient, normalization); :meth:`eigh` then makes two per product with the
+    Gram matrix and one for the eigenvectors (``docs/math.rst``, "Data sets and
+    processes"), :meth:`directional_derivatives` one more for ``γ``,
+    :meth:`newton` one for the step, every product of :meth:`operator` one or two.
+    The leading eigenpairs are kept per group, solver, tolerance and seed.
 
-    It takes the options of :class:`~vivit.LowRankGGN`
-    (:class:`~vivit.options.CurvatureOptions`) and answers its methods, with
-    what needs the whole Gram matrix refused by name: :meth:`gram`,
-    :meth:`eigvalsh`, :meth:`zero_tolerance`, ``top_k=None`` and the solvers
-    ``"dense"`` and ``"gram_krylov"`` (:class:`~vivit.InvalidArgumentError`).
+    It answers :class:`~vivit.LowRankGGN`'s methods except what needs the whole
+    Gram matrix, refused by name (:class:`~vivit.InvalidArgumentError`):
+    :meth:`gram`, :meth:`eigvalsh`, :meth:`zero_tolerance` and ``top_k=None``.
 
-    The loader must be re-iterable and yield the same batches every time
-    (``DataLoader(..., shuffle=False)``, no random augmentation): this is
-    checked batch by batch. Every pass starts from the random state at
-    construction, so Dropout in training mode draws the first pass's masks in
-    every pass, whatever the caller draws in between. The model must not change
-    either: a pass after its parameters or buffers changed raises
+    The loader must yield the same batches every time (``shuffle=False``, no
+    random augmentation; checked batch by batch). Every pass starts from the
+    random state at construction (Dropout in training mode draws the same masks
+    in every pass). A pass after the model's parameters or buffers changed raises
     :class:`~vivit.ModelChangedError`.
 
     Example::
@@ -62,38 +53,23 @@ class StreamingGGN(CurvatureResults):
         evals, evecs = ggn.eigh(top_k=10)
         print(ggn.passes, "passes over the data")
 
+    Options: every keyword argument after ``param_groups`` is an option of
+    :class:`~vivit.options.CurvatureOptions`, described there (``route`` is
+    not one here). What is specific here: every pass reads the same batches
+    (``max_batches``), in the same chunks (``chunk_size``), with a progress bar
+    (``progress``), and block ``b`` draws the same MC samples in every pass, the
+    same as ``LowRankGGN`` over the loader with the same ``generator`` and
+    ``chunk_size``; ``gram_dtype`` is the type of every product; ``solver`` is
+    ``"auto"`` or ``"factor_krylov"``. Refused before the first pass
+    (:class:`~vivit.InvalidArgumentError`): the solvers ``"dense"`` and
+    ``"gram_krylov"``, a ``subsampling`` (pass a loader over the samples you
+    want) and a process group (``process_group`` defaults to ``False``: each
+    process streams over its own loader).
+
     Args:
-        model: As for :class:`~vivit.LowRankGGN`.
-        loss_func: As for :class:`~vivit.LowRankGGN`.
-        data: A re-iterable loader of ``(inputs, targets)`` batches (a list of
-            batches, a ``DataLoader``), or one batch; not an iterator or
-            generator.
-        param_groups: As for :class:`~vivit.LowRankGGN`.
-        mc_samples: As for :class:`~vivit.options.CurvatureOptions`; block ``b`` draws
-            the same samples in every pass (and the same as ``LowRankGGN`` over the
-            loader with the same ``generator`` and ``chunk_size``).
-        mc_per: As for :class:`~vivit.options.CurvatureOptions`.
-        subsampling: Refused (a stream covers every sample of its loader: pass
-            a loader over the samples whose curvature you want).
-        generator: As for :class:`~vivit.options.CurvatureOptions`.
-        gram_dtype: As for :class:`~vivit.options.CurvatureOptions`: type of every
-            product.
-        solver: ``"auto"`` or ``"factor_krylov"``: block Krylov on the products
-            (recomputed by passes over the data).
-        solver_tol: As for :class:`~vivit.options.CurvatureOptions`.
-        solver_seed: As for :class:`~vivit.options.CurvatureOptions`.
-        engine: As for :class:`~vivit.options.CurvatureOptions`.
-        progress: As for :class:`~vivit.options.CurvatureOptions`: the bar of every
-            pass.
-        process_group: ``False`` (default) or ``None`` without an initialised
-            ``torch.distributed``: each process streams over its own loader
-            alone. A process group (the union of the ranks' loaders) is refused.
-        chunk_size: As for :class:`~vivit.options.CurvatureOptions`: every batch of
-            every pass runs in chunks of at most this many samples.
-        output: As for :class:`~vivit.options.CurvatureOptions`.
-        max_batches: As for :class:`~vivit.options.CurvatureOptions`: every pass reads
-            the first ``max_batches`` batches of the loader (which must yield the same
-            ones each time).
+        data: A re-iterable loader of ``(inputs, targets)`` batches (a list, a
+            ``DataLoader``), or one batch; not an iterator or generator. ``model``,
+            ``loss_func`` and ``param_groups`` are :class:`~vivit.LowRankGGN`'s.
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -102,9 +78,8 @@ class StreamingGGN(CurvatureResults):
 
     Raises:
         VivitError: As :class:`~vivit.LowRankGGN` for malformed arguments or
-            batches; :class:`~vivit.InvalidArgumentError` for an iterator, the
-            solver ``"dense"`` or ``"gram_krylov"``, a subsampling or a process
-            group (before the first pass).
+            batches; :class:`~vivit.InvalidArgumentError` for an iterator and the
+            options refused above.
     """
 
     def __init__(
@@ -130,22 +105,7 @@ class StreamingGGN(CurvatureResults):
         max_batches: int | None = None,
     ):
         check_grad_mode("StreamingGGN")
-        options = CurvatureOptions(
-            mc_samples=mc_samples,
-            mc_per=mc_per,
-            subsampling=subsampling,
-            generator=generator,
-            gram_dtype=gram_dtype,
-            solver=solver,
-            solver_tol=solver_tol,
-            solver_seed=solver_seed,
-            engine=engine,
-            progress=progress,
-            process_group=process_group,
-            chunk_size=chunk_size,
-            output=output,
-            max_batches=max_batches,
-        )
+        options = options_from(locals())
         check_streaming(options)
         self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
         super().__init__(self._stream, options)

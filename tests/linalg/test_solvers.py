@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-import vivit.results
+import vivit.eigenpairs
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
@@ -45,6 +45,7 @@ from vivit.linalg.iterative import (
     default_block_size,
     default_tolerance,
 )
+from vivit.linalg.krylov_basis import orthonormalize
 from vivit.linalg.top_k import leading_eigenpairs
 
 ITERATIVE = ["gram_krylov", "factor_krylov"]
@@ -518,7 +519,7 @@ def test_block_krylov_refuses_a_floor_above_the_largest_eigenvalue():
 @pytest.mark.parametrize("spread", [1.0, 1e-6])
 def test_orthonormalize_to_working_precision(monkeypatch, spread):
     """A block orthonormalized against a basis is orthonormal and orthogonal to it
-    within ``100·ε`` (:data:`~vivit.linalg.iterative.SINGLE_SVQB_CONDITION`), with
+    within ``100·ε`` (:data:`~vivit.linalg.krylov_basis.SINGLE_SVQB_CONDITION`), with
     one SVQB where its Gram matrix is well conditioned (``spread = 1``) and a third
     projection where it is not (``spread = 1e-6``: columns nearly dependent after
     projection, which a single SVQB would leave ``√κ·ε`` off)."""
@@ -533,7 +534,7 @@ def test_orthonormalize_to_working_precision(monkeypatch, spread):
         "eigh",
         lambda gram, _eigh=torch.linalg.eigh: projections.append(1) or _eigh(gram),
     )
-    block, _ = iterative._orthonormalize(basis.T, (1e3 * inside + outside).T)
+    block, _ = orthonormalize(basis.T, (1e3 * inside + outside).T)
     bound = 100 * torch.finfo(torch.float64).eps
     assert (basis.T @ block.T).abs().max() <= bound  # one vector per row
     identity = torch.eye(block.shape[0], dtype=torch.float64)
@@ -622,7 +623,9 @@ def test_block_krylov_not_converged():
 
 def test_auto_falls_back_to_dense(monkeypatch):
     """Under "auto" a solve that does not converge warns and uses the dense one."""
-    monkeypatch.setattr(vivit.results, "choose_solver", lambda *a, **k: "gram_krylov")
+    monkeypatch.setattr(
+        vivit.eigenpairs, "choose_solver", lambda *a, **k: "gram_krylov"
+    )
     problem = select(architecture="mlp_tanh", loss="ce", reduction="mean")[0]
     model, loss_func, X, y = prepare(problem, torch.float64)
     ggn = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)

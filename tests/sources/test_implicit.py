@@ -41,6 +41,7 @@ from vivit import (
     RoundingFloorWarning,
     StreamingGGN,
 )
+from vivit.eigenpairs import warn_unresolved_eigenpairs
 from vivit.errors import (
     InvalidArgumentError,
     ModelChangedError,
@@ -52,7 +53,6 @@ from vivit.linalg.solvers import numerical_zero_tolerance
 from vivit.memory import estimate_memory
 from vivit.memory.plan import ESTIMATE_FACTOR
 from vivit.optim import DampedNewton
-from vivit.results import warn_unresolved_eigenpairs
 from vivit.sources import implicit as implicit_source
 
 PROBLEMS = {p.name: p for p in FUNC_PROBLEMS + PADDED_PROBLEMS}

@@ -1,12 +1,7 @@
 """Analyses built on the front doors: what the exact Gram matrix shows.
 
-- :func:`audit_approximations`: which approximation of the GGN recovers the exact
-  top-k eigenpairs and damped Newton step of a mini-batch.
-- :func:`hierarchy`: Papyan's split of a cross-entropy GGN into class means,
-  cross-class means and within-class deviations.
-- :func:`spectral_density`: stochastic Lanczos quadrature with its error bound.
-- :class:`CurvatureMonitor`: the GGN's curvature every ``k`` training steps, and
-  :func:`read_records`, :func:`lightning_callback`, :func:`huggingface_callback`.
+Which approximation to trust (:func:`audit_approximations`), Papyan's hierarchy,
+spectral density, and the curvature during training (:class:`CurvatureMonitor`).
 """
 
 from vivit.analysis.audit import (
@@ -22,8 +17,11 @@ from vivit.analysis.density import (
     wasserstein_distance,
 )
 from vivit.analysis.hierarchy import Hierarchy, SpectrumPart, hierarchy
-from vivit.analysis.monitor import CurvatureMonitor
-from vivit.analysis.monitor_adapters import huggingface_callback, lightning_callback
+from vivit.analysis.monitor import (
+    CurvatureMonitor,
+    huggingface_callback,
+    lightning_callback,
+)
 from vivit.analysis.monitor_record import read_records
 
 __all__ = [

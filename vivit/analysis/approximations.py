@@ -1,26 +1,34 @@
-"""The top-k eigenpairs and the damped Newton step of each approximation of the GGN.
+"""The top-k eigenpairs and damped Newton step of each approximation of the GGN.
 
-What the audit compares (``docs/math.rst``, "Approximation audit"), as float64
-vectors over all audited parameters, for the low-rank and diagonal approximations.
+Float64 vectors over all audited parameters (``docs/math.rst``, "Approximation
+audit"): low-rank, diagonal, and curvlinops' KFAC and EKFAC (``vivit[audit]``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Parameter
+from torch.nn import Module, Parameter
 
 from vivit.errors import ZeroStepWarning
+from vivit.linalg.iterative import block_krylov_eigh
 from vivit.lowrank import LowRankGGN
+
+#: The Kronecker-factored approximations and curvlinops' class of each.
+KRONECKER_FACTORED = {"kfac": "KFACLinearOperator", "ekfac": "EKFACLinearOperator"}
+
+#: What a row says when curvlinops is missing.
+NOT_INSTALLED = "pip install 'vivit[audit]' (curvlinops-for-pytorch) for this row"
 
 
 @dataclass(frozen=True)
 class ApproximateCurvature:
-    """What the audit compares of one approximation ``Ĝ``, in float64.
+    """What the audit compares of one approximation ``Ĝ``, in float64, on the CPU.
 
     Attributes:
         values: Its top eigenvalues ``[k' ≤ k]``, descending (fewer than ``k``
@@ -40,34 +48,34 @@ def flat_rows(tensors: Sequence[Tensor], rows: int) -> Tensor:
     return torch.cat([t.detach().reshape(rows, -1).double() for t in tensors], dim=1)
 
 
+def flat(tensors: Sequence[Tensor]) -> Tensor:
+    """Tensors shaped like the parameters as one float64 vector ``[D]``."""
+    return flat_rows([t.unsqueeze(0) for t in tensors], 1)[0]
+
+
+def cosine(a: Tensor, b: Tensor) -> float | None:
+    """``⟨a, b⟩ / (‖a‖ ‖b‖)`` of two vectors; ``None`` where one is zero."""
+    norms = a.norm() * b.norm()
+    return None if norms == 0 else float((a @ b) / norms)
+
+
 def _embedding(group: Sequence[Parameter], params: Sequence[Parameter]) -> Tensor:
     """Positions of a group's flattened entries in the flattened ``params``."""
-    offsets, start = {}, 0
-    for p in params:
-        offsets[id(p)] = start
-        start += p.numel()
-    return torch.cat(
-        [torch.arange(offsets[id(p)], offsets[id(p)] + p.numel()) for p in group]
+    sizes = [p.numel() for p in params]
+    where = dict(
+        zip(map(id, params), torch.arange(sum(sizes)).split(sizes), strict=True)
     )
+    return torch.cat([where[id(p)] for p in group])
 
 
 def low_rank_curvature(
     ggn: LowRankGGN, params: Sequence[Parameter], top_k: int, damping: float
 ) -> ApproximateCurvature:
-    """Top-k eigenpairs and damped step of a (block-diagonal) ``LowRankGGN``.
+    """Top-k eigenpairs and damped step ``δ > 0`` of a (block-diagonal) LowRankGGN.
 
-    A group's step is the library's damped step on the range minus the
-    gradient's component outside it divided by ``δ`` (``docs/math.rst``,
-    "Approximation audit").
-
-    Args:
-        ggn: The approximation; its groups must partition ``params``.
-        params: All audited parameters, in the order of the flattened vectors.
-        top_k: Number of leading eigenpairs.
-        damping: ``δ > 0``.
-
-    Returns:
-        The approximation's curvature (float64, CPU).
+    Its groups partition ``params`` (all audited parameters, in the order of
+    the vectors). A group's step is the library's damped step on the range
+    minus the gradient's component outside it divided by ``δ``.
     """
     size = sum(p.numel() for p in params)
     device = ggn.gradient()[0].device
@@ -76,15 +84,14 @@ def low_rank_curvature(
     for b, group in enumerate(ggn.param_groups):
         evals, evecs = ggn.eigh(None, b)
         directions = flat_rows(evecs, evals.numel())
-        gradient = flat_rows([g.unsqueeze(0) for g in ggn.gradient(b)], 1)[0]
+        gradient = flat(ggn.gradient(b))
         with warnings.catch_warnings():
             # a group without curvature has no range part; its step is −g/δ
             warnings.simplefilter("ignore", ZeroStepWarning)
             on_range = ggn.newton_step(None, b, damping)
         outside = gradient - directions.T @ (directions @ gradient)
         index = _embedding(group, params).to(device)
-        step[index] = flat_rows([s.unsqueeze(0) for s in on_range], 1)[0]
-        step[index] -= outside / damping
+        step[index] = flat(on_range) - outside / damping
         directions_of.append(directions)
         index_of.append(index)
         candidates += [(float(v), b, j) for j, v in enumerate(evals.tolist())]
@@ -100,28 +107,84 @@ def low_rank_curvature(
     )
 
 
-def exact_diagonal(ggn: LowRankGGN) -> Tensor:
-    """The diagonal ``Σ_j λ_j e_jd²`` of the exact GGN (one group), float64 ``[D]``.
+def diagonal_curvature(
+    ggn: LowRankGGN, gradient: Tensor, top_k: int, damping: float
+) -> ApproximateCurvature:
+    """Top-k eigenpairs and damped step ``−g / (d + δ)`` of the exact GGN's diagonal.
 
-    From the non-zero eigenpairs (``docs/math.rst``, "Approximation audit").
+    ``d = Σ_j λ_j e_jd²`` from the non-zero eigenpairs of ``ggn`` (one group);
+    ``g`` ``[D]``.
     """
     evals, evecs = ggn.eigh(None)
     directions = flat_rows(evecs, evals.numel())
-    return (evals.double().unsqueeze(1) * directions.square()).sum(0).cpu()
-
-
-def diagonal_curvature(
-    diagonal: Tensor, gradient: Tensor, top_k: int, damping: float
-) -> ApproximateCurvature:
-    """Top-k eigenpairs and damped step ``−g / (d + δ)`` of ``Ĝ = diag(d)``, ``d ≥ 0``.
-
-    ``top_k`` and ``damping`` as for :func:`low_rank_curvature`; ``d``, ``g``
-    ``[D]``.
-    """
-    diagonal, gradient = diagonal.double().cpu(), gradient.double().cpu()
+    diagonal = (evals.double().unsqueeze(1) * directions.square()).sum(0).cpu()
     values, index = diagonal.topk(min(top_k, diagonal.numel()))
     vectors = torch.zeros(index.numel(), diagonal.numel(), dtype=torch.float64)
     vectors[torch.arange(index.numel()), index] = 1.0
+    step = -gradient.double().cpu() / (diagonal + damping)
+    return ApproximateCurvature(values=values, vectors=vectors, step=step)
+
+
+def curvlinops_installed() -> bool:
+    """Whether the ``curvlinops`` package is installed."""
+    return importlib.util.find_spec("curvlinops") is not None
+
+
+class CurvlinopsRefusalError(Exception):
+    """curvlinops cannot build the approximation for this model (its reason)."""
+
+
+def kronecker_factored_curvature(
+    kind: str,
+    model: Module,
+    loss_func: Module,
+    data: tuple[Tensor, Tensor],
+    params: Sequence[Parameter],
+    gradient: Tensor,
+    top_k: int,
+    damping: float,
+) -> ApproximateCurvature:
+    """Top-k eigenpairs and damped step of curvlinops' KFAC or EKFAC (``kind``).
+
+    ``fisher_type="type-2"`` (the exact loss Hessian: the GGN, not a sampled
+    Fisher); the step is curvlinops' exactly damped inverse. Arguments as for
+    :func:`low_rank_curvature`; ``gradient`` ``[D]`` is that of ``data``.
+
+    Raises:
+        CurvlinopsRefusalError: If curvlinops refuses the model (parameters
+            outside ``Linear`` and ``Conv2d`` layers).
+    """
+    import curvlinops
+
+    operator_class = getattr(curvlinops, KRONECKER_FACTORED[kind])
+    try:
+        operator = operator_class(
+            model,
+            loss_func,
+            list(params),
+            [data],
+            fisher_type=curvlinops.FisherType.TYPE2,
+            check_deterministic=False,
+        )
+    except NotImplementedError as error:
+        raise CurvlinopsRefusalError(
+            f"curvlinops' {kind.upper()} supports parameters of Linear and Conv2d "
+            f"layers only ({error})"
+        ) from None
+    reference = params[0]
+    values, vectors, _ = block_krylov_eigh(
+        lambda block: operator @ block,
+        sum(p.numel() for p in params),
+        top_k,
+        dtype=reference.dtype,
+        device=reference.device,
+    )
+    inverse = curvlinops.KFACInverseLinearOperator(
+        operator, damping=damping, use_exact_damping=True
+    )
+    step = inverse @ gradient.to(reference.device, reference.dtype)
     return ApproximateCurvature(
-        values=values, vectors=vectors, step=-gradient / (diagonal + damping)
+        values=values.flip(0).double().cpu(),
+        vectors=flat_rows([vectors.T.flip(0)], vectors.shape[1]).cpu(),
+        step=-step.double().cpu(),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -16,24 +17,16 @@ from tqdm import tqdm
 
 from vivit._validation import check_batch, check_lr, check_positive_int
 from vivit.analysis.approximations import (
-    ApproximateCurvature,
-    diagonal_curvature,
-    exact_diagonal,
-    flat_rows,
-    low_rank_curvature,
-)
-from vivit.analysis.comparison import (
-    eigenvalue_errors,
-    principal_cosines,
-    principal_sines,
-    step_cosine,
-)
-from vivit.analysis.kfac import (
     KRONECKER_FACTORED,
     NOT_INSTALLED,
+    ApproximateCurvature,
     CurvlinopsRefusalError,
+    cosine,
     curvlinops_installed,
+    diagonal_curvature,
+    flat,
     kronecker_factored_curvature,
+    low_rank_curvature,
 )
 from vivit.errors import InvalidArgumentError, ParamGroupError
 from vivit.lowrank import LowRankGGN
@@ -135,10 +128,7 @@ class ApproximationAudit:
 
     def to_dict(self) -> dict:
         """Every number and setting of the audit, as a JSON-compatible dict."""
-        return {
-            **{k: v for k, v in asdict(self).items() if k != "rows"},
-            "rows": self.as_rows(),
-        }
+        return asdict(self) | {"rows": self.as_rows()}
 
     def __str__(self) -> str:
         def fmt(value: float | None) -> str:
@@ -163,60 +153,23 @@ class ApproximationAudit:
         return "\n".join(lines)
 
 
-def _check_approximations(approximations: object) -> list[str]:
-    if isinstance(approximations, str) or not isinstance(approximations, Sequence):
+def _sequence(value: object, name: str, expected: str) -> list:
+    """``value`` as a list, refusing a string or what is not a sequence."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidArgumentError(
-            f"approximations must be a sequence of names from {APPROXIMATIONS}, got "
-            f"{approximations!r}."
+            f"{name} must be a sequence of {expected}, got {value!r}."
         )
-    unknown = [a for a in approximations if a not in APPROXIMATIONS]
-    if unknown or not approximations:
-        raise InvalidArgumentError(
-            f"approximations must be a non-empty sequence of names from "
-            f"{APPROXIMATIONS}; unknown: {unknown}."
-        )
-    return list(approximations)
-
-
-def _check_mc_samples(mc_samples: object) -> list[int]:
-    if isinstance(mc_samples, str) or not isinstance(mc_samples, Sequence):
-        raise InvalidArgumentError(
-            f"mc_samples must be a sequence of positive integers (one Monte-Carlo "
-            f"row each, e.g. (1, 8)), got {mc_samples!r}."
-        )
-    for value in mc_samples:
-        check_positive_int(value, "mc_samples", "Monte-Carlo samples of one row")
-    return list(mc_samples)
+    return list(value)
 
 
 def _default_blocks(model: Module, params: Sequence[Parameter]) -> list[list]:
     """One block per module that owns audited parameters (the first owner)."""
-    audited, seen, blocks = {id(p) for p in params}, set(), []
+    audited, blocks = {id(p) for p in params}, []
     for module in model.modules():
-        block = [
-            p
-            for p in module.parameters(recurse=False)
-            if id(p) in audited and id(p) not in seen
-        ]
-        seen.update(id(p) for p in block)
-        if block:
-            blocks.append(block)
+        block = [p for p in module.parameters(recurse=False) if id(p) in audited]
+        audited -= {id(p) for p in block}
+        blocks += [block] if block else []
     return blocks
-
-
-def _check_blocks(blocks: Sequence[Sequence[Parameter]], params) -> None:
-    counts: dict[int, int] = {}
-    for block in blocks:
-        for p in block:
-            counts[id(p)] = counts.get(id(p), 0) + 1
-    if sorted(counts) != sorted(id(p) for p in params) or any(
-        c != 1 for c in counts.values()
-    ):
-        raise ParamGroupError(
-            "param_groups must partition the model's trainable parameters (each in "
-            "exactly one group) for a block-diagonal approximation of the whole GGN; "
-            "pass e.g. [[p] for p in model.parameters() if p.requires_grad]."
-        )
 
 
 def audit_approximations(
@@ -261,9 +214,6 @@ def audit_approximations(
         gram_dtype: As for :class:`~vivit.LowRankGGN`.
         progress: Show a progress bar over the approximations.
 
-    Returns:
-        The table.
-
     Raises:
         InvalidArgumentError: For an unknown approximation, a ``top_k``, ``damping``
             or ``mc_samples`` that is not positive.
@@ -271,10 +221,22 @@ def audit_approximations(
         VivitError: Whatever :class:`~vivit.LowRankGGN` raises for the model, the
             loss or the data.
     """
-    names = _check_approximations(approximations)
+    names = _sequence(approximations, "approximations", f"names from {APPROXIMATIONS}")
+    unknown = [a for a in names if a not in APPROXIMATIONS]
+    if unknown or not names:
+        raise InvalidArgumentError(
+            f"approximations must be a non-empty sequence of names from "
+            f"{APPROXIMATIONS}; unknown: {unknown}."
+        )
     check_positive_int(top_k, "top_k", "leading eigenpairs compared")
     check_lr(damping, "damping")
-    mc_counts = _check_mc_samples(mc_samples)
+    mc_counts = _sequence(
+        mc_samples,
+        "mc_samples",
+        "positive integers (one Monte-Carlo row each, e.g. (1, 8))",
+    )
+    for value in mc_counts:
+        check_positive_int(value, "mc_samples", "Monte-Carlo samples of one row")
     inputs, targets = check_batch(data)
     params = [p for p in model.parameters() if p.requires_grad]
     num_samples = count_samples(inputs)
@@ -282,66 +244,50 @@ def audit_approximations(
         list(range(max(1, num_samples // 2))) if subsampling is None else subsampling
     )
     blocks = _default_blocks(model, params) if param_groups is None else param_groups
-    _check_blocks(blocks, params)
+    if sorted(id(p) for b in blocks for p in b) != sorted(id(p) for p in params):
+        raise ParamGroupError(
+            "param_groups must partition the model's trainable parameters (each in "
+            "exactly one group) for a block-diagonal approximation of the whole GGN; "
+            "pass e.g. [[p] for p in model.parameters() if p.requires_grad]."
+        )
 
     def ggn(**options) -> LowRankGGN:
-        return LowRankGGN(
-            model,
-            loss_func,
-            (inputs, targets),
-            engine=engine,
-            gram_dtype=gram_dtype,
-            progress=False,
-            **{"param_groups": [params], **options},
-        )
+        options = {"param_groups": [params], **options}
+        settings = {"engine": engine, "gram_dtype": gram_dtype, "progress": False}
+        return LowRankGGN(model, loss_func, (inputs, targets), **settings, **options)
+
+    def low_rank(**options) -> Callable[[], ApproximateCurvature]:
+        return lambda: low_rank_curvature(ggn(**options), params, top_k, damping)
 
     started = time.perf_counter()
     exact_ggn = ggn()
     exact = low_rank_curvature(exact_ggn, params, top_k, damping)
     exact_time = time.perf_counter() - started
-    gradient = flat_rows([g.unsqueeze(0) for g in exact_ggn.gradient()], 1)[0]
-
-    def low_rank_row(**options) -> Callable[[], ApproximateCurvature]:
-        return lambda: low_rank_curvature(ggn(**options), params, top_k, damping)
-
-    def kronecker_row(kind: str) -> Callable[[], ApproximateCurvature]:
-        return lambda: kronecker_factored_curvature(
-            kind, model, loss_func, (inputs, targets), params, gradient, top_k, damping
-        )
-
-    single_rows = {
-        "subsampled": (
-            f"subsampled ({len(subsampling)} of {num_samples})",
-            low_rank_row(subsampling=subsampling),
-        ),
-        "block_diagonal": (
-            f"block-diagonal ({len(blocks)} blocks)",
-            low_rank_row(param_groups=blocks),
-        ),
-        "diagonal": (
-            "diagonal",
-            lambda: diagonal_curvature(
-                exact_diagonal(exact_ggn), gradient, top_k, damping
-            ),
-        ),
-        **{kind: (kind.upper(), kronecker_row(kind)) for kind in KRONECKER_FACTORED},
-    }
+    gradient = flat(exact_ggn.gradient())
     jobs: list[tuple[str, str, Callable[[], ApproximateCurvature]]] = []
     for name in names:
         if name == "mc":  # one row per sample count, each from the seed
-            jobs += [
-                (
-                    f"mc-{m}",
-                    f"MC ({m} sample{'s' * (m > 1)})",
-                    low_rank_row(
-                        mc_samples=m,
-                        generator=torch.Generator(params[0].device).manual_seed(seed),
-                    ),
+            for m in mc_counts:
+                generator = torch.Generator(params[0].device).manual_seed(seed)
+                label = f"MC ({m} sample{'s' * (m > 1)})"
+                jobs.append(
+                    (f"mc-{m}", label, low_rank(mc_samples=m, generator=generator))
                 )
-                for m in mc_counts
-            ]
+        elif name == "subsampled":
+            label = f"subsampled ({len(subsampling)} of {num_samples})"
+            jobs.append((name, label, low_rank(subsampling=subsampling)))
+        elif name == "block_diagonal":
+            label = f"block-diagonal ({len(blocks)} blocks)"
+            jobs.append((name, label, low_rank(param_groups=blocks)))
+        elif name == "diagonal":
+            compute = partial(diagonal_curvature, exact_ggn, gradient, top_k, damping)
+            jobs.append((name, name, compute))
         else:
-            jobs.append((name, *single_rows[name]))
+            batch = (inputs, targets)
+            args = (name, model, loss_func, batch, params, gradient, top_k, damping)
+            jobs.append(
+                (name, name.upper(), partial(kronecker_factored_curvature, *args))
+            )
 
     rows = []
     for name, label, compute in tqdm(jobs, desc="Approximations", disable=not progress):
@@ -374,19 +320,25 @@ def _row(
     approx: ApproximateCurvature,
     seconds: float,
 ) -> AuditRow:
-    """The row of one computed approximation."""
-    cosines = principal_cosines(exact.vectors, approx.vectors)
+    """The row of one computed approximation: ``docs/math.rst``'s measures."""
+    k = exact.values.numel()
+    padded = exact.values.new_zeros(k)  # zero at ranks the approximation lacks
+    padded[: approx.values.numel()] = approx.values[:k]
+    cosines = exact.vectors.new_zeros(k)  # svdvals(U Ûᵀ), zero for missing ranks
+    if approx.vectors.shape[0] > 0:
+        singular = torch.linalg.svdvals(exact.vectors @ approx.vectors.T)
+        cosines[: singular.numel()] = singular[:k]
+    cosines = cosines.clamp(max=1.0)
     exact_norm = exact.step.norm()
+    ratio = float(approx.step.norm() / exact_norm) if exact_norm > 0 else None
     return AuditRow(
         name=name,
         label=label,
         eigenvalues=approx.values.tolist(),
-        relative_errors=eigenvalue_errors(exact.values, approx.values).tolist(),
+        relative_errors=((padded - exact.values).abs() / exact.values).tolist(),
         principal_cosines=cosines.tolist(),
-        principal_sines=principal_sines(cosines).tolist(),
-        step_cosine=step_cosine(exact.step, approx.step),
-        step_norm_ratio=float(approx.step.norm() / exact_norm)
-        if exact_norm > 0
-        else None,
+        principal_sines=(1 - cosines.square()).clamp(min=0.0).sqrt().tolist(),
+        step_cosine=cosine(exact.step, approx.step),
+        step_norm_ratio=ratio,
         time_s=seconds,
     )

@@ -52,14 +52,10 @@ class SpectralDensity:
         return self.nodes.shape[0]
 
     def density(self, grid: Tensor, width: float) -> Tensor:
-        """The measure smoothed by a Gaussian kernel: eigenvalues per unit.
-
-        Args:
-            grid: Points ``x`` (1-d).
-            width: Standard deviation ``σ > 0`` of the kernel.
+        """The measure smoothed by a Gaussian kernel of width ``σ > 0``, on a 1-d grid.
 
         Returns:
-            ``ρ`` at the grid points, in the grid's type.
+            ``ρ`` (eigenvalues per unit) at the grid points, in the grid's type.
 
         Raises:
             InvalidArgumentError: For a width that is not positive.
@@ -74,10 +70,7 @@ class SpectralDensity:
         return kernel @ weights
 
     def count(self, threshold: float) -> float:
-        """Estimated number of eigenvalues above ``threshold``: the nodes' weight.
-
-        With the numerical-zero tolerance as ``threshold``, a rank estimate.
-        """
+        """Estimated number of eigenvalues above ``threshold`` (the zero: a rank)."""
         return self.weights[self.nodes > threshold].sum().item()
 
     def trace(self) -> float:
@@ -146,31 +139,21 @@ def _as_matmul(
 ) -> tuple[Callable[[Tensor], Tensor], int, torch.dtype, torch.device]:
     """``X ↦ A X`` on ``[n, b]`` blocks, ``n``, and the probes' type and device."""
     if isinstance(operator, Tensor):
-        if operator.dim() != 2 or operator.shape[0] != operator.shape[1]:
+        shape = list(operator.shape)
+        if len(shape) != 2 or shape[0] != shape[1] or not operator.is_floating_point():
             raise InvalidArgumentError(
-                f"A matrix operator must be square, got shape {list(operator.shape)}."
-            )
-        if not operator.is_floating_point():
-            raise InvalidArgumentError(
-                f"A matrix operator must be floating-point, got {operator.dtype}."
+                "A matrix operator must be square and floating-point, got shape "
+                f"{shape} of {operator.dtype}."
             )
         matrix = operator.detach()
         return matrix.__matmul__, matrix.shape[0], matrix.dtype, matrix.device
     if hasattr(operator, "matvec") and hasattr(operator, "shape"):
-        return (
-            operator.matvec,
-            operator.shape[0],
-            operator.dtype,
-            torch.device(operator.device),
-        )
+        device = torch.device(operator.device)
+        return operator.matvec, operator.shape[0], operator.dtype, device
     if callable(operator):
         check_positive_int(dim, "dim", "side length of a callable operator")
-        return (
-            operator,
-            dim,
-            dtype or torch.get_default_dtype(),
-            torch.device(device or "cpu"),
-        )
+        dtype, device = dtype or torch.get_default_dtype(), device or "cpu"
+        return operator, dim, dtype, torch.device(device)
     raise InvalidArgumentError(
         "operator must be a square tensor, an object with matvec and shape (e.g. "
         f"LowRankGGN.operator()) or a callable with dim, got {type(operator).__name__}."
@@ -257,12 +240,11 @@ def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float
             f"{eigenvalues.numel()}."
         )
     exact = eigenvalues.detach().flatten().to(torch.float64).cpu()
-    points = torch.cat([density.nodes.flatten().to(torch.float64).cpu(), exact])
+    pairs = (density.nodes, density.weights)
+    nodes, weights = (t.flatten().to(torch.float64).cpu() for t in pairs)
+    points = torch.cat([nodes, exact])
     masses = torch.cat(
-        [
-            density.weights.flatten().to(torch.float64).cpu() / density.dim,
-            -torch.full_like(exact, 1.0 / density.dim),
-        ]
+        [weights / density.dim, -torch.full_like(exact, 1.0 / density.dim)]
     )
     order = points.argsort()
     difference = masses[order].cumsum(0)[:-1]

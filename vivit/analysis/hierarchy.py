@@ -65,19 +65,14 @@ class Hierarchy:
     gram: Tensor
 
     def part(self, name: str) -> SpectrumPart:
-        """A part by name.
-
-        One of ``"full"``, ``"class_means"``, ``"cross_class"``, ``"within_class"``.
+        """A part by name: ``"full"`` or one of :data:`PARTS`.
 
         Raises:
             InvalidArgumentError: For another name.
         """
         if name not in ("full", *PARTS):
-            raise InvalidArgumentError(
-                f"No part {name!r}; the parts are 'full', "
-                + ", ".join(repr(p) for p in PARTS)
-                + "."
-            )
+            parts = ", ".join(repr(p) for p in ("full", *PARTS))
+            raise InvalidArgumentError(f"No part {name!r}; the parts are {parts}.")
         return getattr(self, name)
 
     def cosines(self, name: str, top_k: int | None = None) -> Tensor:
@@ -88,26 +83,21 @@ class Hierarchy:
             top_k: Leading eigenvectors of the part (``None``: all of them).
 
         Returns:
-            ``[K_full, top_k]``: entry ``(i, j)`` is ``e_iᵀ f_j`` for the full
-            GGN's ``i``-th and the part's ``j``-th eigenvector (descending).
+            ``[K_full, top_k]``: entry ``(i, j)`` is ``e_iᵀ f_j`` (both descending).
         """
         part = self.part(name).coefficients[:, :top_k]
         return self.full.coefficients.T @ (self.gram @ part)
 
     def overlap(self, name: str, top_k: int, full_top_k: int | None = None) -> float:
-        """How much of a part's top eigenspace lies in the GGN's top eigenspace.
-
-        ``‖E_fullᵀ E_part‖_F² / k``: 1 if the part's space lies inside the full
-        one, 0 if orthogonal to it.
+        """Share of a part's top eigenspace in the GGN's, ``‖E_fullᵀ E_part‖_F² / k``.
 
         Args:
             name: The part (see :meth:`part`).
             top_k: Leading eigenvectors of the part; fewer if fewer are non-zero.
-            full_top_k: Leading eigenvectors of the full GGN (default:
-                ``top_k``).
+            full_top_k: Leading eigenvectors of the full GGN (default: ``top_k``).
 
         Returns:
-            The overlap in ``[0, 1]`` (``0.0`` if the part has no non-zero
+            The overlap in ``[0, 1]``: 1 inside, 0 orthogonal (or no non-zero
             eigenvalue).
 
         Raises:
@@ -117,9 +107,7 @@ class Hierarchy:
         check_positive_int(
             full_top_k, "full_top_k", "leading eigenvectors of the GGN", none="top_k"
         )
-        cosines = self.cosines(name, top_k)[
-            : top_k if full_top_k is None else full_top_k
-        ]
+        cosines = self.cosines(name, top_k)[: full_top_k or top_k]
         if cosines.shape[1] == 0:
             return 0.0
         return (cosines.square().sum() / cosines.shape[1]).item()
@@ -157,19 +145,15 @@ def hierarchy(
     indices = list(range(len(ggn.param_groups))) if groups is None else list(groups)
     if not indices:
         raise InvalidArgumentError("groups is empty; name at least one group index.")
-    gram = ggn.gram(indices[0])
-    for g in indices[1:]:
-        gram += ggn.gram(g)
+    gram = sum((ggn.gram(g) for g in indices[1:]), ggn.gram(indices[0]))
     num_rows = gram.shape[0]
     classes = _check_labels(labels, num_rows)
     weights = _column_weights(labels, classes, probabilities, gram.dtype)
-    params = [p for g in indices for p in ggn.param_groups[g]]
-
     evals, evecs = gram_eigh(gram)
-    tolerance = numerical_zero_tolerance(evals, factor_dtype=params[0].dtype)
-    full = _kept(evals, evecs, tolerance)
-    full = SpectrumPart(full[0], full[1] / full[0].sqrt())
-
+    factor_dtype = ggn.param_groups[indices[0]][0].dtype
+    tolerance = numerical_zero_tolerance(evals, factor_dtype=factor_dtype)
+    full_evals, full_evecs = _kept(evals, evecs, tolerance)
+    full = SpectrumPart(full_evals, full_evecs / full_evals.sqrt())
     means = _pair_means(labels.to(gram.device), classes, weights.to(gram.device))
     class_means, cross_class = means
     within = torch.eye(num_rows, dtype=gram.dtype, device=gram.device)

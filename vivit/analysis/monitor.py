@@ -1,23 +1,29 @@
-"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop."""
+"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop.
+
+Also as a PyTorch Lightning or Hugging Face Trainer callback: both packages are
+optional, imported when an adapter is built, a broken torchvision hidden first.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_damping, check_model, check_positive_int
-from vivit.analysis.monitor_record import curvature_record
-from vivit.analysis.monitor_writers import JsonLinesWriter, tensorboard_writer
+from vivit.analysis.monitor_record import RecordWriter, curvature_record
 from vivit.directional.gram_space import Damping
 from vivit.errors import InvalidArgumentError
 from vivit.linalg.iterative import check_seed
 from vivit.lowrank import LowRankGGN
 from vivit.model_inputs import map_inputs
+from vivit.optional_packages import hide_broken_torchvision, import_optional
 from vivit.options import CurvatureOptions, check_option_names
 
 Batch = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
@@ -39,21 +45,18 @@ class CurvatureMonitor:
         every: Steps between two records.
         top_k: Number of leading eigendirections recorded.
         path: JSON lines file the records are appended to (``None``: none).
-        batch: A fixed monitoring batch, or an iterable of batches (anything
-            :class:`~vivit.LowRankGGN` takes as ``data``), for curves in which
-            only the parameters change; ``None``: the batch passed to each
-            :meth:`step`.
+        batch: A fixed monitoring batch or loader (any ``data`` of
+            :class:`~vivit.LowRankGGN`): curves in which only the parameters
+            change; ``None``: the batch passed to each :meth:`step`.
         damping: Damping of the Newton step whose angle is recorded: a constant
             ``δ ≥ 0`` or a rule (see :meth:`vivit.LowRankGGN.newton`).
         params: The parameters whose curvature is monitored (``None``: every
             trainable one).
-        seed: Seed of the monitor's own generator for Monte-Carlo sampling
-            (unless ``options`` name a generator).
-        tensorboard: TensorBoard log directory (``None``: no TensorBoard); if
-            ``tensorboard`` is not installed, one
-            :class:`~vivit.MissingPackageWarning` says so.
-        **options: Options of :class:`~vivit.options.CurvatureOptions`, checked
-            once here.
+        seed: Seed of the monitor's own Monte-Carlo generator (unless
+            ``options`` name one).
+        tensorboard: TensorBoard log directory (``None``: none); one
+            :class:`~vivit.MissingPackageWarning` if it is not installed.
+        **options: Options of :class:`~vivit.options.CurvatureOptions`.
 
     Attributes:
         records: Every record taken, in order.
@@ -87,18 +90,13 @@ class CurvatureMonitor:
         checked = CurvatureOptions(**options)
         if checked.mc_samples > 0 and checked.generator is None:
             checked = checked.replace(generator=torch.Generator().manual_seed(seed))
-        self.model, self.loss_func = model, loss_func
+        self.model, self.loss_func, self.options = model, loss_func, checked
         self.every, self.top_k, self.damping = every, top_k, damping
-        self.options = checked
         self._groups = None if params is None else [list(params)]
-        self._batch = _kept_copy(batch)
-        self.uses_fixed_batch = batch is not None
+        self._batch, self.uses_fixed_batch = _kept_copy(batch), batch is not None
         self.records: list[dict[str, object]] = []
         self._steps = 0
-        self._writers = [JsonLinesWriter(path)] if path is not None else []
-        if tensorboard is not None:
-            writer = tensorboard_writer(tensorboard)
-            self._writers += [writer] if writer is not None else []
+        self._writer = RecordWriter(path, tensorboard)
 
     def step(
         self, batch: Batch | None = None, *, index: int | None = None
@@ -165,8 +163,7 @@ class CurvatureMonitor:
             **curvature,
         }
         self.records.append(record)
-        for writer in self._writers:
-            writer.write(record)
+        self._writer.write(record)
         return record
 
     def _monitored_batch(self, batch: Batch | None) -> Batch:
@@ -187,9 +184,7 @@ class CurvatureMonitor:
 
     def close(self) -> None:
         """Close the JSON lines file and TensorBoard's writer."""
-        for writer in self._writers:
-            writer.close()
-        self._writers = []
+        self._writer.close()
 
     def __enter__(self) -> CurvatureMonitor:
         return self
@@ -203,12 +198,94 @@ def _kept_copy(batch: object) -> object:
 
     A loader, or anything malformed (refused later, named), is kept as it is.
     """
-    if not isinstance(batch, tuple | list) or len(batch) != 2:
-        return batch
-    inputs, targets = batch
-    if not isinstance(targets, Tensor):
-        return batch
-    try:
-        return map_inputs(inputs, Tensor.clone), targets.clone()
-    except TypeError:  # inputs that are not tensors: refused later, named
-        return batch
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        inputs, targets = batch
+        if isinstance(targets, Tensor):
+            with contextlib.suppress(TypeError):  # inputs that are not tensors
+                return map_inputs(inputs, Tensor.clone), targets.clone()
+    return batch
+
+
+def lightning_callback(monitor: CurvatureMonitor) -> Any:
+    """A Lightning ``Callback`` that steps ``monitor`` after each optimizer step.
+
+    At the trainer's ``global_step`` (once per accumulated step), with the
+    training batch unless the monitor has a fixed one; closes it at the end.
+
+    Args:
+        monitor: The monitor; its ``model`` is the network whose output
+            ``loss_func`` takes (the ``LightningModule`` if its ``forward``
+            returns it).
+
+    Returns:
+        A ``lightning.pytorch.Callback`` for ``Trainer(callbacks=[...])``.
+
+    Raises:
+        MissingPackageError: If ``lightning`` cannot be imported.
+    """
+    hide_broken_torchvision()
+    pl = import_optional("lightning.pytorch", "lightning", "The Lightning adapter")
+
+    class CurvatureMonitorCallback(pl.Callback):
+        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during ``fit``."""
+
+        def __init__(self) -> None:
+            self.monitor, self._last = monitor, None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self._last = trainer.global_step
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, index: int
+        ) -> None:
+            if trainer.global_step == self._last:  # accumulating: no step yet
+                return
+            self._last = trainer.global_step
+            data = None if monitor.uses_fixed_batch else tuple(batch)
+            monitor.step(data, index=trainer.global_step)
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            monitor.close()
+
+    return CurvatureMonitorCallback()
+
+
+def huggingface_callback(monitor: CurvatureMonitor) -> Any:
+    """A Hugging Face ``TrainerCallback``: steps ``monitor`` at each ``global_step``.
+
+    Closes it when training ends.
+
+    Args:
+        monitor: A monitor with a fixed monitoring batch (the ``Trainer`` hands
+            no batches to callbacks).
+
+    Returns:
+        A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``.
+
+    Raises:
+        MissingPackageError: If ``transformers`` cannot be imported.
+        InvalidArgumentError: If the monitor follows the current batch.
+    """
+    hide_broken_torchvision()
+    transformers = import_optional(
+        "transformers", "transformers", "The Hugging Face Trainer adapter"
+    )
+    if not monitor.uses_fixed_batch:
+        raise InvalidArgumentError(
+            "The Hugging Face Trainer does not hand its batches to callbacks: build "
+            "the CurvatureMonitor with a fixed monitoring batch (batch=...)."
+        )
+
+    class CurvatureMonitorCallback(transformers.TrainerCallback):
+        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during training."""
+
+        def __init__(self) -> None:
+            self.monitor = monitor
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            monitor.step(index=state.global_step)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            monitor.close()
+
+    return CurvatureMonitorCallback()

@@ -1,4 +1,4 @@
-"""One monitoring record from a LowRankGGN, its JSON line, and reading lines back.
+"""One monitoring record from a LowRankGGN; where records go, and reading them back.
 
 Every field is listed in :data:`FIELDS` and defined in ``docs/math.rst``,
 "Curvature during training".
@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from vivit.analysis.approximations import cosine, flat
 from vivit.directional.gram_space import Damping
-from vivit.errors import InvalidArgumentError
+from vivit.errors import InvalidArgumentError, MissingPackageWarning
 from vivit.lowrank import LowRankGGN
 
 #: Every field of a record: its JSON type and what it holds. Lists run over the
@@ -49,31 +50,25 @@ def _finite_or_none(values: Tensor) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in values.tolist()]
 
 
-def _flat(tensors: Sequence[Tensor]) -> Tensor:
-    """One float64 vector of all entries."""
-    return torch.cat([t.detach().flatten().to(torch.float64) for t in tensors])
-
-
 def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
     """Angle in degrees between a flattened step and ``−∇L`` (``None`` if one is 0)."""
-    norms = step.norm() * gradient.norm()
-    if norms == 0:
+    step_cosine = cosine(step, gradient)
+    if step_cosine is None:
         return None
-    cosine = float(-(step @ gradient) / norms)
-    return math.degrees(math.acos(min(1.0, max(-1.0, cosine))))
+    return math.degrees(math.acos(min(1.0, max(-1.0, -step_cosine))))
 
 
 def curvature_record(
     ggn: LowRankGGN, top_k: int, damping: float | Damping
 ) -> dict[str, object]:
-    """The curvature fields of :data:`FIELDS` (all but step, time, overhead, batch).
+    """The fields of :data:`FIELDS` but step, time, overhead and batch.
 
     ``damping`` is that of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
     """
     newton = ggn.newton(top_k, damping=damping)
     directional = newton.directional
     order = directional.evals.argsort(descending=True)
-    gradient = _flat(ggn.gradient())
+    gradient = flat(ggn.gradient())
     norm2 = float(gradient @ gradient)
     in_span = float(directional.gamma_bar.to(torch.float64).pow(2).sum())
     return {
@@ -84,24 +79,12 @@ def curvature_record(
         "gamma_snr": _finite_or_none(directional.gamma_snr[order]),
         "lambda_snr": _finite_or_none(directional.lambda_snr[order]),
         "dampings": _finite_or_none(newton.dampings[order]),
-        "newton_angle_deg": newton_angle_deg(_flat(newton.step), gradient),
+        "newton_angle_deg": newton_angle_deg(flat(newton.step), gradient),
     }
 
 
-def to_json_line(record: dict[str, object]) -> str:
-    """A record as one line of strict JSON (no NaN or infinity), without newline."""
-    return json.dumps(record, allow_nan=False)
-
-
 def check_record(record: object, where: str) -> dict[str, object]:
-    """Check that ``record`` has every field of :data:`FIELDS` with its type.
-
-    Args:
-        record: A parsed JSON value.
-        where: Where it came from, for the message.
-
-    Returns:
-        The record.
+    """``record`` (a parsed JSON value from ``where``) if it has :data:`FIELDS`.
 
     Raises:
         InvalidArgumentError: For anything else, naming the field.
@@ -156,3 +139,66 @@ def read_records(path: str | Path) -> list[dict[str, object]]:
             raise InvalidArgumentError(f"{where} is not JSON: {error}.") from None
         records.append(check_record(parsed, where))
     return records
+
+
+class RecordWriter:
+    """Appends records to a JSON lines file and writes their numbers to TensorBoard.
+
+    Args:
+        path: The file (``None``: none); created with its folders if missing,
+            appended to if present (a resumed run continues it).
+        tensorboard: TensorBoard log directory (``None``: none); one
+            :class:`~vivit.MissingPackageWarning` if it cannot be imported.
+    """
+
+    def __init__(self, path: str | Path | None, tensorboard: str | Path | None):
+        self._file = self._summary = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a")  # noqa: SIM115 (closed by close)
+        if tensorboard is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            warnings.warn(
+                f"TensorBoard logging to {tensorboard} was asked for, but "
+                f"torch.utils.tensorboard cannot be imported ({error}): the records "
+                "go to the JSON lines file only. Install it with `pip install "
+                "tensorboard`.",
+                MissingPackageWarning,
+                stacklevel=3,
+            )
+            return
+        self._summary = SummaryWriter(log_dir=str(tensorboard))
+
+    def write(self, record: dict[str, object]) -> None:
+        """Append a record as one line of strict JSON; add its scalars, ``None`` out.
+
+        Tags ``monitor/<field>`` and ``monitor/<field>/<k>`` (k from 1) at its step.
+        """
+        if self._file is not None:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
+        if self._summary is None:
+            return
+        for name, value in record.items():
+            if isinstance(value, list):
+                tagged = {f"monitor/{name}/{k}": v for k, v in enumerate(value, 1)}
+            elif name not in ("step", "time"):
+                tagged = {f"monitor/{name}": value}
+            else:
+                continue
+            for tag, number in tagged.items():
+                if isinstance(number, int | float):
+                    self._summary.add_scalar(
+                        tag, number, record["step"], record["time"]
+                    )
+        self._summary.flush()
+
+    def close(self) -> None:
+        """Close the file and TensorBoard's writer; later records go nowhere."""
+        for writer in (self._file, self._summary):
+            if writer is not None:
+                writer.close()
+        self._file = self._summary = None

@@ -1,8 +1,4 @@
-"""The BackPACK extension + hook protocol every ViViT-compatible class follows.
-
-The hook turns each parameter group's curvature into the computation's result as
-soon as the group is complete; :meth:`GroupComputation.get_result` returns it.
-"""
+"""The BackPACK extension + hook protocol every ViViT-compatible class follows."""
 
 from __future__ import annotations
 
@@ -12,10 +8,10 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from vivit._param_groups import check_param_groups
 from vivit._validation import (
     check_grad_mode,
     check_mc_samples,
-    check_param_groups,
     check_params,
     check_subsampling,
 )
@@ -29,15 +25,9 @@ from vivit.sources.collector import GroupCollector, GroupCurvature
 class GroupComputation:
     """Base class: extension, hook, and results keyed by parameter group.
 
-    Sub-classes set :attr:`required_keys` and the collector options, and implement
-    :meth:`compute`, which documents the result.
-
-    Args:
-        subsampling: Samples whose curvature is used; ``None`` for all.
-        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        verbose: Print what happens during backpropagation.
-        gram_dtype: Type of the Gram matrix and its products (``None``: the
-            model's); see :class:`vivit.options.CurvatureOptions`.
+    The hook turns each group's curvature into the result of :meth:`compute` as
+    soon as the group is complete. Sub-classes set :attr:`required_keys` and the
+    collector options; the arguments are :class:`~vivit.EigvalshComputation`'s.
     """
 
     required_keys: tuple[str, ...] = ("params",)
@@ -72,9 +62,9 @@ class GroupComputation:
         """The hook to pass as ``extension_hook`` to ``with backpack(...)``.
 
         Args:
-            param_groups: Groups as for a ``torch.optim.Optimizer``: dicts with
-                ``"params"`` (and the keys the computation requires), each one
-                diagonal block of the GGN.
+            param_groups: Dicts with ``"params"`` (and the keys the computation
+                requires), as for a ``torch.optim.Optimizer``; each one diagonal
+                block of the GGN.
 
         Returns:
             The hook.
@@ -110,13 +100,10 @@ class GroupComputation:
         raise NotImplementedError
 
     def get_result(self, group: dict) -> Any:
-        """The group's result after the backward pass (see :meth:`compute`).
-
-        Args:
-            group: The parameter group passed to :meth:`get_extension_hook`.
+        """The result of ``group`` (as passed to :meth:`get_extension_hook`).
 
         Returns:
-            The result.
+            What :meth:`compute` returns.
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.
@@ -136,15 +123,8 @@ class GroupComputation:
 class CriterionComputation(GroupComputation):
     """Base class of computations along the eigenpairs a group's criterion selects.
 
-    Each parameter group carries ``"params"`` and ``"criterion"``.
-
-    Args:
-        subsampling: As for :class:`GroupComputation`.
-        mc_samples: As for :class:`GroupComputation`.
-        verbose: As for :class:`GroupComputation`.
-        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
-            smaller in magnitude. ``0`` disables the warning.
-        gram_dtype: As for :class:`GroupComputation`.
+    Each parameter group carries ``"params"`` and ``"criterion"``; the arguments
+    are :class:`~vivit.EighComputation`'s.
     """
 
     required_keys = ("params", "criterion")

@@ -23,16 +23,16 @@ class DirectionalDerivativesComputation(CriterionComputation):
     :class:`~vivit.EighComputation` (``docs/math.rst``, "Directional derivatives
     and curvature noise").
 
+    ``mc_samples_ggn`` is the option ``mc_samples`` of
+    :class:`~vivit.options.CurvatureOptions`; ``verbose``, ``warn_small_eigvals``
+    and ``gram_dtype`` (``γ`` and ``λ`` come in it) are
+    :class:`~vivit.EighComputation`'s.
+
     Args:
         subsampling_grad: Samples whose directional gradients ``γ`` are computed
             (``None``: all).
         subsampling_ggn: Samples whose GGN defines the directions and whose
             directional curvatures ``λ`` are computed (``None``: all).
-        mc_samples_ggn: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        verbose: Print what happens during backpropagation.
-        warn_small_eigvals: As for :class:`~vivit.EighComputation`.
-        gram_dtype: As for :class:`~vivit.EigvalshComputation`; ``γ`` and ``λ`` are
-            returned in it.
     """
 
     compute_gradients = True

@@ -17,16 +17,10 @@ class EighComputation(CriterionComputation):
     those whose eigenvectors are computed, e.g. ``lambda evals: [evals.numel() - 1]``
     for the leading one. Any selection works, as in ViViT 1.0 (``docs/migration.rst``).
 
-    Args:
-        subsampling: Indices of the samples whose curvature is used (``None``: all).
-        mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its Monte-Carlo
-            estimate with ``M`` samples per datum.
-        verbose: Print what happens during backpropagation.
-        warn_small_eigvals: Warn (``UserWarning``) when a selected eigenvalue is
-            smaller in magnitude (its eigenvector divides by ``√λ``). ``0``
-            disables the warning.
-        gram_dtype: As for :class:`~vivit.EigvalshComputation`; eigenvectors are
-            returned in the parameters' dtype.
+    Its arguments are :class:`~vivit.EigvalshComputation`'s (eigenvectors come in
+    the parameters' dtype) and ``warn_small_eigvals``: warn (``UserWarning``) when
+    a selected eigenvalue is smaller in magnitude (its eigenvector divides by
+    ``√λ``); ``0`` disables the warning.
     """
 
     keep_factors = True

@@ -13,17 +13,9 @@ class EigvalshComputation(GroupComputation):
     """Provide a BackPACK extension and hook to compute GGN eigenvalues.
 
     Each parameter group carries ``"params"``; see ``docs/migration.rst`` for the
-    protocol.
-
-    Args:
-        subsampling: Indices of the samples whose curvature is used (``None``:
-            all); the GGN is that of the same loss on those samples alone.
-        mc_samples: ``0`` uses the exact loss Hessian; ``M > 0`` its unbiased
-            Monte-Carlo estimate with ``M`` samples per datum.
-        verbose: Print what happens during backpropagation.
-        gram_dtype: Type of the Gram matrix and its eigenvalues (``None``: the
-            model's); ``torch.float64`` resolves the small eigenvalues of a
-            float32 model (see :class:`vivit.options.CurvatureOptions`).
+    protocol. ``subsampling``, ``mc_samples`` and ``gram_dtype`` are options of
+    :class:`~vivit.options.CurvatureOptions`; ``verbose`` prints what happens
+    during backpropagation.
     """
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Tensor:

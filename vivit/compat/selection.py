@@ -37,16 +37,10 @@ def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
 
 
 def criterion_indices(keep: object, num_evals: int) -> Tensor:
-    """Turn what a criterion returned into indices of the eigenvalues it keeps.
+    """Indices ``[K]`` of the ``num_evals`` eigenvalues a criterion's ``keep`` keeps.
 
-    Args:
-        keep: The criterion's return value: integer indices (a sequence or 1-d
-            tensor; negative ones count from the end) or a boolean mask over all
-            eigenvalues, as indexing accepted in ViViT 1.0.
-        num_evals: Number of eigenvalues the criterion received.
-
-    Returns:
-        Indices, ``[K]`` (long).
+    ``keep``: integer indices (a sequence or 1-d tensor; negative from the end) or
+    a boolean mask over all eigenvalues, as indexing accepted in ViViT 1.0.
 
     Raises:
         InvalidArgumentError: If ``keep`` is none of these, or an index is out
@@ -140,14 +134,8 @@ def selected_directional_derivatives(
 ) -> DirectionalDerivatives:
     """``γ``, ``λ`` and ``γ̄`` along every selected direction (zero along zero vectors).
 
-    Args:
-        vt_grads: ``Vᵀ∇ℓ_n`` for the gradient samples, ``[N·C, N_grad]``.
-        selection: The selected eigenpairs.
-        batch: Batch context of the Gram matrix.
-        grad_samples: The gradient samples (``None``: the whole mini-batch).
-
-    Returns:
-        The directional derivatives, ``K`` columns.
+    ``vt_grads`` is ``Vᵀ∇ℓ_n`` of the samples ``grad_samples`` (``None``: all),
+    ``[N·C, N_grad]``.
     """
     resolved = selection.resolved
     part = directional_derivatives(

@@ -1,13 +1,9 @@
 """Directional derivatives and Newton steps from Gram-space quantities.
 
-The formulas of ``docs/math.rst``, "Directional derivatives and curvature noise",
-"Damped Newton step in the eigenspace" and "Trust region of a Newton step".
-Arguments: ``gram_evecs`` ``[N·C, K]``, the Gram eigenvectors of the directions;
-``evals`` ``[K]``, their eigenvalues ``λ_k > 0``; ``vt_grads`` ``[N·C, N_grad]``,
-``Vᵀ∇ℓ_n`` of the gradient samples ``grad_samples`` (``None``: the mini-batch);
-``batch``, the Gram matrix's :class:`~vivit.engines.base.BatchInfo` (``R``,
-``C``); ``gamma_bar`` ``[K]``, ``γ̄_k``; ``dampings`` ``[K]``, ``δ_k ≥ 0`` (``inf``
-skips a direction: no step); ``lr``, the scale of the step.
+``docs/math.rst``, "Directional derivatives and curvature noise", "Damped Newton step
+in the eigenspace" and "Trust region of a Newton step". ``gram_evecs`` ``[N·C, K]``
+and ``evals`` ``[K]`` (``λ_k > 0``) are the directions' Gram eigenpairs; ``dampings``
+``[K]`` are ``δ_k ≥ 0`` (``inf`` skips a direction).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from vivit._validation import check_damping, check_lr, check_max_decrease
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError, ZeroStepWarning
@@ -28,12 +23,14 @@ from vivit.linalg.group_products import v_matmul
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
 #: lambdas [N_ggn, K]) → δ [K]`` (``inf`` skips a direction).
 Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+#: Bisection steps of :func:`trust_region_dampings` (``2⁻⁶⁰`` relative accuracy).
+_BISECTION_STEPS = 60
 
 
 def directional_gradients(
     vt_grads: Tensor, gram_evecs: Tensor, evals: Tensor
 ) -> Tensor:
-    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``."""
+    """``γ_nk = ẽ_kᵀ (Vᵀ ∇ℓ_n) / √λ_k``, ``[N_grad, K]``, from ``[N·C, N_grad]``."""
     return (vt_grads.T @ gram_evecs) / evals.sqrt()
 
 
@@ -68,46 +65,6 @@ def directional_derivatives(
         lambdas=directional_curvatures(gram_evecs, evals, batch),
         gamma_bar=batch_directional_gradient(gammas, batch, grad_samples),
     )
-
-
-def check_dampings(dampings: Tensor, evals: Tensor) -> None:
-    """Check that a damping rule returned one ``δ_k ≥ 0`` (or ``inf``) per direction.
-
-    Raises:
-        InvalidArgumentError: If the shape is wrong or a damping is negative or NaN.
-    """
-    if dampings.shape != evals.shape:
-        raise InvalidArgumentError(
-            f"The damping returned shape {tuple(dampings.shape)}, expected one value "
-            f"per direction, {tuple(evals.shape)}."
-        )
-    if torch.isnan(dampings).any() or (dampings < 0).any():
-        raise InvalidArgumentError(
-            f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
-        )
-
-
-def newton_step_sizes(evals: Tensor, gamma_bar: Tensor, dampings: Tensor) -> Tensor:
-    """``t_k = −γ̄_k / (λ_k + δ_k)``, ``[K]``, the step along each direction.
-
-    Raises:
-        InvalidArgumentError: As :func:`check_dampings`.
-    """
-    check_dampings(dampings, evals)
-    return torch.where(
-        torch.isinf(dampings), torch.zeros_like(evals), -gamma_bar / (evals + dampings)
-    )
-
-
-def newton_coefficients(
-    gram_evecs: Tensor, evals: Tensor, gamma_bar: Tensor, dampings: Tensor
-) -> Tensor:
-    """Gram-space vector ``u``, ``[N·C]``, with ``Δθ = V u`` the damped Newton step.
-
-    Raises:
-        InvalidArgumentError: As :func:`check_dampings`.
-    """
-    return gram_evecs @ (newton_step_sizes(evals, gamma_bar, dampings) / evals.sqrt())
 
 
 def predicted_decrease(
@@ -148,10 +105,6 @@ def trust_region_dampings(
     return dampings + high
 
 
-#: Bisection steps of :func:`trust_region_dampings` (``2⁻⁶⁰`` relative accuracy).
-_BISECTION_STEPS = 60
-
-
 def damped_step_sizes(
     directions: Tensor,
     directional: DirectionalDerivatives,
@@ -163,9 +116,10 @@ def damped_step_sizes(
 ) -> tuple[Tensor, Tensor]:
     """The dampings of a damped Newton step and its step sizes ``lr·t_k``.
 
-    With ``max_decrease`` the rule's dampings are raised by
-    :func:`trust_region_dampings`. Warns with
-    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes.
+    ``t_k = −γ̄_k / (λ_k + δ_k)``. With ``max_decrease`` the rule's dampings are
+    raised by :func:`trust_region_dampings`. Warns with
+    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes. ``damping``,
+    ``lr`` and ``max_decrease`` are checked by the front door that takes them.
 
     Args:
         directions: The directions' coordinates handed to a :data:`Damping`
@@ -182,28 +136,47 @@ def damped_step_sizes(
         The dampings used, ``[K]``, and ``lr · t``, ``[K]``.
 
     Raises:
-        InvalidArgumentError: If ``lr`` is not a positive finite number,
-            ``max_decrease`` not ``None`` or a number ``≥ 0``, or a damping is
-            invalid.
+        InvalidArgumentError: If a rule's dampings are not one ``δ_k ≥ 0`` (or
+            ``inf``) per direction.
     """
-    check_damping(damping)
-    check_lr(lr)
-    check_max_decrease(max_decrease)
-    evals = directional.evals
-    if evals.numel() > 0 and callable(damping):
-        dampings = damping(evals, directions, directional.gammas, directional.lambdas)
-    elif callable(damping):  # no direction: nothing for the rule to choose
-        dampings = evals.new_empty(0)
-    else:
+    evals, gamma_bar = directional.evals, directional.gamma_bar
+    if not callable(damping):
         dampings = torch.full_like(evals, float(damping))
+    elif evals.numel() > 0:
+        dampings = damping(evals, directions, directional.gammas, directional.lambdas)
+    else:  # no direction: nothing for the rule to choose
+        dampings = evals.new_empty(0)
     dampings = torch.as_tensor(dampings, dtype=evals.dtype, device=evals.device)
-    check_dampings(dampings, evals)
-    if max_decrease is not None:
-        dampings = trust_region_dampings(
-            evals, directional.gamma_bar, dampings, lr, max_decrease
+    if dampings.shape != evals.shape:
+        raise InvalidArgumentError(
+            f"The damping returned shape {tuple(dampings.shape)}, expected one value "
+            f"per direction, {tuple(evals.shape)}."
         )
-    sizes = lr * newton_step_sizes(evals, directional.gamma_bar, dampings)
-    warn_if_zero_step(evals, directional.gamma_bar, dampings, stacklevel=stacklevel)
+    if torch.isnan(dampings).any() or (dampings < 0).any():
+        raise InvalidArgumentError(
+            f"Dampings must be >= 0 (inf skips a direction), got {dampings}."
+        )
+    if max_decrease is not None:
+        dampings = trust_region_dampings(evals, gamma_bar, dampings, lr, max_decrease)
+    skipped = torch.isinf(dampings)
+    sizes = lr * torch.where(skipped, 0.0, -gamma_bar / (evals + dampings))
+    if evals.numel() == 0:
+        reason = (
+            "the GGN has no numerically non-zero eigenvalue (e.g. a saturated "
+            "softmax: the loss has no curvature on this batch)"
+        )
+    elif skipped.all():
+        reason = (
+            f"the damping skipped all {evals.numel()} directions (no reliable "
+            "predicted decrease, or a trust region around a loss of 0)"
+        )
+    elif (gamma_bar[~skipped] == 0).all():
+        reason = "the gradient has no component along the kept directions"
+    else:
+        return dampings, sizes
+    warnings.warn(
+        f"The Newton step is zero: {reason}.", ZeroStepWarning, stacklevel=stacklevel
+    )
     return dampings, sizes
 
 
@@ -215,20 +188,12 @@ def newton_coefficients_damped(
     lr: float = 1.0,
     max_decrease: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and ``u``, ``[N·C]``, with ``lr·Δθ = V u``.
+    """The dampings and ``u``, ``[N·C]``, with ``lr·Δθ = V u``.
 
-    Arguments as for :func:`damped_step_sizes`.
-
-    Raises:
-        InvalidArgumentError: As :func:`damped_step_sizes`.
+    Arguments and errors as for :func:`damped_step_sizes`.
     """
     dampings, sizes = damped_step_sizes(
-        gram_evecs,
-        directional,
-        damping,
-        lr=lr,
-        max_decrease=max_decrease,
-        stacklevel=5,
+        gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease, stacklevel=5
     )
     return dampings, gram_evecs @ (sizes / directional.evals.sqrt())
 
@@ -238,47 +203,12 @@ def damped_newton_step(
     gram_evecs: Tensor,
     directional: DirectionalDerivatives,
     damping: float | Damping,
-    *,
-    lr: float = 1.0,
-    max_decrease: float | None = None,
 ) -> NewtonStep:
-    """The damped Newton step ``lr · Δθ`` in parameter space, one product with ``V``.
+    """The damped Newton step ``Δθ`` in parameter space, one product with ``V``.
 
-    Arguments as for :func:`damped_step_sizes`; ``factors`` has one entry per
-    parameter. A step to which no direction contributes is zero and warns with
-    :class:`~vivit.errors.ZeroStepWarning`.
-
-    Raises:
-        InvalidArgumentError: As :func:`damped_step_sizes`.
+    Arguments and errors as for :func:`damped_step_sizes`; ``factors`` has one
+    entry per parameter.
     """
-    dampings, u = newton_coefficients_damped(
-        gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-    )
-    return NewtonStep(
-        directional=directional,
-        dampings=dampings,
-        step=[s.squeeze(0) for s in v_matmul(factors, u.unsqueeze(0))],
-    )
-
-
-def warn_if_zero_step(
-    evals: Tensor, gamma_bar: Tensor, dampings: Tensor, stacklevel: int = 3
-) -> None:
-    """Warn that a Newton step is zero, and why, if no direction contributes to it."""
-    if evals.numel() == 0:
-        reason = (
-            "the GGN has no numerically non-zero eigenvalue (e.g. a saturated "
-            "softmax: the loss has no curvature on this batch)"
-        )
-    elif torch.isinf(dampings).all():
-        reason = (
-            f"the damping skipped all {evals.numel()} directions (no reliable "
-            "predicted decrease, or a trust region around a loss of 0)"
-        )
-    elif (gamma_bar[~torch.isinf(dampings)] == 0).all():
-        reason = "the gradient has no component along the kept directions"
-    else:
-        return
-    warnings.warn(
-        f"The Newton step is zero: {reason}.", ZeroStepWarning, stacklevel=stacklevel
-    )
+    dampings, u = newton_coefficients_damped(gram_evecs, directional, damping)
+    step = [s.squeeze(0) for s in v_matmul(factors, u.unsqueeze(0))]
+    return NewtonStep(directional=directional, dampings=dampings, step=step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,10 @@ from torch import Tensor
 from torch.nn import Module
 
 from vivit.errors import DistributedError
-from vivit.sources.data import SAMPLE_SHAPE_ADVICE
+from vivit.sources.batches import SAMPLE_SHAPE_ADVICE
+
+if TYPE_CHECKING:
+    from vivit.options import CurvatureOptions
 
 #: Key of the model's parameter and buffer checksums in a request's fingerprint.
 MODEL_STATE = "model state"
@@ -28,14 +32,9 @@ SAMPLE_SHAPE = "target_shape_per_sample"
 
 @dataclass(frozen=True, eq=False)
 class TensorChecksum:
-    """Sum and Euclidean norm of a tensor, in float64.
+    """Sum and Euclidean norm of a tensor in float64, equal within ``1e-9`` of the norm.
 
-    Equal tensors match whatever the order of summation (different numbers of
-    threads): two checksums match if both agree to ``1e-9`` of the norm.
-
-    Attributes:
-        total: Sum of the entries.
-        norm: Euclidean norm of the entries.
+    Equal tensors match whatever the order of summation (numbers of threads).
     """
 
     total: float
@@ -77,11 +76,8 @@ def request_fingerprint(
     Args:
         loss_func: The loss module (its type, options and weights), if any.
         param_groups: The parameter groups (their shapes and types).
-        model: The network, if any: the values of its ``state_dict`` (parameters
-            and persistent buffers; :class:`TensorChecksum`) must agree too,
-            since each rank runs its shard through its own replica.
-        **options: Further options that shape the results (MC samples,
-            ``gram_dtype``, solver, engine).
+        model: The network, if any: its ``state_dict``'s checksums.
+        **options: Further options that shape the results.
 
     Returns:
         A picklable description, compared key by key across the ranks.
@@ -111,10 +107,30 @@ def request_fingerprint(
     return fingerprint
 
 
-def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
-    """Check that every rank of ``group`` holds the same ``value``.
+def run_fingerprint(
+    model: Module,
+    loss_func: Module,
+    param_groups: list[list[Tensor]],
+    options: CurvatureOptions,
+    engine: str,
+    sample_shape: tuple[int, ...] | None,
+    grouped: bool,
+    **extra: object,
+) -> dict[str, object]:
+    """A construction's :func:`request_fingerprint` (model checksums: ranks only)."""
+    return request_fingerprint(
+        loss_func,
+        param_groups,
+        model if grouped else None,
+        **extra,
+        solver=(options.solver, options.solver_tol, options.solver_seed),
+        engine=engine,
+        **{SAMPLE_SHAPE: sample_shape},
+    )
 
-    One ``all_gather_object``; every rank must call it.
+
+def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
+    """Check that every rank of ``group`` holds the same ``value`` (a collective).
 
     Args:
         group: The process group.
@@ -138,15 +154,9 @@ def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> No
 
 
 def check_requests(fingerprints: Sequence[dict[str, object]]) -> None:
-    """Check that every rank asks for what rank 0 asks for.
+    """Refuse, naming the ranks and options, a rank that asks for other than rank 0.
 
-    Args:
-        fingerprints: Every rank's :func:`request_fingerprint`, in rank order.
-
-    Raises:
-        DistributedError: If a rank's request differs (naming the ranks and
-            options); the targets' shapes per sample are compared only where
-            both are known.
+    The targets' shapes per sample are compared only where both are known.
     """
     first = fingerprints[0]
     differences = [
@@ -165,14 +175,7 @@ def check_requests(fingerprints: Sequence[dict[str, object]]) -> None:
 
 
 def check_sample_shapes(shapes: Sequence[tuple[int, ...] | None]) -> None:
-    """Check that every rank's targets have rank 0's shape per sample.
-
-    Args:
-        shapes: Every rank's shape per sample, in rank order.
-
-    Raises:
-        DistributedError: If a rank's shape differs.
-    """
+    """Refuse targets of another shape per sample than rank 0's (rank order)."""
     differences = [
         _difference(rank, SAMPLE_SHAPE, shape, shapes[0])
         for rank, shape in enumerate(shapes)
@@ -202,12 +205,7 @@ def _difference(rank: int, key: str, theirs: object, first: object) -> str:
 
 @dataclass(frozen=True)
 class RankFailure:
-    """A rank's error, sent to the other ranks in place of its message.
-
-    Attributes:
-        rank: The failing rank.
-        summary: Its error's type and message.
-    """
+    """A rank's error (type and message), sent to the others in its round's message."""
 
     rank: int
     summary: str
@@ -219,15 +217,7 @@ class RankFailure:
 
 
 def raise_failures(gathered: Sequence[object], world_size: int) -> None:
-    """Raise if any rank sent a :class:`RankFailure` in a round.
-
-    Args:
-        gathered: Every rank's message of the round.
-        world_size: Number of ranks.
-
-    Raises:
-        DistributedError: Naming every failed rank.
-    """
+    """Raise :class:`~vivit.errors.DistributedError` naming every failed rank."""
     failures = [g for g in gathered if isinstance(g, RankFailure)]
     if failures:
         raise DistributedError(

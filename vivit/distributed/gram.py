@@ -7,6 +7,7 @@ all-gather them, and every rank assembles the same matrix (:func:`sharded_gram`)
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -17,10 +18,9 @@ from vivit.gram import ParamFactors, StackedFactors
 
 
 def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, int]]]:
-    """Which rank forms which Gram block ``(a, b)``, ``a ≤ b``: round robin.
+    """Each rank's Gram blocks ``(a, b)``, ``a ≤ b``: round robin.
 
-    Row-major order over the upper triangle, block ``i`` to rank ``i mod W``: a
-    diagonal block (half the work, symmetric) alternates with cross blocks.
+    Block ``i`` of the upper triangle (row-major) goes to rank ``i mod W``.
 
     Args:
         num_blocks: Number of sample blocks (ranks).
@@ -34,16 +34,7 @@ def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, 
 
 
 def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
-    """Numbers sent for Gram block ``(a, b)``: a diagonal block's upper triangle.
-
-    Args:
-        rows: Gram rows of every sample block.
-        a: Row block.
-        b: Column block, ``b ≥ a``.
-
-    Returns:
-        ``rows[a]·(rows[a]+1)/2`` if ``a == b``, else ``rows[a]·rows[b]``.
-    """
+    """Numbers sent for Gram block ``(a, b)``, ``b ≥ a`` (a diagonal's triangle)."""
     return rows[a] * (rows[a] + 1) // 2 if a == b else rows[a] * rows[b]
 
 
@@ -52,15 +43,13 @@ def sharded_gram(
 ) -> tuple[Tensor, int]:
     """A group's Gram matrix ``Σ_p V_pᵀ V_p`` of the union, formed together.
 
-    Rank ``r`` forms the blocks :func:`gram_block_owners` gives it (summed over
-    the parameters; of a diagonal block only the upper triangle travels), the
-    ranks all-gather them, and every rank assembles the same matrix, mirrored
-    from its upper blocks (a collective: every rank calls it for the same
-    parameter groups in the same order).
+    Each rank forms its blocks (:func:`gram_block_owners`; of a diagonal block
+    only the upper triangle travels), the ranks all-gather them, and every rank
+    assembles the same matrix. A collective: every rank calls it for the same
+    groups in the same order.
 
     Args:
-        factors: The factors of ``V`` over the union, one
-            :class:`~vivit.gram.StackedFactors` per parameter with one block
+        factors: One :class:`~vivit.gram.StackedFactors` per parameter, a block
             per rank.
         group: The process group.
 
@@ -105,9 +94,7 @@ def _assemble(
     upper: Sequence[tuple[Tensor, Tensor]],
 ) -> Tensor:
     """The Gram matrix from every rank's buffer of blocks, mirrored to full."""
-    bounds = [0]
-    for size in rows:
-        bounds.append(bounds[-1] + size)
+    bounds = list(itertools.accumulate(rows, initial=0))
     gram = gathered[0].new_empty(bounds[-1], bounds[-1])
     for owned, data in zip(owners, gathered, strict=True):
         offset = 0

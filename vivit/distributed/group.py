@@ -14,12 +14,8 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
 
     Args:
         process_group: ``None``: the default group if ``torch.distributed`` is
-            initialised, else local; ``False``: local (each rank on its own
-            batch); a ``ProcessGroup``: that group.
-
-    Returns:
-        The group, or ``None`` if there is nothing to exchange (local, or a group
-        of one rank).
+            initialised, else local; ``False``: local; a ``ProcessGroup``: that
+            group (``None`` is returned for a group of one rank).
 
     Raises:
         InvalidArgumentError: If ``process_group`` is none of these, or this
@@ -60,10 +56,8 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
 def local_module(model: Module) -> Module:
     """The module to run the engines on: a ``DistributedDataParallel``'s ``.module``.
 
-    DDP's forward pass prepares a gradient all-reduce for the next backward pass;
-    the curvature's backward pass must not trigger it (the ranks' shards are
-    exchanged by :class:`~vivit.distributed.exchange.ShardExchange` instead). The
-    wrapped module holds the same parameters.
+    DDP's forward pass prepares a gradient all-reduce that the curvature's
+    backward pass must not trigger; the wrapped module holds the same parameters.
 
     Args:
         model: The network, possibly wrapped.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from vivit.engines.base import BatchInfo
 
@@ -45,62 +46,49 @@ class ShardLayout:
     def of_batches(
         cls, batches: Sequence[BatchInfo], rank: int, world_size: int
     ) -> ShardLayout:
-        """The layout of blocks in rank order (one block per rank, or one rank).
+        """The layout of blocks in rank order: one per rank (locally, one spans all).
 
         Args:
             batches: The blocks' batch contexts, in order.
             rank: This process's rank.
             world_size: Number of ranks.
-
-        Returns:
-            The layout; locally a single "rank" spans every block.
         """
         per_rank = [batches] if world_size == 1 else [[batch] for batch in batches]
-        samples, ggn_samples = [], []
-        start = ggn_start = 0
-        for owned in per_rank:
-            size = sum(b.batch_size for b in owned)
-            ggn_size = sum(len(b.ggn_samples) for b in owned)
-            samples.append(range(start, start + size))
-            ggn_samples.append(range(ggn_start, ggn_start + ggn_size))
-            start, ggn_start = start + size, ggn_start + ggn_size
-        return cls(rank, world_size, tuple(samples), tuple(ggn_samples))
+
+        def ranges(size: Callable[[BatchInfo], int]) -> tuple[range, ...]:
+            bounds = [0, *accumulate(sum(map(size, owned)) for owned in per_rank)]
+            return tuple(map(range, bounds[:-1], bounds[1:]))
+
+        samples = ranges(lambda b: b.batch_size)
+        return cls(rank, world_size, samples, ranges(lambda b: len(b.ggn_samples)))
 
 
 @dataclass
 class ExchangeReport:
     """What the ranks exchanged: at construction and, on the implicit route, since.
 
-    All zero in one process.
+    All zero in one process; the cost model is ``docs/math.rst``'s ("Several
+    processes", "Implicit products on several processes").
 
     Attributes:
         world_size: Number of ranks.
         payload_bytes: Bytes of every rank's tensors (rank order), before
-            alignment and padding: the cost model of ``docs/math.rst``
-            ("Several processes").
+            alignment and padding.
         buffer_bytes: Length of every rank's buffer in the all-gather (the
-            longest payload with its tensors aligned to
+            longest payload, tensors aligned to
             :data:`~vivit.distributed.packing.ALIGNMENT`).
-        metadata_bytes: Pickled bytes of this rank's messages in the
-            ``all_gather_object`` rounds.
+        metadata_bytes: Pickled bytes of this rank's ``all_gather_object`` messages.
         seconds: Wall time of the agreement rounds and of packing, exchanging
-            and rebuilding the blocks on this rank (includes waiting for the
-            slowest rank's backward pass).
+            and rebuilding the blocks (waiting for the slowest rank included).
         gram_buffer_bytes: Length of every rank's buffer of Gram blocks, summed
             over the Gram matrices formed together.
-        gram_seconds: Wall time of forming them (this rank's blocks and the
-            all-gather).
+        gram_seconds: Wall time of forming them.
         reductions: ``all_reduce`` calls of the implicit route so far (the
-            gradient at construction, then one per product ``G V``;
-            :class:`~vivit.distributed.lockstep.LockStep`).
-        reduced_bytes: Bytes of this rank's tensors in them: ``D`` numbers of
-            the model's type for the gradient, ``K·D`` per product of ``K``
-            vectors (the collective's algorithm decides the wire traffic; a
-            ring sends and receives ``2(W − 1)/W`` of it).
-        reduction_seconds: Wall time of the implicit route's collectives
-            since construction: its agreement rounds (gathered values included;
-            waiting for the slowest rank's share too) and all-reduces, not this
-            rank's own shares.
+            gradient, then one per product ``G V``).
+        reduced_bytes: Bytes of this rank's tensors in them (``D`` numbers for
+            the gradient, ``K·D`` per product of ``K`` vectors).
+        reduction_seconds: Wall time of the implicit route's rounds and
+            all-reduces since construction, not this rank's own shares.
     """
 
     world_size: int = 1
@@ -116,10 +104,7 @@ class ExchangeReport:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes this rank sends, each buffer to every other rank (factors, Grams).
-
-        Not counting the implicit route's all-reduces (:attr:`reduced_bytes`).
-        """
+        """Bytes this rank sends: each buffer to every other rank (no all-reduce)."""
         return (self.buffer_bytes + self.gram_buffer_bytes) * (self.world_size - 1)
 
     @property

@@ -1,28 +1,9 @@
 """Calls that every rank of a group makes together, in step: the implicit route's.
 
-With a process group, a product ``G v`` of the implicit route
-(:mod:`vivit.sources.implicit`) sums over every rank's shard, and its block
-Krylov solver runs replicated on every rank: every rank makes the same calls,
-in the same order (``docs/math.rst``, "Implicit products on several
-processes"). Each call is one :meth:`LockStep.sum` or :meth:`LockStep.gather`:
-
-1. the rank computes its share (its shard's product, its samples' ``γ`` and
-   ``λ``, its memory check); an exception is caught;
-2. one round (``all_gather_object``): every rank sends what it computed a share
-   of (the call: its name and a digest of its input vectors, and the size and
-   type of a share to be summed) or its failure. A failure raises on every rank (the
-   failing rank its own error, the others :class:`~vivit.errors.DistributedError`
-   naming it), and so does a call that differs from rank 0's (the ranks asked
-   for different results, or their replicated solvers diverged), so that no rank
-   waits for a collective that never comes and no sum mixes different vectors;
-3. the shares are combined: summed by one ``all_reduce``, whose result
-   ``torch.distributed`` guarantees to be bitwise identical on every rank
-   (measured with gloo on 2 to 4 ranks: identical, though for 3 or more ranks
-   not summed in rank order), or gathered in rank order (small shares travel in
-   the round's message).
-
-Identical sums on every rank and the same operations on them keep the replicated
-solvers in step; the digests make any divergence an error on every rank.
+Each call computes this rank's share, then one ``all_gather_object`` round
+compares the call (name, input digest) and reports failures on every rank, then
+the shares are summed by one ``all_reduce`` (bitwise identical on every rank) or
+gathered in rank order (``docs/math.rst``, "Implicit products on several processes").
 """
 
 from __future__ import annotations
@@ -49,9 +30,7 @@ class LockStep:
     Args:
         group: The process group, or ``None`` to run locally (every call then
             returns this process's share as it is).
-        report: Counts the bytes and time of the calls
-            (``reductions``, ``reduced_bytes``, ``metadata_bytes``,
-            ``reduction_seconds``).
+        report: Counts the bytes and time of the calls.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, report: ExchangeReport):
@@ -66,17 +45,16 @@ class LockStep:
         """Every rank's share of a call, summed over the ranks.
 
         Args:
-            call: What the share is of, equal on every rank (compared with
-                ``==``; named in the error where ranks differ): the call's name
-                and a digest of its input.
+            call: What the share is of (its name and a digest of its input),
+                equal on every rank (compared with ``==``).
             compute: This rank's share: tensors of one type and device.
 
         Returns:
             The sums, shaped like the share; bitwise identical on every rank.
 
         Raises:
-            DistributedError: On every rank but the failing one, if a rank
-                failed; on every rank, if a rank's call or shapes differ.
+            DistributedError: If a rank failed (on the others), or a rank's call
+                or shapes differ (on every rank).
         """
         if self.group is None:
             return list(compute())
@@ -97,10 +75,7 @@ class LockStep:
         ]
 
     def gather(self, call: object, compute: Callable[[], Share]) -> list[Share]:
-        """Every rank's share of a call, in rank order.
-
-        The shares travel pickled in the round's message: for small ones
-        (per-sample values, numbers), on the CPU.
+        """Every rank's share of a call, in rank order (small shares, pickled).
 
         Args:
             call: What the share is of, equal on every rank (see :meth:`sum`).
@@ -123,11 +98,10 @@ class LockStep:
         compute: Callable[[], Share],
         split: Callable[[Share], tuple[object, object]],
     ) -> tuple[Share, list[object]]:
-        """Compute this rank's share, then agree with every rank on the call.
+        """This rank's share, and every rank's handed part once the calls agree.
 
-        ``split`` divides the share into what must agree besides the call (the
-        shapes of a sum) and what every rank hands every rank (a gathered
-        share). Returns this rank's share and every rank's handed part.
+        ``split`` divides a share into what must agree besides the call (the
+        shapes of a sum) and what every rank hands every rank (a gathered share).
         """
         try:
             share = compute()

@@ -1,7 +1,6 @@
-"""A rank's part of the samples as one flat byte buffer, and back, bit for bit.
+"""A rank's part of the samples as one byte buffer and a description, and back.
 
-The tensors travel in the buffer (:class:`Packer`); a picklable description
-(factor classes, batch context, slots of the tensors) travels alongside it.
+Bit for bit; the picklable description holds factor classes, batch context, slots.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ class Packer:
     """Lays out tensors in one byte buffer and describes them by slots.
 
     Attributes:
-        size: Bytes of the buffer so far (every tensor aligned to
-            :data:`ALIGNMENT`).
+        size: Bytes of the buffer so far (tensors aligned to :data:`ALIGNMENT`).
         payload: Bytes of the tensors themselves.
     """
 
@@ -69,10 +67,8 @@ def _unpack(slot: _Slot, buffer: Tensor) -> Tensor:
 def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> tuple:
     """Describe factors by their class and attributes, tensors cast to ``dtype``.
 
-    The factors are held in ``gram_dtype``; they were computed in the model's
-    type ``dtype``, so casting back is exact and halves the bytes of float32
-    factors accumulated in float64. Factors held per part of the samples (a rank's
-    batches whose factors took different forms) describe each block.
+    Held in ``gram_dtype`` but computed in the model's ``dtype``, they travel in
+    that exactly; stacked blocks (forms that differ by part) each describe themselves.
 
     Args:
         factors: One parameter's factors.
@@ -99,10 +95,7 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
 
     Args:
         description: What :func:`pack_factors` returned.
-        buffer: The filled byte buffer.
-
-    Returns:
-        The factors (views of ``buffer`` where no cast was needed).
+        buffer: The filled byte buffer (the factors view it where no cast is needed).
     """
     cls, held_dtype, state = description
     if cls is StackedFactors:  # (cls, blocks, scales)
@@ -119,14 +112,9 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
 
 
 def pack_shard(block: PartResult, packer: Packer) -> dict:
-    """Describe a block: its groups' factors and batch contexts, and its loss.
+    """Describe a rank's block (its groups' factors and batch contexts, its loss).
 
-    Args:
-        block: A rank's part of the samples.
-        packer: Receives its tensors.
-
-    Returns:
-        The picklable description :func:`unpack_shard` rebuilds it from.
+    Its tensors go to ``packer``; :func:`unpack_shard` rebuilds it from the result.
     """
     groups = []
     for curvature in block.curvature:
@@ -147,16 +135,7 @@ def pack_shard(block: PartResult, packer: Packer) -> dict:
 def unpack_shard(
     description: dict, buffer: Tensor, param_groups: list[list[Tensor]]
 ) -> PartResult:
-    """The block :func:`pack_shard` described, its gradients from its factors.
-
-    Args:
-        description: What :func:`pack_shard` returned.
-        buffer: The filled byte buffer.
-        param_groups: The parameter groups, to attach to the curvature.
-
-    Returns:
-        The block (no Gram matrices).
-    """
+    """The block :func:`pack_shard` described (no Gram matrices), with its gradient."""
     curvature = [
         GroupCurvature(
             params=params,
@@ -180,19 +159,9 @@ def unpack_shard(
 def shard_gradient(
     grad_factors: ParamFactors, batch: BatchInfo, device: torch.device
 ) -> Tensor:
-    """``∇L_b = R_b Σ_n ∇ℓ_n`` of a block from its per-sample gradient factors.
+    """``∇L_b = R_b Σ_n ∇ℓ_n`` of a parameter from its per-sample gradient factors.
 
-    The per-sample gradients are those of ``ℓ_n`` (``docs/math.rst``, "Losses"),
-    so the gradient of the block's loss needs no exchange of its own.
-
-    Args:
-        grad_factors: One parameter's per-sample gradient factors (one column per
-            sample).
-        batch: The block's batch context (its ``R``).
-        device: The factors' device.
-
-    Returns:
-        The gradient, shaped like the parameter.
+    The gradient needs no exchange (``docs/math.rst``, "Several processes").
     """
     ones = torch.full(
         (1, grad_factors.num_rows),

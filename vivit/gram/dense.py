@@ -13,42 +13,30 @@ from vivit.gram.symmetric import self_gram
 
 
 class DenseFactors(ParamFactors):
-    """A parameter's columns of ``V`` stored as a matrix.
+    """A parameter's columns of ``V``, ``[N, C, *param_shape]``, stored as a matrix.
 
     For small ``V`` (biases, normalization layers) or layers without a factor form.
-
-    Args:
-        columns: ``Vᵀ`` restricted to the parameter, shape ``[N, C, *param_shape]``;
-            stored detached, so products never track gradients.
     """
 
     def __init__(self, columns: Tensor):
         self.num_samples, self.num_columns = columns.shape[:2]
         self.param_shape = columns.shape[2:]
-        self._vt = columns.detach().reshape(  # explicit: no samples is allowed
-            self.num_samples * self.num_columns, self.param_shape.numel()
-        )
+        self._vt = columns.detach().reshape(self.num_rows, self.param_shape.numel())
+
+    def _from_rows(self, vt: Tensor) -> DenseFactors:
+        """Factors of the same parameter from rows ``[N'·C, numel]`` of ``Vᵀ``."""
+        samples = vt.shape[0] // self.num_columns  # explicit: no samples is allowed
+        return DenseFactors(vt.reshape(samples, self.num_columns, *self.param_shape))
 
     @classmethod
     def concatenate(
         cls, blocks: Sequence[DenseFactors], scales: Sequence[float]
     ) -> DenseFactors:
-        """The columns of consecutive parts of the samples as one matrix (a copy).
-
-        Args:
-            blocks: Columns of the same parameter.
-            scales: Each block's scale.
-        """
-        first = blocks[0]
-        columns = scaled_cat([block._vt for block in blocks], scales, dim=0)
-        return cls(columns.reshape(-1, first.num_columns, *first.param_shape))
+        """The columns of consecutive parts of the samples, scaled, as one (a copy)."""
+        return blocks[0]._from_rows(scaled_cat([b._vt for b in blocks], scales, dim=0))
 
     def scaled(self, factor: float) -> DenseFactors:  # noqa: D102
-        return DenseFactors(
-            (self._vt * factor).reshape(
-                self.num_samples, self.num_columns, *self.param_shape
-            )
-        )
+        return self._from_rows(self._vt * factor)
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
@@ -66,9 +54,7 @@ class DenseFactors(ParamFactors):
     def select(self, samples: Sequence[int]) -> DenseFactors:  # noqa: D102
         columns = self._vt.reshape(self.num_samples, self.num_columns, -1)
         index = torch.as_tensor(samples, dtype=torch.long, device=self._vt.device)
-        return DenseFactors(
-            columns[index].reshape(len(index), self.num_columns, *self.param_shape)
-        )
+        return self._from_rows(columns[index].flatten(end_dim=1))
 
     def materialize(self) -> Tensor:  # noqa: D102
         return self._vt

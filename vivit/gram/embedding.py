@@ -21,8 +21,8 @@ class EmbeddingFactors(ParamFactors):
     """An embedding table's columns of ``V`` as indices and backpropagated vectors.
 
     Args:
-        indices: Token of every position, ``[N, T]`` (integers below the table's
-            rows); positions that contribute nothing carry zero vectors.
+        indices: Token of every position, ``[N, T]``; positions that contribute
+            nothing carry zero vectors.
         vectors: Backpropagated vectors at the looked-up rows, ``[C, N, T, D]``.
         param_shape: Shape of the table, ``[vocabulary, D]``.
 
@@ -73,27 +73,18 @@ class EmbeddingFactors(ParamFactors):
         # one V formed (the other form's), this one's by its lookups
         return self.vtmp(other.materialize()).T
 
-    def gram_work(self) -> int:  # noqa: D102
-        return (
-            self.num_rows**2
-            * min(self._i.numel(), self.param_shape[0])
-            * (self.param_shape[1])
-        )
-
     def gram_memory(self) -> int:  # noqa: D102
-        return (
-            self.num_rows
-            * min(self._i.numel(), self.param_shape[0])
-            * (self.param_shape[1])
-        )
+        rows = min(self._i.numel(), self.param_shape[0])  # of the tokens used
+        return self.num_rows * rows * self.param_shape[1]
+
+    def gram_work(self) -> int:  # noqa: D102
+        return self.num_rows * self.gram_memory()
 
     def product_memory(self, num_vectors: int) -> int:  # noqa: D102
-        C, N, T, D = self._s.shape
-        return num_vectors * N * T * D
+        return num_vectors * self._s[0].numel()
 
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
-        C, N, T, D = self._s.shape
-        return 2 * num_vectors * C * N * T * D
+        return 2 * num_vectors * self._s.numel()
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         K = u.shape[0]

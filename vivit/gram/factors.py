@@ -34,10 +34,9 @@ class ParamFactors(ABC):
 
     def _tensors(self) -> dict[str, Tensor]:
         """The floating-point tensors that hold the factors (instance attributes)."""
+        items = vars(self).items()
         return {
-            name: value
-            for name, value in vars(self).items()
-            if isinstance(value, Tensor) and value.is_floating_point()
+            k: v for k, v in items if isinstance(v, Tensor) and v.is_floating_point()
         }
 
     def tensors(self) -> list[Tensor]:
@@ -50,16 +49,13 @@ class ParamFactors(ABC):
         return next(iter(self._tensors().values())).dtype
 
     def to(self, dtype: torch.dtype) -> ParamFactors:
-        """The same factors in ``dtype``, in which their products then run.
-
-        ``self`` if it already has that type, else a converted copy.
-        """
+        """The same factors in ``dtype`` (``self`` if they have it, else a copy)."""
         if dtype == self.dtype:
             return self
         return self.map_tensors(lambda tensor: tensor.to(dtype))
 
     def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:
-        """The factors with every tensor replaced by ``function(tensor)``, same shape.
+        """The factors with every tensor ``t`` replaced by ``function(t)``, same shape.
 
         ``self`` if ``function`` returns every tensor itself, else a shallow copy.
         """
@@ -74,11 +70,7 @@ class ParamFactors(ABC):
 
     @abstractmethod
     def scaled(self, factor: float) -> ParamFactors:
-        """New factors: the columns of ``V`` times ``factor``.
-
-        Rescales a block's ``√R`` to that of all samples (``docs/math.rst``, "Data
-        sets and processes").
-        """
+        """New factors: the columns of ``V`` times ``factor`` (a block's ``√R``)."""
 
     @abstractmethod
     def gram(self, other: ParamFactors | None = None) -> Tensor:
@@ -101,18 +93,11 @@ class ParamFactors(ABC):
         """The factors of the samples at positions ``samples``, in that order."""
 
     def product_work(self, num_vectors: int) -> int:
-        """Multiply-adds of :meth:`vmp` and :meth:`vtmp`, ``num_vectors`` vectors each.
-
-        The default is that of an explicit ``V``, ``2·K·N·C·numel``.
-        """
+        """Multiply-adds of :meth:`vmp` and :meth:`vtmp` of ``num_vectors`` vectors."""
         return 2 * num_vectors * self.num_rows * self.param_shape.numel()
 
     def gram_work(self) -> int:
-        """Multiply-adds of :meth:`gram` (``Vᵀ V``).
-
-        The default is that of an explicit ``V``, ``R²·numel`` (the lower triangle
-        alone, for large ``R``, is about half).
-        """
+        """Multiply-adds of :meth:`gram` (``Vᵀ V``); default: of an explicit ``V``."""
         return self.num_rows**2 * self.param_shape.numel()
 
     def gram_memory(self) -> int:
@@ -126,6 +111,28 @@ class ParamFactors(ABC):
     @abstractmethod
     def materialize(self) -> Tensor:
         """``Vᵀ`` formed explicitly, ``[N·C, p.numel()]``."""
+
+
+class CompositeFactors(ParamFactors):
+    """Factors made of other factors of the same parameter, :attr:`members`."""
+
+    members: list[ParamFactors]
+
+    def tensors(self) -> list[Tensor]:  # noqa: D102
+        return [tensor for member in self.members for tensor in member.tensors()]
+
+    @property
+    def dtype(self) -> torch.dtype:  # noqa: D102
+        return self.members[0].dtype
+
+    def gram_memory(self) -> int:  # noqa: D102
+        return max(member.gram_memory() for member in self.members)
+
+    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
+        return max(member.product_memory(num_vectors) for member in self.members)
+
+    def product_work(self, num_vectors: int) -> int:  # noqa: D102
+        return sum(member.product_work(num_vectors) for member in self.members)
 
 
 def scaled_cat(tensors: Sequence[Tensor], scales: Sequence[float], dim: int) -> Tensor:
@@ -145,10 +152,8 @@ def scaled_cat(tensors: Sequence[Tensor], scales: Sequence[float], dim: int) -> 
 def per_sample_projections(x: Tensor, vectors: Tensor) -> Tensor:
     """``y[k, n, c] = Σ_f x[k, n, f] · vectors[c, n, f]``, ``[K, N, C]``.
 
-    Each sample's columns: ``x`` ``[K, N, *F]`` are vectors in the per-sample feature
-    space, ``vectors`` ``[C, N, *F]`` the backpropagated ones. One batched product on
-    strided views: ``torch.einsum`` copies ``vectors`` into a sample-major layout on
-    every call (``benchmarks/README.md``, "MC-1 on language models").
+    ``x`` ``[K, N, *F]``, ``vectors`` ``[C, N, *F]``. One batched product on strided
+    views, where ``torch.einsum`` would copy ``vectors`` on every call.
     """
     K, N, C = x.shape[0], x.shape[1], vectors.shape[0]
     per_sample = x.reshape(K, N, -1).transpose(0, 1)

@@ -1,10 +1,7 @@
 """Memory of Gram matrices and their dense eigensolver; refuse those that cannot fit.
 
-The facts the run and the estimate share: free memory on a device, bytes per
-entry, the dense solver's workspace and the peak of forming Gram matrices.
-:func:`check_gram_fits` refuses Gram matrices before they are allocated. The
-memory of a whole request (activations, factors, eigensolver) is estimated by
-:mod:`vivit.memory`, which builds on these.
+Free memory on a device, bytes per entry, the dense solver's workspace and the peak
+of forming Gram matrices: the facts :mod:`vivit.memory` builds its estimates on.
 """
 
 from __future__ import annotations
@@ -16,73 +13,56 @@ import torch
 
 from vivit.errors import GramTooLargeError
 
-#: Square matrices of the Gram's size alive at once while one is fully decomposed:
-#: the Gram, its eigenvectors, and LAPACK's syevd workspace (about two more;
-#: measured peak 420 MiB for a 5120 x 5120 float32 Gram, i.e. four squares).
+#: Squares of the Gram's size alive while one is fully decomposed: the Gram, its
+#: eigenvectors and LAPACK's syevd workspace (measured: four squares).
 _SQUARES_PER_DECOMPOSITION = 4
 #: Squares beyond the Gram for LAPACK's MRRR subset solver (scipy's copy of the
 #: matrix and its reduction to tridiagonal form).
 _EXTRA_SQUARES_PER_SUBSET = 2
 #: Squares beyond the Gram while it is formed: a layer's Gram of backpropagated
-#: vectors, its inputs' Gram expanded to it, and their product (measured peak 4.0
-#: to 4.1 squares for an MLP's Gram, float32 and float64).
+#: vectors, its inputs' Gram expanded to it, and their product (measured).
 _EXTRA_SQUARES_PER_FORMATION = 3
 #: Requests for at most this fraction of all eigenpairs compute only those (on the
 #: CPU, with LAPACK's MRRR subset solver).
 PARTIAL_FRACTION = 0.25
+#: cgroup v2 and v1: limit, usage, and the reclaimable page cache in memory.stat.
+_CGROUP_FILES = (
+    ("memory.max", "memory.current", "inactive_file"),
+    ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+)
+#: cgroup v1 reports "no limit" as a huge number (2⁶³ rounded to pages).
+_UNLIMITED = 2**62
 
 
 def available_bytes(device: torch.device) -> int:
-    """Memory this process can still allocate on a device.
+    """Bytes this process can still allocate on ``device``.
 
-    Args:
-        device: Device the memory will live on.
-
-    Returns:
-        Free bytes. CUDA: free device memory. CPU: the least of the kernel's
-        ``MemAvailable`` (the physical memory where that is not known), what the
-        process's memory control group and its ancestors still allow (limit
-        minus usage, less the reclaimable page cache; cgroup v1 and v2), and what
-        ``RLIMIT_AS`` still allows (limit minus the address space in use). All
-        three already exclude what the process holds: a container's 8 GiB
-        limit, of which the process holds 1 GiB, leaves 7 GiB.
+    CUDA: free device memory. CPU: the least of the kernel's ``MemAvailable``
+    (else the physical memory), :func:`cgroup_headroom` and what ``RLIMIT_AS``
+    still allows; all three already exclude what the process holds.
     """
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+        return torch.cuda.mem_get_info(device)[0]
     meminfo = _read_fields(Path("/proc/meminfo"))
-    limits = [
-        meminfo.get(
-            "MemAvailable", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        ),
-        *cgroup_headroom(),
-    ]
-    address_space = _address_space_limit()
-    if address_space is not None:
-        used = _read_fields(Path("/proc/self/status")).get("VmSize", 0)
-        limits.append(address_space - used)
-    return max(0, min(limits))
-
-
-def _address_space_limit() -> int | None:
-    """The soft ``RLIMIT_AS`` in bytes (``None``: unlimited, or not on this OS)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [meminfo.get("MemAvailable", physical), *cgroup_headroom()]
     try:
         import resource
     except ImportError:  # not a Unix
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return None if soft == resource.RLIM_INFINITY else soft
+        resource = None
+    if resource is not None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            used = _read_fields(Path("/proc/self/status")).get("VmSize", 0)
+            limits.append(soft - used)
+    return max(0, min(limits))
 
 
 def resident_bytes(device: torch.device) -> int:
-    """Memory this process holds on a device now.
+    """Bytes this process holds on ``device`` now.
 
-    Args:
-        device: The device.
-
-    Returns:
-        Bytes. CPU: the resident set (``VmRSS`` of ``/proc/self/status``, ``0``
-        where that is not known); CUDA: what PyTorch's allocator reserved.
+    CPU: the resident set (``VmRSS``, ``0`` where not known); CUDA: what PyTorch's
+    allocator reserved.
     """
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
@@ -90,14 +70,7 @@ def resident_bytes(device: torch.device) -> int:
 
 
 def format_bytes(count: float) -> str:
-    """A byte count for messages, in the largest binary unit that keeps it ≥ 1.
-
-    Args:
-        count: Bytes.
-
-    Returns:
-        E.g. ``"3.2 GiB"``, ``"340.0 MiB"``, ``"12 B"``.
-    """
+    """A byte count in the largest binary unit that keeps it ≥ 1, e.g. ``"3.2 GiB"``."""
     for unit, power in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if abs(count) >= 2**power:
             return f"{count / 2**power:.1f} {unit}"
@@ -109,18 +82,9 @@ def cgroup_headroom(
 ) -> list[int]:
     """Bytes the memory control groups of this process still allow, one per limit.
 
-    The process's group (from ``membership``) and its ancestors up to ``root``,
-    each with a limit: ``limit − (usage − reclaimable page cache)`` (cgroup v2
-    ``memory.max``, ``memory.current``, ``inactive_file`` of ``memory.stat``;
-    v1 ``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
-    ``total_inactive_file``).
-
-    Args:
-        root: Where the control groups are mounted.
-        membership: The process's list of groups.
-
-    Returns:
-        The headroom under every limit found (none: empty).
+    The process's group (listed in ``membership``) and its ancestors up to ``root``,
+    each with a limit: ``limit − (usage − reclaimable page cache)``, cgroup v2 or v1
+    (:data:`_CGROUP_FILES`). Empty where none is found.
     """
     paths = set()
     try:
@@ -142,15 +106,6 @@ def cgroup_headroom(
             stat = _read_fields(directory / "memory.stat", scale=1)
             headroom.append(limit - usage + stat.get(inactive, 0))
     return headroom
-
-
-#: cgroup v2 and v1: limit, usage, and the reclaimable page cache in memory.stat.
-_CGROUP_FILES = (
-    ("memory.max", "memory.current", "inactive_file"),
-    ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-)
-#: cgroup v1 reports "no limit" as a huge number (2⁶³ rounded to pages).
-_UNLIMITED = 2**62
 
 
 def _read_int(path: Path) -> int | None:
@@ -176,28 +131,15 @@ def _read_fields(path: Path, scale: int = 1024) -> dict[str, int]:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per entry of a data type.
-
-    Args:
-        dtype: The data type.
-
-    Returns:
-        Its size in bytes.
-    """
+    """Bytes per entry of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
 def uses_subset_solver(size: int, top_k: int | None, device: torch.device) -> bool:
-    """Whether the dense solver computes only the leading eigenpairs (CPU, few).
+    """Whether the dense solver computes only the leading ``top_k`` eigenpairs.
 
-    Args:
-        size: Side length ``N·C`` of the Gram matrix.
-        top_k: Number of leading eigenpairs (``None``: all).
-        device: Device of the Gram matrix.
-
-    Returns:
-        ``True`` for LAPACK's MRRR subset solver, ``False`` for the full
-        decomposition.
+    ``True`` (LAPACK's MRRR subset solver) on the CPU for at most
+    :data:`PARTIAL_FRACTION` of the ``size`` pairs; ``top_k=None`` means all.
     """
     return (
         top_k is not None and device.type == "cpu" and top_k <= PARTIAL_FRACTION * size
@@ -207,16 +149,10 @@ def uses_subset_solver(size: int, top_k: int | None, device: torch.device) -> bo
 def dense_workspace_bytes(
     size: int, top_k: int | None, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Memory the dense eigensolver needs on top of the Gram matrix.
+    """Bytes the dense eigensolver needs on top of a ``size × size`` Gram matrix.
 
-    Args:
-        size: Side length ``N·C`` of the Gram matrix.
-        top_k: Number of leading eigenpairs (``None``: all).
-        dtype: Data type of the Gram matrix.
-        device: Its device.
-
-    Returns:
-        Bytes: 3 more squares for the full decomposition, 2 for the subset solver.
+    Three more squares for the full decomposition, two for the subset solver
+    (:func:`uses_subset_solver`).
     """
     squares = (
         _EXTRA_SQUARES_PER_SUBSET
@@ -229,17 +165,10 @@ def dense_workspace_bytes(
 def gram_bytes(
     size: int, num_grams: int, workspace_bytes: int, dtype: torch.dtype
 ) -> int:
-    """Peak memory of forming Gram matrices and running an eigensolver on one.
+    """Peak bytes of forming ``num_grams`` Gram matrices and an eigensolver on one.
 
-    Args:
-        size: Side length ``N·C`` of each Gram matrix.
-        num_grams: Gram matrices held at once.
-        workspace_bytes: The eigensolver's memory on top of the Gram matrices.
-        dtype: Data type of the Gram matrices.
-
-    Returns:
-        ``num_grams`` squares plus the larger of the workspace and the formation's
-        temporaries (:data:`_EXTRA_SQUARES_PER_FORMATION` squares).
+    The squares plus the larger of the solver's ``workspace_bytes`` and the
+    formation's temporaries (:data:`_EXTRA_SQUARES_PER_FORMATION` squares).
     """
     square = size**2 * itemsize(dtype)
     formation = _EXTRA_SQUARES_PER_FORMATION * square
@@ -257,10 +186,9 @@ def check_gram_fits(
 
     Args:
         num_rows: Side length ``N·C`` (``N·M`` with MC) of each Gram matrix.
-        num_groups: Number of Gram matrices held at once; ``0`` means that none
-            is formed (nothing to check).
-        dtype: Data type of the Gram matrix.
-        device: Device of the Gram matrix.
+        num_groups: Gram matrices held at once (``0``: none formed, nothing to check).
+        dtype: Their data type.
+        device: Their device.
         workspace_bytes: The eigensolver's memory on top of the Gram matrices
             (default: a full dense decomposition, :func:`dense_workspace_bytes`).
 

@@ -26,47 +26,12 @@ COMPACT_RATIO = 4
 GGN_COMPACT_RATIO = 1
 #: Multiply-adds one entry of a large intermediate costs besides its products (it
 #: is written and read back): the "sample_pairs" Gram route's, ``V`` formed for
-#: ``V u``. Calibrated between the ResNet-18 timings that
-#: ``tests/gram/test_factors.py`` (``test_planner_routes_of_resnet18_*``) quotes.
+#: ``V u``. Calibrated on the ResNet-18 timings ``tests/gram/test_factors.py`` quotes.
 COPY_WORK = 32
-
-
-def holds_v_explicitly(
-    *,
-    columns: int,
-    groups: int,
-    positions: int,
-    in_features: int,
-    out_features: int,
-    ratio: int,
-) -> bool:
-    """Whether a weight keeps its columns of ``V`` explicitly rather than as factors.
-
-    The rule of :meth:`OuterProductFactors.compact`: per sample, ``V`` has
-    ``C·G·O·P`` entries, its factors ``G·T·(P + C·O)``; ``V`` replaces them where
-    ``ratio`` times its entries are at most theirs.
-
-    Args:
-        columns: Columns per sample ``C`` (``1`` for per-sample gradients).
-        groups: Channel groups ``G`` (``1`` for a Linear layer).
-        positions: Positions ``T`` (sequence entries, output pixels).
-        in_features: Input features per group ``P``.
-        out_features: Output features per group ``O``.
-        ratio: :data:`GGN_COMPACT_RATIO` for the GGN's ``V``,
-            :data:`COMPACT_RATIO` for per-sample gradients.
-
-    Returns:
-        ``True`` where ``V`` is held explicitly.
-    """
-    v_entries = columns * groups * out_features * in_features
-    factor_entries = groups * positions * (in_features + columns * out_features)
-    return ratio * v_entries <= factor_entries
 
 
 class OuterProductFactors(ParamFactors):
     """A weight's columns of ``V`` held as layer inputs and backpropagated vectors.
-
-    Both are stored detached: products never track gradients.
 
     Args:
         inputs: Layer inputs ``a``, shape ``[N, G, T, P]`` (groups ``G``, positions
@@ -99,15 +64,9 @@ class OuterProductFactors(ParamFactors):
             )
         self.param_shape = torch.Size(param_shape)
         self.transposed = transposed
-        # Factors are data: products with them must not extend the autograd graph.
-        self._a = inputs.detach()
-        self._s = outputs.detach()
-        self._G, self._T, self._O, self._P = (
-            groups,
-            positions,
-            out_features,
-            inputs.shape[3],
-        )
+        self._a, self._s = inputs.detach(), outputs.detach()
+        self._G, self._T, self._O = groups, positions, out_features
+        self._P = inputs.shape[3]
 
     @classmethod
     def concatenate(
@@ -116,25 +75,17 @@ class OuterProductFactors(ParamFactors):
         scales: Sequence[float],
         inputs_cache: list[tuple[list[Tensor], Tensor]] | None = None,
     ) -> OuterProductFactors:
-        """The factors of consecutive parts of the samples as one (a copy).
+        """The factors of consecutive parts of the samples, scaled, as one (a copy).
 
-        Args:
-            blocks: Factors of the same weight.
-            scales: Each block's scale.
-            inputs_cache: Concatenated inputs of earlier calls with the blocks'
-                inputs they came from (appended to): factors whose blocks share
-                their inputs (``V`` and the per-sample gradients of a weight) then
-                share the concatenation too.
+        ``inputs_cache`` holds the concatenated inputs of earlier calls with the
+        blocks' inputs they came from (appended to): factors whose blocks share
+        their inputs (``V`` and the per-sample gradients of a weight) then share
+        the concatenation too.
         """
         parts = [block._a for block in blocks]
         cache = [] if inputs_cache is None else inputs_cache
         inputs = next(
-            (
-                merged
-                for sources, merged in cache
-                if len(sources) == len(parts) and all(map(_same_tensor, sources, parts))
-            ),
-            None,
+            (merged for old, merged in cache if _same_tensors(old, parts)), None
         )
         if inputs is None:
             inputs = torch.cat(parts)
@@ -146,7 +97,6 @@ class OuterProductFactors(ParamFactors):
             blocks[0].transposed,
         )
 
-    # routes -----------------------------------------------------------------
     def _v_size(self) -> int:
         return self.num_rows * self._G * self._O * self._P
 
@@ -206,15 +156,12 @@ class OuterProductFactors(ParamFactors):
         )
         pairs = planner.Route(
             "pairs",
-            flops=r1 * r2 * G * T * T * O
-            + n1 * n2 * G * T * T * P
-            + r1 * r2 * G * T * T,
+            flops=G * T * T * (r1 * r2 * (O + 1) + n1 * n2 * P),
             memory=samples * (self.num_columns * r2 + n2) * G * T * T,
         )
-        routes = {
-            r.name: r for r in (through_v, pairs, self._sample_pairs_route(other))
-        }
-        return routes[planner.choose(*routes.values(), dtype=self._a.dtype)]
+        routes = (through_v, pairs, self._sample_pairs_route(other))
+        name = planner.choose(*routes, dtype=self._a.dtype)
+        return next(route for route in routes if route.name == name)
 
     def _sample_pairs_route(self, other: OuterProductFactors) -> planner.Route:
         """The cost of :meth:`_gram_sample_pairs` (with its copies, see COPY_WORK)."""
@@ -224,10 +171,7 @@ class OuterProductFactors(ParamFactors):
         intermediate = n1 * n2 * G * T * D * O
         return planner.Route(
             "sample_pairs",
-            flops=n1 * n2 * G * T * T * P
-            + T * intermediate
-            + C * intermediate
-            + COPY_WORK * intermediate,
+            flops=n1 * n2 * G * T * T * P + (T + C + COPY_WORK) * intermediate,
             memory=self._sample_pairs_per_chunk(other) * 2 * n2 * T * (D * O + T),
         )
 
@@ -255,10 +199,7 @@ class OuterProductFactors(ParamFactors):
         return max(1, min(self._G * self._O, budget // max(1, rows * self._P)))
 
     def _feature_chunks(self, chunk: int) -> list[tuple[slice, slice]]:
-        """``(groups, features)`` slices of ``chunk`` output features each.
-
-        Whole groups while ``chunk`` covers one, else a group split by features.
-        """
+        """``(groups, features)`` slices of ``chunk`` features (whole groups if ≥ O)."""
         G, O = self._G, self._O
         if chunk >= O:
             per = chunk // O
@@ -300,9 +241,8 @@ class OuterProductFactors(ParamFactors):
     def _gram_sample_pairs(self, other: OuterProductFactors, samples: int) -> Tensor:
         """``Vᵀ V_other``, the other operand's vectors weighted by input kernels first.
 
-        ``C`` times fewer multiply-adds than :meth:`_gram_pairs` (``docs/math.rst``,
-        "Layer structure"); ``samples`` rows at a time, of ``Vᵀ V`` only the
-        lower triangle (at least ``NUM_BLOCKS`` blocks), mirrored.
+        ``C`` times fewer multiply-adds than :meth:`_gram_pairs`; ``samples`` rows at
+        a time, of ``Vᵀ V`` only the lower triangle, mirrored.
         """
         C, D = self.num_columns, other.num_columns
         T, O = self._T, self._O
@@ -405,24 +345,19 @@ class OuterProductFactors(ParamFactors):
 
         With many positions ``T`` (convolutions on large images) ``V`` is smaller
         than the factors and makes every later product one matrix product; forming
-        it costs ``T`` multiply-adds per entry, paid even if no product follows
-        (hence :data:`COMPACT_RATIO` and :data:`GGN_COMPACT_RATIO`).
+        it costs ``T`` multiply-adds per entry, paid even if no product follows.
 
         Args:
-            ratio: ``V`` is formed where ``ratio`` times its entries are at most
-                the factors' entries (:func:`holds_v_explicitly`).
+            ratio: ``V`` (``C·G·O·P`` entries per sample) is formed where ``ratio``
+                times its entries are at most the factors' (``G·T·(P + C·O)``):
+                :data:`GGN_COMPACT_RATIO`, or :data:`COMPACT_RATIO` for
+                per-sample gradients.
 
         Returns:
             ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
         """
-        if not holds_v_explicitly(
-            columns=self.num_columns,
-            groups=self._G,
-            positions=self._T,
-            in_features=self._P,
-            out_features=self._O,
-            ratio=ratio,
-        ):
+        C, G, T, O, P = self.num_columns, self._G, self._T, self._O, self._P
+        if ratio * C * G * O * P > G * T * (P + C * O):
             return self
         columns = self.materialize().reshape(
             self.num_samples, self.num_columns, *self.param_shape
@@ -430,8 +365,9 @@ class OuterProductFactors(ParamFactors):
         return DenseFactors(columns)
 
 
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    """Whether two tensors are views of the same entries (detached copies of one)."""
-    return (
+def _same_tensors(first: list[Tensor], second: list[Tensor]) -> bool:
+    """Whether two lists hold views of the same entries (detached copies of one)."""
+    return len(first) == len(second) and all(
         a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+        for a, b in zip(first, second, strict=True)
     )

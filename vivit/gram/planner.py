@@ -1,9 +1,8 @@
 """Choose the cheapest of several contraction routes for one product.
 
-The route with the fewest multiply-adds among those whose largest intermediate
-fits :data:`MEMORY_BUDGET_BYTES`, else the one with the smallest intermediate.
-Multiply-adds ignore kernel speed, so routes within a small factor are close
-calls. The budget bounds one intermediate, not the peak of a backward pass.
+The route with the fewest multiply-adds among those whose largest intermediate fits
+:data:`MEMORY_BUDGET_BYTES`, else the one with the smallest intermediate. The budget
+bounds one intermediate, not the peak of a backward pass.
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vivit.gram.memory import itemsize
 
 #: Largest intermediate (in bytes) a route may create; chunked routes pick their
 #: chunks from it. Large enough for full-speed matrix products, small next to the
@@ -20,46 +21,30 @@ MEMORY_BUDGET_BYTES = 2**28
 
 @dataclass(frozen=True)
 class Route:
-    """Cost of one way to evaluate a product.
-
-    Attributes:
-        name: Identifier of the route.
-        flops: Multiply-adds of its contractions, counted from the shapes.
-        memory: Entries of its largest intermediate (of a chunk, for a chunked
-            route; the result is not counted).
-    """
+    """Cost of one way to evaluate a product."""
 
     name: str
-    flops: int
-    memory: int
+    flops: int  # multiply-adds, counted from the shapes
+    memory: int  # entries of the largest intermediate (of a chunk; not the result)
 
 
 def budget_entries(dtype: torch.dtype, budget: int | None = None) -> int:
-    """How many entries of ``dtype`` (at least 1) fit into a budget.
+    """How many entries of ``dtype`` (at least 1) fit into ``budget`` bytes.
 
-    Args:
-        dtype: Data type of the intermediates.
-        budget: Budget in bytes (``None``: :data:`MEMORY_BUDGET_BYTES`).
+    ``None``: :data:`MEMORY_BUDGET_BYTES`.
     """
     budget = MEMORY_BUDGET_BYTES if budget is None else budget
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, budget // itemsize)
+    return max(1, budget // itemsize(dtype))
 
 
 def choose(
-    *routes: Route,
-    dtype: torch.dtype = torch.float32,
-    budget: int | None = None,
+    *routes: Route, dtype: torch.dtype = torch.float32, budget: int | None = None
 ) -> str:
-    """The name of the cheapest route whose intermediate fits the budget.
+    """The name of the cheapest route whose intermediate fits ``budget`` bytes.
 
-    Args:
-        *routes: Candidate routes.
-        dtype: Data type of the intermediates (sets the bytes per entry).
-        budget: Bytes (``None``: :data:`MEMORY_BUDGET_BYTES`).
+    ``dtype`` is that of the intermediates; ``budget`` as for :func:`budget_entries`.
     """
-    entries = budget_entries(dtype, budget)
-    fitting = [r for r in routes if r.memory <= entries]
+    fitting = [r for r in routes if r.memory <= budget_entries(dtype, budget)]
     if fitting:
         return min(fitting, key=lambda r: (r.flops, r.memory)).name
     return min(routes, key=lambda r: (r.memory, r.flops)).name

@@ -1,32 +1,28 @@
 """A parameter's columns of ``V`` over several parts of the samples.
 
 The batches of a loader, the shards of processes, the chunks of a large batch:
-``V = [V_1, V_2, …]``, whose products are those of the blocks' factors
-(``docs/math.rst``, "Data sets and processes").
+``V = [V_1, V_2, …]`` (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import CompositeFactors, ParamFactors
 
 
-class StackedFactors(ParamFactors):
+class StackedFactors(CompositeFactors):
     """Columns of ``V`` of one parameter, held per part of the samples.
 
     Gram-space entries are ordered block by block, each block sample-major. Block
-    ``b``'s columns are ``scale_b`` times those of its factors: rescaling a block
-    copies nothing, the products apply the scale. Nested blocks are flattened.
-
-    Args:
-        blocks: Factors of the same parameter, one per part of the samples, with the
-            same columns per sample.
-        scales: Each block's scale (default: ``1`` for all).
+    ``b``'s columns are ``scales[b]`` (default 1) times those of ``blocks[b]``: the
+    products apply the scale, nothing is copied. Nested blocks are flattened.
 
     Raises:
         ValueError: If there are no blocks, they disagree in parameter shape,
@@ -55,29 +51,18 @@ class StackedFactors(ParamFactors):
             raise ValueError("StackedFactors needs at least one block.")
         first = flat[0]
         for block in flat[1:]:
-            if (block.param_shape, block.num_columns, block.dtype) != (
-                first.param_shape,
-                first.num_columns,
-                first.dtype,
-            ):
+            kind = (tuple(block.param_shape), block.num_columns, block.dtype)
+            if kind != (tuple(first.param_shape), first.num_columns, first.dtype):
                 raise ValueError(
                     "Sample blocks disagree: parameter shape, columns per sample and "
-                    f"dtype {tuple(block.param_shape)}, {block.num_columns}, "
-                    f"{block.dtype} against {tuple(first.param_shape)}, "
+                    f"dtype {kind} against {tuple(first.param_shape)}, "
                     f"{first.num_columns}, {first.dtype}."
                 )
-        self.blocks = flat
+        self.blocks = self.members = flat
         self.scales = flat_scales
         self.num_samples = sum(block.num_samples for block in flat)
         self.num_columns = first.num_columns
         self.param_shape = first.param_shape
-
-    @property
-    def dtype(self) -> torch.dtype:  # noqa: D102
-        return self.blocks[0].dtype
-
-    def tensors(self) -> list[Tensor]:  # noqa: D102
-        return [t for block in self.blocks for t in block.tensors()]
 
     def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:  # noqa: D102
         blocks = [block.map_tensors(function) for block in self.blocks]
@@ -88,11 +73,9 @@ class StackedFactors(ParamFactors):
     def scaled(self, factor: float) -> StackedFactors:  # noqa: D102
         return StackedFactors(self.blocks, [factor * s for s in self.scales])
 
-    def _row_bounds(self) -> list[int]:
-        bounds = [0]
-        for block in self.blocks:
-            bounds.append(bounds[-1] + block.num_rows)
-        return bounds
+    def _bounds(self, attribute: str = "num_rows") -> list[int]:
+        """Where each block starts in Gram space (or in the samples), and the end."""
+        return list(accumulate((getattr(b, attribute) for b in self.blocks), initial=0))
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None:
@@ -109,18 +92,13 @@ class StackedFactors(ParamFactors):
         )
 
     def block_gram(self, a: int, b: int) -> Tensor:
-        """The Gram block ``scale_a·scale_b·V_aᵀ V_b`` of two blocks.
-
-        Args:
-            a: Index of the row block.
-            b: Index of the column block (``a`` for a diagonal block).
-        """
+        """The Gram block ``scale_a·scale_b·V_aᵀ V_b`` of blocks ``a`` and ``b``."""
         other = None if a == b else self.blocks[b]
         return self.blocks[a].gram(other) * (self.scales[a] * self.scales[b])
 
     def _self_gram(self) -> Tensor:
         """``Vᵀ V`` from the blocks on and above the diagonal, mirrored."""
-        bounds = self._row_bounds()
+        bounds = self._bounds()
         diagonal = self.block_gram(0, 0)
         gram = diagonal.new_empty(bounds[-1], bounds[-1])
         for a in range(len(self.blocks)):
@@ -133,15 +111,6 @@ class StackedFactors(ParamFactors):
                 gram[cols, rows] = cross.T
         return gram
 
-    def gram_memory(self) -> int:  # noqa: D102
-        return max(block.gram_memory() for block in self.blocks)
-
-    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
-        return max(block.product_memory(num_vectors) for block in self.blocks)
-
-    def product_work(self, num_vectors: int) -> int:  # noqa: D102
-        return sum(block.product_work(num_vectors) for block in self.blocks)
-
     def gram_work(self) -> int:  # noqa: D102
         # each block's Gram, and the cross-Gram of blocks a < b: √(work_a · work_b)
         # (exact where the Gram is formed from products of sample pairs)
@@ -149,7 +118,7 @@ class StackedFactors(ParamFactors):
         return round((sum(r * r for r in roots) + sum(roots) ** 2) / 2)
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
-        bounds = self._row_bounds()
+        bounds = self._bounds()
         result = self.blocks[0].vmp(self.scales[0] * u[:, : bounds[1]])
         for b, block in enumerate(self.blocks[1:], start=1):
             result.add_(block.vmp(self.scales[b] * u[:, bounds[b] : bounds[b + 1]]))
@@ -166,16 +135,14 @@ class StackedFactors(ParamFactors):
 
     def select(self, samples: Sequence[int]) -> ParamFactors:  # noqa: D102
         """Restrict to samples (over all blocks); consecutive ones stay one block."""
-        starts = [0]
-        for block in self.blocks:
-            starts.append(starts[-1] + block.num_samples)
-        runs: list[tuple[int, list[int]]] = []
         if len(samples) == 0:
             return self.blocks[0].select([])
+        starts = self._bounds("num_samples")
+        runs: list[tuple[int, list[int]]] = []
         for n in samples:
             if not 0 <= n < self.num_samples:
                 raise IndexError(f"Sample {n} out of range [0, {self.num_samples}).")
-            b = next(b for b in range(len(self.blocks)) if n < starts[b + 1])
+            b = bisect_right(starts, n) - 1
             if runs and runs[-1][0] == b:
                 runs[-1][1].append(n - starts[b])
             else:

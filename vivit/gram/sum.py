@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 
-from vivit.gram.factors import ParamFactors
+from vivit.gram.factors import CompositeFactors, ParamFactors
 from vivit.gram.stacked import StackedFactors
 
 
-class SumFactors(ParamFactors):
-    """A parameter's columns of ``V`` as the sum of the forms of its uses.
-
-    Args:
-        parts: Factors of the same parameter, samples and columns per sample.
+class SumFactors(CompositeFactors):
+    """A parameter's columns of ``V`` as the sum of its uses' factors, ``parts``.
 
     Raises:
         ValueError: If there are fewer than two parts or they disagree in
@@ -38,15 +34,8 @@ class SumFactors(ParamFactors):
                     "The parts of a sum of factors disagree in samples, columns "
                     "or parameter shape."
                 )
-        self.parts = list(parts)
+        self.parts = self.members = list(parts)
         self.num_samples, self.num_columns, self.param_shape = shape
-
-    def tensors(self) -> list[Tensor]:  # noqa: D102
-        return [tensor for part in self.parts for tensor in part.tensors()]
-
-    @property
-    def dtype(self) -> torch.dtype:  # noqa: D102
-        return self.parts[0].dtype
 
     def map_tensors(self, function) -> SumFactors:  # noqa: D102
         return SumFactors([part.map_tensors(function) for part in self.parts])
@@ -71,15 +60,6 @@ class SumFactors(ParamFactors):
 
     def gram_work(self) -> int:  # noqa: D102
         return len(self.parts) ** 2 * max(part.gram_work() for part in self.parts)
-
-    def gram_memory(self) -> int:  # noqa: D102
-        return max(part.gram_memory() for part in self.parts)
-
-    def product_memory(self, num_vectors: int) -> int:  # noqa: D102
-        return max(part.product_memory(num_vectors) for part in self.parts)
-
-    def product_work(self, num_vectors: int) -> int:  # noqa: D102
-        return sum(part.product_work(num_vectors) for part in self.parts)
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         return sum(part.vmp(u) for part in self.parts)

@@ -11,18 +11,10 @@ MIN_ROWS = 512
 
 
 def self_gram(vt: Tensor, out: Tensor | None = None) -> Tensor:
-    """``Vᵀ V`` for ``Vᵀ`` given as a ``[R, D]`` matrix.
+    """``Vᵀ V``, ``[R, R]``, of ``vt`` ``[R, D]``, added to ``out`` in place if given.
 
     PyTorch has no symmetric rank-k update, so for large ``R`` the lower triangle
     is computed in row blocks and mirrored.
-
-    Args:
-        vt: ``Vᵀ``, shape ``[R, D]``.
-        out: A symmetric ``[R, R]`` matrix to add ``Vᵀ V`` to in place (no
-            temporary of its size); ``None`` returns a new matrix.
-
-    Returns:
-        The symmetric ``[R, R]`` Gram matrix (``out`` if given).
     """
     rows = vt.shape[0]
     if rows < MIN_ROWS:

@@ -1,8 +1,6 @@
 """Products with ``V`` and ``G̃ = Vᵀ V`` of a parameter group, from its factors.
 
-Sums over the group's parameters, ``G̃ = Σ_p V_pᵀ V_p``: none forms the group's
-``V`` (``docs/math.rst``, "Layer structure"). ``factors`` holds one
-:class:`~vivit.gram.ParamFactors` per parameter of the group.
+Sums over the group's parameters (``factors``, one each): none forms the group's ``V``.
 """
 
 from __future__ import annotations
@@ -53,15 +51,9 @@ def num_params(factors: Sequence[ParamFactors]) -> int:
 
 
 class VProducts(Protocol):
-    """Products with ``V`` and ``G̃ = Vᵀ V`` of one parameter group.
+    """Products with ``V`` and ``G̃`` of one group: from factors, or passes over data."""
 
-    From stored factors (:class:`FactorProducts`) or by passes over the data.
-
-    Attributes:
-        dtype: Type the products run in (``gram_dtype`` or the factors').
-    """
-
-    dtype: torch.dtype
+    dtype: torch.dtype  # the type the products run in
 
     def v_matmul(self, coefficients: Tensor) -> list[Tensor]:
         """``V u`` for Gram-space rows ``[K, N·C]``: one ``[K, *p.shape]`` each."""

@@ -1,15 +1,8 @@
 """Leading eigenpairs of a symmetric positive semi-definite operator, iteratively.
 
-Restarted block Krylov (block Lanczos) with Rayleigh-Ritz. It only multiplies the
-operator onto blocks, so it serves the Gram matrix both formed and matrix-free.
-The residuals are estimated after every block and confirmed from fresh products
-of the Ritz vectors; every returned pair has ``‖A u − θ u‖ ≤ tolerance · θ_max``,
-``tolerance`` the requested one or, with a :class:`~vivit.errors.RoundingFloorWarning`,
-twice the products' measured rounding where that is larger. Deterministic for a
-given ``seed``. ``docs/math.rst``, "The Gram matrix and exact eigenpairs", derives
-the estimate, the rounding floor, narrow blocks and the basis cut by memory.
-
-Names: ``k = top_k`` pairs, block size ``b = width``, ``m`` columns of a basis
+Restarted block Krylov (block Lanczos) with Rayleigh-Ritz on products with blocks,
+derived in ``docs/math.rst``, "The Gram matrix and exact eigenpairs". Names:
+``k = top_k`` pairs, block size ``b = width``, ``m`` columns of a basis
 (``capacity``), ``size`` the operator's side length.
 """
 
@@ -28,7 +21,7 @@ from vivit.errors import (
     RoundingFloorWarning,
     SolverNotConvergedError,
 )
-from vivit.linalg.krylov_basis import _KrylovBasis, _orthonormalize, _relative_norm
+from vivit.linalg.krylov_basis import KrylovBasis, orthonormalize, relative_norm
 from vivit.linalg.solver_report import (
     SolverReport,
     check_seed,
@@ -54,12 +47,10 @@ CLUSTER_FACTOR = 2.0
 
 
 def default_block_size(top_k: int, size: int) -> int:
-    """Block size ``b = k`` (at most ``size``), the default.
+    """The default block size ``b = k`` (at most ``size``).
 
-    Krylov depth, not block width, does the work; ``b = k`` keeps the ``k``
-    copies of a multiple eigenvalue within reach (a block Krylov space holds at
-    most ``b`` directions of an eigenspace); narrower blocks are checked
-    (:func:`narrow_block_doubt`).
+    It keeps the ``k`` copies of a multiple eigenvalue within reach; narrower
+    blocks are checked (:func:`narrow_block_doubt`).
     """
     return min(size, top_k)
 
@@ -67,11 +58,10 @@ def default_block_size(top_k: int, size: int) -> int:
 def basis_capacity(
     width: int, size: int, depth: int | None = None, top_k: int = 0
 ) -> int:
-    """Columns ``m`` of one cycle's Krylov basis (at most ``size``).
+    """Columns ``m = b·(depth + 1)`` of one cycle's Krylov basis (at most ``size``).
 
-    ``m = b·(depth + 1)``; without ``depth``, :data:`DEPTH` and at least
-    :data:`MIN_BASIS` and ``3·k`` columns (room for ``k`` new ones after a
-    restart, which a block narrower than ``k`` needs).
+    Without ``depth``: :data:`DEPTH`, and at least :data:`MIN_BASIS` and ``3·k``
+    columns (room for ``k`` new ones after a restart).
     """
     if depth is not None:
         return min(size, width * (depth + 1))
@@ -81,8 +71,7 @@ def basis_capacity(
 def minimum_capacity(top_k: int, width: int, size: int) -> int:
     """Fewest columns a basis cut by memory may keep: ``k + 2·b`` (at most ``size``).
 
-    At that size a restart keeps ``k + b`` Ritz vectors and every cycle still adds
-    a block (``docs/math.rst``, "A basis cut by memory").
+    ``docs/math.rst``, "A basis cut by memory".
     """
     return min(size, top_k + 2 * width)
 
@@ -90,9 +79,8 @@ def minimum_capacity(top_k: int, width: int, size: int) -> int:
 def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
     """How many times the cycles (at least 1) a basis cut from ``full`` columns may run.
 
-    A cycle after a restart adds ``m − r`` columns (:func:`restart_size` ``r``): the
-    ratio lets the cut basis of ``m = capacity`` columns multiply as many blocks as
-    the full one.
+    The ratio of the columns a cycle adds after a restart, full to cut: the cut
+    basis (``capacity``) then multiplies as many blocks as the full one.
     """
     added = capacity - restart_size(top_k, width, capacity)
     return max(1.0, (full - restart_size(top_k, width, full)) / added)
@@ -101,9 +89,7 @@ def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
 def restart_size(top_k: int, width: int, capacity: int) -> int:
     """Ritz vectors a full basis restarts from: ``(m + k) // 2`` within ``[b, m − b]``.
 
-    A thick restart: the kept Ritz vectors' residuals lie in the span of the last
-    remainder, so the next block is still ``b`` wide; half the basis is kept, half
-    is room for new blocks.
+    A thick restart: half the basis is kept, half is room for new blocks.
     """
     return max(width, min(capacity - width, (capacity + top_k) // 2))
 
@@ -125,9 +111,10 @@ def block_krylov_eigh(
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a symmetric positive semi-definite operator.
 
-    A block narrower than ``top_k`` needs fewer products, but its pairs are
-    returned only where :func:`narrow_block_doubt` finds nothing that could hide a
-    missed copy of a multiple eigenvalue; else the solve runs again with
+    Every returned pair has ``‖A u − θ u‖ ≤ tolerance · θ_max``: ``tol``, or twice
+    the products' measured rounding where that is larger. Deterministic for a
+    given ``seed``. A narrow block's pairs are returned only where
+    :func:`narrow_block_doubt` finds no doubt; else the solve runs again with
     ``b = top_k`` (or the widest block ``max_columns`` allows), and the report's
     ``widened`` says why.
 
@@ -144,11 +131,9 @@ def block_krylov_eigh(
             clamped to ``[1, size]``).
         depth: Krylov depth ``q`` per cycle (default: see :func:`basis_capacity`).
         max_columns: Most columns of the basis the memory allows (``None``: no
-            limit). A basis cut to fewer than :func:`basis_capacity` columns may
-            run :func:`cycle_budget` times the cycles and the stagnation limit.
+            limit); a cut basis runs :func:`cycle_budget` times the cycles.
         rounding_floor: Whether pairs may be accepted at the products' measured
-            rounding where it lies above ``tol`` (``False``: a floor above ``tol``
-            raises, for a caller with an exact solver to fall back to).
+            rounding above ``tol`` (``False``: that raises instead).
 
     Returns:
         Eigenvalues ``[k]`` ascending, orthonormal eigenvectors ``[size, k]`` as
@@ -218,19 +203,12 @@ def block_krylov_eigh(
 def narrow_block_doubt(
     theta: Tensor, report: SolverReport, width: int, top_k: int
 ) -> str | None:
-    """Why a block narrower than ``top_k`` may have missed a leading eigenpair.
+    """Why a block of ``width < top_k`` may have missed a leading eigenpair.
 
-    A block Krylov space holds at most ``b`` directions of an eigenspace, and
-    copies of a multiple eigenvalue lie within :data:`CLUSTER_FACTOR` times the
-    bound of each other: a cluster of ``b`` or more Ritz values followed by
-    smaller ones is in doubt, as are an exhausted Krylov space and pairs accepted
-    at the rounding floor (``docs/math.rst``, "Narrow blocks").
-
-    Args:
-        theta: The Ritz values returned, ascending.
-        report: The solve's report (its ``tolerance``, relative to ``θ_max``).
-        width: Block size ``b`` of the solve.
-        top_k: Leading eigenpairs asked for.
+    A cluster of ``b`` or more Ritz values (within :data:`CLUSTER_FACTOR` times the
+    report's bound) followed by smaller ones, an exhausted Krylov space, or pairs
+    accepted at the rounding floor (``docs/math.rst``, "Narrow blocks"). ``theta``
+    are the Ritz values returned, ascending.
 
     Returns:
         The reason, or ``None`` where the pairs are certain (always for ``b ≥ k``).
@@ -303,10 +281,12 @@ def _block_krylov(
     generator = torch.Generator().manual_seed(seed)
     start = torch.randn(size, width, generator=generator, dtype=torch.float64)
     # blocks are rows [b, size], as the basis: row-by-row products run faster
-    block, _ = _orthonormalize(None, start.T.contiguous().to(device))
-    image = None
-    products = 0
+    block, _ = orthonormalize(None, start.T.contiguous().to(device))
+    image = following = rounding = None  # ρ: at the latest confirmation
+    products, limit = 0, tol
     history: list[float] = []
+    # the images in the products' type, at least float32
+    image_dtype = torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
 
     def apply(rows: Tensor, widen: bool = True) -> Tensor:
         """``(A Uᵀ)ᵀ`` for a block of rows ``U``: the operator takes columns."""
@@ -317,12 +297,9 @@ def _block_krylov(
             return images
         return images.to(torch.float64, memory_format=torch.contiguous_format)
 
-    following = None
-    rounding = None  # the products' rounding ρ at the latest confirmation
-    limit = tol
     for cycle in range(1, cycles + 1):
         image = apply(block) if image is None else image
-        krylov = _KrylovBasis(block, image, capacity, _image_dtype(dtype))
+        krylov = KrylovBasis(block, image, capacity, image_dtype)
         block = image = None  # copied into the basis
         if following is not None:  # thick restart: go on from the last remainder
             krylov.append(following, apply(following))
@@ -339,8 +316,8 @@ def _block_krylov(
                 ritz, stored_images = krylov.ritz_vectors(coefficients, widen=False)
                 ritz_images = apply(ritz, widen=False)
                 # the residual from fresh images, ρ from the same products
-                residual = _relative_norm(theta, ritz_images, ritz, theta)
-                rounding = _relative_norm(theta, ritz_images, stored_images)
+                residual = relative_norm(theta, ritz_images, ritz, theta)
+                rounding = relative_norm(theta, ritz_images, stored_images)
                 del stored_images
                 limit = max(tol, ROUNDING_FACTOR * rounding)
                 if limit >= 1 or (limit > tol and not rounding_floor):
@@ -386,14 +363,8 @@ def _block_krylov(
         "least the rounding floor of the data type, about 100·eps), float64 "
         "(gram_dtype=torch.float64; with route='implicit' a float64 model, "
         "model.double()), or, where the Gram matrix can be formed (LowRankGGN), "
-        "solver='dense' (exact, "
-        "O((N·C)^3))."
+        "solver='dense' (exact, O((N·C)^3))."
     )
-
-
-def _image_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The type the basis' images are kept in: the products', at least float32."""
-    return torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
 
 
 def _unreached(

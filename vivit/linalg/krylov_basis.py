@@ -1,8 +1,7 @@
 """The block Krylov solver's basis: orthonormal rows, their images and ``Qᵀ A Q``.
 
-The parts of :mod:`vivit.linalg.iterative` that touch vectors of the operator's
-side; ``docs/math.rst``, "The Gram matrix and exact eigenpairs" (the residual
-estimate) and "Implicit GGN-vector products" (the row layout and SVQB).
+The parts of :mod:`vivit.linalg.iterative` that touch vectors of the operator's side
+(``docs/math.rst``, "The Gram matrix and exact eigenpairs").
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ SINGLE_SVQB_CONDITION = 100.0
 NORM_ROWS = 2**16
 
 
-def _relative_norm(
+def relative_norm(
     theta: Tensor, first: Tensor, second: Tensor, scales: Tensor | None = None
 ) -> float:
-    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` of rows ``[k, R]``, in float64 chunks.
+    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` of rows ``[k, R]`` (``0`` if ``θ = 0``).
 
-    ``scales`` are ``s_i`` (``None``: 1); ``0`` if every Ritz value ``θ`` is zero.
+    In float64 chunks; ``scales`` are ``s_i`` (``None``: 1).
     """
     scale = theta.abs().max().item()
     if scale == 0:
@@ -43,19 +42,13 @@ def _relative_norm(
     return squares.max().sqrt().item() / scale
 
 
-class _KrylovBasis:
+class KrylovBasis:
     """An orthonormal basis ``Q`` of ``[X, A X, A² X, …]``, its image and ``Qᵀ A Q``.
 
-    ``T = Qᵀ A Q`` grows with the basis (only new columns are multiplied).
-    Everything is kept one vector per row (``[m, R]``): a new block writes only
-    its own rows. The basis is float64, the images are kept in ``dtype``, the
-    products' type (at least float32), in which a product's image is exact.
-
-    Args:
-        block: Orthonormal start block ``X``, rows ``[b, R]``.
-        image: ``A X``, rows.
-        capacity: Most vectors the basis may hold.
-        dtype: Type the images are kept in.
+    Kept one vector per row (``[m, R]``, at most ``capacity``), so that a new block
+    writes only its own rows; ``T = Qᵀ A Q`` grows with it. The basis is float64,
+    the images ``dtype``: the products' type (at least float32), exact for them.
+    ``block`` is the orthonormal start block ``X`` ``[b, R]``, ``image`` ``A X``.
     """
 
     def __init__(self, block: Tensor, image: Tensor, capacity: int, dtype: torch.dtype):
@@ -92,7 +85,7 @@ class _KrylovBasis:
         """
         basis = self._basis_rows[: self._filled]
         coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
-        new, residual_gram = _orthonormalize(basis, self._last_image, coupling)
+        new, residual_gram = orthonormalize(basis, self._last_image, coupling)
         return (new if new.shape[0] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
@@ -134,7 +127,7 @@ class _KrylovBasis:
         return coefficients.T @ basis, combined
 
 
-def _orthonormalize(
+def orthonormalize(
     basis: Tensor | None, block: Tensor, coefficients: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Orthonormal rows ``[b', R]`` spanning ``block`` minus its part in the basis.

@@ -1,9 +1,7 @@
 """The low-rank GGN of a parameter group as a linear operator, never formed.
 
-``G w`` and the pseudo-inverse ``G_K⁺ w`` on the leading eigenspace, through
-products with ``V`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs")
-or implicit products (``docs/math.rst``, "Implicit GGN-vector products"); also as
-a :class:`scipy.sparse.linalg.LinearOperator`.
+``G w`` and the pseudo-inverse ``G_K⁺ w`` on the leading eigenspace, through products
+with ``V`` or implicit ones; also as a :class:`scipy.sparse.linalg.LinearOperator`.
 """
 
 from __future__ import annotations
@@ -28,13 +26,9 @@ Eigenpairs = Callable[[int | None, str | None], tuple[Tensor, Tensor]]
 
 
 class OperatorProducts(Protocol):
-    """``G w`` and ``G_K⁺ w`` of one parameter group in parameter-list format.
+    """``G w`` and ``G_K⁺ w`` of one parameter group in parameter-list format."""
 
-    Attributes:
-        dtype: Type the products run in.
-    """
-
-    dtype: torch.dtype
+    dtype: torch.dtype  # the type the products run in
 
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
         """``G w`` for one tensor ``[K, *p.shape]`` per parameter."""
@@ -46,11 +40,7 @@ class OperatorProducts(Protocol):
 
 
 class GramSpaceProducts:
-    """:class:`OperatorProducts` through products with ``V``.
-
-    Args:
-        products: ``V·u`` and ``Vᵀ·w`` of the group.
-    """
+    """:class:`OperatorProducts` through the group's products with ``V``."""
 
     def __init__(self, products: VProducts):
         self._products = products
@@ -182,15 +172,8 @@ class GGNOperator:
         self, vectors: Tensor | Sequence[Tensor]
     ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
         """Rows ``[K, *p.shape]`` in the products' type, and the way back."""
-        rows, restore = self._parameter_rows(vectors)
-        rows = [row.to(self._work_dtype) for row in rows]
-        return rows, lambda result: restore([r.to(self.dtype) for r in result])
-
-    def _parameter_rows(
-        self, vectors: Tensor | Sequence[Tensor]
-    ) -> tuple[list[Tensor], Callable[[list[Tensor]], Tensor | list[Tensor]]]:
-        """Rows ``[K, *p.shape]`` and the way back; refuses mismatched vectors."""
         size = self.shape[0]
+        expected = [tuple(shape) for shape in self._shapes]
         if isinstance(vectors, Tensor):
             if vectors.ndim not in (1, 2) or vectors.shape[0] != size:
                 raise InvalidArgumentError(
@@ -199,32 +182,34 @@ class GGNOperator:
                 )
             single = vectors.ndim == 1
             columns = vectors.reshape(size, -1).to(self.dtype)
-            numels = [shape.numel() for shape in self._shapes]
-            rows = [
-                chunk.T.reshape(-1, *shape)
-                for chunk, shape in zip(
-                    columns.split(numels), self._shapes, strict=True
-                )
-            ]
+            chunks = columns.split([shape.numel() for shape in self._shapes])
+            rows = [c.T.reshape(-1, *s) for c, s in zip(chunks, expected, strict=True)]
 
-            def to_flat(result: list[Tensor]) -> Tensor:
+            def restore(result: list[Tensor]) -> Tensor:
                 flat = torch.cat([r.reshape(r.shape[0], -1) for r in result], 1).T
                 return flat.squeeze(1) if single else flat
 
-            return rows, to_flat
-        vectors = [torch.as_tensor(v).to(self.dtype) for v in vectors]
-        shapes = [tuple(v.shape) for v in vectors]
-        expected = [tuple(shape) for shape in self._shapes]
-        if shapes == expected:
-            return [v.unsqueeze(0) for v in vectors], lambda r: [t[0] for t in r]
-        if (
-            len(shapes) == len(expected)
-            and all(len(s) == len(e) + 1 for s, e in zip(shapes, expected, strict=True))
-            and all(s[1:] == e for s, e in zip(shapes, expected, strict=True))
-            and len({s[0] for s in shapes}) == 1
-        ):
-            return vectors, list
-        raise InvalidArgumentError(
-            f"Expected one tensor per parameter of the group with shapes {expected} "
-            f"(optionally with a leading axis K), got {shapes}."
-        )
+        else:
+            rows = [torch.as_tensor(v).to(self.dtype) for v in vectors]
+            shapes = [tuple(v.shape) for v in rows]
+            if shapes == expected:
+                rows, restore = (
+                    [v.unsqueeze(0) for v in rows],
+                    lambda r: [t[0] for t in r],
+                )
+            elif (
+                len(shapes) == len(expected)
+                and all(
+                    len(s) == len(e) + 1 and s[1:] == e
+                    for s, e in zip(shapes, expected, strict=True)
+                )
+                and len({s[0] for s in shapes}) == 1
+            ):
+                restore = list
+            else:
+                raise InvalidArgumentError(
+                    f"Expected one tensor per parameter of the group with shapes "
+                    f"{expected} (optionally with a leading axis K), got {shapes}."
+                )
+        rows = [row.to(self._work_dtype) for row in rows]
+        return rows, lambda result: restore([r.to(self.dtype) for r in result])

@@ -1,8 +1,4 @@
-"""The report of a Gram eigensolve and the iterative solvers' ``tol`` and ``seed``.
-
-Defaults and checks of the arguments every front door passes on to
-:func:`~vivit.linalg.iterative.block_krylov_eigh`.
-"""
+"""The report of a Gram eigensolve; the iterative solvers' ``tol`` and ``seed``."""
 
 from __future__ import annotations
 
@@ -12,15 +8,11 @@ import torch
 
 from vivit.errors import InvalidArgumentError
 
-#: The seeds torch's generators take: ``[-2⁶³, 2⁶⁴)``.
-SEEDS = (-(2**63), 2**64)
-
 
 def default_tolerance(dtype: torch.dtype) -> float:
     """The default relative residual tolerance for ``dtype``, ``max(100·ε, 1e-12)``.
 
-    ``100·ε`` lies above the rounding of a product with a stored matrix (products
-    whose terms cancel can round above it: the rounding floor).
+    Above the rounding of a product with a stored matrix.
     """
     return max(100 * torch.finfo(dtype).eps, 1e-12)
 
@@ -75,8 +67,8 @@ def check_tolerance(tol: object, name: str = "tol") -> None:
     """Check a relative residual bound (``name`` in the message).
 
     Raises:
-        InvalidArgumentError: If it is not ``None`` or a number in ``(0, 1)`` (a
-            bound of 1 or more would accept any Ritz pairs).
+        InvalidArgumentError: Unless ``None`` or a number in ``(0, 1)`` (a bound of
+            1 or more would accept any Ritz pairs).
     """
     if tol is not None and (
         isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1
@@ -92,12 +84,12 @@ def check_seed(seed: object, name: str = "seed") -> None:
     """Check the seed of the random start block (``name`` in the message).
 
     Raises:
-        InvalidArgumentError: If it is not an integer in ``[-2⁶³, 2⁶⁴)``.
+        InvalidArgumentError: Unless an integer in ``[-2⁶³, 2⁶⁴)`` (torch's seeds).
     """
     if (
         isinstance(seed, bool)
         or not isinstance(seed, int)
-        or not SEEDS[0] <= seed < SEEDS[1]
+        or not -(2**63) <= seed < 2**64
     ):
         raise InvalidArgumentError(
             f"{name} must be an integer in [-2**63, 2**64), got {seed!r}."

@@ -1,10 +1,8 @@
-"""Dense eigendecomposition of the Gram matrix and the map back to parameter space.
+"""Dense eigendecomposition of the Gram matrix, its numerical zero, and the map back.
 
-The numerical zero of the eigenvalues, and ``e_k = V ẽ_k / √λ_k``
-(``docs/math.rst``, "The Gram matrix and exact eigenpairs"). Arguments: ``gram``
-``[R, R]``, symmetric positive semi-definite; ``evals`` eigenvalues, ascending;
-``gram_evecs`` ``[N·C, K]``, Gram eigenvectors as columns; ``factors``, one
-:class:`~vivit.gram.ParamFactors` per parameter of the group.
+``e_k = V ẽ_k / √λ_k`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+``gram`` is ``[R, R]``, positive semi-definite; ``evals`` ascending; ``gram_evecs``
+``[N·C, K]`` as columns; ``factors`` one per parameter of the group.
 """
 
 from __future__ import annotations
@@ -24,10 +22,7 @@ from vivit.linalg.group_products import v_matmul
 
 
 def _with_float64_fallback(decompose: Callable, gram: Tensor):
-    """Run a LAPACK decomposition; retry in float64 (cast back) where float32 fails.
-
-    Float32 fails on large clusters of (numerically) zero eigenvalues.
-    """
+    """Run a LAPACK decomposition; retry in float64 (cast back) where float32 fails."""
     try:
         return decompose(gram)
     except (torch.linalg.LinAlgError, numpy.linalg.LinAlgError):
@@ -52,10 +47,8 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
     """The ``K = min(top_k, R)`` leading eigenpairs of a Gram matrix, exactly.
 
-    Eigenvalues ascending and eigenvectors as columns ``[R, K]``. Where
-    :func:`~vivit.gram.memory.uses_subset_solver` says so (few pairs, on the CPU),
-    LAPACK's MRRR solver computes those alone, as accurately as the full
-    decomposition but without forming every eigenvector; else the full one is sliced.
+    Eigenvalues ascending, eigenvectors ``[R, K]``. LAPACK's MRRR solver computes
+    those alone where :func:`~vivit.gram.memory.uses_subset_solver` says so.
     """
     size = gram.shape[0]
     top_k = min(top_k, size)
@@ -110,10 +103,8 @@ def residual_zero_tolerance(evals: Tensor, residual: float, rounding: float) -> 
 
     Args:
         evals: The Ritz values, the largest among them.
-        residual: The largest relative residual of the pairs, ``r``
-            (:attr:`~vivit.linalg.iterative.SolverReport.residual`).
-        rounding: The products' measured rounding relative to ``θ_max``
-            (:attr:`~vivit.linalg.iterative.SolverReport.rounding`).
+        residual: ``r``, :attr:`~vivit.linalg.iterative.SolverReport.residual`.
+        rounding: ``ρ``, :attr:`~vivit.linalg.iterative.SolverReport.rounding`.
     """
     if evals.numel() == 0:
         return 0.0
@@ -131,9 +122,8 @@ def top_k_indices(
 ) -> list[int]:
     """Indices (ascending) of the ``top_k`` largest numerically non-zero eigenvalues.
 
-    ``top_k=None`` keeps all of them. The numerical zero is ``tolerance`` where given
-    (e.g. :func:`residual_zero_tolerance`), else :func:`numerical_zero_tolerance`
-    of ``evals`` (all, or the largest) and the other arguments.
+    ``top_k=None`` keeps all. The numerical zero is ``tolerance`` where given, else
+    :func:`numerical_zero_tolerance` of the other arguments.
 
     Raises:
         InvalidArgumentError: If ``top_k`` is not ``None`` or a positive integer.
@@ -146,25 +136,13 @@ def top_k_indices(
 
 
 def check_top_k(top_k: int | None) -> None:
-    """Check that ``top_k`` is ``None`` or a positive integer.
-
-    Raises:
-        InvalidArgumentError: If it is neither.
-    """
+    """Raise :class:`~vivit.errors.InvalidArgumentError` unless ``None`` or ``> 0``."""
     check_positive_int(top_k, "top_k", none="every non-zero eigenpair")
 
 
-#: Types the Gram matrix may be accumulated in (LAPACK's real symmetric solvers).
-GRAM_DTYPES = (torch.float32, torch.float64)
-
-
 def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
-    """Check that ``gram_dtype`` is ``None``, ``torch.float32`` or ``torch.float64``.
-
-    Raises:
-        InvalidArgumentError: If it is anything else.
-    """
-    if gram_dtype is not None and gram_dtype not in GRAM_DTYPES:
+    """Raise :class:`~vivit.errors.InvalidArgumentError` unless ``None``, float32/64."""
+    if gram_dtype not in (None, torch.float32, torch.float64):
         raise InvalidArgumentError(
             f"gram_dtype must be None (the model's dtype), torch.float32 or "
             f"torch.float64, got {gram_dtype!r}. Use torch.float64 to resolve the "
@@ -177,8 +155,7 @@ def direction_coefficients(
 ) -> Tensor:
     """Gram-space coefficients ``ẽ_k / √λ_k``, ``[N·C, K]``, of ``e_k = V ẽ_k / √λ_k``.
 
-    A direction whose eigenvalue is at or below ``tolerance`` (at least 0; usually
-    :func:`numerical_zero_tolerance`) is rounding noise: its coefficients are zero.
+    Zero for an eigenvalue at or below ``tolerance`` (at least 0): rounding noise.
     """
     resolved = evals > max(tolerance, 0.0)
     inverse_roots = torch.where(resolved, evals, 1.0).rsqrt() * resolved
@@ -191,10 +168,9 @@ def gram_to_param(
     evals: Tensor,
     tolerance: float = 0.0,
 ) -> list[Tensor]:
-    """GGN eigenvectors ``e_k = V ẽ_k / √λ_k``, one ``[K, *p.shape]`` per parameter.
+    """GGN eigenvectors ``e_k``, one ``[K, *p.shape]`` per parameter, factors' dtype.
 
-    In the factors' dtype; eigenvalues at or below ``tolerance`` give zero vectors
-    (:func:`direction_coefficients`).
+    Eigenvalues at or below ``tolerance`` give zero vectors.
     """
     coefficients = direction_coefficients(gram_evecs, evals, tolerance).T
     return v_matmul(factors, coefficients)

@@ -1,13 +1,11 @@
 """Leading eigenpairs of a group's Gram matrix or GGN: the solvers, and running one.
 
 ``"dense"`` is LAPACK on the Gram matrix; ``"gram_krylov"`` block Krylov
-(:mod:`vivit.linalg.iterative`) on the Gram matrix; ``"factor_krylov"`` the same
-iteration on products with the factors of ``V`` (the Gram matrix never formed);
-``"ggn_krylov"`` the same on ``G`` in parameter space (a route of its own,
-:mod:`vivit.sources.implicit`). Which one ``"auto"`` runs is the cost model's
-choice (:mod:`vivit.memory.costs`). An iterative solve that does not converge
-raises where it was asked for by name and falls back to the dense solver under
-``"auto"`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+(:mod:`vivit.linalg.iterative`) on it; ``"factor_krylov"`` on products with the
+factors of ``V`` (the Gram matrix never formed); ``"ggn_krylov"`` on ``G`` in
+parameter space (:mod:`vivit.sources.implicit`). ``"auto"`` is the cost model's
+choice (:mod:`vivit.memory.costs`), and falls back to ``"dense"`` where an
+iterative solve does not converge; one asked for by name raises.
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ import torch
 from torch import Tensor
 
 from vivit.errors import InvalidArgumentError, SolverNotConvergedError
-from vivit.gram.memory import (
-    itemsize,
-)
+from vivit.gram.memory import itemsize
 from vivit.linalg.iterative import (
     SolverReport,
     basis_capacity,
@@ -41,13 +37,10 @@ RENAMED = {
     "matrix_free": "solver='factor_krylov'",
     "implicit": "a route: route='implicit', chosen at construction",
 }
-#: Block size of the implicit route's products (at most ``top_k``): thinner
-#: blocks reach the leading eigenpairs in fewer products (a higher Krylov degree
-#: per product), a vmapped product of ``b`` vectors costs a fixed overhead plus
-#: ``b`` times a vector's work. Top-10 in float32, one thread (CPU seconds of the
-#: solve, products): ``gpt2-2l-64-v128`` N = 4 b = 10: 0.94 s, 100; b = 3: 0.75 s,
-#: 61; ``gpt2-4l-128-v500`` N = 8: 17.8 s, 110; 10.4 s, 67; char-LSTM N = 32:
-#: 0.76 s, 110; 0.53 s, 61 (``benchmarks/README.md``, "Narrow blocks").
+#: Block size of the implicit route's products (at most ``top_k``): thinner blocks
+#: reach the leading pairs in fewer products, a vmapped product of ``b`` vectors
+#: costs a fixed overhead plus ``b`` vectors' work (``benchmarks/README.md``,
+#: "Narrow blocks").
 IMPLICIT_BLOCK = 3
 #: Extra columns of the block of Gram products beyond ``top_k``
 #: (:func:`solver_block_size`).
@@ -57,15 +50,11 @@ _KRYLOV_ITEMSIZE = 8
 
 
 def check_solver(solver: str, top_k: int | None = 1) -> None:
-    """Check that ``solver`` is one of :data:`SOLVERS` and fits the request.
-
-    Args:
-        solver: The solver name.
-        top_k: Number of leading eigenpairs requested (``None``: all).
+    """Check that ``solver`` is one of :data:`SOLVERS` and fits ``top_k``.
 
     Raises:
-        ValueError: If it is not a solver, if ``top_k`` is invalid, or if an
-            iterative solver is asked for all eigenpairs.
+        InvalidArgumentError: If it is not a solver, if ``top_k`` is invalid, or if
+            an iterative solver is asked for all eigenpairs.
     """
     if solver in RENAMED:
         raise InvalidArgumentError(
@@ -74,7 +63,7 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
     if not isinstance(solver, str) or solver not in SOLVERS:
         raise InvalidArgumentError(f"solver must be one of {SOLVERS}, got {solver!r}.")
     check_top_k(top_k)
-    if top_k is None and solver != "dense" and solver != "auto":
+    if top_k is None and solver not in ("dense", "auto"):
         raise InvalidArgumentError(
             f"solver={solver!r} computes a few leading eigenpairs: pass top_k "
             "(e.g. top_k=10), or use solver='dense' for all of them."
@@ -82,24 +71,13 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 
 
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
-    """Block size ``b`` of an iterative solver (at most ``R``).
+    """Block size ``b`` of an iterative solver (at most ``size``).
 
-    ``"ggn_krylov"``: ``b = min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
-    :func:`~vivit.linalg.iterative.narrow_block_doubt` (a cluster that could hide
-    a copy of a multiple eigenvalue is solved again with ``b = k``).
-    ``"factor_krylov"``: ``b = k`` (:func:`~vivit.linalg.iterative.
-    default_block_size`). ``"gram_krylov"``:
-    ``b = max(2·k, k + GRAM_OVERSAMPLING)``: a product with a Gram matrix larger
-    than the cache costs a pass over it, so wider blocks (fewer passes) win
-    although they need more products.
-
-    Args:
-        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"``.
-        top_k: Number of leading eigenpairs.
-        size: Side length ``R`` of the Gram matrix (``D`` for ``"ggn_krylov"``).
-
-    Returns:
-        ``b``.
+    ``"ggn_krylov"``: ``min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
+    :func:`~vivit.linalg.iterative.narrow_block_doubt`; ``"factor_krylov"``:
+    ``k``; ``"gram_krylov"``: ``max(2·k, k +`` :data:`GRAM_OVERSAMPLING` ``)``, as
+    a product with a Gram matrix larger than the cache costs a pass over it.
+    ``size`` is the Gram matrix's side length (``D`` for ``"ggn_krylov"``).
     """
     if solver == "ggn_krylov":
         return min(size, top_k, IMPLICIT_BLOCK)
@@ -118,30 +96,26 @@ def iterative_workspace_bytes(
 ) -> int:
     """Memory of the iterative solvers besides the Gram matrix.
 
+    The float64 basis and its images (``m`` columns each), their projection
+    (``m × m``), the Ritz vectors a restart keeps and their images, a block with
+    its image and the next (``max(b, k)`` each) and two blocks in ``dtype``.
+
     Args:
         size: Side length ``R`` of the Gram matrix.
         top_k: Number of leading eigenpairs.
         dtype: Data type of the products.
-        params: ``D`` for the matrix-free solver (a block of ``D``-vectors
-            between the two ``V``-products and the contraction's copy of it,
-            measured); ``None`` for products with the Gram.
-        columns: Columns ``m`` of the basis (``None``: its default,
-            :func:`~vivit.linalg.iterative.basis_capacity`; a basis cut by
-            memory: :func:`fitting_basis_columns`).
-        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"`` (``None``:
-            ``"gram_krylov"`` without ``params``, else ``"factor_krylov"``); its
-            block size :func:`solver_block_size`.
+        params: ``D`` for the matrix-free solver (a block of ``D``-vectors between
+            the two ``V``-products and its copy); ``None`` for Gram products.
+        columns: Columns ``m`` of the basis (``None``: the default,
+            :func:`~vivit.linalg.iterative.basis_capacity`).
+        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"``
+            (``None``: ``"gram_krylov"`` without ``params``, else
+            ``"factor_krylov"``), for its :func:`solver_block_size`.
 
     Returns:
-        Bytes: the float64 basis and its image in the products' type (``m``
-        columns each), their projection (``m × m``), the Ritz vectors a restart
-        keeps and their images (:func:`~vivit.linalg.iterative.restart_size`
-        each), a block with its image and the next (``max(b, k)`` each, in
-        float64: a confirmation multiplies the ``k`` Ritz vectors at once) and
-        two blocks in the products' dtype.
+        Bytes.
     """
-    if solver is None:
-        solver = "gram_krylov" if params is None else "factor_krylov"
+    solver = solver or ("gram_krylov" if params is None else "factor_krylov")
     width = solver_block_size(solver, top_k, size)
     wide = max(width, min(top_k, size))
     if columns is None:
@@ -167,28 +141,23 @@ def fitting_basis_columns(
 ) -> int:
     """Columns ``m`` of the Krylov basis that the memory allows.
 
-    ``m = min(m_default, the most columns whose workspace fits the budget)``,
-    never below :func:`~vivit.linalg.iterative.minimum_capacity` (``k + 2·b``;
-    the caller refuses where even that does not fit). A cut basis restarts more
-    often; the iteration converges by its thick restart all the same
-    (``docs/math.rst``, "The Gram matrix and exact eigenpairs", "A basis cut by
-    memory").
+    The default basis where its workspace fits ``budget_bytes``, else the most
+    columns that fit, never below :func:`~vivit.linalg.iterative.minimum_capacity`
+    (the caller refuses where even that does not fit). A cut basis restarts more
+    often and converges all the same (``docs/math.rst``, "A basis cut by memory").
 
     Args:
         size: Side length of the operator (``D`` on the implicit route).
         top_k: Number of leading eigenpairs.
         dtype: Data type of the products.
-        budget_bytes: Memory the solver's workspace may take (what is available
-            less the products' own memory).
+        budget_bytes: Memory the solver's workspace may take.
         params: As for :func:`iterative_workspace_bytes`.
         solver: As for :func:`iterative_workspace_bytes`.
 
     Returns:
-        ``m``, for :func:`iterative_workspace_bytes` and the solver's
-        ``max_columns``.
+        ``m``, the solver's ``max_columns``.
     """
-    if solver is None:
-        solver = "gram_krylov" if params is None else "factor_krylov"
+    solver = solver or ("gram_krylov" if params is None else "factor_krylov")
     width = solver_block_size(solver, top_k, size)
     top_k = min(top_k, size)
     low = minimum_capacity(top_k, width, size)  # returned where nothing fits
@@ -222,89 +191,69 @@ def leading_eigenpairs(
     """The ``top_k`` leading eigenpairs of a group's Gram matrix.
 
     Args:
-        products: ``U ↦ G̃ U`` without the Gram matrix (``[N·C, K]`` columns),
-            for the matrix-free solver.
+        products: ``U ↦ G̃ U`` for columns ``[N·C, K]``, without the Gram matrix
+            (``G V`` in parameter space for ``"ggn_krylov"``).
         top_k: Number of leading eigenpairs.
         solver: ``"dense"``, ``"gram_krylov"``, ``"factor_krylov"`` or
-            ``"ggn_krylov"`` (``products`` are then ``G V`` in parameter space).
-        gram: Returns the Gram matrix, forming it if needed (not called by the
-            matrix-free and implicit solvers).
+            ``"ggn_krylov"``.
+        gram: Returns the Gram matrix, forming it if needed.
         size: Side length ``N·C`` of the Gram matrix (``D`` for ``"ggn_krylov"``).
-        requested: The solver the caller asked for; under ``"auto"`` an iterative
-            solve that does not converge falls back to ``"dense"``.
+        requested: The solver asked for; under ``"auto"`` an iterative solve that
+            does not converge warns and falls back to ``"dense"``.
         dtype: Data type of the factors' products.
         device: Their device.
-        tol: Relative residual bound of the iterative solvers (default:
-            :func:`~vivit.linalg.iterative.default_tolerance`).
+        tol: Relative residual bound of the iterative solvers (``None``: default).
         seed: Seed of their start block.
         max_columns: Most columns of their Krylov basis the memory allows
             (:func:`fitting_basis_columns`; ``None``: the default basis).
 
     Returns:
-        Eigenvalues ``[k]`` ascending, Gram eigenvectors ``[N·C, k]`` as columns,
-        and the report (with the residual for every solver).
+        Eigenvalues ``[k]`` ascending, eigenvectors ``[size, k]`` as columns, and
+        the report.
 
     Raises:
         SolverNotConvergedError: If an explicitly requested iterative solver does
             not converge.
     """
-    if solver == "dense":
-        matrix = gram()
-        evals, evecs = gram_eigh_top(matrix, top_k)
-        report = SolverReport(
-            solver="dense",
-            requested=requested,
-            residual=relative_residual(matrix @ evecs, evals, evecs),
-            tolerance=None,
-            converged=True,
-        )
-        return evals, evecs, report
-    matmul = gram().__matmul__ if solver == "gram_krylov" else products
-    try:
-        evals, evecs, report = block_krylov_eigh(
-            matmul,
-            size,
-            top_k,
-            dtype=dtype,
-            device=device,
-            tol=tol,
-            seed=seed,
-            block_size=solver_block_size(solver, top_k, size),
-            max_columns=max_columns,
-            # under "auto" the Gram routes fall back to the exact dense solver
-            rounding_floor=requested != "auto" or solver == "ggn_krylov",
-        )
-    except SolverNotConvergedError as error:
-        if requested != "auto":
-            raise
-        warnings.warn(
-            f"{error} Falling back to the dense solver.", RuntimeWarning, stacklevel=3
-        )
-        evals, evecs, report = leading_eigenpairs(
-            products,
-            top_k,
-            "dense",
-            gram,
-            size=size,
-            requested=requested,
-            dtype=dtype,
-            device=device,
-        )
-        return evals, evecs, dataclasses.replace(report, fallback=str(error))
-    return evals, evecs, dataclasses.replace(report, solver=solver, requested=requested)
+    fallback = None
+    if solver != "dense":
+        matmul = gram().__matmul__ if solver == "gram_krylov" else products
+        try:
+            evals, evecs, report = block_krylov_eigh(
+                matmul,
+                size,
+                top_k,
+                dtype=dtype,
+                device=device,
+                tol=tol,
+                seed=seed,
+                block_size=solver_block_size(solver, top_k, size),
+                max_columns=max_columns,
+                # under "auto" the Gram routes fall back to the exact dense solver
+                rounding_floor=requested != "auto" or solver == "ggn_krylov",
+            )
+            report = dataclasses.replace(report, solver=solver, requested=requested)
+            return evals, evecs, report
+        except SolverNotConvergedError as error:
+            if requested != "auto":
+                raise
+            warnings.warn(
+                f"{error} Falling back to the dense solver.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            fallback = str(error)
+    matrix = gram()
+    evals, evecs = gram_eigh_top(matrix, top_k)
+    residual = relative_residual(matrix @ evecs, evals, evecs)
+    report = SolverReport(
+        "dense", requested, residual, tolerance=None, converged=True, fallback=fallback
+    )
+    return evals, evecs, report
 
 
 def relative_residual(images: Tensor, evals: Tensor, evecs: Tensor) -> float:
-    """``max_k ‖G̃ ũ_k − λ_k ũ_k‖ / λ_max`` (``0`` for a zero matrix).
-
-    Args:
-        images: ``G̃ U``, ``[N·C, K]``.
-        evals: ``[K]``.
-        evecs: ``U``, ``[N·C, K]``.
-
-    Returns:
-        The largest relative residual.
-    """
+    """``max_k ‖G̃ ũ_k − λ_k ũ_k‖ / λ_max`` of ``images = G̃ U`` (``0`` if ``G̃ = 0``)."""
     if evals.numel() == 0:
         return 0.0
     scale = evals.abs().max().item()

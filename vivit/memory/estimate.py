@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit._param_groups import param_group_lists
 from vivit._validation import (
     check_batch_norms,
     check_inputs_match,
@@ -18,7 +19,6 @@ from vivit._validation import (
     check_params,
     check_positive_int,
     check_subsampling,
-    param_group_lists,
 )
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import available_bytes, resident_bytes

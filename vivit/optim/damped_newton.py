@@ -1,59 +1,7 @@
 """A ``torch.optim.Optimizer`` that takes directionally damped Newton steps.
 
-:class:`DampedNewton`'s defaults and why (``docs/guide.rst``, "Damped Newton
-steps", has the numbers):
-
-- ``top_k=None``: every numerically non-zero direction. Much of a network's
-  gradient lies outside the few sharpest directions (on the digits MLP at
-  initialisation, half of it lies outside the top 10), so a step
-  restricted to ``top_k`` directions leaves most of the descent untouched and
-  trains much more slowly.
-- ``damping=1.0`` (on the scale of the eigenvalues; for a mean-reduced loss,
-  per sample): a direction with curvature ``λ_k ≪ 1`` moves like a gradient
-  step with learning rate ``1``, one with ``λ_k ≫ 1`` takes its Newton step.
-  No direction moves farther than ``γ̄_k / δ``, however flat it is.
-- ``trust_fraction=0.25``: the GGN's quadratic model may predict a decrease
-  of at most a quarter of the mini-batch loss per step. The losses are
-  non-negative, so a model that promises more than the loss itself is used
-  far outside where it holds (flat directions, ``λ_k → 0``, ask for huge
-  steps). Where the bound binds, the smallest common damping ``μ`` added to
-  every direction meets it (a Levenberg-Marquardt damping; it shortens the
-  flattest directions most). This makes any damping rule safe, including
-  ``damping=0`` and :class:`~vivit.optim.damping.BootstrapDamping`.
-- ``lr=1.0``: the (damped) Newton step itself. With ``lr > 1`` each damping
-  is raised to at least ``(lr − 1) λ_k`` (unless ``trust_fraction=None``),
-  so that no direction is carried past the minimum of its quadratic model
-  (no direction predicts an increase of the loss).
-
-A step to which no direction contributes (no curvature, as with a saturated
-softmax; every direction skipped by the damping; zero gradient) is zero and
-warns with :class:`~vivit.ZeroStepWarning`. A non-finite loss or step is
-never written into the parameters: the step raises and leaves them unchanged.
-
-The curvature needs BatchNorm layers in eval mode, so the step never updates
-their running statistics; refresh them yourself (e.g. a no-grad forward pass
-in train mode) if they should follow the data.
-
-``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
-can differ between parameter groups (as in ``torch.optim``); each group is
-one block of a block-diagonal GGN, with its own trust region. ``mc_samples``
-and ``subsampling`` shape the single backward pass and hold for all groups.
-Each group's settings are checked when it is added (by the constructor or
-:meth:`DampedNewton.add_param_group`) and again at every step, for values
-changed in ``param_groups`` since.
-
-Data-parallel training (``torch.distributed``, user guide "Several
-processes"): every rank calls ``step(data=its_shard)``; each step is the
-damped Newton step of the loss on the union of the shards, identical on
-every rank, so replicas that start equal stay equal. The model may be
-wrapped in ``DistributedDataParallel`` (the curvature runs on its
-``.module``). Closures are refused under a process group: their loss is
-one process's.
-
-After a step, :attr:`DampedNewton.last_steps` holds one
-:class:`~vivit.directional.NewtonStep` per group (eigenvalues, ``γ``, ``λ``,
-``γ̄``, the dampings used after the trust region, the step applied) and, with
-``keep_directions=True``, :attr:`DampedNewton.last_directions` the eigenvectors.
+Its defaults and why, zero and non-finite steps: user guide, "Damped Newton
+steps"; data-parallel training: "Several processes"; BatchNorm: "BatchNorm".
 """
 
 from __future__ import annotations
@@ -68,13 +16,13 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from vivit._param_groups import optimizer_param_groups
 from vivit._validation import (
     check_damping,
     check_grad_mode,
     check_lr,
     check_params,
     check_subsampling,
-    optimizer_param_groups,
 )
 from vivit.directional.gram_space import Damping, predicted_decrease
 from vivit.directional.results import NewtonStep
@@ -89,7 +37,7 @@ from vivit.errors import (
 )
 from vivit.linalg.solvers import check_top_k
 from vivit.lowrank import LowRankGGN
-from vivit.options import CurvatureOptions
+from vivit.options import CurvatureOptions, options_from
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -126,13 +74,23 @@ class DampedNewton(Optimizer):
         for inputs, targets in loader:
             optimizer.step(lambda: loss_func(model(inputs), targets))
 
-    Its defaults and why, zero and non-finite steps, BatchNorm, settings per
-    parameter group, data-parallel training and :attr:`last_steps`: see
-    :mod:`vivit.optim.damped_newton`.
+    ``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
+    may differ between parameter groups (each one block of a block-diagonal GGN,
+    with its own trust region); they are checked when a group is added and at
+    every step, for values changed since. The step never updates BatchNorm's
+    running statistics (the curvature needs eval mode). Under a process group
+    every rank calls ``step(data=its_shard)`` and takes the step of the union
+    (closures are refused).
+
+    Options: ``mc_samples``, ``mc_per``, ``subsampling``, ``generator``,
+    ``gram_dtype``, ``route``, ``solver``, ``engine``, ``process_group``,
+    ``chunk_size`` and ``output`` are options of
+    :class:`~vivit.options.CurvatureOptions`, described there; they shape each
+    step's backward pass for all groups. A closure's step always runs BackPACK on
+    the Gram route, one process, no chunks, and computes its own output.
 
     Args:
-        params: Parameters or parameter groups; each group is one block of a
-            block-diagonal GGN, with its own settings and trust region.
+        params: Parameters or parameter groups.
         lr: Scale of the Newton step (``1.0``: the damped Newton step itself).
         damping: Constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs, gammas,
             lambdas) → [K]`` such as :class:`~vivit.optim.damping.BootstrapDamping`.
@@ -141,31 +99,19 @@ class DampedNewton(Optimizer):
         subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
         trust_fraction: Largest decrease of the loss the quadratic model may
             predict for a step, as a fraction of the mini-batch loss (which must
-            then be non-negative, as every supported loss is). ``None`` applies
-            the dampings unchanged, with no protection against huge steps; a
+            then be non-negative). ``None`` applies the dampings unchanged; a
             step whose model promises a decrease beyond a non-negative loss then
             warns with :class:`~vivit.UnboundedStepWarning`.
-        mc_samples: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
-        mc_per: As for :class:`~vivit.options.CurvatureOptions`.
-        subsampling: As for :class:`~vivit.options.CurvatureOptions`; for all groups.
-        generator: As for :class:`~vivit.options.CurvatureOptions`.
         keep_directions: Keep the last step's eigenvectors in parameter space.
-        gram_dtype: As for :class:`~vivit.options.CurvatureOptions`.
-        route: As for :class:`~vivit.options.CurvatureOptions`: where each
-            step's curvature comes from.
-        solver: As for :class:`~vivit.options.CurvatureOptions`: the eigensolver for
-            ``top_k`` directions.
         model: The network, for steps given ``data`` instead of a closure.
         loss_func: The loss module, for steps given ``data``.
-        engine: As for :class:`~vivit.options.CurvatureOptions`, for steps given
-            ``data``; closures always use BackPACK.
-        process_group: As for :class:`~vivit.options.CurvatureOptions`: the processes
-            whose shards make up each step's batch. Under a group, steps take ``data``
-            (this rank's shard: a batch or a loader), not a closure.
-        chunk_size: As for :class:`~vivit.options.CurvatureOptions`, for steps given
-            ``data``; the step is that of the whole batch.
-        output: As for :class:`~vivit.options.CurvatureOptions`, for steps given
-            ``data`` (closures compute the loss themselves).
+
+    Attributes:
+        last_steps: One :class:`~vivit.directional.NewtonStep` per group of the
+            last step (eigenvalues, ``γ``, ``λ``, ``γ̄``, the dampings used after
+            the trust region, the step applied).
+        last_directions: With ``keep_directions``, the last step's eigenpairs
+            per group.
 
     Raises:
         InvalidArgumentError: If an argument has the wrong type or value (``lr``
@@ -202,30 +148,12 @@ class DampedNewton(Optimizer):
         output: OutputSelector = None,
     ):
         check_grad_mode("DampedNewton")
-        check_lr(lr)
         if (model is None) != (loss_func is None):
             raise InvalidArgumentError(
                 "Pass both model and loss_func (to call step(data=...)) or neither "
                 "(to call step(closure))."
             )
-        self.options = CurvatureOptions(
-            mc_samples=mc_samples,
-            mc_per=mc_per,
-            subsampling=subsampling,
-            generator=generator,
-            gram_dtype=gram_dtype,
-            route=route,
-            solver=solver,
-            engine=engine,
-            process_group=process_group,
-            chunk_size=chunk_size,
-            output=output,
-        )
-        check_damping(damping)
-        check_trust_fraction(trust_fraction)
-        check_top_k(top_k)
-        check_subsampling(subsampling_grad, name="subsampling_grad")
-        params = optimizer_param_groups(params)
+        self.options = options_from(locals())
         defaults = {
             "lr": lr,
             "damping": damping,
@@ -233,7 +161,9 @@ class DampedNewton(Optimizer):
             "subsampling_grad": subsampling_grad,
             "trust_fraction": trust_fraction,
         }
-        super().__init__(params, defaults)  # checks each group (add_param_group)
+        check_group_settings(defaults)  # also where every group overrides them
+        # add_param_group checks each group
+        super().__init__(optimizer_param_groups(params), defaults)
         self.keep_directions = keep_directions
         self.model, self.loss_func = model, loss_func
         self.last_steps: list[NewtonStep] = []
@@ -389,15 +319,11 @@ def _check_closure_options(options: CurvatureOptions) -> None:
 STEP_SETTINGS = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
 
 
-def check_group_settings(group: dict, index: int) -> None:
-    """Check a parameter group's step settings, naming the group on error.
+def check_group_settings(group: dict, index: int | None = None) -> None:
+    """Check the step settings of parameter group ``index`` (``None``: the defaults).
 
-    Runs when a group is added (also by the constructor) and at every step, for
-    settings changed in ``optimizer.param_groups`` since.
-
-    Args:
-        group: The parameter group, with every key of :data:`STEP_SETTINGS`.
-        index: Its position in ``param_groups``, for the message.
+    Runs on the defaults, when a group is added and at every step, for settings
+    changed in ``optimizer.param_groups`` since.
 
     Raises:
         InvalidArgumentError: If ``lr``, ``damping``, ``top_k`` or
@@ -411,6 +337,8 @@ def check_group_settings(group: dict, index: int) -> None:
         check_subsampling(group["subsampling_grad"], name="subsampling_grad")
         check_trust_fraction(group["trust_fraction"])
     except VivitError as error:
+        if index is None:
+            raise
         raise type(error)(f"Parameter group {index}: {error}") from None
 
 
@@ -432,10 +360,7 @@ def _step_settings(group: dict) -> dict[str, object]:
 
 
 def check_trust_fraction(trust_fraction: object) -> None:
-    """Check that a trust fraction is ``None`` or a positive finite number.
-
-    Args:
-        trust_fraction: The value of ``DampedNewton(trust_fraction=...)``.
+    """Refuse a ``trust_fraction`` that is neither ``None`` nor positive and finite.
 
     Raises:
         InvalidArgumentError: If it is neither.

@@ -1,13 +1,7 @@
 """What the results layer asks of a source of curvature, per parameter group.
 
-:mod:`vivit.results` computes every result (eigenvalues, eigenpairs, directional
-derivatives, Newton steps, the operator) once, over this protocol. A source
-answers it its own way: stored factors of ``V`` (:mod:`vivit.sources.stored`),
-factors recomputed in passes over a loader (:mod:`vivit.sources.streamed`), or
-implicit products in parameter space (:mod:`vivit.sources.implicit`,
-:class:`ParameterGroupSource`).
-Shapes follow ``docs/math.rst``: ``N·C`` Gram-space rows (``N·M`` with
-Monte-Carlo sampling), ``D`` parameters.
+:mod:`vivit.results` computes every result once, over this protocol; each source
+answers it its own way. Shapes follow ``docs/math.rst``.
 """
 
 from __future__ import annotations
@@ -37,14 +31,12 @@ class GroupSource(Protocol):
         device: Device of the products.
         num_rows: Side length ``N·C`` of the Gram matrix.
         products: ``V·u``, ``Vᵀ·w`` and ``G̃·U`` of the group.
-        solvers: The solvers it runs (``"auto"`` picks among several by the
-            cost model, :func:`~vivit.memory.costs.choose_solver`).
+        solvers: The solvers it runs.
         keeps_directions: Whether parameter-space eigenvectors are worth keeping
             between calls (each product is a pass over the data).
-        parameter_space: Whether the leading eigenpairs are computed on ``G`` in
-            parameter space rather than on the Gram matrix (then the source is a
-            :class:`ParameterGroupSource` and the "Gram eigenvectors" the results
-            layer passes around are the eigenvectors, flat columns ``[D, K]``).
+        parameter_space: Whether the eigenpairs are computed on ``G`` in parameter
+            space (a :class:`ParameterGroupSource`; its "Gram eigenvectors" are
+            the eigenvectors, flat columns ``[D, K]``).
     """
 
     index: int
@@ -98,8 +90,8 @@ class GroupSource(Protocol):
 class ParameterGroupSource(GroupSource, Protocol):
     """A group whose products are ``G v`` in parameter space (no ``V``, no Gram).
 
-    ``num_rows`` counts the output entries of its curvature samples (``N·C``);
-    :meth:`form_gram` refuses.
+    ``num_rows`` counts its curvature samples' output entries; :meth:`form_gram`
+    refuses.
 
     Attributes:
         num_params: ``D``, the group's parameters.
@@ -125,10 +117,7 @@ class ParameterGroupSource(GroupSource, Protocol):
 
 
 class CurvatureSource:
-    """The curvature of a loss on a set of samples, per parameter group.
-
-    A source sets the attributes and fills :attr:`groups` with one
-    :class:`GroupSource` per parameter group.
+    """The curvature of a loss on a set of samples: a :class:`GroupSource` per group.
 
     Attributes:
         param_groups: The parameter groups.
@@ -144,12 +133,6 @@ class CurvatureSource:
 
     def group(self, index: int) -> GroupSource:
         """The curvature of group ``index``.
-
-        Args:
-            index: Position of the group.
-
-        Returns:
-            The group's source.
 
         Raises:
             GroupIndexError: If there is no such group.

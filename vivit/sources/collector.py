@@ -1,14 +1,8 @@
-"""The sink of every engine: from parameter contributions to each group's curvature.
+"""The sink of every engine: parameter contributions into each group's curvature.
 
-Engines hand every parameter's :class:`~vivit.engines.base.ParamContribution` to a
-:class:`GroupCollector` (the engines' :class:`~vivit.engines.base.ContributionSink`).
-It adds the contribution's Gram block to its group's Gram matrix and drops the
-factors, unless later products need them (mapping Gram-space vectors to parameter
-space, ``Vᵀ∇ℓ_n``). When the last parameter of a group has contributed, the
-group's :class:`GroupCurvature` is handed to a callback; it holds the group's Gram
-matrix (or the factors to form it on demand) and answers ``Vᵀ∇ℓ_n`` with caching.
-The eigenpairs are selected by the results layer (:mod:`vivit.results`) or by a
-ViViT criterion (:mod:`vivit.compat`).
+A :class:`GroupCollector` adds each contribution's Gram block to its group's and
+keeps the factors where later products need them; a complete group's
+:class:`GroupCurvature` goes to a callback.
 """
 
 from __future__ import annotations
@@ -20,11 +14,11 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit._param_groups import param_group_lists
 from vivit._validation import (
     check_model,
     check_params,
     check_subsampling,
-    param_group_lists,
 )
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors
@@ -38,16 +32,12 @@ class GroupCurvature:
     Attributes:
         params: The group's parameters, in the group's order.
         batch: Batch context (reduction, samples, columns per sample).
-        factor_dtype: Floating-point type the engine computed the factors of
-            ``V`` in (the model's); products may run in a wider type.
-        gram: ``Vᵀ V`` of the group, ``[N·C, N·C]``, sample-major, in the
-            collector's ``gram_dtype``, or ``None`` if the collector was told not
-            to form it (``keep_gram=False``).
-        vt_grads: ``Vᵀ ∇ℓ_n`` for the requested gradient samples, ``[N·C, N_grad]``,
-            or ``None``.
+        factor_dtype: Type the engine computed ``V``'s factors in (the model's).
+        gram: ``Vᵀ V``, ``[N·C, N·C]``, sample-major, in the collector's
+            ``gram_dtype`` (``None``: not formed).
+        vt_grads: ``Vᵀ ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, or ``None``.
         ggn_factors: Per-parameter factors of ``V``, if kept.
-        grad_factors: Per-parameter per-sample-gradient factors (all samples), if
-            kept and computed.
+        grad_factors: Per-parameter per-sample-gradient factors, if kept.
     """
 
     params: list[Parameter]
@@ -60,14 +50,10 @@ class GroupCurvature:
     _vt_grads: dict = field(default_factory=dict, repr=False)
 
     def gradient_products(self, samples: Sequence[int] | None) -> Tensor:
-        """``Vᵀ∇ℓ_n`` of the gradient samples, ``[N·C, N_grad]``, cached per samples.
+        """``Vᵀ∇ℓ_n`` ``[N·C, N_grad]`` of the gradient samples, cached per samples.
 
         Args:
-            samples: Gradient samples (positions in the mini-batch, checked;
-                ``None``: all).
-
-        Returns:
-            The products, from the kept factors.
+            samples: Positions in the mini-batch (checked; ``None``: all).
         """
         key = None if samples is None else tuple(samples)
         if key not in self._vt_grads:
@@ -78,15 +64,7 @@ class GroupCurvature:
         return self._vt_grads[key]
 
     def in_param_dtypes(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Cast parameter-space results to the dtypes of the group's parameters.
-
-        Args:
-            tensors: One tensor per parameter (eigenvectors, a step), possibly
-                computed in a wider ``gram_dtype``.
-
-        Returns:
-            The tensors, each in its parameter's dtype.
-        """
+        """:func:`in_param_dtypes` of the group's parameters."""
         return in_param_dtypes(tensors, self.params)
 
 
@@ -95,8 +73,7 @@ def in_param_dtypes(
 ) -> list[Tensor]:
     """Parameter-space results (eigenvectors, a step) in their parameters' dtypes.
 
-    Always new tensors, never ``tensors`` themselves: what a caller receives is
-    not a cache of the library's.
+    Always copies: what a caller receives is not a cache of the library's.
 
     Args:
         tensors: One tensor per parameter, possibly in a wider ``gram_dtype``.
@@ -111,16 +88,7 @@ def in_param_dtypes(
 def gradient_cross_gram(
     ggn: ParamFactors, grad: ParamFactors, samples: Sequence[int] | None
 ) -> Tensor:
-    """``Vᵀ∇ℓ_n`` of one parameter: a cross-Gram block with its gradient factors.
-
-    Args:
-        ggn: The parameter's factors of ``V``.
-        grad: Its per-sample-gradient factors (every sample of the mini-batch).
-        samples: Gradient samples to use (``None``: all).
-
-    Returns:
-        ``[N·C, N_grad]``.
-    """
+    """``Vᵀ∇ℓ_n`` ``[N·C, N_grad]`` of a parameter's factors (``samples=None``: all)."""
     return ggn.gram(grad if samples is None else grad.select(samples))
 
 
@@ -148,15 +116,12 @@ class GroupCollector:
         vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
         gradient_samples: Samples (positions in the mini-batch) whose gradients
             enter ``vt_grads``; ``None`` for all.
-        gram_dtype: Floating-point type in which the Gram matrix, ``Vᵀ∇ℓ_n`` and
-            every later product with the kept factors are computed; ``None`` keeps
-            the factors' type. ``torch.float64`` with float32 factors resolves the
-            spectrum far below float32 rounding (``docs/math.rst``, "Precision and
-            the numerical zero").
+        gram_dtype: Type of the Gram matrix, ``Vᵀ∇ℓ_n`` and every later product
+            with the kept factors (``None``: the factors'; ``docs/math.rst``,
+            "Precision and the numerical zero").
 
-    The collector resets a group once it is complete, so one collector serves any
-    number of backward passes. Contributions of parameters outside the groups, or
-    repeated ones, are ignored.
+    A complete group is reset, so one collector serves any number of backward
+    passes; contributions of other parameters, or repeated ones, are ignored.
     """
 
     def __init__(
@@ -188,12 +153,7 @@ class GroupCollector:
         return {id(p) for p in self._groups[group]}
 
     def add(self, param: Parameter, contribution: ParamContribution) -> None:
-        """Consume one parameter's contribution.
-
-        Args:
-            param: The parameter.
-            contribution: Its factors and batch context.
-        """
+        """Consume one parameter's contribution (its factors and batch context)."""
         group = self._group_of.get(id(param))
         if group is None or id(param) not in self._missing[group]:
             return
@@ -244,14 +204,7 @@ class GroupCollector:
         self._on_complete(group, curvature)
 
     def num_missing(self, group: int) -> int:
-        """Number of the group's parameters that have not contributed yet.
-
-        Args:
-            group: Index of the group.
-
-        Returns:
-            How many parameters are still missing.
-        """
+        """Number of group ``group``'s parameters that have not contributed yet."""
         return len(self._missing[group])
 
 
@@ -263,12 +216,10 @@ def checked_param_groups(
     Args:
         model: The network.
         loss_func: The loss module.
-        param_groups: Lists of parameters (``None``: one group with every
-            trainable parameter of the model).
+        param_groups: Lists of parameters (``None``: every trainable one).
 
     Returns:
-        The groups, and each parameter's name in the model (by ``id``) for
-        messages.
+        The groups, and each parameter's name in the model (by ``id``).
 
     Raises:
         VivitError: For a model or loss function the library cannot use, or

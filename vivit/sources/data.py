@@ -1,53 +1,39 @@
 """The caller's data, checked once, and every pass over it, part by part.
 
-A *part* is a set of samples an engine or a product runs on together: one
-mini-batch, a chunk of it (``chunk_size``), a loader's batch or a chunk of one.
-:class:`Data` checks the data once and walks it: per pass, its parts in order,
-with the caller's random state forked (or a fixed start), gradients on, a
-progress bar, errors naming the loader's batch, and for the sources that pass
-more than once, every batch and the model checked against the first pass. The
-parts' losses are combined into the union's (``docs/math.rst``, "Data sets and
-processes").
+A *part* is what an engine or a product runs on together: a mini-batch, a chunk
+of it (``chunk_size``), a loader's batch or a chunk of one. The parts' losses are
+combined into the union's (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 
 import torch
 from torch import Tensor
-from torch.nn import Conv1d, Conv2d, Conv3d, CrossEntropyLoss, Linear, Module
+from torch.nn import CrossEntropyLoss, Module
 from tqdm.auto import tqdm
 
-from vivit._validation import check_batch, check_inputs_match, check_subsampling
+from vivit._validation import check_subsampling
 from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.errors import (
     InvalidArgumentError,
     ModelChangedError,
     NondeterministicDataError,
-    VivitError,
 )
 from vivit.losses import LossNormalization
 from vivit.model_inputs import ModelInputs, input_tensors, num_samples, take_samples
 from vivit.options import CurvatureOptions
+from vivit.sources.batches import checked_batch, iterate_batches, naming_batch
 from vivit.sources.union import UnionOutput
 
 #: Seconds a pass runs before its progress bar appears (``progress=None``).
 PROGRESS_DELAY = 2.0
-
-#: Why every part needs targets of one shape per sample, and what to do.
-SAMPLE_SHAPE_ADVICE = (
-    "The loss on all samples together needs one shape per sample in every batch "
-    "and shard: each block's mean normalizes over its own positions, so sequences "
-    "of another length cannot be combined (docs/math.rst, 'Data sets and "
-    "processes'). Pad every batch to one length (with CrossEntropyLoss, padding "
-    "targets set to ignore_index), or compute each length on its own."
-)
 
 #: What the progress bar of a pass over a loader without ``len`` says.
 UNBOUNDED_NOTE = (
@@ -69,8 +55,8 @@ class Part:
             ``[0]`` for a part without any, whose columns are dropped).
         has_curvature: Whether any of its samples is a curvature sample.
         samples: Its positions in the mini-batch, for a chunk of one.
-        loss_func: The loss it runs with: the caller's, or the summed one for a
-            part without weight (every target ignored by a mean cross-entropy).
+        loss_func: The caller's loss, or the summed one where ``weightless``
+            (:func:`part_loss`).
         weightless: Whether it carries no weight in the loss on all samples.
     """
 
@@ -105,18 +91,20 @@ Visit = Callable[[Part], "tuple[BatchInfo, EngineOutput] | None"]
 class Data:
     """The caller's data: one mini-batch or an iterable of batches, checked.
 
+    Walks it part by part (:meth:`walk`): the caller's random state forked (or a
+    fixed start), gradients on, a progress bar, errors naming the loader's batch.
+
     Args:
         model: The network (its parameters give the inputs' type and device).
         loss_func: The loss module.
         data: ``(inputs, targets)``, or an iterable of such batches.
-        options: The checked options (``chunk_size``, ``subsampling``,
-            ``max_batches``, ``progress``).
+        options: The checked options.
         grouped: Whether the process is a rank of a group (its parts are
             combined with the other ranks').
 
     Raises:
-        InvalidArgumentError: For a malformed mini-batch, a subsampling with a
-            loader, or an iterator where ``reread`` is given.
+        InvalidArgumentError: For a malformed mini-batch, or a subsampling with a
+            loader.
     """
 
     def __init__(
@@ -128,13 +116,13 @@ class Data:
         *,
         grouped: bool = False,
     ):
-        self.single = is_batch(data)
+        self.single = isinstance(data, Tensor) or (
+            isinstance(data, tuple | list) and any(isinstance(t, Tensor) for t in data)
+        )
         #: The targets' shape per sample: a mini-batch's, a loader's after a pass.
         self.sample_shape: tuple[int, ...] | None = None
         if self.single:
-            check_batched(data, model)
-            data = check_batch(data)
-            check_inputs_match(data[0], list(model.parameters()))
+            data = checked_batch(data, model, list(model.parameters()))
             check_subsampling(options.subsampling, num_samples(data[0]))
             self.sample_shape = tuple(data[1].shape[1:])
             data = [data]
@@ -151,10 +139,10 @@ class Data:
         self._first: tuple[ModelInputs, Tensor] | None = None
 
     def reread(self, front: str) -> None:
-        """Let a source pass more than once (before its first pass).
+        """Let a source pass more than once (called before its first pass).
 
         Every pass then starts from the random state of now, and the batches and
-        the model are checked against the first pass.
+        the model are checked against the first pass's.
 
         Args:
             front: The front door's name, for messages.
@@ -169,8 +157,8 @@ class Data:
                 "pass a list of batches or a DataLoader."
             )
         self._reread = front
-        self._start = RandomState.capture(self._model.parameters())
-        self._model_state = model_fingerprint(self._model)
+        self._start = random_state(self._model.parameters())
+        self._model_state = self._model_fingerprint()
 
     @property
     def source(self) -> object:
@@ -178,10 +166,7 @@ class Data:
         return self._data
 
     def peek(self) -> tuple[ModelInputs, Tensor] | None:
-        """The first batch, checked (``None``: a loader without any).
-
-        An iterator's batch is put back in front of the rest, so the pass sees it.
-        """
+        """The first batch, checked (``None``: none; an iterator's is put back)."""
         if self.single:
             return self._data[0]
         if self._first is None:
@@ -191,7 +176,7 @@ class Data:
         return self._first
 
     def batch_sizes(self) -> tuple[list[int], str]:
-        """The samples of each batch (those of a loader's first for the others).
+        """The samples of each batch (a loader's first's for the others), and in words.
 
         Returns:
             The sizes, and what they are in words (``""`` for a mini-batch).
@@ -221,24 +206,25 @@ class Data:
 
     def num_batches(self) -> int | None:
         """Batches of a pass, if known (``1`` for a mini-batch)."""
-        return num_batches(self._data, self._options.max_batches)
+        max_batches = self._options.max_batches
+        try:
+            length = len(self._data)
+        except TypeError:  # no len, e.g. a DataLoader over an IterableDataset
+            return max_batches
+        return length if max_batches is None else min(length, max_batches)
 
     def walk(self, visit: Visit, description: str) -> UnionOutput:
-        """One pass: ``visit`` every part in order; their losses combined.
+        """One pass: ``visit`` every part in order; the union of what they returned.
 
         Args:
-            visit: Runs one part; returns its batch context, loss and gradient
-                (combined into the union's), or ``None``.
+            visit: Runs one part; returns its batch context, loss and gradient,
+                or ``None``.
             description: What the pass computes (its progress bar's text).
 
-        Returns:
-            The loss and gradient of the parts the visits returned.
-
         Raises:
-            ModelChangedError: On a later pass, if the model changed since the
-                first (``reread``).
-            NondeterministicDataError: On a later pass, if the loader yields
-                other batches (``reread``).
+            ModelChangedError: On a later pass (``reread``), if the model changed.
+            NondeterministicDataError: On a later pass (``reread``), if the loader
+                yields other batches.
         """
         if self._reread is not None and self.passes:
             self._check_model_unchanged()
@@ -263,7 +249,7 @@ class Data:
                 if self.sample_shape is None:
                     self.sample_shape = tuple(batch[1].shape[1:])
                 for part in self._parts(batch, None if self.single else batch_index):
-                    part = _indexed(part, index)
+                    part = dataclasses.replace(part, index=index)
                     index += 1
                     with naming_batch(part.batch):
                         result = visit(part)
@@ -339,8 +325,12 @@ class Data:
                 "batches in every pass."
             )
 
+    def _model_fingerprint(self) -> str:
+        state = self._model.state_dict().values()
+        return fingerprint([value for value in state if isinstance(value, Tensor)])
+
     def _check_model_unchanged(self) -> None:
-        if model_fingerprint(self._model) != self._model_state:
+        if self._model_fingerprint() != self._model_state:
             raise ModelChangedError(
                 f"The model's parameters or buffers changed since this "
                 f"{self._reread} was built (before pass {self.passes + 1}): its "
@@ -350,20 +340,14 @@ class Data:
             )
 
 
-def _indexed(part: Part, index: int) -> Part:
-    """The part at its position in the pass."""
-    return dataclasses.replace(part, index=index)
-
-
 def part_loss(
     loss_func: Module, targets: Tensor, combined: bool
 ) -> tuple[Module, bool]:
     """The loss a part runs with, and whether it carries no weight.
 
     A part combined with others whose every target a mean cross-entropy ignores
-    has the loss ``0/0`` on its own but no weight in the union's: it runs with
-    the summed loss (``0``, its Hessian roots ``0``) and its samples count with
-    weight ``0`` (:func:`weightless`).
+    has the loss ``0/0`` alone but no weight in the union's: it runs with the
+    summed loss (``0``) and its samples weigh ``0`` (:func:`weightless`).
     """
     ignored = (
         isinstance(loss_func, CrossEntropyLoss)
@@ -388,171 +372,29 @@ def weightless(batch: BatchInfo) -> BatchInfo:
     return dataclasses.replace(batch, normalization=LossNormalization("mean", weights))
 
 
-def is_batch(data: object) -> bool:
-    """Whether ``data`` is one mini-batch (a tensor, or a pair with a tensor)."""
-    return isinstance(data, Tensor) or (
-        isinstance(data, tuple | list) and any(isinstance(t, Tensor) for t in data)
-    )
-
-
-def iterate_batches(
-    data: object, model: Module, max_batches: int | None = None
-) -> Iterator[tuple[ModelInputs, Tensor]]:
-    """The batches of a data loader, each checked like a mini-batch.
-
-    Raises:
-        InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
-            them, or a batch is malformed (the message names the batch).
-    """
-    if isinstance(data, Mapping):
-        raise InvalidArgumentError(
-            "data must be a pair (inputs, targets) of tensors or an iterable of such "
-            f"batches (e.g. a DataLoader), {_dict_summary(data)}."
-        )
-    if isinstance(data, Tensor | str | bytes) or not isinstance(data, Iterable):
-        raise InvalidArgumentError(
-            "data must be a pair (inputs, targets) of tensors or an iterable of such "
-            f"batches (e.g. a DataLoader), got {type(data).__name__}."
-        )
-    params = list(model.parameters())
-    first_shape = None
-    for index, batch in enumerate(islice(data, max_batches)):
-        with naming_batch(index):
-            if isinstance(batch, Mapping):
-                raise InvalidArgumentError(
-                    "data must be a pair (inputs, targets) of tensors, "
-                    f"{_dict_summary(batch)}."
-                )
-            check_batched(batch, model)
-            batch = check_batch(batch)
-            check_inputs_match(batch[0], params)
-            shape = tuple(batch[1].shape[1:])
-            first_shape = shape if first_shape is None else first_shape
-            if shape != first_shape:
-                raise InvalidArgumentError(
-                    f"Its targets have the shape {shape} per sample, those of batch "
-                    f"0 {first_shape}. {SAMPLE_SHAPE_ADVICE}"
-                )
-        yield batch
-
-
-#: Layers whose unbatched input is recognisable: dimensions of one sample's input.
-_SAMPLE_DIMS = {Linear: 1, Conv1d: 2, Conv2d: 3, Conv3d: 4}
-
-
-def check_batched(batch: object, model: Module) -> None:
-    """Refuse inputs that are one unbatched sample of the model's first layer.
-
-    Torch layers accept one sample without a batch axis; the library reads the
-    first axis as the samples. The first Linear or convolution layer tells:
-    inputs with one sample's dimensions whose first axis is its input features.
-
-    Raises:
-        InvalidArgumentError: For an unbatched sample, saying what to pass.
-    """
-    inputs = batch[0] if isinstance(batch, tuple | list) and batch else None
-    if not isinstance(inputs, Tensor) or not inputs.is_floating_point():
-        return
-    layer = next((m for m in model.modules() if type(m) in _SAMPLE_DIMS), None)
-    if layer is None or inputs.dim() != _SAMPLE_DIMS[type(layer)]:
-        return
-    features = layer.in_features if isinstance(layer, Linear) else layer.in_channels
-    if inputs.shape[0] != features:
-        return
-    raise InvalidArgumentError(
-        f"The inputs have shape {tuple(inputs.shape)}: one sample without a batch "
-        f"axis for the model's first layer {layer}, whose batched inputs are "
-        f"[N, {', '.join(map(str, inputs.shape))}]. The first axis of inputs and "
-        "targets holds the samples: stack the samples into one batch "
-        "(torch.stack(inputs), torch.stack(targets)), let a DataLoader(dataset, "
-        "batch_size=...) do it, or give each sample a batch axis of one "
-        "(x.unsqueeze(0), y.unsqueeze(0))."
-    )
-
-
-def _dict_summary(batch: Mapping) -> str:
-    """What a batch given as a dict is, and how to pass it instead."""
-    if "labels" in batch:  # a Hugging Face collator's batch
-        return (
-            f"got a dict with keys {list(batch)}, the labels inside as Hugging Face "
-            "collators return: take them out with vivit.huggingface.split_labels("
-            "loader, shift=True) for a causal language model's labels (shifted to "
-            "the next token), shift=False for labels aligned with the logits (a "
-            "classifier's), or split_batch(batch, shift=...) for one batch"
-        )
-    return (
-        f"got a dict with keys {list(batch)}: pass (inputs, targets), e.g. "
-        "(batch['inputs'], batch['targets']), or give the DataLoader a collate_fn "
-        "that returns that pair"
-    )
-
-
-@contextmanager
-def naming_batch(index: int | None) -> Iterator[None]:
-    """Prefix a library error's message with the loader's batch it concerns.
-
-    Any other exception gets a note naming the batch (Python 3.11 and later).
-    """
-    if index is None:
-        yield
-        return
-    try:
-        yield
-    except VivitError as error:
-        raise type(error)(f"Batch {index} of the data loader: {error}") from None
-    except Exception as error:
-        if hasattr(error, "add_note"):  # Python ≥ 3.11
-            error.add_note(f"(in batch {index} of the data loader)")
-        raise
-
-
 def _random_devices(params: Iterable[Tensor]) -> list[torch.device]:
     """The CUDA device of the parameters (at most one), else none."""
     return [p.device for p in params if p.device.type == "cuda"][:1]
 
 
-@dataclass(frozen=True)
-class RandomState:
-    """The random state passes start from (CPU and the parameters' CUDA device)."""
-
-    cpu: Tensor
-    cuda: tuple[tuple[torch.device, Tensor], ...]
-
-    @classmethod
-    def capture(cls, params: Iterable[Tensor]) -> RandomState:
-        """The current random state of the devices the parameters live on."""
-        devices = _random_devices(params)
-        cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
-        return cls(torch.get_rng_state(), cuda)
-
-    def restore(self) -> None:
-        """Set the generators to this state."""
-        torch.set_rng_state(self.cpu)
-        for device, state in self.cuda:
-            torch.cuda.set_rng_state(state, device)
+def random_state(params: Iterable[Tensor]) -> tuple[Tensor, list]:
+    """The random state of the CPU and of the parameters' CUDA device."""
+    cuda = [(d, torch.cuda.get_rng_state(d)) for d in _random_devices(params)]
+    return torch.get_rng_state(), cuda
 
 
 @contextmanager
 def engine_context(
-    params: Iterable[Tensor], start: RandomState | None = None
+    params: Iterable[Tensor], start: tuple[Tensor, list] | None = None
 ) -> Iterator[None]:
-    """Random state forked (from ``start``, else the caller's), gradients on."""
+    """Random state forked (set to ``start``, else the caller's), gradients on."""
     with torch.random.fork_rng(devices=_random_devices(params)):
         if start is not None:
-            start.restore()
+            torch.set_rng_state(start[0])
+            for device, state in start[1]:
+                torch.cuda.set_rng_state(state, device)
         with torch.enable_grad():
             yield
-
-
-def num_batches(data: object, max_batches: int | None = None) -> int | None:
-    """Batches a pass over a loader reads, if known, else ``None``."""
-    if not isinstance(data, Sized):
-        return max_batches
-    try:
-        length = len(data)
-    except TypeError:  # e.g. a DataLoader over an IterableDataset
-        return max_batches
-    return length if max_batches is None else min(length, max_batches)
 
 
 def progress_bar(
@@ -560,9 +402,8 @@ def progress_bar(
 ) -> Iterable:
     """The batches of a pass, shown as a progress bar on stderr.
 
-    ``progress=None`` shows it only if stderr is a terminal and the pass takes
-    longer than :data:`PROGRESS_DELAY` seconds; a pass of unknown length (which
-    may never end) shows it after the delay in any case, saying why.
+    ``progress=None`` shows it on a terminal after :data:`PROGRESS_DELAY`
+    seconds, and a pass of unknown length after the delay in any case.
     """
     if progress is False:
         return batches
@@ -587,9 +428,3 @@ def fingerprint(tensors: Iterable[Tensor]) -> str:
         data = tensor.detach().contiguous().cpu().reshape(-1)
         digest.update(data.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def model_fingerprint(model: Module) -> str:
-    """A digest of the model's parameters and buffers (:func:`fingerprint`)."""
-    state = model.state_dict()
-    return fingerprint([value for value in state.values() if isinstance(value, Tensor)])

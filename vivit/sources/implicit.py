@@ -1,25 +1,9 @@
 """Implicit curvature: GGN-vector products in parameter space, no ``V`` at all.
 
-The source of ``LowRankGGN(..., route="implicit")`` (``docs/math.rst``,
-"Implicit GGN-vector products"). It runs no engine and keeps no factor: every
-product ``G v = R Σ_n J_nᵀ H_n J_n v`` passes over the data, one JVP, the
-analytic loss-Hessian products (:mod:`vivit.loss_hessians`) and one VJP per
-part of the samples (:mod:`vivit.engines.func.implicit`). The leading eigenpairs
-come from block Krylov on ``G`` in the group's flattened parameter space;
-directional derivatives take one more pass (``J_n e_k`` of every sample).
-
-A part of the samples is a mini-batch, a loader's batch or a chunk of either
-(``chunk_size``); the products are summed over the blocks with the
-normalization ``R`` of the loss on all (curvature) samples, as the Gram routes
-combine blocks (``docs/math.rst``, "Data sets and processes"). Every pass must
-see the same batches and the same model: each is fingerprinted as in
-:mod:`vivit.sources.streamed`.
-
-Under a process group each rank passes over its own shard: the products are
-its shard's, summed over the ranks by one ``all_reduce`` each, and the solver
-runs replicated on every rank; ``γ`` and ``λ`` are each rank's samples',
-gathered in rank order (:class:`~vivit.distributed.lockstep.LockStep`,
-``docs/math.rst``, "Implicit products on several processes").
+The source of ``LowRankGGN(..., route="implicit")``: every product ``G v`` is one
+pass over the data, a JVP, the loss-Hessian products and a VJP per part; block
+Krylov on ``G`` gives the leading eigenpairs (``docs/math.rst``, "Implicit
+GGN-vector products", "Implicit products on several processes").
 """
 
 from __future__ import annotations
@@ -32,12 +16,8 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
-from vivit.distributed import (
-    SAMPLE_SHAPE,
-    ShardExchange,
-    ShardLayout,
-    request_fingerprint,
-)
+from vivit.distributed import ShardExchange, ShardLayout
+from vivit.distributed.agreement import run_fingerprint
 from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import PartFunction, check_modes_agree
@@ -49,16 +29,26 @@ from vivit.model_inputs import call_model
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.data import Data, Part, fingerprint, weightless
-from vivit.sources.union import UnionOutput, union_batch, unnormalizing_scale
+from vivit.sources.union import (
+    UnionOutput,
+    per_group,
+    union_batch,
+    unnormalizing_scale,
+)
+
+#: The implicit route refuses more leading pairs than this fraction of the at
+#: most ``min(D, N·C·T)`` non-zero ones (and than :data:`FEW_PAIRS`): a Gram
+#: route's dense solver gives them for less (``solver="auto"``'s limit too).
+MANY_PAIRS_FRACTION = PARTIAL_FRACTION
+#: So many pairs the implicit route always computes (a basis of ``3·128`` vectors).
+FEW_PAIRS = 128
 
 
 class ImplicitGroup:
     """One group's curvature by implicit products (a parameter-space source).
 
-    Answers :class:`~vivit.sources.base.GroupSource` where it can; the results
-    layer asks a source with ``parameter_space`` for :meth:`ggn_matmul`,
-    :meth:`directional_derivatives` and :meth:`pinv_matmul` instead of products
-    with ``V``.
+    A :class:`~vivit.sources.base.ParameterGroupSource`; it also answers
+    :meth:`ggn_matmul` and :meth:`pinv_matmul` of the operator.
 
     Args:
         source: The implicit source.
@@ -75,8 +65,7 @@ class ImplicitGroup:
         self.params = source.param_groups[index]
         self.gradient = source.gradients[index]
         self.batch = source.union
-        self.factor_dtype = self.params[0].dtype
-        self.dtype = self.params[0].dtype
+        self.factor_dtype = self.dtype = self.params[0].dtype
         self.device = self.params[0].device
         self.num_rows = source.num_rows
         self.num_params = sum(p.numel() for p in self.params)
@@ -103,19 +92,10 @@ class ImplicitGroup:
                 f"or build LowRankGGN(..., solver={solver!r}) for the Gram route."
             )
 
-    # parameter space ---------------------------------------------------------
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
-        """``G v = R_S Σ_{n∈S} J_nᵀ H_n J_n v``: one pass over the data.
+        """``G v`` for one tensor ``[K, *p.shape]`` per parameter: one pass.
 
-        Each part of the samples takes the vectors in the vmapped passes that
-        fit (:meth:`~vivit.memory.plan.Plan.pass_width`).
-
-        Args:
-            vectors: One tensor ``[K, *p.shape]`` per parameter.
-
-        Returns:
-            One tensor ``[K, *p.shape]`` per parameter (under a process group
-            the sum over every rank's shard, identical on every rank).
+        Under a process group, the sum over every rank's shard (identical on all).
         """
         return self._source.lockstep.sum(
             self._call("G·v", vectors), lambda: self._shard_products(vectors)
@@ -127,15 +107,11 @@ class ImplicitGroup:
         result: list[Tensor] = []
 
         def visit(part: Part, function: PartFunction) -> None:
-            hessian = weights = None
             pieces = []
-            for chunk in self._source.vector_chunks(vectors):
-                output, tangents = function.jvp(chunk)
-                if hessian is None:  # the output of every chunk's primal pass
-                    hessian = LossHessianProducts(part.loss_func, output, part.targets)
-                    mask = part.ggn_mask.to(output.device, output.dtype)
-                    weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
-                curvature = hessian.hessian_matmul(tangents)
+            chunks = self._source.hessian_products(part, function, vectors)
+            for _, output, _, curvature in chunks:
+                mask = part.ggn_mask.to(output.device, output.dtype)
+                weights = (factor * mask).reshape(-1, *[1] * (output.dim() - 1))
                 pieces.append(function.vjp(curvature.mul_(weights)))
             products = [
                 piece[0] if len(piece) == 1 else torch.cat(piece)
@@ -151,48 +127,21 @@ class ImplicitGroup:
         return result
 
     def basis_columns(self, top_k: int) -> int | None:
-        """Columns of the Krylov basis for ``top_k`` pairs that the memory allows.
-
-        Checked against the memory available before the solver allocates its
-        basis or runs a product (:meth:`~vivit.memory.plan.Plan.basis_columns`,
-        once per ``top_k``), after ``top_k`` is checked to be a few pairs
-        (:func:`check_few_pairs`).
-
-        Args:
-            top_k: Leading eigenpairs asked for (the products' block width).
-
-        Returns:
-            The estimate's basis columns (``None`` where nothing was estimated:
-            a model that cannot be probed; the default basis).
+        """Krylov basis columns the memory allows for ``top_k`` pairs (or ``None``).
 
         Raises:
-            InvalidArgumentError: If ``top_k`` is a large part of the spectrum.
-            ProductsTooLargeError: If the products and the smallest basis cannot
-                fit.
+            InvalidArgumentError: If ``top_k`` is a large part of the spectrum
+                (:func:`check_few_pairs`).
+            ProductsTooLargeError: If not even the smallest basis fits
+                (:meth:`ImplicitFactors.check_fits`).
         """
         check_few_pairs(top_k, min(self.num_rows, self.num_params))
         return self._source.check_fits(top_k)
 
-    def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:
-        """``G V`` for flat columns ``[D, K]`` (the eigensolver's operator).
-
-        Args:
-            vectors: ``[D, K]``, parameters flattened row-major in group order.
-
-        Returns:
-            ``[D, K]``.
-        """
+    def flat_ggn_matmul(self, vectors: Tensor) -> Tensor:  # noqa: D102
         return flatten_rows(self.ggn_matmul(self.unflatten(vectors))).T
 
-    def unflatten(self, columns: Tensor) -> list[Tensor]:
-        """Flat columns ``[D, K]`` as one tensor ``[K, *p.shape]`` per parameter.
-
-        Args:
-            columns: ``[D, K]``.
-
-        Returns:
-            The rows in parameter-list format.
-        """
+    def unflatten(self, columns: Tensor) -> list[Tensor]:  # noqa: D102
         parts = columns.T.split([p.numel() for p in self.params], dim=1)
         return [
             part.reshape(-1, *p.shape).contiguous()
@@ -200,17 +149,10 @@ class ImplicitGroup:
         ]
 
     def directional_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """``γ_nk = (∂ℓ_n/∂f_n)ᵀ J_n e_k`` and ``λ_nk = (J_n e_k)ᵀ H_n J_n e_k``.
+        """``γ [N, K]`` of every sample and ``λ [N_ggn, K]`` along ``evecs``: one pass.
 
-        One pass, one JVP per direction and block.
-
-        Args:
-            evecs: The directions, one tensor ``[K, *p.shape]`` per parameter.
-
-        Returns:
-            ``γ`` of every sample ``[N, K]`` and ``λ`` of the curvature samples
-            ``[N_ggn, K]`` (in the subsampling's order); under a process group
-            every rank's samples in rank order.
+        ``λ`` in the subsampling's order; under a process group every rank's
+        samples in rank order.
         """
         device = evecs[0].device
         shares = self._source.lockstep.gather(
@@ -224,14 +166,11 @@ class ImplicitGroup:
         gammas, lambdas = [], []
 
         def visit(part: Part, function: PartFunction) -> None:
-            hessian = gradients = None
-            part_gammas, part_lambdas = [], []
-            for chunk in self._source.vector_chunks(evecs):
-                output, tangents = function.jvp(chunk)
-                if hessian is None:
-                    hessian = LossHessianProducts(part.loss_func, output, part.targets)
+            part_gammas, part_lambdas, gradients = [], [], None
+            chunks = self._source.hessian_products(part, function, evecs)
+            for hessian, _, tangents, curvature in chunks:
+                if gradients is None:
                     gradients = hessian.output_gradients()
-                curvature = hessian.hessian_matmul(tangents)
                 part_gammas.append((gradients * tangents).flatten(2).sum(2).T)
                 part_lambdas.append((tangents * curvature).flatten(2).sum(2).T)
             gammas.append(torch.cat(part_gammas, 1))
@@ -245,11 +184,7 @@ class ImplicitGroup:
         return gammas.cpu(), lambdas.cpu()  # pickled in the round's message
 
     def _call(self, name: str, vectors: Sequence[Tensor]) -> str | None:
-        """What every rank computes a share of: the name, group and input digest.
-
-        The digest (BLAKE2b of the vectors' bytes) is taken under a process
-        group only, where the ranks compare it (``None`` in one process).
-        """
+        """The call the ranks compare: name, group and the vectors' digest (a group)."""
         if self._source.lockstep.group is None:
             return None
         return (
@@ -257,46 +192,21 @@ class ImplicitGroup:
             f"(digest {fingerprint(vectors)})"
         )
 
-    def pinv_matmul(
+    def pinv_matmul(  # noqa: D102
         self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
     ) -> list[Tensor]:
-        """``Σ_k e_k e_kᵀ w / λ_k`` on the leading eigenspace (in float64).
-
-        Args:
-            vectors: One tensor ``[K, *p.shape]`` per parameter.
-            evals: Eigenvalues ``[k]``.
-            directions: Their eigenvectors, flat columns ``[D, k]``.
-
-        Returns:
-            One tensor ``[K, *p.shape]`` per parameter.
-        """
-        flat = flatten_rows(vectors).double().T
+        flat = flatten_rows(vectors).double().T  # in float64
         basis = directions.double()
         result = basis @ ((basis.T @ flat) / evals.double().unsqueeze(1))
         return self.unflatten(result.to(self.dtype))
 
 
-#: The implicit route refuses more leading pairs than this fraction of the
-#: non-zero ones, ``min(D, N·C·T)`` (and more than :data:`FEW_PAIRS`): its Krylov
-#: basis of about ``3k`` vectors would span most of the space, and a Gram route's
-#: dense solver gives every pair for less (as ``solver="auto"`` on the Gram route
-#: takes it beyond the same fraction, ``PARTIAL_FRACTION``).
-MANY_PAIRS_FRACTION = PARTIAL_FRACTION
-#: So many pairs the implicit route always computes, however large a part of
-#: the spectrum they are (a basis of at most ``3·128`` vectors).
-FEW_PAIRS = 128
-
-
 def check_few_pairs(top_k: int, rank: int) -> None:
     """Refuse a ``top_k`` that is a large part of the spectrum on the implicit route.
 
-    Args:
-        top_k: Leading eigenpairs asked for.
-        rank: At most so many are non-zero, ``min(D, N·C·T)``.
-
     Raises:
         InvalidArgumentError: If ``top_k`` exceeds both :data:`FEW_PAIRS` and
-            :data:`MANY_PAIRS_FRACTION` of ``rank``.
+            :data:`MANY_PAIRS_FRACTION` of ``rank`` (``min(D, N·C·T)``).
     """
     if top_k > max(FEW_PAIRS, MANY_PAIRS_FRACTION * rank):
         raise InvalidArgumentError(
@@ -312,61 +222,42 @@ def check_few_pairs(top_k: int, rank: int) -> None:
 
 
 def flatten_rows(rows: Sequence[Tensor]) -> Tensor:
-    """Rows in parameter-list format ``[K, *p.shape]`` as one ``[K, D]`` tensor.
-
-    Args:
-        rows: One tensor ``[K, *p.shape]`` per parameter.
-
-    Returns:
-        ``[K, D]``.
-    """
+    """Rows ``[K, *p.shape]``, one tensor per parameter, as one ``[K, D]`` tensor."""
     return torch.cat([r.reshape(r.shape[0], -1) for r in rows], 1)
 
 
 class ImplicitFactors(CurvatureSource):
     """The curvature of a loss by implicit GGN-vector products (a source).
 
-    The construction makes one pass (loss, gradient, each block's
-    normalization, the checks of the model and the targets); every product makes
-    another. Nothing of ``V`` is kept.
-
-    Under a process group (``shards``) each rank passes over its own shard
-    (one batch or its own loader): the ranks agree on the request, exchange
-    their shards' sample weights, GGN samples and losses, and sum their
-    gradients at construction; every later product and ``γ``/``λ`` pass is a
-    call all ranks make together (:class:`~vivit.distributed.lockstep.
-    LockStep`), so every rank must make the same calls in the same order.
+    The construction makes one pass (loss, gradient, each part's normalization,
+    the checks of the model and the targets); every product makes another.
+    Under a process group each rank passes over its own shard, and every product,
+    ``γ``/``λ`` pass and memory check after the construction is a call all ranks
+    make together, in the same order (:class:`~vivit.distributed.lockstep.LockStep`).
 
     Args:
         model: The network (a ``DistributedDataParallel``'s ``.module``).
         loss_func: The loss module.
-        data: The checked data, a batch or a re-iterable loader (this rank's
-            shard under a process group).
+        data: The checked data (this rank's shard under a process group).
         param_groups: The checked parameter groups.
         options: The checked options (``route="implicit"``).
-        shards: The exchange of the process group (``options.group``);
-            ``None`` runs locally.
-        plan: The request's plan (:class:`~vivit.memory.plan.Plan`): vectors
-            per pass and the Krylov basis that fit (``None``: all vectors in one
+        shards: The exchange of the process group; ``None`` runs locally.
+        plan: The request's plan (:class:`~vivit.memory.plan.Plan`): vectors per
+            pass and the Krylov basis that fit (``None``: all vectors in one
             pass, the default basis).
 
     Attributes:
-        param_groups: The parameter groups.
         loss: The loss on all samples (detached; of every rank's shards).
         engine: ``"implicit"`` (no engine runs).
-        passes: Passes over this process's data made so far.
         shards: Where each rank's samples sit in the union.
-        communication: Bytes and time of the exchanges between the ranks (at
-            construction, and of every product since; zero in one process).
+        communication: Bytes and time of the exchanges between the ranks.
         lockstep: The calls the ranks make together (local in one process).
-        union: The batch context of all samples (every rank's).
-        local_batch: The batch context of this process's samples.
+        union: The batch context of all samples; ``local_batch``: this process's.
 
     Raises:
         InvalidArgumentError: For an iterator as data.
-        DistributedError: Under a process group, on every rank but the failing
-            one if a rank failed, and on every rank if the ranks' requests or
-            targets' shapes per sample differ.
+        DistributedError: Under a process group, if a rank failed or the ranks'
+            requests or targets' shapes per sample differ.
     """
 
     engine = "implicit"
@@ -389,7 +280,16 @@ class ImplicitFactors(CurvatureSource):
         self._data, self._model, self._options, self._plan = data, model, options, plan
         self._basis_columns: dict[int, int | None] = {}
         self.lockstep = LockStep(shards.group, shards.report)
-        shards.agree(self._fingerprint(model, loss_func, options, shards), None)
+        fingerprint = run_fingerprint(
+            model,
+            loss_func,
+            param_groups,
+            options,
+            "implicit",
+            data.sample_shape,
+            shards.group is not None,
+        )
+        shards.agree(fingerprint, None)
         self._first_pass(shards)
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
 
@@ -399,67 +299,41 @@ class ImplicitFactors(CurvatureSource):
         return self._data.passes
 
     def vector_chunks(self, vectors: Sequence[Tensor]) -> Iterator[list[Tensor]]:
-        """The vectors of a product in the vmapped passes that fit (the plan's).
-
-        Args:
-            vectors: One tensor ``[K, *p.shape]`` per parameter.
-
-        Yields:
-            The same, ``[K', *p.shape]`` with ``K' ≤ K``, in order.
-        """
+        """The vectors ``[K, *p.shape]`` of a product in the vmapped passes that fit."""
         count = vectors[0].shape[0]
         width = count if self._plan is None else self._plan.pass_width(count)
         for start in range(0, count, width):
             yield [v[start : start + width] for v in vectors]
 
-    def _fingerprint(
-        self,
-        model: Module,
-        loss_func: Module,
-        options: CurvatureOptions,
-        shards: ShardExchange,
-    ) -> dict[str, object]:
-        """What every rank must ask for identically (compared under a group)."""
-        return request_fingerprint(
-            loss_func,
-            self.param_groups,
-            model if shards.group is not None else None,  # checksums: ranks only
-            solver=(options.solver, options.solver_tol, options.solver_seed),
-            engine="implicit",
-            # a loader's is compared after its pass, in the shard round
-            **{SAMPLE_SHAPE: self._data.sample_shape},
-        )
+    def hessian_products(
+        self, part: Part, function: PartFunction, vectors: Sequence[Tensor]
+    ) -> Iterator[tuple[LossHessianProducts, Tensor, Tensor, Tensor]]:
+        """Per chunk of the vectors: the loss Hessian, output, ``J v`` and ``H J v``."""
+        hessian = None
+        for chunk in self.vector_chunks(vectors):
+            output, tangents = function.jvp(chunk)
+            if hessian is None:  # the output of every chunk's primal pass
+                hessian = LossHessianProducts(part.loss_func, output, part.targets)
+            yield hessian, output, tangents, hessian.hessian_matmul(tangents)
 
     def check_fits(self, top_k: int) -> int | None:
-        """Refuse a solve for ``top_k`` pairs whose estimate cannot fit (once).
+        """The Krylov basis columns that fit for ``top_k`` pairs (``None``: default).
 
-        The plan's estimate of the largest part of the samples. Under a process
-        group every rank checks its own shard, and the basis is the smallest
-        any rank allows; a refusal on one rank raises on every rank.
-
-        Args:
-            top_k: The block width of the products (``top_k``).
-
-        Returns:
-            The Krylov basis' columns the estimate fitted into the memory
-            available (``None``: not estimated, a model that cannot be probed,
-            on every rank).
+        Under a process group the fewest any rank allows; checked once per ``top_k``.
 
         Raises:
-            ProductsTooLargeError: If it cannot fit (on a rank that refuses;
-                :class:`~vivit.errors.DistributedError` on the others).
+            ProductsTooLargeError: If not even the smallest basis fits (on a
+                rank that refuses; :class:`~vivit.errors.DistributedError` on
+                the others).
         """
         if top_k not in self._basis_columns:
             allowed = self.lockstep.gather(
-                f"the memory check for top_k={top_k}", lambda: self._shard_fits(top_k)
+                f"the memory check for top_k={top_k}",
+                lambda: None if self._plan is None else self._plan.basis_columns(top_k),
             )
             columns = [c for c in allowed if c is not None]
             self._basis_columns[top_k] = min(columns, default=None)
         return self._basis_columns[top_k]
-
-    def _shard_fits(self, top_k: int) -> int | None:
-        """:meth:`check_fits` of this process's data alone (the plan's)."""
-        return None if self._plan is None else self._plan.basis_columns(top_k)
 
     def run_pass(
         self, group: int, description: str, visit: Callable[[Part, PartFunction], None]
@@ -473,19 +347,18 @@ class ImplicitFactors(CurvatureSource):
         params = self.param_groups[group]
 
         def visit_part(part: Part) -> None:
-            function = PartFunction(
-                self._model, params, part.inputs, self._options.output
+            visit(
+                part,
+                PartFunction(self._model, params, part.inputs, self._options.output),
             )
-            visit(part, function)
 
         self._data.walk(visit_part, description)
 
     def _first_pass(self, shards: ShardExchange) -> None:
-        """Loss, gradient, each block's normalization; samples checked independent.
+        """Loss, gradient, each part's normalization; samples checked independent.
 
-        Under a process group this rank's shard is one block of the union:
-        the ranks exchange their blocks' contexts and losses (the shard round)
-        and sum their gradients rescaled to the union's ``R``.
+        Under a process group the ranks then exchange their shards' contexts and
+        losses, and sum their gradients rescaled to the union's ``R``.
         """
         params = [p for group in self.param_groups for p in group]
         selector = self._options.output
@@ -539,22 +412,12 @@ class ImplicitFactors(CurvatureSource):
             [batch for batch, _ in ranks], shards.rank, shards.world_size
         )
         self.communication = shards.report
-        gradients = iter(gradients)
-        self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
+        self.gradients = per_group(gradients, self.param_groups)
 
     def _union_output(
         self, ranks: list[tuple[BatchInfo, Tensor]], gradients: list[Tensor]
     ) -> tuple[Tensor, list[Tensor]]:
-        """The loss and gradient of every rank's samples together.
-
-        The losses combine as a loader's batches do (:class:`~vivit.sources.
-        blocks.UnionOutput`, in rank order); each rank rescales its gradient to
-        the union's ``R``, ``(R / R_r) ∇L_r``, and one ``all_reduce`` sums them.
-
-        Raises:
-            InvalidTargetsError: If every target of every rank is ignored (on
-                every rank alike).
-        """
+        """The loss and gradient of every rank's samples: ``Σ_r (R / R_r) ∇L_r``."""
         union = UnionOutput()
         for batch, loss in ranks:
             union.add(batch, EngineOutput(loss, []))

@@ -1,32 +1,17 @@
 """Stored factors own their memory: no later result reads a tensor of the caller.
 
-An engine keeps a layer's input as a factor of ``V``
-(:class:`~vivit.gram.OuterProductFactors`): for the first Linear layer of an MLP
-that is the caller's inputs themselves (or a view of them, such as a chunk or a
-reshape), and a layer applied to a parameter or
-a buffer keeps that. Every result of a :class:`~vivit.LowRankGGN` is computed from
-the factors after construction, so an in-place change of the caller's tensors
-(normalising the inputs, reusing a buffer, an optimizer step) would change them.
-
-:class:`CallerMemory` notes, block by block, which factor tensors share memory with
-what the caller owns (the block's inputs and targets, the model's parameters and
-buffers), and :meth:`CallerMemory.own` replaces them in the final factors by copies
-(:mod:`vivit.sources.stored`). Only those are copied, each storage view once: the
-factors of ``V`` and the per-sample gradients of a weight share one copy, and
-factors that merging the blocks already copied (a batch in chunks, a loader's
-batches) are not copied again. Without the caller's tensors (a loss computed
-elsewhere, :meth:`~vivit.LowRankGGN.from_loss`) every factor tensor is copied once
-(``docs/guide.rst``, "Results are computed from copies").
+An engine may keep the caller's inputs, parameters or buffers (or views of them)
+as factors of ``V``; :class:`CallerMemory` replaces exactly those by copies, each
+storage view once (``docs/guide.rst``, "Results are computed from copies").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from vivit.gram import ParamFactors
 from vivit.sources.collector import GroupCurvature
 
 
@@ -58,8 +43,7 @@ def _factor_tensors(curvature: Iterable[GroupCurvature]) -> Iterator[Tensor]:
 class CallerMemory:
     """Which factor tensors alias the caller's memory; replaces them by copies.
 
-    The noted tensors are kept until :meth:`own`, so that their memory cannot be
-    reused by a later allocation in between.
+    Noted tensors are held until :meth:`own`, so their memory is not reused.
     """
 
     def __init__(self) -> None:
@@ -72,9 +56,8 @@ class CallerMemory:
 
         Args:
             curvature: The block's curvature, one per group, factors kept.
-            caller: The caller's tensors the block read (its inputs and targets,
-                the model's parameters and buffers); ``None`` if unknown: every
-                factor tensor is then noted.
+            caller: The caller's tensors the block read (``None``: unknown, every
+                factor tensor is noted).
         """
         owned = None if caller is None else {_storage(t) for t in caller}
         for tensor in _factor_tensors(curvature):
@@ -83,13 +66,9 @@ class CallerMemory:
                 self._aliased.append(tensor)
 
     def own(self, curvature: Sequence[GroupCurvature]) -> None:
-        """Replace every factor tensor that shares memory with a noted one by a copy.
+        """Replace, in place, each factor tensor sharing a noted one's memory by a copy.
 
         Views with the same memory, offset, shape and strides share one copy.
-
-        Args:
-            curvature: Each group's final curvature; its factor lists are
-                replaced in place.
         """
         aliased = {_storage(t) for t in self._aliased}
         self._aliased.clear()
@@ -113,13 +92,6 @@ class CallerMemory:
             return copies[key]
 
         for group in curvature:
-            group.ggn_factors = _mapped(group.ggn_factors, owned)
+            group.ggn_factors = [f.map_tensors(owned) for f in group.ggn_factors]
             if group.grad_factors is not None:
-                group.grad_factors = _mapped(group.grad_factors, owned)
-
-
-def _mapped(
-    factors: list[ParamFactors], function: Callable[[Tensor], Tensor]
-) -> list[ParamFactors]:
-    """Each factor with its tensors mapped."""
-    return [factor.map_tensors(function) for factor in factors]
+                group.grad_factors = [f.map_tensors(owned) for f in group.grad_factors]

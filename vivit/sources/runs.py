@@ -18,6 +18,7 @@ from vivit.engines.base import (
     ParamContribution,
 )
 from vivit.errors import InvalidTargetsError, NoCurvatureError
+from vivit.options import CurvatureOptions
 from vivit.sources.collector import GroupCollector, GroupCurvature
 from vivit.sources.data import Part, weightless
 
@@ -29,13 +30,27 @@ PartRun = Callable[[ContributionSink], EngineOutput]
 class PartResult:
     """What an engine leaves for one part of the samples.
 
-    Attributes:
-        curvature: Every group's curvature, in group order, factors kept.
-        output: The part's loss and gradient (of the loss on the part alone).
+    ``curvature``: each group's, factors kept; ``output``: the loss on the part
+    alone and its gradient.
     """
 
     curvature: list[GroupCurvature]
     output: EngineOutput
+
+
+def curvature_request(
+    param_groups: list[list[Parameter]], options: CurvatureOptions, **fields: object
+) -> CurvatureRequest:
+    """What the engine computes for the options (``fields``: the source's own)."""
+    return CurvatureRequest(
+        param_groups=param_groups,
+        mc_samples=options.mc_samples,
+        mc_per=options.mc_per,
+        generator=options.generator,
+        gram_dtype=options.gram_dtype,
+        output=options.output,
+        **fields,
+    )
 
 
 def run_part(
@@ -44,7 +59,7 @@ def run_part(
     gram_dtype: torch.dtype | None,
     keep_gradient_factors: bool = True,
 ) -> PartResult:
-    """One engine run: every group's curvature (factors kept), the loss, the gradient.
+    """One engine run: every group's curvature (factors kept), loss and gradient.
 
     Raises:
         NonFiniteError: If the loss is not finite.
@@ -81,9 +96,8 @@ def run_engine(
 ) -> EngineOutput:
     """Run the engine on one part (the request's subsampling becomes the part's).
 
-    A part without curvature samples runs with its first one and hands on no
-    columns of ``V``; a part without weight hands on samples of weight ``0``
-    (:func:`~vivit.sources.data.part_loss`).
+    A part without curvature samples hands on no columns of ``V``; one without
+    weight hands on samples of weight ``0`` (:func:`~vivit.sources.data.part_loss`).
 
     Raises:
         InvalidTargetsError: For malformed targets of a chunk, naming its samples.

@@ -1,11 +1,9 @@
-"""Stored factors: one pass keeps every block's factors of ``V``.
+"""Stored factors: one pass keeps every part's factors of ``V``.
 
-The source of :class:`~vivit.LowRankGGN`. One mini-batch, its chunks, a loader's
-batches and the ranks' shards are parts of the samples; each is run by the engine
-with the loss on its own samples, and the blocks are combined into the curvature
-of their union (:mod:`vivit.sources.union`, ``docs/math.rst``, "Data sets and
-processes"). The factors of ``V`` are kept, so every later product (the Gram
-matrix, ``V·u``, ``Vᵀ·w``, ``Vᵀ∇ℓ_n``) runs on them without another pass.
+The source of :class:`~vivit.LowRankGGN`: each part (a mini-batch, a chunk, a
+loader's batch, a rank's shard) runs through the engine and the parts are
+combined into their union's curvature (:mod:`vivit.sources.union`); every later
+product runs on the kept factors without another pass.
 """
 
 from __future__ import annotations
@@ -16,14 +14,11 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit._validation import check_finite, check_params, param_group_lists
+from vivit._param_groups import param_group_lists
+from vivit._validation import check_finite, check_params
 from vivit.directional.gram_space import directional_gradients
-from vivit.distributed import (
-    SAMPLE_SHAPE,
-    ShardExchange,
-    ShardLayout,
-    request_fingerprint,
-)
+from vivit.distributed import ShardExchange, ShardLayout
+from vivit.distributed.agreement import run_fingerprint
 from vivit.engines.base import BatchInfo, CurvatureRequest, Engine, EngineOutput
 from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.gram.memory import check_gram_fits
@@ -33,40 +28,30 @@ from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import GroupCurvature
 from vivit.sources.data import Data, Part, engine_context
 from vivit.sources.ownership import CallerMemory, stored_bytes
-from vivit.sources.runs import PartResult, run_engine, run_part
+from vivit.sources.runs import PartResult, curvature_request, run_engine, run_part
 from vivit.sources.union import (
     UnionOutput,
     combine_curvatures,
     merged_parts,
     part_requests,
+    per_group,
 )
 
 
 class StoredGroup:
-    """One group's stored factors (a :class:`~vivit.sources.base.GroupSource`).
-
-    Args:
-        index: Position of the group.
-        curvature: The group's curvature on all samples, factors kept.
-        gradient: The gradient of the loss, one tensor per parameter.
-    """
+    """One group's stored factors (a :class:`~vivit.sources.base.GroupSource`)."""
 
     solvers = ("dense", "gram_krylov", "factor_krylov")
     keeps_directions = False
     parameter_space = False
 
     def __init__(self, index: int, curvature: GroupCurvature, gradient: list[Tensor]):
-        factors = curvature.ggn_factors
-        self.index = index
-        self.curvature = curvature
-        self.params = curvature.params
-        self.gradient = gradient
-        self.batch = curvature.batch
+        self.index, self.curvature, self.gradient = index, curvature, gradient
+        self.params, self.batch = curvature.params, curvature.batch
         self.factor_dtype = curvature.factor_dtype
-        self.dtype = factors[0].dtype
+        self.factors = factors = curvature.ggn_factors
+        self.dtype, self.num_rows = factors[0].dtype, factors[0].num_rows
         self.device = self.params[0].device
-        self.num_rows = factors[0].num_rows
-        self.factors = factors
         self.products = FactorProducts(factors)
 
     def formed_gram(self) -> Tensor | None:  # noqa: D102
@@ -79,10 +64,7 @@ class StoredGroup:
         return self.curvature.gram
 
     def set_gram(self, gram: Tensor) -> None:
-        """Keep the group's formed Gram matrix (refused if not finite).
-
-        Args:
-            gram: ``[N·C, N·C]``.
+        """Keep the group's formed Gram matrix ``[N·C, N·C]``.
 
         Raises:
             NonFiniteError: If it has a non-finite entry.
@@ -112,8 +94,8 @@ class StoredGroup:
 class StoredFactors(CurvatureSource):
     """The stored factors of every parameter group (a curvature source).
 
-    Build with :meth:`run` (a model, a loss function and data) or
-    :meth:`from_loss` (a loss computed through BackPACK-extended modules).
+    Built by :meth:`run` (a model, a loss function and data) or :meth:`from_loss`
+    (a loss computed through BackPACK-extended modules).
 
     Attributes:
         param_groups: The parameter groups.
@@ -135,18 +117,11 @@ class StoredFactors(CurvatureSource):
         shards: ShardExchange | None = None,
         sample_shape: tuple[int, ...] | None = None,
     ):
-        """Combine the parts' curvature into that of their union.
-
-        This process's parts are merged into one set of factors per parameter
-        (:func:`~vivit.sources.union.merged_parts`); under a process group that
-        is the rank's one part in the exchange, and every rank's parts are
-        combined in rank order.
-        """
+        """Merge this process's parts; under a group, combine every rank's."""
         self.param_groups = param_groups
         self.engine = engine
         shards = shards or ShardExchange(None)
-        # refuses a loader without batches, and one whose every target is
-        # ignored (a rank's shard: after the exchange)
+        # refuses no batch, or every target ignored (a rank's shard: after the exchange)
         loss, gradients = union.result(part=shards.group is not None)
         curvature = merged_parts(parts, options.subsampling)
         if shards.group is None:  # the exchange rebuilds every part from bytes
@@ -164,24 +139,29 @@ class StoredFactors(CurvatureSource):
         )
         self.communication = shards.report
         self.loss = loss
-        gradients = iter(gradients)
         self.groups = []
-        for index, (group, part) in enumerate(
-            zip(param_groups, curvature, strict=True)
+        for index, (group, part, gradient) in enumerate(
+            zip(
+                param_groups, curvature, per_group(gradients, param_groups), strict=True
+            )
         ):
-            gradient = [next(gradients) for _ in group]
-            _check_gradient(group, gradient, names)
+            for param, tensor in zip(group, gradient, strict=True):
+                name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
+                check_finite(
+                    tensor,
+                    f"backpropagated gradient of the {name} (non-finite inputs, or "
+                    "an overflow in the backward pass)",
+                    batch_axis=False,
+                )
             self.groups.append(StoredGroup(index, part, gradient))
         if shards.group is not None and options.solver != "factor_krylov":
             self._form_grams_together(shards)
 
     def _form_grams_together(self, shards: ShardExchange) -> None:
-        """Under a process group, form the Gram matrices now, split over the ranks.
+        """Form the Gram matrices now, split over the ranks, where they fit on all.
 
-        Every rank forms its share of each group's Gram blocks
-        (:meth:`~vivit.distributed.ShardExchange.gram`), so no later call needs
-        a collective. Skipped for groups whose Gram matrix does not fit on some
-        rank (formed there on demand).
+        So no later call needs a collective; one that does not fit on some rank
+        is formed on demand.
         """
         fits = []
         for group in self.groups:
@@ -216,31 +196,26 @@ class StoredFactors(CurvatureSource):
             param_groups: The checked parameter groups.
             names: The parameters' names (by ``id``), for messages.
             options: The checked options.
-            shards: The exchange of the process group (``options.group``).
+            shards: The exchange of the process group.
             engine: The engine.
-            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): the
-                engine's samples per pass, and a loader's memory checked after
-                every part (``None``: neither).
-
-        Returns:
-            The stored factors.
+            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): samples per
+                pass, a loader's memory watched (``None``: neither).
         """
-        grouped = shards.group is not None
         request = dataclasses.replace(
             _request(param_groups, options),
             samples_per_pass=None if plan is None else plan.samples_per_pass,
         )
-        fingerprint = request_fingerprint(
+        fingerprint = run_fingerprint(
+            model,
             loss_func,
             param_groups,
-            model if grouped else None,  # checksums: ranks only
+            options,
+            engine.name,
+            data.sample_shape,
+            shards.group is not None,
             mc_samples=options.mc_samples,
             mc_per=options.mc_per,
             gram_dtype=options.gram_dtype,
-            solver=(options.solver, options.solver_tol, options.solver_seed),
-            engine=engine.name,
-            # a loader's is compared after its pass, in the exchange
-            **{SAMPLE_SHAPE: data.sample_shape},
         )
         requests = part_requests(request, lambda seed: shards.agree(fingerprint, seed))
         parts: list[list[GroupCurvature]] = []
@@ -286,16 +261,13 @@ class StoredFactors(CurvatureSource):
         options: CurvatureOptions,
         engine: Engine,
     ) -> StoredFactors:
-        """Run an engine that starts from a computed loss (BackPACK's).
+        """Run an engine that starts from a computed loss (BackPACK's ``run_loss``).
 
         Args:
             loss: The mini-batch loss, or a function that computes it.
             param_groups: Lists of parameters, one GGN block each.
             options: The checked options.
             engine: An engine with ``run_loss``.
-
-        Returns:
-            The stored factors.
 
         Raises:
             InvalidArgumentError: If ``loss`` is neither a tensor nor a callable.
@@ -333,30 +305,12 @@ def _request(
     param_groups: list[list[Parameter]], options: CurvatureOptions
 ) -> CurvatureRequest:
     """What the engine must compute."""
-    return CurvatureRequest(
-        param_groups=param_groups,
-        mc_samples=options.mc_samples,
-        mc_per=options.mc_per,
+    return curvature_request(
+        param_groups,
+        options,
         subsampling=None if options.subsampling is None else list(options.subsampling),
-        generator=options.generator,
         compute_gradients=True,
         # the dense solver needs every Gram: refuse before the backward pass;
         # others form them on demand, checked then (StoredGroup.form_gram)
         num_grams=len(param_groups) if options.solver == "dense" else 0,
-        gram_dtype=options.gram_dtype,
-        output=options.output,
     )
-
-
-def _check_gradient(
-    params: list[Parameter], gradient: list[Tensor], names: dict[int, str]
-) -> None:
-    """Refuse a non-finite gradient, naming the parameter."""
-    for param, part in zip(params, gradient, strict=True):
-        name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
-        check_finite(
-            part,
-            f"backpropagated gradient of the {name} (non-finite inputs, or "
-            "an overflow in the backward pass)",
-            batch_axis=False,
-        )

@@ -1,15 +1,13 @@
 """Streamed factors: every product recomputes the factors in passes over a loader.
 
-The source of :class:`~vivit.StreamingGGN`. It stores no factors of ``V``: each
-product with the Gram matrix recomputes every part's factors, ``G̃ U = concat_b
-V_bᵀ W`` with ``W = Σ_b V_b U_b``: two passes over the loader (``docs/math.rst``,
-"Data sets and processes"). Every pass sees the same batches and model
-(:class:`~vivit.sources.data.Data`).
+The source of :class:`~vivit.StreamingGGN`: no factors of ``V`` are kept, and
+``G̃ U = Vᵀ (V U)`` takes two passes (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,7 +15,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
-from vivit.engines.base import BatchInfo, CurvatureRequest, EngineOutput
+from vivit.engines.base import BatchInfo, EngineOutput
 from vivit.engines.choice import resolve_engine
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
@@ -26,15 +24,20 @@ from vivit.options import CurvatureOptions, check_streaming_solver
 from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part
-from vivit.sources.runs import PartResult, run_engine, run_part
-from vivit.sources.union import UnionOutput, part_requests, part_scale, union_batch
+from vivit.sources.runs import PartResult, curvature_request, run_engine, run_part
+from vivit.sources.union import (
+    UnionOutput,
+    part_requests,
+    part_scales,
+    per_group,
+    union_batch,
+)
 
 
 class StreamedGroup:
     """One group's products by passes (a :class:`~vivit.sources.base.GroupSource`).
 
-    Its :attr:`products` are the group itself: ``V·u`` and ``Vᵀ·w`` take one pass
-    over the data each, ``G̃·U`` two.
+    Its :attr:`products` are the group itself: ``V·u`` and ``Vᵀ·w`` one pass each.
 
     Args:
         source: The streamed source.
@@ -92,14 +95,7 @@ class StreamedGroup:
         return gammas if samples is None else gammas[list(samples)]
 
     def v_matmul(self, coefficients: Tensor) -> list[Tensor]:
-        """``V u = Σ_b V_b u_b`` for Gram-space rows ``[K, N·C]``: one pass.
-
-        Args:
-            coefficients: ``[K, N·C]``.
-
-        Returns:
-            One tensor ``[K, *p.shape]`` per parameter.
-        """
+        """``V u = Σ_b V_b u_b`` of rows ``[K, N·C]``: ``[K, *p.shape]`` per param."""
         bounds = self._source.bounds
         result: list[Tensor] = []
 
@@ -116,14 +112,7 @@ class StreamedGroup:
         return result
 
     def vt_matmul(self, vectors: Sequence[Tensor]) -> Tensor:
-        """``Vᵀ W`` (rows ``[K, N·C]``) for parameter-space vectors: one pass.
-
-        Args:
-            vectors: One tensor ``[K, *p.shape]`` per parameter.
-
-        Returns:
-            ``[K, N·C]``.
-        """
+        """``Vᵀ W`` ``[K, N·C]`` of vectors ``[K, *p.shape]``, one per parameter."""
         blocks: list[Tensor] = []
         self._factors_pass(
             lambda index, factors: blocks.append(vt_matmul(factors, vectors)), "Vᵀ·w"
@@ -131,14 +120,7 @@ class StreamedGroup:
         return torch.cat(blocks, dim=1)
 
     def gram_matmul(self, vectors: Tensor) -> Tensor:
-        """``G̃ U = Vᵀ (V U)``: two passes.
-
-        Args:
-            vectors: ``U``, ``[N·C, K]``.
-
-        Returns:
-            ``[N·C, K]``.
-        """
+        """``G̃ U = Vᵀ (V U)`` of ``U`` ``[N·C, K]``: two passes."""
         return self.vt_matmul(self.v_matmul(vectors.T.contiguous())).T
 
     def _factors_pass(
@@ -158,7 +140,7 @@ class StreamedFactors(CurvatureSource):
     """Factors recomputed in every pass over a re-iterable loader (a source).
 
     The construction makes one pass (loss, gradient, each part's normalization);
-    every product makes more (:class:`StreamedGroup`).
+    every product makes more.
 
     Args:
         model: The network.
@@ -167,15 +149,8 @@ class StreamedFactors(CurvatureSource):
         param_groups: Lists of parameters (``None``: every trainable one).
         options: The checked options.
 
-    Attributes:
-        param_groups: The parameter groups.
-        loss: The loss on all samples (detached).
-        engine: Name of the engine.
-
     Raises:
-        InvalidArgumentError: For an iterator or generator (passed over once), a
-            solver that needs the Gram matrix, a curvature subsampling or a
-            process group.
+        InvalidArgumentError: For an iterator or generator (passed over once).
     """
 
     def __init__(
@@ -192,15 +167,8 @@ class StreamedFactors(CurvatureSource):
         engine = resolve_engine(options.engine, model, loss_func, options.output)
         self.engine = engine.name
         self._options = options
-        request = CurvatureRequest(
-            param_groups=self.param_groups,
-            mc_samples=options.mc_samples,
-            mc_per=options.mc_per,
-            generator=options.generator,
-            compute_gradients=False,
-            num_grams=0,
-            gram_dtype=options.gram_dtype,
-            output=options.output,
+        request = curvature_request(
+            self.param_groups, options, compute_gradients=False, num_grams=0
         )
         # part p draws its Monte-Carlo samples from stream p in every pass
         requests = part_requests(request)
@@ -236,7 +204,7 @@ class StreamedFactors(CurvatureSource):
         description: str,
         gradients: bool = False,
     ) -> UnionOutput:
-        """One pass: runs the engine on every part and hands its result on.
+        """One pass: the engine on every part, its index and result to ``visit``.
 
         Args:
             visit: Called with each part's index and result.
@@ -269,13 +237,7 @@ class StreamedFactors(CurvatureSource):
 
         union = self.run_pass(visit, "loss and gradient")
         self.loss, gradients = union.result()
-        gradients = iter(gradients)
-        self.gradients = [[next(gradients) for _ in g] for g in self.param_groups]
+        self.gradients = per_group(gradients, self.param_groups)
         self.union = union_batch(union.batches)
-        self.scales = [
-            part_scale(self.union.ggn_reduction_factor, batch.ggn_reduction_factor)
-            for batch in union.batches
-        ]
-        self.bounds = [0]
-        for count in rows:
-            self.bounds.append(self.bounds[-1] + count)
+        self.scales = part_scales(self.union, union.batches)
+        self.bounds = [0, *itertools.accumulate(rows)]

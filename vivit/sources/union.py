@@ -1,17 +1,9 @@
 """Parts of the samples combined into the curvature of their union.
 
-A part of the samples is a loader's batch, a chunk of a mini-batch, or a rank's
-shard. An engine computes each with the loss on that block alone; this module
-turns the blocks' results into those of the loss on all samples together
-(``docs/math.rst``, "Data sets and processes"):
-
-- the GGN's columns are rescaled by ``√(R_union / R_block)`` (:func:`part_scale`)
-  and stacked (:func:`concatenate_curvatures`), then merged into one set of
-  factors per parameter (:func:`merged_parts`);
-- losses and gradients are summed with the weights ``R_union / R_block``
-  (:class:`UnionOutput`);
-- Monte-Carlo samples are drawn per block from streams ``seed + b``
-  (:func:`part_requests`), so a block's draws do not depend on the others.
+Each part (a loader's batch, a chunk, a rank's shard) ran with the loss on its
+own samples: its columns of ``V`` are rescaled by ``√(R_union / R_part)``, its
+loss and gradient weighted by ``R_union / R_part``, and its Monte-Carlo samples
+drawn from its own stream (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
@@ -35,13 +27,14 @@ from vivit.losses import LossNormalization
 from vivit.sources.collector import GroupCurvature
 
 
-def part_scale(union_factor: float, block_factor: float) -> float:
-    """``√(R_union / R_block)``: rescales a block's ``V`` (or ``1`` if ``R_block=0``).
-
-    A block whose ``R`` is ``0`` carries no weight (every target ignored): its
-    columns are zero and stay so.
-    """
-    return math.sqrt(union_factor / block_factor) if block_factor > 0 else 1.0
+def part_scales(union: BatchInfo, batches: Sequence[BatchInfo]) -> list[float]:
+    """``√(R_union / R_b)`` of every block: rescales its ``V`` (``1`` if ``R_b=0``)."""
+    return [
+        math.sqrt(union.ggn_reduction_factor / b.ggn_reduction_factor)
+        if b.ggn_reduction_factor > 0
+        else 1.0
+        for b in batches
+    ]
 
 
 def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
@@ -49,9 +42,6 @@ def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
 
     Args:
         batches: Each block's context (same reduction, columns and MC samples).
-
-    Returns:
-        Sample weights concatenated; the GGN samples shifted by each block's offset.
     """
     weights: list[float] = []
     ggn_samples: list[int] = []
@@ -67,19 +57,13 @@ def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
     )
 
 
-def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
-    """One group's curvature on the union of several parts of the samples.
+def _concatenated(parts: Sequence[GroupCurvature]) -> GroupCurvature:
+    """One group's curvature on the union of blocks: ``V`` rescaled and stacked.
 
-    The blocks (batches of a loader, shards of processes) were computed each with
-    the loss on its own samples; their columns of ``V`` are rescaled from the
-    block's ``√R`` to that of the loss on all samples together, and stacked in
-    block order (``docs/math.rst``, "Data sets and processes"). Per-sample
-    gradients ``∇ℓ_n`` do not depend on ``R`` and are stacked as they are.
+    Per-sample gradients ``∇ℓ_n`` do not depend on ``R``: stacked as they are.
 
     Args:
-        parts: The group's curvature of every block, in sample order, each with
-            its factors kept; the same reduction, columns per sample and MC
-            samples in all.
+        parts: The group's curvature of every block, in sample order, factors kept.
 
     Returns:
         The group's curvature on the union, its Gram matrix not formed.
@@ -90,20 +74,17 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
     first = parts[0]
     if len(parts) == 1:
         return first
-    for part in parts[1:]:
-        if (part.batch.reduction, part.batch.columns_per_sample) != (
-            first.batch.reduction,
-            first.batch.columns_per_sample,
-        ) or part.batch.mc_samples != first.batch.mc_samples:
-            raise ValueError(
-                "Sample blocks disagree in reduction, columns per sample or MC "
-                "samples; every block must use the same loss function and request."
-            )
+    kinds = {
+        (p.batch.reduction, p.batch.columns_per_sample, p.batch.mc_samples)
+        for p in parts
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            "Sample blocks disagree in reduction, columns per sample or MC "
+            "samples; every block must use the same loss function and request."
+        )
     batch = union_batch([part.batch for part in parts])
-    scales = [
-        part_scale(batch.ggn_reduction_factor, part.batch.ggn_reduction_factor)
-        for part in parts
-    ]
+    scales = part_scales(batch, [part.batch for part in parts])
     ggn_factors = [
         StackedFactors(column, scales)
         for column in zip(*(part.ggn_factors for part in parts), strict=True)
@@ -124,18 +105,9 @@ def concatenate_curvatures(parts: Sequence[GroupCurvature]) -> GroupCurvature:
 
 
 def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvature]:
-    """Each group's curvature on all blocks' samples together.
-
-    Args:
-        blocks: Every block's curvature (one per group), in sample order.
-
-    Returns:
-        Each group's curvature on the union
-        (:func:`concatenate_curvatures`).
-    """
+    """Each group's curvature on all blocks (each a list per group) together."""
     return [
-        concatenate_curvatures([block[g] for block in blocks])
-        for g in range(len(blocks[0]))
+        _concatenated([block[g] for block in blocks]) for g in range(len(blocks[0]))
     ]
 
 
@@ -144,21 +116,13 @@ def merged_parts(
 ) -> list[GroupCurvature]:
     """Every group's curvature on one process's blocks, one set of factors each.
 
-    The blocks (a loader's batches, the chunks of a batch) are combined
-    (:func:`combine_curvatures`: rescaled to the union's ``√R``) and
-    each parameter's factors merged (:func:`merged_chunks`), so that every later
-    product runs as on one batch instead of forming each block's ``V`` once per
-    partner block.
+    Later products then run as on one batch (:func:`merged_chunks`).
 
     Args:
-        blocks: Every block's curvature (one per group), in sample order; the
-            list is emptied, so that each block's factors are released as soon
-            as they are merged (the peak holds one parameter's copy, not all).
+        blocks: Every block's curvature (one per group), in sample order;
+            emptied, so that each block's factors are released once merged.
         subsampling: The mini-batch's curvature subsampling (``None``: all, or a
             loader's batches).
-
-    Returns:
-        Each group's curvature on the union; one block's as it is.
     """
     combined = combine_curvatures(blocks)
     several = len(blocks) > 1
@@ -173,21 +137,14 @@ def merged_chunks(
 ) -> GroupCurvature:
     """A group's curvature combined over chunks, as if computed in one piece.
 
-    Each parameter's blocks (one per chunk) are concatenated into one set of
-    factors, one parameter at a time (a copy of that parameter's factors is alive
-    at once; a weight's ``V`` and per-sample gradients keep sharing their
-    inputs): products and the Gram matrix then run as on the unchunked batch,
-    instead of forming every chunk's ``V`` once per cross-Gram block. Chunks
-    without curvature samples are left out, and the rows are put into the
-    subsampling's order where it does not visit the chunks in order.
+    Each parameter's blocks are concatenated, one parameter at a time (a
+    weight's ``V`` and per-sample gradients keep sharing their inputs); chunks
+    without curvature samples are left out, and the rows put into the
+    subsampling's order.
 
     Args:
-        curvature: Combined over the chunks (rows chunk by chunk); its factor
-            lists are replaced in place.
+        curvature: Combined over the chunks; its factor lists are replaced in place.
         subsampling: The mini-batch's curvature subsampling (``None``: all).
-
-    Returns:
-        The curvature with merged factors.
     """
     inputs_cache: list = []  # V and gradients of a weight share their inputs
     for factors in (curvature.ggn_factors, curvature.grad_factors or []):
@@ -229,12 +186,9 @@ def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
 
 
 class UnionOutput:
-    """The loss and gradient on all samples, accumulated block by block.
+    """The loss and gradient on all samples, ``Σ_b (R_union / R_b) L_b``, summed.
 
-    Each block's loss ``L_b = R_b Σ_{n∈b} ℓ_n`` enters as ``L_b / R_b``; the sum
-    times ``R_union`` is the loss on all samples, ``Σ_b (R_union / R_b) L_b``
-    (``docs/math.rst``, "Data sets and processes"); likewise the gradient. Holds
-    one loss and one gradient, whatever the number of blocks.
+    Holds one loss and one gradient, whatever the number of blocks.
     """
 
     def __init__(self) -> None:
@@ -243,12 +197,7 @@ class UnionOutput:
         self._sum: EngineOutput | None = None
 
     def add(self, batch: BatchInfo, output: EngineOutput) -> None:
-        """Add a block's loss and gradient.
-
-        Args:
-            batch: The block's batch context (its ``R_b`` and sample weights).
-            output: Its loss and gradient (of the loss on the block alone).
-        """
+        """Add a block's loss and gradient (of the loss on the block alone)."""
         self.batches.append(batch)
         if self._first is None:  # one block's are used as they are: no sum yet
             self._first = output
@@ -310,16 +259,13 @@ def part_requests(
 ) -> Callable[[int], CurvatureRequest]:
     """The request of each part of the samples: its own MC stream (exact: as is).
 
-    Draws the base seed (:func:`base_seed`) once: every pass over the blocks
-    with the returned requests draws the same samples. Without a generator the
-    seed is one draw from torch's global generator, which it advances like any
-    sampling operation, so that two requests draw independent samples.
+    Draws the base seed (:func:`base_seed`) once, so every pass draws the same
+    samples.
 
     Args:
         request: The caller's request (its parameters' device is the samples').
         agree: Maps this process's seed (``None`` for the exact GGN) to the one
-            all ranks of a process group use (rank 0's); a collective, so every
-            rank calls it, MC or not.
+            all ranks use (a collective: every rank calls it, MC or not).
 
     Returns:
         ``index ↦`` the request of block ``index``.
@@ -338,14 +284,9 @@ def part_requests(
 
 
 def base_seed(generator: torch.Generator | None) -> int:
-    """One draw from ``generator`` that seeds the MC streams of every block.
+    """A seed in ``[0, 2⁶²)`` for every block's MC stream: one draw of ``generator``.
 
-    Args:
-        generator: The caller's generator; ``None`` draws from torch's default
-            generator.
-
-    Returns:
-        A seed in ``[0, 2⁶²)``; advances the generator by one draw.
+    ``None`` draws from torch's default generator, advancing it like any sampling.
     """
     device = "cpu" if generator is None else generator.device
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))
@@ -354,22 +295,17 @@ def base_seed(generator: torch.Generator | None) -> int:
 def part_generator(
     seed: int, block: int, device: torch.device | str
 ) -> torch.Generator:
-    """The generator of the Monte-Carlo samples of one part of the samples.
+    """A fresh generator of block ``block``'s MC samples, seeded ``seed + block``.
 
-    Block ``b`` (a loader's ``b``-th batch or chunk; under a process group of
-    ``W`` ranks, ``b = r + W·i`` for the ``i``-th batch of rank ``r``) draws
-    from a generator seeded with ``seed + b``: its samples do not depend on how
-    many draws other blocks made, nor on how many batches other ranks have, so
-    a process group's shards (one batch per rank: ``b = r``) and a loader over
-    the same shards in rank order draw the same samples (``docs/math.rst``,
-    "Data sets and processes", "Several processes").
-
-    Args:
-        seed: The run's base seed (:func:`base_seed`).
-        block: Index of the block.
-        device: Device the samples are drawn on (the model output's).
-
-    Returns:
-        A fresh generator.
+    Under a process group of ``W`` ranks, the ``i``-th batch of rank ``r`` is
+    block ``r + W·i`` (``docs/math.rst``, "Several processes").
     """
     return torch.Generator(device=device).manual_seed((seed + block) % 2**63)
+
+
+def per_group(
+    flat: list[Tensor], param_groups: Sequence[Sequence]
+) -> list[list[Tensor]]:
+    """Tensors of every parameter, in group order, split into one list per group."""
+    tensors = iter(flat)
+    return [[next(tensors) for _ in group] for group in param_groups]
