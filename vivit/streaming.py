@@ -62,7 +62,8 @@ class StreamingGGN(CurvatureResults):
     ``chunk_size``; ``gram_dtype`` is the type of every product; ``solver`` is
     ``"auto"`` or ``"factor_krylov"``. Refused before the first pass
     (:class:`~vivit.InvalidArgumentError`): the solvers ``"dense"`` and
-    ``"gram_krylov"``, a ``subsampling`` (pass a loader over the samples you
+    ``"gram_krylov"``, ``route="implicit"`` (a route of ``LowRankGGN``), a
+    ``subsampling`` (pass a loader over the samples you
     want) and a process group (``process_group`` defaults to ``False``: each
     process streams over its own loader).
 
@@ -94,6 +95,7 @@ class StreamingGGN(CurvatureResults):
         subsampling: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         gram_dtype: torch.dtype | None = None,
+        route: str = "auto",
         solver: str = "auto",
         solver_tol: float | None = None,
         solver_seed: int = 0,
