@@ -309,15 +309,12 @@ def check_params(
 def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
     """Check a mini-batch ``(inputs, targets)`` before the forward pass.
 
-    The inputs are a tensor or a dict of tensors (:mod:`vivit.model_inputs`).
-
     Returns:
         ``inputs, targets``.
 
     Raises:
         InvalidArgumentError: If it is not a pair of inputs and a targets tensor,
-            a dict of inputs holds something other than tensors or its tensors
-            differ in batch size, or the batch is empty.
+            or the inputs are malformed (:func:`check_inputs`).
         InvalidTargetsError: If inputs and targets differ in batch size.
         GradientContextError: If a tensor was created in inference mode.
         UnsupportedDtypeError: For 16-bit inputs.
@@ -335,14 +332,8 @@ def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
             f"{_type_summary(data)}."
         )
     inputs, targets = data
-    _check_input_dict(inputs)
-    named = _named_inputs(inputs)
+    named = check_inputs(inputs)
     first_name, first = named[0]
-    if first.dim() == 0 or first.shape[0] == 0:
-        raise InvalidArgumentError(
-            f"The mini-batch is empty ({first_name} of shape {tuple(first.shape)}): "
-            "pass at least one sample, the batch along the first axis."
-        )
     if targets.dim() == 0 or targets.shape[0] != first.shape[0]:
         raise InvalidTargetsError(
             f"{first_name} hold {first.shape[0]} samples (shape "
@@ -359,6 +350,33 @@ def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
         check_dtype(tensor, name)
         check_finite(tensor, name)
     return inputs, targets
+
+
+def check_inputs(inputs: object, name: str = "inputs") -> list[tuple[str, Tensor]]:
+    """Check a model's inputs: a tensor or a dict of tensors, with a sample.
+
+    Returns:
+        The input tensors with their names for messages.
+
+    Raises:
+        InvalidArgumentError: If they are neither, a dict holds something else
+            or its tensors differ in batch size, or there is no sample.
+    """
+    if not isinstance(inputs, Tensor | Mapping):
+        raise InvalidArgumentError(
+            f"{name} must be a tensor of input samples, [n, *input_shape], or a "
+            "dict of such tensors (the model's keyword arguments), got "
+            f"{type(inputs).__name__}."
+        )
+    _check_input_dict(inputs)
+    named = _named_inputs(inputs)
+    first_name, first = named[0]
+    if first.dim() == 0 or first.shape[0] == 0:
+        raise InvalidArgumentError(
+            f"The mini-batch is empty ({first_name} of shape {tuple(first.shape)}): "
+            "pass at least one sample, the batch along the first axis."
+        )
+    return named
 
 
 def _check_input_dict(inputs: ModelInputs) -> None:

@@ -604,8 +604,8 @@ def test_the_unresolved_warning_names_the_term_that_sets_the_bound(
     where the products' rounding ``ρ`` exceeds the residual reached, a smaller
     tol cannot lower it and the warning names the float64 model instead."""
     report = SolverReport(
-        route="implicit",
-        requested="implicit",
+        solver="ggn_krylov",
+        requested="ggn_krylov",
         residual=residual,
         tolerance=1e-5,
         converged=True,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._param_groups import param_group_lists
 from vivit._validation import (
     check_batch_norms,
+    check_inputs,
     check_inputs_match,
     check_model,
     check_params,
@@ -261,32 +261,10 @@ def _checked_groups(
     groups = param_group_lists(param_groups, model)
     names = {id(p): f"parameter {n!r}" for n, p in model.named_parameters()}
     check_params([p for group in groups for p in group], names, allow_meta=True)
-    _check_example_inputs(example_inputs)
+    check_inputs(example_inputs, "example_inputs")
     check_inputs_match(example_inputs, groups[0])
     check_batch_norms(model)
     return groups
-
-
-def _check_example_inputs(example_inputs: ModelInputs) -> None:
-    """Refuse example inputs without a sample along a batch axis."""
-    if isinstance(example_inputs, Mapping):
-        tensors = list(example_inputs.values())
-        if tensors and all(isinstance(t, Tensor) for t in tensors):
-            for tensor in tensors:
-                _check_example_inputs(tensor)
-            return
-    if not isinstance(example_inputs, Tensor):
-        raise InvalidArgumentError(
-            "example_inputs must be a tensor of a few input samples, "
-            "[n, *input_shape], or a dict of such tensors (the model's keyword "
-            f"arguments), got {type(example_inputs).__name__}."
-        )
-    if example_inputs.dim() == 0 or example_inputs.shape[0] < 1:
-        raise InvalidArgumentError(
-            "example_inputs must hold at least one sample along its first (batch) "
-            f"axis, [n, *input_shape], got shape {tuple(example_inputs.shape)}: "
-            "pass e.g. X[:1]."
-        )
 
 
 def _curvature_samples(
