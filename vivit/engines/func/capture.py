@@ -29,10 +29,9 @@ _CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 @dataclass
-class LayerCall:
-    """One call of a layer: input (detached), output, their versions when recorded."""
+class Recorded:
+    """A recorded call: input (detached), output, their versions when recorded."""
 
-    module: Module
     inputs: Tensor
     output: Tensor
     versions: tuple[int, int]
@@ -40,6 +39,13 @@ class LayerCall:
     def unchanged(self) -> bool:
         """Whether neither tensor was modified in place after the call."""
         return (self.inputs._version, self.output._version) == self.versions
+
+
+@dataclass
+class LayerCall(Recorded):
+    """One call of a factor-form layer, ``module``."""
+
+    module: Module
 
     def params(self) -> list[Parameter]:
         """The layer's weight and bias (where it has one)."""
@@ -140,7 +146,7 @@ class LayerCapture:
         if not isinstance(output, Tensor) or not isinstance(inputs, Tensor):
             return
         versions = (inputs._version, output._version)
-        self.calls.append(LayerCall(module, inputs.detach(), output, versions))
+        self.calls.append(LayerCall(inputs.detach(), output, versions, module))
 
 
 def count_uses(output: Tensor, params: list[Parameter]) -> dict[int, int]:

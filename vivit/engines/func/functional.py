@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
+from vivit.engines.func.capture import Recorded
 from vivit.engines.func.recurrent import recurrent_weights, stepwise
 
 #: Base of the digits of a sample's index that one probe vector encodes.
@@ -44,33 +45,24 @@ TRANSPARENT = {
 
 
 @dataclass
-class FunctionUse:
+class FunctionUse(Recorded):
     """One call of a recognized function with a requested parameter.
+
+    Its ``inputs`` are ``[..., P]``, indices ``[...]`` or the normalized input.
 
     Attributes:
         kind: ``"linear"`` (weight ``[O, P]``), ``"linear_t"`` (weight ``[P, O]``),
             ``"embedding"`` or ``"norm"``.
         weight: The weight, if requested (else ``None``); so ``bias``.
-        inputs: The input, detached: ``[..., P]``, indices ``[...]`` or the
-            normalized input ``[..., *shape]``.
-        output: The call's output ``z`` (part of the autograd graph).
-        features: Trailing axes of ``z`` that are features (not rows).
-        versions: Version counters of the input and output when recorded.
+        features: Trailing axes of the output ``z`` that are features (not rows).
         padding: An embedding's ``padding_idx`` (its row gets no gradient).
     """
 
     kind: str
     weight: Parameter | None
     bias: Parameter | None
-    inputs: Tensor
-    output: Tensor
     features: int
-    versions: tuple[int, int]
     padding: int | None = None
-
-    def unchanged(self) -> bool:
-        """Whether neither tensor was modified in place after the call."""
-        return (self.inputs._version, self.output._version) == self.versions
 
     def params(self) -> list[Parameter]:
         """The requested parameters of the call."""
@@ -177,7 +169,7 @@ def _make(
         return None
     weight, bias = _requested(weight, requested), _requested(bias, requested)
     versions = (inputs._version, output._version)
-    return FunctionUse(kind, weight, bias, inputs.detach(), output, features, versions)
+    return FunctionUse(inputs.detach(), output, versions, kind, weight, bias, features)
 
 
 def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
