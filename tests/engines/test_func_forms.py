@@ -119,16 +119,17 @@ def _forms(monkeypatch, name: str) -> tuple[list[str], dict]:
     model = func_reference(name).setup.model
     names = {id(p): n for n, p in model.named_parameters()}
     explicit = []
-    resolve = engine._Forward.resolve_rows
+    uses = engine._Forward.uses
 
-    def spy(self, output, uses_of):
-        rows = resolve(self, output, uses_of)
-        explicit.append(
-            sorted(names[id(p)] for p in self.params if id(p) not in uses_of)
-        )
-        return rows
+    def spy(self, output, factor=None):
+        uses_of, rows = uses(self, output, factor)
+        if factor is None:  # the whole batch's
+            explicit.append(
+                sorted(names[id(p)] for p in self.params if id(p) not in uses_of)
+            )
+        return uses_of, rows
 
-    monkeypatch.setattr(engine._Forward, "resolve_rows", spy)
+    monkeypatch.setattr(engine._Forward, "uses", spy)
     params, ggn, _ = _factors(name, {})
     return explicit, {names[id(p)]: f for p, f in zip(params, ggn, strict=True)}
 

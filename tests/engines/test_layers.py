@@ -161,7 +161,7 @@ def test_max_pooling_reuses_the_forward_indices(monkeypatch, subsampling):
     """
     from backpack.core.derivatives.maxpoolnd import MaxPoolNDDerivatives
 
-    from vivit.engines.backpack.pooling import POOL_INDICES
+    from vivit.engines.backpack.table import POOL_INDICES
 
     def recompute(*args, **kwargs):
         raise AssertionError("max pooling recomputed its indices")

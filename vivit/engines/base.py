@@ -1,19 +1,15 @@
 """The engine seam: what every engine hands to the group pipeline.
 
-An engine turns "compute the loss" plus named parameter groups into one
-:class:`BatchInfo` (reduction, samples, columns per sample, subsampling) and, per
-parameter, a :class:`ParamContribution` (its columns of ``V`` and per-sample
-gradients as :mod:`vivit.gram` factor objects). It hands each contribution to a
-:class:`ContributionSink` (the group pipeline,
-:class:`vivit.sources.collector.GroupCollector`) as soon as it exists, and returns
-the loss and the mini-batch gradient.
+An engine runs the forward and backward pass of one mini-batch, hands each requested
+parameter's :class:`ParamContribution` to a :class:`ContributionSink` (the group
+pipeline) as soon as it exists, and returns the loss and the mini-batch gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,9 +17,11 @@ import torch
 from torch import Tensor
 from torch.nn import Module, Parameter
 
+from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
-from vivit.losses import LossNormalization
+from vivit.gram.memory import check_gram_fits
+from vivit.losses import LossCurvature, LossNormalization
 from vivit.model_inputs import ModelInputs
 
 #: What picks the tensor the loss is computed from out of a model's output:
@@ -33,13 +31,10 @@ OutputSelector = str | int | Callable[[object], Tensor] | None
 
 
 def check_output_selector(output: object) -> None:
-    """Check an ``output`` option.
-
-    Args:
-        output: ``None``, a non-empty string, an int or a callable.
+    """Check an ``output`` option (:data:`OutputSelector`).
 
     Raises:
-        InvalidArgumentError: If it is none of these.
+        InvalidArgumentError: If it is not one.
     """
     if (
         output is None
@@ -56,36 +51,17 @@ def check_output_selector(output: object) -> None:
     )
 
 
-def selects_by_name(selector: OutputSelector) -> bool:
-    """Whether ``selector`` picks a tensor the model returned (no computation).
-
-    Args:
-        selector: An ``output`` option.
-
-    Returns:
-        ``True`` for ``None``, a key, attribute or position; ``False`` for a
-        function, which may compute from the output.
-    """
-    return not callable(selector)
-
-
 def select_output(output: object, selector: OutputSelector = None) -> Tensor:
     """The tensor the loss is computed from, out of what the model returned.
 
-    Args:
-        output: The model's return value.
-        selector: ``None``: ``output`` must be a tensor; a string: the key or
-            attribute of a structured output (a dict, a ``ModelOutput``, a named
-            tuple, a dataclass); an int: the position in a tuple or list; a
-            callable: applied to ``output``.
-
-    Returns:
-        The selected output tensor.
+    ``selector``: ``None`` (``output`` is that tensor), the key or attribute of a
+    structured output (a dict, a ``ModelOutput``, a named tuple, a dataclass), the
+    position in a tuple or list, or a function of ``output``.
 
     Raises:
-        InvalidArgumentError: If the model returned something other than a tensor
-            and no selector was given (naming its type and fields), if the
-            selector names no field of it, or if the selection is not a tensor.
+        InvalidArgumentError: If there is no selector and ``output`` is not a tensor
+            (naming its type and fields), the selector names no field of it, or
+            the selection is not a tensor.
     """
     if selector is None:
         if isinstance(output, Tensor):
@@ -96,11 +72,9 @@ def select_output(output: object, selector: OutputSelector = None) -> Tensor:
             "function of the model's output, output=lambda out: ...)."
         )
     if callable(selector):
-        selected = selector(output)
-        what = "output=<function>"
+        selected, what = selector(output), "output=<function>"
     else:
-        selected = _field(output, selector)
-        what = f"output={selector!r}"
+        selected, what = _field(output, selector), f"output={selector!r}"
     if not isinstance(selected, Tensor):
         raise InvalidArgumentError(
             f"{what} selected {_describe(selected)} from the model's output "
@@ -111,16 +85,13 @@ def select_output(output: object, selector: OutputSelector = None) -> Tensor:
 
 def _field(output: object, key: str | int) -> object:
     """``output[key]`` of a mapping or sequence, else ``output.key``."""
-    if isinstance(output, Mapping) and key in output:
-        return output[key]
-    if isinstance(key, int) and isinstance(output, (tuple, list)):
+    if isinstance(output, Mapping):
+        if key in output:
+            return output[key]
+    elif isinstance(key, int) and isinstance(output, (tuple, list)):
         if -len(output) <= key < len(output):
             return output[key]
-    elif (
-        isinstance(key, str)
-        and not isinstance(output, Mapping)
-        and hasattr(output, key)
-    ):
+    elif isinstance(key, str) and hasattr(output, key):
         return getattr(output, key)
     raise InvalidArgumentError(
         f"output={key!r} names no field of the model's output, "
@@ -141,8 +112,7 @@ def _describe(output: object) -> str:
     """``a tuple of 2 entries``, ``a dict with fields ['logits', 'loss']``, ..."""
     cls = type(output)
     name = cls.__name__ if cls.__module__ == "builtins" else cls.__qualname__
-    fields = _fields(output)
-    if fields:
+    if fields := _fields(output):
         return f"a {name} with fields {fields}"
     if isinstance(output, (tuple, list)):
         return f"a {name} of {len(output)} entries"
@@ -151,12 +121,41 @@ def _describe(output: object) -> str:
 
 def _example(output: object) -> str:
     """``output='logits'`` for a structured output, ``output=0`` for a tuple."""
-    fields = _fields(output)
-    if fields:
+    if fields := _fields(output):
         return f"output={'logits' if 'logits' in fields else fields[0]!r}"
     if isinstance(output, (tuple, list)):
         return "output=0 (the position in the returned tuple)"
     return "output='logits' (a key or attribute)"
+
+
+def graph_nodes(tensor: Tensor) -> Iterator[object]:
+    """Every node of the autograd graph of ``tensor``, once."""
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            yield node
+            stack.extend(child for child, _ in node.next_functions)
+
+
+def check_scalar_loss(loss: Tensor) -> Tensor:
+    """``loss``; an :class:`~vivit.errors.InvalidArgumentError` unless a scalar."""
+    if loss.numel() != 1:
+        raise InvalidArgumentError(
+            f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
+            "scalar loss: use reduction='mean' or 'sum'."
+        )
+    return loss
+
+
+def model_loss(
+    loss_func: Module, output: Tensor, targets: Tensor
+) -> tuple[Tensor, LossCurvature]:
+    """The scalar loss of a finite ``output`` and its curvature (targets checked)."""
+    check_finite(output, "model output")
+    curvature = LossCurvature(loss_func, output, targets)
+    return check_scalar_loss(loss_func(output, targets)), curvature
 
 
 @dataclass(frozen=True)
@@ -164,11 +163,11 @@ class BatchInfo:
     """How the mini-batch and the loss define the scaling of ``V``.
 
     Attributes:
-        normalization: The loss's reduction and per-sample weights; gives ``R``
-            of the loss on any set of samples (:mod:`vivit.losses`).
+        normalization: The loss's reduction and per-sample weights, which give
+            ``R`` of the loss on any set of samples.
         ggn_samples: Samples whose columns ``V`` holds (all, or the subsampling).
-        columns_per_sample: ``C`` (exact, ``C·T`` for cross-entropy on ``[N, C,
-            *T]``) or ``M`` (Monte-Carlo samples; ``M·T`` per token).
+        columns_per_sample: ``C`` (``C·T`` for cross-entropy on ``[N, C, *T]``) or
+            ``M`` Monte-Carlo samples (``M·T`` per token).
         mc_samples: ``0`` for the exact loss Hessian, else ``M``.
     """
 
@@ -176,6 +175,29 @@ class BatchInfo:
     ggn_samples: tuple[int, ...]
     columns_per_sample: int
     mc_samples: int
+
+    @classmethod
+    def of(
+        cls,
+        curvature: LossCurvature,
+        output: Tensor,
+        subsampling: Sequence[int] | None,
+        mc_samples: int,
+        mc_per: str,
+        grams: int,
+        gram_dtype: torch.dtype | None,
+    ) -> BatchInfo:
+        """The batch of a loss on ``output``, once its ``grams`` Gram matrices fit.
+
+        Raises:
+            GramTooLargeError: If they do not.
+        """
+        size = output.shape[0]
+        samples = tuple(range(size) if subsampling is None else subsampling)
+        columns = curvature.columns_per_sample(mc_samples, mc_per)
+        rows = len(samples) * columns
+        check_gram_fits(rows, grams, gram_dtype or output.dtype, output.device)
+        return cls(curvature.normalization, samples, columns, mc_samples)
 
     @property
     def reduction(self) -> str:
@@ -188,14 +210,7 @@ class BatchInfo:
         return self.normalization.batch_size
 
     def reduction_factor(self, samples: Sequence[int] | None = None) -> float:
-        """``R`` of the loss evaluated on ``samples`` alone.
-
-        Args:
-            samples: Sample indices in the mini-batch; ``None`` for all.
-
-        Returns:
-            ``R`` (see :meth:`vivit.losses.LossNormalization.reduction_factor`).
-        """
+        """``R`` of the loss on ``samples`` alone (``None``: all samples)."""
         return self.normalization.reduction_factor(samples)
 
     @property
@@ -213,11 +228,8 @@ class BatchInfo:
 class ParamContribution:
     """One parameter's share of a backward pass.
 
-    Attributes:
-        ggn: The parameter's columns of ``V`` (the GGN's samples).
-        grad: Per-sample gradients ``∇ℓ_n`` of every sample in the mini-batch, as
-            factors with one column per sample; ``None`` unless requested.
-        batch: Scaling context.
+    Its columns of ``V`` (``ggn``), per-sample gradients ``∇ℓ_n`` of every sample
+    (``grad``, if requested) and the ``batch`` that scales them.
     """
 
     ggn: ParamFactors
@@ -232,22 +244,18 @@ class CurvatureRequest:
     Attributes:
         param_groups: Disjoint lists of parameters, one GGN block each.
         mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        mc_per: ``"token"`` or ``"sequence"``: what one MC draw of a
-            cross-entropy output ``[N, C, *T]`` becomes
-            (:class:`~vivit.options.CurvatureOptions`).
+        mc_per: What one MC draw of a cross-entropy output ``[N, C, *T]`` becomes.
         subsampling: Samples whose curvature is used (``None``: all).
         generator: Random generator for reproducible MC sampling.
+        output: Selects the output tensor (:func:`select_output`).
         compute_gradients: Also hand out per-sample-gradient factors.
         num_grams: How many Gram matrices of side ``N·C`` the caller forms right
             after the backward pass (``None``: one per group); a request whose
             Gram matrices cannot fit is refused before the backward pass.
         gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
             the factors').
-        output: Selects the output tensor from the model's return value
-            (:func:`select_output`).
-        samples_per_pass: Most samples per backward pass of an engine that
-            splits a part (``None``: all at once); the plan decides it from the
-            engine's :attr:`~Engine.memory_budget`.
+        samples_per_pass: Most samples per backward pass of an engine that splits
+            a part (``None``: all at once), from :attr:`Engine.memory_budget`.
     """
 
     param_groups: list[list[Parameter]]
@@ -286,7 +294,7 @@ class EngineOutput:
     Attributes:
         loss: The mini-batch loss, detached.
         gradients: ``∇L`` of every requested parameter, in request order (zeros
-            for parameters the loss does not depend on).
+            where the loss does not depend on it).
     """
 
     loss: Tensor
@@ -316,15 +324,9 @@ class Engine(ABC):
     ) -> EngineOutput:
         """Evaluate ``loss_func(model(inputs), targets)`` and its curvature factors.
 
-        Leaves the parameters' ``.grad`` as they were.
-
-        Args:
-            model: The network.
-            loss_func: The loss module.
-            data: ``(inputs, targets)`` of the mini-batch; the inputs a tensor
-                or a dict of tensors (:func:`vivit.model_inputs.call_model`).
-            request: Parameter groups and curvature options.
-            sink: Receives every requested parameter's contribution.
+        ``data`` is ``(inputs, targets)``, the inputs a tensor or a dict of tensors;
+        ``sink`` receives every requested parameter's contribution. Leaves the
+        parameters' ``.grad`` as they were.
 
         Returns:
             The loss and the mini-batch gradient.

@@ -6,7 +6,7 @@ import logging
 
 from torch.nn import Module
 
-from vivit.engines.base import Engine, OutputSelector, selects_by_name
+from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import InvalidArgumentError
 
 #: The names an ``engine`` argument accepts.
@@ -16,10 +16,7 @@ logger = logging.getLogger("vivit")
 
 
 def check_engine(engine: object) -> None:
-    """Check an ``engine`` argument.
-
-    Args:
-        engine: A name of :data:`ENGINE_NAMES` or an :class:`Engine`.
+    """Check an ``engine``: a name of :data:`ENGINE_NAMES` or an :class:`Engine`.
 
     Raises:
         InvalidArgumentError: If it is neither.
@@ -38,26 +35,19 @@ def resolve_engine(
     loss_func: Module,
     output: OutputSelector,
 ) -> Engine:
-    """The engine to run.
+    """The engine to run; nothing runs the model.
 
     ``"auto"`` picks the BackPACK engine when it can run the model and the loss
-    exactly (:func:`vivit.engines.backpack.unsupported_reason`: every layer
-    supported, a forward its converter handles, no weight used twice, no hooks,
-    parametrizations or ``no_grad`` blocks that make the forward differ from its
-    layers) and the output is selected by name, not by a function (which may
-    compute from the model's output, where BackPACK cannot follow); else the
-    func engine. It logs the choice and the reason (logger ``"vivit"``, level
-    INFO). Nothing runs the model.
+    exactly (:func:`vivit.engines.backpack.unsupported_reason`) and the output is
+    selected by name or position, not by a function (which may compute from the
+    model's output, where BackPACK cannot follow); else the func engine. It logs
+    the choice and the reason (logger ``"vivit"``, level INFO).
 
     Args:
-        engine: A name of :data:`ENGINE_NAMES` or an engine instance (checked
-            by :class:`~vivit.options.CurvatureOptions`).
+        engine: A name of :data:`ENGINE_NAMES` or an engine instance (checked).
         model: The network.
         loss_func: The loss module.
         output: The ``output`` option (:func:`~vivit.engines.base.select_output`).
-
-    Returns:
-        The engine.
     """
     if isinstance(engine, Engine):
         return engine
@@ -65,14 +55,12 @@ def resolve_engine(
 
     if engine == "func":
         return FuncEngine()
-    from vivit.engines.backpack import BackpackEngine
+    from vivit.engines.backpack import BackpackEngine, unsupported_reason
 
     if engine == "backpack":
         return BackpackEngine()
-    from vivit.engines.backpack import unsupported_reason
-
     reason = unsupported_reason(model, loss_func)
-    if reason is None and not selects_by_name(output):
+    if reason is None and callable(output):
         reason = (
             "The output is selected by a function (output=<function>), which may "
             "compute from the model's output; BackPACK follows only a tensor the "
@@ -87,11 +75,7 @@ def resolve_engine(
 
 
 def runs_without_engine(engine: str | Engine) -> bool:
-    """Whether an ``engine`` option allows the implicit route (torch.func, no engine).
-
-    ``"auto"`` and ``"func"`` do; BackPACK and an engine instance name an engine
-    the route would not run.
-    """
+    """Whether an ``engine`` option allows the implicit route (torch.func alone)."""
     return engine in ("auto", "func")
 
 

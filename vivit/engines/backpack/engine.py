@@ -1,19 +1,32 @@
-"""The BackPACK engine behind the engine seam: one backward pass in ``backpack()``."""
+"""The BackPACK engine behind the engine seam: one backward pass in ``backpack()``.
+
+BackPACK's hooks are there for that pass only (:func:`extended`): ``backpack.extend``
+never removes its hooks, so every later ``backward`` would warn, ``torch.func``
+transforms fail on them, and each layer keep its last input. Modules the user
+extended (the ViViT-compatible hook API) keep their hooks.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
-from backpack import backpack
+from backpack import backpack, hook_run_extensions, hook_store_io, memory_cleanup
+from backpack.utils.module_classification import is_no_op
 from torch import Tensor
 from torch.nn import Module
 
-from vivit._validation import check_batch_norms, check_finite
+from vivit._validation import check_batch_norms
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
-from vivit.engines.backpack.hooks import extended
 from vivit.engines.backpack.obstacles import FUNC_HINT
+from vivit.engines.backpack.support import inplace_flags, runnable_model
+from vivit.engines.backpack.table import (
+    MAX_POOLS,
+    forget_pool_indices,
+    store_pool_indices,
+)
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -21,6 +34,9 @@ from vivit.engines.base import (
     EngineOutput,
     OutputSelector,
     ParamContribution,
+    check_scalar_loss,
+    graph_nodes,
+    model_loss,
     select_output,
 )
 from vivit.errors import (
@@ -28,8 +44,73 @@ from vivit.errors import (
     InvalidArgumentError,
     UnsupportedLayerError,
 )
-from vivit.losses import LossCurvature
 from vivit.model_inputs import ModelInputs, call_model
+
+#: The attribute ``backpack.extend`` sets on the modules it extended.
+EXTENDED_FLAG = "_backpack_extend"
+
+
+@contextmanager
+def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]]:
+    """Model and loss ready for a BackPACK backward pass, unchanged afterwards.
+
+    Converts the model if its forward needs that (not the caller's model:
+    :func:`~vivit.engines.backpack.support.runnable_model`) and hooks the layers
+    that lack BackPACK's hooks. On exit, also after an error, removes the hooks,
+    what they stored and factors left on parameters, and restores the ``inplace``
+    flags the converter switched.
+
+    Yields:
+        ``(net, loss_module)``: compute the loss as ``loss_module(net(inputs),
+        targets)``; ``net`` is ``model`` or its conversion.
+
+    Raises:
+        SharedWeightError: If a weight is used more than once in a forward pass.
+        UnsupportedLayerError: If a layer, function or the loss cannot be handled.
+    """
+    flags = inplace_flags(model)
+    with ExitStack() as cleanup:
+        cleanup.callback(_restore_inplace, flags)
+        net = runnable_model(model, loss_func)
+        cleanup.callback(
+            _clean, [net, loss_func, *([model] if net is not model else [])]
+        )
+        for layer in [*net.modules(), *loss_func.modules()]:
+            if not (is_no_op(layer) or _extended(layer)):
+                # torch remembers full backward hooks and would refuse the caller's
+                # register_backward_hook: forget them again
+                previous = layer._is_full_backward_hook
+                cleanup.callback(setattr, layer, "_is_full_backward_hook", previous)
+                hooks = [hook_store_io]
+                if isinstance(layer, MAX_POOLS):
+                    hooks.append(store_pool_indices)
+                for hook in hooks:
+                    cleanup.callback(layer.register_forward_hook(hook).remove)
+                backward = layer.register_full_backward_hook(hook_run_extensions)
+                cleanup.callback(backward.remove)
+        yield net, loss_func
+
+
+def _extended(layer: Module) -> bool:
+    """Whether ``backpack.extend`` hooked the layer (a copy keeps the flag alone)."""
+    hooks = layer._forward_hooks.values()
+    return getattr(layer, EXTENDED_FLAG, False) and hook_store_io in hooks
+
+
+def _clean(modules: list[Module]) -> None:
+    """Drop the inputs/outputs BackPACK stored and factors left on parameters."""
+    for module in modules:
+        for layer in module.modules():
+            memory_cleanup(layer)
+            forget_pool_indices(layer)
+        for param in module.parameters():
+            if hasattr(param, SAVEFIELD):
+                delattr(param, SAVEFIELD)
+
+
+def _restore_inplace(flags: dict[Module, bool]) -> None:
+    for layer, inplace in flags.items():
+        layer.inplace = inplace
 
 
 class ContributionHook:
@@ -51,9 +132,8 @@ class ContributionHook:
 class BackpackEngine(Engine):
     """Curvature factors from BackPACK's second-order backward pass.
 
-    :meth:`run` installs BackPACK's hooks for the one pass
-    (:func:`~vivit.engines.backpack.hooks.extended`); :meth:`run_loss` backpropagates
-    a loss computed by modules the caller extended.
+    :meth:`run` installs BackPACK's hooks for the one pass; :meth:`run_loss`
+    backpropagates a loss computed by modules the caller extended.
     """
 
     name = "backpack"
@@ -73,9 +153,7 @@ class BackpackEngine(Engine):
 
             def compute_loss() -> Tensor:
                 output = _returned_output(call_model(net, inputs), request.output)
-                check_finite(output, "model output")
-                LossCurvature(loss_module, output, targets)  # names bad targets
-                return loss_module(output, targets)
+                return model_loss(loss_module, output, targets)[0]
 
             return self.run_loss(compute_loss, request, sink)
 
@@ -87,16 +165,9 @@ class BackpackEngine(Engine):
     ) -> EngineOutput:
         """Run the backward pass of a loss computed by extended modules.
 
-        Leaves the ``.grad`` of every leaf the backward pass reaches as it was.
-
-        Args:
-            compute_loss: Computes the mini-batch loss through modules extended
-                with ``backpack.extend``.
-            request: Parameter groups and curvature options.
-            sink: Receives every requested parameter's contribution.
-
-        Returns:
-            The loss and the mini-batch gradient.
+        Like :meth:`run`, with ``compute_loss`` computing the mini-batch loss through
+        modules extended with ``backpack.extend``; leaves the ``.grad`` of every leaf
+        the backward pass reaches as it was.
 
         Raises:
             InvalidArgumentError: If the loss is not a scalar tensor, or the
@@ -118,8 +189,7 @@ class BackpackEngine(Engine):
             param.grad = None
         try:
             with torch.enable_grad():
-                if request.mc_samples and request.generator is not None:
-                    generator = request.generator
+                if request.mc_samples and (generator := request.generator):
                     seed = torch.randint(
                         2**62, (), generator=generator, device=generator.device
                     )
@@ -135,12 +205,8 @@ class BackpackEngine(Engine):
                 with (
                     backpack(extension, extension_hook=ContributionHook(sink)),
                     warnings.catch_warnings(),
-                ):
-                    # BackPACK's hooks fire on the first layer, whose input needs
-                    # no grad.
-                    warnings.filterwarnings(
-                        "ignore", message="Full backward hook is firing"
-                    )
+                ):  # BackPACK's hooks fire on the first layer (its input: no grad)
+                    warnings.filterwarnings("ignore", "Full backward hook is firing")
                     loss.backward()
             _check_loss_module_output(loss, extension.loss_output)
             gradients = [
@@ -227,11 +293,7 @@ def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
             f"The loss must be a tensor, got {type(loss).__name__}: the closure must "
             "return the loss, e.g. lambda: loss_func(model(inputs), targets)."
         )
-    if loss.numel() != 1:
-        raise InvalidArgumentError(
-            f"The loss has shape {tuple(loss.shape)}; the GGN is defined for a "
-            "scalar loss: use reduction='mean' or 'sum'."
-        )
+    check_scalar_loss(loss)
     if any(p.grad is not None for p in params):
         raise InvalidArgumentError(
             "The closure called backward() (the parameters received gradients "
@@ -250,14 +312,5 @@ def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
 
 def _graph_leaves(loss: Tensor) -> list[Tensor]:
     """The leaf tensors into whose ``.grad`` ``loss.backward()`` accumulates."""
-    leaves, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if isinstance(variable, Tensor):
-            leaves.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
+    variables = [getattr(node, "variable", None) for node in graph_nodes(loss)]
+    return [v for v in variables if isinstance(v, Tensor)]  # of AccumulateGrad

@@ -7,28 +7,20 @@ from collections.abc import Sequence
 import torch
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
 from backpack.extensions.secondorder.sqrt_ggn import SqrtGGN
-from backpack.utils.module_classification import is_loss
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
-from vivit._validation import (
-    check_subsampling,
-    warn_random_forward,
-)
+from vivit._validation import check_subsampling, warn_random_forward
 from vivit.engines.backpack.obstacles import (
     FUNC_HINT,
-    global_hook_obstacles,
-    module_forward_changes,
+    bad_padding,
+    forward_changes,
     refusal,
+    unsupported_layer,
 )
 from vivit.engines.backpack.support import analyse
-from vivit.engines.backpack.table import (
-    LOSSES,
-    module_extensions,
-    supported_layer_names,
-    supported_types,
-)
+from vivit.engines.backpack.table import module_extensions, supported_types
 from vivit.engines.base import BatchInfo
 from vivit.errors import (
     InvalidArgumentError,
@@ -36,7 +28,6 @@ from vivit.errors import (
     UnsupportedLayerError,
     UnsupportedLossError,
 )
-from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
@@ -46,23 +37,11 @@ SAVEFIELD = "vivit_contribution"
 class GramGGN(SqrtGGN):
     """Backpropagate the GGN square root; keep per-parameter factors, not ``V``.
 
-    Extends BackPACK's ``SqrtGGN{Exact,MC}``: losses also record the :class:`BatchInfo`
-    and the subsampling scale; layers with parameters save a
-    :class:`~vivit.engines.base.ParamContribution` under ``param.vivit_contribution``.
-    The arguments come checked (:class:`~vivit.options.CurvatureOptions`, or
-    :mod:`vivit.compat`).
-
-    Args:
-        mc_samples: ``0`` for the exact loss Hessian, else the number ``M`` of
-            Monte-Carlo samples per datum.
-        mc_per: What one draw of a cross-entropy output ``[N, C, *T]`` becomes:
-            ``"token"`` (a column per position) or ``"sequence"``.
-        subsampling: Sample indices whose curvature is used; ``None`` for all.
-        compute_gradients: Also keep per-sample gradient factors.
-        num_grams: How many Gram matrices of side ``N·C`` the caller will hold at
-            once; settings that cannot fit are refused.
-        gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
-            the model's), for the same check.
+    Extends BackPACK's ``SqrtGGN``: the loss records the :class:`BatchInfo`, layers
+    with parameters save a :class:`~vivit.engines.base.ParamContribution` under
+    ``param.vivit_contribution``. The arguments come checked and mean what those of
+    :class:`~vivit.engines.base.CurvatureRequest` mean (``num_grams``: the Gram
+    matrices held at once).
     """
 
     def __init__(
@@ -81,18 +60,15 @@ class GramGGN(SqrtGGN):
         self.gram_dtype = gram_dtype
         self._batch: BatchInfo | None = None
         strategy = (
-            LossHessianStrategy.EXACT
-            if mc_samples == 0
-            else LossHessianStrategy.SAMPLING
+            LossHessianStrategy.SAMPLING if mc_samples else LossHessianStrategy.EXACT
         )
         super().__init__(strategy, SAVEFIELD, subsampling)
         # The engine's own table replaces every entry of SqrtGGN's; layers outside
         # it are refused in __call__ before BackPACK looks anything up.
         for layer, module_extension in module_extensions().items():
             self.set_module_extension(layer, module_extension, overwrite=True)
-        # Layers and trainable parameters seen in the running backward pass.
-        self._seen_layers: set[int] = set()
-        self._seen_params: set[int] = set()
+        # ids of the layers and trainable parameters the backward pass reached
+        self._seen: set[int] = set()
         #: The output of the loss module the backward pass started from.
         self.loss_output: Tensor | None = None
 
@@ -119,11 +95,11 @@ class GramGGN(SqrtGGN):
         # a loss computed elsewhere (from_loss, the ViViT classes) is held to the
         # rule a model is checked by before its forward pass
         where = f"The {type(module).__name__} layer"
-        changes = module_forward_changes(module, where) + global_hook_obstacles()
+        changes = forward_changes(module, where) + bad_padding(module, where)
         if changes:
             raise refusal(changes)
         warn_random_forward(module)
-        if is_loss(module):  # every backward pass starts at the loss
+        if isinstance(module, _Loss):  # every backward pass starts at the loss
             if not hasattr(module, "output"):  # BackPACK keeps the latest call's
                 raise InvalidArgumentError(
                     f"The backward pass reached {module} for a second call: the "
@@ -133,12 +109,9 @@ class GramGGN(SqrtGGN):
                     "data loader for several batches."
                 )
             self.loss_output = module.output
-            self._seen_layers.clear()
-            self._seen_params.clear()
+            self._seen.clear()
         params = [p for p in module.parameters() if p.requires_grad]
-        if id(module) in self._seen_layers or any(
-            id(p) in self._seen_params for p in params
-        ):
+        if any(id(x) in self._seen for x in [module, *params]):
             raise SharedWeightError(shared_weight_message(module, bool(params)))
         try:
             super().__call__(module, g_inp, g_out)
@@ -147,30 +120,29 @@ class GramGGN(SqrtGGN):
                 raise
             if self._batch is None:  # the backward pass did not start at a loss
                 self.current_batch(module)
-            raise UnsupportedLayerError(lost_quantity_message(module)) from error
-        self._seen_layers.add(id(module))
-        self._seen_params.update(id(p) for p in params)
+            raise UnsupportedLayerError(
+                f"The backward pass reached {module} without the square root of the "
+                "GGN: between this layer and the loss, the forward combines tensors "
+                "outside of torch.nn layers, which BackPACK cannot follow. BackPACK's "
+                "converter turns `+` of two tensors, multiplication by a float and "
+                "flatten into layers (LowRankGGN(model, ...) converts models itself; "
+                "with the hook API, use model = backpack.extend(model, "
+                "use_converter=True)); any other function (torch.cat, F.relu, ...) "
+                f"needs a supported layer in its place. {FUNC_HINT}"
+            ) from error
+        self._seen.update(id(x) for x in [module, *params])
 
     def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss."""
-        inputs = loss_module.input0
-        batch_size = inputs.shape[0]
-        subsampling = check_subsampling(self.get_subsampling(), batch_size)
-        samples = (
-            tuple(range(batch_size)) if subsampling is None else tuple(subsampling)
-        )
-        columns = curvature.columns_per_sample(self._mc_samples, self.mc_per)
-        check_gram_fits(
-            len(samples) * columns,
+        output = loss_module.input0
+        self._batch = BatchInfo.of(
+            curvature,
+            output,
+            check_subsampling(self.get_subsampling(), output.shape[0]),
+            self._mc_samples,
+            self.mc_per,
             self.num_grams,
-            self.gram_dtype or inputs.dtype,
-            inputs.device,
-        )
-        self._batch = BatchInfo(
-            normalization=curvature.normalization,
-            ggn_samples=samples,
-            columns_per_sample=columns,
-            mc_samples=self._mc_samples,
+            self.gram_dtype,
         )
         return self._batch
 
@@ -178,8 +150,7 @@ class GramGGN(SqrtGGN):
         """The batch context the loss recorded for the running backward pass.
 
         Raises:
-            UnsupportedLossError: If the backward pass did not start at an extended
-                loss module (the error names ``module``, the layer asking).
+            UnsupportedLossError: If the pass did not start at an extended loss.
         """
         if self._batch is None:
             raise UnsupportedLossError(
@@ -191,33 +162,22 @@ class GramGGN(SqrtGGN):
         return self._batch
 
 
-def unsupported_layer_error(module: Module) -> UnsupportedLayerError:
+def unsupported_layer_error(module: Module) -> Exception:
     """The error for a layer without a module extension, naming what fails inside.
 
-    Returns:
-        The error to raise (a :class:`~vivit.SharedWeightError` if the problem
-        inside a layer with a custom forward is a shared weight).
+    Losses never get here: :func:`~vivit.losses.check_loss_function` refuses first.
     """
     name = f"{type(module).__name__} ({type(module).__module__})"
-    if is_loss(module):
-        losses = ", ".join(cls.__name__ for cls in LOSSES)
-        return UnsupportedLayerError(
-            f"The loss {name} has no BackPACK extension. Supported losses: {losses}."
-        )
-    if next(module.children(), None) is not None:
-        obstacles = analyse(module).obstacles
-        if obstacles:
-            return refusal(obstacles, context=f"Inside layer {name}: ")
-        return UnsupportedLayerError(
-            f"Layer {name} has a custom forward, which BackPACK cannot backpropagate "
-            "through as one layer. LowRankGGN(model, ...) converts such models "
-            "itself; with the hook API, extend the converted model: "
-            "model = backpack.extend(model, use_converter=True)."
-        )
+    if next(module.children(), None) is None:
+        return refusal([unsupported_layer(name)])
+    obstacles = analyse(module).obstacles  # a SharedWeightError if one is shared
+    if obstacles:
+        return refusal(obstacles, context=f"Inside layer {name}: ")
     return UnsupportedLayerError(
-        f"The BackPACK engine cannot handle this model: layer {name} has no "
-        f"BackPACK extension. Supported layers: {supported_layer_names()}. "
-        f"{FUNC_HINT}"
+        f"Layer {name} has a custom forward, which BackPACK cannot backpropagate "
+        "through as one layer. LowRankGGN(model, ...) converts such models "
+        "itself; with the hook API, extend the converted model: "
+        "model = backpack.extend(model, use_converter=True)."
     )
 
 
@@ -237,17 +197,4 @@ def shared_weight_message(module: Module, has_params: bool) -> str:
         "more than once in one forward pass (a layer called twice, or weights tied "
         "between layers). BackPACK keeps one contribution per parameter and would "
         f"drop the others. {FUNC_HINT}"
-    )
-
-
-def lost_quantity_message(module: Module) -> str:
-    """Explain that the backward pass reached a layer through an untracked operation."""
-    return (
-        f"The backward pass reached {module} without the square root of the GGN: "
-        "between this layer and the loss, the forward combines tensors outside of "
-        "torch.nn layers, which BackPACK cannot follow. BackPACK's converter turns "
-        "`+` of two tensors, multiplication by a float and flatten into layers "
-        "(LowRankGGN(model, ...) converts models itself; with the hook API, use "
-        "model = backpack.extend(model, use_converter=True)); any other function "
-        f"(torch.cat, F.relu, ...) needs a supported layer in its place. {FUNC_HINT}"
     )

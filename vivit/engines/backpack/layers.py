@@ -1,71 +1,87 @@
-"""Module extensions of layers with parameters: save factors, not ``V``.
+"""Module extensions of the loss and of layers with parameters: save factors, not ``V``.
 
-Linear and convolution weights keep layer input and backpropagated vectors
-(:class:`~vivit.gram.OuterProductFactors`, ``V`` itself where that is smaller); every
-other parameter gets its columns of ``V`` from BackPACK's ``param_mjp``. None keeps
-BackPACK's own SqrtGGN extension, which would leave a raw ``V`` where a
-contribution is expected.
+The loss starts the backward pass with the root of :mod:`vivit.losses`. Linear and
+convolution weights keep layer input and backpropagated vectors (``V`` itself where
+that is smaller); every other parameter gets its columns of ``V`` from ``param_mjp``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from backpack.core.derivatives.basederivatives import BaseDerivatives
 from backpack.core.derivatives.batchnorm_nd import BatchNormNdDerivatives
-from backpack.core.derivatives.conv1d import Conv1DDerivatives
-from backpack.core.derivatives.conv2d import Conv2DDerivatives
-from backpack.core.derivatives.conv3d import Conv3DDerivatives
-from backpack.core.derivatives.conv_transpose1d import ConvTranspose1DDerivatives
-from backpack.core.derivatives.conv_transpose2d import ConvTranspose2DDerivatives
-from backpack.core.derivatives.conv_transpose3d import ConvTranspose3DDerivatives
-from backpack.core.derivatives.embedding import EmbeddingDerivatives
 from backpack.core.derivatives.linear import LinearDerivatives
 from backpack.extensions.mat_to_mat_jac_base import MatToJacMat
+from backpack.extensions.module_extension import ModuleExtension
 from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
 from torch import Tensor
 from torch.nn import (
-    BatchNorm1d,
-    BatchNorm2d,
-    BatchNorm3d,
-    Conv1d,
-    Conv2d,
-    Conv3d,
-    ConvTranspose1d,
-    ConvTranspose2d,
-    ConvTranspose3d,
-    Embedding,
-    Linear,
     Module,
 )
 
 from vivit._validation import check_batch_norm
-from vivit.engines.backpack.dtype import dtype_safe
 from vivit.engines.base import ParamContribution
-from vivit.errors import UnsupportedLayerError
-from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors
+from vivit.engines.func.capture import grouped_patches, grouped_vectors
+from vivit.errors import InvalidTargetsError
+from vivit.gram import DenseFactors, OuterProductFactors
 from vivit.gram.outer import GGN_COMPACT_RATIO
+from vivit.losses import LossCurvature
 
 if TYPE_CHECKING:
     from vivit.engines.backpack.extension import GramGGN
 
-#: Parameter names of layers with a weight and a bias.
-PARAMS = ["weight", "bias"]
+#: A weight's inputs ``[N, G, T, P]`` and what turns vectors ``[V, N, *out]`` into
+#: ``[V, N, G, T, O]``.
+Layout = tuple[Tensor, Callable[[Tensor], Tensor]]
+
+
+class GramLoss(ModuleExtension):
+    """Start the backward pass of a supported ``torch.nn`` loss module.
+
+    Its root scales by ``√R_S`` of the active samples alone, so curvature
+    subsampling is exact (``docs/math.rst``, "Losses").
+    """
+
+    def backpropagate(self, ext, module, grad_inp, grad_out, backproped) -> Tensor:
+        """``√R_S · S_n`` of the active samples, ``[K, |S|, *out]``.
+
+        Raises:
+            InvalidTargetsError: If the loss was called without targets.
+        """
+        if not hasattr(module, "input1"):
+            raise InvalidTargetsError(
+                f"{type(module).__name__} was called without targets as its second "
+                "positional argument: call loss_func(output, targets)."
+            )
+        curvature = LossCurvature(module, module.input0, module.input1)
+        ext.start_batch(module, curvature)
+        return curvature.sqrt_hessian(
+            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.mc_per
+        )
 
 
 class GramParamsExtension(MatToJacMat):
     """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
 
-    Sub-classes override :meth:`factors` for parameters with a factor form.
+    Its columns of ``V`` come from BackPACK's ``param_mjp``; sub-classes give a
+    weight with a factor form its :meth:`weight_layout`.
     """
 
-    def __init__(self, derivatives: BaseDerivatives, params: list[str]):
+    def __init__(
+        self, derivatives: BaseDerivatives, params: tuple[str, ...] = ("weight", "bias")
+    ):
         for name in params:
             setattr(self, name, partial(self._contribution, name))
-        super().__init__(derivatives, params=params)
+        super().__init__(derivatives, params=list(params))
+
+    def weight_layout(self, module: Module) -> Layout | None:
+        """The weight's factor layout; ``None``: explicit columns."""
+        return None
 
     def _contribution(
         self,
@@ -76,160 +92,61 @@ class GramParamsExtension(MatToJacMat):
         g_out: tuple[Tensor, ...],
         backproped: Tensor,
     ) -> ParamContribution:
+        """``backproped``: ``√R · J_outᵀ s`` at the layer output, ``[C, |S|, *out]``."""
         batch = ext.current_batch(module)
+        scale = batch.per_sample_gradient_scale
+        subsampling, grad = ext.get_subsampling(), None
         with torch.no_grad():  # the layer input is part of the forward graph
-            ggn, grad = self.factors(param_str, ext, module, g_inp, g_out, backproped)
+            layout = self.weight_layout(module) if param_str == "weight" else None
+            if layout is not None:
+                inputs, positions = layout
+                shape = module.weight.shape
+                active = subsample(inputs, subsampling=subsampling)
+                ggn = OuterProductFactors(active, positions(backproped), shape)
+                ggn = ggn.compact(GGN_COMPACT_RATIO)
+                if ext.compute_gradients:
+                    out = positions(g_out[0].unsqueeze(0) * scale)
+                    grad = OuterProductFactors(inputs, out, shape).compact()
+            else:
+                mjp = partial(
+                    self.derivatives.param_mjp, param_str, module, g_inp, g_out
+                )
+                columns = mjp(backproped, sum_batch=False, subsampling=subsampling)
+                ggn = DenseFactors(columns.transpose(0, 1))
+                if ext.compute_gradients:
+                    grads = mjp(g_out[0].unsqueeze(0), sum_batch=False)
+                    grad = DenseFactors(grads.transpose(0, 1) * scale)
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)
-
-    def factors(
-        self,
-        param_str: str,
-        ext: GramGGN,
-        module: Module,
-        g_inp: tuple[Tensor, ...],
-        g_out: tuple[Tensor, ...],
-        backproped: Tensor,
-    ) -> tuple[ParamFactors, ParamFactors | None]:
-        """Columns of ``V`` and (if the extension asks) per-sample gradients.
-
-        ``backproped`` is ``√R · J_outᵀ s`` at the layer output, ``[C, |S|, *out]``.
-
-        Returns:
-            Factors of ``V`` (active samples) and of the per-sample gradients (all
-            samples, one column each), or ``None`` for the latter.
-        """
-        columns = self.derivatives.param_mjp(
-            param_str,
-            module,
-            g_inp,
-            g_out,
-            backproped,
-            sum_batch=False,
-            subsampling=ext.get_subsampling(),
-        )
-        ggn = DenseFactors(columns.transpose(0, 1))
-        if not ext.compute_gradients:
-            return ggn, None
-        grads = self.derivatives.param_mjp(
-            param_str, module, g_inp, g_out, g_out[0].unsqueeze(0), sum_batch=False
-        )
-        scale = ext.current_batch(module).per_sample_gradient_scale
-        return ggn, DenseFactors(grads.transpose(0, 1) * scale)
 
 
 class GramLinear(GramParamsExtension):
     """``torch.nn.Linear``, also on inputs with extra axes ``[N, *T, I]``."""
 
     def __init__(self):
-        super().__init__(LinearDerivatives(), PARAMS)
+        super().__init__(LinearDerivatives())
 
-    def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        if param_str != "weight":
-            return super().factors(param_str, ext, module, g_inp, g_out, backproped)
+    def weight_layout(self, module: Module) -> Layout:  # noqa: D102
         inputs = module.input0.reshape(
             module.input0.shape[0], 1, -1, module.in_features
         )
-        return _outer_factors(ext, module, inputs, backproped, g_out, _linear_positions)
+        return inputs, lambda out: out.reshape(*out.shape[:2], 1, -1, out.shape[-1])
 
 
 class GramConvNd(GramParamsExtension):
     """``torch.nn.Conv{1,2,3}d``: integer zero padding, any stride, dilation, groups."""
 
-    def __init__(self, derivatives: BaseDerivatives):
-        super().__init__(derivatives, PARAMS)
-
-    def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            raise UnsupportedLayerError(
-                f"{module} is not supported: BackPACK's convolution derivatives "
-                "assume explicit zero padding and give wrong results or fail for "
-                f"padding={module.padding!r}, padding_mode={module.padding_mode!r}. "
-                "Use integer padding with padding_mode='zeros' (padding='same' is "
-                "padding=kernel_size // 2 for odd kernels and stride 1; 'valid' is "
-                "padding=0), or pad explicitly before the convolution."
-            )
-
-    def factors(self, param_str, ext, module, g_inp, g_out, backproped):  # noqa: D102
-        if param_str != "weight":
-            return super().factors(param_str, ext, module, g_inp, g_out, backproped)
-        unfolded = unfold_input(module, module.input0)  # [N, I·k, T]
+    def weight_layout(self, module: Module) -> Layout:  # noqa: D102
         groups = module.groups
-        inputs = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
-        inputs = inputs.transpose(2, 3)  # [N, G, T, P]
-        return _outer_factors(
-            ext,
-            module,
-            inputs,
-            backproped,
-            g_out,
-            partial(_conv_positions, groups=groups),
-        )
+        inputs = grouped_patches(unfold_input(module, module.input0), groups)
+        features = module.out_channels // groups
+        return inputs, partial(grouped_vectors, groups=groups, features=features)
 
 
 class GramBatchNormNd(GramParamsExtension):
     """``torch.nn.BatchNorm{1,2,3}d`` in evaluation mode, with running statistics."""
 
     def __init__(self):
-        super().__init__(BatchNormNdDerivatives(), PARAMS)
+        super().__init__(BatchNormNdDerivatives())
 
     def check_hyperparameters_module_extension(self, ext, module, g_inp, g_out):  # noqa: D102
         check_batch_norm(module)
-
-
-def _linear_positions(outputs: Tensor, num_vectors: int, num_samples: int) -> Tensor:
-    """Reshape ``[V, N, *T, O]`` to ``[V, N, 1, T, O]``."""
-    return outputs.reshape(num_vectors, num_samples, 1, -1, outputs.shape[-1])
-
-
-def _conv_positions(
-    outputs: Tensor, num_vectors: int, num_samples: int, groups: int
-) -> Tensor:
-    """Reshape ``[V, N, G·O, *spatial]`` to ``[V, N, G, T, O]``."""
-    outputs = outputs.reshape(
-        num_vectors, num_samples, groups, -1, outputs[0, 0, 0].numel()
-    )
-    return outputs.transpose(3, 4)
-
-
-def _outer_factors(
-    ext: GramGGN,
-    module: Module,
-    inputs: Tensor,
-    backproped: Tensor,
-    g_out: tuple[Tensor, ...],
-    positions,
-) -> tuple[ParamFactors, ParamFactors | None]:
-    """Weight factors from inputs ``[N, G, T, P]`` and vectors ``[C, |S|, *out]``.
-
-    ``positions`` reshapes ``[V, N, *out]`` to ``[V, N, G, T, O]``.
-    """
-    shape = module.weight.shape
-    num_columns, num_active = backproped.shape[:2]
-    active = subsample(inputs, subsampling=ext.get_subsampling())
-    ggn = OuterProductFactors(
-        active, positions(backproped, num_columns, num_active), shape
-    ).compact(GGN_COMPACT_RATIO)
-    if not ext.compute_gradients:
-        return ggn, None
-    scale = ext.current_batch(module).per_sample_gradient_scale
-    grad_out = g_out[0].unsqueeze(0) * scale
-    grad = OuterProductFactors(inputs, positions(grad_out, 1, inputs.shape[0]), shape)
-    return ggn, grad.compact()
-
-
-def param_layer_extensions() -> dict[type[Module], GramParamsExtension]:
-    """Module extensions of every supported layer with parameters, by layer class."""
-    batch_norm = GramBatchNormNd()
-    return {
-        Linear: GramLinear(),
-        Conv1d: GramConvNd(Conv1DDerivatives()),
-        Conv2d: GramConvNd(Conv2DDerivatives()),
-        Conv3d: GramConvNd(Conv3DDerivatives()),
-        BatchNorm1d: batch_norm,
-        BatchNorm2d: batch_norm,
-        BatchNorm3d: batch_norm,
-        ConvTranspose1d: GramParamsExtension(ConvTranspose1DDerivatives(), PARAMS),
-        ConvTranspose2d: GramParamsExtension(ConvTranspose2DDerivatives(), PARAMS),
-        ConvTranspose3d: GramParamsExtension(ConvTranspose3DDerivatives(), PARAMS),
-        Embedding: GramParamsExtension(dtype_safe(EmbeddingDerivatives)(), ["weight"]),
-    }

@@ -1,8 +1,7 @@
 """What stops the BackPACK engine, and how its refusal reads.
 
-:class:`Obstacle` is one reason, :func:`refusal` the error naming them. The
-obstacles of one layer's hooks and parametrizations are here too: the extension
-checks every layer its backward pass reaches with them.
+:class:`Obstacle` is one reason, :func:`refusal` the error naming them; the obstacles
+that one layer alone shows are here too (the extension checks each layer with them).
 """
 
 from __future__ import annotations
@@ -11,13 +10,13 @@ from dataclasses import dataclass
 
 from backpack import hook_store_io
 from torch.nn import Module
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.weight_norm import WeightNorm
 
-from vivit.engines.backpack.pooling import store_pool_indices
-from vivit.engines.backpack.table import supported_layer_names
+from vivit.engines.backpack.table import store_pool_indices, supported_layer_names
 from vivit.errors import UnsupportedLayerError
 
 #: Forward hooks that only record (BackPACK's and the library's own).
@@ -29,17 +28,15 @@ FUNC_HINT = (
     "engine='auto', which picks it for such models)."
 )
 
+#: How many obstacles an error message names.
+MAX_NAMED = 3
+
 
 @dataclass(frozen=True)
 class Obstacle:
     """One reason why the BackPACK engine cannot run a model.
 
-    Attributes:
-        error: The exception class to raise.
-        message: What cannot be handled, named, and where.
-        func_can: Whether the torch.func engine handles it.
-        layer: Whether it is a layer without module extension (the error then
-            lists the supported layers once).
+    ``layer``: a layer without module extension (the error lists supported layers).
     """
 
     error: type[Exception]
@@ -48,19 +45,10 @@ class Obstacle:
     layer: bool = False
 
 
-#: How many obstacles an error message names.
-MAX_NAMED = 3
-
-
 def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
-    """The error for a model with obstacles: what cannot be handled, and who can.
+    """The error naming ``obstacles`` (the first decides its class), and who can.
 
-    Args:
-        obstacles: At least one; the first decides the exception class.
-        context: Prefix naming where the obstacles were found.
-
-    Returns:
-        The exception to raise.
+    ``context`` is a prefix naming where they were found.
     """
     named = "; ".join(o.message for o in obstacles[:MAX_NAMED])
     more = len(obstacles) - MAX_NAMED
@@ -77,17 +65,57 @@ def refusal(obstacles: list[Obstacle], context: str = "") -> Exception:
     )
 
 
-def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
-    """The obstacles of one module's hooks and parametrizations.
+def unsupported_layer(name: str) -> Obstacle:
+    """The obstacle of a layer (named with where it is called) without extension."""
+    return Obstacle(
+        UnsupportedLayerError, f"layer {name} has no BackPACK extension", layer=True
+    )
 
-    Args:
-        module: The layer.
-        where: How messages name it.
 
-    Returns:
-        Its obstacles (without the global module hooks:
-        :func:`global_hook_obstacles`).
+def bad_padding(layer: Module, name: str) -> list[Obstacle]:
+    """The obstacle of a convolution whose padding BackPACK gets wrong (or none)."""
+    if not isinstance(layer, _ConvNd) or (
+        layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    ):
+        return []
+    message = (
+        f"{name} pads with padding={layer.padding!r}, padding_mode="
+        f"{layer.padding_mode!r}, which BackPACK's convolution derivatives get "
+        "wrong (use integer padding with padding_mode='zeros': padding='same' is "
+        "padding=kernel_size // 2 for odd kernels and stride 1, 'valid' is "
+        "padding=0; or pad before the convolution)"
+    )
+    return [Obstacle(UnsupportedLayerError, message)]
+
+
+def forward_changes(model: Module, layer: str | None = None) -> list[Obstacle]:
+    """Hooks and parametrizations that make the forward differ from its layers.
+
+    Every module of ``model``; only ``model`` itself, named ``layer``, if given.
     """
+    named = (
+        [(layer, model)]
+        if layer is not None
+        else [
+            (f"`{name}` ({type(m).__name__})" if name else "the model", m)
+            for name, m in model.named_modules()
+        ]
+    )
+    obstacles = [o for where, m in named for o in _module_changes(m, where)]
+    if _global_forward_pre_hooks or _global_forward_hooks:
+        obstacles.append(
+            Obstacle(
+                UnsupportedLayerError,
+                "global module forward hooks are registered "
+                "(torch.nn.modules.module.register_module_forward_hook), which may "
+                "change every layer's input or output; BackPACK would miss that",
+            )
+        )
+    return obstacles
+
+
+def _module_changes(module: Module, where: str) -> list[Obstacle]:
+    """The obstacles of one module's own hooks and parametrizations."""
     obstacles = []
     if is_parametrized(module):
         tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
@@ -99,33 +127,18 @@ def module_forward_changes(module: Module, where: str) -> list[Obstacle]:
                 "BackPACK hands curvature only to the tensors a layer uses",
             )
         )
-    for hook in module._forward_pre_hooks.values():
-        obstacles.append(_pre_hook(where, hook))
-    for hook in module._forward_hooks.values():
-        if hook not in _OWN_HOOKS:
-            obstacles.append(
-                Obstacle(
-                    UnsupportedLayerError,
-                    f"{where} has the forward hook {_hook_name(hook)}, which may "
-                    "change its output; BackPACK backpropagates through the "
-                    "layer's own function and would miss the change",
-                )
-            )
-    return obstacles
-
-
-def global_hook_obstacles() -> list[Obstacle]:
-    """The obstacle of global module forward hooks, if any are registered (or none)."""
-    if not (_global_forward_pre_hooks or _global_forward_hooks):
-        return []
-    return [
+    obstacles.extend(_pre_hook(where, h) for h in module._forward_pre_hooks.values())
+    obstacles.extend(
         Obstacle(
             UnsupportedLayerError,
-            "global module forward hooks are registered "
-            "(torch.nn.modules.module.register_module_forward_hook), which may "
-            "change every layer's input or output; BackPACK would miss that",
+            f"{where} has the forward hook {_hook_name(hook)}, which may change its "
+            "output; BackPACK backpropagates through the layer's own function and "
+            "would miss the change",
         )
-    ]
+        for hook in module._forward_hooks.values()
+        if hook not in _OWN_HOOKS
+    )
+    return obstacles
 
 
 def _pre_hook(where: str, hook: object) -> Obstacle:

@@ -1,12 +1,8 @@
 """Whether the BackPACK engine can run a model, and if not, why: decided before running.
 
-:func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any
-other forward with ``torch.fx``, as BackPACK's converter does (it turns ``+`` of
-tensors, multiplication by a float and ``flatten`` into layers). It names each
-obstacle and where the forward meets it: a layer without a module extension, a
-function the converter cannot turn into a layer, a weight used twice in one forward
-pass, a forward ``torch.fx`` cannot trace, and a forward that differs from its chain
-of layers (user hooks, parametrizations, ``torch.no_grad()`` inside it).
+:func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any other
+forward with ``torch.fx``, as BackPACK's converter does, naming each obstacle and where
+the forward meets it.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ import re
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 from backpack.custom_module.graph_utils import (
@@ -24,17 +21,17 @@ from backpack.custom_module.graph_utils import (
     convert_module_to_backpack,
 )
 from backpack.utils.module_classification import is_no_op
-from torch.fx import Graph, Node
+from torch.fx import Node
 from torch.fx.node import _get_qualified_name
 from torch.nn import Module, Parameter, Sequential
-from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.parametrize import is_parametrized
 
 from vivit.engines.backpack.obstacles import (
     Obstacle,
-    global_hook_obstacles,
-    module_forward_changes,
+    bad_padding,
+    forward_changes,
     refusal,
+    unsupported_layer,
 )
 from vivit.engines.backpack.table import LOSSES, supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
@@ -46,12 +43,7 @@ _VIVIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 @dataclass
 class Analysis:
-    """What the BackPACK engine needs to know about a model.
-
-    Attributes:
-        obstacles: Shared weights first, then the rest in forward order.
-        needs_conversion: Whether it must run BackPACK's converted model.
-    """
+    """A model's obstacles (shared weights first) and whether to convert it."""
 
     obstacles: list[Obstacle] = field(default_factory=list)
     needs_conversion: bool = False
@@ -59,15 +51,15 @@ class Analysis:
 
 def analyse(model: Module) -> Analysis:
     """The obstacles to the BackPACK engine in a model; whether it must be converted."""
-    changes = _forward_changes(model)
+    changes = forward_changes(model)
     chain = _sequential_chain(model)
     if chain is not None:
-        analysis = _analyse_calls(model, [(name, "") for name in chain])
-        analysis.obstacles.extend(changes)
-        return analysis
+        return _analyse_calls(model, [(name, "") for name in chain], changes)
+    tracer = _GradModeTracer()
+    tracer.record_stack_traces = True  # the call site of each node
     try:
         with torch.enable_grad():  # the forward's own grad mode is recorded
-            graph = _trace(model)
+            graph = tracer.trace(model)
     except Exception as error:  # torch.fx raises many kinds of errors
         message = (
             f"its forward cannot be traced by torch.fx ({type(error).__name__}: "
@@ -76,8 +68,7 @@ def analyse(model: Module) -> Analysis:
         )
         return Analysis([Obstacle(UnsupportedLayerError, message), *changes], True)
     calls = [(n.target, _where(n)) for n in graph.nodes if n.op == "call_module"]
-    analysis = _analyse_calls(model, calls)
-    analysis.obstacles.extend(changes)
+    analysis = _analyse_calls(model, calls, changes)
     analysis.obstacles.extend(
         _without_gradients(node)
         for node in graph.nodes
@@ -91,7 +82,11 @@ def analyse(model: Module) -> Analysis:
         elif node.op == "get_attr" and isinstance(
             _get_attr(model, node.target), Parameter
         ):
-            analysis.obstacles.append(_direct_parameter(node))
+            message = (
+                f"the parameter `{node.target}` is used directly{_where(node)} not "
+                "through a torch.nn layer"
+            )
+            analysis.obstacles.append(Obstacle(UnsupportedLayerError, message))
     # BackPACK's hooks would fire on every module whose forward runs: the model
     # and the modules traced through must be containers or supported layers.
     traced_through = {
@@ -114,14 +109,11 @@ def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | 
 
 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
-    """The module the BackPACK engine runs in place of ``model``, after checking it.
+    """The module the BackPACK engine runs in place of ``model`` (and ``loss_func``).
 
     The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
     calling the same layers), which switches the caller's layers to ``inplace=False``
-    (restore them with :func:`inplace_flags`). ``loss_func``, if given, is checked too.
-
-    Returns:
-        A module computing the same function with the same parameters.
+    (restore them with :func:`inplace_flags`).
 
     Raises:
         SharedWeightError: If a weight is used more than once in a forward pass.
@@ -173,22 +165,12 @@ _GRAD_ENABLED = "vivit_grad_enabled"
 
 
 class _GradModeTracer(BackpackTracer):
-    """BackPACK's tracer, recording the grad mode each node was created in.
-
-    Tracing runs the forward's ``torch.no_grad()`` blocks; the graph does not keep them.
-    """
+    """BackPACK's tracer, recording the grad mode each node was created in."""
 
     def create_node(self, *args, **kwargs) -> Node:  # noqa: D102
         node = super().create_node(*args, **kwargs)
         node.meta[_GRAD_ENABLED] = torch.is_grad_enabled()
         return node
-
-
-def _trace(model: Module) -> Graph:
-    """The forward as BackPACK's converter sees it, with the call site of each node."""
-    tracer = _GradModeTracer()
-    tracer.record_stack_traces = True
-    return tracer.trace(model)
 
 
 def _sequential_chain(model: Module) -> list[str] | None:
@@ -215,25 +197,24 @@ def _get_attr(model: Module, target: str):
 
 def _convertible(node: Node) -> bool:
     """Whether BackPACK's converter turns this call into a layer (it drops keywords)."""
-    args, kwargs = node.args, node.kwargs
-    tensors = [isinstance(a, Node) for a in args]
-    if node.op == "call_function":
-        if node.target is operator.add:
-            return len(args) == 2 and all(tensors) and not kwargs
-        if node.target is operator.mul:
-            floats = sum(isinstance(a, float) for a in args)
-            return len(args) == 2 and sum(tensors) == floats == 1 and not kwargs
-        return node.target is torch.flatten and not kwargs
-    if node.target == "add":
-        return len(args) == 2 and all(tensors) and not kwargs
-    if node.target == "multiply":
-        return len(args) == 2 and isinstance(args[1], float) and not kwargs
-    return node.target == "flatten" and not kwargs
+    args, target = node.args, node.target
+    tensors = sum(isinstance(a, Node) for a in args)
+    if node.kwargs or (len(args) != 2 and target not in (torch.flatten, "flatten")):
+        return False
+    if target in (operator.add, "add"):
+        return tensors == 2
+    if target is operator.mul:
+        return tensors == sum(isinstance(a, float) for a in args) == 1
+    if target == "multiply":
+        return isinstance(args[1], float)
+    return target in (torch.flatten, "flatten")
 
 
 # Obstacles -------------------------------------------------------------------------
-def _analyse_calls(model: Module, calls: list[tuple[str, str]]) -> Analysis:
-    """Obstacles among the layer calls ``(name, where)`` of one forward pass."""
+def _analyse_calls(
+    model: Module, calls: list[tuple[str, str]], changes: list[Obstacle]
+) -> Analysis:
+    """The layer calls' ``(name, where)`` obstacles, then the forward's ``changes``."""
     targets = [target for target, _ in calls]
     analysis = Analysis(_shared_weights(model, targets))
     for target, where in calls:
@@ -241,17 +222,12 @@ def _analyse_calls(model: Module, calls: list[tuple[str, str]]) -> Analysis:
         if is_parametrized(layer):
             continue  # named by _forward_changes
         if type(layer) not in supported_types():
-            analysis.obstacles.append(_unsupported_layer(target, layer, where))
-        elif isinstance(layer, _ConvNd) and (
-            layer.padding_mode != "zeros" or isinstance(layer.padding, str)
-        ):
-            message = (
-                f"{target} ({layer}) pads with padding={layer.padding!r}, "
-                f"padding_mode={layer.padding_mode!r}, which BackPACK's convolution "
-                "derivatives get wrong (use integer padding with "
-                "padding_mode='zeros', or pad before the convolution)"
-            )
-            analysis.obstacles.append(Obstacle(UnsupportedLayerError, message))
+            cls = type(layer)
+            name = f"`{target}` ({cls.__module__}.{cls.__qualname__}){where}"
+            analysis.obstacles.append(unsupported_layer(name))
+        else:
+            analysis.obstacles.extend(bad_padding(layer, f"{target} ({layer})"))
+    analysis.obstacles.extend(changes)
     # BackPACK stores one input per layer: a layer called twice must be copied
     analysis.needs_conversion = len(set(targets)) < len(targets)
     return analysis
@@ -290,25 +266,8 @@ _FRAME = re.compile(r'File "(.*)", line (\d+), in ')
 def _user_frame(stack_trace: str | None) -> str | None:
     """``file.py:12`` of the innermost call in the user's code, if recorded."""
     frames = _FRAME.findall(stack_trace or "")
-    user = [
-        (path, line)
-        for path, line in frames
-        if not path.startswith(("<", _TORCH_DIR, _VIVIT_DIR))
-    ]
-    if not user:
-        return None
-    path, line = user[-1]
-    return f"{os.path.basename(path)}:{line}"
-
-
-def _unsupported_layer(target: str, layer: Module, where: str) -> Obstacle:
-    cls = type(layer)
-    name = f"`{target}` ({cls.__module__}.{cls.__qualname__})"
-    return Obstacle(
-        UnsupportedLayerError,
-        f"layer {name}{where} has no BackPACK extension",
-        layer=True,
-    )
+    user = [f for f in frames if not f[0].startswith(("<", _TORCH_DIR, _VIVIT_DIR))]
+    return f"{os.path.basename(user[-1][0])}:{user[-1][1]}" if user else None
 
 
 def _function_name(node: Node) -> str:
@@ -322,48 +281,17 @@ def _function_name(node: Node) -> str:
     return f"function `{name}`"
 
 
-#: Supported layers that do what a function of the same name does.
-_LAYER_FOR = {
-    "relu": "ReLU",
-    "tanh": "Tanh",
-    "sigmoid": "Sigmoid",
-    "leaky_relu": "LeakyReLU",
-    "elu": "ELU",
-    "selu": "SELU",
-    "logsigmoid": "LogSigmoid",
-    "dropout": "Dropout",
-    "max_pool1d": "MaxPool1d",
-    "max_pool2d": "MaxPool2d",
-    "max_pool3d": "MaxPool3d",
-    "avg_pool1d": "AvgPool1d",
-    "avg_pool2d": "AvgPool2d",
-    "avg_pool3d": "AvgPool3d",
-    "linear": "Linear",
-    "conv1d": "Conv1d",
-    "conv2d": "Conv2d",
-    "conv3d": "Conv3d",
-}
-
-
 def _unsupported_function(node: Node) -> Obstacle:
     name = _function_name(node)
     short = str(node.target).rsplit(".", 1)[-1] if node.op == "call_method" else ""
     short = short or getattr(node.target, "__name__", "")
-    layer = _LAYER_FOR.get(short.rstrip("_"))
+    layer = _layer_for().get(short.rstrip("_").replace("_", ""))
     instead = f" (use the layer torch.nn.{layer} instead)" if layer else ""
     return Obstacle(
         UnsupportedLayerError,
         f"the {name}{_where(node)} is not a torch.nn layer{instead}; between layers "
         "BackPACK follows only `+` of two tensors, multiplication by a float and "
         "flatten",
-    )
-
-
-def _direct_parameter(node: Node) -> Obstacle:
-    return Obstacle(
-        UnsupportedLayerError,
-        f"the parameter `{node.target}` is used directly{_where(node)} not through a "
-        "torch.nn layer",
     )
 
 
@@ -410,16 +338,6 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
     )
 
 
-# Forwards that are not the chain of layers ------------------------------------------
-def _forward_changes(model: Module) -> list[Obstacle]:
-    """Hooks and parametrizations that make the forward differ from its layers."""
-    obstacles = []
-    for name, module in model.named_modules():
-        where = f"`{name}` ({type(module).__name__})" if name else "the model"
-        obstacles.extend(module_forward_changes(module, where))
-    return obstacles + global_hook_obstacles()
-
-
 def _without_gradients(node: Node) -> Obstacle:
     what = (
         f"layer `{node.target}`" if node.op == "call_module" else _function_name(node)
@@ -430,3 +348,13 @@ def _without_gradients(node: Node) -> Obstacle:
         "inside the forward): autograd does not differentiate through it, and "
         "BackPACK's conversion of the forward would",
     )
+
+
+@cache
+def _layer_for() -> dict[str, str]:
+    """Supported ``torch.nn`` layers by lowercase name: ``maxpool2d``: ``MaxPool2d``."""
+    return {
+        cls.__name__.lower(): cls.__name__
+        for cls in supported_types()
+        if cls.__module__.startswith("torch.nn") and cls not in LOSSES
+    }

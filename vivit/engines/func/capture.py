@@ -1,11 +1,8 @@
 """Factor forms of convolution and BatchNorm weights from forward hooks.
 
-:class:`LayerCapture` records the input and output of every call of such a layer
-whose weight is requested (other functions are recorded at the function level,
-:mod:`vivit.engines.func.functional`): the input after the layer's forward
-pre-hooks, the output before its forward hooks, whose changes then belong to the
-graph above. Several calls of one layer stack along the positions (``docs/math.rst``,
-"Layer structure").
+:class:`LayerCapture` records the input (after forward pre-hooks) and output (before
+forward hooks) of every call of such a layer whose weight is requested
+(``docs/math.rst``, "Layer structure").
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ from torch import Tensor
 from torch.nn import Conv1d, Conv2d, Conv3d, Module, Parameter
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from vivit.engines.base import graph_nodes
+
 #: Layers whose weight has the outer-product factor form, recorded by module hooks.
 FACTOR_LAYERS = (Conv1d, Conv2d, Conv3d)
 #: Layers whose weight is an entry-wise scale of the normalized input (evaluation
@@ -30,17 +29,9 @@ _CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 @dataclass
-class LayerCall:
-    """One call of a factor-form layer.
+class Recorded:
+    """A recorded call: input (detached), output, their versions when recorded."""
 
-    Attributes:
-        module: The layer.
-        inputs: Its input, detached.
-        output: Its output (part of the autograd graph).
-        versions: Version counters of input and output when recorded.
-    """
-
-    module: Module
     inputs: Tensor
     output: Tensor
     versions: tuple[int, int]
@@ -49,39 +40,45 @@ class LayerCall:
         """Whether neither tensor was modified in place after the call."""
         return (self.inputs._version, self.output._version) == self.versions
 
-    def layer_inputs(self) -> Tensor:
-        """The layer input in factor layout ``[B, G, T, P]``.
 
-        For a BatchNorm layer: its normalized input ``x̂``, ``[B, 1, T, O]``.
-        """
+@dataclass
+class LayerCall(Recorded):
+    """One call of a factor-form layer, ``module``."""
+
+    module: Module
+
+    def params(self) -> list[Parameter]:
+        """The layer's weight and bias (where it has one)."""
+        return [p for p in (self.module.weight, self.module.bias) if p is not None]
+
+    def layer_inputs(self) -> Tensor:
+        """The layer input as ``[B, G, T, P]`` (BatchNorm: ``x̂``, ``[B, 1, T, O]``)."""
         if isinstance(self.module, SCALE_LAYERS):
             return normalized_input(self.module, self.inputs)
         unfolded = unfold_conv_input(self.module, self.inputs)  # [B, I·k, T]
-        groups = self.module.groups
-        unfolded = unfolded.reshape(unfolded.shape[0], groups, -1, unfolded.shape[-1])
-        return unfolded.transpose(2, 3)
+        return grouped_patches(unfolded, self.module.groups)
 
     def output_vectors(self, vectors: Tensor) -> Tensor:
-        """Vectors ``[V, B, *out]`` at the layer output as ``[V, B, G, T, O]``.
-
-        A BatchNorm layer's channels are its ``O`` output features (``G = 1``).
-        """
-        num, batch = vectors.shape[:2]
+        """Vectors ``[V, B, *out]`` at the output as ``[V, B, G, T, O]``."""
         if isinstance(self.module, SCALE_LAYERS):
-            groups, features = 1, self.module.num_features
-        else:
-            groups = self.module.groups
-            features = self.module.out_channels // groups
-        return vectors.reshape(num, batch, groups, features, -1).transpose(3, 4)
+            return grouped_vectors(vectors, 1, self.module.num_features)
+        groups = self.module.groups
+        return grouped_vectors(vectors, groups, self.module.out_channels // groups)
+
+
+def grouped_patches(patches: Tensor, groups: int) -> Tensor:
+    """Patches ``[B, G·P, T]`` in factor layout ``[B, G, T, P]``."""
+    grouped = patches.reshape(patches.shape[0], groups, -1, patches.shape[-1])
+    return grouped.transpose(2, 3)
+
+
+def grouped_vectors(vectors: Tensor, groups: int, features: int) -> Tensor:
+    """Vectors ``[V, B, G·O, *spatial]`` in factor layout ``[V, B, G, T, O]``."""
+    return vectors.reshape(*vectors.shape[:2], groups, features, -1).transpose(3, 4)
 
 
 def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
-    """A BatchNorm input ``[B, O, *spatial]`` normalized by the running statistics.
-
-    Returns:
-        ``x̂`` with the channels last, ``[B, 1, T, O]`` (``docs/math.rst``, "Layer
-        structure").
-    """
+    """``x̂`` ``[B, 1, T, O]``: a BatchNorm input normalized by running statistics."""
     flat = inputs.reshape(inputs.shape[0], module.num_features, -1)
     scale = torch.rsqrt(module.running_var + module.eps).to(inputs.dtype)
     mean = module.running_mean.to(inputs.dtype)
@@ -90,10 +87,9 @@ def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
 
 
 def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
-    """Patches of a convolution input ``[B, C_in, *spatial]``, ``[B, C_in·k, T]``.
+    """Patches ``[B, C_in·k, T]`` of a convolution input ``[B, C_in, *spatial]``.
 
-    A grouped convolution with one-hot kernels: any dimension, stride, dilation and
-    padding mode. Channel ``c·k + j`` is entry ``j`` of input channel ``c``.
+    A grouped convolution with one-hot kernels (any stride, dilation, padding mode).
     """
     kernel = module.kernel_size
     dims = len(kernel)
@@ -116,11 +112,7 @@ def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
 
 @dataclass
 class LayerCapture:
-    """Forward hooks recording calls of factor-form layers with a weight in ``params``.
-
-    Attributes:
-        calls: Recorded calls, in forward order.
-    """
+    """Forward hooks recording (in ``calls``) the layers with a weight in ``params``."""
 
     model: Module
     params: list[Parameter]
@@ -153,34 +145,17 @@ class LayerCapture:
         inputs = args[0] if args else None  # keyword inputs: no factor form
         if not isinstance(output, Tensor) or not isinstance(inputs, Tensor):
             return
-        self.calls.append(
-            LayerCall(
-                module, inputs.detach(), output, (inputs._version, output._version)
-            )
-        )
-
-
-def _accumulator(param: Parameter):
-    """The autograd node that accumulates ``param``'s gradient."""
-    return param.view_as(param).grad_fn.next_functions[0][0]
+        versions = (inputs._version, output._version)
+        self.calls.append(LayerCall(inputs.detach(), output, versions, module))
 
 
 def count_uses(output: Tensor, params: list[Parameter]) -> dict[int, int]:
     """How many operations of ``output``'s graph consume each parameter, by ``id``."""
-    owner = {_accumulator(p): id(p) for p in params}
+    # the node that accumulates each parameter's gradient
+    owner = {p.view_as(p).grad_fn.next_functions[0][0]: id(p) for p in params}
     uses = dict.fromkeys((id(p) for p in params), 0)
-    if output.grad_fn is None:
-        return uses
-    seen = {output.grad_fn}
-    stack = [output.grad_fn]
-    while stack:
-        node = stack.pop()
+    for node in graph_nodes(output):
         for child, _ in node.next_functions:
-            if child is None:
-                continue
             if child in owner:
                 uses[owner[child]] += 1
-            elif child not in seen:
-                seen.add(child)
-                stack.append(child)
     return uses

@@ -1,12 +1,9 @@
 """Factor forms found at the function level: the calls a parameter goes through.
 
-:class:`FunctionCapture`, a ``TorchFunctionMode``, records the calls of
-``F.linear``, ``torch.addmm`` (Hugging Face's ``Conv1D``), ``F.embedding``,
-``F.layer_norm`` and ``F.rms_norm`` with a requested parameter, also inside
-``F.multi_head_attention_forward`` (:data:`TRANSPARENT`) and recurrent kernels
-(:mod:`~vivit.engines.func.recurrent`). Probe vectors tell which sample owns which
-row of a call's output (``docs/math.rst``, "Layer structure"). A use the mode does
-not recognize leaves the parameter without a factor form.
+:class:`FunctionCapture` records the calls of ``F.linear``, ``torch.addmm``,
+``F.embedding``, ``F.layer_norm`` and ``F.rms_norm`` with a requested parameter; probe
+vectors tell which sample owns which row of their outputs (``docs/math.rst``, "Layer
+structure").
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from torch import Tensor
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
+from vivit.engines.func.capture import Recorded
 from vivit.engines.func.recurrent import recurrent_weights, stepwise
 
 #: Base of the digits of a sample's index that one probe vector encodes.
@@ -29,18 +27,12 @@ PROBE_BASE = 16
 
 
 def _transparent(function: Callable) -> Callable:
-    """A copy of a Python-level functional whose nested calls a mode sees.
-
-    The original hands itself to the mode first, which is off while handling it.
-    """
+    """A copy of a Python-level functional whose nested calls a mode sees."""
     namespace = dict(function.__globals__)
     namespace["has_torch_function"] = lambda *_: False
+    code, name = function.__code__, function.__name__
     copy = types.FunctionType(
-        function.__code__,
-        namespace,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
+        code, namespace, name, function.__defaults__, function.__closure__
     )
     copy.__kwdefaults__ = function.__kwdefaults__
     return copy
@@ -53,34 +45,24 @@ TRANSPARENT = {
 
 
 @dataclass
-class FunctionUse:
+class FunctionUse(Recorded):
     """One call of a recognized function with a requested parameter.
+
+    Its ``inputs`` are ``[..., P]``, indices ``[...]`` or the normalized input.
 
     Attributes:
         kind: ``"linear"`` (weight ``[O, P]``), ``"linear_t"`` (weight ``[P, O]``),
             ``"embedding"`` or ``"norm"``.
-        weight: The weight (a requested parameter or ``None``).
-        bias: The bias (a requested parameter or ``None``).
-        inputs: The call's input rows, detached: the layer input ``[..., P]``, the
-            indices ``[...]`` or the normalized input ``[..., *shape]``.
-        output: The call's output ``z`` (part of the autograd graph).
-        features: Trailing axes of ``z`` that are features (not rows).
-        versions: Version counters of the input and output when recorded.
+        weight: The weight, if requested (else ``None``); so ``bias``.
+        features: Trailing axes of the output ``z`` that are features (not rows).
         padding: An embedding's ``padding_idx`` (its row gets no gradient).
     """
 
     kind: str
     weight: Parameter | None
     bias: Parameter | None
-    inputs: Tensor
-    output: Tensor
     features: int
-    versions: tuple[int, int]
     padding: int | None = None
-
-    def unchanged(self) -> bool:
-        """Whether neither tensor was modified in place after the call."""
-        return (self.inputs._version, self.output._version) == self.versions
 
     def params(self) -> list[Parameter]:
         """The requested parameters of the call."""
@@ -186,29 +168,16 @@ def _make(
     if not isinstance(inputs, Tensor):
         return None
     weight, bias = _requested(weight, requested), _requested(bias, requested)
-    return FunctionUse(
-        kind,
-        weight,
-        bias,
-        inputs.detach(),
-        output,
-        features,
-        (inputs._version, output._version),
-    )
+    versions = (inputs._version, output._version)
+    return FunctionUse(inputs.detach(), output, versions, kind, weight, bias, features)
 
 
 def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
-    """Vectors that tell which sample owns each row of a recorded output.
+    """Probes ``[2·(1 + J), B, *out]`` that tell which sample owns each output row.
 
-    Two families, each of a random ``r`` and of ``r`` with sample ``b``'s part scaled by
-    ``2^{d_j(b)}``, ``d_j`` the base-16 digits (``docs/math.rst``, "Layer structure").
-
-    Args:
-        block: The vectors of a chunk, ``[V, B, *out]``.
-        generator: Draws ``r`` (the global generator is left alone).
-
-    Returns:
-        The probes, ``[2·(1 + J), B, *out]``, the two families one after the other.
+    Two families of a random ``r`` (drawn by ``generator``) and ``r`` with sample
+    ``b``'s part scaled by ``2^{d_j(b)}`` (``docs/math.rst``, "Layer structure");
+    ``block``: vectors ``[V, B, *out]``.
     """
     batch = block.shape[1]
     digits = max(1, math.ceil(math.log(max(batch, 2), PROBE_BASE)))
@@ -227,17 +196,12 @@ def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
-    """Each sample's rows of a recorded output, from the probes pushed back to it.
-
-    Args:
-        probes: The probes at the output as rows, ``[2·(1 + J), R, F]``.
-        batch: Samples of the chunk ``B``.
+    """Each sample's rows of an output, from the probes there ``[2·(1 + J), R, F]``.
 
     Returns:
-        Row index ``[B, T]``, ``T`` the most rows of a sample and at least
-        ``⌈R / B⌉`` (the same for every chunk of a layout); index ``R`` pads a
-        sample with fewer rows (a zero row); rows no probe reaches are left out.
-        ``None`` where the owners cannot be read off (no factor form then).
+        Row index ``[B, T]``, ``T`` the most rows of a sample and at least ``⌈R /
+        B⌉``; index ``R`` pads a sample with fewer rows; rows no probe reaches are
+        left out. ``None`` where the owners cannot be read off.
     """
     first, second = probes.chunk(2)
     owner, other = _owners(first), _owners(second)

@@ -1,11 +1,8 @@
-"""GGN-vector products ``G v = Jᵀ H J v`` of one part of the samples, by torch.func.
+"""``J v`` and ``Jᵀ w`` of one part of the samples by torch.func: ``G v = Jᵀ H J v``.
 
-Per block of ``K`` parameter-space vectors: ``J v`` by ``torch.func.jvp`` vmapped
-over the tangents, the loss-Hessian product (:mod:`vivit.loss_hessians`), and
-``Jᵀ w`` by the ``torch.func.vjp`` of the same function vmapped over the
-cotangents; no column of ``V`` is formed (``docs/math.rst``, "Implicit GGN-vector
-products"). The function is ``θ_group ↦ select(model(x))``, every other parameter
-and buffer frozen.
+The function is ``θ_group ↦ select(model(x))``, every other parameter and buffer
+frozen; no column of ``V`` is formed (``docs/math.rst``, "Implicit GGN-vector
+products").
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ from vivit.model_inputs import ModelInputs
 def forward_mode_kernels(model: Module) -> Iterator[None]:
     """Kernels that have forward-mode AD rules, for the block's passes.
 
-    ``nn.MultiheadAttention``'s fast path, the fused scaled-dot-product kernels and,
-    on the CPU, oneDNN's float32 LSTM and GRU have no JVP; the composite attention
-    kernel and PyTorch's native recurrent kernel compute the same functions.
+    ``nn.MultiheadAttention``'s fast path, the fused attention kernels and oneDNN's
+    LSTM and GRU have no JVP; the composite and native kernels compute the same.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -53,8 +49,7 @@ class PaddingRowsConstant(TorchFunctionMode):
     """An embedding's padding row as reverse-mode AD sees it: a constant.
 
     Its backward gives row ``padding_idx`` no gradient, its forward-mode rule a
-    tangent; detached in each embedding call, ``J v`` and ``Jᵀ w`` are of one function
-    (``docs/math.rst``, "Implicit GGN-vector products").
+    tangent; detached, ``J v`` and ``Jᵀ w`` are of one function.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -73,14 +68,7 @@ class PaddingRowsConstant(TorchFunctionMode):
 
 
 class PartFunction:
-    """The model output of a part of the samples as a function of a group's params.
-
-    Args:
-        model: The network (left unchanged).
-        params: The group's parameters (the function's arguments).
-        inputs: The block's inputs.
-        selector: Picks the output tensor from the model's return value.
-    """
+    """The output of a part of the samples (``inputs``) as a function of ``params``."""
 
     def __init__(
         self,
@@ -100,20 +88,10 @@ class PartFunction:
     def __call__(self, *values: Tensor) -> Tensor:
         """The selected output with the group's parameters set to ``values``."""
         params = dict(zip(self._names, values, strict=True))
-        if isinstance(self._inputs, Mapping):  # keyword inputs: model(**inputs)
-            output = functional_call(self._model, params, (), dict(self._inputs))
-        else:
-            output = functional_call(self._model, params, (self._inputs,))
-        return select_output(output, self._selector)
+        return functional_output(self._model, params, self._inputs, self._selector)
 
     def jvp(self, tangents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """The output and ``J v`` of every sample for ``K`` parameter-space vectors.
-
-        Args:
-            tangents: One tensor ``[K, *p.shape]`` per parameter.
-
-        Returns:
-            The output ``[N, *out]`` (computed once) and ``J v``, ``[K, N, *out]``.
+        """The output ``[N, *out]`` and ``J v`` ``[K, N, *out]``; tangents ``[K, *p]``.
 
         Raises:
             UnsupportedLayerError: If an operation has no forward-mode AD rule.
@@ -126,21 +104,25 @@ class PartFunction:
             return vmap(single, out_dims=(None, 0))(*tangents)
 
     def vjp(self, cotangents: Tensor) -> list[Tensor]:
-        """``Jᵀ w`` summed over the samples, for ``K`` output-space vectors.
+        """``Jᵀ w`` ``[K, *p.shape]`` per parameter, summed over the samples.
 
-        The forward pass that records the pullback runs once per block; the
-        passes of a product's vectors reuse it.
-
-        Args:
-            cotangents: ``[K, N, *out]``.
-
-        Returns:
-            One tensor ``[K, *p.shape]`` per parameter.
+        ``cotangents``: ``[K, N, *out]``. The forward pass recording the pullback
+        runs once per block.
         """
         with _naming_unsupported(self._model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
             if self._pullback is None:
                 _, self._pullback = vjp(self, *self._primals)
             return list(vmap(self._pullback)(cotangents))
+
+
+def functional_output(
+    model: Module, values: dict[str, Tensor], inputs: ModelInputs, selector
+) -> Tensor:
+    """The selected output of ``model(inputs)``, named parameters set to ``values``."""
+    args, kwargs = (
+        ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
+    )
+    return select_output(functional_call(model, values, args, kwargs), selector)
 
 
 @contextmanager
@@ -161,9 +143,8 @@ def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
 def check_modes_agree(function: PartFunction, params: Sequence[Parameter]) -> None:
     """Refuse a model whose forward- and reverse-mode derivatives disagree.
 
-    For one random pair ``(v, w)`` (a generator of its own, seed 0), ``wᵀ(J v)`` and
-    ``(Jᵀ w)ᵀ v`` must agree to the tolerance of ``docs/math.rst``, "Implicit
-    GGN-vector products"; else ``G v`` would mix two functions.
+    For one random pair ``(v, w)`` (seed 0), ``wᵀ(J v)`` and ``(Jᵀ w)ᵀ v`` must agree
+    (``docs/math.rst``, "Implicit GGN-vector products").
 
     Raises:
         UnsupportedLayerError: If they disagree.

@@ -1,9 +1,8 @@
 """Refuse models whose output for one sample depends on other samples or on chance.
 
 Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone (``docs/math.rst``,
-"Setting"). Layers known to break this in training mode are refused before the
-forward pass (BatchNorm's running statistics stay as they were); anything else by
-one extra forward pass in which sample 0 is replaced by a copy of sample 1.
+"Setting"): layers known to break it are refused before the forward pass, anything
+else by a forward pass with sample 0 replaced by sample 1.
 """
 
 from __future__ import annotations
@@ -32,39 +31,30 @@ def check_layers(model: Module) -> None:
     for name, module in model.named_modules():
         check_batch_norm(module, name or "The model")
         if isinstance(module, _DropoutNd) and module.training and module.p > 0:
-            raise SampleCouplingError(
-                f"{name or 'The model'} ({module}) is in training mode: the forward "
-                "pass is random, so the GGN of one mini-batch is not defined. Call "
-                "model.eval() before computing curvature."
-            )
-        if _drops_between_layers(module):
-            raise SampleCouplingError(
-                f"{name or 'The model'} ({module}) is in training mode with "
-                f"dropout={module.dropout} between its layers: the forward pass is "
-                "random, so the GGN of one mini-batch is not defined. Call "
-                "model.eval() before computing curvature."
-            )
-
-
-def _drops_between_layers(module: Module) -> bool:
-    """Whether a recurrent layer applies dropout between its layers (random)."""
-    return (
-        isinstance(module, RNNBase)
-        and module.training
-        and module.dropout > 0
-        and module.num_layers > 1
-    )
+            how = ""
+        elif (
+            isinstance(module, RNNBase)
+            and module.training
+            and module.dropout > 0
+            and module.num_layers > 1
+        ):
+            how = f" with dropout={module.dropout} between its layers"
+        else:
+            continue
+        raise SampleCouplingError(
+            f"{name or 'The model'} ({module}) is in training mode{how}: the forward "
+            "pass is random, so the GGN of one mini-batch is not defined. Call "
+            "model.eval() before computing curvature."
+        )
 
 
 def check_samples_independent(
     forward: Callable[[ModelInputs], Tensor], inputs: ModelInputs, output: Tensor
 ) -> None:
-    """Re-run the model with sample 0 replaced by sample 1; outputs must agree.
+    """Re-run ``forward`` (without gradients) with sample 0 replaced by sample 1.
 
-    Args:
-        forward: The model's output of a batch, computed without gradients.
-        inputs: The mini-batch inputs (every tensor of a dict is perturbed).
-        output: The output of ``inputs`` with the same parameters (detached).
+    The other samples' outputs must agree with ``output``, the (detached) output of
+    ``inputs`` (every tensor of a dict is perturbed).
 
     Raises:
         SampleCouplingError: If an output changed.

@@ -1,10 +1,8 @@
 """Recurrent kernels step by step, so that their weights' linear maps are seen.
 
-:class:`~vivit.engines.func.functional.FunctionCapture` evaluates a fused
-``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh`` or ``torch.rnn_relu`` call (or a
-cell's) by PyTorch's per-step equations with the same weights, so every weight
-enters through ``F.linear`` calls (``docs/math.rst``, "Recurrent layers"). Packed
-sequences and dropout between layers in training mode keep the fused kernel.
+A fused LSTM, GRU or RNN call (or a cell's) is evaluated by PyTorch's per-step
+equations, every weight entering through ``F.linear`` (``docs/math.rst``, "Recurrent
+layers"); packed sequences and dropout between layers keep the fused kernel.
 """
 
 from __future__ import annotations
@@ -31,15 +29,8 @@ CELL_KERNELS = {
 }
 
 _SEQUENCE_ARGS = (
-    "input",
-    "hx",
-    "params",
-    "has_biases",
-    "num_layers",
-    "dropout",
-    "train",
-    "bidirectional",
-    "batch_first",
+    *("input", "hx", "params", "has_biases", "num_layers", "dropout"),
+    *("train", "bidirectional", "batch_first"),
 )
 _CELL_ARGS = ("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh")
 
@@ -61,12 +52,7 @@ def _unpacked(args: tuple) -> bool:
 
 
 def stepwise(func: Callable, args: tuple, kwargs: dict) -> Tensor | tuple | None:
-    """A recurrent kernel's call ``func(*args, **kwargs)`` evaluated step by step.
-
-    Returns:
-        What the kernel returns, or ``None`` where the call is not evaluated step
-        by step (a packed sequence; dropout between layers in training mode).
-    """
+    """What ``func(*args, **kwargs)`` returns, step by step (``None``: not here)."""
     if func in CELL_KERNELS:
         bound = dict(zip(_CELL_ARGS, args, strict=False)) | kwargs
         return _cell_call(CELL_KERNELS[func], bound)
@@ -79,12 +65,11 @@ def stepwise(func: Callable, args: tuple, kwargs: dict) -> Tensor | tuple | None
 
 
 def _cell_call(cell: str, bound: dict) -> Tensor | tuple[Tensor, Tensor]:
-    x, hx = bound["input"], bound["hx"]
-    gates_in = F.linear(x, bound["w_ih"], bound.get("b_ih"))
-    if cell == "lstm":
-        h, c = hx
-        return _step(cell, gates_in, (h, c), bound["w_hh"], bound.get("b_hh"))
-    return _step(cell, gates_in, (hx, None), bound["w_hh"], bound.get("b_hh"))[0]
+    hx = bound["hx"]
+    gates_in = F.linear(bound["input"], bound["w_ih"], bound.get("b_ih"))
+    state = (hx[0], hx[1]) if cell == "lstm" else (hx, None)
+    h, c = _step(cell, gates_in, state, bound["w_hh"], bound.get("b_hh"))
+    return (h, c) if cell == "lstm" else h
 
 
 def _sequence(cell: str, bound: dict) -> tuple[Tensor, ...]:
@@ -103,13 +88,9 @@ def _sequence(cell: str, bound: dict) -> tuple[Tensor, ...]:
             index = layer * directions + direction
             weights = params[index * per_direction : (index + 1) * per_direction]
             state = (h0[index], None if c0 is None else c0[index])
-            steps, (h, c) = _direction(
-                cell,
-                x,
-                state,
-                _Weights(weights, bound["has_biases"]),
-                (bool(direction), batch_first),
-            )
+            layout = (bool(direction), batch_first)
+            weights = _Weights(weights, bound["has_biases"])
+            steps, (h, c) = _direction(cell, x, state, weights, layout)
             outputs.append(steps)
             last_h.append(h)
             last_c.append(c)
@@ -135,10 +116,7 @@ def _direction(
     weights: _Weights,
     layout: tuple[bool, bool],
 ) -> tuple[Tensor, tuple[Tensor, Tensor | None]]:
-    """One direction of one layer: every step's output and the last state.
-
-    ``layout`` is ``(reverse, batch_first)``.
-    """
+    """One direction of one layer (``layout``: ``(reverse, batch_first)``)."""
     reverse, batch_first = layout
     time = 1 if batch_first else 0
     # the steps as views of one unbind: its backward pass stacks their vectors

@@ -1,4 +1,8 @@
-"""Batched vector-Jacobian products, in chunks that fit a memory budget."""
+"""The vectors the func engine backpropagates, and batched VJPs that fit a budget.
+
+:class:`VectorStack` and :class:`OneHotPerSample` are indexed like the tensors they
+stand for and form only what is indexed.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,112 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from vivit.engines.func.columns import OneHotPerSample, VectorStack
+from vivit.loss_roots import LossRoot
 from vivit.model_inputs import ModelInputs
+
+
+class _Stack:
+    """Vectors indexed like a tensor of ``shape``, formed only where sliced."""
+
+    shape: torch.Size
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, vectors: slice) -> Tensor:
+        """Consecutive vectors, ``[k, *shape[1:]]``."""
+        start, stop, _ = vectors.indices(len(self))
+        parts = self._parts(start, max(start, stop))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class VectorStack(_Stack):
+    """``[V, B, *out]`` vectors of the samples ``start:stop`` of a batch, lazily.
+
+    The ``K`` columns of the loss-Hessian ``root`` of the curvature samples
+    ``ggn_samples`` (zero outside them), then ``gradients`` ``∂ℓ_n/∂f_n`` ``[N, *out]``
+    (if not ``None``); ``samples`` is ``range(start, stop)``.
+    """
+
+    def __init__(
+        self,
+        root: LossRoot,
+        ggn_samples: tuple[int, ...],
+        gradients: Tensor | None,
+        samples: range,
+    ):
+        self._root = root
+        self._ggn_samples = ggn_samples
+        self._gradients = gradients
+        self._samples = samples
+        # positions in S of the curvature samples in this range, and their rows
+        kept = [(i, n) for i, n in enumerate(ggn_samples) if n in samples]
+        self._in_root = torch.tensor(
+            [i for i, _ in kept], dtype=torch.long, device=root.device
+        )
+        self._rows = [n - samples.start for _, n in kept]
+        self.shape = torch.Size(
+            (len(root) + (gradients is not None), len(samples), *root.shape[2:])
+        )
+
+    def samples(self, start: int, stop: int) -> VectorStack:
+        """The vectors of this stack's samples ``start:stop``, formed as lazily."""
+        first = self._samples.start
+        return VectorStack(
+            self._root,
+            self._ggn_samples,
+            self._gradients,
+            range(first + start, first + min(stop, len(self._samples))),
+        )
+
+    def _parts(self, start: int, stop: int) -> list[Tensor]:
+        parts = []
+        num_root = len(self._root)
+        if start < num_root:
+            columns = self._root.rows(self._in_root)[start : min(stop, num_root)]
+            if self._rows == list(range(len(self._samples))):
+                parts.append(columns)
+            else:
+                placed = columns.new_zeros(len(columns), *self.shape[1:])
+                placed[:, self._rows] = columns
+                parts.append(placed)
+        if stop > num_root:  # the gradient vector
+            span = self._samples
+            parts.append(self._gradients[span.start : span.stop].unsqueeze(0))
+        return parts
+
+
+class OneHotPerSample(_Stack):
+    """Each sample's vectors in an otherwise zero batch, ``[B·V, B, *out]``, lazily.
+
+    Vector ``b·V + v`` backpropagated gives sample ``b``'s own ``J_bᵀ v``.
+    """
+
+    def __init__(self, vectors: VectorStack):
+        self._vectors = vectors
+        self._per_sample, batch = vectors.shape[:2]
+        self.shape = torch.Size((batch * self._per_sample, *vectors.shape[1:]))
+
+    def _parts(self, start: int, stop: int) -> list[Tensor]:
+        per = self._per_sample
+        parts = []
+        rows = start
+        while rows < stop:
+            sample, first = divmod(rows, per)
+            last = min(per, first + stop - rows)
+            own = self._vectors.samples(sample, sample + 1)[first:last]
+            placed = own.new_zeros(last - first, *self.shape[1:])
+            placed[:, sample] = own[:, 0]
+            parts.append(placed)
+            rows += last - first
+        return parts
 
 
 class BatchedVJP:
     """``Jᵀ v`` of a graph's output for stacks of vectors ``v``.
 
-    Per chunk one vmapped backward pass (``is_grads_batched=True``) or one backward
-    pass per vector, the same numbers: the first call times both on its first chunk and
-    keeps the loop only if it is estimated more than twice as fast (some operations
-    have slow batching rules, or none).
+    Per chunk one vmapped backward pass or one pass per vector (the same numbers): the
+    first chunk times both, and the loop is kept only if more than twice as fast.
     """
 
     def __init__(self):
@@ -31,18 +130,11 @@ class BatchedVJP:
         vectors: Tensor | VectorStack | OneHotPerSample,
         chunk_size: int,
     ) -> list[Tensor]:
-        """``Jᵀ v`` of ``output`` w.r.t. each input.
+        """``Jᵀ v`` ``[V, *input.shape]`` of ``output`` ``[*out]`` w.r.t. each input.
 
-        Args:
-            output: A tensor of the graph, shape ``[*out]``.
-            inputs: Tensors of the graph to differentiate with respect to.
-            vectors: ``[V, *out]``: a tensor, or a stack that forms the
-                vectors it is sliced for (:mod:`vivit.engines.func.columns`).
-            chunk_size: At most this many vectors per vmapped backward pass.
-
-        Returns:
-            One tensor ``[V, *input.shape]`` per input (zeros where ``output``
-            does not depend on it), detached.
+        ``vectors`` ``[V, *out]`` (a tensor or a stack) go back ``chunk_size`` per
+        pass; the results are detached, zeros where ``output`` does not depend on an
+        input.
         """
         if not inputs:
             return []
@@ -75,9 +167,7 @@ class BatchedVJP:
             start = time.perf_counter()
             _looped(output, inputs, chunk[:1])
             looped = len(chunk) * (time.perf_counter() - start)
-            # the first vmapped pass also pays one-time costs: loop only if clearly
-            # faster
-            self.batched = vmapped <= 2 * looped
+            self.batched = vmapped <= 2 * looped  # vmap's first pass pays set-up
             return grads
         if self.batched:
             grads = _vmapped(output, inputs, chunk)
@@ -122,10 +212,9 @@ def _looped(output, inputs, chunk) -> list[Tensor | None]:
 class ExplicitColumns:
     """Explicit columns of a chunk by the faster of two exact routes.
 
-    :func:`per_sample_vjp` (one pass, but a second forward pass under ``vmap``) or the
-    one-hot batches (``B`` backward passes through the chunk's graph). With several
-    chunks the first times both and keeps the faster; with one chunk the one-hot
-    batches reuse the graph the engine already holds.
+    :func:`per_sample_vjp` (a second forward pass under ``vmap``) or the one-hot
+    batches (``B`` backward passes through the chunk's graph): the first of several
+    chunks times both; one chunk takes the one-hot batches (its graph exists).
     """
 
     def __init__(self):
@@ -137,12 +226,10 @@ class ExplicitColumns:
         one_hot: Callable[[], list[Tensor]],
         more_chunks: bool,
     ) -> list[Tensor]:
-        """The columns, ``[B, V, *param.shape]`` per parameter.
+        """The columns ``[B, V, *param.shape]`` per parameter.
 
-        Args:
-            vectorized: Runs :func:`per_sample_vjp` (``None`` if it cannot).
-            one_hot: Pushes the one-hot batches back.
-            more_chunks: Whether more chunks follow this one.
+        ``vectorized`` runs :func:`per_sample_vjp` (``None`` if it cannot),
+        ``one_hot`` pushes the one-hot batches back.
         """
         if self.vectorized is None and not more_chunks:
             return one_hot()
@@ -168,23 +255,15 @@ def per_sample_vjp(
     vectors: Tensor,
     chunk_size: int,
 ) -> list[Tensor] | None:
-    """Each sample's ``J_nᵀ v`` at the parameters, vectorized over the samples.
+    """Each sample's ``J_nᵀ v`` at the parameters: ``vmap`` of one sample's pullback.
 
-    ``vmap`` over the samples of one sample's pullback, itself vmapped over that
-    sample's vectors.
-
-    Args:
-        sample_output: The output of one sample (its input with a batch axis of
-            one) as a function of the parameters' values.
-        params: The parameters.
-        inputs: The chunk's inputs ``[B, *in]`` (or a dict of them).
-        vectors: ``[V, B, *out]``.
-        chunk_size: At most this many vectors per vmapped pullback.
+    ``sample_output`` is the output of one sample (its input with a batch axis of
+    one) as a function of the parameters' values; ``inputs`` ``[B, *in]`` (or a dict
+    of them), ``vectors`` ``[V, B, *out]``, ``chunk_size`` vectors per pullback.
 
     Returns:
-        One tensor ``[B, V, *param.shape]`` per parameter, detached, or ``None``
-        where the model cannot run under ``vmap`` (an operation without a batching
-        rule, data-dependent control flow, an LSTM's fused kernel).
+        ``[B, V, *param.shape]`` per parameter, detached, or ``None`` where the model
+        cannot run under ``vmap`` (no batching rule, data-dependent control flow).
     """
     values = [p.detach() for p in params]
 
