@@ -39,15 +39,8 @@ if TYPE_CHECKING:
 class CurvatureOptions:
     """The options of a curvature request, checked when the object is built.
 
-    Every front door (:class:`~vivit.LowRankGGN`, :class:`~vivit.StreamingGGN`,
-    :class:`~vivit.optim.DampedNewton`, :class:`~vivit.analysis.CurvatureMonitor`,
-    :func:`~vivit.memory.estimate_memory`) takes these keyword arguments, each
-    described here once. The user guide has the details: "Cheap approximations"
-    (Monte Carlo, ``subsampling``, ``docs/math.rst``, "Monte Carlo on
-    sequences"), "Numerical zeros" (``gram_dtype``), "Few eigenpairs without the
-    cubic cost" (solvers), "Outputs too many for V: the implicit route", "Whole
-    data sets" (loaders, ``generator``, ``progress``, ``max_batches``), "Large
-    batches in chunks" and "Several processes".
+    Every front door takes these keyword arguments, described here once; the
+    user guide has the details.
 
     Attributes:
         mc_samples: ``0`` (default): the exact GGN; ``M > 0``: its unbiased
@@ -143,18 +136,16 @@ class CurvatureOptions:
         """A copy with the options in ``changes`` changed (and checked).
 
         Raises:
-            InvalidArgumentError: For a name that is not an option (``group`` is
-                resolved from ``process_group``, not set).
+            InvalidArgumentError: For a name that is not an option, or a value.
         """
         check_option_names(changes)
         return dataclasses.replace(self, **changes)
 
 
 def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
-    """A copy of checked ``options`` with valid ``changes``, not checked again.
+    """A copy of checked ``options`` with valid ``changes`` (not checked again).
 
-    ``changes`` holds a subsampling as a tuple; ``process_group=False`` also clears
-    the resolved group (this process alone).
+    ``process_group=False`` also clears the resolved group.
     """
     copy = object.__new__(CurvatureOptions)
     copy.__dict__.update(options.__dict__, **changes)
@@ -164,10 +155,7 @@ def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
 
 
 def options_from(arguments: dict[str, object], **fixed: object) -> CurvatureOptions:
-    """The checked options among a front door's ``arguments`` (its ``locals()``).
-
-    ``fixed`` overrides or adds options the front door sets itself.
-    """
+    """The checked options among ``arguments`` (``locals()``), ``fixed`` on top."""
     given = {k: v for k, v in arguments.items() if k in OPTION_NAMES}
     return CurvatureOptions(**{**given, **fixed})
 
@@ -176,8 +164,7 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
     """Refuse ``names`` that are not options (``also``: what else the caller takes).
 
     Raises:
-        InvalidArgumentError: For a name that is not an option (``group`` is
-            resolved from ``process_group``, not set).
+        InvalidArgumentError: For a name that is not an option (``group`` too).
     """
     unknown = sorted(set(names) - OPTION_NAMES)
     if unknown:
@@ -238,8 +225,7 @@ def check_streaming(options: CurvatureOptions) -> None:
     """Refuse the options :class:`~vivit.StreamingGGN` cannot honour, naming them.
 
     Raises:
-        InvalidArgumentError: For a solver that needs the Gram matrix, the
-            implicit route, a subsampling or a process group.
+        InvalidArgumentError: For a Gram solver, route, subsampling or group.
     """
     check_streaming_solver(options.solver)
     if options.route == "implicit":
