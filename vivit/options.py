@@ -15,12 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vivit._validation import (
-    check_chunk_size,
-    check_generator,
-    check_max_batches,
-    check_mc_per,
     check_mc_samples,
-    check_progress,
+    check_positive_int,
     check_subsampling,
 )
 from vivit.distributed.group import resolve_group
@@ -114,13 +110,37 @@ class CurvatureOptions:
         )
         check_gram_dtype(self.gram_dtype)
         check_mc_samples(self.mc_samples)
-        check_mc_per(self.mc_per)
-        check_generator(self.generator)
+        if not isinstance(self.mc_per, str) or self.mc_per not in MC_PER:
+            raise InvalidArgumentError(
+                f"mc_per must be one of {MC_PER}, got {self.mc_per!r}: 'token' draws "
+                "one column per position of a sequence (N·M·T Gram rows), "
+                "'sequence' one per sample (N·M)."
+            )
+        if not isinstance(self.generator, torch.Generator | None):
+            raise InvalidArgumentError(
+                "generator must be a torch.Generator or None, got "
+                f"{type(self.generator).__name__}: e.g. "
+                "torch.Generator().manual_seed(0)."
+            )
         check_engine(self.engine)
-        check_progress(self.progress)
-        check_chunk_size(self.chunk_size)
+        if not isinstance(self.progress, bool | None):
+            raise InvalidArgumentError(
+                "progress must be True, False or None (automatic), got "
+                f"{self.progress!r}."
+            )
+        check_positive_int(
+            self.chunk_size,
+            "chunk_size",
+            "samples per backward pass",
+            "the whole batch",
+        )
         check_output_selector(self.output)
-        check_max_batches(self.max_batches)
+        check_positive_int(
+            self.max_batches,
+            "max_batches",
+            "the most batches of the data loader a pass reads",
+            "until the loader ends",
+        )
         object.__setattr__(self, "group", resolve_group(self.process_group))
         obstacle = implicit_obstacle(self)
         if self.route == "implicit" and obstacle is not None:
@@ -177,8 +197,9 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
 #: The names of the options (``group`` is resolved, not given).
 OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(CurvatureOptions) if f.init)
 
-#: The accepted values of ``route``.
+#: The accepted values of ``route``, and of ``mc_per`` (what one MC draw covers).
 ROUTES = ("auto", "gram", "implicit")
+MC_PER = ("token", "sequence")
 
 
 def implicit_obstacle(options: CurvatureOptions) -> str | None:
