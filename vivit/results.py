@@ -404,19 +404,16 @@ class CurvatureResults:
             top_k, group, subsampling_grad, solver, tol, seed
         )
         source = self._source.group(group)
-        if source.parameter_space:  # Δθ = Σ_k t_k e_k, one matrix product
-            dampings, sizes = damped_step_sizes(
-                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-            )
-            step = [s[0] for s in source.unflatten((gram_evecs @ sizes).unsqueeze(1))]
-        else:
-            dampings, u = newton_coefficients_damped(
-                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-            )
-            if directional.evals.numel() > 0:
-                step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
-            else:  # no direction: no product
-                step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
+        space = source.parameter_space
+        dampings, u = (damped_step_sizes if space else newton_coefficients_damped)(
+            gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+        )
+        if space:  # Δθ = Σ_k t_k e_k, one matrix product
+            step = [s[0] for s in source.unflatten((gram_evecs @ u).unsqueeze(1))]
+        elif directional.evals.numel() > 0:
+            step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
+        else:  # no direction: no product
+            step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
         return NewtonStep(
             directional=directional,
             dampings=dampings,
