@@ -47,8 +47,7 @@ def check_param_groups(
     """Check dict groups (``"params"`` a list): ``required_keys``, no overlap.
 
     Raises:
-        ParamGroupError: If a key is missing, a group is empty, or a parameter
-            occurs in more than one group.
+        ParamGroupError: For a missing key, an empty group or a shared parameter.
     """
     if isinstance(param_groups, dict | Tensor) or not isinstance(
         param_groups, Sequence
@@ -108,17 +107,11 @@ def _check_distinct(params: list[Tensor], index: int, seen: set[int]) -> None:
 def param_group_lists(
     param_groups: object, model: Module | None = None
 ) -> list[list[Parameter]]:
-    """Validate ``param_groups`` given as lists of parameters and return them.
-
-    Args:
-        param_groups: A list of lists of parameters, or ``None``: with a ``model``,
-            one group of all its trainable parameters.
-        model: The model the parameters must belong to, if known.
+    """Validate lists of parameters (``None``: all trainable ones of ``model``).
 
     Raises:
-        ParamGroupError: If ``param_groups`` is empty, a flat list of parameters,
-            a list of dicts, holds something that is not a parameter, a parameter
-            of another model, a frozen parameter, or one parameter twice.
+        ParamGroupError: If ``param_groups`` is empty, flat, a list of dicts, or
+            holds a non-parameter, another model's, a frozen one or one twice.
     """
     if param_groups is None:
         if model is None:
@@ -169,9 +162,6 @@ def param_group_lists(
 
 def optimizer_param_groups(params: object) -> list:
     """Check an optimizer's ``params`` (parameters, or dicts with ``"params"``).
-
-    Returns:
-        The parameters or groups as a list (``torch.optim`` takes it from there).
 
     Raises:
         ParamGroupError: If it is a single tensor, empty, mixes parameters and

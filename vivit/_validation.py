@@ -1,7 +1,4 @@
-"""Checks on user input shared by every front door.
-
-Each raises an exception of :mod:`vivit.errors` saying what was given and expected.
-"""
+"""Checks on user input shared by every front door, raising :mod:`vivit.errors`."""
 
 from __future__ import annotations
 
@@ -30,9 +27,6 @@ from vivit.model_inputs import ModelInputs
 #: Floating-point types the computations run in.
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 
-#: What one Monte-Carlo draw of a cross-entropy output ``[N, C, *T]`` covers.
-MC_PER = ("token", "sequence")
-
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -50,8 +44,8 @@ def check_subsampling(
     """Validate sample indices (``None``: all samples) and return them as a list.
 
     Raises:
-        InvalidSubsamplingError: If the indices are empty, not integers, repeated,
-            or outside ``[0, batch_size)`` (``batch_size`` if known).
+        InvalidSubsamplingError: If empty, not integers, repeated, or outside
+            ``[0, batch_size)``.
     """
     if subsampling is None:
         return None
@@ -83,8 +77,8 @@ def check_positive_int(
 ) -> None:
     """Raise InvalidArgumentError unless ``value`` is a positive int (not a bool).
 
-    ``name`` and what it counts (``meaning``) go into the message; ``none`` says
-    what a ``None`` value stands for (``none=None``: ``None`` is refused).
+    ``meaning`` goes into the message; ``none`` says what ``None`` stands for
+    (``none=None``: refused).
     """
     if value is None and none is not None:
         return
@@ -96,23 +90,6 @@ def check_positive_int(
         )
 
 
-def check_chunk_size(chunk_size: int | None) -> None:
-    """:func:`check_positive_int` for the samples per backward pass (``None``: all)."""
-    check_positive_int(
-        chunk_size, "chunk_size", "samples per backward pass", "the whole batch"
-    )
-
-
-def check_max_batches(max_batches: object) -> None:
-    """:func:`check_positive_int` for the batches a pass reads (``None``: all)."""
-    check_positive_int(
-        max_batches,
-        "max_batches",
-        "the most batches of the data loader a pass reads",
-        "until the loader ends",
-    )
-
-
 def check_mc_samples(mc_samples: object) -> int:
     """Return ``mc_samples`` (``0``: exact, else ``M``); raise unless an int ``≥ 0``."""
     if not _is_int(mc_samples) or mc_samples < 0:
@@ -120,34 +97,6 @@ def check_mc_samples(mc_samples: object) -> int:
             f"mc_samples must be an integer >= 0, got {mc_samples!r}."
         )
     return mc_samples
-
-
-def check_mc_per(mc_per: object) -> str:
-    """Return ``mc_per`` if one of :data:`MC_PER`, else raise InvalidArgumentError."""
-    if not isinstance(mc_per, str) or mc_per not in MC_PER:
-        raise InvalidArgumentError(
-            f"mc_per must be one of {MC_PER}, got {mc_per!r}: 'token' draws one "
-            "column per position of a sequence (N·M·T Gram rows), 'sequence' one "
-            "per sample (N·M)."
-        )
-    return mc_per
-
-
-def check_generator(generator: object) -> None:
-    """Raise InvalidArgumentError unless ``generator`` is a torch.Generator or None."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise InvalidArgumentError(
-            f"generator must be a torch.Generator or None, got "
-            f"{type(generator).__name__}: e.g. torch.Generator().manual_seed(0)."
-        )
-
-
-def check_progress(progress: object) -> None:
-    """Raise InvalidArgumentError unless ``progress`` is True, False or None."""
-    if progress is not None and not isinstance(progress, bool):
-        raise InvalidArgumentError(
-            f"progress must be True, False or None (automatic), got {progress!r}."
-        )
 
 
 def check_damping(damping: object, name: str = "damping") -> None:
@@ -187,13 +136,9 @@ def check_group_index(group: object, num_groups: int) -> None:
 
 
 def check_finite(tensor: Tensor, what: str, batch_axis: bool = True) -> None:
-    """Refuse a tensor with NaN or infinite entries, naming where they are.
+    """Refuse a tensor with NaN or infinite entries, naming ``what`` and where.
 
-    Args:
-        tensor: The tensor (integer tensors are always finite).
-        what: What it is, for the message (``"inputs"``, a parameter name).
-        batch_axis: Whether the first axis indexes samples (the message then names
-            the samples with a non-finite entry).
+    ``batch_axis``: the first axis indexes samples, which the message then names.
 
     Raises:
         InvalidArgumentError: If the tensor is on the meta device (no values).
@@ -242,13 +187,10 @@ def check_dtype(tensor: Tensor, what: str) -> None:
 
 
 def check_grad_mode(front_door: str) -> None:
-    """Refuse ``torch.inference_mode``, where no backward pass can run.
-
-    ``torch.no_grad()`` is fine: the library enables gradients for its own passes.
+    """Refuse ``torch.inference_mode`` (not ``no_grad``): no backward pass runs.
 
     Raises:
-        GradientContextError: Inside ``torch.inference_mode()`` (names
-            ``front_door``, the caller).
+        GradientContextError: Inside ``torch.inference_mode()``, naming ``front_door``.
     """
     if torch.is_inference_mode_enabled():
         raise GradientContextError(
@@ -268,16 +210,11 @@ def check_model(model: object) -> None:
 def check_params(
     params: Sequence[Tensor], names: dict[int, str], allow_meta: bool = False
 ) -> None:
-    """Check parameters before the forward pass: one dtype, supported, finite.
-
-    Args:
-        params: The parameters whose curvature is computed.
-        names: Their names by ``id`` (others are described by their shape).
-        allow_meta: Accept parameters on the meta device (for memory estimates).
+    """Check parameters (``names`` by ``id``) before the forward pass.
 
     Raises:
-        InvalidArgumentError: If a parameter is on the meta device (and that is
-            not allowed).
+        InvalidArgumentError: If a parameter is on the meta device (unless
+            ``allow_meta``, for memory estimates).
         GradientContextError: If a parameter was created in inference mode.
         UnsupportedDtypeError: For 16-bit parameters or mixed dtypes.
         NonFiniteError: If a parameter is NaN or infinite (names it).
@@ -307,10 +244,7 @@ def check_params(
 
 
 def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
-    """Check a mini-batch ``(inputs, targets)`` before the forward pass.
-
-    Returns:
-        ``inputs, targets``.
+    """Check a mini-batch ``(inputs, targets)`` before the forward pass; return it.
 
     Raises:
         InvalidArgumentError: If it is not a pair of inputs and a targets tensor,
@@ -353,10 +287,7 @@ def check_batch(data: object) -> tuple[ModelInputs, Tensor]:
 
 
 def check_inputs(inputs: object, name: str = "inputs") -> list[tuple[str, Tensor]]:
-    """Check a model's inputs: a tensor or a dict of tensors, with a sample.
-
-    Returns:
-        The input tensors with their names for messages.
+    """Check a model's inputs, a tensor or a dict of them; return them, named.
 
     Raises:
         InvalidArgumentError: If they are neither, a dict holds something else
@@ -439,14 +370,7 @@ def check_inputs_match(inputs: ModelInputs, params: Sequence[Tensor]) -> None:
 
 
 def check_batch_norms(model: Module) -> None:
-    """:func:`check_batch_norm` for every module, by name.
-
-    Called before a forward pass, which would update the statistics of a layer then
-    refused.
-
-    Raises:
-        BatchNormTrainingError: For a BatchNorm layer using batch statistics.
-    """
+    """:func:`check_batch_norm` for every module, before a forward pass updates them."""
     for name, module in model.named_modules():
         check_batch_norm(module, name or "The model")
 
@@ -454,9 +378,8 @@ def check_batch_norms(model: Module) -> None:
 def check_batch_norm(module: Module, name: str = "") -> None:
     """Refuse a BatchNorm layer (named ``name``) that uses the batch's statistics.
 
-    It does in training mode and, without running statistics, in eval mode too
-    (torch's rule): its output for one sample then depends on the others, and the
-    GGN has no per-sample structure. Other modules pass.
+    In training mode, or without running statistics (torch's rule); other modules
+    pass.
 
     Raises:
         BatchNormTrainingError: For a BatchNorm layer using batch statistics.

@@ -1,8 +1,7 @@
 """The leading eigenpairs of one group source: solver, numerical zero, warnings.
 
-What :class:`~vivit.results.CurvatureResults` runs for a request with ``top_k``
-and says when it returns fewer pairs than asked for (``docs/math.rst``,
-"Precision and the numerical zero").
+Fewer pairs than asked for are said why (``docs/math.rst``, "Precision and the
+numerical zero").
 """
 
 from __future__ import annotations
@@ -83,11 +82,7 @@ def gram_nonzero(
 def resolved(
     source: GroupSource, evals: Tensor, top_k: int, report: SolverReport, zero: float
 ) -> list[int]:
-    """The Ritz values of a parameter-space solve above its residual bound ``zero``.
-
-    No Gram matrix is decomposed, so its numerical zero does not apply
-    (``docs/math.rst``, "Without the Gram matrix: the residual bound").
-    """
+    """The Ritz values of a parameter-space solve above its residual bound ``zero``."""
     keep = top_k_indices(evals, top_k, tolerance=zero)
     if len(keep) < top_k:
         warn_unresolved_eigenpairs(top_k, evals, len(keep), zero, report, source)

@@ -21,16 +21,10 @@ IGNORE_INDEX = -100
 
 
 def token_logits(output: object) -> Tensor:
-    """The ``logits`` ``[N, T, C]`` of a token-level model as ``[N, C, T]``.
+    """The ``logits`` ``[N, T, C]`` of a model's ``output`` as ``[N, C, T]`` (a view).
 
     ``CrossEntropyLoss`` wants the classes on dim 1: pass
     ``output=vivit.huggingface.token_logits``.
-
-    Args:
-        output: The model's return value, with a ``logits`` key or attribute.
-
-    Returns:
-        The logits ``[N, C, T]`` (a view).
 
     Raises:
         InvalidArgumentError: If the output has no ``logits`` (naming its fields),
@@ -146,14 +140,8 @@ def split_batch(
 class SplitLabels:
     """A re-iterable loader of Hugging Face batch dicts as ``(inputs, targets)``.
 
-    Each batch goes through :func:`split_batch` as it is drawn.
-
-    Args:
-        loader: Batches ``{"input_ids", "attention_mask", "labels", ...}`` (a
-            ``DataLoader`` with a Hugging Face collator).
-        shift: As for :func:`split_batch`.
-        key: The labels' key in each batch.
-        ignore_index: The loss's ``ignore_index``.
+    Each batch of ``loader`` (a ``DataLoader`` with a Hugging Face collator) goes
+    through :func:`split_batch` with the keyword arguments as it is drawn.
 
     Raises:
         InvalidArgumentError: If ``shift`` is not a bool.
@@ -192,12 +180,7 @@ def split_labels(
     key: str = "labels",
     ignore_index: int = IGNORE_INDEX,
 ) -> SplitLabels:
-    """A loader of Hugging Face batch dicts, labels inside, for vivit.
-
-    The :class:`SplitLabels` of the arguments: ``loader``'s batches as
-    ``(inputs, targets)``, re-iterable (``InvalidArgumentError`` if ``shift`` is
-    not a bool).
-    """
+    """The :class:`SplitLabels` of the arguments: batches as ``(inputs, targets)``."""
     return SplitLabels(loader, shift=shift, key=key, ignore_index=ignore_index)
 
 

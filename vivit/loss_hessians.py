@@ -1,8 +1,7 @@
 """Products ``H_n u`` with the loss Hessian w.r.t. the output, and output gradients.
 
-What the implicit route needs instead of a root ``S_n`` (``docs/math.rst``,
-"Implicit GGN-vector products"); scales, checks and normalization are
-:class:`vivit.losses.LossCurvature`'s.
+The implicit route's stand-in for a root ``S_n`` (``docs/math.rst``, "Implicit
+GGN-vector products").
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ from vivit.losses import LossCurvature, LossNormalization
 
 
 class LossHessianProducts:
-    """``H_n u`` and ``∂ℓ_n/∂f_n`` of every sample of a batch, for any ``u``.
-
-    Args:
-        loss_func: A supported loss module.
-        output: The model output the loss function receives, ``[N, ...]``.
-        targets: The targets it receives.
+    """``H_n u`` and ``∂ℓ_n/∂f_n`` of every sample of ``loss_func(output, targets)``.
 
     Attributes:
         normalization: The loss's reduction and sample weights (``R``).
@@ -58,11 +52,7 @@ class LossHessianProducts:
         return self._scale * tangents
 
     def output_gradients(self) -> Tensor:
-        """``∂ℓ_n/∂f_n`` of every sample, ``[N, *out]``: ``∂L/∂f`` divided by ``R``.
-
-        Returns:
-            The output gradients (zero if ``R = 0``: no sample carries weight).
-        """
+        """``∂ℓ_n/∂f_n`` of every sample, ``[N, *out]``: ``∂L/∂f / R`` (0 if R = 0)."""
         factor = self.normalization.reduction_factor()
         output = self._output.detach().requires_grad_()
         with torch.enable_grad():

@@ -1,9 +1,7 @@
-"""Loss-Hessian square roots of ``torch.nn`` loss modules, for every engine.
+"""Loss modules and targets validated; their normalization ``R`` and roots ``√R·S_n``.
 
-Validates a loss module and its targets, and computes from the model output alone
-(no BackPACK) the normalization ``R`` and the roots ``√R_S · S_n`` with the
-module's exact scaling (``docs/math.rst``, "Losses"; the supported options are
-listed in the guide, "Loss functions and targets").
+From the model output alone, with the module's exact scaling (``docs/math.rst``,
+"Losses"; supported options: the guide, "Loss functions and targets").
 """
 
 from __future__ import annotations
@@ -34,13 +32,9 @@ _SUPPORTED_NAMES = ", ".join(f"torch.nn.{cls.__name__}" for cls in SUPPORTED_LOS
 def check_loss_function(loss_func: object) -> None:
     """Check, before the forward pass, that a loss function is supported.
 
-    Args:
-        loss_func: The loss function.
-
     Raises:
-        UnsupportedLossError: If it is not a module (e.g. a function such as
-            ``torch.nn.functional.cross_entropy``), not a supported module, or
-            has a reduction other than ``"mean"``/``"sum"`` or a negative weight.
+        UnsupportedLossError: If it is not a supported module (e.g. a function),
+            or has a reduction other than ``"mean"``/``"sum"`` or a negative weight.
         NonFiniteError: If a weight is NaN or infinite.
     """
     kind = type(loss_func).__name__
@@ -75,9 +69,7 @@ def check_loss_function(loss_func: object) -> None:
 
 @dataclass(frozen=True)
 class LossNormalization:
-    """How a loss module normalizes: ``L_S = R_S Σ_{n∈S} ℓ_n`` on samples ``S``.
-
-    The one place where ``R`` is computed (``docs/math.rst``, "Losses").
+    """How a loss module normalizes: ``L_S = R_S Σ_{n∈S} ℓ_n`` (the one place of ``R``).
 
     Attributes:
         reduction: ``"mean"`` or ``"sum"``.
@@ -93,11 +85,7 @@ class LossNormalization:
         return len(self.sample_weights)
 
     def reduction_factor(self, samples: Sequence[int] | None = None) -> float:
-        """``R_S`` of the loss on the mini-batch's ``samples`` alone (``None``: all).
-
-        ``1 / Σ_{n∈S} w_n`` for mean reduction (``0`` if that sum is ``0``: no
-        curvature), ``1`` for sum reduction.
-        """
+        """``R_S`` of ``samples`` (``None``: all): ``1 / Σ w_n`` (or 0), sum: ``1``."""
         if self.reduction == "sum":
             return 1.0
         weights = self.sample_weights
@@ -114,12 +102,7 @@ _Structure = tuple[str, Tensor, LossNormalization]
 
 
 class LossCurvature:
-    """The validated loss of a mini-batch: its normalization and Hessian roots.
-
-    Args:
-        loss_func: A supported loss module (see :func:`check_loss_function`).
-        output: The model output the loss function receives, ``[N, ...]``.
-        targets: The targets it receives.
+    """The validated loss of a mini-batch ``loss_func(output, targets)``: its roots.
 
     Attributes:
         normalization: The loss's reduction and per-sample weights.
@@ -155,11 +138,7 @@ class LossCurvature:
         self._kind, self._scale, self.normalization = structure
 
     def columns_per_sample(self, mc_samples: int = 0, mc_per: str = "sequence") -> int:
-        """Columns of ``V`` per sample, ``K`` of :meth:`root` (same arguments).
-
-        ``output[0].numel()`` (exact), ``M·P`` (cross-entropy, Monte Carlo per token)
-        or ``M``.
-        """
+        """``K`` of :meth:`root` (same arguments): ``output[0].numel()`` or ``M·P``."""
         if not mc_samples:
             return self.output[0].numel()
         return mc_samples * self._positions_per_draw(mc_per)
@@ -179,14 +158,9 @@ class LossCurvature:
     ) -> LossRoot:
         """``√R_S · S_n`` for the samples ``S``, formed a column block at a time.
 
-        Args:
-            samples: Sample indices (``None``: all).
-            mc_samples: ``0`` for the exact root, else ``M`` Monte-Carlo samples
-                per datum.
-            generator: Drawn from here, once (``None``: torch's global one).
-            mc_per: Monte Carlo on a cross-entropy output ``[N, C, *T]``:
-                ``"token"`` (a column per draw and position, entry ``m·P + p``)
-                or ``"sequence"`` (``docs/math.rst``, "Losses").
+        ``mc_samples``: ``0`` for the exact root, else ``M`` draws per datum from
+        ``generator``; ``mc_per``: a column per draw and position (``"token"``,
+        entry ``m·P + p``) or per draw (``"sequence"``; ``docs/math.rst``, "Losses").
 
         Returns:
             The root ``[K, |S|, *output.shape[1:]]``: exact, or an unbiased

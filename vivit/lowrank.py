@@ -29,24 +29,21 @@ class LowRankGGN(CurvatureResults):
     """The GGN of a mini-batch through its Gram matrix, from one backward pass.
 
     Runs the forward and backward pass at construction and keeps, per parameter
-    group, the layer factors of ``V`` (computed by an engine, ``engine``); the Gram
-    matrix ``Vᵀ V`` is formed from them when a computation first needs it (never by
-    the matrix-free solver). ``model``, ``loss_func``, their hooks, the ``.grad`` of
-    inputs and parameters and the random number generators are left as they were.
+    group, the layer factors of ``V``; the Gram matrix ``Vᵀ V`` is formed when a
+    computation first needs it. ``model``, ``loss_func``, their hooks, the ``.grad``
+    of inputs and parameters and the random generators are left as they were.
 
     Example::
 
         ggn = LowRankGGN(model, CrossEntropyLoss(), (X, y))
         evals, evecs = ggn.eigh(top_k=10)
 
-    Options: every keyword argument after ``param_groups`` is an option of
-    :class:`~vivit.options.CurvatureOptions`, described there. What is specific
-    here: under ``process_group`` the Gram route forms the Gram matrices at
-    construction, their blocks split over the ranks (not with
-    ``solver="factor_krylov"``), and nothing communicates afterwards; on the
-    implicit route every product is summed over the ranks, so every rank must make
-    the same calls in the same order. Each rank plans from its own shard; all run
-    the route :attr:`plan` names.
+    Options: the keyword arguments after ``param_groups`` are those of
+    :class:`~vivit.options.CurvatureOptions`. Under ``process_group`` the Gram
+    route forms the Gram matrices at construction, split over the ranks, and
+    nothing communicates afterwards; on the implicit route every product is summed
+    over the ranks, so every rank must make the same calls in the same order. All
+    ranks run the route :attr:`plan` names.
 
     Args:
         model: The network. BatchNorm and dropout layers must be in eval mode.
@@ -54,34 +51,28 @@ class LowRankGGN(CurvatureResults):
             BCEWithLogitsLoss) with ``reduction`` ``"mean"`` or ``"sum"``.
         data: ``(inputs, targets)`` of the mini-batch, or an iterable of such
             batches (a ``DataLoader``, a list, a generator): the GGN, loss and
-            gradient are then those of all their samples together, from one pass
-            that keeps every batch's factors (``docs/math.rst``, "Data sets and
-            processes"). A loader whose factors cannot fit is refused after its
-            first batch (:class:`~vivit.FactorsTooLargeError`, naming the
-            alternatives, among them :class:`~vivit.StreamingGGN`).
+            gradient of all their samples together, from one pass that keeps
+            every batch's factors (``docs/math.rst``, "Data sets and processes";
+            :class:`~vivit.FactorsTooLargeError` after the first batch if they
+            cannot fit).
         param_groups: Lists of parameters, one GGN block each (block-diagonal
             approximation); ``None``: one group of every trainable parameter.
 
     Attributes:
-        loss: The loss on all samples (detached).
-        param_groups: The parameter groups, as lists of parameters.
-        engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
         shards: Where each rank's samples sit in the union
             (:class:`~vivit.distributed.ShardLayout`): the rows of ``γ``, ``λ``
             and the Gram matrix that belong to this rank.
         communication: Bytes and time of the exchange between the ranks
             (:class:`~vivit.distributed.ExchangeReport`; zero in one process),
             on the implicit route also of every product since.
-        plan: What ran and why (:class:`~vivit.memory.plan.Plan`: ``route`` and
-            ``reason``), the same on every rank and read by
-            :func:`vivit.memory.estimate_memory`; ``None`` for :meth:`from_loss`.
+        plan: What ran and why (:class:`~vivit.memory.plan.Plan`), the same on
+            every rank; ``None`` for :meth:`from_loss`.
 
     Raises:
         VivitError: Before the forward pass for malformed arguments (user guide,
-            "What the library checks"); afterwards for non-finite values
-            (:class:`~vivit.NonFiniteError`), unsupported losses or targets, and
-            layers the engine cannot handle. Refuses ``torch.inference_mode()``
-            (``torch.no_grad()`` works).
+            "What the library checks") or ``torch.inference_mode()``; afterwards
+            for non-finite values, unsupported losses or targets, and layers the
+            engine cannot handle.
     """
 
     def __init__(
@@ -129,14 +120,7 @@ class LowRankGGN(CurvatureResults):
         param_groups: Sequence[Sequence[Parameter]] | None,
         options: CurvatureOptions,
     ) -> LowRankGGN:
-        """Build from ``options`` checked before, e.g. once for many mini-batches.
-
-        The other arguments are the constructor's; :class:`~vivit.optim.DampedNewton`
-        builds one of these per step.
-
-        Returns:
-            The low-rank GGN.
-        """
+        """Build from ``options`` checked before (the rest: the constructor's)."""
         ggn = cls.__new__(cls)
         ggn._build(model, loss_func, data, param_groups, options.group, lambda: options)
         return ggn
@@ -207,14 +191,9 @@ class LowRankGGN(CurvatureResults):
         """Build from a loss computed by BackPACK-extended model and loss modules.
 
         For a forward pass that happens elsewhere (e.g. an optimizer's closure):
-        the BackPACK engine's backward pass starts from ``loss``, the mini-batch
-        loss or a function that computes it, after ``backpack.extend`` of the
-        model and the loss function. ``param_groups`` are lists of parameters,
-        one GGN block each; the other arguments are options of
-        :class:`~vivit.options.CurvatureOptions`.
-
-        Returns:
-            The low-rank GGN of that loss.
+        the BackPACK engine's backward pass starts from ``loss`` (or a function
+        that computes it); ``param_groups`` are lists of parameters, the other
+        arguments options of :class:`~vivit.options.CurvatureOptions`.
 
         Raises:
             InvalidArgumentError: If ``loss`` is neither a tensor nor a callable.

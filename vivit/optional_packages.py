@@ -32,10 +32,7 @@ def import_optional(module: str, package: str, what: str) -> ModuleType:
 
 
 class _HiddenDistribution(DistributionFinder):
-    """A ``sys.meta_path`` finder hiding ``name``'s metadata (finds no modules).
-
-    For ``importlib.metadata`` users such as Lightning's ``RequirementCache``.
-    """
+    """A ``sys.meta_path`` finder hiding ``name``'s metadata from importlib.metadata."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -56,12 +53,9 @@ def hide_broken_torchvision() -> bool:
     """Let ``transformers`` and ``lightning`` import beside a broken torchvision.
 
     PyPI's torchvision wheel (which BackPACK requires) does not load beside
-    PyTorch's CPU build (``RuntimeError: operator torchvision::nms does not
-    exist``), and both packages import it whenever it is installed. Call this
-    before importing them: a torchvision that loads is left alone; a broken one
-    is hidden in this process as if it were not installed (its import and its
-    metadata are not found), and only torchvision-backed image processors and
-    metrics are missing. See the guide, "Hugging Face models".
+    PyTorch's CPU build, and both packages import it when installed. Call this
+    before importing them: a broken torchvision is hidden in this process as if
+    not installed (the guide, "Hugging Face models"); one that loads is left alone.
 
     Returns:
         Whether torchvision was hidden by this call (``False`` when called again).

@@ -15,12 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vivit._validation import (
-    check_chunk_size,
-    check_generator,
-    check_max_batches,
-    check_mc_per,
     check_mc_samples,
-    check_progress,
+    check_positive_int,
     check_subsampling,
 )
 from vivit.distributed.group import resolve_group
@@ -39,15 +35,8 @@ if TYPE_CHECKING:
 class CurvatureOptions:
     """The options of a curvature request, checked when the object is built.
 
-    Every front door (:class:`~vivit.LowRankGGN`, :class:`~vivit.StreamingGGN`,
-    :class:`~vivit.optim.DampedNewton`, :class:`~vivit.analysis.CurvatureMonitor`,
-    :func:`~vivit.memory.estimate_memory`) takes these keyword arguments, each
-    described here once. The user guide has the details: "Cheap approximations"
-    (Monte Carlo, ``subsampling``, ``docs/math.rst``, "Monte Carlo on
-    sequences"), "Numerical zeros" (``gram_dtype``), "Few eigenpairs without the
-    cubic cost" (solvers), "Outputs too many for V: the implicit route", "Whole
-    data sets" (loaders, ``generator``, ``progress``, ``max_batches``), "Large
-    batches in chunks" and "Several processes".
+    Every front door takes these keyword arguments, described here once; the
+    user guide has the details.
 
     Attributes:
         mc_samples: ``0`` (default): the exact GGN; ``M > 0``: its unbiased
@@ -121,13 +110,37 @@ class CurvatureOptions:
         )
         check_gram_dtype(self.gram_dtype)
         check_mc_samples(self.mc_samples)
-        check_mc_per(self.mc_per)
-        check_generator(self.generator)
+        if not isinstance(self.mc_per, str) or self.mc_per not in MC_PER:
+            raise InvalidArgumentError(
+                f"mc_per must be one of {MC_PER}, got {self.mc_per!r}: 'token' draws "
+                "one column per position of a sequence (N·M·T Gram rows), "
+                "'sequence' one per sample (N·M)."
+            )
+        if not isinstance(self.generator, torch.Generator | None):
+            raise InvalidArgumentError(
+                "generator must be a torch.Generator or None, got "
+                f"{type(self.generator).__name__}: e.g. "
+                "torch.Generator().manual_seed(0)."
+            )
         check_engine(self.engine)
-        check_progress(self.progress)
-        check_chunk_size(self.chunk_size)
+        if not isinstance(self.progress, bool | None):
+            raise InvalidArgumentError(
+                "progress must be True, False or None (automatic), got "
+                f"{self.progress!r}."
+            )
+        check_positive_int(
+            self.chunk_size,
+            "chunk_size",
+            "samples per backward pass",
+            "the whole batch",
+        )
         check_output_selector(self.output)
-        check_max_batches(self.max_batches)
+        check_positive_int(
+            self.max_batches,
+            "max_batches",
+            "the most batches of the data loader a pass reads",
+            "until the loader ends",
+        )
         object.__setattr__(self, "group", resolve_group(self.process_group))
         obstacle = implicit_obstacle(self)
         if self.route == "implicit" and obstacle is not None:
@@ -143,18 +156,16 @@ class CurvatureOptions:
         """A copy with the options in ``changes`` changed (and checked).
 
         Raises:
-            InvalidArgumentError: For a name that is not an option (``group`` is
-                resolved from ``process_group``, not set).
+            InvalidArgumentError: For a name that is not an option, or a value.
         """
         check_option_names(changes)
         return dataclasses.replace(self, **changes)
 
 
 def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
-    """A copy of checked ``options`` with valid ``changes``, not checked again.
+    """A copy of checked ``options`` with valid ``changes`` (not checked again).
 
-    ``changes`` holds a subsampling as a tuple; ``process_group=False`` also clears
-    the resolved group (this process alone).
+    ``process_group=False`` also clears the resolved group.
     """
     copy = object.__new__(CurvatureOptions)
     copy.__dict__.update(options.__dict__, **changes)
@@ -164,10 +175,7 @@ def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
 
 
 def options_from(arguments: dict[str, object], **fixed: object) -> CurvatureOptions:
-    """The checked options among a front door's ``arguments`` (its ``locals()``).
-
-    ``fixed`` overrides or adds options the front door sets itself.
-    """
+    """The checked options among ``arguments`` (``locals()``), ``fixed`` on top."""
     given = {k: v for k, v in arguments.items() if k in OPTION_NAMES}
     return CurvatureOptions(**{**given, **fixed})
 
@@ -176,8 +184,7 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
     """Refuse ``names`` that are not options (``also``: what else the caller takes).
 
     Raises:
-        InvalidArgumentError: For a name that is not an option (``group`` is
-            resolved from ``process_group``, not set).
+        InvalidArgumentError: For a name that is not an option (``group`` too).
     """
     unknown = sorted(set(names) - OPTION_NAMES)
     if unknown:
@@ -190,8 +197,9 @@ def check_option_names(names: Iterable[str], also: str = "") -> None:
 #: The names of the options (``group`` is resolved, not given).
 OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(CurvatureOptions) if f.init)
 
-#: The accepted values of ``route``.
+#: The accepted values of ``route``, and of ``mc_per`` (what one MC draw covers).
 ROUTES = ("auto", "gram", "implicit")
+MC_PER = ("token", "sequence")
 
 
 def implicit_obstacle(options: CurvatureOptions) -> str | None:
@@ -238,8 +246,7 @@ def check_streaming(options: CurvatureOptions) -> None:
     """Refuse the options :class:`~vivit.StreamingGGN` cannot honour, naming them.
 
     Raises:
-        InvalidArgumentError: For a solver that needs the Gram matrix, the
-            implicit route, a subsampling or a process group.
+        InvalidArgumentError: For a Gram solver, route, subsampling or group.
     """
     check_streaming_solver(options.solver)
     if options.route == "implicit":

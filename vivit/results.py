@@ -108,13 +108,9 @@ class CurvatureResults:
     def zero_tolerance(self, group: int = 0) -> float:
         """The group's eigenvalues at or below this value are numerically zero.
 
-        That of its Gram matrix, following ``gram_dtype``; with ``route="implicit"``
-        the residual bound of its latest leading pairs (``docs/math.rst``,
-        "Precision and the numerical zero", "Without the Gram matrix: the residual
-        bound").
-
-        Returns:
-            The tolerance.
+        That of its Gram matrix (``gram_dtype``); with ``route="implicit"`` the
+        residual bound of its latest leading pairs (``docs/math.rst``, "Precision
+        and the numerical zero", "Without the Gram matrix: the residual bound").
 
         Raises:
             InvalidArgumentError: With ``route="implicit"``, before any
@@ -131,19 +127,16 @@ class CurvatureResults:
                 )
             return self._residual_zeros[group]
         return numerical_zero_tolerance(
-            self.eigvalsh(group), factor_dtype=self._source.group(group).factor_dtype
+            self.eigvalsh(group), factor_dtype=source.factor_dtype
         )
 
     def solver_report(self, group: int = 0) -> SolverReport | None:
         """How the latest leading eigenpairs of group ``group`` were computed.
 
         Returns:
-            The solver used, its relative residual ``max_k ‖G̃ũ_k − λ_kũ_k‖ /
-            λ_max`` and tolerance, iterations and any fallback; ``None`` before the
-            first request with ``top_k`` (full decompositions are LAPACK's). A
-            request with ``top_k`` answered from the full decomposition (one
-            exists and the solver is ``"auto"``) reports ``"dense"``, with the
-            residual of the pairs it returned.
+            The solver, its relative residual and tolerance, iterations and any
+            fallback; ``None`` before the first request with ``top_k``. Pairs
+            taken from the full decomposition report ``"dense"``.
         """
         self._source.group(group)
         return self._reports.get(group)
@@ -156,12 +149,7 @@ class CurvatureResults:
         tol: float | None = None,
         seed: int | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The ``top_k`` leading non-zero Gram eigenpairs: kept, full, or computed.
-
-        Kept pairs of the same solver (``"auto"``: its first choice), tolerance and
-        seed if enough; else the full decomposition if needed, or if it exists and
-        the solver is ``"auto"``; else only the leading pairs, kept.
-        """
+        """The ``top_k`` leading non-zero Gram eigenpairs: kept, full, or computed."""
         if solver is None:  # the default applies to requests for a few pairs
             solver = "auto" if top_k is None else self._options.solver
         check_solver(solver, top_k)
@@ -223,11 +211,7 @@ class CurvatureResults:
         tol: float | None,
         seed: int,
     ) -> tuple[Tensor, Tensor, SolverReport] | None:
-        """Leading pairs computed before that answer this request, if any.
-
-        ``"auto"`` stands for its first choice, so that later requests reuse the
-        same directions (not unique where top eigenvalues repeat).
-        """
+        """Kept leading pairs that answer this request (``"auto"``: its first pick)."""
         if top_k is None:
             return None
         if solver == "auto":
@@ -275,10 +259,8 @@ class CurvatureResults:
                 are non-zero; no eigenvector is formed for a numerically zero one.
             group: Index of the parameter group.
             solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
-            tol: Relative residual bound of the iterative solvers for this call
-                (``None``: the constructor's ``solver_tol``).
-            seed: Seed of their random start block for this call (``None``: the
-                constructor's ``solver_seed``).
+            tol: The iterative solvers' residual bound (``None``: ``solver_tol``).
+            seed: Seed of their start block (``None``: ``solver_seed``).
 
         Returns:
             Eigenvalues ``[K]`` ascending, and eigenvectors as one tensor
@@ -295,10 +277,7 @@ class CurvatureResults:
         return evals, [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
 
     def operator(self, group: int = 0) -> GGNOperator:
-        """The GGN of group ``group`` as a linear operator: ``G·v``, ``G⁺·v``, scipy.
-
-        Products go through the source's products with ``V``; ``G`` is never
-        formed (:class:`~vivit.linalg.operator.GGNOperator`).
+        """The GGN of group ``group`` as a linear operator, never formed.
 
         Example::
 
@@ -313,13 +292,9 @@ class CurvatureResults:
             The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
         """
         source = self._source.group(group)
-        products = (
-            source.products
-            if source.parameter_space
-            else GramSpaceProducts(source.products)
-        )
+        products = source.products
         return GGNOperator(
-            products,
+            products if source.parameter_space else GramSpaceProducts(products),
             source.params,
             lambda top_k, solver: self._directions(top_k, group, solver),
         )
@@ -407,31 +382,19 @@ class CurvatureResults:
         """The directionally damped Newton step with its ingredients.
 
         ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the directions that
-        :meth:`directional_derivatives` takes for the same arguments (one product
-        of ``V`` with a Gram-space vector). A step to which no direction
+        :meth:`directional_derivatives` takes for the same arguments, scaled by
+        ``lr``. ``damping`` is a constant ``δ ≥ 0`` or a callable ``(evals,
+        gram_evecs, gammas, lambdas) → [K]`` (:mod:`vivit.optim.damping`);
+        ``max_decrease`` bounds the loss decrease the quadratic model may predict
+        for the step by raising the dampings (``docs/math.rst``, "Trust region of
+        a Newton step"; ``None``: no bound). A step to which no direction
         contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
 
-        Args:
-            top_k: Number of leading directions (``None``: all non-zero).
-            group: Index of the parameter group.
-            damping: A constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
-                gammas, lambdas) → [K]`` (see :mod:`vivit.optim.damping`).
-            subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
-            lr: Scale of the returned step, ``lr · Δθ``.
-            max_decrease: Largest loss decrease the GGN's quadratic model may
-                predict for ``lr · Δθ``, met by raising the dampings
-                (``docs/math.rst``, "Trust region of a Newton step"); ``None``:
-                the dampings as the rule gives them.
-            solver: Eigensolver for ``top_k`` pairs, as in :meth:`eigh`.
-            tol: Tolerance of the iterative solvers, as in :meth:`eigh`.
-            seed: Seed of their start block, as in :meth:`eigh`.
-
         Returns:
-            The step, the directional derivatives, ``γ̄`` and the dampings used.
+            The step, the directional derivatives and the dampings used.
 
         Raises:
-            InvalidArgumentError: If ``lr`` is not a positive finite number,
-                ``max_decrease`` not ``None`` or a number ``≥ 0``, or the damping
+            InvalidArgumentError: If ``lr``, ``max_decrease`` or the damping is
                 invalid.
         """
         check_damping(damping)
@@ -441,19 +404,16 @@ class CurvatureResults:
             top_k, group, subsampling_grad, solver, tol, seed
         )
         source = self._source.group(group)
-        if source.parameter_space:  # Δθ = Σ_k t_k e_k, one matrix product
-            dampings, sizes = damped_step_sizes(
-                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-            )
-            step = [s[0] for s in source.unflatten((gram_evecs @ sizes).unsqueeze(1))]
-        else:
-            dampings, u = newton_coefficients_damped(
-                gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
-            )
-            if directional.evals.numel() > 0:
-                step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
-            else:  # no direction: no product
-                step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
+        space = source.parameter_space
+        dampings, u = (damped_step_sizes if space else newton_coefficients_damped)(
+            gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease
+        )
+        if space:  # Δθ = Σ_k t_k e_k, one matrix product
+            step = [s[0] for s in source.unflatten((gram_evecs @ u).unsqueeze(1))]
+        elif directional.evals.numel() > 0:
+            step = [s.squeeze(0) for s in source.products.v_matmul(u.unsqueeze(0))]
+        else:  # no direction: no product
+            step = [torch.zeros_like(p, dtype=source.dtype) for p in source.params]
         return NewtonStep(
             directional=directional,
             dampings=dampings,

@@ -27,55 +27,37 @@ if TYPE_CHECKING:
 class StreamingGGN(CurvatureResults):
     """Leading GGN eigenpairs of a data set, recomputing the factors per product.
 
-    The GGN is that of the loss on all samples of the loader together, as for
-    :class:`~vivit.LowRankGGN` over a loader, which stores every batch's layer
-    factors; this class stores none. The construction makes one pass (loss,
-    gradient, normalization); :meth:`eigh` then makes two per product with the
-    Gram matrix and one for the eigenvectors (``docs/math.rst``, "Data sets and
-    processes"), :meth:`directional_derivatives` one more for ``γ``,
-    :meth:`newton` one for the step, every product of :meth:`operator` one or two.
-    The leading eigenpairs are kept per group, solver, tolerance and seed.
+    The GGN of the loss on all samples of the loader, as :class:`~vivit.LowRankGGN`
+    over the loader gives it, without storing any layer factors: each product with
+    the Gram matrix makes two passes over the loader, the eigenvectors, ``γ`` and
+    the step one each (``docs/math.rst``, "Data sets and processes"; :attr:`passes`
+    counts them). The leading eigenpairs are kept per group, solver, tolerance and
+    seed. What needs the whole Gram matrix is refused by name
+    (:class:`~vivit.InvalidArgumentError`): :meth:`gram`, :meth:`eigvalsh`,
+    :meth:`zero_tolerance` and ``top_k=None``.
 
-    It answers :class:`~vivit.LowRankGGN`'s methods except what needs the whole
-    Gram matrix, refused by name (:class:`~vivit.InvalidArgumentError`):
-    :meth:`gram`, :meth:`eigvalsh`, :meth:`zero_tolerance` and ``top_k=None``.
-
-    The loader must yield the same batches every time (``shuffle=False``, no
-    random augmentation; checked batch by batch). Every pass starts from the
-    random state at construction (Dropout in training mode draws the same masks
-    in every pass). A pass after the model's parameters or buffers changed raises
+    The loader must yield the same batches every time (``shuffle=False``; checked
+    batch by batch); every pass starts from the random state at construction, and
+    a pass after the model's parameters or buffers changed raises
     :class:`~vivit.ModelChangedError`.
 
     Example::
 
-        loader = DataLoader(TensorDataset(X, y), batch_size=256)
-        ggn = StreamingGGN(model, CrossEntropyLoss(), loader)
+        ggn = StreamingGGN(model, CrossEntropyLoss(), DataLoader(dataset, 256))
         evals, evecs = ggn.eigh(top_k=10)
-        print(ggn.passes, "passes over the data")
 
-    Options: every keyword argument after ``param_groups`` is an option of
-    :class:`~vivit.options.CurvatureOptions`, described there (``route`` is
-    not one here). What is specific here: every pass reads the same batches
-    (``max_batches``), in the same chunks (``chunk_size``), with a progress bar
-    (``progress``), and block ``b`` draws the same MC samples in every pass, the
-    same as ``LowRankGGN`` over the loader with the same ``generator`` and
-    ``chunk_size``; ``gram_dtype`` is the type of every product; ``solver`` is
-    ``"auto"`` or ``"factor_krylov"``. Refused before the first pass
-    (:class:`~vivit.InvalidArgumentError`): the solvers ``"dense"`` and
-    ``"gram_krylov"``, ``route="implicit"`` (a route of ``LowRankGGN``), a
-    ``subsampling`` (pass a loader over the samples you
-    want) and a process group (``process_group`` defaults to ``False``: each
-    process streams over its own loader).
+    Options: the keyword arguments after ``param_groups`` are those of
+    :class:`~vivit.options.CurvatureOptions`. Every pass reads the same batches in
+    the same chunks and draws the same MC samples (as ``LowRankGGN`` over the
+    loader with the same ``generator`` and ``chunk_size``). Refused before the
+    first pass: the solvers ``"dense"`` and ``"gram_krylov"``,
+    ``route="implicit"``, a ``subsampling`` and a process group
+    (``process_group`` defaults to ``False``).
 
     Args:
         data: A re-iterable loader of ``(inputs, targets)`` batches (a list, a
             ``DataLoader``), or one batch; not an iterator or generator. ``model``,
             ``loss_func`` and ``param_groups`` are :class:`~vivit.LowRankGGN`'s.
-
-    Attributes:
-        loss: The loss on all samples (detached).
-        param_groups: The parameter groups.
-        engine: Name of the engine.
 
     Raises:
         VivitError: As :class:`~vivit.LowRankGGN` for malformed arguments or
@@ -125,14 +107,8 @@ class StreamingGGN(CurvatureResults):
     def gram_matmul(self, vectors: Tensor, group: int = 0) -> Tensor:
         """``G̃ U = Vᵀ (V U)`` of a group, by two passes over the data.
 
-        Args:
-            vectors: ``U``, Gram-space vectors as columns, ``[N·C, K]`` (rows
-                ordered batch by batch, each sample-major, as
-                :meth:`vivit.LowRankGGN.gram`).
-            group: Index of the parameter group.
-
-        Returns:
-            ``[N·C, K]``.
+        ``vectors`` are ``[N·C, K]`` Gram-space columns (rows batch by batch, each
+        sample-major, as :meth:`vivit.LowRankGGN.gram`); the result is too.
 
         Raises:
             InvalidArgumentError: If ``vectors`` is not a ``[N·C, K]`` tensor of

@@ -46,77 +46,53 @@ if TYPE_CHECKING:
 class DampedNewton(Optimizer):
     """Newton steps on the GGN's eigenspace, damped per direction, in a trust region.
 
-    Each :meth:`step` evaluates the closure (the loss of a fresh mini-batch), runs
-    one backward pass that yields the GGN's Gram matrix per parameter group, and
-    updates every group by ``lr · Δθ`` with
-    ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over its ``top_k`` leading eigenvectors.
-
-    Two ways to hand over a mini-batch:
-
-    * Give the optimizer the model and the loss function, and each step the data;
-      any engine works (``engine="auto"`` picks one per step, ``"func"`` needs no
-      ``extend`` and handles transformers, LSTMs and shared weights)::
+    Each :meth:`step` evaluates the loss of a fresh mini-batch, runs one backward
+    pass for the GGN of every parameter group and updates each group by
+    ``lr · Δθ``, ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over its ``top_k`` leading
+    eigenvectors (user guide, "Damped Newton steps"). A mini-batch comes as
+    ``step(data=(inputs, targets))`` for an optimizer built with ``model`` and
+    ``loss_func`` (any engine), or as a closure that returns the loss without
+    calling ``backward`` (BackPACK-extended model and loss function; always the
+    BackPACK engine on the Gram route, one process, no chunks)::
 
         optimizer = DampedNewton(
-            model.parameters(), top_k=10, damping=1e-2, model=model,
-            loss_func=CrossEntropyLoss(),
+            model.parameters(), top_k=10, model=model, loss_func=CrossEntropyLoss()
         )
         for inputs, targets in loader:
             optimizer.step(data=(inputs, targets))
 
-    * A closure (``torch.optim`` style) that returns the loss and does **not**
-      call ``backward``. The backward pass starts from that loss, so this needs
-      the BackPACK engine: the model and the loss function must be extended with
-      ``backpack.extend`` (``use_converter=True`` for a custom forward)::
-
-        model, loss_func = extend(model), extend(CrossEntropyLoss())
-        optimizer = DampedNewton(model.parameters())
-        for inputs, targets in loader:
-            optimizer.step(lambda: loss_func(model(inputs), targets))
-
     ``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
-    may differ between parameter groups (each one block of a block-diagonal GGN,
+    may differ between parameter groups (each one block of a block-diagonal GGN
     with its own trust region); they are checked when a group is added and at
-    every step, for values changed since. The step never updates BatchNorm's
-    running statistics (the curvature needs eval mode). Under a process group
-    every rank calls ``step(data=its_shard)`` and takes the step of the union
-    (closures are refused).
-
-    Options: ``mc_samples``, ``mc_per``, ``subsampling``, ``generator``,
-    ``gram_dtype``, ``route``, ``solver``, ``engine``, ``process_group``,
-    ``chunk_size`` and ``output`` are options of
-    :class:`~vivit.options.CurvatureOptions`, described there; they shape each
-    step's backward pass for all groups. A closure's step always runs BackPACK on
-    the Gram route, one process, no chunks, and computes its own output.
+    every step. BatchNorm's running statistics are never updated. Under a process
+    group every rank calls ``step(data=its_shard)`` and takes the step of the
+    union. The other keyword arguments are options of
+    :class:`~vivit.options.CurvatureOptions`, for every group.
 
     Args:
         params: Parameters or parameter groups.
         lr: Scale of the Newton step (``1.0``: the damped Newton step itself).
         damping: Constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs, gammas,
             lambdas) → [K]`` such as :class:`~vivit.optim.damping.BootstrapDamping`.
-        top_k: Number of leading eigendirections; ``None`` uses every numerically
-            non-zero one.
+        top_k: Number of leading eigendirections (``None``: every non-zero one).
         subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
-        trust_fraction: Largest decrease of the loss the quadratic model may
-            predict for a step, as a fraction of the mini-batch loss (which must
-            then be non-negative). ``None`` applies the dampings unchanged; a
-            step whose model promises a decrease beyond a non-negative loss then
-            warns with :class:`~vivit.UnboundedStepWarning`.
+        trust_fraction: Largest loss decrease the quadratic model may predict for
+            a step, as a fraction of the (then non-negative) mini-batch loss;
+            ``None``: the dampings unchanged, and a step promising more than the
+            loss warns (:class:`~vivit.UnboundedStepWarning`).
         keep_directions: Keep the last step's eigenvectors in parameter space.
-        model: The network, for steps given ``data`` instead of a closure.
+        model: The network, for steps given ``data``.
         loss_func: The loss module, for steps given ``data``.
 
     Attributes:
         last_steps: One :class:`~vivit.directional.NewtonStep` per group of the
-            last step (eigenvalues, ``γ``, ``λ``, ``γ̄``, the dampings used after
-            the trust region, the step applied).
+            last step (the dampings used after the trust region, the step).
         last_directions: With ``keep_directions``, the last step's eigenpairs
             per group.
 
     Raises:
-        InvalidArgumentError: If an argument has the wrong type or value (``lr``
-            not positive, ``trust_fraction`` not positive and finite, only one of
-            ``model`` and ``loss_func`` given, ...).
+        InvalidArgumentError: For an argument of the wrong type or value, or only
+            one of ``model`` and ``loss_func``.
         ParamGroupError: If ``params`` is empty or holds something other than
             parameters or dicts of parameters.
         UnsupportedDtypeError: For 16-bit parameters.
@@ -170,18 +146,11 @@ class DampedNewton(Optimizer):
         self.last_directions: list[tuple[Tensor, list[Tensor]]] = []
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a parameter group, checking its parameters and step settings.
-
-        Args:
-            param_group: ``{"params": ..., "lr": ..., ...}``; settings it leaves
-                out take the constructor's values.
+        """Add a group ``{"params": ..., "lr": ..., ...}`` (unset: the defaults).
 
         Raises:
-            InvalidArgumentError: If a setting has the wrong type or value (see
-                the constructor); the group is then not added.
-            InvalidSubsamplingError: If its ``subsampling_grad`` is invalid.
-            UnsupportedDtypeError: For 16-bit parameters.
-            NonFiniteError: For parameters with NaN or infinite entries.
+            VivitError: As the constructor, for its parameters or a setting (the
+                group is then not added).
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -201,26 +170,23 @@ class DampedNewton(Optimizer):
         """Compute the damped Newton step of one mini-batch and apply it.
 
         Args:
-            closure: Computes and returns the loss of a mini-batch through the
-                BackPACK-extended model and loss function, without calling
-                ``backward``.
-            data: ``(inputs, targets)`` of a mini-batch, for an optimizer built
-                with ``model`` and ``loss_func``. Give either this or a closure.
+            closure: Returns the mini-batch loss (BackPACK-extended modules),
+                without calling ``backward``.
+            data: ``(inputs, targets)`` instead, for an optimizer built with
+                ``model`` and ``loss_func``.
 
         Returns:
             The mini-batch loss (detached).
 
         Raises:
-            InvalidArgumentError: If neither or both of ``closure`` and ``data``
-                are given, ``data`` without ``model``, a closure with an engine
-                other than BackPACK, a closure that calls ``backward()``, a
-                closure under a process group, or a negative loss while a group
-                has a ``trust_fraction``.
-            NonFiniteError: If the loss, the curvature or a step is not finite;
-                the parameters are then left unchanged.
+            InvalidArgumentError: If not exactly one of ``closure`` and ``data``
+                is given, ``data`` without ``model``, a closure the options or
+                engine cannot serve or that calls ``backward()``, or a negative
+                loss while a group has a ``trust_fraction``.
+            NonFiniteError: If the loss, the curvature or a step is not finite
+                (the parameters are then unchanged).
             DistributedError: Under a process group, if another rank failed or
-                asks for a different step (options, model); the parameters are
-                then left unchanged.
+                asks for a different step (the parameters are then unchanged).
         """
         if (closure is None) == (data is None) or (
             closure is not None and not callable(closure)
@@ -266,11 +232,9 @@ class DampedNewton(Optimizer):
             )
             for index, group in enumerate(self.param_groups)
         ]
-        for index, (group, newton) in enumerate(
-            zip(self.param_groups, steps, strict=True)
-        ):
+        for index, group in enumerate(self.param_groups):
             if group["trust_fraction"] is None:
-                _warn_if_unbounded(newton, group["lr"], loss, index)
+                _warn_if_unbounded(steps[index], group["lr"], loss, index)
         for index, newton in enumerate(steps):  # refuse before changing anything
             if not all(update.isfinite().all() for update in newton.step):
                 raise NonFiniteError(
@@ -320,14 +284,10 @@ STEP_SETTINGS = ("lr", "top_k", "damping", "subsampling_grad", "trust_fraction")
 
 
 def check_group_settings(group: dict, index: int | None = None) -> None:
-    """Check the step settings of parameter group ``index`` (``None``: the defaults).
-
-    Runs on the defaults, when a group is added and at every step, for settings
-    changed in ``optimizer.param_groups`` since.
+    """Check the step settings of parameter group ``index`` (``None``: defaults).
 
     Raises:
-        InvalidArgumentError: If ``lr``, ``damping``, ``top_k`` or
-            ``trust_fraction`` has the wrong type or value.
+        InvalidArgumentError: If a setting has the wrong type or value.
         InvalidSubsamplingError: If ``subsampling_grad`` is invalid.
     """
     try:
@@ -360,14 +320,8 @@ def _step_settings(group: dict) -> dict[str, object]:
 
 
 def check_trust_fraction(trust_fraction: object) -> None:
-    """Refuse a ``trust_fraction`` that is neither ``None`` nor positive and finite.
-
-    Raises:
-        InvalidArgumentError: If it is neither.
-    """
-    if trust_fraction is None:
-        return
-    if (
+    """Refuse a ``trust_fraction`` that is neither ``None`` nor positive and finite."""
+    if trust_fraction is not None and (
         isinstance(trust_fraction, bool)
         or not isinstance(trust_fraction, int | float)
         or not 0 < trust_fraction < math.inf

@@ -1,11 +1,8 @@
-"""Dampings for Newton steps in the GGN eigenspace.
+"""Dampings: ``damping(evals [K], gram_evecs [NC, K], gammas, lambdas) -> δ [K]``.
 
-A damping is a callable ``damping(evals, gram_evecs, gammas, lambdas) -> deltas``
-from the directions' eigenvalues ``[K]``, Gram eigenvectors ``[NC, K]`` and
-per-sample directional derivatives ``gammas`` ``[N_grad, K]`` and ``lambdas``
-``[N_ggn, K]`` to one ``δ_k ≥ 0`` per direction, ``[K]`` (``inf`` skips it), on the
-scale of ``evals``: the loss's reduction puts them on the "sum" or the "mean" scale
-(``docs/math.rst``, "Damped Newton step in the eigenspace").
+``gammas [N_grad, K]``, ``lambdas [N_ggn, K]``; ``δ_k ≥ 0`` (``inf`` skips the
+direction) on the scale of ``evals`` (``docs/math.rst``, "Damped Newton step in
+the eigenspace").
 """
 
 from __future__ import annotations
@@ -19,13 +16,7 @@ from vivit.errors import InvalidArgumentError
 
 
 class ConstantDamping:
-    """The same damping for every direction.
-
-    On the scale of ``evals``: with a sum-reduced loss the same constant damps
-    relatively less than with a mean-reduced loss.
-
-    Args:
-        damping: Non-negative damping added to every eigenvalue.
+    """The same ``damping ≥ 0`` for every direction, on the scale of ``evals``.
 
     Raises:
         InvalidArgumentError: If ``damping`` is negative or NaN.
@@ -104,7 +95,6 @@ class BootstrapDamping:
             raise InvalidArgumentError(
                 f"percentile must lie in (0, 100], got {percentile}."
             )
-
         self.damping_grid = grid.sort().values
         self.num_resamples = num_resamples
         self.percentile = float(percentile)
@@ -113,10 +103,7 @@ class BootstrapDamping:
     def __call__(
         self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
     ) -> Tensor:
-        """Choose a damping per direction by bootstrapping the predicted change.
-
-        The interface of the module; ``evals`` sets the scale, type and device of the
-        result, ``gram_evecs`` is unused.
+        """A damping per direction; ``evals`` sets the result's scale and type.
 
         Raises:
             InvalidArgumentError: If the shapes do not match or there are no samples.
@@ -129,7 +116,6 @@ class BootstrapDamping:
                 raise InvalidArgumentError(
                     f"{name} must have shape [N ≥ 1, {K}], got {tuple(t.shape)}."
                 )
-
         # float64: differences between neighbouring grid values are tiny
         gammas, lambdas = gammas.detach().double(), lambdas.detach().double()
         gamma_bar, lambda_bar = gammas.mean(0), lambdas.mean(0)  # [K]
