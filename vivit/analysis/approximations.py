@@ -149,28 +149,17 @@ def kronecker_factored_curvature(
     import curvlinops
 
     operator_class = getattr(curvlinops, KRONECKER_FACTORED[kind])
+    options = {"fisher_type": curvlinops.FisherType.TYPE2, "check_deterministic": False}
     try:
-        operator = operator_class(
-            model,
-            loss_func,
-            list(params),
-            [data],
-            fisher_type=curvlinops.FisherType.TYPE2,
-            check_deterministic=False,
-        )
+        operator = operator_class(model, loss_func, list(params), [data], **options)
     except NotImplementedError as error:
         raise CurvlinopsRefusalError(
             f"curvlinops' {kind.upper()} supports parameters of Linear and Conv2d "
             f"layers only ({error})"
         ) from None
-    reference = params[0]
-    values, vectors, _ = block_krylov_eigh(
-        lambda block: operator @ block,
-        sum(p.numel() for p in params),
-        top_k,
-        dtype=reference.dtype,
-        device=reference.device,
-    )
+    reference, size = params[0], sum(p.numel() for p in params)
+    like = {"dtype": reference.dtype, "device": reference.device}
+    values, vectors, _ = block_krylov_eigh(lambda b: operator @ b, size, top_k, **like)
     inverse = curvlinops.KFACInverseLinearOperator(
         operator, damping=damping, use_exact_damping=True
     )

@@ -8,23 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from vivit._validation import check_positive_int
 from vivit.errors import InvalidArgumentError, NonFiniteError
-
-
-class MatrixOperator(Protocol):
-    """An operator with ``matvec`` on ``[n, b]`` blocks, a shape, type and device."""
-
-    shape: tuple[int, int]
-    dtype: torch.dtype
-    device: torch.device
-
-    def matvec(self, vectors: Tensor) -> Tensor: ...  # noqa: D102
+from vivit.linalg.operator import GGNOperator
 
 
 @dataclass(frozen=True)
@@ -74,7 +64,7 @@ class SpectralDensity:
 
 
 def spectral_density(
-    operator: Tensor | MatrixOperator | Callable[[Tensor], Tensor],
+    operator: Tensor | GGNOperator | Callable[[Tensor], Tensor],
     *,
     lanczos_steps: int = 30,
     probes: int | Tensor = 10,
@@ -88,10 +78,10 @@ def spectral_density(
     All probes run at once, fully reorthogonalized (memory ``k·n·n_v`` numbers).
 
     Args:
-        operator: A symmetric ``[n, n]`` tensor; an object with ``matvec`` on
-            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (as
-            :meth:`vivit.LowRankGGN.operator` returns); or a callable on
-            ``[n, b]`` blocks (then ``dim`` is required).
+        operator: A symmetric ``[n, n]`` tensor; any object with ``matvec`` on
+            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (such as
+            :meth:`vivit.LowRankGGN.operator`'s); or a callable on ``[n, b]``
+            blocks (then ``dim`` is required).
         lanczos_steps: Lanczos steps ``k`` per probe (at most ``n`` run).
         probes: Number ``n_v`` of probes uniform on the unit sphere, or an
             ``[n, n_v]`` tensor of probes (each normalized).
