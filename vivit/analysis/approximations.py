@@ -18,6 +18,7 @@ from torch.nn import Module, Parameter
 from vivit.errors import ZeroStepWarning
 from vivit.linalg.iterative import block_krylov_eigh
 from vivit.lowrank import LowRankGGN
+from vivit.sources.implicit import flatten_rows
 
 #: The Kronecker-factored approximations and curvlinops' class of each.
 KRONECKER_FACTORED = {"kfac": "KFACLinearOperator", "ekfac": "EKFACLinearOperator"}
@@ -31,10 +32,9 @@ class ApproximateCurvature:
     """What the audit compares of one approximation ``Ĝ``, in float64, on the CPU.
 
     Attributes:
-        values: Its top eigenvalues ``[k' ≤ k]``, descending (fewer than ``k``
-            where it has fewer non-zero ones).
-        vectors: Their eigenvectors as orthonormal rows ``[k', D]`` over all
-            audited parameters (zero outside a block).
+        values: Its top eigenvalues ``[k' ≤ k]``, descending.
+        vectors: Their orthonormal eigenvectors ``[k', D]`` over all audited
+            parameters.
         step: Its damped Newton step ``−(Ĝ + δI)⁻¹ g``, ``[D]``.
     """
 
@@ -43,14 +43,14 @@ class ApproximateCurvature:
     step: Tensor
 
 
-def flat_rows(tensors: Sequence[Tensor], rows: int) -> Tensor:
-    """Tensors ``[rows, *p.shape]`` (one per parameter) as float64 ``[rows, D]``."""
-    return torch.cat([t.detach().reshape(rows, -1).double() for t in tensors], dim=1)
+def flat_rows(tensors: Sequence[Tensor]) -> Tensor:
+    """Tensors ``[K, *p.shape]`` (one per parameter) as float64 ``[K, D]``."""
+    return flatten_rows(tensors).detach().double()
 
 
 def flat(tensors: Sequence[Tensor]) -> Tensor:
     """Tensors shaped like the parameters as one float64 vector ``[D]``."""
-    return flat_rows([t.unsqueeze(0) for t in tensors], 1)[0]
+    return flat_rows([t.unsqueeze(0) for t in tensors])[0]
 
 
 def cosine(a: Tensor, b: Tensor) -> float | None:
@@ -73,8 +73,7 @@ def low_rank_curvature(
 ) -> ApproximateCurvature:
     """Top-k eigenpairs and damped step ``δ > 0`` of a (block-diagonal) LowRankGGN.
 
-    Its groups partition ``params`` (all audited parameters, in the order of
-    the vectors). A group's step is the library's damped step on the range
+    Its groups partition ``params``; a group's step is the library's on the range
     minus the gradient's component outside it divided by ``δ``.
     """
     size = sum(p.numel() for p in params)
@@ -83,7 +82,7 @@ def low_rank_curvature(
     step = torch.zeros(size, dtype=torch.float64, device=device)
     for b, group in enumerate(ggn.param_groups):
         evals, evecs = ggn.eigh(None, b)
-        directions = flat_rows(evecs, evals.numel())
+        directions = flat_rows(evecs)
         gradient = flat(ggn.gradient(b))
         with warnings.catch_warnings():
             # a group without curvature has no range part; its step is −g/δ
@@ -110,13 +109,9 @@ def low_rank_curvature(
 def diagonal_curvature(
     ggn: LowRankGGN, gradient: Tensor, top_k: int, damping: float
 ) -> ApproximateCurvature:
-    """Top-k eigenpairs and damped step ``−g / (d + δ)`` of the exact GGN's diagonal.
-
-    ``d = Σ_j λ_j e_jd²`` from the non-zero eigenpairs of ``ggn`` (one group);
-    ``g`` ``[D]``.
-    """
+    """Top-k eigenpairs and damped step ``−g / (d + δ)`` of the exact GGN's diagonal."""
     evals, evecs = ggn.eigh(None)
-    directions = flat_rows(evecs, evals.numel())
+    directions = flat_rows(evecs)
     diagonal = (evals.double().unsqueeze(1) * directions.square()).sum(0).cpu()
     values, index = diagonal.topk(min(top_k, diagonal.numel()))
     vectors = torch.zeros(index.numel(), diagonal.numel(), dtype=torch.float64)
@@ -146,45 +141,31 @@ def kronecker_factored_curvature(
 ) -> ApproximateCurvature:
     """Top-k eigenpairs and damped step of curvlinops' KFAC or EKFAC (``kind``).
 
-    ``fisher_type="type-2"`` (the exact loss Hessian: the GGN, not a sampled
-    Fisher); the step is curvlinops' exactly damped inverse. Arguments as for
-    :func:`low_rank_curvature`; ``gradient`` ``[D]`` is that of ``data``.
+    Type-2 Fisher (the GGN), exactly damped inverse; ``gradient`` ``[D]`` of ``data``.
 
     Raises:
-        CurvlinopsRefusalError: If curvlinops refuses the model (parameters
-            outside ``Linear`` and ``Conv2d`` layers).
+        CurvlinopsRefusalError: If curvlinops refuses the model.
     """
     import curvlinops
 
     operator_class = getattr(curvlinops, KRONECKER_FACTORED[kind])
+    options = {"fisher_type": curvlinops.FisherType.TYPE2, "check_deterministic": False}
     try:
-        operator = operator_class(
-            model,
-            loss_func,
-            list(params),
-            [data],
-            fisher_type=curvlinops.FisherType.TYPE2,
-            check_deterministic=False,
-        )
+        operator = operator_class(model, loss_func, list(params), [data], **options)
     except NotImplementedError as error:
         raise CurvlinopsRefusalError(
             f"curvlinops' {kind.upper()} supports parameters of Linear and Conv2d "
             f"layers only ({error})"
         ) from None
-    reference = params[0]
-    values, vectors, _ = block_krylov_eigh(
-        lambda block: operator @ block,
-        sum(p.numel() for p in params),
-        top_k,
-        dtype=reference.dtype,
-        device=reference.device,
-    )
+    reference, size = params[0], sum(p.numel() for p in params)
+    like = {"dtype": reference.dtype, "device": reference.device}
+    values, vectors, _ = block_krylov_eigh(lambda b: operator @ b, size, top_k, **like)
     inverse = curvlinops.KFACInverseLinearOperator(
         operator, damping=damping, use_exact_damping=True
     )
     step = inverse @ gradient.to(reference.device, reference.dtype)
     return ApproximateCurvature(
         values=values.flip(0).double().cpu(),
-        vectors=flat_rows([vectors.T.flip(0)], vectors.shape[1]).cpu(),
+        vectors=flat_rows([vectors.T.flip(0)]).cpu(),
         step=-step.double().cpu(),
     )

@@ -40,21 +40,20 @@ APPROXIMATIONS = ("mc", "subsampled", "block_diagonal", "diagonal", "kfac", "ekf
 class AuditRow:
     """One approximation against the exact GGN.
 
+    Only ``"ok"`` rows carry numbers; a step number is ``None`` for a zero gradient.
+
     Attributes:
         name: Key of the approximation (``"mc-1"``, ``"subsampled"``, ...).
         label: Its description (``"MC (1 sample)"``, ...).
         status: ``"ok"``, ``"not installed"`` (curvlinops missing) or
-            ``"unsupported"`` (curvlinops refuses the model); only ``"ok"`` rows
-            carry numbers.
+            ``"unsupported"`` (curvlinops refuses the model).
         reason: Why a row has no numbers (``None`` for ``"ok"``).
-        eigenvalues: Its top eigenvalues, descending (fewer than ``k`` if it
-            has fewer non-zero ones).
+        eigenvalues: Its top eigenvalues, descending (fewer if fewer are non-zero).
         relative_errors: ``|λ̂_i − λ_i| / λ_i`` for the exact top ``k``.
         principal_cosines: ``cos θ_i`` of the principal angles, descending.
         principal_sines: ``sin θ_i``, ascending.
-        step_cosine: ``cos(s, ŝ)`` of the damped Newton steps (``None`` for a
-            zero gradient).
-        step_norm_ratio: ``‖ŝ‖ / ‖s‖`` (``None`` for a zero gradient).
+        step_cosine: ``cos(s, ŝ)`` of the damped Newton steps.
+        step_norm_ratio: ``‖ŝ‖ / ‖s‖``.
         time_s: Seconds to compute it.
     """
 
@@ -102,8 +101,7 @@ class ApproximationAudit:
     """The audit's table: one row per approximation, and the exact reference.
 
     Attributes:
-        top_k: Number of compared eigenpairs (the exact GGN's non-zero ones if
-            fewer than requested).
+        top_k: Number of compared eigenpairs (fewer if the GGN has fewer non-zero).
         damping: ``δ`` of every damped Newton step.
         num_parameters: ``D``.
         num_samples: ``N``.
@@ -190,12 +188,11 @@ def audit_approximations(
 ) -> ApproximationAudit:
     """Audit approximations of a mini-batch's GGN against the exact one.
 
-    The exact GGN's top-k eigenpairs and damped Newton step come from
-    :class:`~vivit.LowRankGGN`; each approximation's are compared with them
-    (``docs/math.rst``, "Approximation audit"; the guide, "Auditing
-    approximations"). The KFAC and EKFAC rows need curvlinops (``pip install
-    'vivit[audit]'``): without it they say ``"not installed"``, and for a model
-    with parameters outside ``Linear`` and ``Conv2d`` layers ``"unsupported"``.
+    Each approximation's top-k eigenpairs and damped Newton step are compared with
+    the exact ones of :class:`~vivit.LowRankGGN` (``docs/math.rst``, "Approximation
+    audit"). The KFAC and EKFAC rows need curvlinops (``pip install
+    'vivit[audit]'``): without it they say ``"not installed"``, and for parameters
+    outside ``Linear`` and ``Conv2d`` layers ``"unsupported"``.
 
     Args:
         model: The network (BatchNorm and dropout in eval mode).
@@ -210,8 +207,8 @@ def audit_approximations(
         param_groups: Blocks of ``"block_diagonal"``, partitioning the trainable
             parameters (default: one block per module that owns parameters).
         seed: Seed of the Monte-Carlo samples.
-        engine: As for :class:`~vivit.LowRankGGN`.
-        gram_dtype: As for :class:`~vivit.LowRankGGN`.
+        engine: The option of :class:`~vivit.options.CurvatureOptions`.
+        gram_dtype: The option of :class:`~vivit.options.CurvatureOptions`.
         progress: Show a progress bar over the approximations.
 
     Raises:
@@ -230,11 +227,7 @@ def audit_approximations(
         )
     check_positive_int(top_k, "top_k", "leading eigenpairs compared")
     check_lr(damping, "damping")
-    mc_counts = _sequence(
-        mc_samples,
-        "mc_samples",
-        "positive integers (one Monte-Carlo row each, e.g. (1, 8))",
-    )
+    mc_counts = _sequence(mc_samples, "mc_samples", "positive integers, e.g. (1, 8)")
     for value in mc_counts:
         check_positive_int(value, "mc_samples", "Monte-Carlo samples of one row")
     inputs, targets = check_batch(data)
@@ -269,10 +262,8 @@ def audit_approximations(
         if name == "mc":  # one row per sample count, each from the seed
             for m in mc_counts:
                 generator = torch.Generator(params[0].device).manual_seed(seed)
-                label = f"MC ({m} sample{'s' * (m > 1)})"
-                jobs.append(
-                    (f"mc-{m}", label, low_rank(mc_samples=m, generator=generator))
-                )
+                compute = low_rank(mc_samples=m, generator=generator)
+                jobs.append((f"mc-{m}", f"MC ({m} sample{'s' * (m > 1)})", compute))
         elif name == "subsampled":
             label = f"subsampled ({len(subsampling)} of {num_samples})"
             jobs.append((name, label, low_rank(subsampling=subsampling)))
@@ -283,11 +274,9 @@ def audit_approximations(
             compute = partial(diagonal_curvature, exact_ggn, gradient, top_k, damping)
             jobs.append((name, name, compute))
         else:
-            batch = (inputs, targets)
-            args = (name, model, loss_func, batch, params, gradient, top_k, damping)
-            jobs.append(
-                (name, name.upper(), partial(kronecker_factored_curvature, *args))
-            )
+            args = (name, model, loss_func, (inputs, targets), params, gradient)
+            compute = partial(kronecker_factored_curvature, *args, top_k, damping)
+            jobs.append((name, name.upper(), compute))
 
     rows = []
     for name, label, compute in tqdm(jobs, desc="Approximations", disable=not progress):

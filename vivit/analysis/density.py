@@ -1,7 +1,6 @@
 """Spectral density of a symmetric PSD operator by stochastic Lanczos quadrature.
 
-From products ``A·X`` alone, with its Wasserstein-1 error bound (``docs/math.rst``,
-"Spectral density by stochastic Lanczos quadrature").
+From products ``A·X`` alone, with its Wasserstein-1 error bound (``docs/math.rst``).
 """
 
 from __future__ import annotations
@@ -9,23 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from vivit._validation import check_positive_int
 from vivit.errors import InvalidArgumentError, NonFiniteError
-
-
-class MatrixOperator(Protocol):
-    """An operator with ``matvec`` on ``[n, b]`` blocks, a shape, type and device."""
-
-    shape: tuple[int, int]
-    dtype: torch.dtype
-    device: torch.device
-
-    def matvec(self, vectors: Tensor) -> Tensor: ...  # noqa: D102
+from vivit.linalg.operator import GGNOperator
 
 
 @dataclass(frozen=True)
@@ -33,10 +22,9 @@ class SpectralDensity:
     """The quadrature measure of stochastic Lanczos quadrature; it counts eigenvalues.
 
     Attributes:
-        nodes: ``[n_v, k]`` Ritz values of each probe (a probe whose Krylov
-            space ended early pads with zero-weight nodes).
-        weights: ``[n_v, k]`` their weights, ``n/n_v`` times the squared first
-            entries of the Ritz vectors: ``weights.sum() == dim``.
+        nodes: ``[n_v, k]`` Ritz values of each probe (zero-weight padding where
+            its Krylov space ended early).
+        weights: ``[n_v, k]`` their weights, summing to ``dim``.
         dim: Side length ``n`` of the operator.
         lanczos_steps: Lanczos steps ``k`` per probe.
     """
@@ -52,10 +40,7 @@ class SpectralDensity:
         return self.nodes.shape[0]
 
     def density(self, grid: Tensor, width: float) -> Tensor:
-        """The measure smoothed by a Gaussian kernel of width ``σ > 0``, on a 1-d grid.
-
-        Returns:
-            ``ρ`` (eigenvalues per unit) at the grid points, in the grid's type.
+        """``ρ`` (eigenvalues per unit) on a 1-d grid, Gaussian kernel of width ``σ``.
 
         Raises:
             InvalidArgumentError: For a width that is not positive.
@@ -79,7 +64,7 @@ class SpectralDensity:
 
 
 def spectral_density(
-    operator: Tensor | MatrixOperator | Callable[[Tensor], Tensor],
+    operator: Tensor | GGNOperator | Callable[[Tensor], Tensor],
     *,
     lanczos_steps: int = 30,
     probes: int | Tensor = 10,
@@ -90,18 +75,16 @@ def spectral_density(
 ) -> SpectralDensity:
     """The spectral measure of a symmetric PSD operator by stochastic Lanczos.
 
-    All probes run at once, fully reorthogonalized (memory ``k·n·n_v`` numbers);
-    see the guide, "The structure of the spectrum".
+    All probes run at once, fully reorthogonalized (memory ``k·n·n_v`` numbers).
 
     Args:
-        operator: A symmetric ``[n, n]`` tensor; an object with ``matvec`` on
-            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (as
-            :meth:`vivit.LowRankGGN.operator` returns); or a callable on
-            ``[n, b]`` blocks (then ``dim`` is required).
+        operator: A symmetric ``[n, n]`` tensor; any object with ``matvec`` on
+            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (such as
+            :meth:`vivit.LowRankGGN.operator`'s); or a callable on ``[n, b]``
+            blocks (then ``dim`` is required).
         lanczos_steps: Lanczos steps ``k`` per probe (at most ``n`` run).
-        probes: Number of random probes ``n_v``, drawn uniformly from the unit
-            sphere with ``seed``; or an ``[n, n_v]`` tensor of probes (each
-            normalized).
+        probes: Number ``n_v`` of probes uniform on the unit sphere, or an
+            ``[n, n_v]`` tensor of probes (each normalized).
         seed: Seed of the random probes.
         dim: ``n`` for a callable operator.
         dtype: Type of the probes for a callable (default: torch's default).
@@ -173,11 +156,11 @@ def _probes(
         norms = probes.norm(dim=0)
         if not (norms.isfinite() & (norms > 0)).all():
             raise InvalidArgumentError("Every probe must be finite and non-zero.")
-        return (probes / norms).to(device, dtype)
-    check_positive_int(probes, "probes", "number of random probe vectors")
-    generator = torch.Generator().manual_seed(seed)
-    gaussian = torch.randn(size, probes, generator=generator, dtype=torch.float64)
-    return (gaussian / gaussian.norm(dim=0)).to(device, dtype)
+    else:
+        check_positive_int(probes, "probes", "number of random probe vectors")
+        generator = torch.Generator().manual_seed(seed)
+        probes = torch.randn(size, probes, generator=generator, dtype=torch.float64)
+    return (probes / probes.norm(dim=0)).to(device, dtype)
 
 
 def _lanczos(
@@ -220,9 +203,7 @@ def _lanczos(
 
 
 def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float:
-    """Wasserstein-1 distance of the quadrature measure and the exact spectrum.
-
-    Both as probability measures: ``∫ |F_SLQ(x) − F(x)| dx``.
+    """Wasserstein-1 distance ``∫ |F_SLQ(x) − F(x)| dx`` of the probability measures.
 
     Args:
         density: The quadrature measure.
@@ -240,12 +221,10 @@ def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float
             f"{eigenvalues.numel()}."
         )
     exact = eigenvalues.detach().flatten().to(torch.float64).cpu()
-    pairs = (density.nodes, density.weights)
-    nodes, weights = (t.flatten().to(torch.float64).cpu() for t in pairs)
+    nodes = density.nodes.flatten().double().cpu()
+    weights = density.weights.flatten().double().cpu()
     points = torch.cat([nodes, exact])
-    masses = torch.cat(
-        [weights / density.dim, -torch.full_like(exact, 1.0 / density.dim)]
-    )
+    masses = torch.cat([weights, -torch.ones_like(exact)]) / density.dim
     order = points.argsort()
     difference = masses[order].cumsum(0)[:-1]
     return (difference.abs() * points[order].diff()).sum().item()
@@ -260,19 +239,16 @@ def wasserstein_bound(
 ) -> float:
     """Chen, Trogdon and Ubaru's bound on the Wasserstein-1 error of SLQ.
 
-    Holds with probability at least ``1 − η``, in exact arithmetic
-    (``docs/math.rst``, "Spectral density by stochastic Lanczos quadrature").
+    Holds with probability at least ``1 − η``, in exact arithmetic (``docs/math.rst``,
+    "Spectral density by stochastic Lanczos quadrature").
 
     Args:
         dim: Side length ``n`` of the operator.
         lanczos_steps: ``k``.
         probes: ``n_v``.
-        spread: ``λ_max − λ_min`` (or an upper bound: ``λ_max`` for a PSD
-            operator).
+        spread: ``λ_max − λ_min`` or an upper bound (``λ_max`` if PSD).
         failure_probability: ``η``.
 
-    Returns:
-        The bound on the distance of the probability measures.
     """
     quadrature = 0.0 if lanczos_steps >= dim else 12 / (2 * lanczos_steps - 1)
     sampling = math.sqrt(math.log(2 * dim / failure_probability) / ((dim + 2) * probes))

@@ -26,11 +26,9 @@ class SpectrumPart:
     """The non-zero spectrum and eigenvectors of one part of the GGN.
 
     Attributes:
-        eigenvalues: ``[K]`` eigenvalues above the numerical-zero tolerance,
-            descending.
-        coefficients: ``[N·C, K]`` Gram-space coefficients of the eigenvectors:
-            eigenvector ``k`` is ``V @ coefficients[:, k]`` (unit norm), ``V`` the
-            GGN's ``[D, N·C]`` square root.
+        eigenvalues: ``[K]`` eigenvalues above the numerical-zero tolerance, descending.
+        coefficients: ``[N·C, K]``: eigenvector ``k`` is ``V @ coefficients[:, k]``
+            (unit norm), ``V`` the GGN's ``[D, N·C]`` square root.
     """
 
     eigenvalues: Tensor
@@ -41,18 +39,15 @@ class SpectrumPart:
 class Hierarchy:
     """The GGN split exactly into class means, cross-class means and within-class.
 
-    Obtained from :func:`hierarchy` (``docs/math.rst``, "Hierarchy of the
-    spectrum").
-
     Attributes:
         full: The GGN of all analysed groups together.
         class_means: ``G_class``, rank at most ``C``.
         cross_class: ``G_cross``, rank at most ``C(C−1)``.
         within_class: ``G_within``, the deviations from the pair means.
-        group_spectra: Every eigenvalue of each analysed group's own GGN block
-            (one parameter group each, e.g. one per layer), ascending.
-        zero_tolerance: Eigenvalues at or below it are numerically zero (that of
-            the full Gram matrix, for every part).
+        group_spectra: Every eigenvalue of each analysed group's own GGN block,
+            ascending.
+        zero_tolerance: Eigenvalues at or below it are numerically zero (the full
+            Gram matrix's, for every part).
         gram: The full ``[N·C, N·C]`` Gram matrix ``G̃ = Vᵀ V``.
     """
 
@@ -76,14 +71,11 @@ class Hierarchy:
         return getattr(self, name)
 
     def cosines(self, name: str, top_k: int | None = None) -> Tensor:
-        """Inner products ``E_fullᵀ E_part = C_fullᵀ G̃ C_part`` of the eigenvectors.
+        """``[K_full, top_k]`` products ``e_iᵀ f_j`` of the GGN's and a part's eigvecs.
 
         Args:
             name: The part (see :meth:`part`).
             top_k: Leading eigenvectors of the part (``None``: all of them).
-
-        Returns:
-            ``[K_full, top_k]``: entry ``(i, j)`` is ``e_iᵀ f_j`` (both descending).
         """
         part = self.part(name).coefficients[:, :top_k]
         return self.full.coefficients.T @ (self.gram @ part)
@@ -97,8 +89,7 @@ class Hierarchy:
             full_top_k: Leading eigenvectors of the full GGN (default: ``top_k``).
 
         Returns:
-            The overlap in ``[0, 1]``: 1 inside, 0 orthogonal (or no non-zero
-            eigenvalue).
+            The overlap in ``[0, 1]`` (0 also without non-zero eigenvalues).
 
         Raises:
             InvalidArgumentError: For a count that is not a positive integer.
@@ -122,21 +113,17 @@ def hierarchy(
 ) -> Hierarchy:
     """Split a cross-entropy GGN into Papyan's class, cross-class and within parts.
 
-    Needs the exact loss-Hessian roots (``mc_samples=0``) of a loss with one
-    class axis (the guide, "The structure of the spectrum"). The GGN analysed is
-    that of every parameter in ``groups`` (their Gram matrices summed), and each
-    group's own spectrum comes with it. Memory: about five ``N·C × N·C``
-    matrices at once beyond what ``ggn`` holds.
+    Needs the exact loss-Hessian roots (``mc_samples=0``) of a loss with one class
+    axis (``docs/math.rst``, "Hierarchy of the spectrum"). The GGN analysed is that
+    of all ``groups`` together; memory: about five ``N·C × N·C`` matrices.
 
     Args:
         ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
         labels: ``[N]`` integer labels ``y_n`` in ``[0, C)`` of the GGN's samples
             (of its subsampling), in the order of the Gram rows.
-        groups: Indices of the parameter groups analysed (default: all); their
-            parameters must be disjoint, as a front door's groups are.
-        probabilities: ``[N, C]`` softmax probabilities ``p_nc`` of the samples:
-            Papyan's probability-weighted means (weights ``√p_nc`` on the
-            columns). ``None``: plain means over the samples of each label.
+        groups: Indices of the (disjoint) parameter groups analysed (default: all).
+        probabilities: ``[N, C]`` softmax probabilities ``p_nc``: Papyan's
+            probability-weighted means. ``None``: plain means per label.
 
     Raises:
         InvalidArgumentError: For labels or probabilities that do not match the
@@ -158,15 +145,14 @@ def hierarchy(
     class_means, cross_class = means
     within = torch.eye(num_rows, dtype=gram.dtype, device=gram.device)
     within -= class_means @ class_means.T + cross_class @ cross_class.T
+    # one group: its spectrum is the one just computed from the same Gram matrix
+    spectra = [ggn.eigvalsh(g) for g in indices] if indices[1:] else [evals.clone()]
     return Hierarchy(
         full=full,
         class_means=_part(gram, class_means, tolerance),
         cross_class=_part(gram, cross_class, tolerance),
         within_class=_part(gram, within, tolerance),
-        # one group: its spectrum is the one just computed from the same Gram matrix
-        group_spectra=[evals.clone()]
-        if len(indices) == 1
-        else [ggn.eigvalsh(g) for g in indices],
+        group_spectra=spectra,
         zero_tolerance=tolerance,
         gram=gram,
     )
@@ -221,10 +207,9 @@ def _column_weights(
 
 
 def _pair_means(labels: Tensor, classes: int, weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Orthonormal columns ``w_ac / ‖w_ac‖`` of the pairs, for ``c = a`` and ``c ≠ a``.
+    """Unit columns of the weights on the rows ``(n, c)`` with ``y_n = a``, per pair.
 
-    Pair ``(a, c)`` holds the rows ``(n, c)`` with ``y_n = a``; its column is the
-    weights on those rows, normalized. Pairs without weight are left out.
+    Pairs ``c = a``, then ``c ≠ a``; pairs without weight are left out.
     """
     rows = torch.arange(labels.numel() * classes, device=labels.device)
     pair = labels.repeat_interleave(classes) * classes + rows % classes

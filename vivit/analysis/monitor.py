@@ -1,7 +1,6 @@
 """CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop.
 
-Also as a PyTorch Lightning or Hugging Face Trainer callback: both packages are
-optional, imported when an adapter is built, a broken torchvision hidden first.
+Also as a Lightning or Hugging Face Trainer callback (optional, imported on use).
 """
 
 from __future__ import annotations
@@ -32,12 +31,11 @@ Batch = tuple[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]
 class CurvatureMonitor:
     """Records the GGN's curvature every ``every`` training steps.
 
-    Call :meth:`step` once per training step, after ``optimizer.step()``; every
-    ``every``-th call builds a :class:`~vivit.LowRankGGN` at the current
-    parameters (in evaluation mode) and records the fields of
-    :data:`vivit.analysis.monitor_record.FIELDS`. Training is left as it was:
-    ``.grad``, training flags, torch's global generators and hooks (the guide,
-    "Curvature during training").
+    Call :meth:`step` after each ``optimizer.step()``; every ``every``-th call
+    records the fields of :data:`vivit.analysis.monitor_record.FIELDS` of a
+    :class:`~vivit.LowRankGGN` at the current parameters, in evaluation mode.
+    ``.grad``, training flags, torch's global generators and hooks are left as
+    they were.
 
     Args:
         model: The network being trained.
@@ -46,14 +44,12 @@ class CurvatureMonitor:
         top_k: Number of leading eigendirections recorded.
         path: JSON lines file the records are appended to (``None``: none).
         batch: A fixed monitoring batch or loader (any ``data`` of
-            :class:`~vivit.LowRankGGN`): curves in which only the parameters
-            change; ``None``: the batch passed to each :meth:`step`.
-        damping: Damping of the Newton step whose angle is recorded: a constant
-            ``δ ≥ 0`` or a rule (see :meth:`vivit.LowRankGGN.newton`).
-        params: The parameters whose curvature is monitored (``None``: every
-            trainable one).
-        seed: Seed of the monitor's own Monte-Carlo generator (unless
-            ``options`` name one).
+            :class:`~vivit.LowRankGGN`); ``None``: the batch passed to each
+            :meth:`step`.
+        damping: Of the Newton step whose angle is recorded: ``δ ≥ 0`` or a
+            rule (see :meth:`vivit.LowRankGGN.newton`).
+        params: The parameters monitored (``None``: every trainable one).
+        seed: Seed of the Monte-Carlo generator (unless ``options`` name one).
         tensorboard: TensorBoard log directory (``None``: none); one
             :class:`~vivit.MissingPackageWarning` if it is not installed.
         **options: Options of :class:`~vivit.options.CurvatureOptions`.
@@ -104,8 +100,7 @@ class CurvatureMonitor:
         """Count a training step; record the curvature if it is a monitored one.
 
         Args:
-            batch: The batch the step trained on (without a fixed monitoring
-                batch); must be ``None`` with one.
+            batch: The batch the step trained on (``None`` with a fixed one).
             index: The step's index (e.g. a trainer's global step); ``None``:
                 the number of calls so far, this one included.
 
@@ -137,8 +132,7 @@ class CurvatureMonitor:
 
         Args:
             batch: As for :meth:`step`.
-            index: The step index written to the record (``None``: the steps
-                counted so far).
+            index: The step index recorded (``None``: the steps counted so far).
 
         Raises:
             InvalidArgumentError: For a missing or superfluous batch.
@@ -194,10 +188,7 @@ class CurvatureMonitor:
 
 
 def _kept_copy(batch: object) -> object:
-    """A fixed mini-batch with its tensors cloned (a caller may reuse its buffers).
-
-    A loader, or anything malformed (refused later, named), is kept as it is.
-    """
+    """A fixed mini-batch's tensors cloned (buffers may be reused); else ``batch``."""
     if isinstance(batch, tuple | list) and len(batch) == 2:
         inputs, targets = batch
         if isinstance(targets, Tensor):
@@ -209,13 +200,12 @@ def _kept_copy(batch: object) -> object:
 def lightning_callback(monitor: CurvatureMonitor) -> Any:
     """A Lightning ``Callback`` that steps ``monitor`` after each optimizer step.
 
-    At the trainer's ``global_step`` (once per accumulated step), with the
-    training batch unless the monitor has a fixed one; closes it at the end.
+    At the trainer's ``global_step``, with the training batch unless the monitor
+    has a fixed one; closes it at the end.
 
     Args:
         monitor: The monitor; its ``model`` is the network whose output
-            ``loss_func`` takes (the ``LightningModule`` if its ``forward``
-            returns it).
+            ``loss_func`` takes (the ``LightningModule`` if ``forward`` returns it).
 
     Returns:
         A ``lightning.pytorch.Callback`` for ``Trainer(callbacks=[...])``.
@@ -252,8 +242,6 @@ def lightning_callback(monitor: CurvatureMonitor) -> Any:
 
 def huggingface_callback(monitor: CurvatureMonitor) -> Any:
     """A Hugging Face ``TrainerCallback``: steps ``monitor`` at each ``global_step``.
-
-    Closes it when training ends.
 
     Args:
         monitor: A monitor with a fixed monitoring batch (the ``Trainer`` hands

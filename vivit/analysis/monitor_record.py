@@ -1,7 +1,6 @@
 """One monitoring record from a LowRankGGN; where records go, and reading them back.
 
-Every field is listed in :data:`FIELDS` and defined in ``docs/math.rst``,
-"Curvature during training".
+Fields: :data:`FIELDS`, defined in ``docs/math.rst``, "Curvature during training".
 """
 
 from __future__ import annotations
@@ -61,10 +60,7 @@ def newton_angle_deg(step: Tensor, gradient: Tensor) -> float | None:
 def curvature_record(
     ggn: LowRankGGN, top_k: int, damping: float | Damping
 ) -> dict[str, object]:
-    """The fields of :data:`FIELDS` but step, time, overhead and batch.
-
-    ``damping`` is that of the Newton step (see :meth:`vivit.LowRankGGN.newton`).
-    """
+    """The fields of :data:`FIELDS` but step, time, overhead and batch."""
     newton = ggn.newton(top_k, damping=damping)
     directional = newton.directional
     order = directional.evals.argsort(descending=True)
@@ -84,11 +80,7 @@ def curvature_record(
 
 
 def check_record(record: object, where: str) -> dict[str, object]:
-    """``record`` (a parsed JSON value from ``where``) if it has :data:`FIELDS`.
-
-    Raises:
-        InvalidArgumentError: For anything else, naming the field.
-    """
+    """``record`` (parsed JSON from ``where``) if it has :data:`FIELDS`; else raise."""
     if not isinstance(record, dict):
         raise InvalidArgumentError(
             f"{where} is not a monitoring record (a JSON object), got "
@@ -144,11 +136,8 @@ def read_records(path: str | Path) -> list[dict[str, object]]:
 class RecordWriter:
     """Appends records to a JSON lines file and writes their numbers to TensorBoard.
 
-    Args:
-        path: The file (``None``: none); created with its folders if missing,
-            appended to if present (a resumed run continues it).
-        tensorboard: TensorBoard log directory (``None``: none); one
-            :class:`~vivit.MissingPackageWarning` if it cannot be imported.
+    ``path`` (``None``: none) is created with its folders, or appended to (a resumed
+    run continues it); ``tensorboard`` is a log directory (``None``: none).
     """
 
     def __init__(self, path: str | Path | None, tensorboard: str | Path | None):
@@ -173,22 +162,16 @@ class RecordWriter:
         self._summary = SummaryWriter(log_dir=str(tensorboard))
 
     def write(self, record: dict[str, object]) -> None:
-        """Append a record as one line of strict JSON; add its scalars, ``None`` out.
-
-        Tags ``monitor/<field>`` and ``monitor/<field>/<k>`` (k from 1) at its step.
-        """
+        """Append a record as strict JSON; its numbers to ``monitor/<field>[/<k>]``."""
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         if self._summary is None:
             return
         for name, value in record.items():
+            tagged = {f"monitor/{name}": value} if name not in ("step", "time") else {}
             if isinstance(value, list):
                 tagged = {f"monitor/{name}/{k}": v for k, v in enumerate(value, 1)}
-            elif name not in ("step", "time"):
-                tagged = {f"monitor/{name}": value}
-            else:
-                continue
             for tag, number in tagged.items():
                 if isinstance(number, int | float):
                     self._summary.add_scalar(

@@ -23,16 +23,16 @@ from vivit.sources.collector import GroupCollector, GroupCurvature
 
 
 class GroupComputation:
-    """Base class: extension, hook, and results keyed by parameter group.
+    """Base class: extension, and a hook storing :meth:`compute` per complete group.
 
-    The hook turns each group's curvature into the result of :meth:`compute` as
-    soon as the group is complete. Sub-classes set :attr:`required_keys` and the
-    collector options; the arguments are :class:`~vivit.EigvalshComputation`'s.
+    Sub-classes set :attr:`required_keys` and the collector options; the arguments
+    are :class:`~vivit.EigvalshComputation`'s.
     """
 
     required_keys: tuple[str, ...] = ("params",)
     keep_factors = False
     compute_gradients = False
+    _subsampling_grad: list[int] | None = None  # samples of Vᵀ∇ℓ_n (None: all)
 
     def __init__(
         self,
@@ -65,9 +65,6 @@ class GroupComputation:
             param_groups: Dicts with ``"params"`` (and the keys the computation
                 requires), as for a ``torch.optim.Optimizer``; each one diagonal
                 block of the GGN.
-
-        Returns:
-            The hook.
         """
         check_grad_mode(f"{type(self).__name__}.get_extension_hook")
         check_param_groups(param_groups, self.required_keys)
@@ -86,24 +83,17 @@ class GroupComputation:
             on_complete,
             keep_factors=self.keep_factors,
             vt_grads=self.compute_gradients,
-            gradient_samples=self.gradient_samples(),
+            gradient_samples=self._subsampling_grad,
             gram_dtype=self._gram_dtype,
         )
         return ContributionHook(collector)
-
-    def gradient_samples(self) -> list[int] | None:
-        """Samples whose gradients enter ``Vᵀ∇ℓ_n`` (``None``: all)."""
-        return None
 
     def compute(self, group: dict, curvature: GroupCurvature) -> Any:
         """Turn a group's curvature (Gram matrix, factors) into its result."""
         raise NotImplementedError
 
     def get_result(self, group: dict) -> Any:
-        """The result of ``group`` (as passed to :meth:`get_extension_hook`).
-
-        Returns:
-            What :meth:`compute` returns.
+        """What :meth:`compute` returned for ``group`` (of :meth:`get_extension_hook`).
 
         Raises:
             ResultNotReadyError: If the backward pass has not run for this group.
@@ -121,11 +111,7 @@ class GroupComputation:
 
 
 class CriterionComputation(GroupComputation):
-    """Base class of computations along the eigenpairs a group's criterion selects.
-
-    Each parameter group carries ``"params"`` and ``"criterion"``; the arguments
-    are :class:`~vivit.EighComputation`'s.
-    """
+    """Base of computations along the eigenpairs a group's ``"criterion"`` selects."""
 
     required_keys = ("params", "criterion")
 

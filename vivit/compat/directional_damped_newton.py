@@ -10,7 +10,8 @@ from torch import Tensor
 from vivit._validation import check_damping
 from vivit.compat.directional_derivatives import DirectionalDerivativesComputation
 from vivit.compat.selection import to_class_major
-from vivit.directional.gram_space import damped_newton_step
+from vivit.directional.gram_space import damped_step_sizes
+from vivit.linalg.group_products import v_matmul
 from vivit.sources.collector import GroupCurvature
 
 
@@ -55,13 +56,10 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
         # Zero-vector directions (γ̄ = 0, zero coefficients) get a zero step; a
         # placeholder eigenvalue 1 keeps the step's division by √λ finite there.
         resolved = selection.resolved
-        directional = dataclasses.replace(
-            directional, evals=torch.where(resolved, evals, 1.0)
-        )
-        step = damped_newton_step(
-            curvature.ggn_factors,
-            selection.gram_evecs * resolved,
-            directional,
-            damping,
-        ).step
-        return curvature.in_param_dtypes(step)
+        evals = torch.where(resolved, evals, 1.0)
+        directional = dataclasses.replace(directional, evals=evals)
+        gram_evecs = selection.gram_evecs * resolved
+        _, sizes = damped_step_sizes(gram_evecs, directional, damping, stacklevel=3)
+        u = gram_evecs @ (sizes / evals.sqrt())
+        step = v_matmul(curvature.ggn_factors, u.unsqueeze(0))
+        return curvature.in_param_dtypes([s.squeeze(0) for s in step])

@@ -18,15 +18,11 @@ from vivit.sources.collector import GroupCurvature
 class DirectionalDerivativesComputation(CriterionComputation):
     """Provide a BackPACK extension and hook for 1ˢᵗ/2ⁿᵈ directional derivatives.
 
-    ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k`` along the GGN eigenvectors
-    ``e_k`` each group's ``"criterion"`` selects, as for
-    :class:`~vivit.EighComputation` (``docs/math.rst``, "Directional derivatives
-    and curvature noise").
-
-    ``mc_samples_ggn`` is the option ``mc_samples`` of
-    :class:`~vivit.options.CurvatureOptions`; ``verbose``, ``warn_small_eigvals``
-    and ``gram_dtype`` (``γ`` and ``λ`` come in it) are
-    :class:`~vivit.EighComputation`'s.
+    ``γ_nk = e_kᵀ∇ℓ_n`` and ``λ_nk = e_kᵀ G_n e_k`` along the eigenvectors ``e_k``
+    each group's ``"criterion"`` selects (``docs/math.rst``, "Directional
+    derivatives and curvature noise"). ``mc_samples_ggn`` is the option
+    ``mc_samples`` of :class:`~vivit.options.CurvatureOptions`; the other arguments
+    are :class:`~vivit.EighComputation`'s (``γ`` and ``λ`` come in ``gram_dtype``).
 
     Args:
         subsampling_grad: Samples whose directional gradients ``γ`` are computed
@@ -47,30 +43,21 @@ class DirectionalDerivativesComputation(CriterionComputation):
         *,
         gram_dtype: torch.dtype | None = None,
     ):
-        self._subsampling_grad = check_subsampling(
-            subsampling_grad, name="subsampling_grad"
-        )
-        super().__init__(
-            subsampling_ggn,
-            mc_samples_ggn,
-            verbose,
-            warn_small_eigvals,
-            gram_dtype=gram_dtype,
-        )
+        grad = check_subsampling(subsampling_grad, name="subsampling_grad")
+        self._subsampling_grad = grad
+        args = (subsampling_ggn, mc_samples_ggn, verbose, warn_small_eigvals)
+        super().__init__(*args, gram_dtype=gram_dtype)
 
     def get_extensions(self) -> list[GramGGN]:
         """The BackPACK extensions to unpack into ``with backpack(...)``."""
         return [self.get_extension()]
-
-    def gradient_samples(self) -> list[int] | None:  # noqa: D102
-        return self._subsampling_grad
 
     def _directional(
         self, group: dict, curvature: GroupCurvature
     ) -> tuple[Selection, DirectionalDerivatives]:
         selection = self._select(group, curvature)
         return selection, selected_directional_derivatives(
-            curvature.vt_grads, selection, curvature.batch, self.gradient_samples()
+            curvature.vt_grads, selection, curvature.batch, self._subsampling_grad
         )
 
     def compute(self, group: dict, curvature: GroupCurvature) -> tuple[Tensor, Tensor]:

@@ -12,15 +12,13 @@ from vivit.sources.collector import GroupCurvature
 class EighComputation(CriterionComputation):
     """Provide a BackPACK extension and hook to compute GGN eigenpairs.
 
-    Each parameter group carries ``"params"`` and ``"criterion"``, a function that
-    receives the Gram matrix's eigenvalues (ascending) and returns the indices of
-    those whose eigenvectors are computed, e.g. ``lambda evals: [evals.numel() - 1]``
-    for the leading one. Any selection works, as in ViViT 1.0 (``docs/migration.rst``).
+    Each parameter group carries ``"params"`` and ``"criterion"``: a function from
+    the Gram matrix's eigenvalues (ascending) to the indices (or mask) of those kept,
+    e.g. ``lambda evals: [evals.numel() - 1]`` (``docs/migration.rst``).
 
-    Its arguments are :class:`~vivit.EigvalshComputation`'s (eigenvectors come in
-    the parameters' dtype) and ``warn_small_eigvals``: warn (``UserWarning``) when
-    a selected eigenvalue is smaller in magnitude (its eigenvector divides by
-    ``√λ``); ``0`` disables the warning.
+    Its arguments are :class:`~vivit.EigvalshComputation`'s and ``warn_small_eigvals``:
+    warn (``UserWarning``) when a kept eigenvalue is smaller in magnitude (its
+    eigenvector divides by ``√λ``); ``0`` disables the warning.
     """
 
     keep_factors = True
@@ -32,14 +30,10 @@ class EighComputation(CriterionComputation):
 
         Returns:
             Selected eigenvalues ``[K]`` as computed, in the criterion's order, and
-            the eigenvectors, one tensor ``[K, *p.shape]`` per parameter: of unit
+            the eigenvectors, one ``[K, *p.shape]`` per parameter in its dtype: of unit
             norm, or zero if ``evals[k]`` is numerically zero or negative.
         """
-        selection = self._select(group, curvature)
-        evecs = gram_to_param(
-            curvature.ggn_factors,
-            selection.gram_evecs,
-            selection.evals,
-            selection.tolerance,
-        )
-        return selection.evals, curvature.in_param_dtypes(evecs)
+        kept = self._select(group, curvature)
+        factors = curvature.ggn_factors
+        evecs = gram_to_param(factors, kept.gram_evecs, kept.evals, kept.tolerance)
+        return kept.evals, curvature.in_param_dtypes(evecs)

@@ -13,7 +13,11 @@ from warnings import warn
 import torch
 from torch import Tensor
 
-from vivit.directional.gram_space import directional_derivatives
+from vivit.directional.gram_space import (
+    batch_directional_gradient,
+    directional_curvatures,
+    directional_gradients,
+)
 from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError
@@ -22,11 +26,7 @@ from vivit.sources.collector import GroupCurvature
 
 
 def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
-    """Vectors ``[N·C, K]`` reordered from sample-major (``n·C + c``) to class-major.
-
-    ``columns_per_sample`` is ``C`` (``M`` with Monte Carlo); class-major row
-    ``c·N + n`` is ViViT 1.0's (BackPACK's) layout.
-    """
+    """Vectors ``[N·C, K]`` from sample-major rows ``n·C + c`` to ViViT's ``c·N+n``."""
     rows, num_vectors = gram_vectors.shape
     num_samples = rows // columns_per_sample
     return (
@@ -37,10 +37,7 @@ def to_class_major(gram_vectors: Tensor, columns_per_sample: int) -> Tensor:
 
 
 def criterion_indices(keep: object, num_evals: int) -> Tensor:
-    """Indices ``[K]`` of the ``num_evals`` eigenvalues a criterion's ``keep`` keeps.
-
-    ``keep``: integer indices (a sequence or 1-d tensor; negative from the end) or
-    a boolean mask over all eigenvalues, as indexing accepted in ViViT 1.0.
+    """Indices ``[K]`` kept by ``keep``: ints (negative from the end) or a mask.
 
     Raises:
         InvalidArgumentError: If ``keep`` is none of these, or an index is out
@@ -52,12 +49,12 @@ def criterion_indices(keep: object, num_evals: int) -> Tensor:
         indices = None
     if indices is not None and indices.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
-    if indices is not None and indices.dtype == torch.bool:
-        if indices.shape == (num_evals,):
-            return indices.nonzero().flatten().cpu()
-        indices = None
+    mask = indices is not None and indices.dtype == torch.bool
+    if mask and indices.shape == (num_evals,):
+        return indices.nonzero().flatten().cpu()
     if (
-        indices is None
+        mask
+        or indices is None
         or indices.dim() != 1
         or indices.is_floating_point()
         or indices.is_complex()
@@ -85,8 +82,7 @@ class Selection:
     Attributes:
         evals: Selected eigenvalues ``[K]`` as computed, in the criterion's order.
         gram_evecs: Their Gram eigenvectors, sample-major, ``[N·C, K]``.
-        tolerance: The Gram matrix's numerical-zero tolerance; directions with
-            eigenvalues at or below it are zero vectors.
+        tolerance: Numerical-zero tolerance (directions at or below: zero vectors).
     """
 
     evals: Tensor
@@ -104,15 +100,10 @@ def select_eigenpairs(
     criterion: Callable[[Tensor], object],
     warn_small_eigvals: float,
 ) -> Selection:
-    """Decompose the Gram matrix and keep the eigenpairs the criterion selects.
-
-    The criterion receives all eigenvalues, ascending; a ``UserWarning`` says if a
-    kept one is smaller in magnitude than ``warn_small_eigvals``.
-    """
+    """The Gram eigenpairs the criterion (given all, ascending) keeps; warn if small."""
     evals, evecs = gram_eigh(curvature.gram)
     tolerance = numerical_zero_tolerance(evals, factor_dtype=curvature.factor_dtype)
-    keep = criterion_indices(criterion(evals), evals.numel())
-    keep = keep.to(evals.device)
+    keep = criterion_indices(criterion(evals), evals.numel()).to(evals.device)
     evals, evecs = evals[keep], evecs[:, keep]
     if (evals.abs() < warn_small_eigvals).any():
         warn(
@@ -132,19 +123,10 @@ def selected_directional_derivatives(
     batch: BatchInfo,
     grad_samples: Sequence[int] | None = None,
 ) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along every selected direction (zero along zero vectors).
-
-    ``vt_grads`` is ``Vᵀ∇ℓ_n`` of the samples ``grad_samples`` (``None``: all),
-    ``[N·C, N_grad]``.
-    """
+    """``γ``, ``λ``, ``γ̄`` along the selection, from ``Vᵀ∇ℓ_n`` ``[N·C, N_grad]``."""
     resolved = selection.resolved
-    part = directional_derivatives(
-        vt_grads,
-        selection.gram_evecs[:, resolved],
-        selection.evals[resolved],
-        batch,
-        grad_samples,
-    )
+    evecs, evals = selection.gram_evecs[:, resolved], selection.evals[resolved]
+    gammas = directional_gradients(vt_grads, evecs, evals)
 
     def scatter(values: Tensor) -> Tensor:
         full = values.new_zeros(*values.shape[:-1], resolved.numel())
@@ -153,7 +135,7 @@ def selected_directional_derivatives(
 
     return DirectionalDerivatives(
         evals=selection.evals,
-        gammas=scatter(part.gammas),
-        lambdas=scatter(part.lambdas),
-        gamma_bar=scatter(part.gamma_bar),
+        gammas=scatter(gammas),
+        lambdas=scatter(directional_curvatures(evecs, evals, batch)),
+        gamma_bar=scatter(batch_directional_gradient(gammas, batch, grad_samples)),
     )

@@ -1,9 +1,8 @@
 """Directional derivatives and Newton steps from Gram-space quantities.
 
 ``docs/math.rst``, "Directional derivatives and curvature noise", "Damped Newton step
-in the eigenspace" and "Trust region of a Newton step". ``gram_evecs`` ``[N·C, K]``
-and ``evals`` ``[K]`` (``λ_k > 0``) are the directions' Gram eigenpairs; ``dampings``
-``[K]`` are ``δ_k ≥ 0`` (``inf`` skips a direction).
+in the eigenspace", "Trust region of a Newton step". ``gram_evecs`` ``[N·C, K]``,
+``evals`` ``[K]`` (``λ_k > 0``); ``dampings`` ``[K]``, ``δ_k ≥ 0`` (``inf``: skipped).
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.directional.results import DirectionalDerivatives
 from vivit.engines.base import BatchInfo
 from vivit.errors import InvalidArgumentError, ZeroStepWarning
-from vivit.gram import ParamFactors
-from vivit.linalg.group_products import v_matmul
 
 #: A damping rule: ``(evals [K], gram_evecs [N·C, K], gammas [N_grad, K],
 #: lambdas [N_ggn, K]) → δ [K]`` (``inf`` skips a direction).
@@ -50,30 +47,10 @@ def batch_directional_gradient(
     return batch.reduction_factor(grad_samples) * gammas.sum(0)
 
 
-def directional_derivatives(
-    vt_grads: Tensor,
-    gram_evecs: Tensor,
-    evals: Tensor,
-    batch: BatchInfo,
-    grad_samples: Sequence[int] | None = None,
-) -> DirectionalDerivatives:
-    """``γ``, ``λ`` and ``γ̄`` along the directions given by Gram eigenpairs."""
-    gammas = directional_gradients(vt_grads, gram_evecs, evals)
-    return DirectionalDerivatives(
-        evals=evals,
-        gammas=gammas,
-        lambdas=directional_curvatures(gram_evecs, evals, batch),
-        gamma_bar=batch_directional_gradient(gammas, batch, grad_samples),
-    )
-
-
 def predicted_decrease(
     evals: Tensor, gamma_bar: Tensor, dampings: Tensor, lr: float = 1.0
 ) -> Tensor:
-    """Decrease ``d_k``, ``[K]``, of the GGN's quadratic model along each direction.
-
-    Of the step ``lr · Δθ``; ``0`` for a skipped direction.
-    """
+    """Decrease ``d_k``, ``[K]``, of the GGN's model for ``lr · Δθ`` (0 if skipped)."""
     gain = lr / (evals + dampings)
     decrease = gamma_bar.pow(2) * gain * (1 - 0.5 * evals * gain)
     return torch.where(torch.isinf(dampings), torch.zeros_like(decrease), decrease)
@@ -114,26 +91,13 @@ def damped_step_sizes(
     max_decrease: float | None = None,
     stacklevel: int = 4,
 ) -> tuple[Tensor, Tensor]:
-    """The dampings of a damped Newton step and its step sizes ``lr·t_k``.
+    """The dampings ``[K]`` of a damped Newton step and its step sizes ``lr·t_k``.
 
-    ``t_k = −γ̄_k / (λ_k + δ_k)``. With ``max_decrease`` the rule's dampings are
-    raised by :func:`trust_region_dampings`. Warns with
-    :class:`~vivit.errors.ZeroStepWarning` if no direction contributes. ``damping``,
-    ``lr`` and ``max_decrease`` are checked by the front door that takes them.
-
-    Args:
-        directions: The directions' coordinates handed to a :data:`Damping`
-            rule: Gram eigenvectors ``[N·C, K]`` (parameter-space eigenvectors
-            ``[D, K]`` on the implicit route).
-        directional: Eigenvalues, ``γ``, ``λ`` and ``γ̄`` of the directions.
-        damping: A constant ``δ ≥ 0`` or a :data:`Damping` rule.
-        lr: Scale of the step.
-        max_decrease: Largest decrease of the loss the GGN's quadratic model may
-            predict for the step (``None``: no bound).
-        stacklevel: Of the warning (the caller's caller by default).
-
-    Returns:
-        The dampings used, ``[K]``, and ``lr · t``, ``[K]``.
+    ``t_k = −γ̄_k / (λ_k + δ_k)``. ``directions`` (Gram eigenvectors ``[N·C, K]``,
+    ``[D, K]`` on the implicit route) go to a :data:`Damping` rule; ``max_decrease``
+    bounds the model's predicted decrease (:func:`trust_region_dampings`). Warns
+    (:class:`~vivit.errors.ZeroStepWarning`, at ``stacklevel``) if no direction
+    contributes. The front door checked ``damping``, ``lr`` and ``max_decrease``.
 
     Raises:
         InvalidArgumentError: If a rule's dampings are not one ``δ_k ≥ 0`` (or
@@ -196,19 +160,3 @@ def newton_coefficients_damped(
         gram_evecs, directional, damping, lr=lr, max_decrease=max_decrease, stacklevel=5
     )
     return dampings, gram_evecs @ (sizes / directional.evals.sqrt())
-
-
-def damped_newton_step(
-    factors: Sequence[ParamFactors],
-    gram_evecs: Tensor,
-    directional: DirectionalDerivatives,
-    damping: float | Damping,
-) -> NewtonStep:
-    """The damped Newton step ``Δθ`` in parameter space, one product with ``V``.
-
-    Arguments and errors as for :func:`damped_step_sizes`; ``factors`` has one
-    entry per parameter.
-    """
-    dampings, u = newton_coefficients_damped(gram_evecs, directional, damping)
-    step = [s.squeeze(0) for s in v_matmul(factors, u.unsqueeze(0))]
-    return NewtonStep(directional=directional, dampings=dampings, step=step)

@@ -31,18 +31,15 @@ def _snr(mean: Tensor, variance: Tensor) -> Tensor:
 class DirectionalDerivatives:
     """First and second directional derivatives along GGN eigenvectors.
 
-    Directions ``k`` are ordered like the eigenvalues, ascending. Variances and
-    signal-to-noise ratios raise :class:`~vivit.InvalidSubsamplingError` for
-    fewer than two samples (of ``subsampling_grad`` for ``γ``, of ``subsampling``
-    for ``λ``).
+    Directions ``k`` ascend with the eigenvalues. Variances and signal-to-noise
+    ratios raise :class:`~vivit.InvalidSubsamplingError` for fewer than two samples.
 
     Attributes:
         evals: GGN eigenvalues ``λ_k`` of the directions, ``[K]``.
         gammas: ``γ_nk = e_kᵀ ∇ℓ_n`` of the gradient samples, ``[N_grad, K]``.
         lambdas: ``λ_nk = e_kᵀ G_n e_k`` of the GGN samples, ``[N_ggn, K]``.
-        gamma_bar: ``γ̄_k = R Σ_n γ_nk``, the directional gradient of the loss on
-            the gradient samples (``R`` of their number and the loss's reduction),
-            ``[K]``.
+        gamma_bar: ``γ̄_k = R Σ_n γ_nk``, the loss's directional gradient on the
+            gradient samples (``R``: the loss's reduction), ``[K]``.
     """
 
     evals: Tensor
@@ -87,10 +84,8 @@ class NewtonStep:
 
     Attributes:
         directional: Eigenvalues, per-sample ``γ``, ``λ`` and ``γ̄`` of the directions.
-        dampings: ``δ_k`` per direction as used for the step, after the trust
-            region if one was applied (``inf``: skipped), ``[K]``.
-        step: The step ``lr · Δθ`` (``lr = 1`` unless given), one tensor per
-            parameter, shaped like it.
+        dampings: ``δ_k`` as used, after any trust region (``inf``: skipped), ``[K]``.
+        step: The step ``lr · Δθ``, one tensor per parameter, shaped like it.
     """
 
     directional: DirectionalDerivatives
