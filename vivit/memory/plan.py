@@ -189,7 +189,7 @@ class Plan:
         implicit, part = self.profile.implicit, self.sizes.part
         size, solver = max(self.num_params), "ggn_krylov"
         width = self.pass_width(min(top_k, size))
-        passes = max(implicit.peak(part, width), self.profile.baseline[0](part))
+        passes = max(implicit.peak(part, width), self.profile.baseline.peak(part))
         budget = self._available(available) - passes
         columns = fitting_basis_columns(size, top_k, self.dtype, budget, 0, solver)
         krylov = iterative_workspace_bytes(size, top_k, self.dtype, 0, columns, solver)
@@ -313,7 +313,7 @@ class Plan:
         gram = self.profile.gram
         if self.samples_per_pass is None:
             return gram.pass_peak(part, curvature)
-        activations = self.profile.baseline[0](part)
+        activations = self.profile.baseline.peak(part)
         transient = self._transient(self.samples_per_pass)
         return gram.kept(part, curvature) + max(activations, transient)
 

@@ -14,6 +14,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -119,13 +120,18 @@ class GramProfile:
         return [[f.select(rows) for f in group] for group in self.factors]
 
 
-@dataclass(frozen=True)
-class ImplicitProfile:
-    """An implicit product over ``x`` samples, ``y`` vectors: bytes, work, ops."""
+class Passes(NamedTuple):
+    """A pass's peak bytes (by traces), multiply-adds and operations, as planes."""
 
     peak: Plane
     work: Plane
     ops: Plane
+
+    @classmethod
+    def fit(cls, usage: dict[tuple[int, int], Usage]) -> Passes:
+        """Through the usage of passes at ``{(x, y): usage}``."""
+        return cls(*(Plane.fit({k: getattr(u, n) for k, u in usage.items()})
+                     for n in ("trace", "work", "ops")))  # fmt: skip
 
 
 class Profile:
@@ -170,7 +176,7 @@ class Profile:
         with engine_context(params):
             for n in _SAMPLES:
                 shape, usage[n, n] = measure(lambda n=n: plain_pass(n))
-        self.baseline = _planes(usage)
+        self.baseline = Passes.fit(usage)
         self.outputs, self.columns = shape
         self._dtype = options.gram_dtype or params[0].dtype
 
@@ -191,7 +197,7 @@ class Profile:
         return self._measured(self._gram)
 
     @functools.cached_property
-    def implicit(self) -> ImplicitProfile | None:
+    def implicit(self) -> Passes | None:
         """The implicit route's profile (``None`` where it cannot run on the copy)."""
         return self._measured(self._implicit)
 
@@ -222,7 +228,7 @@ class Profile:
             largest[n, curvature] = max(
                 _largest_bytes(g.curvature) for g in source.groups
             )
-        peak, work, ops = _planes({k: u for k, u in usage.items() if k[0] == k[1]})
+        peak, work, ops = Passes.fit({k: u for k, u in usage.items() if k[0] == k[1]})
         return GramProfile(
             peak=peak,
             curvature_peak=Plane.fit({k: u.peak for k, u in usage.items()}),
@@ -241,7 +247,7 @@ class Profile:
             dtype=source.groups[0].dtype,
         )
 
-    def _implicit(self) -> ImplicitProfile:
+    def _implicit(self) -> Passes:
         usage: dict[tuple[int, int], Usage] = {}
         groups = self._groups
         index = max(range(len(groups)), key=lambda i: sum(p.numel() for p in groups[i]))
@@ -253,7 +259,7 @@ class Profile:
             usage[n, vectors] = measure(
                 lambda s=source, v=values: s.groups[index].ggn_matmul(v)
             )[1]
-        return ImplicitProfile(*_planes(usage))
+        return Passes.fit(usage)
 
 
 #: Profiles measured before, per model and request shape.
@@ -314,14 +320,6 @@ def _logged(function: Callable, *args: object) -> object:
             "without a memory check.", type(error).__name__, error,
         )  # fmt: skip
         return None
-
-
-def _planes(usage: dict[tuple[int, int], Usage]) -> tuple[Plane, Plane, Plane]:
-    """Peak bytes (by traces), multiply-adds and operations as planes."""
-    return tuple(
-        Plane.fit({key: getattr(u, name) for key, u in usage.items()})
-        for name in ("trace", "work", "ops")
-    )
 
 
 def _take(batch: tuple[ModelInputs, Tensor], n: int) -> tuple[ModelInputs, Tensor]:
