@@ -1,13 +1,6 @@
 """Memory and the plan: a request measured on a few samples, its decisions and estimate.
 
-- :mod:`vivit.memory.counter`: what a piece of code allocates and computes;
-- :mod:`vivit.memory.profile`: a request measured on a copy of the model;
-- :mod:`vivit.memory.costs`: one cost model for every automatic choice;
-- :mod:`vivit.memory.plan`: the decisions of a request (:class:`Plan`) and the
-  estimate of its peak memory (:class:`MemoryEstimate`);
-- :mod:`vivit.memory.request`: a request's plan from its data, or from sizes;
-- :mod:`vivit.memory.estimate`: :func:`estimate_memory`,
-  :func:`estimate_data_set_memory` and :func:`largest_batch`.
+Its modules, one job each, are listed in ``docs/architecture.rst``.
 """
 
 from vivit.gram.memory import check_gram_fits

@@ -56,30 +56,22 @@ def krylov_work(size: int, width: int, product: float) -> float:
     return EXPECTED_BLOCKS * product + 2 * columns**2 * size
 
 
-def dense_work(size: int) -> float:
-    """The dense solver's ``4/3·R³``."""
-    return 4 / 3 * size**3
-
-
-def gram_work(factors: Sequence[ParamFactors], dtype: torch.dtype) -> float:
-    """Forming a group's Gram matrix: its contractions and passes over it."""
-    size = factors[0].num_rows
-    passes = GRAM_PASSES * len(factors) * memory_passes(size**2, dtype)
-    return passes + sum(f.gram_work() for f in factors)
-
-
 def solver_works(
     factors: Sequence[ParamFactors], top_k: int, dtype: torch.dtype
 ) -> dict[str, float]:
-    """Expected work of each Gram-route solver, and ``"formation"`` of the Gram."""
+    """Expected work of each Gram-route solver, and ``"formation"`` of the Gram.
+
+    Forming it: its contractions and passes over it; the dense solver: ``4/3·R³``.
+    """
     size = factors[0].num_rows
+    formation = GRAM_PASSES * len(factors) * memory_passes(size**2, dtype)
     gram_width = solver_block_size("gram_krylov", top_k, size)
     width = solver_block_size("factor_krylov", top_k, size)
     entries = sum(t.numel() for f in factors for t in f.tensors())
     products = sum(f.product_work(width) for f in factors)
     return {
-        "formation": gram_work(factors, dtype),
-        "dense": dense_work(size),
+        "formation": formation + sum(f.gram_work() for f in factors),
+        "dense": 4 / 3 * size**3,
         "gram_krylov": krylov_work(
             size, gram_width, gram_width * size**2 + memory_passes(size**2, dtype)
         ),
@@ -100,10 +92,7 @@ def choose_solver(
 ) -> str:
     """The Gram-route solver ``"auto"`` stands for: the least expected work.
 
-    All pairs, or more than ``PARTIAL_FRACTION`` of them: ``"dense"``; a Gram
-    matrix that does not fit: ``"factor_krylov"``; ``"gram_krylov"`` only where
-    :data:`ITERATIVE_ADVANTAGE` times cheaper than ``"dense"`` (or where that
-    one's workspace does not fit). Only the factors' shapes are read;
+    ``docs/math.rst``, "Choosing the solver". Only the factors' shapes are read;
     ``num_grams`` Gram matrices are held at once unless ``gram_formed``;
     ``available``: bytes the solve may take (``None``: what the device has).
     """

@@ -1,8 +1,7 @@
 """What a piece of code allocates and computes: bytes live, multiply-adds, operations.
 
-A storage counts from the operation that allocates it until it is freed; one that
-an operation's inputs hold is a view, not an allocation. Multiply-adds are
-PyTorch's FLOP formulas halved (matrix products and convolutions).
+A storage counts from the operation that allocates it until freed (one an
+operation's inputs hold is a view); multiply-adds are PyTorch's FLOP formulas halved.
 """
 
 from __future__ import annotations

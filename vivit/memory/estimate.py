@@ -1,8 +1,4 @@
-"""The memory of a request before it runs: its plan's estimate, from sizes alone.
-
-The request is measured on a copy of the model with example inputs
-(:mod:`vivit.memory.profile`); the estimate is that of the route its plan takes.
-"""
+"""The memory of a request before it runs: its plan's estimate, from sizes alone."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from vivit._validation import (
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import available_bytes, resident_bytes
 from vivit.linalg.top_k import check_solver
-from vivit.memory.plan import MemoryEstimate, Plan, Sizes
+from vivit.memory.plan import MemoryEstimate, Sizes
 from vivit.memory.request import fixed_route, sized_plan
 from vivit.model_inputs import ModelInputs
 from vivit.options import CurvatureOptions, check_option_names
@@ -74,10 +70,26 @@ def estimate_memory(
     """
     check_positive_int(batch_size, "batch_size")
     options = request_options(options, option_values)
-    curvature = _curvature_samples(num_curvature_samples, options, batch_size)
+    curvature = num_curvature_samples
+    if curvature is not None and options.subsampling is not None:
+        raise InvalidArgumentError(
+            "Pass subsampling or num_curvature_samples, not both: "
+            "num_curvature_samples stands for a subsampling not known yet."
+        )
+    if options.subsampling is not None:
+        curvature = len(check_subsampling(options.subsampling, batch_size))
+    elif curvature is not None:
+        check_positive_int(curvature, "num_curvature_samples")
+        if curvature > batch_size:
+            raise InvalidArgumentError(
+                f"num_curvature_samples={curvature} exceeds the "
+                f"batch_size={batch_size}: the curvature samples are a subset of "
+                "the mini-batch; pass at most batch_size (or None for all)."
+            )
     sizes = Sizes.of([batch_size], curvature, options.chunk_size)
-    plan = _plan(model, example_inputs, loss_func, param_groups, options, sizes, top_k)
-    return _estimate(plan, top_k, options)
+    return _estimate(
+        model, example_inputs, loss_func, param_groups, options, sizes, top_k
+    )
 
 
 def estimate_data_set_memory(
@@ -111,8 +123,9 @@ def estimate_data_set_memory(
     full, rest = divmod(num_samples, batch_size)
     batches = [batch_size] * full + ([rest] if rest else [])
     sizes = Sizes.of(batches, None, options.chunk_size)
-    plan = _plan(model, example_inputs, loss_func, param_groups, options, sizes, top_k)
-    return _estimate(plan, top_k, options)
+    return _estimate(
+        model, example_inputs, loss_func, param_groups, options, sizes, top_k
+    )
 
 
 def largest_batch(
@@ -154,10 +167,11 @@ def largest_batch(
                 f"largest_batch searches the mini-batch size; {fixed} would stay "
                 "fixed. Leave it out."
             )
-    named = {k: request.pop(k) for k in ("loss_func", "param_groups") if k in request}
+    loss_func = request.pop("loss_func", None)
+    groups = request.pop("param_groups", None)
     top_k = request.pop("top_k", 10)
     options = request_options(request.pop("options", None), request)
-    groups = _checked_groups(model, example_inputs, named.get("param_groups"))
+    groups = _checked_groups(model, example_inputs, groups)
     device = groups[0][0].device
     budget = available_bytes(device)
     if budget_bytes is not None:
@@ -172,18 +186,15 @@ def largest_batch(
     def fits(batch_size: int) -> bool:
         sizes = Sizes.of([batch_size], None, options.chunk_size)
         plan = sized_plan(
-            model, example_inputs, named.get("loss_func"), groups, options, sizes,
-            budget, compare=False,
+            model, example_inputs, loss_func, groups, options, sizes, budget,
+            compare=False,
         )  # fmt: skip
-        if plan.profile is None:
-            return False
         estimates = {
             "gram": lambda: plan.gram_estimate(top_k, options.solver),
             "implicit": lambda: plan.implicit_estimate(top_k, budget),
         }
         return any(
-            getattr(plan.profile, route) is not None
-            and estimates[route]().total <= budget
+            plan.measured(route) is not None and estimates[route]().total <= budget
             for route in routes
         )
 
@@ -203,8 +214,7 @@ def request_options(
     """The request's options, checked as the run checks them.
 
     Raises:
-        InvalidArgumentError: For an unknown name, or ``options`` that are not a
-            :class:`~vivit.options.CurvatureOptions`.
+        InvalidArgumentError: For an unknown name or ``options`` of another type.
     """
     check_option_names(
         values, " (the estimate also takes param_groups, top_k and loss_func)"
@@ -219,7 +229,7 @@ def request_options(
     return options.replace(**values) if values else options
 
 
-def _plan(
+def _estimate(
     model: Module,
     example_inputs: ModelInputs,
     loss_func: Module | None,
@@ -227,28 +237,24 @@ def _plan(
     options: CurvatureOptions,
     sizes: Sizes,
     top_k: int | None,
-) -> Plan:
+) -> MemoryEstimate:
     groups = _checked_groups(model, example_inputs, param_groups)
     check_solver(options.solver, top_k)
-    return sized_plan(model, example_inputs, loss_func, groups, options, sizes)
-
-
-def _estimate(
-    plan: Plan, top_k: int | None, options: CurvatureOptions
-) -> MemoryEstimate:
+    plan = sized_plan(model, example_inputs, loss_func, groups, options, sizes)
     if plan.route == "implicit" and top_k is None:
         raise InvalidArgumentError(
             f"This request takes the implicit route ({plan.reason}), which computes "
             "a few leading eigenpairs: pass top_k (e.g. top_k=10), or name a Gram "
             "solver (solver='dense') for all of them."
         )
-    measured = None if plan.profile is None else getattr(plan.profile, plan.route)
-    if measured is None:
+    if plan.measured(plan.route) is None:
         raise InvalidArgumentError(
             "The request could not run on a copy of the model with these example "
             "inputs (the logger 'vivit' says why, level INFO)."
         )
-    return plan.estimate(top_k, options.solver)
+    if plan.route == "implicit":
+        return plan.implicit_estimate(top_k)
+    return plan.gram_estimate(top_k, options.solver)
 
 
 def _checked_groups(
@@ -265,26 +271,3 @@ def _checked_groups(
     check_inputs_match(example_inputs, groups[0])
     check_batch_norms(model)
     return groups
-
-
-def _curvature_samples(
-    num_curvature_samples: int | None, options: CurvatureOptions, batch_size: int
-) -> int:
-    """``N_S``: the subsampling's size (checked against the batch), or ``N``."""
-    if num_curvature_samples is not None and options.subsampling is not None:
-        raise InvalidArgumentError(
-            "Pass subsampling or num_curvature_samples, not both: "
-            "num_curvature_samples stands for a subsampling not known yet."
-        )
-    if options.subsampling is not None:
-        return len(check_subsampling(options.subsampling, batch_size))
-    if num_curvature_samples is None:
-        return batch_size
-    check_positive_int(num_curvature_samples, "num_curvature_samples")
-    if num_curvature_samples > batch_size:
-        raise InvalidArgumentError(
-            f"num_curvature_samples={num_curvature_samples} exceeds the "
-            f"batch_size={batch_size}: the curvature samples are a subset of "
-            "the mini-batch; pass at most batch_size (or None for all)."
-        )
-    return num_curvature_samples

@@ -1,8 +1,7 @@
 """The plan of a request: route, samples per pass, vectors per pass, Krylov basis.
 
-A :class:`Plan` is made once from the request's measured profile and the sizes
-of its data; the run follows it and the estimate reads it, so both take the same
-decisions (``docs/math.rst``, "Memory of a request", "Choosing the route").
+Made once from the measured profile and the data's sizes; the run follows it and
+the estimate reads it (``docs/math.rst``, "Memory of a request", "Choosing the route").
 """
 
 from __future__ import annotations
@@ -98,11 +97,9 @@ class MemoryEstimate:
         return max(self.passes, self.kept + self.solve)
 
     def __str__(self) -> str:
-        cut = (
-            f" (cut from {self.default_columns} by memory)"
-            if (self.basis_columns or 0) < (self.default_columns or 0)
-            else ""
-        )
+        cut = ""
+        if (self.basis_columns or 0) < (self.default_columns or 0):
+            cut = f" (cut from {self.default_columns} by memory)"
         parts = (
             f"products {format_bytes(self.passes)}, Krylov basis of "
             f"{self.basis_columns} columns{cut} {format_bytes(self.solve)}"
@@ -117,10 +114,10 @@ class Plan:
     """The decisions of one request, from its profile and sizes.
 
     ``fixed``: the route the options or data fix, why, and whether the implicit
-    route cannot run (``None``: compared, :meth:`_compare`). ``words``: the data
-    in words, for the reason. ``available``: bytes the request may take
-    (``None``: what the device has now). ``route`` and ``reason`` say what ran
-    and why (``str(plan)`` both); ``forced``: the implicit route cannot run.
+    route cannot run (``None``: compared); ``words``: the data, for the reason;
+    ``available``: bytes it may take (``None``: what the device has now).
+    ``route`` and ``reason``: what ran and why; ``forced``: the implicit route
+    cannot run.
 
     Raises:
         ProductsTooLargeError: If neither route fits.
@@ -138,14 +135,11 @@ class Plan:
     ):
         self.profile, self.sizes, self.engine = profile, sizes, engine
         self.num_params = [sum(p.numel() for p in group) for group in param_groups]
-        self.device = param_groups[0][0].device
-        self.dtype = param_groups[0][0].dtype
-        self.available = available
-        self.reason = ""
+        self.device, self.dtype = param_groups[0][0].device, param_groups[0][0].dtype
+        self.available, self.reason = available, ""
         if fixed is None:
-            route, reason = self._compare()
-            self.route, self.forced = route, False
-            self.reason = f"{words}: {reason}" if words else reason
+            self.route, reason = self._compare()
+            self.forced, self.reason = False, f"{words}: {reason}" if words else reason
         else:
             self.route, self.reason, self.forced = fixed
 
@@ -158,12 +152,14 @@ class Plan:
         plan.__dict__.update(self.__dict__, route=route, reason=reason)
         return plan
 
-    def _available(self) -> int:
-        return (
-            available_bytes(self.device) if self.available is None else (self.available)
-        )
+    def _available(self, given: int | None = None) -> int:
+        given = self.available if given is None else given
+        return available_bytes(self.device) if given is None else given
 
-    # -- estimates ----------------------------------------------------------------
+    def measured(self, route: str) -> object:
+        """The profile of ``route`` (``None`` where it could not be measured)."""
+        return None if self.profile is None else getattr(self.profile, route)
+
     def gram_estimate(self, top_k: int | None, solver: str = "auto") -> MemoryEstimate:
         """The Gram route's peak for ``top_k`` pairs (``None``: all) by ``solver``."""
         gram, sizes = self.profile.gram, self.sizes
@@ -178,10 +174,8 @@ class Plan:
         if solver == "auto" and factors is None:  # too large to measure
             solver = "dense" if top_k is None else "factor_krylov"
         elif solver == "auto":
-            solver = choose_solver(
-                factors[0], top_k, gram.dtype, self.device,
-                available=self._available(),
-            )  # fmt: skip
+            solver = choose_solver(factors[0], top_k, gram.dtype, self.device,
+                                   available=self._available())  # fmt: skip
         solve = self._solve_bytes(solver, size, top_k, groups)
         return MemoryEstimate(
             "gram", self.reason, self.engine.name, solver, size, int(passes),
@@ -193,30 +187,19 @@ class Plan:
     ) -> MemoryEstimate:
         """The implicit route's peak for ``top_k`` pairs, its basis cut to fit."""
         implicit, part = self.profile.implicit, self.sizes.part
-        size = max(self.num_params)
+        size, solver = max(self.num_params), "ggn_krylov"
         width = self.pass_width(min(top_k, size))
-        passes = max(implicit.peak(part, width), self.profile.baseline[0](part))
-        available = self._available() if available is None else available
-        columns = fitting_basis_columns(
-            size, top_k, self.dtype, available - passes, 0, "ggn_krylov"
-        )
-        krylov = iterative_workspace_bytes(
-            size, top_k, self.dtype, 0, columns, "ggn_krylov"
-        )
-        block = solver_block_size("ggn_krylov", top_k, size)
+        passes = max(implicit.peak(part, width), self.profile.baseline.peak(part))
+        budget = self._available(available) - passes
+        columns = fitting_basis_columns(size, top_k, self.dtype, budget, 0, solver)
+        krylov = iterative_workspace_bytes(size, top_k, self.dtype, 0, columns, solver)
+        block = solver_block_size(solver, top_k, size)
         return MemoryEstimate(
-            "implicit", self.reason, "implicit", "ggn_krylov", self.sizes.curvature,
+            "implicit", self.reason, "implicit", solver, self.sizes.curvature,
             int(passes), 0, int(krylov), columns,
             basis_capacity(block, size, top_k=top_k),
         )  # fmt: skip
 
-    def estimate(self, top_k: int | None, solver: str = "auto") -> MemoryEstimate:
-        """The estimate of the route the plan takes."""
-        if self.route == "implicit":
-            return self.implicit_estimate(top_k)
-        return self.gram_estimate(top_k, solver)
-
-    # -- the run's checks ---------------------------------------------------------
     def check(self, solver: str = "auto") -> None:
         """Refuse a Gram route whose passes cannot fit, before they run.
 
@@ -226,7 +209,7 @@ class Plan:
             GramTooLargeError: If ``solver`` is ``"dense"`` and its Gram
                 matrices of all samples cannot fit.
         """
-        if self.profile is None or self.profile.gram is None:
+        if self.measured("gram") is None:
             return
         estimate = self.gram_estimate(1, "factor_krylov")
         if solver == "dense":
@@ -255,10 +238,8 @@ class Plan:
         """
         counted: set[int] = set()
         stored, total = [0], self.sizes.parts if self.sizes.loader else None
-        available = self._available()
-        passes = 0
-        if self.profile is not None and self.profile.gram is not None:
-            passes = self._part_pass(self.sizes.part, self.sizes.part)
+        available, part = self._available(), self.sizes.part
+        passes = 0 if self.measured("gram") is None else self._part_pass(part, part)
 
         def admit(curvature: list, part: object) -> None:
             stored[0] += stored_bytes(curvature, counted)
@@ -286,7 +267,7 @@ class Plan:
         Raises:
             ProductsTooLargeError: If not even the smallest basis fits.
         """
-        if self.profile is None or self.profile.implicit is None:
+        if self.measured("implicit") is None:
             return None
         estimate = self.implicit_estimate(top_k)
         available = self._available()
@@ -304,21 +285,19 @@ class Plan:
 
     def pass_width(self, vectors: int) -> int:
         """Vectors per vmapped implicit pass over a part: as many as fit."""
-        if self.profile is None or self.profile.implicit is None:
+        implicit, part = self.measured("implicit"), self.sizes.part
+        if implicit is None:
             return vectors
-        peak = self.profile.implicit.peak
-        part = self.sizes.part
-        per_vector = peak(part, 2) - peak(part, 1)
+        per_vector = implicit.peak(part, 2) - implicit.peak(part, 1)
         return max(1, min(vectors, int(PASS_BYTES // max(per_vector, 1))))
 
-    # -- decisions ----------------------------------------------------------------
     @functools.cached_property
     def samples_per_pass(self) -> int | None:
         """Most samples of a part per engine pass in its budget (``None``: all)."""
-        budget = self.engine.memory_budget
-        if budget is None or self.profile is None or self.profile.gram is None:
+        budget, gram = self.engine.memory_budget, self.measured("gram")
+        if budget is None or gram is None:
             return None
-        budget *= itemsize(self.profile.gram.dtype)
+        budget *= itemsize(gram.dtype)
         samples = part = self.sizes.part
         while samples > 1 and self._transient(samples) > budget:
             samples = (samples + 1) // 2
@@ -334,53 +313,44 @@ class Plan:
         gram = self.profile.gram
         if self.samples_per_pass is None:
             return gram.pass_peak(part, curvature)
-        activations = self.profile.baseline[0](part)
+        activations = self.profile.baseline.peak(part)
         transient = self._transient(self.samples_per_pass)
         return gram.kept(part, curvature) + max(activations, transient)
 
     def _solve_bytes(
         self, solver: str, size: int, top_k: int | None, groups: int
     ) -> float:
-        """The Gram matrices and the solver's workspace (``docs/math.rst``).
-
-        Closed forms: the Gram matrices, the dense or iterative workspace, the
-        eigenvectors in parameter space, and the factors' largest intermediate
-        of forming a Gram matrix or of a product with ``V``.
-        """
-        dtype = self.profile.gram.dtype
+        """The Gram matrices, solver workspace and eigenvectors (closed forms)."""
+        dtype, params = self.profile.gram.dtype, max(self.num_params)
         entry = itemsize(dtype)
-        per_group = self.profile.gram.factors_of(self.sizes.curvature) or [[]]
+        per_group = self.profile.gram.factors_of(self.sizes.curvature) or []
         factors = [f for group in per_group for f in group]
-        count = min(size, size if top_k is None else top_k)
+
+        def largest(memory: Callable[[object], int]) -> int:
+            return max(map(memory, factors), default=0) * entry
+
+        count = size if top_k is None else min(size, top_k)
         # the eigenvectors V ũ / √λ, formed by one product with V after the solve
-        product = max((f.product_memory(count) for f in factors), default=0)
-        directions = (count * max(self.num_params) + product) * entry
+        directions = count * params * entry + largest(lambda f: f.product_memory(count))
         if solver == "factor_krylov":
             width = solver_block_size("factor_krylov", top_k, size)
-            product = max((f.product_memory(width) for f in factors), default=0)
-            product *= entry
-            workspace = iterative_workspace_bytes(
-                size, top_k, dtype, max(self.num_params)
-            )
-            return max(workspace + product, directions)
-        workspace = (
-            dense_workspace_bytes(size, top_k, dtype, self.device)
-            if solver == "dense"
-            else iterative_workspace_bytes(size, top_k, dtype)
-        )
-        square = size**2 * entry
+            workspace = iterative_workspace_bytes(size, top_k, dtype, params)
+            workspace += largest(lambda f: f.product_memory(width))
+            return max(workspace, directions)
+        if solver == "dense":
+            workspace = dense_workspace_bytes(size, top_k, dtype, self.device)
+        else:
+            workspace = iterative_workspace_bytes(size, top_k, dtype)
         # while formed: the groups' sums, a parameter's block, its intermediate
-        formation = max((f.gram_memory() for f in factors), default=0) * entry
-        formation += square
+        formation = size**2 * entry + largest(lambda f: f.gram_memory())
         return max(
             gram_bytes(size, groups, workspace, dtype),
-            groups * square + formation,
-            groups * square + directions,
+            groups * size**2 * entry + max(formation, directions),
         )
 
     def _compare(self) -> tuple[str, str]:
         """Memory first, then work: the route under ``"auto"``."""
-        if self.profile is None or self.profile.gram is None:
+        if self.measured("gram") is None:
             return "gram", (
                 "the routes' memory and work could not be measured (the logger "
                 "'vivit' says why); pass route='implicit' for GGN-vector products"
@@ -414,14 +384,9 @@ class Plan:
     def costs(self, measure: bool = True) -> dict[str, object]:
         """Both routes' expected work for :data:`ROUTE_TOP_K` pairs, multiply-adds.
 
-        Args:
-            measure: Measure the implicit route's products; ``False``: bound
-                them from below by as many plain forward and backward passes
-                (a product of ``b`` vectors costs at least ``b`` of them).
-
-        Returns:
-            ``"gram"`` (its ``"passes"`` and ``"solve"``), ``"implicit"``, and
-            whether that was ``"measured"``.
+        ``"gram"`` (its ``"passes"`` and ``"solve"``), ``"implicit"``, and whether
+        that was ``"measured"`` (``measure=False``: a product of ``b`` vectors
+        bounded from below by ``b`` plain passes).
         """
         gram, sizes = self.profile.gram, self.sizes
         part, parts = sizes.part, sizes.parts
@@ -446,13 +411,8 @@ class Plan:
             else:
                 work, ops = implicit.work(part, width), implicit.ops(part, width)
             products += krylov_work(params, width, parts * pass_cost(work, ops))
-        return {
-            "gram": passes + solve,
-            "passes": passes,
-            "solve": solve,
-            "implicit": products,
-            "measured": implicit is not None,
-        }
+        return {"gram": passes + solve, "passes": passes, "solve": solve,
+                "implicit": products, "measured": implicit is not None}  # fmt: skip
 
     def _implicit_if_it_fits(
         self, gram: MemoryEstimate, reason: str, available: int

@@ -1,11 +1,8 @@
 """A request's memory and work, measured on a few samples, then extrapolated.
 
-The request's own code runs on a copy of the model that shares its parameters
-(hooks removed, the caller's random generator untouched) under a
-:class:`~vivit.memory.counter.Counter`: a plain pass, the Gram route's pass and
-the implicit route's product. Each quantity is a plane in the sizes the math
-scales it with (``docs/math.rst``, "Memory of a request"). Profiles are kept per
-model and request shape, so a training loop measures once.
+Its own code runs under a :class:`~vivit.memory.counter.Counter` on a copy of the
+model; each quantity is a plane in the sizes the math scales it with
+(``docs/math.rst``, "Memory of a request"), kept per model and request shape.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -51,32 +49,27 @@ MEASURE_FRACTION = 1 / 16
 _SAMPLES, _VECTORS = (2, 4), (2, 3)
 
 _F64 = torch.float64
-#: The terms of a plane in ``(x, y)``: constant, ``x``, ``y``, ``x·y``.
-_TERMS = (
-    lambda x, y: 1.0,
-    lambda x, y: float(x),
-    lambda x, y: float(y),
-    lambda x, y: float(x * y),
-)
+
+
+def _terms(x: float, y: float, count: int) -> list[float]:
+    """The first ``count`` terms of a plane in ``(x, y)``: 1, ``x``, ``y``, ``x·y``."""
+    return [1.0, float(x), float(y), float(x * y)][:count]
 
 
 @dataclass(frozen=True)
 class Plane:
     """The largest of planes ``a + b·x + c·y + d·x·y``, ``coefficients [K, terms]``.
 
-    Fitted through 2 (``a + b·x``), 3 or 4 points. Through traces of one
-    sequence of operations, one plane per operation: a larger request's peak is
-    the largest, wherever it falls. Through traces of different lengths (other
-    operations), one plane through their peaks.
+    Fitted through 2 (``a + b·x``), 3 or 4 points: one plane per operation of
+    traces of one length, else one through their peaks.
     """
 
     coefficients: Tensor
 
     def __call__(self, x: float, y: float | None = None) -> float:
         """The largest value at ``(x, y)`` (``y = x`` if not given), at least 0."""
-        terms = _TERMS[: self.coefficients.shape[1]]
         y = x if y is None else y
-        basis = torch.tensor([t(x, y) for t in terms], dtype=_F64)
+        basis = torch.tensor(_terms(x, y, self.coefficients.shape[1]), dtype=_F64)
         return max(0.0, float((self.coefficients @ basis).max()))
 
     @classmethod
@@ -85,8 +78,8 @@ class Plane:
         values = [v if isinstance(v, list) else [v] for v in points.values()]
         if len({len(v) for v in values}) > 1:
             values = [[max(v)] for v in values]
-        terms = _TERMS[: max(2, len(points))]
-        matrix = torch.tensor([[t(*k) for t in terms] for k in points], dtype=_F64)
+        count = max(2, len(points))
+        matrix = torch.tensor([_terms(*k, count) for k in points], dtype=_F64)
         rhs = torch.tensor(values, dtype=_F64)  # [points, K]
         return cls(torch.linalg.solve(matrix, rhs).T.contiguous())
 
@@ -95,18 +88,13 @@ class Plane:
 class GramProfile:
     """The Gram route's pass of ``x`` samples, ``y`` of them curvature samples.
 
-    Attributes:
-        peak: Peak bytes of a pass, by its traces (``y = x``).
-        curvature_peak: Peak bytes by ``(x, y)`` (the peaks alone).
-        kept: Bytes its factors, gradient and loss keep afterwards.
-        largest: Bytes of the largest parameter's kept factors (merging parts
-            copies one parameter at a time).
-        work: Multiply-adds of a pass.
-        ops: Operations of a pass.
-        factors: Each group's factors of ``V`` for one sample, on the meta
-            device; ``None`` where too large to measure.
-        columns: Columns of ``V`` per sample.
-        dtype: Type of the Gram-space products.
+    ``peak``, ``work``, ``ops``: a pass's peak bytes (by its traces, ``y = x``),
+    multiply-adds and operations; ``curvature_peak``: peak bytes by ``(x, y)``;
+    ``kept``: bytes its factors, gradient and loss keep; ``largest``: those of the
+    largest parameter's factors (parts merge one parameter at a time);
+    ``factors``: each group's factors of ``V`` for one sample, on the meta device
+    (``None``: too large to measure); ``columns`` of ``V`` per sample; ``dtype``
+    of the Gram-space products.
     """
 
     peak: Plane
@@ -132,13 +120,18 @@ class GramProfile:
         return [[f.select(rows) for f in group] for group in self.factors]
 
 
-@dataclass(frozen=True)
-class ImplicitProfile:
-    """An implicit product over ``x`` samples, ``y`` vectors: bytes, work, ops."""
+class Passes(NamedTuple):
+    """A pass's peak bytes (by traces), multiply-adds and operations, as planes."""
 
     peak: Plane
     work: Plane
     ops: Plane
+
+    @classmethod
+    def fit(cls, usage: dict[tuple[int, int], Usage]) -> Passes:
+        """Through the usage of passes at ``{(x, y): usage}``."""
+        return cls(*(Plane.fit({k: getattr(u, n) for k, u in usage.items()})
+                     for n in ("trace", "work", "ops")))  # fmt: skip
 
 
 class Profile:
@@ -158,58 +151,115 @@ class Profile:
         subsampled: bool,
     ):
         self._device = param_groups[0][0].device
-        self._twin, param_groups, batch = _twin(model, param_groups, batch)
+        self._twin, self._groups, batch = _twin(model, param_groups, batch)
         if batch[1] is None:
             batch = (batch[0], _targets(self._twin, loss_func, batch[0], options))
-        self._request = (loss_func, batch, param_groups, subsampled)
+        self._loss_func, self._batch, self._subsampled = loss_func, batch, subsampled
         # the caller's generator is not drawn from: its samples are the run's
         self._options = derived(
             options, chunk_size=None, subsampling=None, process_group=False,
             max_batches=None, progress=False, solver="auto", generator=None,
         )  # fmt: skip
-        params = [p for group in param_groups for p in group]
+        params = self._params = [p for group in self._groups for p in group]
+
+        def plain_pass(n: int) -> tuple[int, int]:
+            """The output's entries and the columns of ``V`` per sample."""
+            inputs, targets = _take(batch, n)
+            output = select_output(call_model(self._twin, inputs), options.output)
+            torch.autograd.grad(loss_func(output, targets), params, allow_unused=True)
+            loss = LossCurvature(loss_func, output.detach(), targets)
+            return output[0].numel(), loss.columns_per_sample(
+                options.mc_samples, options.mc_per
+            )
+
         usage = {}
         with engine_context(params):
             for n in _SAMPLES:
-                shape, usage[n, n] = measure(
-                    lambda n=n: _plain_pass(
-                        self._twin, loss_func, _take(batch, n), params, options
-                    )
-                )
-        self.baseline = _planes(usage)
+                shape, usage[n, n] = measure(lambda n=n: plain_pass(n))
+        self.baseline = Passes.fit(usage)
         self.outputs, self.columns = shape
         self._dtype = options.gram_dtype or params[0].dtype
-
-    def gram_floor(self, samples: int) -> int:
-        """Bytes the Gram route keeps at least: ``K`` output-sized vectors a sample."""
-        return samples * self.columns * self.outputs * itemsize(self._dtype)
 
     @functools.cached_property
     def gram(self) -> GramProfile | None:
         """The Gram route's profile (``None`` where it cannot run on the copy).
 
-        Where even its floor on the samples measured exceeds
-        :data:`MEASURE_FRACTION` of the memory available, not measured: its
-        memory is that floor and ``factors`` is ``None``.
+        Where even its floor (``K`` output-sized vectors a sample) on the samples
+        measured exceeds :data:`MEASURE_FRACTION` of the memory available, not
+        measured: its memory is that floor and ``factors`` is ``None``.
         """
-        floor = self.gram_floor(_SAMPLES[-1])
-        if floor > MEASURE_FRACTION * available_bytes(self._device):
-            line = Plane(torch.tensor([[0.0, floor / _SAMPLES[-1]]], dtype=_F64))
+        per_sample = self.columns * self.outputs * itemsize(self._dtype)
+        if per_sample * _SAMPLES[-1] > MEASURE_FRACTION * available_bytes(self._device):
+            line = Plane(torch.tensor([[0.0, float(per_sample)]], dtype=_F64))
             zero = Plane(torch.zeros(1, 2, dtype=_F64))
             return GramProfile(line, zero, line, zero, zero, zero, None,
                                self.columns, self._dtype)  # fmt: skip
-        return self._route(_gram_profile)
+        return self._measured(self._gram)
 
     @functools.cached_property
-    def implicit(self) -> ImplicitProfile | None:
+    def implicit(self) -> Passes | None:
         """The implicit route's profile (``None`` where it cannot run on the copy)."""
-        return self._route(_implicit_profile)
+        return self._measured(self._implicit)
 
-    def _route(self, measure_route: Callable) -> object:
-        loss_func, batch, groups, subsampled = self._request
-        with engine_context([p for group in groups for p in group]):
-            return _logged(measure_route, self._twin, loss_func, batch, groups,
-                           self._options, subsampled)  # fmt: skip
+    def _measured(self, measure_route: Callable[[], object]) -> object:
+        with engine_context(self._params):
+            return _logged(measure_route)
+
+    def _gram(self) -> GramProfile:
+        model, loss_func, groups = self._twin, self._loss_func, self._groups
+        small, large = _SAMPLES
+        points = [(small, small), (large, large)]
+        points += [(large, small)] if self._subsampled else []
+        usage: dict[tuple[int, int], Usage] = {}
+        largest: dict[tuple[int, int], float] = {}
+        source = None
+        for n, curvature in points:
+            run = derived(
+                self._options,
+                subsampling=None if curvature == n else tuple(range(curvature)),
+            )
+            data = Data(model, loss_func, _take(self._batch, n), run)
+            del source  # the previous point's factors
+            source, usage[n, curvature] = measure(
+                lambda d=data, o=run: StoredFactors.run(
+                    model, loss_func, d, groups, {}, o, ShardExchange(None), o.engine
+                )
+            )
+            largest[n, curvature] = max(
+                _largest_bytes(g.curvature) for g in source.groups
+            )
+        peak, work, ops = Passes.fit({k: u for k, u in usage.items() if k[0] == k[1]})
+        return GramProfile(
+            peak=peak,
+            curvature_peak=Plane.fit({k: u.peak for k, u in usage.items()}),
+            kept=Plane.fit({k: u.kept for k, u in usage.items()}),
+            largest=Plane.fit(largest),
+            work=work,
+            ops=ops,
+            factors=[
+                [
+                    f.map_tensors(lambda t: t.to("meta")).select([0])
+                    for f in g.curvature.ggn_factors
+                ]
+                for g in source.groups
+            ],  # fmt: skip
+            columns=source.groups[0].batch.columns_per_sample,
+            dtype=source.groups[0].dtype,
+        )
+
+    def _implicit(self) -> Passes:
+        usage: dict[tuple[int, int], Usage] = {}
+        groups = self._groups
+        index = max(range(len(groups)), key=lambda i: sum(p.numel() for p in groups[i]))
+        options = derived(self._options, route="implicit", engine="auto")
+        for n, vectors in itertools.product(_SAMPLES, _VECTORS):
+            data = Data(self._twin, self._loss_func, _take(self._batch, n), options)
+            source = ImplicitFactors(self._twin, self._loss_func, data, groups, options)
+            values = [p.new_zeros(vectors, *p.shape) for p in groups[index]]
+            usage[n, vectors] = measure(
+                lambda s=source, v=values: s.groups[index].ggn_matmul(v)
+            )[1]
+        return Passes.fit(usage)
 
 
 #: Profiles measured before, per model and request shape.
@@ -225,13 +275,32 @@ def profile(
     engine: Engine,
     subsampled: bool = False,
 ) -> Profile | None:
-    """The request's profile (``None`` where it cannot run on a copy of the model).
+    """The request's profile, kept per model and request shape.
 
-    Kept per model and request shape. Where the request cannot run on the copy,
-    the logger ``"vivit"`` says why (the run itself raises what is wrong).
-    ``batch``: its first samples are measured; ``engine``: the Gram route's.
+    ``None`` where it cannot run on a copy of the model: the logger ``"vivit"``
+    says why (the run raises what is wrong). ``engine``: the Gram route's.
     """
-    key = (*_key(model, loss_func, batch, param_groups, options, engine), subsampled)
+    inputs, targets = batch
+    scalars = (int, float, str, bool, type(None))
+    # what the profile depends on: shapes, types, options; not the batch size
+    key = (
+        tuple((n, type(m)) for n, m in model.named_modules()),
+        tuple(
+            (n, p.shape, p.dtype, p.device, p.requires_grad)
+            for n, p in model.named_parameters()
+        ),  # fmt: skip
+        tuple((t.shape[1:], t.dtype) for t in input_tensors(inputs)),
+        None if targets is None else (targets.shape[1:], targets.dtype),
+        type(loss_func),
+        tuple(
+            sorted((k, v) for k, v in vars(loss_func).items() if isinstance(v, scalars))
+        ),  # fmt: skip
+        tuple(tuple(id(p) for p in group) for group in param_groups),
+        (options.mc_samples, options.mc_per, options.gram_dtype),
+        id(options.output) if callable(options.output) else options.output,
+        type(engine),
+        subsampled,
+    )
     known = _PROFILES.setdefault(model, {})
     if key not in known:
         options = derived(options, engine=engine, solver="auto")
@@ -253,97 +322,6 @@ def _logged(function: Callable, *args: object) -> object:
         return None
 
 
-def _gram_profile(
-    model: Module,
-    loss_func: Module,
-    batch: tuple[ModelInputs, Tensor],
-    param_groups: list[list[Parameter]],
-    options: CurvatureOptions,
-    subsampled: bool,
-) -> GramProfile:
-    small, large = _SAMPLES
-    points = [(small, small), (large, large)] + ([(large, small)] if subsampled else [])
-    usage: dict[tuple[int, int], Usage] = {}
-    largest: dict[tuple[int, int], float] = {}
-    source = None
-    for n, curvature in points:
-        run = derived(
-            options, subsampling=None if curvature == n else tuple(range(curvature))
-        )
-        data = Data(model, loss_func, _take(batch, n), run)
-        del source  # the previous point's factors
-        source, usage[n, curvature] = measure(
-            lambda d=data, o=run: StoredFactors.run(
-                model, loss_func, d, param_groups, {}, o, ShardExchange(None), o.engine
-            )
-        )
-        largest[n, curvature] = max(_largest_bytes(g.curvature) for g in source.groups)
-    diagonal = {k: u for k, u in usage.items() if k[0] == k[1]}
-    peak, work, ops = _planes(diagonal)
-    return GramProfile(
-        peak=peak,
-        curvature_peak=Plane.fit({k: u.peak for k, u in usage.items()}),
-        kept=Plane.fit({k: u.kept for k, u in usage.items()}),
-        largest=Plane.fit(largest),
-        work=work,
-        ops=ops,
-        factors=[
-            [
-                f.map_tensors(lambda t: t.to("meta")).select([0])
-                for f in g.curvature.ggn_factors
-            ]
-            for g in source.groups
-        ],  # fmt: skip
-        columns=source.groups[0].batch.columns_per_sample,
-        dtype=source.groups[0].dtype,
-    )
-
-
-def _implicit_profile(
-    model: Module,
-    loss_func: Module,
-    batch: tuple[ModelInputs, Tensor],
-    param_groups: list[list[Parameter]],
-    options: CurvatureOptions,
-    subsampled: bool,
-) -> ImplicitProfile:
-    usage: dict[tuple[int, int], Usage] = {}
-    group = max(param_groups, key=lambda g: sum(p.numel() for p in g))
-    index = param_groups.index(group)
-    options = derived(options, route="implicit", engine="auto")
-    for n, vectors in itertools.product(_SAMPLES, _VECTORS):
-        data = Data(model, loss_func, _take(batch, n), options)
-        source = ImplicitFactors(model, loss_func, data, param_groups, options)
-        values = [p.new_zeros(vectors, *p.shape) for p in group]
-        usage[n, vectors] = measure(
-            lambda s=source, v=values: s.groups[index].ggn_matmul(v)
-        )[1]
-    return ImplicitProfile(*_planes(usage))
-
-
-def _planes(usage: dict[tuple[int, int], Usage]) -> tuple[Plane, Plane, Plane]:
-    """Peak bytes (by traces), multiply-adds and operations as planes."""
-    return tuple(
-        Plane.fit({key: getattr(u, name) for key, u in usage.items()})
-        for name in ("trace", "work", "ops")
-    )
-
-
-def _plain_pass(
-    model: Module,
-    loss_func: Module,
-    batch: tuple[ModelInputs, Tensor],
-    params: list[Parameter],
-    options: CurvatureOptions,
-) -> tuple[int, int]:
-    """A plain pass; the output's entries and the columns of ``V`` per sample."""
-    output = select_output(call_model(model, batch[0]), options.output)
-    torch.autograd.grad(loss_func(output, batch[1]), params, allow_unused=True)
-    loss = LossCurvature(loss_func, output.detach(), batch[1])
-    return output[0].numel(), loss.columns_per_sample(options.mc_samples,
-                                                      options.mc_per)  # fmt: skip
-
-
 def _take(batch: tuple[ModelInputs, Tensor], n: int) -> tuple[ModelInputs, Tensor]:
     """``n`` samples of a batch (repeated where it has fewer)."""
     inputs, targets = batch
@@ -356,11 +334,7 @@ def _twin(
     param_groups: list[list[Parameter]],
     batch: tuple[ModelInputs, Tensor],
 ) -> tuple[Module, list[list[Parameter]], tuple[ModelInputs, Tensor]]:
-    """A copy of the model without hooks that shares its parameters.
-
-    A model on the meta device (shapes, no values) is made on the CPU with
-    values drawn, and so is the batch.
-    """
+    """A copy of the model without hooks sharing its parameters (meta: on the CPU)."""
     params = list(model.parameters())
     if not any(p.is_meta for p in params):
         # shared: the parameters, and tensors kept as attributes (BackPACK's)
@@ -399,9 +373,8 @@ def _on_cpu(tensor: Tensor) -> Tensor:
     """A tensor's values on the CPU, drawn where it has none (the meta device)."""
     if not tensor.is_meta:
         return tensor
-    if tensor.is_floating_point():
-        return torch.randn(tensor.shape, dtype=tensor.dtype)
-    return torch.zeros(tensor.shape, dtype=tensor.dtype)
+    draw = torch.randn if tensor.is_floating_point() else torch.zeros
+    return draw(tensor.shape, dtype=tensor.dtype)
 
 
 def _largest_bytes(curvature) -> int:
@@ -413,33 +386,3 @@ def _largest_bytes(curvature) -> int:
         storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
         sizes.append(sum(s.nbytes() for s in storages.values()))
     return max(sizes)
-
-
-def _key(
-    model: Module,
-    loss_func: Module,
-    batch: tuple[ModelInputs, Tensor],
-    param_groups: list[list[Parameter]],
-    options: CurvatureOptions,
-    engine: Engine,
-) -> tuple:
-    """What the profile depends on: shapes, types, options; not the batch size."""
-    inputs, targets = batch
-    scalars = (int, float, str, bool, type(None))
-    return (
-        tuple((n, type(m)) for n, m in model.named_modules()),
-        tuple(
-            (n, p.shape, p.dtype, p.device, p.requires_grad)
-            for n, p in model.named_parameters()
-        ),  # fmt: skip
-        tuple((t.shape[1:], t.dtype) for t in input_tensors(inputs)),
-        None if targets is None else (targets.shape[1:], targets.dtype),
-        type(loss_func),
-        tuple(
-            sorted((k, v) for k, v in vars(loss_func).items() if isinstance(v, scalars))
-        ),  # fmt: skip
-        tuple(tuple(id(p) for p in group) for group in param_groups),
-        (options.mc_samples, options.mc_per, options.gram_dtype),
-        id(options.output) if callable(options.output) else options.output,
-        type(engine),
-    )

@@ -1,9 +1,7 @@
 """A request's plan, from its data or from sizes alone (the estimate's).
 
-The route is fixed where the options name it or the implicit route cannot run
-(:func:`fixed_route`); otherwise the plan compares the two, measured on the
-data's first batch. Under a process group every rank plans from its own shard
-and all run the plan :func:`agreed_plan` takes.
+Under a process group every rank plans from its own shard and all run the plan
+:func:`agreed_plan` takes.
 """
 
 from __future__ import annotations
