@@ -486,3 +486,18 @@ def test_largest_batch_under_auto_is_that_of_some_exact_route():
     assert held > 0
     estimate = estimate_memory(model, X[:1], held, loss_func=loss_func, top_k=3, **mc)
     assert estimate.route == "gram" and estimate.total <= budget
+
+
+def test_groups_of_equal_length_are_measured_on_the_implicit_route():
+    """The largest group is found by its parameters' count, not by comparing groups
+    (``list.index`` compared tensors elementwise and failed on two groups of two)."""
+    torch.manual_seed(0)
+    model = mlp(5, 4, 8, 3).double()
+    first, _, second = (layer for layer in model if isinstance(layer, nn.Linear))
+    groups = [list(first.parameters()), list(second.parameters())]
+    X = torch.randn(1, 5, dtype=torch.float64)
+    estimate = estimate_memory(
+        model, X, 4, loss_func=nn.CrossEntropyLoss(), param_groups=groups,
+        route="implicit",
+    )  # fmt: skip
+    assert estimate.route == "implicit" and estimate.total > 0
