@@ -59,10 +59,7 @@ class ParamFactors(ABC):
         return self.map_tensors(lambda tensor: tensor.to(dtype))
 
     def map_tensors(self, function: Callable[[Tensor], Tensor]) -> ParamFactors:
-        """The factors with every tensor ``t`` replaced by ``function(t)``, same shape.
-
-        ``self`` if ``function`` returns every tensor itself, else a shallow copy.
-        """
+        """Each tensor ``t`` as ``function(t)``: a copy, or ``self`` if unchanged."""
         tensors = self._tensors()
         mapped = {name: function(value) for name, value in tensors.items()}
         if all(mapped[name] is value for name, value in tensors.items()):

@@ -72,10 +72,7 @@ def format_bytes(count: float) -> str:
 def cgroup_headroom(
     root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
 ) -> list[int]:
-    """``limit − (usage − reclaimable page cache)`` of each memory cgroup limit.
-
-    The process's group (in ``membership``) and its ancestors up to ``root``, v2 or v1.
-    """
+    """``limit − (usage − page cache)`` of each limit of this process's cgroups."""
     paths = set()
     try:
         for line in membership.read_text().splitlines():

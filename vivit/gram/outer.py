@@ -359,14 +359,11 @@ class OuterProductFactors(ParamFactors):
         return vt.reshape(self.num_rows, -1)
 
     def compact(self, ratio: int = COMPACT_RATIO) -> ParamFactors:
-        """``self``, or :class:`~vivit.gram.DenseFactors` where ``V`` is smaller.
+        """``self``, or :class:`~vivit.gram.DenseFactors` where ``ratio`` times smaller.
 
         With many positions ``T`` (convolutions on large images) ``V`` makes every
         later product one matrix product; forming it costs ``T`` multiply-adds per
-        entry, paid even if no product follows. ``V`` (``C·G·O·P`` entries per
-        sample) is formed where ``ratio`` times its entries are at most the
-        factors' (``G·T·(P + C·O)``): :data:`GGN_COMPACT_RATIO`, or
-        :data:`COMPACT_RATIO` for per-sample gradients.
+        entry, paid even if no product follows.
         """
         C, G, T, O, P = self.num_columns, self._G, self._T, self._O, self._P
         if ratio * C * G * O * P > G * T * (P + C * O):

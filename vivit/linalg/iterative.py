@@ -67,10 +67,7 @@ def minimum_capacity(top_k: int, width: int, size: int) -> int:
 
 
 def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
-    """Factor (at least 1) on the cycles of a basis cut from ``full`` columns.
-
-    The ratio of columns a cycle adds after a restart, full to cut: as many blocks.
-    """
+    """Factor (≥ 1) on the cycles of a basis cut from ``full``: as many blocks."""
     added = capacity - restart_size(top_k, width, capacity)
     return max(1.0, (full - restart_size(top_k, width, full)) / added)
 

@@ -22,10 +22,7 @@ NORM_ROWS = 2**16
 def relative_norm(
     theta: Tensor, first: Tensor, second: Tensor, scales: Tensor | None = None
 ) -> float:
-    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` of rows ``[k, R]``, in float64 chunks.
-
-    ``0`` if ``θ = 0``; ``scales`` are ``s_i`` (``None``: 1).
-    """
+    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` (0 if ``θ = 0``) of rows, in float64."""
     scale = theta.abs().max().item()
     if scale == 0:
         return 0.0

@@ -44,11 +44,7 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
 
 
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """The ``K = min(top_k, R)`` leading eigenpairs, exactly; eigenvectors ``[R, K]``.
-
-    LAPACK's MRRR solver computes those alone where
-    :func:`~vivit.gram.memory.uses_subset_solver` says so.
-    """
+    """The ``min(top_k, R)`` leading eigenpairs, exactly (alone: uses_subset_solver)."""
     size = gram.shape[0]
     top_k = min(top_k, size)
     if not uses_subset_solver(size, top_k, gram.device):

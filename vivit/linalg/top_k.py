@@ -64,11 +64,7 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 
 
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
-    """Block size ``b`` of an iterative solver, at most ``size`` (``D`` for ggn_krylov).
-
-    ``"gram_krylov"`` takes wide blocks: each product with a large Gram matrix
-    costs a pass over it.
-    """
+    """Block size ``b`` (at most ``size``); wide for gram_krylov: a pass a product."""
     if solver == "ggn_krylov":
         return min(size, top_k, IMPLICIT_BLOCK)
     if solver == "factor_krylov":
