@@ -17,8 +17,7 @@ class SumFactors(CompositeFactors):
     """A parameter's columns of ``V`` as the sum of its uses' factors, ``parts``.
 
     Raises:
-        ValueError: If there are fewer than two parts or they disagree in
-            samples, columns or parameter shape.
+        ValueError: If fewer than two parts, or they disagree in shape.
     """
 
     def __init__(self, parts: Sequence[ParamFactors]):

@@ -274,12 +274,9 @@ def block_krylov_eigh(
 def narrow_block_doubt(
     theta: Tensor, report: SolverReport, width: int, top_k: int
 ) -> str | None:
-    """Why a block of ``width < top_k`` may have missed a leading eigenpair.
+    """Why a block of ``width < top_k`` may have missed a leading pair, or ``None``.
 
-    A cluster of ``b`` or more of the Ritz values ``theta`` (ascending, within
-    :data:`CLUSTER_FACTOR` times the report's bound) followed by smaller ones, an
-    exhausted Krylov space, or pairs accepted at the rounding floor
-    (``docs/math.rst``, "Narrow blocks"); ``None`` where certain (always for ``b ≥ k``).
+    ``docs/math.rst``, "Narrow blocks"; ``theta`` are the Ritz values, ascending.
     """
     if width >= top_k:
         return None

@@ -52,8 +52,7 @@ class GramSpaceProducts:
     def pinv_matmul(  # noqa: D102
         self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
     ) -> list[Tensor]:
-        # in float64: λ² underflows float32 for small resolved eigenvalues (a
-        # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
+        # in float64: λ² underflows float32 for small resolved eigenvalues
         products = self._products.vt_matmul(vectors)
         projections = products.double() @ directions.double()
         scales = evals.double() ** -2

@@ -80,20 +80,13 @@ def iterative_workspace_bytes(
     columns: int | None = None,
     solver: str | None = None,
 ) -> int:
-    """Bytes of the iterative solvers' workspace besides the Gram matrix.
+    """Bytes of the iterative solvers' workspace besides the ``size²`` Gram matrix.
 
-    The float64 basis, its images and projection, the Ritz vectors a restart keeps
-    and their images, three blocks of ``max(b, k)`` and two in ``dtype``.
-
-    Args:
-        size: Side length ``R`` of the Gram matrix.
-        top_k: Number of leading eigenpairs.
-        dtype: Data type of the products.
-        params: ``D`` for the matrix-free solver (a block of ``D``-vectors between
-            the two ``V``-products and its copy); ``None`` for Gram products.
-        columns: Basis columns ``m`` (``None``: the default, ``basis_capacity``).
-        solver: An iterative solver (``None``: ``"gram_krylov"`` without
-            ``params``, else ``"factor_krylov"``).
+    The float64 basis (``columns``, default ``basis_capacity``), its images and
+    projection, the Ritz vectors a restart keeps and their images, three blocks of
+    ``max(b, k)`` and two in ``dtype`` (``D = params`` long too for the matrix-free
+    solver). ``solver`` defaults to ``"gram_krylov"`` without ``params``, else to
+    ``"factor_krylov"``.
     """
     solver, width = _block_of(solver, top_k, size, params)
     wide = max(width, min(top_k, size))
