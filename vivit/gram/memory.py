@@ -15,14 +15,12 @@ from vivit.errors import GramTooLargeError
 #: Squares beyond the Gram while it is fully decomposed: its eigenvectors and
 #: LAPACK's syevd workspace (measured).
 _EXTRA_SQUARES_PER_DECOMPOSITION = 3
-#: Squares beyond the Gram for LAPACK's MRRR subset solver (scipy's copy of the
-#: matrix and its reduction to tridiagonal form).
+#: Squares beyond the Gram for LAPACK's MRRR subset solver (a copy, its reduction).
 _EXTRA_SQUARES_PER_SUBSET = 2
 #: Squares beyond the Gram while it is formed: a layer's Gram of backpropagated
 #: vectors, its inputs' Gram expanded to it, and their product (measured).
 _EXTRA_SQUARES_PER_FORMATION = 3
-#: Requests for at most this fraction of all eigenpairs compute only those (on the
-#: CPU, with LAPACK's MRRR subset solver).
+#: Requests for at most this fraction of the eigenpairs compute only those (CPU).
 PARTIAL_FRACTION = 0.25
 #: cgroup v2 and v1: limit, usage, and the reclaimable page cache in memory.stat.
 _CGROUP_FILES = (

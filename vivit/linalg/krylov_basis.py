@@ -121,10 +121,9 @@ def orthonormalize(
 ) -> tuple[Tensor, Tensor]:
     """Orthonormal rows ``[b', R]`` spanning ``block`` minus its part in the basis.
 
-    Classical Gram-Schmidt twice, then SVQB; all once more where SVQB was
-    ill-conditioned (:data:`SINGLE_SVQB_CONDITION`). Vanishing directions are
-    dropped. ``coefficients``: ``basis · blockᵀ`` where known. Also returns the
-    block's Gram matrix ``[b, b]`` after the first projection.
+    Classical Gram-Schmidt twice, then SVQB, all again where ill-conditioned; drops
+    vanishing directions. ``coefficients``: ``basis · blockᵀ`` where known. Also
+    returns the block's Gram matrix ``[b, b]`` after the first projection.
     """
     residual_gram = block.new_zeros(block.shape[0], block.shape[0])
     scale = block.norm(dim=1).max()
