@@ -23,7 +23,8 @@ from tests.fixtures.checks import (
 from tests.fixtures.problems import prepare, problem_ids, select
 from tests.fixtures.reference import dense_ggn, per_sample_gradients
 from vivit import LowRankGGN
-from vivit.gram import OuterProductFactors, planner
+from vivit.gram import OuterProductFactors
+from vivit.gram import outer as planner
 
 ARCHITECTURES = ["cnn", "conv1d", "conv3d", "sequence_linear"]
 #: Both losses and both reductions, each architecture twice (keeps the file fast).

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.fixtures.checks import REORDERED_REL, assert_rel
-from vivit.gram import DenseFactors, OuterProductFactors, planner
-from vivit.gram.symmetric import self_gram
+from vivit.gram import DenseFactors, OuterProductFactors
+from vivit.gram import outer as planner
+from vivit.gram.factors import self_gram
 
 SHAPES = [  # (N, C, G, T, O, P)
     (3, 2, 1, 1, 4, 5),  # Linear

@@ -1,4 +1,4 @@
-"""Columns of ``V`` held explicitly, for layers without a cheaper factor form."""
+"""Columns of ``V`` held explicitly: small ``V`` (biases), or no cheaper factor form."""
 
 from __future__ import annotations
 
@@ -7,16 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vivit.gram.factors import ParamFactors, scaled_cat
+from vivit.gram.factors import ParamFactors, scaled_cat, self_gram
 from vivit.gram.stacked import StackedFactors
-from vivit.gram.symmetric import self_gram
 
 
 class DenseFactors(ParamFactors):
-    """A parameter's columns of ``V``, ``[N, C, *param_shape]``, stored as a matrix.
-
-    For small ``V`` (biases, normalization layers) or layers without a factor form.
-    """
+    """A parameter's columns of ``V``, ``[N, C, *param_shape]``, as a matrix ``Vᵀ``."""
 
     def __init__(self, columns: Tensor):
         self.num_samples, self.num_columns = columns.shape[:2]

@@ -1,8 +1,6 @@
 """Columns of ``V`` of an embedding table, held as token indices and vectors.
 
-Column ``(n, c)`` adds the backpropagated vector of each position to the row of
-its token; the indices stand for the one-hot inputs (``docs/math.rst``, "Layer
-structure").
+The indices stand for the one-hot inputs (``docs/math.rst``, "Layer structure").
 """
 
 from __future__ import annotations
@@ -12,9 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, einsum
 
-from vivit.gram.factors import ParamFactors, per_sample_projections
+from vivit.gram.factors import ParamFactors, per_sample_projections, self_gram
 from vivit.gram.stacked import StackedFactors
-from vivit.gram.symmetric import self_gram
 
 
 class EmbeddingFactors(ParamFactors):
@@ -41,10 +38,6 @@ class EmbeddingFactors(ParamFactors):
         self._i = indices.detach()
         self._s = vectors.detach()
 
-    def _tokens(self) -> tuple[Tensor, Tensor]:
-        """The distinct tokens and each position's place among them."""
-        return torch.unique(self._i, return_inverse=True)
-
     def _used_rows(self, tokens: Tensor, place: Tensor) -> Tensor:
         """``Vᵀ`` restricted to the rows of the tokens that occur, ``[N·C, U·D]``."""
         C, N, T, D = self._s.shape
@@ -58,7 +51,9 @@ class EmbeddingFactors(ParamFactors):
 
     def gram(self, other: ParamFactors | None = None) -> Tensor:  # noqa: D102
         if other is None or other is self:
-            return self_gram(self._used_rows(*self._tokens()))
+            return self_gram(
+                self._used_rows(*torch.unique(self._i, return_inverse=True))
+            )
         if isinstance(other, StackedFactors):
             return other.gram(self).T
         if isinstance(other, EmbeddingFactors):

@@ -1,7 +1,6 @@
 """Memory of Gram matrices and their dense eigensolver; refuse those that cannot fit.
 
-Free memory on a device, bytes per entry, the dense solver's workspace and the peak
-of forming Gram matrices: the facts :mod:`vivit.memory` builds its estimates on.
+Free memory, bytes per entry, solver workspace: the facts :mod:`vivit.memory` uses.
 """
 
 from __future__ import annotations
@@ -13,17 +12,15 @@ import torch
 
 from vivit.errors import GramTooLargeError
 
-#: Squares of the Gram's size alive while one is fully decomposed: the Gram, its
-#: eigenvectors and LAPACK's syevd workspace (measured: four squares).
-_SQUARES_PER_DECOMPOSITION = 4
-#: Squares beyond the Gram for LAPACK's MRRR subset solver (scipy's copy of the
-#: matrix and its reduction to tridiagonal form).
+#: Squares beyond the Gram while it is fully decomposed: its eigenvectors and
+#: LAPACK's syevd workspace (measured).
+_EXTRA_SQUARES_PER_DECOMPOSITION = 3
+#: Squares beyond the Gram for LAPACK's MRRR subset solver (a copy, its reduction).
 _EXTRA_SQUARES_PER_SUBSET = 2
 #: Squares beyond the Gram while it is formed: a layer's Gram of backpropagated
 #: vectors, its inputs' Gram expanded to it, and their product (measured).
 _EXTRA_SQUARES_PER_FORMATION = 3
-#: Requests for at most this fraction of all eigenpairs compute only those (on the
-#: CPU, with LAPACK's MRRR subset solver).
+#: Requests for at most this fraction of the eigenpairs compute only those (CPU).
 PARTIAL_FRACTION = 0.25
 #: cgroup v2 and v1: limit, usage, and the reclaimable page cache in memory.stat.
 _CGROUP_FILES = (
@@ -35,11 +32,10 @@ _UNLIMITED = 2**62
 
 
 def available_bytes(device: torch.device) -> int:
-    """Bytes this process can still allocate on ``device``.
+    """Bytes this process can still allocate on ``device`` (all it holds excluded).
 
-    CUDA: free device memory. CPU: the least of the kernel's ``MemAvailable``
-    (else the physical memory), :func:`cgroup_headroom` and what ``RLIMIT_AS``
-    still allows; all three already exclude what the process holds.
+    CUDA: free memory. CPU: the least of ``MemAvailable`` (else the physical memory),
+    :func:`cgroup_headroom` and what ``RLIMIT_AS`` still allows.
     """
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -49,21 +45,15 @@ def available_bytes(device: torch.device) -> int:
     try:
         import resource
     except ImportError:  # not a Unix
-        resource = None
-    if resource is not None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            used = _read_fields(Path("/proc/self/status")).get("VmSize", 0)
-            limits.append(soft - used)
+        return max(0, min(limits))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft - _read_fields(Path("/proc/self/status")).get("VmSize", 0))
     return max(0, min(limits))
 
 
 def resident_bytes(device: torch.device) -> int:
-    """Bytes this process holds on ``device`` now.
-
-    CPU: the resident set (``VmRSS``, ``0`` where not known); CUDA: what PyTorch's
-    allocator reserved.
-    """
+    """Bytes this process holds on ``device``: CPU ``VmRSS`` (or 0), CUDA reserved."""
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
     return _read_fields(Path("/proc/self/status")).get("VmRSS", 0)
@@ -80,12 +70,7 @@ def format_bytes(count: float) -> str:
 def cgroup_headroom(
     root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
 ) -> list[int]:
-    """Bytes the memory control groups of this process still allow, one per limit.
-
-    The process's group (listed in ``membership``) and its ancestors up to ``root``,
-    each with a limit: ``limit − (usage − reclaimable page cache)``, cgroup v2 or v1
-    (:data:`_CGROUP_FILES`). Empty where none is found.
-    """
+    """``limit − (usage − page cache)`` of each limit of this process's cgroups."""
     paths = set()
     try:
         for line in membership.read_text().splitlines():
@@ -136,10 +121,9 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def uses_subset_solver(size: int, top_k: int | None, device: torch.device) -> bool:
-    """Whether the dense solver computes only the leading ``top_k`` eigenpairs.
+    """Whether the dense solver computes only the leading ``top_k`` (``None``: all).
 
-    ``True`` (LAPACK's MRRR subset solver) on the CPU for at most
-    :data:`PARTIAL_FRACTION` of the ``size`` pairs; ``top_k=None`` means all.
+    On the CPU for at most :data:`PARTIAL_FRACTION` of the pairs (LAPACK's MRRR).
     """
     return (
         top_k is not None and device.type == "cpu" and top_k <= PARTIAL_FRACTION * size
@@ -149,29 +133,18 @@ def uses_subset_solver(size: int, top_k: int | None, device: torch.device) -> bo
 def dense_workspace_bytes(
     size: int, top_k: int | None, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Bytes the dense eigensolver needs on top of a ``size × size`` Gram matrix.
-
-    Three more squares for the full decomposition, two for the subset solver
-    (:func:`uses_subset_solver`).
-    """
-    squares = (
-        _EXTRA_SQUARES_PER_SUBSET
-        if uses_subset_solver(size, top_k, device)
-        else _SQUARES_PER_DECOMPOSITION - 1
-    )
+    """Bytes the dense eigensolver needs on top of a ``size × size`` Gram matrix."""
+    subset = uses_subset_solver(size, top_k, device)
+    squares = _EXTRA_SQUARES_PER_SUBSET if subset else _EXTRA_SQUARES_PER_DECOMPOSITION
     return squares * size**2 * itemsize(dtype)
 
 
 def gram_bytes(
     size: int, num_grams: int, workspace_bytes: int, dtype: torch.dtype
 ) -> int:
-    """Peak bytes of forming ``num_grams`` Gram matrices and an eigensolver on one.
-
-    The squares plus the larger of the solver's ``workspace_bytes`` and the
-    formation's temporaries (:data:`_EXTRA_SQUARES_PER_FORMATION` squares).
-    """
+    """Peak bytes of forming ``num_grams`` Gram matrices and an eigensolver on one."""
     square = size**2 * itemsize(dtype)
-    formation = _EXTRA_SQUARES_PER_FORMATION * square
+    formation = _EXTRA_SQUARES_PER_FORMATION * square  # the larger temporaries count
     return num_grams * square + max(workspace_bytes, formation)
 
 
@@ -182,7 +155,7 @@ def check_gram_fits(
     device: torch.device,
     workspace_bytes: int | None = None,
 ) -> None:
-    """Raise if the Gram matrices and their eigensolver would not fit into memory.
+    """Raise if ``num_groups`` Gram matrices and their eigensolver would not fit.
 
     Args:
         num_rows: Side length ``N·C`` (``N·M`` with MC) of each Gram matrix.
@@ -190,7 +163,7 @@ def check_gram_fits(
         dtype: Their data type.
         device: Their device.
         workspace_bytes: The eigensolver's memory on top of the Gram matrices
-            (default: a full dense decomposition, :func:`dense_workspace_bytes`).
+            (default: a full dense decomposition).
 
     Raises:
         GramTooLargeError: If the estimate exceeds the available memory.

@@ -1,33 +1,67 @@
-"""Columns of ``V`` of layers whose weight Jacobian is an outer product.
+"""Columns ``Σ_t s̃_nc[t] a_n[t]ᵀ`` of ``V`` of Linear and (grouped) convolution weights.
 
-Column ``(n, c)`` of a Linear or (grouped) convolution weight is
-``Σ_t s̃_nc[t] a_n[t]ᵀ`` over positions ``t`` (``docs/math.rst``, "Layer
-structure"); each product takes the cheapest route (:mod:`~vivit.gram.planner`).
+``docs/math.rst``, "Layer structure". Each product takes the route with the fewest
+multiply-adds whose largest intermediate (not a backward pass's peak) fits
+:data:`MEMORY_BUDGET_BYTES`, else the one with the smallest intermediate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, einsum
 
-from vivit.gram import planner
 from vivit.gram.dense import DenseFactors
-from vivit.gram.factors import ParamFactors, per_sample_projections, scaled_cat
+from vivit.gram.factors import (
+    NUM_BLOCKS,
+    ParamFactors,
+    per_sample_projections,
+    scaled_cat,
+    self_gram,
+)
+from vivit.gram.memory import itemsize
 from vivit.gram.stacked import StackedFactors
-from vivit.gram.symmetric import NUM_BLOCKS, self_gram
 
-#: Per-sample gradients: ``V`` replaces the factors where it has at most this many
-#: times fewer entries (forming it may be paid for nothing, see ``compact``).
+#: Largest intermediate (in bytes) a route may create; chunked routes pick their
+#: chunks from it. Large enough for full-speed matrix products, small next to the
+#: Gram matrix at large N·C.
+MEMORY_BUDGET_BYTES = 2**28
+#: ``compact`` of per-sample gradients (forming ``V`` may be paid for nothing).
 COMPACT_RATIO = 4
-#: The GGN's ``V``: replaces the factors wherever it is no larger, since every Gram
-#: matrix and eigenvector forms it anyway (``compact``).
+#: ``compact`` of the GGN's ``V``: every Gram matrix and eigenvector forms it anyway.
 GGN_COMPACT_RATIO = 1
 #: Multiply-adds one entry of a large intermediate costs besides its products (it
 #: is written and read back): the "sample_pairs" Gram route's, ``V`` formed for
 #: ``V u``. Calibrated on the ResNet-18 timings ``tests/gram/test_factors.py`` quotes.
 COPY_WORK = 32
+
+
+@dataclass(frozen=True)
+class Route:
+    """Cost of one way to evaluate a product."""
+
+    name: str
+    flops: int  # multiply-adds, counted from the shapes
+    memory: int  # entries of the largest intermediate (of a chunk; not the result)
+    chunk: int = 0  # samples or features per chunk, where the route has chunks
+
+
+def budget_entries(dtype: torch.dtype, budget: int | None = None) -> int:
+    """Entries of ``dtype`` (at least 1) in ``budget`` (``None``: the default) bytes."""
+    budget = MEMORY_BUDGET_BYTES if budget is None else budget
+    return max(1, budget // itemsize(dtype))
+
+
+def choose(
+    *routes: Route, dtype: torch.dtype = torch.float32, budget: int | None = None
+) -> str:
+    """The name of the cheapest route whose intermediates (``dtype``) fit ``budget``."""
+    fitting = [r for r in routes if r.memory <= budget_entries(dtype, budget)]
+    if fitting:
+        return min(fitting, key=lambda r: (r.flops, r.memory)).name
+    return min(routes, key=lambda r: (r.memory, r.flops)).name
 
 
 class OuterProductFactors(ParamFactors):
@@ -77,10 +111,9 @@ class OuterProductFactors(ParamFactors):
     ) -> OuterProductFactors:
         """The factors of consecutive parts of the samples, scaled, as one (a copy).
 
-        ``inputs_cache`` holds the concatenated inputs of earlier calls with the
-        blocks' inputs they came from (appended to): factors whose blocks share
-        their inputs (``V`` and the per-sample gradients of a weight) then share
-        the concatenation too.
+        ``inputs_cache`` (appended to) pairs earlier calls' blocks' inputs with their
+        concatenation: factors whose blocks share inputs (``V`` and the per-sample
+        gradients of a weight) share it too.
         """
         parts = [block._a for block in blocks]
         cache = [] if inputs_cache is None else inputs_cache
@@ -119,10 +152,10 @@ class OuterProductFactors(ParamFactors):
             return self.materialize() @ other.materialize().T
         route = self._gram_route(other)
         if route.name == "through_v":
-            return self._gram_through_v(other, self._gram_features_per_chunk(other))
+            return self._gram_through_v(other, route.chunk)
         if route.name == "sample_pairs":
-            return self._gram_sample_pairs(other, self._sample_pairs_per_chunk(other))
-        return self._gram_pairs(other, self._samples_per_chunk(other))
+            return self._gram_sample_pairs(other, route.chunk)
+        return self._gram_pairs(other, route.chunk)
 
     def gram_work(self) -> int:  # noqa: D102
         return self._gram_route(self).flops
@@ -132,70 +165,55 @@ class OuterProductFactors(ParamFactors):
         if route.name != "through_v":
             return route.memory
         # V's chunk is formed by an einsum that copies both operands' chunks
-        chunk = self._gram_features_per_chunk(self)
-        N, T = self.num_samples, self._T
-        return route.memory + N * T * (self.num_columns * chunk + self._G * self._P)
+        N, T, C = self.num_samples, self._T, self.num_columns
+        return route.memory + N * T * (C * route.chunk + self._G * self._P)
 
-    def _gram_features_per_chunk(self, other: OuterProductFactors) -> int:
-        rows = self.num_rows if other is self else self.num_rows + other.num_rows
-        return self._features_per_chunk(rows)
-
-    def _gram_route(self, other: OuterProductFactors) -> planner.Route:
-        """The route :meth:`gram` takes for ``Vᵀ V_other``, with its cost."""
+    def _gram_route(self, other: OuterProductFactors) -> Route:
+        """The route :meth:`gram` takes for ``Vᵀ V_other``, its cost and chunk."""
         n1, n2 = self.num_samples, other.num_samples
         r1, r2 = self.num_rows, other.num_rows
+        C, D = self.num_columns, other.num_columns
         G, T, O, P = self._G, self._T, self._O, self._P
-        chunk = self._gram_features_per_chunk(other)
-        samples = self._samples_per_chunk(other)
-        through_v = planner.Route(
+        rows = r1 if other is self else r1 + r2
+        features = self._features_per_chunk(rows)
+        through_v = Route(
             "through_v",
             flops=self._form_v_flops()
             + (0 if other is self else other._form_v_flops())
             + r1 * r2 * G * O * P,
-            memory=(r1 if other is self else r1 + r2) * chunk * P,
+            memory=rows * features * P,
+            chunk=features,
         )
-        pairs = planner.Route(
+        per_sample = (C * r2 + n2) * (G * T * T)  # of the position pairs' products
+        samples = self._samples_within_budget(per_sample)
+        pairs = Route(
             "pairs",
             flops=G * T * T * (r1 * r2 * (O + 1) + n1 * n2 * P),
-            memory=samples * (self.num_columns * r2 + n2) * G * T * T,
+            memory=samples * per_sample,
+            chunk=samples,
         )
-        routes = (through_v, pairs, self._sample_pairs_route(other))
-        name = planner.choose(*routes, dtype=self._a.dtype)
-        return next(route for route in routes if route.name == name)
-
-    def _sample_pairs_route(self, other: OuterProductFactors) -> planner.Route:
-        """The cost of :meth:`_gram_sample_pairs` (with its copies, see COPY_WORK)."""
-        n1, n2 = self.num_samples, other.num_samples
-        C, D = self.num_columns, other.num_columns
-        G, T, O, P = self._G, self._T, self._O, self._P
+        # the other operand's vectors weighted by input kernels, copied (COPY_WORK)
+        per_sample = 2 * n2 * T * (D * O + T)
+        samples = self._samples_within_budget(per_sample)
         intermediate = n1 * n2 * G * T * D * O
-        return planner.Route(
+        sample_pairs = Route(
             "sample_pairs",
             flops=n1 * n2 * G * T * T * P + (T + C + COPY_WORK) * intermediate,
-            memory=self._sample_pairs_per_chunk(other) * 2 * n2 * T * (D * O + T),
+            memory=samples * per_sample,
+            chunk=samples,
         )
-
-    def _sample_pairs_per_chunk(self, other: OuterProductFactors) -> int:
-        """Samples of ``self`` per block of :meth:`_gram_sample_pairs`."""
-        return self._samples_within_budget(
-            2 * other.num_samples * self._T * (other.num_columns * self._O + self._T)
-        )
-
-    def _samples_per_chunk(self, other: OuterProductFactors) -> int:
-        """Samples of ``self`` whose pairwise products with ``other`` fit the budget."""
-        return self._samples_within_budget(
-            (self.num_columns * other.num_rows + other.num_samples)
-            * (self._G * self._T * self._T)
-        )
+        routes = (through_v, pairs, sample_pairs)
+        name = choose(*routes, dtype=self._a.dtype)
+        return next(route for route in routes if route.name == name)
 
     def _samples_within_budget(self, per_sample: int) -> int:
         """Samples (at least one) of ``per_sample`` entries each that fit the budget."""
-        budget = planner.budget_entries(self._a.dtype)
+        budget = budget_entries(self._a.dtype)
         return max(1, min(self.num_samples, budget // per_sample))
 
     def _features_per_chunk(self, rows: int) -> int:
         """Output features (of ``G·O``, at least one) whose ``rows`` of ``Vᵀ`` fit."""
-        budget = planner.budget_entries(self._a.dtype)
+        budget = budget_entries(self._a.dtype)
         return max(1, min(self._G * self._O, budget // max(1, rows * self._P)))
 
     def _feature_chunks(self, chunk: int) -> list[tuple[slice, slice]]:
@@ -270,23 +288,23 @@ class OuterProductFactors(ParamFactors):
             gram = gram.tril() + gram.tril(-1).T
         return gram
 
-    def _product_route(self, num_vectors: int) -> planner.Route:
+    def _product_route(self, num_vectors: int) -> Route:
         """The route of :meth:`vmp` and :meth:`vtmp` for ``K`` vectors (same cost)."""
         K = num_vectors
         G, T, O, P = self._G, self._T, self._O, self._P
         N, C = self.num_samples, self.num_columns
-        factored = planner.Route(
+        factored = Route(
             "factored",
             flops=K * N * C * G * T * O + K * N * G * T * O * P,
             memory=K * N * G * T * O,
         )
-        through_v = planner.Route(
+        through_v = Route(
             "through_v",
             flops=self._form_v_flops() + (K + COPY_WORK) * self._v_size(),
             memory=self._v_size(),
         )
-        name = planner.choose(factored, through_v, dtype=self._a.dtype)
-        return through_v if name == "through_v" else factored
+        name = choose(factored, through_v, dtype=self._a.dtype)
+        return through_v if name == through_v.name else factored
 
     def product_work(self, num_vectors: int) -> int:  # noqa: D102
         return 2 * self._product_route(num_vectors).flops
@@ -341,28 +359,18 @@ class OuterProductFactors(ParamFactors):
         return vt.reshape(self.num_rows, -1)
 
     def compact(self, ratio: int = COMPACT_RATIO) -> ParamFactors:
-        """``V`` held explicitly where it is sufficiently smaller than these factors.
+        """``self``, or :class:`~vivit.gram.DenseFactors` where ``ratio`` times smaller.
 
-        With many positions ``T`` (convolutions on large images) ``V`` is smaller
-        than the factors and makes every later product one matrix product; forming
-        it costs ``T`` multiply-adds per entry, paid even if no product follows.
-
-        Args:
-            ratio: ``V`` (``C·G·O·P`` entries per sample) is formed where ``ratio``
-                times its entries are at most the factors' (``G·T·(P + C·O)``):
-                :data:`GGN_COMPACT_RATIO`, or :data:`COMPACT_RATIO` for
-                per-sample gradients.
-
-        Returns:
-            ``self``, or :class:`~vivit.gram.DenseFactors` with the same columns.
+        With many positions ``T`` (convolutions on large images) ``V`` makes every
+        later product one matrix product; forming it costs ``T`` multiply-adds per
+        entry, paid even if no product follows.
         """
         C, G, T, O, P = self.num_columns, self._G, self._T, self._O, self._P
         if ratio * C * G * O * P > G * T * (P + C * O):
             return self
-        columns = self.materialize().reshape(
-            self.num_samples, self.num_columns, *self.param_shape
+        return DenseFactors(
+            self.materialize().reshape(self.num_samples, C, *self.param_shape)
         )
-        return DenseFactors(columns)
 
 
 def _same_tensors(first: list[Tensor], second: list[Tensor]) -> bool:

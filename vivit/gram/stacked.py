@@ -1,7 +1,6 @@
-"""A parameter's columns of ``V`` over several parts of the samples.
+"""``V = [V_1, V_2, …]`` of a parameter over parts of the samples (batches, shards).
 
-The batches of a loader, the shards of processes, the chunks of a large batch:
-``V = [V_1, V_2, …]`` (``docs/math.rst``, "Data sets and processes").
+``docs/math.rst``, "Data sets and processes".
 """
 
 from __future__ import annotations
@@ -14,20 +13,19 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from vivit.gram.factors import CompositeFactors, ParamFactors
+from vivit.gram.factors import CompositeFactors, ParamFactors, summed
 
 
 class StackedFactors(CompositeFactors):
     """Columns of ``V`` of one parameter, held per part of the samples.
 
-    Gram-space entries are ordered block by block, each block sample-major. Block
-    ``b``'s columns are ``scales[b]`` (default 1) times those of ``blocks[b]``: the
-    products apply the scale, nothing is copied. Nested blocks are flattened.
+    Gram-space entries are ordered block by block, each sample-major. Block ``b``'s
+    columns are ``scales[b]`` (default 1) times those of ``blocks[b]``, applied by
+    the products (nothing copied). Nested blocks are flattened.
 
     Raises:
         ValueError: If there are no blocks, they disagree in parameter shape,
-            columns per sample or floating-point type, or the scales do not
-            match the blocks.
+            columns per sample or dtype, or the scales do not match the blocks.
     """
 
     def __init__(
@@ -41,12 +39,9 @@ class StackedFactors(CompositeFactors):
         flat: list[ParamFactors] = []
         flat_scales: list[float] = []
         for block, scale in zip(blocks, scales, strict=True):
-            if isinstance(block, StackedFactors):
-                flat.extend(block.blocks)
-                flat_scales.extend(scale * inner for inner in block.scales)
-            else:
-                flat.append(block)
-                flat_scales.append(float(scale))
+            nested = isinstance(block, StackedFactors)
+            flat.extend(block.blocks if nested else [block])
+            flat_scales.extend([scale * s for s in block.scales] if nested else [scale])
         if not flat:
             raise ValueError("StackedFactors needs at least one block.")
         first = flat[0]
@@ -59,7 +54,7 @@ class StackedFactors(CompositeFactors):
                     f"{first.num_columns}, {first.dtype}."
                 )
         self.blocks = self.members = flat
-        self.scales = flat_scales
+        self.scales = [float(scale) for scale in flat_scales]
         self.num_samples = sum(block.num_samples for block in flat)
         self.num_columns = first.num_columns
         self.param_shape = first.param_shape
@@ -73,6 +68,10 @@ class StackedFactors(CompositeFactors):
     def scaled(self, factor: float) -> StackedFactors:  # noqa: D102
         return StackedFactors(self.blocks, [factor * s for s in self.scales])
 
+    def _pairs(self) -> zip:
+        """The blocks with their scales."""
+        return zip(self.blocks, self.scales, strict=True)
+
     def _bounds(self, attribute: str = "num_rows") -> list[int]:
         """Where each block starts in Gram space (or in the samples), and the end."""
         return list(accumulate((getattr(b, attribute) for b in self.blocks), initial=0))
@@ -81,13 +80,13 @@ class StackedFactors(CompositeFactors):
         if other is None:
             return self._self_gram()
         if isinstance(other, StackedFactors):
-            others = list(zip(other.blocks, other.scales, strict=True))
+            others = list(other._pairs())
         else:
             others = [(other, 1.0)]
         return torch.cat(
             [
                 torch.cat([(s * t) * a.gram(b) for b, t in others], dim=1)
-                for a, s in zip(self.blocks, self.scales, strict=True)
+                for a, s in self._pairs()
             ]
         )
 
@@ -119,19 +118,13 @@ class StackedFactors(CompositeFactors):
 
     def vmp(self, u: Tensor) -> Tensor:  # noqa: D102
         bounds = self._bounds()
-        result = self.blocks[0].vmp(self.scales[0] * u[:, : bounds[1]])
-        for b, block in enumerate(self.blocks[1:], start=1):
-            result.add_(block.vmp(self.scales[b] * u[:, bounds[b] : bounds[b + 1]]))
-        return result
+        return summed(
+            block.vmp(self.scales[b] * u[:, bounds[b] : bounds[b + 1]])
+            for b, block in enumerate(self.blocks)
+        )
 
     def vtmp(self, w: Tensor) -> Tensor:  # noqa: D102
-        return torch.cat(
-            [
-                block.vtmp(w) * scale
-                for block, scale in zip(self.blocks, self.scales, strict=True)
-            ],
-            dim=1,
-        )
+        return torch.cat([block.vtmp(w) * s for block, s in self._pairs()], dim=1)
 
     def select(self, samples: Sequence[int]) -> ParamFactors:  # noqa: D102
         """Restrict to samples (over all blocks); consecutive ones stay one block."""
@@ -153,9 +146,4 @@ class StackedFactors(CompositeFactors):
         )
 
     def materialize(self) -> Tensor:  # noqa: D102
-        return torch.cat(
-            [
-                block.materialize() * scale
-                for block, scale in zip(self.blocks, self.scales, strict=True)
-            ]
-        )
+        return torch.cat([block.materialize() * s for block, s in self._pairs()])

@@ -1,8 +1,6 @@
-"""Columns of ``V`` of a parameter used in several ways: the sum of the uses' forms.
+"""Columns ``V = Σ_u V_u`` of a parameter used in several ways (a tied embedding).
 
-E.g. a tied embedding table, looked up and used as the output layer's weight:
-``V = Σ_u V_u``, whose Gram matrix holds every pair's cross terms
-(``docs/math.rst``, "Layer structure").
+``docs/math.rst``, "Layer structure".
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ class SumFactors(CompositeFactors):
     """A parameter's columns of ``V`` as the sum of its uses' factors, ``parts``.
 
     Raises:
-        ValueError: If there are fewer than two parts or they disagree in
-            samples, columns or parameter shape.
+        ValueError: If fewer than two parts, or they disagree in shape.
     """
 
     def __init__(self, parts: Sequence[ParamFactors]):

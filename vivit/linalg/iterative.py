@@ -1,9 +1,8 @@
 """Leading eigenpairs of a symmetric positive semi-definite operator, iteratively.
 
-Restarted block Krylov (block Lanczos) with Rayleigh-Ritz on products with blocks,
-derived in ``docs/math.rst``, "The Gram matrix and exact eigenpairs". Names:
-``k = top_k`` pairs, block size ``b = width``, ``m`` columns of a basis
-(``capacity``), ``size`` the operator's side length.
+Restarted block Krylov (block Lanczos) with Rayleigh-Ritz (``docs/math.rst``, "The
+Gram matrix and exact eigenpairs"). Names: ``k = top_k``, block size ``b = width``,
+``m`` basis columns (``capacity``), ``size`` the operator's side length.
 """
 
 from __future__ import annotations
@@ -35,33 +34,27 @@ DEPTH = 20
 MIN_BASIS = 64
 #: Cycles after the first before the solver gives up.
 MAX_RESTARTS = 30
-#: The solver gives up after this many cycles in a row without a new smallest
-#: residual: it fluctuates at the rounding floor of the products.
+#: Cycles in a row without a new smallest residual (at the rounding floor) to give up.
 STAGNATION_CYCLES = 3
 #: Pairs are accepted at this multiple of the products' measured rounding ``ρ``
 #: where that is above ``tol`` (``docs/math.rst``, "Rounding floor of the products").
 ROUNDING_FACTOR = 2.0
-#: Ritz values closer than this multiple of the accepted residual bound (relative
-#: to ``θ_max``) may approximate one eigenvalue: each lies within the bound of one.
+#: Ritz values closer than this multiple of the residual bound (relative to
+#: ``θ_max``) may approximate one eigenvalue.
 CLUSTER_FACTOR = 2.0
 
 
 def default_block_size(top_k: int, size: int) -> int:
-    """The default block size ``b = k`` (at most ``size``).
-
-    It keeps the ``k`` copies of a multiple eigenvalue within reach; narrower
-    blocks are checked (:func:`narrow_block_doubt`).
-    """
+    """``b = k`` (at most ``size``): the ``k`` copies of an eigenvalue stay in reach."""
     return min(size, top_k)
 
 
 def basis_capacity(
     width: int, size: int, depth: int | None = None, top_k: int = 0
 ) -> int:
-    """Columns ``m = b·(depth + 1)`` of one cycle's Krylov basis (at most ``size``).
+    """Columns ``m = b·(depth + 1)`` of a cycle's basis (at most ``size``).
 
-    Without ``depth``: :data:`DEPTH`, and at least :data:`MIN_BASIS` and ``3·k``
-    columns (room for ``k`` new ones after a restart).
+    Without ``depth``: :data:`DEPTH`, and at least :data:`MIN_BASIS` and ``3·k``.
     """
     if depth is not None:
         return min(size, width * (depth + 1))
@@ -69,28 +62,18 @@ def basis_capacity(
 
 
 def minimum_capacity(top_k: int, width: int, size: int) -> int:
-    """Fewest columns a basis cut by memory may keep: ``k + 2·b`` (at most ``size``).
-
-    ``docs/math.rst``, "A basis cut by memory".
-    """
+    """Fewest columns of a basis cut by memory, ``k + 2·b`` (at most ``size``)."""
     return min(size, top_k + 2 * width)
 
 
 def cycle_budget(top_k: int, width: int, capacity: int, full: int) -> float:
-    """How many times the cycles (at least 1) a basis cut from ``full`` columns may run.
-
-    The ratio of the columns a cycle adds after a restart, full to cut: the cut
-    basis (``capacity``) then multiplies as many blocks as the full one.
-    """
+    """Factor (≥ 1) on the cycles of a basis cut from ``full``: as many blocks."""
     added = capacity - restart_size(top_k, width, capacity)
     return max(1.0, (full - restart_size(top_k, width, full)) / added)
 
 
 def restart_size(top_k: int, width: int, capacity: int) -> int:
-    """Ritz vectors a full basis restarts from: ``(m + k) // 2`` within ``[b, m − b]``.
-
-    A thick restart: half the basis is kept, half is room for new blocks.
-    """
+    """Ritz vectors a thick restart keeps: ``(m + k) // 2`` within ``[b, m − b]``."""
     return max(width, min(capacity - width, (capacity + top_k) // 2))
 
 
@@ -113,31 +96,28 @@ def block_krylov_eigh(
 
     Every returned pair has ``‖A u − θ u‖ ≤ tolerance · θ_max``: ``tol``, or twice
     the products' measured rounding where that is larger. Deterministic for a
-    given ``seed``. A narrow block's pairs are returned only where
-    :func:`narrow_block_doubt` finds no doubt; else the solve runs again with
-    ``b = top_k`` (or the widest block ``max_columns`` allows), and the report's
-    ``widened`` says why.
+    given ``seed``. Where :func:`narrow_block_doubt` doubts a narrow block's pairs,
+    the solve runs again with ``b = top_k`` (or the widest block ``max_columns``
+    allows); the report's ``widened`` says why.
 
     Args:
-        matmul: ``U ↦ A U`` for ``U`` of shape ``[size, b]`` in ``dtype``.
+        matmul: ``U ↦ A U`` for ``U`` ``[size, b]``.
         size: Side length of ``A``.
         top_k: Number of leading eigenpairs (at most ``size`` are returned).
-        dtype: Data type of the operator (of ``U`` and of the results).
-        device: Device of the operator.
+        dtype: Data type of ``U`` and of the results.
+        device: Device of ``U``.
         tol: Relative residual bound (default: :func:`default_tolerance`).
         seed: Seed of the random start block.
         max_restarts: Cycles after the first before giving up.
-        block_size: Block size ``b`` (default :func:`default_block_size`;
-            clamped to ``[1, size]``).
+        block_size: ``b`` (default :func:`default_block_size`; within ``[1, size]``).
         depth: Krylov depth ``q`` per cycle (default: see :func:`basis_capacity`).
-        max_columns: Most columns of the basis the memory allows (``None``: no
-            limit); a cut basis runs :func:`cycle_budget` times the cycles.
+        max_columns: Most basis columns the memory allows (``None``: no limit); a
+            cut basis runs :func:`cycle_budget` times the cycles.
         rounding_floor: Whether pairs may be accepted at the products' measured
             rounding above ``tol`` (``False``: that raises instead).
 
     Returns:
-        Eigenvalues ``[k]`` ascending, orthonormal eigenvectors ``[size, k]`` as
-        columns, and the report.
+        Eigenvalues ``[k]`` ascending, orthonormal eigenvectors ``[size, k]``, report.
 
     Raises:
         SolverNotConvergedError: If the residuals stay above the bound, the
@@ -160,58 +140,143 @@ def block_krylov_eigh(
     width = min(size, max(width, 1))
 
     def solve(width: int) -> tuple[Tensor, Tensor, SolverReport]:
-        return _block_krylov(
-            matmul,
-            size,
-            top_k,
-            width,
-            dtype=dtype,
-            device=device,
-            tol=tol,
-            seed=seed,
-            max_restarts=max_restarts,
-            depth=depth,
-            max_columns=max_columns,
-            rounding_floor=rounding_floor,
+        """One solve with block size ``width``."""
+        capacity = basis_capacity(width, size, depth, top_k)
+        cut = None
+        cycles, stagnation = max_restarts + 1, STAGNATION_CYCLES
+        if max_columns is not None and max_columns < capacity:
+            least = minimum_capacity(top_k, width, size)
+            if max_columns < least:
+                raise InvalidArgumentError(
+                    f"max_columns={max_columns} leaves the Krylov basis fewer than "
+                    f"{least} columns (top_k + 2 blocks of {width}), too few for a "
+                    "restart to keep the leading Ritz vectors and add a block: allow "
+                    "more columns or ask for fewer pairs."
+                )
+            # a cut cycle adds fewer blocks: as many blocks to run and to stagnate
+            ratio = cycle_budget(top_k, width, max_columns, capacity)
+            cycles = math.ceil(cycles * ratio)
+            stagnation = math.ceil(stagnation * ratio)
+            cut = f"basis cut to {max_columns} of {capacity} columns by memory"
+            capacity = max_columns
+        kept = restart_size(top_k, width, capacity)
+        generator = torch.Generator().manual_seed(seed)
+        start = torch.randn(size, width, generator=generator, dtype=torch.float64)
+        # blocks are rows [b, size], as the basis: row-by-row products run faster
+        block, _ = orthonormalize(None, start.T.contiguous().to(device))
+        image = following = rounding = None  # ρ: at the latest confirmation
+        products, limit = 0, tol
+        history: list[float] = []
+        # the images in the products' type, at least float32
+        image_dtype = torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
+
+        def apply(rows: Tensor, widen: bool = True) -> Tensor:
+            """``(A Uᵀ)ᵀ`` for a block of rows ``U``: the operator takes columns."""
+            nonlocal products
+            products += rows.shape[0]
+            images = matmul(rows.to(dtype).T).T
+            if not widen:  # a confirmation's: read once, in chunks
+                return images
+            return images.to(torch.float64, memory_format=torch.contiguous_format)
+
+        for cycle in range(1, cycles + 1):
+            image = apply(block) if image is None else image
+            krylov = KrylovBasis(block, image, capacity, image_dtype)
+            block = image = None  # copied into the basis
+            if following is not None:  # thick restart: go on from the last remainder
+                krylov.append(following, apply(following))
+            while True:
+                # the kept Ritz pairs (a restart's), the leading k of them the result's
+                theta, restart_coefficients = krylov.rayleigh_ritz(kept)
+                theta, coefficients = theta[-top_k:], restart_coefficients[:, -top_k:]
+                new, residual_gram = krylov.expansion()
+                fits = new is not None and new.shape[0] <= krylov.room
+                residual = krylov.estimated_residual(theta, coefficients, residual_gram)
+                # a narrow block confirms once the basis holds top_k Ritz pairs
+                ready = residual <= limit and theta.numel() == top_k
+                if ready or not fits:  # confirm, or the last chance
+                    ritz, stored_images = krylov.ritz_vectors(coefficients, widen=False)
+                    ritz_images = apply(ritz, widen=False)
+                    # the residual from fresh images, ρ from the same products
+                    residual = relative_norm(theta, ritz_images, ritz, theta)
+                    rounding = relative_norm(theta, ritz_images, stored_images)
+                    del stored_images
+                    limit = max(tol, ROUNDING_FACTOR * rounding)
+                    if limit >= 1 or (limit > tol and not rounding_floor):
+                        break  # pairs within the floor resolve nothing, or are refused
+                    if residual <= limit:
+                        if limit > tol:
+                            _warn_rounding_floor(tol, limit, residual, rounding, dtype)
+                        report = SolverReport(
+                            solver="gram_krylov",
+                            requested="gram_krylov",
+                            residual=residual,
+                            tolerance=limit,
+                            converged=True,
+                            cycles=cycle,
+                            products=products,
+                            rounding=rounding,
+                            requested_tolerance=tol,
+                            basis_columns=capacity,
+                            basis_cut=cut,
+                            block_size=width,
+                        )
+                        return theta.to(dtype), ritz.to(dtype).T, report
+                if not fits:
+                    break
+                krylov.append(new, apply(new))
+            history.append(residual)
+            if limit >= 1 or (limit > tol and not rounding_floor):
+                break
+            if min(history) < min(history[-stagnation:], default=0.0):
+                break
+            # the last chance confirmed the leading k of the kept Ritz vectors: their
+            # fresh images replace the ones combined from the basis' images
+            block, image = krylov.ritz_vectors(restart_coefficients)
+            image[-ritz_images.shape[0] :] = ritz_images
+            following, krylov = new, None  # the next basis replaces this one
+        raise SolverNotConvergedError(
+            f"The iterative eigensolver did not reach the relative residual "
+            f"{_unreached(tol, limit, rounding, rounding_floor)} "
+            f"for the top {top_k} eigenpairs of the {size} x {size} operator (the Gram "
+            "matrix; with route='implicit' the GGN in parameter space): best "
+            f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
+            f"products{'' if cut is None else f'; {cut}'}). Use a larger tol (at "
+            "least the rounding floor of the data type, about 100·eps), float64 "
+            "(gram_dtype=torch.float64; with route='implicit' a float64 model, "
+            "model.double()), or, where the Gram matrix can be formed (LowRankGGN), "
+            "solver='dense' (exact, O((N·C)^3))."
         )
 
-    theta, vectors, report = solve(width)
-    doubt = widened = narrow_block_doubt(theta, report, width, top_k)
-    products = report.products
-    while doubt is not None:
+    total_products, widened = 0, None
+    while True:
+        theta, vectors, report = solve(width)
+        total_products += report.products
+        doubt = narrow_block_doubt(theta, report, width, top_k)
+        if doubt is None:
+            break
+        widened = widened or doubt
         # the widest block whose smallest basis, top_k + 2·b columns, fits
         fits_all = max_columns is None or max_columns >= size
-        wider = top_k if fits_all else (max_columns - top_k) // 2
-        if min(wider, top_k) <= width:
+        wider = min(top_k, top_k if fits_all else (max_columns - top_k) // 2)
+        if wider <= width:
             raise SolverNotConvergedError(
                 f"The block of {width} vectors cannot certify the top {top_k} "
                 f"eigenpairs ({doubt}), and the memory allows no wider block "
                 f"(max_columns={max_columns}): ask for fewer pairs, or free memory "
                 "for a larger Krylov basis."
             )
-        width = min(wider, top_k)
-        theta, vectors, report = solve(width)
-        products += report.products
-        doubt = narrow_block_doubt(theta, report, width, top_k)
-    return (
-        theta,
-        vectors,
-        dataclasses.replace(report, products=products, widened=widened),
-    )
+        width = wider
+    report = dataclasses.replace(report, products=total_products, widened=widened)
+    return theta, vectors, report
 
 
 def narrow_block_doubt(
     theta: Tensor, report: SolverReport, width: int, top_k: int
 ) -> str | None:
-    """Why a block of ``width < top_k`` may have missed a leading eigenpair.
+    """Why a block of ``width < top_k`` may have missed a leading pair, or ``None``.
 
-    A cluster of ``b`` or more Ritz values (within :data:`CLUSTER_FACTOR` times the
-    report's bound) followed by smaller ones, an exhausted Krylov space, or pairs
-    accepted at the rounding floor (``docs/math.rst``, "Narrow blocks"). ``theta``
-    are the Ritz values returned, ascending.
-
-    Returns:
-        The reason, or ``None`` where the pairs are certain (always for ``b ≥ k``).
+    ``docs/math.rst``, "Narrow blocks"; ``theta`` are the Ritz values, ascending.
     """
     if width >= top_k:
         return None
@@ -242,129 +307,6 @@ def narrow_block_doubt(
                 )
             start = index + 1
     return None
-
-
-def _block_krylov(
-    matmul: Callable[[Tensor], Tensor],
-    size: int,
-    top_k: int,
-    width: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    tol: float,
-    seed: int,
-    max_restarts: int,
-    depth: int | None,
-    max_columns: int | None,
-    rounding_floor: bool,
-) -> tuple[Tensor, Tensor, SolverReport]:
-    """One solve of :func:`block_krylov_eigh` with block size ``width``."""
-    capacity = basis_capacity(width, size, depth, top_k)
-    cut = None
-    cycles, stagnation = max_restarts + 1, STAGNATION_CYCLES
-    if max_columns is not None and max_columns < capacity:
-        least = minimum_capacity(top_k, width, size)
-        if max_columns < least:
-            raise InvalidArgumentError(
-                f"max_columns={max_columns} leaves the Krylov basis fewer than "
-                f"{least} columns (top_k + 2 blocks of {width}), too few for a "
-                "restart to keep the leading Ritz vectors and add a block: allow "
-                "more columns or ask for fewer pairs."
-            )
-        # a cut cycle adds fewer blocks: as many blocks to run and to stagnate
-        ratio = cycle_budget(top_k, width, max_columns, capacity)
-        cycles, stagnation = math.ceil(cycles * ratio), math.ceil(stagnation * ratio)
-        cut = f"basis cut to {max_columns} of {capacity} columns by memory"
-        capacity = max_columns
-    kept = restart_size(top_k, width, capacity)
-    generator = torch.Generator().manual_seed(seed)
-    start = torch.randn(size, width, generator=generator, dtype=torch.float64)
-    # blocks are rows [b, size], as the basis: row-by-row products run faster
-    block, _ = orthonormalize(None, start.T.contiguous().to(device))
-    image = following = rounding = None  # ρ: at the latest confirmation
-    products, limit = 0, tol
-    history: list[float] = []
-    # the images in the products' type, at least float32
-    image_dtype = torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
-
-    def apply(rows: Tensor, widen: bool = True) -> Tensor:
-        """``(A Uᵀ)ᵀ`` for a block of rows ``U``: the operator takes columns."""
-        nonlocal products
-        products += rows.shape[0]
-        images = matmul(rows.to(dtype).T).T
-        if not widen:  # a confirmation's: read once, in chunks
-            return images
-        return images.to(torch.float64, memory_format=torch.contiguous_format)
-
-    for cycle in range(1, cycles + 1):
-        image = apply(block) if image is None else image
-        krylov = KrylovBasis(block, image, capacity, image_dtype)
-        block = image = None  # copied into the basis
-        if following is not None:  # thick restart: go on from the last remainder
-            krylov.append(following, apply(following))
-        while True:
-            # the kept Ritz pairs (a restart's), the leading k of them the result's
-            theta, restart_coefficients = krylov.rayleigh_ritz(kept)
-            theta, coefficients = theta[-top_k:], restart_coefficients[:, -top_k:]
-            new, residual_gram = krylov.expansion()
-            fits = new is not None and new.shape[0] <= krylov.room
-            residual = krylov.estimated_residual(theta, coefficients, residual_gram)
-            # a narrow block confirms once the basis holds top_k Ritz pairs
-            ready = residual <= limit and theta.numel() == top_k
-            if ready or not fits:  # confirm, or the last chance
-                ritz, stored_images = krylov.ritz_vectors(coefficients, widen=False)
-                ritz_images = apply(ritz, widen=False)
-                # the residual from fresh images, ρ from the same products
-                residual = relative_norm(theta, ritz_images, ritz, theta)
-                rounding = relative_norm(theta, ritz_images, stored_images)
-                del stored_images
-                limit = max(tol, ROUNDING_FACTOR * rounding)
-                if limit >= 1 or (limit > tol and not rounding_floor):
-                    break  # pairs within the floor resolve nothing, or are refused
-                if residual <= limit:
-                    if limit > tol:
-                        _warn_rounding_floor(tol, limit, residual, rounding, dtype)
-                    report = SolverReport(
-                        solver="gram_krylov",
-                        requested="gram_krylov",
-                        residual=residual,
-                        tolerance=limit,
-                        converged=True,
-                        cycles=cycle,
-                        products=products,
-                        rounding=rounding,
-                        requested_tolerance=tol,
-                        basis_columns=capacity,
-                        basis_cut=cut,
-                        block_size=width,
-                    )
-                    return theta.to(dtype), ritz.to(dtype).T, report
-            if not fits:
-                break
-            krylov.append(new, apply(new))
-        history.append(residual)
-        if limit >= 1 or (limit > tol and not rounding_floor):
-            break
-        if min(history) < min(history[-stagnation:], default=0.0):
-            break
-        # the last chance confirmed the leading k of the kept Ritz vectors: their
-        # fresh images replace the ones combined from the basis' images
-        block, image = krylov.ritz_vectors(restart_coefficients)
-        image[-ritz_images.shape[0] :] = ritz_images
-        following, krylov = new, None  # the next basis replaces this one
-    raise SolverNotConvergedError(
-        f"The iterative eigensolver did not reach the relative residual "
-        f"{_unreached(tol, limit, rounding, rounding_floor)} "
-        f"for the top {top_k} eigenpairs of the {size} x {size} operator (the Gram "
-        "matrix; with route='implicit' the GGN in parameter space): best "
-        f"{min(history):.1e} after {len(history)} Krylov cycles ({products} "
-        f"products{'' if cut is None else f'; {cut}'}). Use a larger tol (at "
-        "least the rounding floor of the data type, about 100·eps), float64 "
-        "(gram_dtype=torch.float64; with route='implicit' a float64 model, "
-        "model.double()), or, where the Gram matrix can be formed (LowRankGGN), "
-        "solver='dense' (exact, O((N·C)^3))."
-    )
 
 
 def _unreached(

@@ -1,7 +1,6 @@
 """The block Krylov solver's basis: orthonormal rows, their images and ``Qᵀ A Q``.
 
-The parts of :mod:`vivit.linalg.iterative` that touch vectors of the operator's side
-(``docs/math.rst``, "The Gram matrix and exact eigenpairs").
+The parts of :mod:`vivit.linalg.iterative` that touch vectors of the operator's side.
 """
 
 from __future__ import annotations
@@ -9,26 +8,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: Directions whose norm after orthogonalization is below this fraction of the
-#: block's largest are dropped: the Krylov space is exhausted (an invariant
-#: subspace). Small ones above it are kept: near convergence they are not noise.
+#: Directions below this fraction of the block's largest norm after orthogonalization
+#: are dropped: the Krylov space is exhausted (an invariant subspace).
 DROP_TOLERANCE = 1e-13
 #: Up to this condition number of a projected block's Gram matrix one
 #: normalization (SVQB) leaves the block orthonormal within ``100·ε``, and the
 #: third projection is skipped (``docs/math.rst``, "Implicit GGN-vector products").
 SINGLE_SVQB_CONDITION = 100.0
-#: Entries per row of the chunks in which rows are compared or combined in
-#: float64, so that no temporary has the operator's side length.
+#: Entries per row of a float64 chunk: no temporary has the operator's side length.
 NORM_ROWS = 2**16
 
 
 def relative_norm(
     theta: Tensor, first: Tensor, second: Tensor, scales: Tensor | None = None
 ) -> float:
-    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` of rows ``[k, R]`` (``0`` if ``θ = 0``).
-
-    In float64 chunks; ``scales`` are ``s_i`` (``None``: 1).
-    """
+    """``max_i ‖a_i − s_i b_i‖ / max |θ|`` (0 if ``θ = 0``) of rows, in float64."""
     scale = theta.abs().max().item()
     if scale == 0:
         return 0.0
@@ -45,10 +39,9 @@ def relative_norm(
 class KrylovBasis:
     """An orthonormal basis ``Q`` of ``[X, A X, A² X, …]``, its image and ``Qᵀ A Q``.
 
-    Kept one vector per row (``[m, R]``, at most ``capacity``), so that a new block
-    writes only its own rows; ``T = Qᵀ A Q`` grows with it. The basis is float64,
-    the images ``dtype``: the products' type (at least float32), exact for them.
-    ``block`` is the orthonormal start block ``X`` ``[b, R]``, ``image`` ``A X``.
+    One vector per row (``[m, R]``, at most ``capacity``): a new block writes only
+    its rows. The basis is float64, the images ``dtype`` (the products' type, at
+    least float32). ``block``: the orthonormal start ``X`` ``[b, R]``, ``image`` ``AX``.
     """
 
     def __init__(self, block: Tensor, image: Tensor, capacity: int, dtype: torch.dtype):
@@ -79,9 +72,8 @@ class KrylovBasis:
     def expansion(self) -> tuple[Tensor | None, Tensor]:
         """The next block ``R = (I − Q Qᵀ) A Q_last``, orthonormalized, and ``Rᵀ R``.
 
-        ``R`` is all of ``A Q − Q T``, so ``‖A Q s − θ Q s‖ = ‖R s_last‖``: ``Rᵀ R``
-        gives every residual without forming Ritz vectors. The block is ``None``
-        where the Krylov space is exhausted, and may not fit into the basis.
+        ``‖A Q s − θ Q s‖ = ‖R s_last‖``: ``Rᵀ R`` gives every residual without Ritz
+        vectors. The block is ``None`` where exhausted; it may not fit the basis.
         """
         basis = self._basis_rows[: self._filled]
         coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
@@ -108,10 +100,7 @@ class KrylovBasis:
     def ritz_vectors(
         self, coefficients: Tensor, widen: bool = True
     ) -> tuple[Tensor, Tensor]:
-        """Ritz vectors ``Q s`` and images ``A Q s``, rows ``[c, R]``.
-
-        The images are float64 if ``widen``, else in the type they are kept in.
-        """
+        """Ritz vectors ``Q s`` and images ``A Q s`` (float64 if ``widen``), rows."""
         m = self._filled
         basis, images = self._basis_rows[:m], self._image_rows[:m]
         if images.dtype == torch.float64:
@@ -132,11 +121,9 @@ def orthonormalize(
 ) -> tuple[Tensor, Tensor]:
     """Orthonormal rows ``[b', R]`` spanning ``block`` minus its part in the basis.
 
-    Classical Gram-Schmidt twice, then SVQB; once more where SVQB was
-    ill-conditioned (:data:`SINGLE_SVQB_CONDITION`). Vanishing directions are
-    dropped. ``coefficients`` is ``basis · blockᵀ`` where already computed (saves a
-    pass). Also returns the Gram matrix ``[b, b]`` of the block after the first
-    projection.
+    Classical Gram-Schmidt twice, then SVQB, all again where ill-conditioned; drops
+    vanishing directions. ``coefficients``: ``basis · blockᵀ`` where known. Also
+    returns the block's Gram matrix ``[b, b]`` after the first projection.
     """
     residual_gram = block.new_zeros(block.shape[0], block.shape[0])
     scale = block.norm(dim=1).max()

@@ -1,7 +1,6 @@
-"""The low-rank GGN of a parameter group as a linear operator, never formed.
+"""The GGN ``G`` of a parameter group and its pseudo-inverse as operators, never formed.
 
-``G w`` and the pseudo-inverse ``G_K⁺ w`` on the leading eigenspace, through products
-with ``V`` or implicit ones; also as a :class:`scipy.sparse.linalg.LinearOperator`.
+Also as :class:`scipy.sparse.linalg.LinearOperator`.
 """
 
 from __future__ import annotations
@@ -26,17 +25,18 @@ Eigenpairs = Callable[[int | None, str | None], tuple[Tensor, Tensor]]
 
 
 class OperatorProducts(Protocol):
-    """``G w`` and ``G_K⁺ w`` of one parameter group in parameter-list format."""
+    """``G w`` and ``G_K⁺ w = Σ_k e_k e_kᵀ w / λ_k`` (:data:`Eigenpairs`) of a group.
+
+    Vectors: one ``[K, *p.shape]`` per parameter.
+    """
 
     dtype: torch.dtype  # the type the products run in
 
-    def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
-        """``G w`` for one tensor ``[K, *p.shape]`` per parameter."""
+    def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]: ...  # noqa: D102
 
-    def pinv_matmul(
+    def pinv_matmul(  # noqa: D102
         self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
-    ) -> list[Tensor]:
-        """``Σ_k e_k e_kᵀ w / λ_k`` of the eigenpairs (:data:`Eigenpairs`)."""
+    ) -> list[Tensor]: ...
 
 
 class GramSpaceProducts:
@@ -52,8 +52,7 @@ class GramSpaceProducts:
     def pinv_matmul(  # noqa: D102
         self, vectors: Sequence[Tensor], evals: Tensor, directions: Tensor
     ) -> list[Tensor]:
-        # in float64: λ² underflows float32 for small resolved eigenvalues (a
-        # confident softmax); the coefficients, λ^(-3/2)·eᵀw, are cast back
+        # in float64: λ² underflows float32 for small resolved eigenvalues
         products = self._products.vt_matmul(vectors)
         projections = products.double() @ directions.double()
         scales = evals.double() ** -2
@@ -66,13 +65,9 @@ class GGNOperator:
 
     Vectors are flat over the group's parameters (each flattened row-major, in the
     group's order), ``[D]`` or ``[D, K]``, or one tensor per parameter, ``p.shape``
-    or ``[K, *p.shape]``. Obtained from :meth:`vivit.LowRankGGN.operator` or
-    :meth:`vivit.StreamingGGN.operator`.
-
-    Args:
-        products: ``G w`` and ``G_K⁺ w`` of the group.
-        params: The group's parameters (shapes, data type, device).
-        eigenpairs: Leading eigenpairs, for :meth:`pinv_matvec`.
+    or ``[K, *p.shape]``. From :meth:`vivit.LowRankGGN.operator` or
+    :meth:`vivit.StreamingGGN.operator` (``products``, the group's ``params`` and
+    ``eigenpairs`` for :meth:`pinv_matvec`).
 
     Attributes:
         shape: ``(D, D)``.
@@ -94,7 +89,6 @@ class GGNOperator:
         self.shape = (size, size)
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self._work_dtype = products.dtype
 
     def matvec(self, vectors: Tensor | Sequence[Tensor]) -> Tensor | list[Tensor]:
         """``G v`` in the format of ``vectors`` (see :class:`GGNOperator`)."""
@@ -107,7 +101,7 @@ class GGNOperator:
         top_k: int | None = None,
         solver: str | None = None,
     ) -> Tensor | list[Tensor]:
-        """``G_K⁺ v``: the pseudo-inverse on the leading eigenspace.
+        """``G_K⁺ v = Σ_k e_k e_kᵀ v / λ_k``, in the format of ``vectors``.
 
         Args:
             vectors: As for :meth:`matvec`.
@@ -115,9 +109,6 @@ class GGNOperator:
                 above the numerical-zero tolerance, the pseudo-inverse of ``G``).
             solver: Eigensolver for ``top_k`` pairs (``None``: the one of the
                 :class:`~vivit.LowRankGGN`).
-
-        Returns:
-            ``Σ_k e_k e_kᵀ v / λ_k`` in the format of ``vectors``.
 
         Raises:
             NonFiniteError: If eigenvalues too small for the products' type make
@@ -159,14 +150,8 @@ class GGNOperator:
             return real_matmat(array)
 
         dtype = torch.empty((), dtype=self.dtype).numpy().dtype
-        return LinearOperator(
-            self.shape,
-            matvec=matmat,
-            rmatvec=matmat,
-            matmat=matmat,
-            rmatmat=matmat,
-            dtype=dtype,
-        )
+        symmetric = dict.fromkeys(("matvec", "rmatvec", "matmat", "rmatmat"), matmat)
+        return LinearOperator(self.shape, dtype=dtype, **symmetric)
 
     def _to_rows(
         self, vectors: Tensor | Sequence[Tensor]
@@ -192,24 +177,16 @@ class GGNOperator:
         else:
             rows = [torch.as_tensor(v).to(self.dtype) for v in vectors]
             shapes = [tuple(v.shape) for v in rows]
+            batched = [s[1:] for s in shapes] == expected
             if shapes == expected:
-                rows, restore = (
-                    [v.unsqueeze(0) for v in rows],
-                    lambda r: [t[0] for t in r],
-                )
-            elif (
-                len(shapes) == len(expected)
-                and all(
-                    len(s) == len(e) + 1 and s[1:] == e
-                    for s, e in zip(shapes, expected, strict=True)
-                )
-                and len({s[0] for s in shapes}) == 1
-            ):
+                rows = [v.unsqueeze(0) for v in rows]
+                restore = lambda r: [t[0] for t in r]  # noqa: E731
+            elif batched and len({s[:1] for s in shapes}) == 1:  # one K for all
                 restore = list
             else:
                 raise InvalidArgumentError(
                     f"Expected one tensor per parameter of the group with shapes "
                     f"{expected} (optionally with a leading axis K), got {shapes}."
                 )
-        rows = [row.to(self._work_dtype) for row in rows]
+        rows = [row.to(self._products.dtype) for row in rows]
         return rows, lambda result: restore([r.to(self.dtype) for r in result])

@@ -1,8 +1,7 @@
 """Dense eigendecomposition of the Gram matrix, its numerical zero, and the map back.
 
-``e_k = V ẽ_k / √λ_k`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
-``gram`` is ``[R, R]``, positive semi-definite; ``evals`` ascending; ``gram_evecs``
-``[N·C, K]`` as columns; ``factors`` one per parameter of the group.
+``e_k = V ẽ_k / √λ_k`` (``docs/math.rst``, "The Gram matrix and exact eigenpairs");
+``evals`` ascending, ``gram_evecs`` ``[N·C, K]`` columns, ``factors`` one per parameter.
 """
 
 from __future__ import annotations
@@ -45,11 +44,7 @@ def gram_eigvalsh(gram: Tensor) -> Tensor:
 
 
 def gram_eigh_top(gram: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """The ``K = min(top_k, R)`` leading eigenpairs of a Gram matrix, exactly.
-
-    Eigenvalues ascending, eigenvectors ``[R, K]``. LAPACK's MRRR solver computes
-    those alone where :func:`~vivit.gram.memory.uses_subset_solver` says so.
-    """
+    """The ``min(top_k, R)`` leading eigenpairs, exactly (alone: uses_subset_solver)."""
     size = gram.shape[0]
     top_k = min(top_k, size)
     if not uses_subset_solver(size, top_k, gram.device):
@@ -80,10 +75,8 @@ def numerical_zero_tolerance(
     Args:
         evals: Eigenvalues of the Gram matrix, the largest among them, in its dtype.
         size: Side length of the Gram matrix (default: ``evals.numel()``).
-        factor_dtype: Type the factors of ``V`` were computed in (default: that
-            of ``evals``).
-        trace: ``tr(G̃)`` (default: ``Σ|λ|`` if ``evals`` holds all eigenvalues,
-            else its upper bound ``size · λ_max``).
+        factor_dtype: Type of the factors of ``V`` (default: that of ``evals``).
+        trace: ``tr(G̃)`` (default: ``Σ|λ|`` of all eigenvalues, else ``size·λ_max``).
     """
     if evals.numel() == 0:
         return 0.0
@@ -98,13 +91,9 @@ def numerical_zero_tolerance(
 def residual_zero_tolerance(evals: Tensor, residual: float, rounding: float) -> float:
     """Ritz values of an operator's eigensolve at or below this may be zero.
 
-    ``(r + ρ)·θ_max``, the pairs' residual bound against the exact operator
-    (``docs/math.rst``, "Without the Gram matrix: the residual bound").
-
-    Args:
-        evals: The Ritz values, the largest among them.
-        residual: ``r``, :attr:`~vivit.linalg.iterative.SolverReport.residual`.
-        rounding: ``ρ``, :attr:`~vivit.linalg.iterative.SolverReport.rounding`.
+    ``(r + ρ)·θ_max`` for the ``residual`` ``r`` and ``rounding`` ``ρ`` of the
+    :class:`~vivit.linalg.iterative.SolverReport` (``docs/math.rst``, "Without the
+    Gram matrix: the residual bound"); ``evals`` hold the largest Ritz value.
     """
     if evals.numel() == 0:
         return 0.0
@@ -120,15 +109,10 @@ def top_k_indices(
     *,
     tolerance: float | None = None,
 ) -> list[int]:
-    """Indices (ascending) of the ``top_k`` largest numerically non-zero eigenvalues.
+    """Indices of the ``top_k`` (``None``: all) leading non-zero eigenvalues.
 
-    ``top_k=None`` keeps all. The numerical zero is ``tolerance`` where given, else
-    :func:`numerical_zero_tolerance` of the other arguments.
-
-    Raises:
-        InvalidArgumentError: If ``top_k`` is not ``None`` or a positive integer.
+    Ascending. Zero: at most ``tolerance``, else :func:`numerical_zero_tolerance`.
     """
-    check_top_k(top_k)
     if tolerance is None:
         tolerance = numerical_zero_tolerance(evals, size, factor_dtype, trace)
     nonzero = [i for i, value in enumerate(evals.tolist()) if value > tolerance]
@@ -153,10 +137,7 @@ def check_gram_dtype(gram_dtype: torch.dtype | None) -> None:
 def direction_coefficients(
     gram_evecs: Tensor, evals: Tensor, tolerance: float = 0.0
 ) -> Tensor:
-    """Gram-space coefficients ``ẽ_k / √λ_k``, ``[N·C, K]``, of ``e_k = V ẽ_k / √λ_k``.
-
-    Zero for an eigenvalue at or below ``tolerance`` (at least 0): rounding noise.
-    """
+    """Gram coefficients ``ẽ_k / √λ_k``, ``[N·C, K]``; 0 where ``λ_k ≤ tolerance``."""
     resolved = evals > max(tolerance, 0.0)
     inverse_roots = torch.where(resolved, evals, 1.0).rsqrt() * resolved
     return gram_evecs * inverse_roots
@@ -168,9 +149,6 @@ def gram_to_param(
     evals: Tensor,
     tolerance: float = 0.0,
 ) -> list[Tensor]:
-    """GGN eigenvectors ``e_k``, one ``[K, *p.shape]`` per parameter, factors' dtype.
-
-    Eigenvalues at or below ``tolerance`` give zero vectors.
-    """
+    """GGN eigenvectors ``e_k``, ``[K, *p.shape]`` each, 0 where ``λ_k ≤ tolerance``."""
     coefficients = direction_coefficients(gram_evecs, evals, tolerance).T
     return v_matmul(factors, coefficients)

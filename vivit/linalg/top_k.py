@@ -1,11 +1,9 @@
 """Leading eigenpairs of a group's Gram matrix or GGN: the solvers, and running one.
 
-``"dense"`` is LAPACK on the Gram matrix; ``"gram_krylov"`` block Krylov
-(:mod:`vivit.linalg.iterative`) on it; ``"factor_krylov"`` on products with the
-factors of ``V`` (the Gram matrix never formed); ``"ggn_krylov"`` on ``G`` in
-parameter space (:mod:`vivit.sources.implicit`). ``"auto"`` is the cost model's
-choice (:mod:`vivit.memory.costs`), and falls back to ``"dense"`` where an
-iterative solve does not converge; one asked for by name raises.
+``"dense"``: LAPACK on the Gram matrix; ``"gram_krylov"``: block Krylov on it;
+``"factor_krylov"``: on products with ``V``'s factors; ``"ggn_krylov"``: on ``G``
+(:mod:`vivit.sources.implicit`). ``"auto"`` (:mod:`vivit.memory.costs`) falls back
+to ``"dense"`` where an iterative solve does not converge; one asked for raises.
 """
 
 from __future__ import annotations
@@ -38,15 +36,10 @@ RENAMED = {
     "implicit": "a route: route='implicit', chosen at construction",
 }
 #: Block size of the implicit route's products (at most ``top_k``): thinner blocks
-#: reach the leading pairs in fewer products, a vmapped product of ``b`` vectors
-#: costs a fixed overhead plus ``b`` vectors' work (``benchmarks/README.md``,
-#: "Narrow blocks").
+#: take fewer products (``benchmarks/README.md``, "Narrow blocks").
 IMPLICIT_BLOCK = 3
-#: Extra columns of the block of Gram products beyond ``top_k``
-#: (:func:`solver_block_size`).
+#: Extra columns of the block of Gram products beyond ``top_k``.
 GRAM_OVERSAMPLING = 8
-#: Bytes per entry of the iterative solvers' Krylov blocks (float64).
-_KRYLOV_ITEMSIZE = 8
 
 
 def check_solver(solver: str, top_k: int | None = 1) -> None:
@@ -71,14 +64,7 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
 
 
 def solver_block_size(solver: str, top_k: int, size: int) -> int:
-    """Block size ``b`` of an iterative solver (at most ``size``).
-
-    ``"ggn_krylov"``: ``min(k,`` :data:`IMPLICIT_BLOCK` ``)``, certified by
-    :func:`~vivit.linalg.iterative.narrow_block_doubt`; ``"factor_krylov"``:
-    ``k``; ``"gram_krylov"``: ``max(2·k, k +`` :data:`GRAM_OVERSAMPLING` ``)``, as
-    a product with a Gram matrix larger than the cache costs a pass over it.
-    ``size`` is the Gram matrix's side length (``D`` for ``"ggn_krylov"``).
-    """
+    """Block size ``b`` (at most ``size``); wide for gram_krylov: a pass a product."""
     if solver == "ggn_krylov":
         return min(size, top_k, IMPLICIT_BLOCK)
     if solver == "factor_krylov":
@@ -94,41 +80,28 @@ def iterative_workspace_bytes(
     columns: int | None = None,
     solver: str | None = None,
 ) -> int:
-    """Memory of the iterative solvers besides the Gram matrix.
+    """Bytes of the iterative solvers' workspace besides the ``size²`` Gram matrix.
 
-    The float64 basis and its images (``m`` columns each), their projection
-    (``m × m``), the Ritz vectors a restart keeps and their images, a block with
-    its image and the next (``max(b, k)`` each) and two blocks in ``dtype``.
-
-    Args:
-        size: Side length ``R`` of the Gram matrix.
-        top_k: Number of leading eigenpairs.
-        dtype: Data type of the products.
-        params: ``D`` for the matrix-free solver (a block of ``D``-vectors between
-            the two ``V``-products and its copy); ``None`` for Gram products.
-        columns: Columns ``m`` of the basis (``None``: the default,
-            :func:`~vivit.linalg.iterative.basis_capacity`).
-        solver: ``"gram_krylov"``, ``"factor_krylov"`` or ``"ggn_krylov"``
-            (``None``: ``"gram_krylov"`` without ``params``, else
-            ``"factor_krylov"``), for its :func:`solver_block_size`.
-
-    Returns:
-        Bytes.
+    The float64 basis (``columns``, default ``basis_capacity``), its images and
+    projection, the Ritz vectors a restart keeps and their images, three blocks of
+    ``max(b, k)`` and two in ``dtype`` (``D = params`` long too for the matrix-free
+    solver). ``solver`` defaults to ``"gram_krylov"`` without ``params``, else to
+    ``"factor_krylov"``.
     """
-    solver = solver or ("gram_krylov" if params is None else "factor_krylov")
-    width = solver_block_size(solver, top_k, size)
+    solver, width = _block_of(solver, top_k, size, params)
     wide = max(width, min(top_k, size))
     if columns is None:
         columns = basis_capacity(width, size, top_k=top_k)
     kept = restart_size(top_k, width, columns)
-    workspace = ((columns + 2 * kept + 3 * wide) * size + columns**2) * (
-        _KRYLOV_ITEMSIZE
-    )
+    workspace = ((columns + 2 * kept + 3 * wide) * size + columns**2) * 8  # float64
     workspace += columns * size * max(itemsize(dtype), 4)  # the images
-    workspace += 2 * wide * size * itemsize(dtype)
-    if params is not None:
-        workspace += 2 * wide * params * itemsize(dtype)
-    return workspace
+    return workspace + 2 * wide * (size + (params or 0)) * itemsize(dtype)
+
+
+def _block_of(solver: str | None, top_k: int, size: int, params: int | None):
+    """The solver (default by ``params``) and its :func:`solver_block_size`."""
+    solver = solver or ("gram_krylov" if params is None else "factor_krylov")
+    return solver, solver_block_size(solver, top_k, size)
 
 
 def fitting_basis_columns(
@@ -139,26 +112,16 @@ def fitting_basis_columns(
     params: int | None = None,
     solver: str | None = None,
 ) -> int:
-    """Columns ``m`` of the Krylov basis that the memory allows.
+    """Columns ``m`` of the Krylov basis (the solver's ``max_columns``) that fit.
 
     The default basis where its workspace fits ``budget_bytes``, else the most
     columns that fit, never below :func:`~vivit.linalg.iterative.minimum_capacity`
     (the caller refuses where even that does not fit). A cut basis restarts more
     often and converges all the same (``docs/math.rst``, "A basis cut by memory").
-
-    Args:
-        size: Side length of the operator (``D`` on the implicit route).
-        top_k: Number of leading eigenpairs.
-        dtype: Data type of the products.
-        budget_bytes: Memory the solver's workspace may take.
-        params: As for :func:`iterative_workspace_bytes`.
-        solver: As for :func:`iterative_workspace_bytes`.
-
-    Returns:
-        ``m``, the solver's ``max_columns``.
+    ``size`` is the operator's (``D`` on the implicit route); ``params`` and
+    ``solver`` as for :func:`iterative_workspace_bytes`.
     """
-    solver = solver or ("gram_krylov" if params is None else "factor_krylov")
-    width = solver_block_size(solver, top_k, size)
+    solver, width = _block_of(solver, top_k, size, params)
     top_k = min(top_k, size)
     low = minimum_capacity(top_k, width, size)  # returned where nothing fits
     high = max(low, basis_capacity(width, size, top_k=top_k))
@@ -190,26 +153,15 @@ def leading_eigenpairs(
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """The ``top_k`` leading eigenpairs of a group's Gram matrix.
 
-    Args:
-        products: ``U ↦ G̃ U`` for columns ``[N·C, K]``, without the Gram matrix
-            (``G V`` in parameter space for ``"ggn_krylov"``).
-        top_k: Number of leading eigenpairs.
-        solver: ``"dense"``, ``"gram_krylov"``, ``"factor_krylov"`` or
-            ``"ggn_krylov"``.
-        gram: Returns the Gram matrix, forming it if needed.
-        size: Side length ``N·C`` of the Gram matrix (``D`` for ``"ggn_krylov"``).
-        requested: The solver asked for; under ``"auto"`` an iterative solve that
-            does not converge warns and falls back to ``"dense"``.
-        dtype: Data type of the factors' products.
-        device: Their device.
-        tol: Relative residual bound of the iterative solvers (``None``: default).
-        seed: Seed of their start block.
-        max_columns: Most columns of their Krylov basis the memory allows
-            (:func:`fitting_basis_columns`; ``None``: the default basis).
+    ``products`` is ``U ↦ G̃ U`` for columns ``[N·C, K]`` without the Gram matrix
+    (``G V`` in parameter space for ``"ggn_krylov"``, ``size`` then ``D``);
+    ``gram`` returns the Gram matrix, formed if needed. Under ``requested="auto"``
+    an iterative solve that does not converge warns and falls back to ``"dense"``.
+    ``tol``, ``seed`` and ``max_columns`` (:func:`fitting_basis_columns`) are
+    :func:`~vivit.linalg.iterative.block_krylov_eigh`'s.
 
     Returns:
-        Eigenvalues ``[k]`` ascending, eigenvectors ``[size, k]`` as columns, and
-        the report.
+        Eigenvalues ``[k]`` ascending, eigenvectors ``[size, k]``, and the report.
 
     Raises:
         SolverNotConvergedError: If an explicitly requested iterative solver does
@@ -238,9 +190,7 @@ def leading_eigenpairs(
             if requested != "auto":
                 raise
             warnings.warn(
-                f"{error} Falling back to the dense solver.",
-                RuntimeWarning,
-                stacklevel=3,
+                f"{error} Falling back to the dense solver.", RuntimeWarning, 3
             )
             fallback = str(error)
     matrix = gram()
