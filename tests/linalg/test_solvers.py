@@ -676,8 +676,9 @@ def test_bad_solver_arguments():
     ggn = LowRankGGN(model, loss_func, (X, y))
     with pytest.raises(ValueError, match="pass top_k"):
         ggn.eigh(solver="factor_krylov")
-    with pytest.raises(ValueError, match="solver must be one of"):
-        ggn.newton_step(top_k=2, solver="cg")
+    for solver in ["cg", ["dense"]]:  # a list, unhashable, is refused by name too
+        with pytest.raises(ValueError, match="solver must be one of"):
+            ggn.newton_step(top_k=2, solver=solver)
     assert ggn.solver_report() is None
     with pytest.raises(IndexError):
         ggn.solver_report(group=3)

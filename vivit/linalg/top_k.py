@@ -49,7 +49,7 @@ def check_solver(solver: str, top_k: int | None = 1) -> None:
         InvalidArgumentError: If it is not a solver, if ``top_k`` is invalid, or if
             an iterative solver is asked for all eigenpairs.
     """
-    if solver in RENAMED:
+    if isinstance(solver, str) and solver in RENAMED:
         raise InvalidArgumentError(
             f"solver={solver!r} is now {RENAMED[solver]} (docs/migration.rst)."
         )
