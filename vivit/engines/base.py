@@ -178,26 +178,19 @@ class BatchInfo:
 
     @classmethod
     def of(
-        cls,
-        curvature: LossCurvature,
-        output: Tensor,
-        subsampling: Sequence[int] | None,
-        mc_samples: int,
-        mc_per: str,
-        grams: int,
-        gram_dtype: torch.dtype | None,
+        cls, curvature: LossCurvature, output: Tensor, request: CurvatureRequest
     ) -> BatchInfo:
-        """The batch of a loss on ``output``, once its ``grams`` Gram matrices fit.
+        """The batch of a loss on ``output``, once the request's Gram matrices fit.
 
         Raises:
             GramTooLargeError: If they do not.
         """
-        size = output.shape[0]
-        samples = tuple(range(size) if subsampling is None else subsampling)
-        columns = curvature.columns_per_sample(mc_samples, mc_per)
-        rows = len(samples) * columns
-        check_gram_fits(rows, grams, gram_dtype or output.dtype, output.device)
-        return cls(curvature.normalization, samples, columns, mc_samples)
+        mc, subsampling = request.mc_samples, request.subsampling
+        samples = tuple(range(output.shape[0]) if subsampling is None else subsampling)
+        columns = curvature.columns_per_sample(mc, request.mc_per)
+        dtype, rows = request.gram_dtype or output.dtype, len(samples) * columns
+        check_gram_fits(rows, request.grams_formed, dtype, output.device)
+        return cls(curvature.normalization, samples, columns, mc)
 
     @property
     def reduction(self) -> str:

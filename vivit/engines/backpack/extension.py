@@ -13,7 +13,9 @@ from torch.nn.modules.loss import _Loss
 
 from vivit._validation import check_subsampling, warn_random_forward
 from vivit.engines.backpack.obstacles import (
+    DROPS_OTHERS,
     FUNC_HINT,
+    Obstacle,
     bad_padding,
     forward_changes,
     refusal,
@@ -21,7 +23,7 @@ from vivit.engines.backpack.obstacles import (
 )
 from vivit.engines.backpack.support import analyse
 from vivit.engines.backpack.table import module_extensions, supported_types
-from vivit.engines.base import BatchInfo
+from vivit.engines.base import BatchInfo, CurvatureRequest
 from vivit.errors import (
     InvalidArgumentError,
     SharedWeightError,
@@ -53,11 +55,10 @@ class GramGGN(SqrtGGN):
         num_grams: int = 1,
         gram_dtype: torch.dtype | None = None,
     ):
-        self._mc_samples = mc_samples
-        self.mc_per = mc_per
-        self.compute_gradients = compute_gradients
-        self.num_grams = num_grams
-        self.gram_dtype = gram_dtype
+        # the request's fields in order: groups, mc_samples, mc_per, subsampling,
+        # generator, compute_gradients, num_grams, gram_dtype
+        fields = (mc_samples, mc_per, subsampling, None, compute_gradients, num_grams)
+        self.request = CurvatureRequest([], *fields, gram_dtype)
         self._batch: BatchInfo | None = None
         strategy = (
             LossHessianStrategy.SAMPLING if mc_samples else LossHessianStrategy.EXACT
@@ -74,7 +75,7 @@ class GramGGN(SqrtGGN):
 
     def get_num_mc_samples(self) -> int:
         """Number of Monte-Carlo samples ``M`` of the loss Hessian (``0``: exact)."""
-        return self._mc_samples
+        return self.request.mc_samples
 
     def __call__(
         self, module: Module, g_inp: tuple[Tensor, ...], g_out: tuple[Tensor, ...]
@@ -112,7 +113,7 @@ class GramGGN(SqrtGGN):
             self._seen.clear()
         params = [p for p in module.parameters() if p.requires_grad]
         if any(id(x) in self._seen for x in [module, *params]):
-            raise SharedWeightError(shared_weight_message(module, bool(params)))
+            raise _reached_again(module, params)
         try:
             super().__call__(module, g_inp, g_out)
         except AssertionError as error:
@@ -135,15 +136,8 @@ class GramGGN(SqrtGGN):
     def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
         """Record the batch context when the backward pass reaches the loss."""
         output = loss_module.input0
-        self._batch = BatchInfo.of(
-            curvature,
-            output,
-            check_subsampling(self.get_subsampling(), output.shape[0]),
-            self._mc_samples,
-            self.mc_per,
-            self.num_grams,
-            self.gram_dtype,
-        )
+        check_subsampling(self.get_subsampling(), output.shape[0])
+        self._batch = BatchInfo.of(curvature, output, self.request)
         return self._batch
 
     def current_batch(self, module: Module) -> BatchInfo:
@@ -181,20 +175,19 @@ def unsupported_layer_error(module: Module) -> Exception:
     )
 
 
-def shared_weight_message(module: Module, has_params: bool) -> str:
+def _reached_again(module: Module, params: list[Tensor]) -> Exception:
     """The error for a layer or weight the backward pass reached a second time."""
-    if not has_params:
-        return (
-            f"The backward pass reached {module} a second time: the layer is called "
-            "more than once in one forward pass, and BackPACK stores one input per "
-            "layer. Use a separate instance for every call, or let "
-            "LowRankGGN(model, ...) convert the model (it copies such layers); "
-            "with the hook API, model = backpack.extend(model, use_converter=True)."
+    if params:
+        message = (
+            f"the backward pass reached {module}, or one of its parameters, a second "
+            "time: a weight is used more than once in one forward pass (a layer "
+            f"called twice, or weights tied between layers), and {DROPS_OTHERS}"
         )
-    return (
-        f"The BackPACK engine cannot handle this model: the backward pass reached "
-        f"{module}, or one of its parameters, a second time, so a weight is used "
-        "more than once in one forward pass (a layer called twice, or weights tied "
-        "between layers). BackPACK keeps one contribution per parameter and would "
-        f"drop the others. {FUNC_HINT}"
+        return refusal([Obstacle(SharedWeightError, message)])
+    return SharedWeightError(
+        f"The backward pass reached {module} a second time: the layer is called "
+        "more than once in one forward pass, and BackPACK stores one input per "
+        "layer. Use a separate instance for every call, or let "
+        "LowRankGGN(model, ...) convert the model (it copies such layers); "
+        "with the hook API, model = backpack.extend(model, use_converter=True)."
     )

@@ -61,7 +61,7 @@ class GramLoss(ModuleExtension):
         curvature = LossCurvature(module, module.input0, module.input1)
         ext.start_batch(module, curvature)
         return curvature.sqrt_hessian(
-            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.mc_per
+            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.request.mc_per
         )
 
 
@@ -104,7 +104,7 @@ class GramParamsExtension(MatToJacMat):
                 active = subsample(inputs, subsampling=subsampling)
                 ggn = OuterProductFactors(active, positions(backproped), shape)
                 ggn = ggn.compact(GGN_COMPACT_RATIO)
-                if ext.compute_gradients:
+                if ext.request.compute_gradients:
                     out = positions(g_out[0].unsqueeze(0) * scale)
                     grad = OuterProductFactors(inputs, out, shape).compact()
             else:
@@ -113,7 +113,7 @@ class GramParamsExtension(MatToJacMat):
                 )
                 columns = mjp(backproped, sum_batch=False, subsampling=subsampling)
                 ggn = DenseFactors(columns.transpose(0, 1))
-                if ext.compute_gradients:
+                if ext.request.compute_gradients:
                     grads = mjp(g_out[0].unsqueeze(0), sum_batch=False)
                     grad = DenseFactors(grads.transpose(0, 1) * scale)
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)

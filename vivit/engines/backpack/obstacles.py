@@ -30,6 +30,8 @@ FUNC_HINT = (
 
 #: How many obstacles an error message names.
 MAX_NAMED = 3
+#: Why a weight used more than once is refused.
+DROPS_OTHERS = "BackPACK keeps one contribution per parameter: it would drop the others"
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from torch.nn import Module, Parameter, Sequential
 from torch.nn.utils.parametrize import is_parametrized
 
 from vivit.engines.backpack.obstacles import (
+    DROPS_OTHERS,
     Obstacle,
     bad_padding,
     forward_changes,
@@ -332,10 +333,8 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
         if len(params) == 1
         else f"the parameters {', '.join(params)} are"
     )
-    return (
-        f"{subject} used {len(layers)} times in one forward pass ({how}), and "
-        "BackPACK keeps one contribution per parameter: it would drop the others"
-    )
+    how = f"{len(layers)} times in one forward pass ({how})"
+    return f"{subject} used {how}, and {DROPS_OTHERS}"
 
 
 def _without_gradients(node: Node) -> Obstacle:

@@ -132,15 +132,7 @@ class FuncEngine(Engine):
         forward = _Forward(model, params, request.output)
         output = forward(inputs, measure=True)
         loss, curvature = model_loss(loss_func, output, targets)
-        batch = BatchInfo.of(
-            curvature,
-            output,
-            request.subsampling,
-            request.mc_samples,
-            request.mc_per,
-            request.grams_formed,
-            request.gram_dtype,
-        )
+        batch = BatchInfo.of(curvature, output, request)
         uses_of, rows_of = forward.uses(output)
         dense = [p for p in params if id(p) not in uses_of]
         total = num_samples(inputs)
