@@ -54,10 +54,6 @@ def check_output_selector(output: object) -> None:
 def select_output(output: object, selector: OutputSelector = None) -> Tensor:
     """The tensor the loss is computed from, out of what the model returned.
 
-    ``selector``: ``None`` (``output`` is that tensor), the key or attribute of a
-    structured output (a dict, a ``ModelOutput``, a named tuple, a dataclass), the
-    position in a tuple or list, or a function of ``output``.
-
     Raises:
         InvalidArgumentError: If there is no selector and ``output`` is not a tensor
             (naming its type and fields), the selector names no field of it, or
@@ -236,17 +232,13 @@ class CurvatureRequest:
 
     Attributes:
         param_groups: Disjoint lists of parameters, one GGN block each.
-        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        mc_per: What one MC draw of a cross-entropy output ``[N, C, *T]`` becomes.
-        subsampling: Samples whose curvature is used (``None``: all).
-        generator: Random generator for reproducible MC sampling.
+        mc_samples, mc_per, subsampling, generator, gram_dtype: As the options
+            of :class:`~vivit.options.CurvatureOptions`.
         output: Selects the output tensor (:func:`select_output`).
         compute_gradients: Also hand out per-sample-gradient factors.
-        num_grams: How many Gram matrices of side ``N·C`` the caller forms right
-            after the backward pass (``None``: one per group); a request whose
-            Gram matrices cannot fit is refused before the backward pass.
-        gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
-            the factors').
+        num_grams: Gram matrices of side ``N·C`` the caller forms right after the
+            backward pass (``None``: one per group); refused before it if they
+            cannot fit.
         samples_per_pass: Most samples per backward pass of an engine that splits
             a part (``None``: all at once), from :attr:`Engine.memory_budget`.
     """
@@ -282,12 +274,9 @@ class ContributionSink(Protocol):
 
 @dataclass
 class EngineOutput:
-    """What a run leaves besides the contributions.
+    """What a run leaves besides the contributions: the loss (detached) and ``∇L``.
 
-    Attributes:
-        loss: The mini-batch loss, detached.
-        gradients: ``∇L`` of every requested parameter, in request order (zeros
-            where the loss does not depend on it).
+    ``gradients`` are in request order, zeros where the loss does not depend on one.
     """
 
     loss: Tensor
@@ -317,10 +306,6 @@ class Engine(ABC):
     ) -> EngineOutput:
         """Evaluate ``loss_func(model(inputs), targets)`` and its curvature factors.
 
-        ``data`` is ``(inputs, targets)``, the inputs a tensor or a dict of tensors;
-        ``sink`` receives every requested parameter's contribution. Leaves the
-        parameters' ``.grad`` as they were.
-
-        Returns:
-            The loss and the mini-batch gradient.
+        ``data`` is ``(inputs, targets)``; ``sink`` receives every requested
+        parameter's contribution; the parameters' ``.grad`` are left as they were.
         """

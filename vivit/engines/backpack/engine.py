@@ -22,11 +22,7 @@ from vivit._validation import check_batch_norms
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.obstacles import FUNC_HINT
 from vivit.engines.backpack.support import inplace_flags, runnable_model
-from vivit.engines.backpack.table import (
-    MAX_POOLS,
-    forget_pool_indices,
-    store_pool_indices,
-)
+from vivit.engines.backpack.table import MAX_POOLS, POOL_INDICES, store_pool_indices
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
@@ -102,10 +98,9 @@ def _clean(modules: list[Module]) -> None:
     for module in modules:
         for layer in module.modules():
             memory_cleanup(layer)
-            forget_pool_indices(layer)
+            vars(layer).pop(POOL_INDICES, None)
         for param in module.parameters():
-            if hasattr(param, SAVEFIELD):
-                delattr(param, SAVEFIELD)
+            vars(param).pop(SAVEFIELD, None)
 
 
 def _restore_inplace(flags: dict[Module, bool]) -> None:

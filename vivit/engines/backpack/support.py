@@ -1,8 +1,7 @@
 """Whether the BackPACK engine can run a model, and if not, why: decided before running.
 
-:func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any other
-forward with ``torch.fx``, as BackPACK's converter does, naming each obstacle and where
-the forward meets it.
+A (nested) ``Sequential`` is read from its structure, any other forward traced with
+``torch.fx`` as BackPACK's converter does.
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ from vivit.engines.backpack.obstacles import (
     refusal,
     unsupported_layer,
 )
-from vivit.engines.backpack.table import LOSSES, supported_types
+from vivit.engines.backpack.table import supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
+from vivit.losses import SUPPORTED_LOSSES as LOSSES
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: The library's own frames (its tracer) are not the user's call site either.
@@ -80,9 +80,7 @@ def analyse(model: Module) -> Analysis:
             analysis.needs_conversion = True
             if not _convertible(node):
                 analysis.obstacles.append(_unsupported_function(node))
-        elif node.op == "get_attr" and isinstance(
-            _get_attr(model, node.target), Parameter
-        ):
+        elif node.op == "get_attr" and isinstance(_get_attr(model, node), Parameter):
             message = (
                 f"the parameter `{node.target}` is used directly{_where(node)} not "
                 "through a torch.nn layer"
@@ -110,11 +108,10 @@ def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | 
 
 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
-    """The module the BackPACK engine runs in place of ``model`` (and ``loss_func``).
+    """The model, or BackPACK's conversion of it, for the BackPACK engine to run.
 
-    The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
-    calling the same layers), which switches the caller's layers to ``inplace=False``
-    (restore them with :func:`inplace_flags`).
+    The conversion switches the caller's layers to ``inplace=False`` (restore them
+    with :func:`inplace_flags`).
 
     Raises:
         SharedWeightError: If a weight is used more than once in a forward pass.
@@ -191,8 +188,8 @@ def _sequential_chain(model: Module) -> list[str] | None:
     return chain
 
 
-def _get_attr(model: Module, target: str):
-    owner, _, name = target.rpartition(".")
+def _get_attr(model: Module, node: Node) -> object:
+    owner, _, name = node.target.rpartition(".")
     return getattr(model.get_submodule(owner), name)
 
 

@@ -99,18 +99,9 @@ def store_pool_indices(module: Module, inputs: tuple[Tensor, ...], output: Tenso
         setattr(module, POOL_INDICES, (output, indices))
 
 
-def forget_pool_indices(module: Module) -> None:
-    """Drop the indices :func:`store_pool_indices` left on a layer."""
-    if hasattr(module, POOL_INDICES):
-        delattr(module, POOL_INDICES)
-
-
 @cache
 def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDerivatives]:
-    """Sub-class max-pooling derivatives to take the forward's indices where stored.
-
-    Elsewhere (``MaxPool1d``, the caller's ``backpack.extend`` hooks) they recompute.
-    """
+    """Sub-class max-pooling derivatives to take the forward's indices where stored."""
 
     class SavedIndexMaxPool(derivatives):
         def get_pooling_idx(self, module, subsampling=None) -> Tensor:
@@ -125,15 +116,11 @@ def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDeriva
     return SavedIndexMaxPool
 
 
-#: Loss modules the engine starts the backward pass at.
-LOSSES = SUPPORTED_LOSSES
-
-
 def module_extensions() -> dict[type[Module], ModuleExtension]:
     """A fresh module table: layer class (exact type, not sub-classes) to extension."""
     batch_norm = GramBatchNormNd()
     return {
-        **{loss: GramLoss() for loss in LOSSES},
+        **{loss: GramLoss() for loss in SUPPORTED_LOSSES},
         nn.Linear: GramLinear(),
         nn.Conv1d: GramConvNd(Conv1DDerivatives()),
         nn.Conv2d: GramConvNd(Conv2DDerivatives()),
@@ -179,5 +166,5 @@ def supported_types() -> frozenset[type[Module]]:
 
 def supported_layer_names() -> str:
     """The supported layer classes' names (no losses), sorted, for error messages."""
-    layers = supported_types() - set(LOSSES)
+    layers = supported_types() - set(SUPPORTED_LOSSES)
     return ", ".join(sorted(cls.__name__ for cls in layers))

@@ -1,7 +1,6 @@
 """Factor forms of convolution and BatchNorm weights from forward hooks.
 
-:class:`LayerCapture` records the input (after forward pre-hooks) and output (before
-forward hooks) of every call of such a layer whose weight is requested
+Each call's input (after pre-hooks) and output (before hooks) is recorded
 (``docs/math.rst``, "Layer structure").
 """
 
@@ -87,10 +86,7 @@ def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
 
 
 def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
-    """Patches ``[B, C_in·k, T]`` of a convolution input ``[B, C_in, *spatial]``.
-
-    A grouped convolution with one-hot kernels (any stride, dilation, padding mode).
-    """
+    """Patches ``[B, C_in·k, T]`` of a convolution input (any padding mode)."""
     kernel = module.kernel_size
     dims = len(kernel)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode

@@ -51,10 +51,9 @@ def check_layers(model: Module) -> None:
 def check_samples_independent(
     forward: Callable[[ModelInputs], Tensor], inputs: ModelInputs, output: Tensor
 ) -> None:
-    """Re-run ``forward`` (without gradients) with sample 0 replaced by sample 1.
+    """Re-run ``forward`` with sample 0 replaced by sample 1: the others' must match.
 
-    The other samples' outputs must agree with ``output``, the (detached) output of
-    ``inputs`` (every tensor of a dict is perturbed).
+    ``output``: the (detached) output of ``inputs``.
 
     Raises:
         SampleCouplingError: If an output changed.
