@@ -1,8 +1,7 @@
 """The engine seam: what every engine hands to the group pipeline.
 
-An engine runs the forward and backward pass of one mini-batch, hands each requested
-parameter's :class:`ParamContribution` to a :class:`ContributionSink` (the group
-pipeline) as soon as it exists, and returns the loss and the mini-batch gradient.
+Each requested parameter's :class:`ParamContribution` goes to a
+:class:`ContributionSink` as soon as it exists; the run returns loss and gradient.
 """
 
 from __future__ import annotations
@@ -31,11 +30,7 @@ OutputSelector = str | int | Callable[[object], Tensor] | None
 
 
 def check_output_selector(output: object) -> None:
-    """Check an ``output`` option (:data:`OutputSelector`).
-
-    Raises:
-        InvalidArgumentError: If it is not one.
-    """
+    """Raise :class:`~vivit.errors.InvalidArgumentError` unless an OutputSelector."""
     if (
         output is None
         or callable(output)
@@ -159,11 +154,9 @@ class BatchInfo:
     """How the mini-batch and the loss define the scaling of ``V``.
 
     Attributes:
-        normalization: The loss's reduction and per-sample weights, which give
-            ``R`` of the loss on any set of samples.
+        normalization: The loss's reduction and per-sample weights (``R``).
         ggn_samples: Samples whose columns ``V`` holds (all, or the subsampling).
-        columns_per_sample: ``C`` (``C·T`` for cross-entropy on ``[N, C, *T]``) or
-            ``M`` Monte-Carlo samples (``M·T`` per token).
+        columns_per_sample: ``C`` (``C·T`` on ``[N, C, *T]``) or ``M`` (``M·T``).
         mc_samples: ``0`` for the exact loss Hessian, else ``M``.
     """
 
@@ -215,11 +208,7 @@ class BatchInfo:
 
 @dataclass
 class ParamContribution:
-    """One parameter's share of a backward pass.
-
-    Its columns of ``V`` (``ggn``), per-sample gradients ``∇ℓ_n`` of every sample
-    (``grad``, if requested) and the ``batch`` that scales them.
-    """
+    """One parameter's columns of ``V``, per-sample gradients (or ``None``), batch."""
 
     ggn: ParamFactors
     grad: ParamFactors | None

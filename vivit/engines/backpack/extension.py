@@ -34,16 +34,19 @@ from vivit.losses import LossCurvature, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
+#: Who converts a model for BackPACK.
+_CONVERT = (
+    "LowRankGGN(model, ...) converts models itself; with the hook API, use "
+    "model = backpack.extend(model, use_converter=True)"
+)
 
 
 class GramGGN(SqrtGGN):
-    """Backpropagate the GGN square root; keep per-parameter factors, not ``V``.
+    """BackPACK's ``SqrtGGN`` keeping each parameter's factors, not ``V``.
 
-    Extends BackPACK's ``SqrtGGN``: the loss records the :class:`BatchInfo`, layers
-    with parameters save a :class:`~vivit.engines.base.ParamContribution` under
-    ``param.vivit_contribution``. The arguments come checked and mean what those of
-    :class:`~vivit.engines.base.CurvatureRequest` mean (``num_grams``: the Gram
-    matrices held at once).
+    Layers with parameters save a :class:`~vivit.engines.base.ParamContribution`
+    under ``param.vivit_contribution``. The arguments (checked) are those of
+    :class:`~vivit.engines.base.CurvatureRequest`.
     """
 
     def __init__(
@@ -126,22 +129,21 @@ class GramGGN(SqrtGGN):
                 "GGN: between this layer and the loss, the forward combines tensors "
                 "outside of torch.nn layers, which BackPACK cannot follow. BackPACK's "
                 "converter turns `+` of two tensors, multiplication by a float and "
-                "flatten into layers (LowRankGGN(model, ...) converts models itself; "
-                "with the hook API, use model = backpack.extend(model, "
-                "use_converter=True)); any other function (torch.cat, F.relu, ...) "
+                f"flatten into layers ({_CONVERT}); any other function (torch.cat, "
+                "F.relu, ...) "
                 f"needs a supported layer in its place. {FUNC_HINT}"
             ) from error
         self._seen.update(id(x) for x in [module, *params])
 
     def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
-        """Record the batch context when the backward pass reaches the loss."""
+        """Record the batch when the backward pass reaches the loss."""
         output = loss_module.input0
         check_subsampling(self.get_subsampling(), output.shape[0])
         self._batch = BatchInfo.of(curvature, output, self.request)
         return self._batch
 
     def current_batch(self, module: Module) -> BatchInfo:
-        """The batch context the loss recorded for the running backward pass.
+        """The batch the loss recorded for the running backward pass.
 
         Raises:
             UnsupportedLossError: If the pass did not start at an extended loss.
@@ -157,10 +159,7 @@ class GramGGN(SqrtGGN):
 
 
 def unsupported_layer_error(module: Module) -> Exception:
-    """The error for a layer without a module extension, naming what fails inside.
-
-    Losses never get here: :func:`~vivit.losses.check_loss_function` refuses first.
-    """
+    """The error for a layer without a module extension, naming what fails inside."""
     name = f"{type(module).__name__} ({type(module).__module__})"
     if next(module.children(), None) is None:
         return refusal([unsupported_layer(name)])
@@ -169,9 +168,7 @@ def unsupported_layer_error(module: Module) -> Exception:
         return refusal(obstacles, context=f"Inside layer {name}: ")
     return UnsupportedLayerError(
         f"Layer {name} has a custom forward, which BackPACK cannot backpropagate "
-        "through as one layer. LowRankGGN(model, ...) converts such models "
-        "itself; with the hook API, extend the converted model: "
-        "model = backpack.extend(model, use_converter=True)."
+        f"through as one layer. {_CONVERT}."
     )
 
 
@@ -187,7 +184,6 @@ def _reached_again(module: Module, params: list[Tensor]) -> Exception:
     return SharedWeightError(
         f"The backward pass reached {module} a second time: the layer is called "
         "more than once in one forward pass, and BackPACK stores one input per "
-        "layer. Use a separate instance for every call, or let "
-        "LowRankGGN(model, ...) convert the model (it copies such layers); "
-        "with the hook API, model = backpack.extend(model, use_converter=True)."
+        "layer. Use a separate instance for every call, or let BackPACK's "
+        f"converter copy such layers: {_CONVERT}."
     )

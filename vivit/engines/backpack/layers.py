@@ -1,8 +1,7 @@
 """Module extensions of the loss and of layers with parameters: save factors, not ``V``.
 
-The loss starts the backward pass with the root of :mod:`vivit.losses`. Linear and
-convolution weights keep layer input and backpropagated vectors (``V`` itself where
-that is smaller); every other parameter gets its columns of ``V`` from ``param_mjp``.
+Linear and convolution weights keep layer input and backpropagated vectors; every
+other parameter gets its columns of ``V`` from BackPACK's ``param_mjp``.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ from backpack.extensions.module_extension import ModuleExtension
 from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
 from torch import Tensor
-from torch.nn import (
-    Module,
-)
+from torch.nn import Module
 
 from vivit._validation import check_batch_norm
 from vivit.engines.base import ParamContribution
@@ -41,11 +38,7 @@ Layout = tuple[Tensor, Callable[[Tensor], Tensor]]
 
 
 class GramLoss(ModuleExtension):
-    """Start the backward pass of a supported ``torch.nn`` loss module.
-
-    Its root scales by ``√R_S`` of the active samples alone, so curvature
-    subsampling is exact (``docs/math.rst``, "Losses").
-    """
+    """Start the backward pass at a loss module (``docs/math.rst``, "Losses")."""
 
     def backpropagate(self, ext, module, grad_inp, grad_out, backproped) -> Tensor:
         """``√R_S · S_n`` of the active samples, ``[K, |S|, *out]``.
@@ -66,11 +59,7 @@ class GramLoss(ModuleExtension):
 
 
 class GramParamsExtension(MatToJacMat):
-    """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
-
-    Its columns of ``V`` come from BackPACK's ``param_mjp``; sub-classes give a
-    weight with a factor form its :meth:`weight_layout`.
-    """
+    """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution."""
 
     def __init__(
         self, derivatives: BaseDerivatives, params: tuple[str, ...] = ("weight", "bias")

@@ -34,7 +34,7 @@ from vivit.engines.func.functional import (
     probe_vectors,
     sample_rows,
 )
-from vivit.engines.func.implicit import functional_output
+from vivit.engines.func.implicit import PartFunction
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.engines.func.vjp import (
     BatchedVJP,
@@ -392,12 +392,10 @@ class _Forward:
         per_pass: int,
     ) -> list[Tensor] | None:
         """Columns ``[B, V, *shape]`` of ``dense`` by :func:`per_sample_vjp` or None."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
 
         def sample_output(values: list[Tensor], x: ModelInputs) -> Tensor:
-            replaced = {names[id(p)]: v for p, v in zip(dense, values, strict=True)}
             one = map_inputs(x, lambda tensor: tensor[None])
-            return functional_output(self.model, replaced, one, self.selector)[0]
+            return PartFunction(self.model, dense, one, self.selector)(*values)[0]
 
         return per_sample_vjp(sample_output, dense, inputs, vectors[:], per_pass)
 

@@ -132,12 +132,9 @@ class FunctionCapture(TorchFunctionMode):
             a = bind(args, kwargs, names, defaults)
             shape = tuple(a["normalized_shape"])
             x = a["input"].detach()
+            no_affine = (None, None) if layer else (None,)  # no weight, no bias
             with torch.no_grad():
-                normalized = (
-                    F.layer_norm(x, shape, None, None, a["eps"])
-                    if layer
-                    else F.rms_norm(x, shape, None, a["eps"])
-                )
+                normalized = func(x, shape, *no_affine, a["eps"])
             use = _make("norm", x, output, len(shape), a["weight"], a["bias"], req)
             if use is not None:
                 use.inputs = normalized

@@ -6,6 +6,7 @@ torch.func computes them without forming a column of ``V`` (``docs/math.rst``,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -16,7 +17,6 @@ from torch.nn import Module, Parameter, RNNBase
 from torch.overrides import TorchFunctionMode
 
 from vivit.engines.base import OutputSelector, select_output
-from vivit.engines.func.recurrent import bind
 from vivit.errors import UnsupportedLayerError
 from vivit.model_inputs import ModelInputs
 
@@ -51,7 +51,7 @@ class PaddingRowsConstant(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.embedding:
-            a = bind(args, kwargs, _EMBEDDING_ARGS)
+            a = inspect.signature(func).bind(*args, **kwargs).arguments
             if a.get("padding_idx") is not None:
                 weight = a["weight"]
                 row = torch.zeros(weight.shape[0], 1, dtype=torch.bool)
@@ -61,10 +61,6 @@ class PaddingRowsConstant(TorchFunctionMode):
                 )
                 return func(**a)
         return func(*args, **kwargs)
-
-
-_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type")
-_EMBEDDING_ARGS += ("scale_grad_by_freq", "sparse")
 
 
 class PartFunction:
@@ -88,7 +84,12 @@ class PartFunction:
     def __call__(self, *values: Tensor) -> Tensor:
         """The selected output with the group's parameters set to ``values``."""
         params = dict(zip(self._names, values, strict=True))
-        return functional_output(self._model, params, self._inputs, self._selector)
+        inputs = self._inputs
+        args, kwargs = (
+            ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
+        )
+        output = functional_call(self._model, params, args, kwargs)
+        return select_output(output, self._selector)
 
     def jvp(self, tangents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """The output ``[N, *out]`` and ``J v`` ``[K, N, *out]``; tangents ``[K, *p]``.
@@ -113,16 +114,6 @@ class PartFunction:
             if self._pullback is None:
                 _, self._pullback = vjp(self, *self._primals)
             return list(vmap(self._pullback)(cotangents))
-
-
-def functional_output(
-    model: Module, values: dict[str, Tensor], inputs: ModelInputs, selector
-) -> Tensor:
-    """The selected output of ``model(inputs)``, named parameters set to ``values``."""
-    args, kwargs = (
-        ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
-    )
-    return select_output(functional_call(model, values, args, kwargs), selector)
 
 
 @contextmanager

@@ -57,13 +57,8 @@ class VectorStack(_Stack):
 
     def samples(self, start: int, stop: int) -> VectorStack:
         """The vectors of this stack's samples ``start:stop``, formed as lazily."""
-        first = self._samples.start
-        return VectorStack(
-            self._root,
-            self._ggn_samples,
-            self._gradients,
-            range(first + start, first + min(stop, len(self._samples))),
-        )
+        span = self._samples[start:stop]
+        return VectorStack(self._root, self._ggn_samples, self._gradients, span)
 
     def _parts(self, start: int, stop: int) -> list[Tensor]:
         parts = []
