@@ -275,10 +275,8 @@ class EngineOutput:
 class Engine(ABC):
     """Computes the per-parameter factors of ``V`` of one mini-batch.
 
-    Attributes:
-        name: ``"backpack"`` or ``"func"``.
-        memory_budget: Tensor entries one backward pass may hold, for an engine
-            that splits a part's samples into passes (``None``: it does not).
+    ``name``: ``"backpack"`` or ``"func"``; ``memory_budget``: tensor entries one
+    backward pass may hold, for an engine that splits a part's samples (or ``None``).
     """
 
     name: str

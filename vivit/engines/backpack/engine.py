@@ -48,12 +48,9 @@ EXTENDED_FLAG = "_backpack_extend"
 def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]]:
     """Model and loss ready for a BackPACK backward pass, unchanged afterwards.
 
-    Converts the model if needed and hooks the layers that lack BackPACK's hooks; on
-    exit, also after an error, removes hooks, what they stored and factors left on
-    parameters, and restores the ``inplace`` flags the converter switched.
-
-    Yields:
-        ``(net, loss_module)``: ``net`` is ``model`` or its conversion.
+    On exit, also after an error, removes the hooks, what they stored and factors
+    left on parameters, and restores ``inplace`` flags. Yields ``(net, loss_func)``,
+    ``net`` the model or its conversion.
 
     Raises:
         SharedWeightError: If a weight is used more than once in a forward pass.

@@ -1,9 +1,7 @@
 """Which layer runs which module extension: the one list of what the engine supports.
 
-Parameter-free layers keep BackPACK's ``SqrtGGN`` module extensions, with derivatives
-fixed where BackPACK 1.7.1 builds kernels in torch's default dtype (``AvgPool``,
-``Embedding``: float64 fails) or recomputes a max pooling to find the argmax that
-autograd saved; layers with parameters and losses use vivit's.
+Parameter-free layers keep BackPACK's ``SqrtGGN`` extensions, fixed where BackPACK
+1.7.1 builds kernels in the default dtype or recomputes a max pooling's argmax.
 """
 
 from __future__ import annotations

@@ -93,16 +93,11 @@ def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
     padded = F.pad(inputs, module._reversed_padding_repeated_twice, mode=mode)
     entries = math.prod(kernel)
     eye = torch.eye(entries, dtype=inputs.dtype, device=inputs.device)
-    one_hot = eye.reshape(entries, 1, *kernel).repeat(
-        module.in_channels, *[1] * (dims + 1)
-    )
-    patches = _CONVOLUTIONS[dims](
-        padded,
-        one_hot,
-        stride=module.stride,
-        dilation=module.dilation,
-        groups=module.in_channels,
-    )
+    channels = module.in_channels
+    one_hot = eye.reshape(entries, 1, *kernel).repeat(channels, *[1] * (dims + 1))
+    # (input, weight, bias, stride, padding, dilation, groups)
+    args = (None, module.stride, 0, module.dilation, channels)
+    patches = _CONVOLUTIONS[dims](padded, one_hot, *args)
     return patches.reshape(patches.shape[0], patches.shape[1], -1)
 
 

@@ -1,8 +1,7 @@
 """Refuse models whose output for one sample depends on other samples or on chance.
 
 Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone (``docs/math.rst``,
-"Setting"): layers known to break it are refused before the forward pass, anything
-else by a forward pass with sample 0 replaced by sample 1.
+"Setting").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Recurrent kernels step by step, so that their weights' linear maps are seen.
+"""Recurrent kernels step by step, every weight entering through ``F.linear``.
 
-A fused LSTM, GRU or RNN call (or a cell's) is evaluated by PyTorch's per-step
-equations, every weight entering through ``F.linear`` (``docs/math.rst``, "Recurrent
-layers"); packed sequences and dropout between layers keep the fused kernel.
+PyTorch's per-step equations (``docs/math.rst``, "Recurrent layers"); packed
+sequences and dropout between layers keep the fused kernel.
 """
 
 from __future__ import annotations
