@@ -1,8 +1,7 @@
 """The engine seam: what every engine hands to the group pipeline.
 
-An engine runs the forward and backward pass of one mini-batch, hands each requested
-parameter's :class:`ParamContribution` to a :class:`ContributionSink` (the group
-pipeline) as soon as it exists, and returns the loss and the mini-batch gradient.
+Each requested parameter's :class:`ParamContribution` goes to a
+:class:`ContributionSink` as soon as it exists; the run returns loss and gradient.
 """
 
 from __future__ import annotations
@@ -31,11 +30,7 @@ OutputSelector = str | int | Callable[[object], Tensor] | None
 
 
 def check_output_selector(output: object) -> None:
-    """Check an ``output`` option (:data:`OutputSelector`).
-
-    Raises:
-        InvalidArgumentError: If it is not one.
-    """
+    """Raise :class:`~vivit.errors.InvalidArgumentError` unless an OutputSelector."""
     if (
         output is None
         or callable(output)
@@ -53,10 +48,6 @@ def check_output_selector(output: object) -> None:
 
 def select_output(output: object, selector: OutputSelector = None) -> Tensor:
     """The tensor the loss is computed from, out of what the model returned.
-
-    ``selector``: ``None`` (``output`` is that tensor), the key or attribute of a
-    structured output (a dict, a ``ModelOutput``, a named tuple, a dataclass), the
-    position in a tuple or list, or a function of ``output``.
 
     Raises:
         InvalidArgumentError: If there is no selector and ``output`` is not a tensor
@@ -163,11 +154,9 @@ class BatchInfo:
     """How the mini-batch and the loss define the scaling of ``V``.
 
     Attributes:
-        normalization: The loss's reduction and per-sample weights, which give
-            ``R`` of the loss on any set of samples.
+        normalization: The loss's reduction and per-sample weights (``R``).
         ggn_samples: Samples whose columns ``V`` holds (all, or the subsampling).
-        columns_per_sample: ``C`` (``C·T`` for cross-entropy on ``[N, C, *T]``) or
-            ``M`` Monte-Carlo samples (``M·T`` per token).
+        columns_per_sample: ``C`` (``C·T`` on ``[N, C, *T]``) or ``M`` (``M·T``).
         mc_samples: ``0`` for the exact loss Hessian, else ``M``.
     """
 
@@ -178,26 +167,19 @@ class BatchInfo:
 
     @classmethod
     def of(
-        cls,
-        curvature: LossCurvature,
-        output: Tensor,
-        subsampling: Sequence[int] | None,
-        mc_samples: int,
-        mc_per: str,
-        grams: int,
-        gram_dtype: torch.dtype | None,
+        cls, curvature: LossCurvature, output: Tensor, request: CurvatureRequest
     ) -> BatchInfo:
-        """The batch of a loss on ``output``, once its ``grams`` Gram matrices fit.
+        """The batch of a loss on ``output``, once the request's Gram matrices fit.
 
         Raises:
             GramTooLargeError: If they do not.
         """
-        size = output.shape[0]
-        samples = tuple(range(size) if subsampling is None else subsampling)
-        columns = curvature.columns_per_sample(mc_samples, mc_per)
-        rows = len(samples) * columns
-        check_gram_fits(rows, grams, gram_dtype or output.dtype, output.device)
-        return cls(curvature.normalization, samples, columns, mc_samples)
+        mc, subsampling = request.mc_samples, request.subsampling
+        samples = tuple(range(output.shape[0]) if subsampling is None else subsampling)
+        columns = curvature.columns_per_sample(mc, request.mc_per)
+        dtype, rows = request.gram_dtype or output.dtype, len(samples) * columns
+        check_gram_fits(rows, request.grams_formed, dtype, output.device)
+        return cls(curvature.normalization, samples, columns, mc)
 
     @property
     def reduction(self) -> str:
@@ -226,11 +208,7 @@ class BatchInfo:
 
 @dataclass
 class ParamContribution:
-    """One parameter's share of a backward pass.
-
-    Its columns of ``V`` (``ggn``), per-sample gradients ``∇ℓ_n`` of every sample
-    (``grad``, if requested) and the ``batch`` that scales them.
-    """
+    """One parameter's columns of ``V``, per-sample gradients (or ``None``), batch."""
 
     ggn: ParamFactors
     grad: ParamFactors | None
@@ -243,17 +221,13 @@ class CurvatureRequest:
 
     Attributes:
         param_groups: Disjoint lists of parameters, one GGN block each.
-        mc_samples: ``0`` for the exact loss Hessian, else ``M`` MC samples.
-        mc_per: What one MC draw of a cross-entropy output ``[N, C, *T]`` becomes.
-        subsampling: Samples whose curvature is used (``None``: all).
-        generator: Random generator for reproducible MC sampling.
+        mc_samples, mc_per, subsampling, generator, gram_dtype: As the options
+            of :class:`~vivit.options.CurvatureOptions`.
         output: Selects the output tensor (:func:`select_output`).
         compute_gradients: Also hand out per-sample-gradient factors.
-        num_grams: How many Gram matrices of side ``N·C`` the caller forms right
-            after the backward pass (``None``: one per group); a request whose
-            Gram matrices cannot fit is refused before the backward pass.
-        gram_dtype: Type the caller accumulates the Gram matrices in (``None``:
-            the factors').
+        num_grams: Gram matrices of side ``N·C`` the caller forms right after the
+            backward pass (``None``: one per group); refused before it if they
+            cannot fit.
         samples_per_pass: Most samples per backward pass of an engine that splits
             a part (``None``: all at once), from :attr:`Engine.memory_budget`.
     """
@@ -289,12 +263,9 @@ class ContributionSink(Protocol):
 
 @dataclass
 class EngineOutput:
-    """What a run leaves besides the contributions.
+    """What a run leaves besides the contributions: the loss (detached) and ``∇L``.
 
-    Attributes:
-        loss: The mini-batch loss, detached.
-        gradients: ``∇L`` of every requested parameter, in request order (zeros
-            where the loss does not depend on it).
+    ``gradients`` are in request order, zeros where the loss does not depend on one.
     """
 
     loss: Tensor
@@ -304,10 +275,8 @@ class EngineOutput:
 class Engine(ABC):
     """Computes the per-parameter factors of ``V`` of one mini-batch.
 
-    Attributes:
-        name: ``"backpack"`` or ``"func"``.
-        memory_budget: Tensor entries one backward pass may hold, for an engine
-            that splits a part's samples into passes (``None``: it does not).
+    ``name``: ``"backpack"`` or ``"func"``; ``memory_budget``: tensor entries one
+    backward pass may hold, for an engine that splits a part's samples (or ``None``).
     """
 
     name: str
@@ -324,10 +293,6 @@ class Engine(ABC):
     ) -> EngineOutput:
         """Evaluate ``loss_func(model(inputs), targets)`` and its curvature factors.
 
-        ``data`` is ``(inputs, targets)``, the inputs a tensor or a dict of tensors;
-        ``sink`` receives every requested parameter's contribution. Leaves the
-        parameters' ``.grad`` as they were.
-
-        Returns:
-            The loss and the mini-batch gradient.
+        ``data`` is ``(inputs, targets)``; ``sink`` receives every requested
+        parameter's contribution; the parameters' ``.grad`` are left as they were.
         """

@@ -35,19 +35,13 @@ def resolve_engine(
     loss_func: Module,
     output: OutputSelector,
 ) -> Engine:
-    """The engine to run; nothing runs the model.
+    """The engine to run (``engine`` checked); nothing runs the model.
 
     ``"auto"`` picks the BackPACK engine when it can run the model and the loss
-    exactly (:func:`vivit.engines.backpack.unsupported_reason`) and the output is
-    selected by name or position, not by a function (which may compute from the
-    model's output, where BackPACK cannot follow); else the func engine. It logs
-    the choice and the reason (logger ``"vivit"``, level INFO).
-
-    Args:
-        engine: A name of :data:`ENGINE_NAMES` or an engine instance (checked).
-        model: The network.
-        loss_func: The loss module.
-        output: The ``output`` option (:func:`~vivit.engines.base.select_output`).
+    exactly (:func:`vivit.engines.backpack.unsupported_reason`) and the ``output``
+    option is not a function (which may compute from the model's output, where
+    BackPACK cannot follow); else the func engine. It logs the choice and the
+    reason (logger ``"vivit"``, level INFO).
     """
     if isinstance(engine, Engine):
         return engine

@@ -1,9 +1,8 @@
 """The BackPACK engine behind the engine seam: one backward pass in ``backpack()``.
 
-BackPACK's hooks are there for that pass only (:func:`extended`): ``backpack.extend``
-never removes its hooks, so every later ``backward`` would warn, ``torch.func``
-transforms fail on them, and each layer keep its last input. Modules the user
-extended (the ViViT-compatible hook API) keep their hooks.
+BackPACK's hooks are there for that pass only (``backpack.extend`` never removes
+them: later passes would warn, ``torch.func`` fail); modules the user extended keep
+theirs.
 """
 
 from __future__ import annotations
@@ -22,18 +21,13 @@ from vivit._validation import check_batch_norms
 from vivit.engines.backpack.extension import SAVEFIELD, GramGGN
 from vivit.engines.backpack.obstacles import FUNC_HINT
 from vivit.engines.backpack.support import inplace_flags, runnable_model
-from vivit.engines.backpack.table import (
-    MAX_POOLS,
-    forget_pool_indices,
-    store_pool_indices,
-)
+from vivit.engines.backpack.table import POOL_INDICES, store_pool_indices
 from vivit.engines.base import (
     ContributionSink,
     CurvatureRequest,
     Engine,
     EngineOutput,
     OutputSelector,
-    ParamContribution,
     check_scalar_loss,
     graph_nodes,
     model_loss,
@@ -54,15 +48,9 @@ EXTENDED_FLAG = "_backpack_extend"
 def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]]:
     """Model and loss ready for a BackPACK backward pass, unchanged afterwards.
 
-    Converts the model if its forward needs that (not the caller's model:
-    :func:`~vivit.engines.backpack.support.runnable_model`) and hooks the layers
-    that lack BackPACK's hooks. On exit, also after an error, removes the hooks,
-    what they stored and factors left on parameters, and restores the ``inplace``
-    flags the converter switched.
-
-    Yields:
-        ``(net, loss_module)``: compute the loss as ``loss_module(net(inputs),
-        targets)``; ``net`` is ``model`` or its conversion.
+    On exit, also after an error, removes the hooks, what they stored and factors
+    left on parameters, and restores ``inplace`` flags. Yields ``(net, loss_func)``,
+    ``net`` the model or its conversion.
 
     Raises:
         SharedWeightError: If a weight is used more than once in a forward pass.
@@ -70,21 +58,17 @@ def extended(model: Module, loss_func: Module) -> Iterator[tuple[Module, Module]
     """
     flags = inplace_flags(model)
     with ExitStack() as cleanup:
-        cleanup.callback(_restore_inplace, flags)
+        for layer, inplace in flags.items():
+            cleanup.callback(setattr, layer, "inplace", inplace)
         net = runnable_model(model, loss_func)
-        cleanup.callback(
-            _clean, [net, loss_func, *([model] if net is not model else [])]
-        )
+        cleanup.callback(_clean, [net, loss_func, model])  # net may be model
         for layer in [*net.modules(), *loss_func.modules()]:
             if not (is_no_op(layer) or _extended(layer)):
                 # torch remembers full backward hooks and would refuse the caller's
                 # register_backward_hook: forget them again
                 previous = layer._is_full_backward_hook
                 cleanup.callback(setattr, layer, "_is_full_backward_hook", previous)
-                hooks = [hook_store_io]
-                if isinstance(layer, MAX_POOLS):
-                    hooks.append(store_pool_indices)
-                for hook in hooks:
+                for hook in (hook_store_io, store_pool_indices):  # (max poolings)
                     cleanup.callback(layer.register_forward_hook(hook).remove)
                 backward = layer.register_full_backward_hook(hook_run_extensions)
                 cleanup.callback(backward.remove)
@@ -102,15 +86,9 @@ def _clean(modules: list[Module]) -> None:
     for module in modules:
         for layer in module.modules():
             memory_cleanup(layer)
-            forget_pool_indices(layer)
+            vars(layer).pop(POOL_INDICES, None)
         for param in module.parameters():
-            if hasattr(param, SAVEFIELD):
-                delattr(param, SAVEFIELD)
-
-
-def _restore_inplace(flags: dict[Module, bool]) -> None:
-    for layer, inplace in flags.items():
-        layer.inplace = inplace
+            vars(param).pop(SAVEFIELD, None)
 
 
 class ContributionHook:
@@ -122,19 +100,13 @@ class ContributionHook:
     def __call__(self, module: Module) -> None:
         """Hand on the contributions of the layer BackPACK just processed."""
         for param in module.parameters(recurse=False):
-            contribution: ParamContribution | None = getattr(param, SAVEFIELD, None)
-            if contribution is None:
-                continue
-            delattr(param, SAVEFIELD)
-            self.sink.add(param, contribution)
+            contribution = vars(param).pop(SAVEFIELD, None)
+            if contribution is not None:
+                self.sink.add(param, contribution)
 
 
 class BackpackEngine(Engine):
-    """Curvature factors from BackPACK's second-order backward pass.
-
-    :meth:`run` installs BackPACK's hooks for the one pass; :meth:`run_loss`
-    backpropagates a loss computed by modules the caller extended.
-    """
+    """Curvature factors from BackPACK's second-order backward pass."""
 
     name = "backpack"
 
@@ -163,11 +135,9 @@ class BackpackEngine(Engine):
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
-        """Run the backward pass of a loss computed by extended modules.
+        """Like :meth:`run`, the loss computed by extended modules (``compute_loss``).
 
-        Like :meth:`run`, with ``compute_loss`` computing the mini-batch loss through
-        modules extended with ``backpack.extend``; leaves the ``.grad`` of every leaf
-        the backward pass reaches as it was.
+        Leaves the ``.grad`` of every leaf the backward pass reaches as it was.
 
         Raises:
             InvalidArgumentError: If the loss is not a scalar tensor, or the
@@ -197,8 +167,9 @@ class BackpackEngine(Engine):
                 loss = _check_loss(compute_loss(), params)
                 # every leaf the backward pass reaches (inputs with requires_grad,
                 # parameters outside the groups) gets its .grad back afterwards
-                for leaf in _graph_leaves(loss):
-                    if id(leaf) not in own:
+                leaves = (getattr(n, "variable", None) for n in graph_nodes(loss))
+                for leaf in leaves:  # the variables of AccumulateGrad nodes
+                    if isinstance(leaf, Tensor) and id(leaf) not in own:
                         own.add(id(leaf))
                         saved.append((leaf, leaf.grad))
                         leaf.grad = None  # autograd may accumulate in place
@@ -219,10 +190,7 @@ class BackpackEngine(Engine):
 
 
 def _returned_output(returned: object, selector: OutputSelector) -> Tensor:
-    """The selected output, which must be a tensor the model returned.
-
-    BackPACK would skip a selection computed from the output (``2 * out[0]``).
-    """
+    """The selected output, which must be a tensor the model returned."""
     output = select_output(returned, selector)
     if not any(output is tensor for tensor in _tensors_in(returned)):
         raise UnsupportedLayerError(
@@ -308,9 +276,3 @@ def _check_loss(loss: object, params: Sequence[Tensor]) -> Tensor:
             "gradients for it."
         )
     return loss
-
-
-def _graph_leaves(loss: Tensor) -> list[Tensor]:
-    """The leaf tensors into whose ``.grad`` ``loss.backward()`` accumulates."""
-    variables = [getattr(node, "variable", None) for node in graph_nodes(loss)]
-    return [v for v in variables if isinstance(v, Tensor)]  # of AccumulateGrad

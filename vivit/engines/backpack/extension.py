@@ -13,7 +13,9 @@ from torch.nn.modules.loss import _Loss
 
 from vivit._validation import check_subsampling, warn_random_forward
 from vivit.engines.backpack.obstacles import (
+    DROPS_OTHERS,
     FUNC_HINT,
+    Obstacle,
     bad_padding,
     forward_changes,
     refusal,
@@ -21,7 +23,7 @@ from vivit.engines.backpack.obstacles import (
 )
 from vivit.engines.backpack.support import analyse
 from vivit.engines.backpack.table import module_extensions, supported_types
-from vivit.engines.base import BatchInfo
+from vivit.engines.base import BatchInfo, CurvatureRequest
 from vivit.errors import (
     InvalidArgumentError,
     SharedWeightError,
@@ -32,16 +34,19 @@ from vivit.losses import LossCurvature, check_loss_function
 
 #: Attribute under which every parameter receives its ParamContribution.
 SAVEFIELD = "vivit_contribution"
+#: Who converts a model for BackPACK.
+_CONVERT = (
+    "LowRankGGN(model, ...) converts models itself; with the hook API, use "
+    "model = backpack.extend(model, use_converter=True)"
+)
 
 
 class GramGGN(SqrtGGN):
-    """Backpropagate the GGN square root; keep per-parameter factors, not ``V``.
+    """BackPACK's ``SqrtGGN`` keeping each parameter's factors, not ``V``.
 
-    Extends BackPACK's ``SqrtGGN``: the loss records the :class:`BatchInfo`, layers
-    with parameters save a :class:`~vivit.engines.base.ParamContribution` under
-    ``param.vivit_contribution``. The arguments come checked and mean what those of
-    :class:`~vivit.engines.base.CurvatureRequest` mean (``num_grams``: the Gram
-    matrices held at once).
+    Layers with parameters save a :class:`~vivit.engines.base.ParamContribution`
+    under ``param.vivit_contribution``. The arguments (checked) are those of
+    :class:`~vivit.engines.base.CurvatureRequest`.
     """
 
     def __init__(
@@ -53,11 +58,10 @@ class GramGGN(SqrtGGN):
         num_grams: int = 1,
         gram_dtype: torch.dtype | None = None,
     ):
-        self._mc_samples = mc_samples
-        self.mc_per = mc_per
-        self.compute_gradients = compute_gradients
-        self.num_grams = num_grams
-        self.gram_dtype = gram_dtype
+        # the request's fields in order: groups, mc_samples, mc_per, subsampling,
+        # generator, compute_gradients, num_grams, gram_dtype
+        fields = (mc_samples, mc_per, subsampling, None, compute_gradients, num_grams)
+        self.request = CurvatureRequest([], *fields, gram_dtype)
         self._batch: BatchInfo | None = None
         strategy = (
             LossHessianStrategy.SAMPLING if mc_samples else LossHessianStrategy.EXACT
@@ -74,7 +78,7 @@ class GramGGN(SqrtGGN):
 
     def get_num_mc_samples(self) -> int:
         """Number of Monte-Carlo samples ``M`` of the loss Hessian (``0``: exact)."""
-        return self._mc_samples
+        return self.request.mc_samples
 
     def __call__(
         self, module: Module, g_inp: tuple[Tensor, ...], g_out: tuple[Tensor, ...]
@@ -112,7 +116,7 @@ class GramGGN(SqrtGGN):
             self._seen.clear()
         params = [p for p in module.parameters() if p.requires_grad]
         if any(id(x) in self._seen for x in [module, *params]):
-            raise SharedWeightError(shared_weight_message(module, bool(params)))
+            raise _reached_again(module, params)
         try:
             super().__call__(module, g_inp, g_out)
         except AssertionError as error:
@@ -125,29 +129,21 @@ class GramGGN(SqrtGGN):
                 "GGN: between this layer and the loss, the forward combines tensors "
                 "outside of torch.nn layers, which BackPACK cannot follow. BackPACK's "
                 "converter turns `+` of two tensors, multiplication by a float and "
-                "flatten into layers (LowRankGGN(model, ...) converts models itself; "
-                "with the hook API, use model = backpack.extend(model, "
-                "use_converter=True)); any other function (torch.cat, F.relu, ...) "
+                f"flatten into layers ({_CONVERT}); any other function (torch.cat, "
+                "F.relu, ...) "
                 f"needs a supported layer in its place. {FUNC_HINT}"
             ) from error
         self._seen.update(id(x) for x in [module, *params])
 
     def start_batch(self, loss_module: Module, curvature: LossCurvature) -> BatchInfo:
-        """Record the batch context when the backward pass reaches the loss."""
+        """Record the batch when the backward pass reaches the loss."""
         output = loss_module.input0
-        self._batch = BatchInfo.of(
-            curvature,
-            output,
-            check_subsampling(self.get_subsampling(), output.shape[0]),
-            self._mc_samples,
-            self.mc_per,
-            self.num_grams,
-            self.gram_dtype,
-        )
+        check_subsampling(self.get_subsampling(), output.shape[0])
+        self._batch = BatchInfo.of(curvature, output, self.request)
         return self._batch
 
     def current_batch(self, module: Module) -> BatchInfo:
-        """The batch context the loss recorded for the running backward pass.
+        """The batch the loss recorded for the running backward pass.
 
         Raises:
             UnsupportedLossError: If the pass did not start at an extended loss.
@@ -163,10 +159,7 @@ class GramGGN(SqrtGGN):
 
 
 def unsupported_layer_error(module: Module) -> Exception:
-    """The error for a layer without a module extension, naming what fails inside.
-
-    Losses never get here: :func:`~vivit.losses.check_loss_function` refuses first.
-    """
+    """The error for a layer without a module extension, naming what fails inside."""
     name = f"{type(module).__name__} ({type(module).__module__})"
     if next(module.children(), None) is None:
         return refusal([unsupported_layer(name)])
@@ -175,26 +168,22 @@ def unsupported_layer_error(module: Module) -> Exception:
         return refusal(obstacles, context=f"Inside layer {name}: ")
     return UnsupportedLayerError(
         f"Layer {name} has a custom forward, which BackPACK cannot backpropagate "
-        "through as one layer. LowRankGGN(model, ...) converts such models "
-        "itself; with the hook API, extend the converted model: "
-        "model = backpack.extend(model, use_converter=True)."
+        f"through as one layer. {_CONVERT}."
     )
 
 
-def shared_weight_message(module: Module, has_params: bool) -> str:
+def _reached_again(module: Module, params: list[Tensor]) -> Exception:
     """The error for a layer or weight the backward pass reached a second time."""
-    if not has_params:
-        return (
-            f"The backward pass reached {module} a second time: the layer is called "
-            "more than once in one forward pass, and BackPACK stores one input per "
-            "layer. Use a separate instance for every call, or let "
-            "LowRankGGN(model, ...) convert the model (it copies such layers); "
-            "with the hook API, model = backpack.extend(model, use_converter=True)."
+    if params:
+        message = (
+            f"the backward pass reached {module}, or one of its parameters, a second "
+            "time: a weight is used more than once in one forward pass (a layer "
+            f"called twice, or weights tied between layers), and {DROPS_OTHERS}"
         )
-    return (
-        f"The BackPACK engine cannot handle this model: the backward pass reached "
-        f"{module}, or one of its parameters, a second time, so a weight is used "
-        "more than once in one forward pass (a layer called twice, or weights tied "
-        "between layers). BackPACK keeps one contribution per parameter and would "
-        f"drop the others. {FUNC_HINT}"
+        return refusal([Obstacle(SharedWeightError, message)])
+    return SharedWeightError(
+        f"The backward pass reached {module} a second time: the layer is called "
+        "more than once in one forward pass, and BackPACK stores one input per "
+        "layer. Use a separate instance for every call, or let BackPACK's "
+        f"converter copy such layers: {_CONVERT}."
     )

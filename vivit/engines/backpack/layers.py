@@ -1,8 +1,7 @@
 """Module extensions of the loss and of layers with parameters: save factors, not ``V``.
 
-The loss starts the backward pass with the root of :mod:`vivit.losses`. Linear and
-convolution weights keep layer input and backpropagated vectors (``V`` itself where
-that is smaller); every other parameter gets its columns of ``V`` from ``param_mjp``.
+Linear and convolution weights keep layer input and backpropagated vectors; every
+other parameter gets its columns of ``V`` from BackPACK's ``param_mjp``.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ from backpack.extensions.module_extension import ModuleExtension
 from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
 from torch import Tensor
-from torch.nn import (
-    Module,
-)
+from torch.nn import Module
 
 from vivit._validation import check_batch_norm
 from vivit.engines.base import ParamContribution
@@ -41,11 +38,7 @@ Layout = tuple[Tensor, Callable[[Tensor], Tensor]]
 
 
 class GramLoss(ModuleExtension):
-    """Start the backward pass of a supported ``torch.nn`` loss module.
-
-    Its root scales by ``√R_S`` of the active samples alone, so curvature
-    subsampling is exact (``docs/math.rst``, "Losses").
-    """
+    """Start the backward pass at a loss module (``docs/math.rst``, "Losses")."""
 
     def backpropagate(self, ext, module, grad_inp, grad_out, backproped) -> Tensor:
         """``√R_S · S_n`` of the active samples, ``[K, |S|, *out]``.
@@ -61,16 +54,12 @@ class GramLoss(ModuleExtension):
         curvature = LossCurvature(module, module.input0, module.input1)
         ext.start_batch(module, curvature)
         return curvature.sqrt_hessian(
-            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.mc_per
+            ext.get_subsampling(), ext.get_num_mc_samples(), mc_per=ext.request.mc_per
         )
 
 
 class GramParamsExtension(MatToJacMat):
-    """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution.
-
-    Its columns of ``V`` come from BackPACK's ``param_mjp``; sub-classes give a
-    weight with a factor form its :meth:`weight_layout`.
-    """
+    """Backpropagate like BackPACK's SqrtGGN; save each parameter's contribution."""
 
     def __init__(
         self, derivatives: BaseDerivatives, params: tuple[str, ...] = ("weight", "bias")
@@ -104,7 +93,7 @@ class GramParamsExtension(MatToJacMat):
                 active = subsample(inputs, subsampling=subsampling)
                 ggn = OuterProductFactors(active, positions(backproped), shape)
                 ggn = ggn.compact(GGN_COMPACT_RATIO)
-                if ext.compute_gradients:
+                if ext.request.compute_gradients:
                     out = positions(g_out[0].unsqueeze(0) * scale)
                     grad = OuterProductFactors(inputs, out, shape).compact()
             else:
@@ -113,7 +102,7 @@ class GramParamsExtension(MatToJacMat):
                 )
                 columns = mjp(backproped, sum_batch=False, subsampling=subsampling)
                 ggn = DenseFactors(columns.transpose(0, 1))
-                if ext.compute_gradients:
+                if ext.request.compute_gradients:
                     grads = mjp(g_out[0].unsqueeze(0), sum_batch=False)
                     grad = DenseFactors(grads.transpose(0, 1) * scale)
         return ParamContribution(ggn=ggn, grad=grad, batch=batch)

@@ -30,6 +30,8 @@ FUNC_HINT = (
 
 #: How many obstacles an error message names.
 MAX_NAMED = 3
+#: Why a weight used more than once is refused.
+DROPS_OTHERS = "BackPACK keeps one contribution per parameter: it would drop the others"
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,7 @@ def bad_padding(layer: Module, name: str) -> list[Obstacle]:
 
 
 def forward_changes(model: Module, layer: str | None = None) -> list[Obstacle]:
-    """Hooks and parametrizations that make the forward differ from its layers.
-
-    Every module of ``model``; only ``model`` itself, named ``layer``, if given.
-    """
+    """Hooks and parametrizations of every module (only ``model``, named ``layer``)."""
     named = (
         [(layer, model)]
         if layer is not None
@@ -114,54 +113,51 @@ def forward_changes(model: Module, layer: str | None = None) -> list[Obstacle]:
     return obstacles
 
 
+#: Why a forward that differs from its layers' functions is refused.
+_TENSORS_USED = "BackPACK hands curvature only to the tensors a layer uses"
+_OWN_FUNCTION = (
+    "BackPACK backpropagates through the layer's own function and would miss the change"
+)
+
+
 def _module_changes(module: Module, where: str) -> list[Obstacle]:
     """The obstacles of one module's own hooks and parametrizations."""
-    obstacles = []
+    messages = []
     if is_parametrized(module):
         tensors = ", ".join(f"`{t}`" for t in module.parametrizations)
-        obstacles.append(
-            Obstacle(
-                UnsupportedLayerError,
-                f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
-                "computed from the parameters under `parametrizations`), and "
-                "BackPACK hands curvature only to the tensors a layer uses",
-            )
+        messages.append(
+            f"{where} is parametrized (torch.nn.utils.parametrize: {tensors} "
+            f"computed from the parameters under `parametrizations`), and "
+            f"{_TENSORS_USED}"
         )
-    obstacles.extend(_pre_hook(where, h) for h in module._forward_pre_hooks.values())
-    obstacles.extend(
-        Obstacle(
-            UnsupportedLayerError,
-            f"{where} has the forward hook {_hook_name(hook)}, which may change its "
-            "output; BackPACK backpropagates through the layer's own function and "
-            "would miss the change",
-        )
+    messages.extend(_pre_hook(where, h) for h in module._forward_pre_hooks.values())
+    messages.extend(
+        f"{where} has the forward hook {_hook_name(hook)}, which may change its "
+        f"output; {_OWN_FUNCTION}"
         for hook in module._forward_hooks.values()
         if hook not in _OWN_HOOKS
     )
-    return obstacles
+    return [Obstacle(UnsupportedLayerError, message) for message in messages]
 
 
-def _pre_hook(where: str, hook: object) -> Obstacle:
-    """The obstacle of a forward pre-hook: a pruning, a weight norm, or another."""
+def _pre_hook(where: str, hook: object) -> str:
+    """Why a forward pre-hook is refused: a pruning, a weight norm, or another."""
     if isinstance(hook, BasePruningMethod):
-        what = (
+        return (
             f"{where} is pruned (torch.nn.utils.prune: `weight = weight_orig * "
-            "weight_mask` is computed by a forward pre-hook, and BackPACK hands "
-            "curvature only to the tensors a layer uses, not to `weight_orig`)"
+            "weight_mask` is computed by a forward pre-hook, and "
+            f"{_TENSORS_USED}, not to `weight_orig`)"
         )
-    elif isinstance(hook, WeightNorm):
-        what = (
+    if isinstance(hook, WeightNorm):
+        return (
             f"{where} is weight-normalized (torch.nn.utils.weight_norm: the weight "
             "is computed from `weight_g` and `weight_v` by a forward pre-hook, and "
-            "BackPACK hands curvature only to the tensors a layer uses)"
+            f"{_TENSORS_USED})"
         )
-    else:
-        what = (
-            f"{where} has the forward pre-hook {_hook_name(hook)}, which may change "
-            "its input; BackPACK backpropagates through the layer's own function "
-            "and would miss the change"
-        )
-    return Obstacle(UnsupportedLayerError, what)
+    return (
+        f"{where} has the forward pre-hook {_hook_name(hook)}, which may change its "
+        f"input; {_OWN_FUNCTION}"
+    )
 
 
 def _hook_name(hook: object) -> str:

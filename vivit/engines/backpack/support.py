@@ -1,8 +1,7 @@
 """Whether the BackPACK engine can run a model, and if not, why: decided before running.
 
-:func:`analyse` reads a (nested) ``Sequential`` from its structure and traces any other
-forward with ``torch.fx``, as BackPACK's converter does, naming each obstacle and where
-the forward meets it.
+A (nested) ``Sequential`` is read from its structure, any other forward traced with
+``torch.fx`` as BackPACK's converter does.
 """
 
 from __future__ import annotations
@@ -23,18 +22,20 @@ from backpack.custom_module.graph_utils import (
 from backpack.utils.module_classification import is_no_op
 from torch.fx import Node
 from torch.fx.node import _get_qualified_name
-from torch.nn import Module, Parameter, Sequential
+from torch.nn import Module, Sequential
 from torch.nn.utils.parametrize import is_parametrized
 
 from vivit.engines.backpack.obstacles import (
+    DROPS_OTHERS,
     Obstacle,
     bad_padding,
     forward_changes,
     refusal,
     unsupported_layer,
 )
-from vivit.engines.backpack.table import LOSSES, supported_types
+from vivit.engines.backpack.table import supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
+from vivit.losses import SUPPORTED_LOSSES as LOSSES
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: The library's own frames (its tracer) are not the user's call site either.
@@ -49,9 +50,16 @@ class Analysis:
     needs_conversion: bool = False
 
 
-def analyse(model: Module) -> Analysis:
-    """The obstacles to the BackPACK engine in a model; whether it must be converted."""
-    changes = forward_changes(model)
+def analyse(model: Module, loss_func: Module | None = None) -> Analysis:
+    """The obstacles to the BackPACK engine in a model and loss; whether to convert."""
+    changes = forward_changes(model)  # named after the layers' obstacles
+    if loss_func is not None and type(loss_func) not in LOSSES:
+        names = ", ".join(cls.__name__ for cls in LOSSES)
+        message = (
+            f"the loss {type(loss_func).__name__} has no BackPACK extension "
+            f"(supported losses: {names})"
+        )
+        changes.append(Obstacle(UnsupportedLayerError, message, func_can=False))
     chain = _sequential_chain(model)
     if chain is not None:
         return _analyse_calls(model, [(name, "") for name in chain], changes)
@@ -69,6 +77,7 @@ def analyse(model: Module) -> Analysis:
         return Analysis([Obstacle(UnsupportedLayerError, message), *changes], True)
     calls = [(n.target, _where(n)) for n in graph.nodes if n.op == "call_module"]
     analysis = _analyse_calls(model, calls, changes)
+    params = dict(model.named_parameters(remove_duplicate=False))
     analysis.obstacles.extend(
         _without_gradients(node)
         for node in graph.nodes
@@ -79,9 +88,7 @@ def analyse(model: Module) -> Analysis:
             analysis.needs_conversion = True
             if not _convertible(node):
                 analysis.obstacles.append(_unsupported_function(node))
-        elif node.op == "get_attr" and isinstance(
-            _get_attr(model, node.target), Parameter
-        ):
+        elif node.op == "get_attr" and node.target in params:
             message = (
                 f"the parameter `{node.target}` is used directly{_where(node)} not "
                 "through a torch.nn layer"
@@ -104,25 +111,23 @@ def analyse(model: Module) -> Analysis:
 
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
     """Why the BackPACK engine cannot run a model (and loss), or ``None`` if it can."""
-    obstacles = _obstacles(analyse(model), loss_func)
+    obstacles = analyse(model, loss_func).obstacles
     return str(refusal(obstacles)) if obstacles else None
 
 
 def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
-    """The module the BackPACK engine runs in place of ``model`` (and ``loss_func``).
+    """The model, or BackPACK's conversion of it, for the BackPACK engine to run.
 
-    The model itself, or BackPACK's conversion of it (a ``torch.fx.GraphModule``
-    calling the same layers), which switches the caller's layers to ``inplace=False``
-    (restore them with :func:`inplace_flags`).
+    The conversion switches the caller's layers to ``inplace=False`` (restore them
+    with :func:`inplace_flags`).
 
     Raises:
         SharedWeightError: If a weight is used more than once in a forward pass.
         UnsupportedLayerError: If a layer, function or the loss cannot be handled.
     """
-    analysis = analyse(model)
-    obstacles = _obstacles(analysis, loss_func)
-    if obstacles:
-        raise refusal(obstacles)
+    analysis = analyse(model, loss_func)
+    if analysis.obstacles:
+        raise refusal(analysis.obstacles)
     if not analysis.needs_conversion:
         return model
     try:
@@ -190,11 +195,6 @@ def _sequential_chain(model: Module) -> list[str] | None:
     return chain
 
 
-def _get_attr(model: Module, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(model.get_submodule(owner), name)
-
-
 def _convertible(node: Node) -> bool:
     """Whether BackPACK's converter turns this call into a layer (it drops keywords)."""
     args, target = node.args, node.target
@@ -231,18 +231,6 @@ def _analyse_calls(
     # BackPACK stores one input per layer: a layer called twice must be copied
     analysis.needs_conversion = len(set(targets)) < len(targets)
     return analysis
-
-
-def _obstacles(analysis: Analysis, loss_func: Module | None) -> list[Obstacle]:
-    obstacles = list(analysis.obstacles)
-    if loss_func is not None and type(loss_func) not in LOSSES:
-        names = ", ".join(cls.__name__ for cls in LOSSES)
-        message = (
-            f"the loss {type(loss_func).__name__} has no BackPACK extension "
-            f"(supported losses: {names})"
-        )
-        obstacles.append(Obstacle(UnsupportedLayerError, message, func_can=False))
-    return obstacles
 
 
 def _where(node: Node) -> str:
@@ -332,10 +320,8 @@ def _shared_message(model: Module, layers: tuple[str, ...], params: list[str]) -
         if len(params) == 1
         else f"the parameters {', '.join(params)} are"
     )
-    return (
-        f"{subject} used {len(layers)} times in one forward pass ({how}), and "
-        "BackPACK keeps one contribution per parameter: it would drop the others"
-    )
+    how = f"{len(layers)} times in one forward pass ({how})"
+    return f"{subject} used {how}, and {DROPS_OTHERS}"
 
 
 def _without_gradients(node: Node) -> Obstacle:

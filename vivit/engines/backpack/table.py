@@ -1,9 +1,7 @@
 """Which layer runs which module extension: the one list of what the engine supports.
 
-Parameter-free layers keep BackPACK's ``SqrtGGN`` module extensions, with derivatives
-fixed where BackPACK 1.7.1 builds kernels in torch's default dtype (``AvgPool``,
-``Embedding``: float64 fails) or recomputes a max pooling to find the argmax that
-autograd saved; layers with parameters and losses use vivit's.
+Parameter-free layers keep BackPACK's ``SqrtGGN`` extensions, fixed where BackPACK
+1.7.1 builds kernels in the default dtype or recomputes a max pooling's argmax.
 """
 
 from __future__ import annotations
@@ -99,18 +97,9 @@ def store_pool_indices(module: Module, inputs: tuple[Tensor, ...], output: Tenso
         setattr(module, POOL_INDICES, (output, indices))
 
 
-def forget_pool_indices(module: Module) -> None:
-    """Drop the indices :func:`store_pool_indices` left on a layer."""
-    if hasattr(module, POOL_INDICES):
-        delattr(module, POOL_INDICES)
-
-
 @cache
 def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDerivatives]:
-    """Sub-class max-pooling derivatives to take the forward's indices where stored.
-
-    Elsewhere (``MaxPool1d``, the caller's ``backpack.extend`` hooks) they recompute.
-    """
+    """Sub-class max-pooling derivatives to take the forward's indices where stored."""
 
     class SavedIndexMaxPool(derivatives):
         def get_pooling_idx(self, module, subsampling=None) -> Tensor:
@@ -125,15 +114,11 @@ def saved_index(derivatives: type[MaxPoolNDDerivatives]) -> type[MaxPoolNDDeriva
     return SavedIndexMaxPool
 
 
-#: Loss modules the engine starts the backward pass at.
-LOSSES = SUPPORTED_LOSSES
-
-
 def module_extensions() -> dict[type[Module], ModuleExtension]:
     """A fresh module table: layer class (exact type, not sub-classes) to extension."""
     batch_norm = GramBatchNormNd()
     return {
-        **{loss: GramLoss() for loss in LOSSES},
+        **{loss: GramLoss() for loss in SUPPORTED_LOSSES},
         nn.Linear: GramLinear(),
         nn.Conv1d: GramConvNd(Conv1DDerivatives()),
         nn.Conv2d: GramConvNd(Conv2DDerivatives()),
@@ -179,5 +164,5 @@ def supported_types() -> frozenset[type[Module]]:
 
 def supported_layer_names() -> str:
     """The supported layer classes' names (no losses), sorted, for error messages."""
-    layers = supported_types() - set(LOSSES)
+    layers = supported_types() - set(SUPPORTED_LOSSES)
     return ", ".join(sorted(cls.__name__ for cls in layers))

@@ -1,7 +1,6 @@
 """Factor forms of convolution and BatchNorm weights from forward hooks.
 
-:class:`LayerCapture` records the input (after forward pre-hooks) and output (before
-forward hooks) of every call of such a layer whose weight is requested
+Each call's input (after pre-hooks) and output (before hooks) is recorded
 (``docs/math.rst``, "Layer structure").
 """
 
@@ -87,26 +86,18 @@ def normalized_input(module: _BatchNorm, inputs: Tensor) -> Tensor:
 
 
 def unfold_conv_input(module: Module, inputs: Tensor) -> Tensor:
-    """Patches ``[B, C_in·k, T]`` of a convolution input ``[B, C_in, *spatial]``.
-
-    A grouped convolution with one-hot kernels (any stride, dilation, padding mode).
-    """
+    """Patches ``[B, C_in·k, T]`` of a convolution input (any padding mode)."""
     kernel = module.kernel_size
     dims = len(kernel)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     padded = F.pad(inputs, module._reversed_padding_repeated_twice, mode=mode)
     entries = math.prod(kernel)
     eye = torch.eye(entries, dtype=inputs.dtype, device=inputs.device)
-    one_hot = eye.reshape(entries, 1, *kernel).repeat(
-        module.in_channels, *[1] * (dims + 1)
-    )
-    patches = _CONVOLUTIONS[dims](
-        padded,
-        one_hot,
-        stride=module.stride,
-        dilation=module.dilation,
-        groups=module.in_channels,
-    )
+    channels = module.in_channels
+    one_hot = eye.reshape(entries, 1, *kernel).repeat(channels, *[1] * (dims + 1))
+    # (input, weight, bias, stride, padding, dilation, groups)
+    args = (None, module.stride, 0, module.dilation, channels)
+    patches = _CONVOLUTIONS[dims](padded, one_hot, *args)
     return patches.reshape(patches.shape[0], patches.shape[1], -1)
 
 

@@ -1,11 +1,8 @@
 """The func engine: curvature factors of any model whose samples are independent.
 
-Forward hooks and a ``TorchFunctionMode`` record the calls parameters go through;
-batched autograd pushes the loss-Hessian root, the per-sample output gradients and
-probe vectors back to them (``docs/math.rst``, "Layer structure"). Recorded weights
-keep a factor form, other parameters get explicit columns. The samples run in chunks
-of ``request.samples_per_pass`` (at most :data:`DENSE_CHUNK` with explicit columns),
-each a forward pass; the vectors go back in passes that fit the memory budget.
+Recorded calls keep a factor form (``docs/math.rst``, "Layer structure"), other
+parameters get explicit columns; samples run in chunks of ``samples_per_pass``, the
+vectors go back in passes that fit the memory budget.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from vivit.engines.func.functional import (
     probe_vectors,
     sample_rows,
 )
-from vivit.engines.func.implicit import functional_output
+from vivit.engines.func.implicit import PartFunction
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.engines.func.vjp import (
     BatchedVJP,
@@ -79,9 +76,8 @@ Part = tuple[str | None, tuple[Tensor, Tensor] | Tensor]
 class _Collected:
     """One parameter's factors over the whole batch, each chunk's written into place.
 
-    ``forms`` maps a factor form (``"conv"``, ``"linear"``, ``"linear_t"``,
-    ``"embedding"``) to inputs ``[N, G, T, P]`` (indices ``[N, T]``) and vectors
-    ``[V, N, G, T, O]`` (``[V, N, T, D]``); ``columns``: explicit, ``[N, V, *shape]``.
+    ``forms``: form to inputs ``[N, G, T, P]`` (indices ``[N, T]``) and vectors
+    ``[V, N, G, T, O]`` (``[V, N, T, D]``); ``columns``: ``[N, V, *shape]``.
     """
 
     forms: dict[str, list[Tensor]] = field(default_factory=dict)
@@ -132,24 +128,15 @@ class FuncEngine(Engine):
         forward = _Forward(model, params, request.output)
         output = forward(inputs, measure=True)
         loss, curvature = model_loss(loss_func, output, targets)
-        batch = BatchInfo.of(
-            curvature,
-            output,
-            request.subsampling,
-            request.mc_samples,
-            request.mc_per,
-            request.grams_formed,
-            request.gram_dtype,
-        )
+        batch = BatchInfo.of(curvature, output, request)
         uses_of, rows_of = forward.uses(output)
         dense = [p for p in params if id(p) not in uses_of]
         total = num_samples(inputs)
         chunk = request.samples_per_pass or total
         if dense:  # the one-hot pass does chunk times the necessary work
             chunk = min(chunk, DENSE_CHUNK)
-        per_pass = self._vectors_per_pass(
-            chunk, forward.width, sum(p.numel() for p in dense)
-        )
+        dense_entries = sum(p.numel() for p in dense)
+        per_pass = self._vectors_per_pass(chunk, forward.width, dense_entries)
         reuse = chunk >= total  # the first pass's graph serves the one chunk
         output_grad, *grads = torch.autograd.grad(
             loss, [output, *params], allow_unused=True, retain_graph=reuse
@@ -197,9 +184,8 @@ class FuncEngine(Engine):
     ) -> dict[int, _Collected]:
         """Every parameter's factors, a chunk of samples at a time.
 
-        ``chunking``: ``(samples per chunk, vectors per backward pass)``. ``first``:
-        the batch's output, uses and rows when one chunk holds it (its graph is
-        reused); otherwise each chunk runs its own forward pass.
+        ``chunking``: ``(samples per chunk, vectors per pass)``; ``first``: the
+        batch's output, uses and rows if one chunk (its graph is reused).
         """
         chunk, per_pass = chunking
         total = num_samples(inputs)
@@ -269,10 +255,7 @@ def _use_factors(
     rows_of: Rows,
     gathered: dict[int, Tensor],
 ) -> Part:
-    """A parameter's part of ``V`` from one use and the vectors ``[V, *z]`` there.
-
-    Explicit columns ``[B, V, ...]`` for a bias and a normalization weight.
-    """
+    """A parameter's part of ``V`` from one use and the vectors ``[V, *z]`` there."""
     if isinstance(use, LayerCall):
         per_group = use.output_vectors(vectors)  # [V, B, G, T, O]
         if param is use.module.weight and isinstance(use.module, SCALE_LAYERS):
@@ -336,22 +319,15 @@ def _calls(calls_of: dict[int, list[Use]]) -> list[Use]:
 def _contribution(
     param: Parameter, entry: _Collected, batch: BatchInfo, request: CurvatureRequest
 ) -> ParamContribution:
-    """A parameter's factors (several forms: their sum), views where they can be.
-
-    Explicit columns are copied, so that the columns of all vectors are freed.
-    """
+    """A parameter's factors (several forms: their sum); explicit columns copied."""
     columns = batch.columns_per_sample
     ggn: list[ParamFactors] = []
     grad: list[ParamFactors] = []
     for form, (inputs, vectors) in entry.forms.items():
         samples = _samples(batch, inputs.shape[0])
-        if form == "embedding":
-            make = partial(EmbeddingFactors, param_shape=param.shape)
-        else:
-            transposed = form == "linear_t"
-            make = partial(
-                OuterProductFactors, param_shape=param.shape, transposed=transposed
-            )
+        kind = EmbeddingFactors if form == "embedding" else OuterProductFactors
+        extra = {} if form == "embedding" else {"transposed": form == "linear_t"}
+        make = partial(kind, param_shape=param.shape, **extra)
         ggn.append(make(inputs[samples], vectors[:columns, samples]))
         grad.append(make(inputs, vectors[columns:]))
     if entry.columns is not None:
@@ -416,12 +392,10 @@ class _Forward:
         per_pass: int,
     ) -> list[Tensor] | None:
         """Columns ``[B, V, *shape]`` of ``dense`` by :func:`per_sample_vjp` or None."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
 
         def sample_output(values: list[Tensor], x: ModelInputs) -> Tensor:
-            replaced = {names[id(p)]: v for p, v in zip(dense, values, strict=True)}
             one = map_inputs(x, lambda tensor: tensor[None])
-            return functional_output(self.model, replaced, one, self.selector)[0]
+            return PartFunction(self.model, dense, one, self.selector)(*values)[0]
 
         return per_sample_vjp(sample_output, dense, inputs, vectors[:], per_pass)
 
@@ -435,10 +409,9 @@ class _Forward:
     ) -> tuple[dict[int, list[Use]], Rows]:
         """The uses of each parameter with a factor form, and each function's rows.
 
-        A parameter has a factor form if every use of it in the graph of ``output``
-        was recorded and left unchanged in place, each with rows that belong to one
-        sample (read off probe vectors). ``factor``: for a chunk, the parameters with
-        a form over the whole batch; the chunk must keep exactly those.
+        A form needs every use in ``output``'s graph recorded, unchanged in place,
+        with rows of one sample each (probe vectors). ``factor``: for a chunk, the
+        parameters with a form over the whole batch, which it must keep exactly.
 
         Raises:
             UnsupportedLayerError: If a chunk's forms differ from the whole batch's.

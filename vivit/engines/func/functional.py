@@ -1,9 +1,8 @@
 """Factor forms found at the function level: the calls a parameter goes through.
 
-:class:`FunctionCapture` records the calls of ``F.linear``, ``torch.addmm``,
-``F.embedding``, ``F.layer_norm`` and ``F.rms_norm`` with a requested parameter; probe
-vectors tell which sample owns which row of their outputs (``docs/math.rst``, "Layer
-structure").
+Calls of ``F.linear``, ``torch.addmm``, ``F.embedding``, ``F.layer_norm`` and
+``F.rms_norm`` are recorded; probe vectors tell which sample owns which row of their
+outputs (``docs/math.rst``, "Layer structure").
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
 from vivit.engines.func.capture import Recorded
-from vivit.engines.func.recurrent import recurrent_weights, stepwise
+from vivit.engines.func.recurrent import bind, recurrent_weights, stepwise
 
 #: Base of the digits of a sample's index that one probe vector encodes.
 PROBE_BASE = 16
@@ -48,14 +47,10 @@ TRANSPARENT = {
 class FunctionUse(Recorded):
     """One call of a recognized function with a requested parameter.
 
-    Its ``inputs`` are ``[..., P]``, indices ``[...]`` or the normalized input.
-
-    Attributes:
-        kind: ``"linear"`` (weight ``[O, P]``), ``"linear_t"`` (weight ``[P, O]``),
-            ``"embedding"`` or ``"norm"``.
-        weight: The weight, if requested (else ``None``); so ``bias``.
-        features: Trailing axes of the output ``z`` that are features (not rows).
-        padding: An embedding's ``padding_idx`` (its row gets no gradient).
+    ``inputs``: ``[..., P]``, indices or the normalized input; ``kind``:
+    ``"linear"`` (weight ``[O, P]``), ``"linear_t"`` (``[P, O]``), ``"embedding"`` or
+    ``"norm"``; ``weight``, ``bias``: ``None`` unless requested; ``features``:
+    trailing axes of the output that are features; ``padding``: ``padding_idx``.
     """
 
     kind: str
@@ -81,23 +76,12 @@ class FunctionUse(Recorded):
         return self.inputs.reshape(self.rows(self.output).shape[0], -1)
 
 
-def _bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults: dict) -> dict:
-    bound = dict(defaults)
-    bound.update(zip(names, args, strict=False))
-    bound.update(kwargs)
-    return bound
-
-
 def _requested(tensor, requested: set[int]) -> Parameter | None:
     return tensor if isinstance(tensor, Tensor) and id(tensor) in requested else None
 
 
 class FunctionCapture(TorchFunctionMode):
-    """Records the uses of the requested ``params`` in recognized functions.
-
-    Attributes:
-        uses: The recorded uses, in forward order.
-    """
+    """Records (in ``uses``) the requested ``params``' uses in recognized functions."""
 
     def __init__(self, params: list[Parameter]):
         super().__init__()
@@ -124,16 +108,16 @@ class FunctionCapture(TorchFunctionMode):
     def _use(self, func, args, kwargs, output: Tensor) -> FunctionUse | None:
         req = self.requested
         if func is F.linear:
-            a = _bind(args, kwargs, ("input", "weight", "bias"), {"bias": None})
+            a = bind(args, kwargs, ("input", "weight", "bias"), {"bias": None})
             return _make("linear", a["input"], output, 1, a["weight"], a["bias"], req)
         if func is torch.addmm:
-            a = _bind(args, kwargs, ("input", "mat1", "mat2"), {"beta": 1, "alpha": 1})
+            a = bind(args, kwargs, ("input", "mat1", "mat2"), {"beta": 1, "alpha": 1})
             if a["beta"] != 1 or a["alpha"] != 1 or a["input"].dim() != 1:
                 return None
             return _make("linear_t", a["mat1"], output, 1, a["mat2"], a["input"], req)
         if func is F.embedding:
             names = ("input", "weight", "padding_idx", "max_norm")
-            a = _bind(args, kwargs, names, {"padding_idx": None, "max_norm": None})
+            a = bind(args, kwargs, names, {"padding_idx": None, "max_norm": None})
             if a["max_norm"] is not None or kwargs.get("scale_grad_by_freq"):
                 return None  # the table changed in place / gradients rescaled
             use = _make("embedding", a["input"], output, 1, a["weight"], None, req)
@@ -145,15 +129,12 @@ class FunctionCapture(TorchFunctionMode):
             layer = func is F.layer_norm
             names = ("input", "normalized_shape", "weight", "bias" if layer else "eps")
             defaults = {"weight": None, "bias": None, "eps": 1e-5 if layer else None}
-            a = _bind(args, kwargs, names, defaults)
+            a = bind(args, kwargs, names, defaults)
             shape = tuple(a["normalized_shape"])
             x = a["input"].detach()
+            no_affine = (None, None) if layer else (None,)  # no weight, no bias
             with torch.no_grad():
-                normalized = (
-                    F.layer_norm(x, shape, None, None, a["eps"])
-                    if layer
-                    else F.rms_norm(x, shape, None, a["eps"])
-                )
+                normalized = func(x, shape, *no_affine, a["eps"])
             use = _make("norm", x, output, len(shape), a["weight"], a["bias"], req)
             if use is not None:
                 use.inputs = normalized
@@ -175,9 +156,7 @@ def _make(
 def probe_vectors(block: Tensor, generator: torch.Generator) -> Tensor:
     """Probes ``[2·(1 + J), B, *out]`` that tell which sample owns each output row.
 
-    Two families of a random ``r`` (drawn by ``generator``) and ``r`` with sample
-    ``b``'s part scaled by ``2^{d_j(b)}`` (``docs/math.rst``, "Layer structure");
-    ``block``: vectors ``[V, B, *out]``.
+    ``block``: vectors ``[V, B, *out]`` (``docs/math.rst``, "Layer structure").
     """
     batch = block.shape[1]
     digits = max(1, math.ceil(math.log(max(batch, 2), PROBE_BASE)))
@@ -199,9 +178,8 @@ def sample_rows(probes: Tensor, batch: int) -> Tensor | None:
     """Each sample's rows of an output, from the probes there ``[2·(1 + J), R, F]``.
 
     Returns:
-        Row index ``[B, T]``, ``T`` the most rows of a sample and at least ``⌈R /
-        B⌉``; index ``R`` pads a sample with fewer rows; rows no probe reaches are
-        left out. ``None`` where the owners cannot be read off.
+        Row index ``[B, T]`` (``T ≥ ⌈R / B⌉``; index ``R`` pads, rows no probe
+        reaches are left out), or ``None`` where the owners cannot be read off.
     """
     first, second = probes.chunk(2)
     owner, other = _owners(first), _owners(second)

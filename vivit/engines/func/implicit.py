@@ -1,12 +1,12 @@
-"""``J v`` and ``Jᵀ w`` of one part of the samples by torch.func: ``G v = Jᵀ H J v``.
+"""``J v`` and ``Jᵀ w`` of ``θ_group ↦ select(model(x))`` for a part of the samples.
 
-The function is ``θ_group ↦ select(model(x))``, every other parameter and buffer
-frozen; no column of ``V`` is formed (``docs/math.rst``, "Implicit GGN-vector
-products").
+torch.func computes them without forming a column of ``V`` (``docs/math.rst``,
+"Implicit GGN-vector products").
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -23,11 +23,7 @@ from vivit.model_inputs import ModelInputs
 
 @contextmanager
 def forward_mode_kernels(model: Module) -> Iterator[None]:
-    """Kernels that have forward-mode AD rules, for the block's passes.
-
-    ``nn.MultiheadAttention``'s fast path, the fused attention kernels and oneDNN's
-    LSTM and GRU have no JVP; the composite and native kernels compute the same.
-    """
+    """Kernels with forward-mode AD rules (no attention fast path, no oneDNN RNNs)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fast_path = torch.backends.mha.get_fastpath_enabled()
@@ -48,22 +44,22 @@ def forward_mode_kernels(model: Module) -> Iterator[None]:
 class PaddingRowsConstant(TorchFunctionMode):
     """An embedding's padding row as reverse-mode AD sees it: a constant.
 
-    Its backward gives row ``padding_idx`` no gradient, its forward-mode rule a
-    tangent; detached, ``J v`` and ``Jᵀ w`` are of one function.
+    Its forward-mode rule would give the row a tangent; detached, ``J v`` and
+    ``Jᵀ w`` are of one function.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.embedding:
-            padding_idx = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
-            if padding_idx is not None:
-                args = list(args)
-                weight = kwargs.pop("weight", None)
-                weight = args[1] if weight is None else weight
+            a = inspect.signature(func).bind(*args, **kwargs).arguments
+            if a.get("padding_idx") is not None:
+                weight = a["weight"]
                 row = torch.zeros(weight.shape[0], 1, dtype=torch.bool)
-                row[padding_idx] = True
-                weight = torch.where(row.to(weight.device), weight.detach(), weight)
-                args = [args[0], weight, *args[2:]]
+                row[a["padding_idx"]] = True
+                a["weight"] = torch.where(
+                    row.to(weight.device), weight.detach(), weight
+                )
+                return func(**a)
         return func(*args, **kwargs)
 
 
@@ -88,7 +84,12 @@ class PartFunction:
     def __call__(self, *values: Tensor) -> Tensor:
         """The selected output with the group's parameters set to ``values``."""
         params = dict(zip(self._names, values, strict=True))
-        return functional_output(self._model, params, self._inputs, self._selector)
+        inputs = self._inputs
+        args, kwargs = (
+            ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
+        )
+        output = functional_call(self._model, params, args, kwargs)
+        return select_output(output, self._selector)
 
     def jvp(self, tangents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         """The output ``[N, *out]`` and ``J v`` ``[K, N, *out]``; tangents ``[K, *p]``.
@@ -115,16 +116,6 @@ class PartFunction:
             return list(vmap(self._pullback)(cotangents))
 
 
-def functional_output(
-    model: Module, values: dict[str, Tensor], inputs: ModelInputs, selector
-) -> Tensor:
-    """The selected output of ``model(inputs)``, named parameters set to ``values``."""
-    args, kwargs = (
-        ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
-    )
-    return select_output(functional_call(model, values, args, kwargs), selector)
-
-
 @contextmanager
 def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
     """Turn torch's refusal of an operation into a refusal that says what to do."""
@@ -141,10 +132,7 @@ def _naming_unsupported(model: Module, what: str) -> Iterator[None]:
 
 
 def check_modes_agree(function: PartFunction, params: Sequence[Parameter]) -> None:
-    """Refuse a model whose forward- and reverse-mode derivatives disagree.
-
-    For one random pair ``(v, w)`` (seed 0), ``wᵀ(J v)`` and ``(Jᵀ w)ᵀ v`` must agree
-    (``docs/math.rst``, "Implicit GGN-vector products").
+    """Refuse a model whose ``wᵀ(J v)`` and ``(Jᵀ w)ᵀ v`` disagree (random, seed 0).
 
     Raises:
         UnsupportedLayerError: If they disagree.
@@ -162,11 +150,11 @@ def check_modes_agree(function: PartFunction, params: Sequence[Parameter]) -> No
     forward_side = (cotangent * forward).sum().item()
     backward_side = sum((g * t).sum() for g, t in zip(backward, tangents, strict=True))
     backward_side = float(backward_side)
-    norm = torch.linalg.vector_norm
-    scale = (norm(cotangent) * norm(forward)).item() + (
-        torch.stack([norm(g) for g in backward]).norm()
-        * torch.stack([norm(t) for t in tangents]).norm()
-    ).item()
+
+    def size(tensors: Sequence[Tensor]) -> float:
+        return torch.stack([t.norm() for t in tensors]).norm().item()
+
+    scale = size([cotangent]) * size([forward]) + size(backward) * size(tangents)
     tolerance = torch.finfo(forward.dtype).eps ** 0.5 * scale
     if abs(forward_side - backward_side) > tolerance:
         raise UnsupportedLayerError(

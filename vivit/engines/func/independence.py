@@ -1,8 +1,7 @@
 """Refuse models whose output for one sample depends on other samples or on chance.
 
 Every engine assumes ``f(θ, x_n)`` depends on sample ``n`` alone (``docs/math.rst``,
-"Setting"): layers known to break it are refused before the forward pass, anything
-else by a forward pass with sample 0 replaced by sample 1.
+"Setting").
 """
 
 from __future__ import annotations
@@ -51,10 +50,9 @@ def check_layers(model: Module) -> None:
 def check_samples_independent(
     forward: Callable[[ModelInputs], Tensor], inputs: ModelInputs, output: Tensor
 ) -> None:
-    """Re-run ``forward`` (without gradients) with sample 0 replaced by sample 1.
+    """Re-run ``forward`` with sample 0 replaced by sample 1: the others' must match.
 
-    The other samples' outputs must agree with ``output``, the (detached) output of
-    ``inputs`` (every tensor of a dict is perturbed).
+    ``output``: the (detached) output of ``inputs``.
 
     Raises:
         SampleCouplingError: If an output changed.

@@ -1,8 +1,7 @@
-"""Recurrent kernels step by step, so that their weights' linear maps are seen.
+"""Recurrent kernels step by step, every weight entering through ``F.linear``.
 
-A fused LSTM, GRU or RNN call (or a cell's) is evaluated by PyTorch's per-step
-equations, every weight entering through ``F.linear`` (``docs/math.rst``, "Recurrent
-layers"); packed sequences and dropout between layers keep the fused kernel.
+PyTorch's per-step equations (``docs/math.rst``, "Recurrent layers"); packed
+sequences and dropout between layers keep the fused kernel.
 """
 
 from __future__ import annotations
@@ -35,30 +34,36 @@ _SEQUENCE_ARGS = (
 _CELL_ARGS = ("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh")
 
 
+def bind(args: tuple, kwargs: dict, names: tuple[str, ...], defaults=None) -> dict:
+    """A call's arguments by name: ``defaults``, then ``args``, then ``kwargs``."""
+    return {**(defaults or {}), **dict(zip(names, args, strict=False)), **kwargs}
+
+
+def _bound(func: Callable, args: tuple, kwargs: dict) -> dict:
+    """A recurrent kernel call's arguments (empty: another call, or a packed input)."""
+    if func in CELL_KERNELS:
+        return bind(args, kwargs, _CELL_ARGS)
+    packed = len(args) < 4 or isinstance(args[3], (list, tuple))  # params fourth
+    if func in SEQUENCE_KERNELS and not packed:
+        return bind(args, kwargs, _SEQUENCE_ARGS)
+    return {}
+
+
 def recurrent_weights(func: Callable, args: tuple, kwargs: dict) -> list[Tensor]:
     """The weights a recurrent kernel call uses (empty for any other call)."""
-    if func in CELL_KERNELS:
-        bound = dict(zip(_CELL_ARGS, args, strict=False)) | kwargs
-        return [bound[k] for k in _CELL_ARGS[2:] if bound.get(k) is not None]
-    if func in SEQUENCE_KERNELS and _unpacked(args):
-        bound = dict(zip(_SEQUENCE_ARGS, args, strict=False)) | kwargs
+    bound = _bound(func, args, kwargs)
+    if "params" in bound:
         return list(bound["params"])
-    return []
-
-
-def _unpacked(args: tuple) -> bool:
-    """Whether the input is padded: a packed call has its ``params`` list fourth."""
-    return len(args) > 3 and not isinstance(args[3], (list, tuple))
+    return [bound[k] for k in _CELL_ARGS[2:] if bound.get(k) is not None]
 
 
 def stepwise(func: Callable, args: tuple, kwargs: dict) -> Tensor | tuple | None:
     """What ``func(*args, **kwargs)`` returns, step by step (``None``: not here)."""
+    bound = _bound(func, args, kwargs)
     if func in CELL_KERNELS:
-        bound = dict(zip(_CELL_ARGS, args, strict=False)) | kwargs
         return _cell_call(CELL_KERNELS[func], bound)
-    if not _unpacked(args):
+    if not bound:
         return None
-    bound = dict(zip(_SEQUENCE_ARGS, args, strict=False)) | kwargs
     if bound["dropout"] > 0 and bound["train"] and bound["num_layers"] > 1:
         return None
     return _sequence(SEQUENCE_KERNELS[func], bound)
@@ -88,8 +93,7 @@ def _sequence(cell: str, bound: dict) -> tuple[Tensor, ...]:
             index = layer * directions + direction
             weights = params[index * per_direction : (index + 1) * per_direction]
             state = (h0[index], None if c0 is None else c0[index])
-            layout = (bool(direction), batch_first)
-            weights = _Weights(weights, bound["has_biases"])
+            layout = (bool(direction), batch_first, bound["has_biases"])
             steps, (h, c) = _direction(cell, x, state, weights, layout)
             outputs.append(steps)
             last_h.append(h)
@@ -100,36 +104,33 @@ def _sequence(cell: str, bound: dict) -> tuple[Tensor, ...]:
     return x, torch.stack(last_h)
 
 
-class _Weights:
-    """One layer's and direction's weights: ``W_ih, W_hh[, b_ih, b_hh][, W_hr]``."""
-
-    def __init__(self, weights: Sequence[Tensor], has_biases: bool):
-        self.w_ih, self.w_hh = weights[0], weights[1]
-        self.b_ih, self.b_hh = (weights[2], weights[3]) if has_biases else (None, None)
-        self.w_hr = weights[-1] if len(weights) in (3, 5) else None  # LSTM projection
-
-
 def _direction(
     cell: str,
     x: Tensor,
     state: tuple[Tensor, Tensor | None],
-    weights: _Weights,
-    layout: tuple[bool, bool],
+    weights: Sequence[Tensor],
+    layout: tuple[bool, bool, bool],
 ) -> tuple[Tensor, tuple[Tensor, Tensor | None]]:
-    """One direction of one layer (``layout``: ``(reverse, batch_first)``)."""
-    reverse, batch_first = layout
+    """One direction of one layer: ``W_ih, W_hh[, b_ih, b_hh][, W_hr]``.
+
+    ``layout``: ``(reverse, batch_first, has_biases)``; ``W_hr``: LSTM projection.
+    """
+    reverse, batch_first, has_biases = layout
+    w_ih, w_hh = weights[:2]
+    b_ih, b_hh = weights[2:4] if has_biases else (None, None)
+    w_hr = weights[-1] if len(weights) in (3, 5) else None
     time = 1 if batch_first else 0
     # the steps as views of one unbind: its backward pass stacks their vectors
     # once (selecting step by step would add T zero-padded copies, O(T²))
-    gates_in = F.linear(x, weights.w_ih, weights.b_ih).unbind(time)
+    gates_in = F.linear(x, w_ih, b_ih).unbind(time)
     length = len(gates_in)
     order = range(length - 1, -1, -1) if reverse else range(length)
     outputs: list[Tensor | None] = [None] * length
     h, c = state
     for t in order:
-        h, c = _step(cell, gates_in[t], (h, c), weights.w_hh, weights.b_hh)
-        if weights.w_hr is not None:
-            h = F.linear(h, weights.w_hr)
+        h, c = _step(cell, gates_in[t], (h, c), w_hh, b_hh)
+        if w_hr is not None:
+            h = F.linear(h, w_hr)
         outputs[t] = h
     return torch.stack(outputs, dim=time), (h, c)
 

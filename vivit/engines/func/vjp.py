@@ -1,8 +1,4 @@
-"""The vectors the func engine backpropagates, and batched VJPs that fit a budget.
-
-:class:`VectorStack` and :class:`OneHotPerSample` are indexed like the tensors they
-stand for and form only what is indexed.
-"""
+"""The vectors the func engine backpropagates, and batched VJPs that fit a budget."""
 
 from __future__ import annotations
 
@@ -32,11 +28,10 @@ class _Stack:
 
 
 class VectorStack(_Stack):
-    """``[V, B, *out]`` vectors of the samples ``start:stop`` of a batch, lazily.
+    """``[V, B, *out]`` vectors of the batch's ``samples`` (a range), lazily.
 
-    The ``K`` columns of the loss-Hessian ``root`` of the curvature samples
-    ``ggn_samples`` (zero outside them), then ``gradients`` ``∂ℓ_n/∂f_n`` ``[N, *out]``
-    (if not ``None``); ``samples`` is ``range(start, stop)``.
+    The ``K`` columns of the loss-Hessian ``root`` of ``ggn_samples`` (zero outside
+    them), then, unless ``None``, ``gradients`` ``∂ℓ_n/∂f_n`` ``[N, *out]``.
     """
 
     def __init__(
@@ -62,13 +57,8 @@ class VectorStack(_Stack):
 
     def samples(self, start: int, stop: int) -> VectorStack:
         """The vectors of this stack's samples ``start:stop``, formed as lazily."""
-        first = self._samples.start
-        return VectorStack(
-            self._root,
-            self._ggn_samples,
-            self._gradients,
-            range(first + start, first + min(stop, len(self._samples))),
-        )
+        span = self._samples[start:stop]
+        return VectorStack(self._root, self._ggn_samples, self._gradients, span)
 
     def _parts(self, start: int, stop: int) -> list[Tensor]:
         parts = []
@@ -116,8 +106,8 @@ class OneHotPerSample(_Stack):
 class BatchedVJP:
     """``Jᵀ v`` of a graph's output for stacks of vectors ``v``.
 
-    Per chunk one vmapped backward pass or one pass per vector (the same numbers): the
-    first chunk times both, and the loop is kept only if more than twice as fast.
+    One vmapped backward pass per chunk, or one pass per vector if the first chunk
+    times that more than twice as fast (the same numbers).
     """
 
     def __init__(self):
@@ -130,11 +120,9 @@ class BatchedVJP:
         vectors: Tensor | VectorStack | OneHotPerSample,
         chunk_size: int,
     ) -> list[Tensor]:
-        """``Jᵀ v`` ``[V, *input.shape]`` of ``output`` ``[*out]`` w.r.t. each input.
+        """``Jᵀ v`` ``[V, *input.shape]`` per input (detached; zeros if unused).
 
-        ``vectors`` ``[V, *out]`` (a tensor or a stack) go back ``chunk_size`` per
-        pass; the results are detached, zeros where ``output`` does not depend on an
-        input.
+        ``vectors`` ``[V, *out]`` go back ``chunk_size`` per pass.
         """
         if not inputs:
             return []
@@ -158,15 +146,11 @@ class BatchedVJP:
 
     def _chunk(self, output, inputs, chunk) -> list[Tensor | None]:
         if self.batched is None:
-            start = time.perf_counter()
-            grads = _vmapped(output, inputs, chunk)
+            grads, vmapped = _timed(_vmapped, output, inputs, chunk)
             if grads is None:
                 self.batched = False
                 return _looped(output, inputs, chunk)
-            vmapped = time.perf_counter() - start
-            start = time.perf_counter()
-            _looped(output, inputs, chunk[:1])
-            looped = len(chunk) * (time.perf_counter() - start)
+            looped = len(chunk) * _timed(_looped, output, inputs, chunk[:1])[1]
             self.batched = vmapped <= 2 * looped  # vmap's first pass pays set-up
             return grads
         if self.batched:
@@ -174,6 +158,12 @@ class BatchedVJP:
             if grads is not None:
                 return grads
         return _looped(output, inputs, chunk)
+
+
+def _timed(function: Callable, *args) -> tuple[object, float]:
+    """``function(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    return function(*args), time.perf_counter() - start
 
 
 def _vmapped(output, inputs, chunk) -> list[Tensor | None] | None:
@@ -212,9 +202,8 @@ def _looped(output, inputs, chunk) -> list[Tensor | None]:
 class ExplicitColumns:
     """Explicit columns of a chunk by the faster of two exact routes.
 
-    :func:`per_sample_vjp` (a second forward pass under ``vmap``) or the one-hot
-    batches (``B`` backward passes through the chunk's graph): the first of several
-    chunks times both; one chunk takes the one-hot batches (its graph exists).
+    :func:`per_sample_vjp` or the one-hot batches through the chunk's graph: the
+    first of several chunks times both; one chunk takes the one-hot batches.
     """
 
     def __init__(self):
@@ -226,23 +215,15 @@ class ExplicitColumns:
         one_hot: Callable[[], list[Tensor]],
         more_chunks: bool,
     ) -> list[Tensor]:
-        """The columns ``[B, V, *param.shape]`` per parameter.
-
-        ``vectorized`` runs :func:`per_sample_vjp` (``None`` if it cannot),
-        ``one_hot`` pushes the one-hot batches back.
-        """
+        """The columns ``[B, V, *param.shape]`` per parameter."""
         if self.vectorized is None and not more_chunks:
             return one_hot()
         if self.vectorized is None:
-            start = time.perf_counter()
-            columns = vectorized()
-            by_vmap = time.perf_counter() - start
+            columns, by_vmap = _timed(vectorized)
             if columns is None:
                 self.vectorized = False
                 return one_hot()
-            start = time.perf_counter()
-            one_hot()
-            self.vectorized = by_vmap <= time.perf_counter() - start
+            self.vectorized = by_vmap <= _timed(one_hot)[1]
             return columns
         columns = vectorized() if self.vectorized else None
         return one_hot() if columns is None else columns
@@ -257,13 +238,12 @@ def per_sample_vjp(
 ) -> list[Tensor] | None:
     """Each sample's ``J_nᵀ v`` at the parameters: ``vmap`` of one sample's pullback.
 
-    ``sample_output`` is the output of one sample (its input with a batch axis of
-    one) as a function of the parameters' values; ``inputs`` ``[B, *in]`` (or a dict
-    of them), ``vectors`` ``[V, B, *out]``, ``chunk_size`` vectors per pullback.
+    ``sample_output(values, x)``: one sample's output (batch axis of one);
+    ``vectors`` ``[V, B, *out]``, ``chunk_size`` of them per pullback.
 
     Returns:
         ``[B, V, *param.shape]`` per parameter, detached, or ``None`` where the model
-        cannot run under ``vmap`` (no batching rule, data-dependent control flow).
+        cannot run under ``vmap``.
     """
     values = [p.detach() for p in params]
 
