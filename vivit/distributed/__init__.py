@@ -1,11 +1,8 @@
 """The curvature of the union of the shards of a ``torch.distributed`` group.
 
-Every rank computes its shard's curvature; :class:`ShardExchange` runs the rounds
-of collectives (route, request, shard, data, Gram matrices) that let every rank
-combine all shards in rank order, as one process combines a loader's batches,
-and the implicit route's later calls run in step (:mod:`~vivit.distributed.lockstep`).
-The protocol, its scalings and its cost: ``docs/math.rst``, "Several processes"
-and "Implicit products on several processes".
+Every rank computes its shard's curvature and all combine the shards in rank
+order (``docs/math.rst``, "Several processes", "Implicit products on several
+processes").
 """
 
 from vivit.distributed.agreement import (

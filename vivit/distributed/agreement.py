@@ -1,12 +1,12 @@
 """Whether the ranks of a group agree: on their requests, their values, success.
 
-Every rank compares what all ranks sent in one ``all_gather_object`` and, on a
-difference or a failed rank, raises the same :class:`~vivit.errors.DistributedError`
-as every other rank, so that no rank waits for data that never comes.
+On a difference or a failed rank every rank raises the same
+:class:`~vivit.errors.DistributedError`, so no rank waits for data that never comes.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,10 +32,7 @@ SAMPLE_SHAPE = "target_shape_per_sample"
 
 @dataclass(frozen=True, eq=False)
 class TensorChecksum:
-    """Sum and Euclidean norm of a tensor in float64, equal within ``1e-9`` of the norm.
-
-    Equal tensors match whatever the order of summation (numbers of threads).
-    """
+    """Sum and norm in float64, equal within ``1e-9`` of the norm (in any order)."""
 
     total: float
     norm: float
@@ -71,16 +68,9 @@ def request_fingerprint(
     model: Module | None = None,
     **options: object,
 ) -> dict[str, object]:
-    """What every rank of a group must ask for identically.
+    """What every rank must ask for identically: loss, groups' shapes, model, options.
 
-    Args:
-        loss_func: The loss module (its type, options and weights), if any.
-        param_groups: The parameter groups (their shapes and types).
-        model: The network, if any: its ``state_dict``'s checksums.
-        **options: Further options that shape the results.
-
-    Returns:
-        A picklable description, compared key by key across the ranks.
+    Picklable, compared key by key; ``model``: its ``state_dict``'s checksums.
     """
     fingerprint: dict[str, object] = dict(options)
     fingerprint["parameter groups"] = [
@@ -132,10 +122,7 @@ def run_fingerprint(
 def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> None:
     """Check that every rank of ``group`` holds the same ``value`` (a collective).
 
-    Args:
-        group: The process group.
-        what: What the value is, for the message.
-        value: This rank's value (picklable, compared with ``==``).
+    ``what`` names the value for the message; ``value`` is compared with ``==``.
 
     Raises:
         DistributedError: On every rank, if a rank's value differs from rank 0's.
@@ -154,10 +141,7 @@ def agree_across_ranks(group: dist.ProcessGroup, what: str, value: object) -> No
 
 
 def check_requests(fingerprints: Sequence[dict[str, object]]) -> None:
-    """Refuse, naming the ranks and options, a rank that asks for other than rank 0.
-
-    The targets' shapes per sample are compared only where both are known.
-    """
+    """Refuse a rank that asks for other than rank 0 (shapes: where both known)."""
     first = fingerprints[0]
     differences = [
         _difference(rank, key, theirs[key], first[key])
@@ -214,6 +198,14 @@ class RankFailure:
     def of(cls, rank: int, error: BaseException) -> RankFailure:
         """The failure of ``rank`` with ``error``."""
         return cls(rank, f"{type(error).__name__}: {error}")
+
+
+def gather_objects(group: dist.ProcessGroup, item: object, report) -> list[object]:
+    """Every rank's ``item`` in rank order; its pickled bytes counted in ``report``."""
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, item, group=group)
+    report.metadata_bytes += len(pickle.dumps(item))
+    return gathered
 
 
 def raise_failures(gathered: Sequence[object], world_size: int) -> None:

@@ -1,12 +1,7 @@
-"""The rounds of collectives of one construction across the ranks of a group.
-
-:class:`ShardExchange` runs them in order (``docs/math.rst``, "Several
-processes"), and times and counts them.
-"""
+"""The rounds of collectives of one construction across the ranks of a group."""
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -19,6 +14,7 @@ from vivit.distributed.agreement import (
     RankFailure,
     check_requests,
     check_sample_shapes,
+    gather_objects,
     raise_failures,
 )
 from vivit.distributed.gram import sharded_gram
@@ -36,12 +32,9 @@ Decision = TypeVar("Decision")
 class ShardExchange:
     """One construction's agreement and exchange across the ranks of a group.
 
-    A context manager around everything a rank does before the exchange: an
-    exception that leaves it before this rank's three rounds (route, request,
-    shard) is sent to the others in the round they wait in, so every rank raises.
-
-    Args:
-        group: The process group, or ``None``: every method passes its input through.
+    A context manager: an exception that leaves it before this rank's three
+    rounds (route, request, shard) is sent to the others in the round they wait
+    in, so every rank raises. ``group=None``: every method passes its input on.
     """
 
     def __init__(self, group: dist.ProcessGroup | None):
@@ -61,14 +54,12 @@ class ShardExchange:
         return False
 
     def _all_gather_object(self, item: object) -> list[object]:
-        gathered: list[object] = [None] * self.world_size
         start = time.perf_counter()
         try:
-            dist.all_gather_object(gathered, item, group=self.group)
+            gathered = gather_objects(self.group, item, self.report)
         except BaseException:  # the group is broken: no further round
             self._rounds_left = 0
             raise
-        self.report.metadata_bytes += len(pickle.dumps(item))
         self.report.seconds += time.perf_counter() - start
         return gathered
 
@@ -99,8 +90,7 @@ class ShardExchange:
         """The route round: ``rule`` of every rank's item (rank order), on every rank.
 
         Raises:
-            DistributedError: On every rank, if a rank failed before the round
-                or the rule refuses the items.
+            DistributedError: On every rank, if a rank failed or ``rule`` refuses.
         """
         if self.group is None:
             return rule([item])
@@ -110,8 +100,7 @@ class ShardExchange:
         """The request round: every rank asks for the same; rank 0's MC ``seed``.
 
         Raises:
-            DistributedError: On every rank, if a rank failed before the backward
-                pass or the requests differ (naming the ranks and options).
+            DistributedError: On every rank, if a rank failed or the requests differ.
         """
         if self.group is None:
             return seed
@@ -142,10 +131,7 @@ class ShardExchange:
     ) -> list[PartResult]:
         """The shard round and the data: every rank's block (rank order), rebuilt.
 
-        Args:
-            blocks: This rank's block (exactly one: its shard's parts merged).
-            param_groups: The parameter groups, to attach to the rebuilt curvature.
-            sample_shape: The shape per sample of this rank's targets.
+        ``blocks`` holds exactly this rank's one (its shard's parts merged).
 
         Raises:
             DistributedError: If another rank failed before the exchange, or
@@ -181,8 +167,7 @@ class ShardExchange:
         """The implicit route's shard round: every rank's batch context and loss.
 
         Raises:
-            DistributedError: If another rank failed before this round, or the
-                ranks' targets differ in shape per sample (on every rank).
+            DistributedError: As :meth:`exchange`.
         """
         if self.group is None:
             return [(batch, loss)]

@@ -1,9 +1,4 @@
-"""Who forms which block of a Gram matrix, and the Gram matrix formed together.
-
-The union's Gram matrix has one block ``V_aᵀ V_b`` per pair of ranks' sample
-blocks; every rank forms its share (:func:`gram_block_owners`), the ranks
-all-gather them, and every rank assembles the same matrix (:func:`sharded_gram`).
-"""
+"""Who forms which block ``V_aᵀ V_b`` of a Gram matrix; the matrix formed together."""
 
 from __future__ import annotations
 
@@ -18,16 +13,9 @@ from vivit.gram import ParamFactors, StackedFactors
 
 
 def gram_block_owners(num_blocks: int, world_size: int) -> list[list[tuple[int, int]]]:
-    """Each rank's Gram blocks ``(a, b)``, ``a ≤ b``: round robin.
+    """Each rank's Gram blocks ``(a, b)``, ``a ≤ b``, in order.
 
     Block ``i`` of the upper triangle (row-major) goes to rank ``i mod W``.
-
-    Args:
-        num_blocks: Number of sample blocks (ranks).
-        world_size: Number of ranks.
-
-    Returns:
-        Each rank's blocks, in order.
     """
     pairs = [(a, b) for a in range(num_blocks) for b in range(a, num_blocks)]
     return [pairs[rank::world_size] for rank in range(world_size)]
@@ -41,21 +29,12 @@ def gram_block_entries(rows: Sequence[int], a: int, b: int) -> int:
 def sharded_gram(
     factors: Sequence[ParamFactors], group: dist.ProcessGroup
 ) -> tuple[Tensor, int]:
-    """A group's Gram matrix ``Σ_p V_pᵀ V_p`` of the union, formed together.
+    """A group's Gram matrix ``[N·C, N·C]`` of the union, formed together.
 
-    Each rank forms its blocks (:func:`gram_block_owners`; of a diagonal block
-    only the upper triangle travels), the ranks all-gather them, and every rank
-    assembles the same matrix. A collective: every rank calls it for the same
-    groups in the same order.
-
-    Args:
-        factors: One :class:`~vivit.gram.StackedFactors` per parameter, a block
-            per rank.
-        group: The process group.
-
-    Returns:
-        ``[N·C, N·C]``, identical on every rank, and the bytes of every rank's
-        buffer in the all-gather.
+    Each rank forms its blocks (of a diagonal block only the upper triangle
+    travels); every rank assembles the same matrix. A collective. ``factors``:
+    one :class:`~vivit.gram.StackedFactors` per parameter, a block per rank.
+    Also returns the bytes of every rank's buffer in the all-gather.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     per_param = [

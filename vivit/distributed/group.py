@@ -12,10 +12,9 @@ from vivit.errors import InvalidArgumentError
 def resolve_group(process_group: object) -> dist.ProcessGroup | None:
     """The process group whose shards form the union, or ``None`` to run locally.
 
-    Args:
-        process_group: ``None``: the default group if ``torch.distributed`` is
-            initialised, else local; ``False``: local; a ``ProcessGroup``: that
-            group (``None`` is returned for a group of one rank).
+    ``process_group``: ``None`` for the default group if ``torch.distributed`` is
+    initialised (else local), ``False`` for local, or a ``ProcessGroup`` (local
+    if of one rank).
 
     Raises:
         InvalidArgumentError: If ``process_group`` is none of these, or this
@@ -58,12 +57,6 @@ def local_module(model: Module) -> Module:
 
     DDP's forward pass prepares a gradient all-reduce that the curvature's
     backward pass must not trigger; the wrapped module holds the same parameters.
-
-    Args:
-        model: The network, possibly wrapped.
-
-    Returns:
-        The wrapped module, or ``model`` itself.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.module

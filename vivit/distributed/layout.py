@@ -17,14 +17,11 @@ class ShardLayout:
     covers the union; these ranges pick a rank's own.
 
     Attributes:
-        rank: This process's rank in the group (``0`` locally).
-        world_size: Number of ranks (``1`` locally).
+        rank: This process's rank in the group (``0`` locally; ``world_size`` 1).
         samples: Each rank's samples as positions in the union batch (rows of
-            ``γ`` with ``subsampling_grad=None``; indices for
-            ``subsampling_grad``).
-        ggn_samples: Each rank's GGN samples (its subsampling) as positions among
-            the union's GGN samples (rows of ``λ``; Gram-space entries
-            ``n·C + c`` of these ``n``).
+            ``γ``; indices for ``subsampling_grad``).
+        ggn_samples: Each rank's GGN samples as positions among the union's
+            (rows of ``λ``; Gram-space entries ``n·C + c`` of these ``n``).
     """
 
     rank: int
@@ -46,13 +43,7 @@ class ShardLayout:
     def of_batches(
         cls, batches: Sequence[BatchInfo], rank: int, world_size: int
     ) -> ShardLayout:
-        """The layout of blocks in rank order: one per rank (locally, one spans all).
-
-        Args:
-            batches: The blocks' batch contexts, in order.
-            rank: This process's rank.
-            world_size: Number of ranks.
-        """
+        """The layout of blocks in rank order: one per rank (locally, one spans all)."""
         per_rank = [batches] if world_size == 1 else [[batch] for batch in batches]
 
         def ranges(size: Callable[[BatchInfo], int]) -> tuple[range, ...]:
@@ -67,28 +58,20 @@ class ShardLayout:
 class ExchangeReport:
     """What the ranks exchanged: at construction and, on the implicit route, since.
 
-    All zero in one process; the cost model is ``docs/math.rst``'s ("Several
-    processes", "Implicit products on several processes").
+    All zero in one process; the cost model: ``docs/math.rst``, "Several processes".
 
     Attributes:
-        world_size: Number of ranks.
-        payload_bytes: Bytes of every rank's tensors (rank order), before
-            alignment and padding.
+        payload_bytes: Bytes of every rank's tensors (rank order), unpadded.
         buffer_bytes: Length of every rank's buffer in the all-gather (the
-            longest payload, tensors aligned to
-            :data:`~vivit.distributed.packing.ALIGNMENT`).
+            longest payload, tensors aligned to ``ALIGNMENT``).
         metadata_bytes: Pickled bytes of this rank's ``all_gather_object`` messages.
-        seconds: Wall time of the agreement rounds and of packing, exchanging
-            and rebuilding the blocks (waiting for the slowest rank included).
+        seconds: Wall time of the agreement rounds and the exchange of the
+            blocks (waiting for the slowest rank included).
         gram_buffer_bytes: Length of every rank's buffer of Gram blocks, summed
-            over the Gram matrices formed together.
-        gram_seconds: Wall time of forming them.
+            over the Gram matrices formed together (``gram_seconds``: their time).
         reductions: ``all_reduce`` calls of the implicit route so far (the
-            gradient, then one per product ``G V``).
-        reduced_bytes: Bytes of this rank's tensors in them (``D`` numbers for
-            the gradient, ``K·D`` per product of ``K`` vectors).
-        reduction_seconds: Wall time of the implicit route's rounds and
-            all-reduces since construction, not this rank's own shares.
+            gradient, then one per product ``G V``); ``reduced_bytes``: this
+            rank's bytes in them; ``reduction_seconds``: their time and rounds'.
     """
 
     world_size: int = 1

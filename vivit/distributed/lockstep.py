@@ -1,14 +1,11 @@
 """Calls that every rank of a group makes together, in step: the implicit route's.
 
-Each call computes this rank's share, then one ``all_gather_object`` round
-compares the call (name, input digest) and reports failures on every rank, then
-the shares are summed by one ``all_reduce`` (bitwise identical on every rank) or
-gathered in rank order (``docs/math.rst``, "Implicit products on several processes").
+Each call computes this rank's share; one round compares the calls and reports
+failures, then the shares are summed (``all_reduce``) or gathered in rank order.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -17,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vivit.distributed.agreement import RankFailure, raise_failures
+from vivit.distributed.agreement import RankFailure, gather_objects, raise_failures
 from vivit.distributed.layout import ExchangeReport
 from vivit.errors import DistributedError
 
@@ -25,13 +22,7 @@ Share = TypeVar("Share")
 
 
 class LockStep:
-    """One rank's side of the calls a group makes together (see the module).
-
-    Args:
-        group: The process group, or ``None`` to run locally (every call then
-            returns this process's share as it is).
-        report: Counts the bytes and time of the calls.
-    """
+    """One rank's side of the calls a group makes together (``group=None``: local)."""
 
     def __init__(self, group: dist.ProcessGroup | None, report: ExchangeReport):
         self.group = group
@@ -42,15 +33,10 @@ class LockStep:
     def sum(
         self, call: object, compute: Callable[[], Sequence[Tensor]]
     ) -> list[Tensor]:
-        """Every rank's share of a call, summed over the ranks.
+        """Every rank's share of a call, summed: bitwise identical on every rank.
 
-        Args:
-            call: What the share is of (its name and a digest of its input),
-                equal on every rank (compared with ``==``).
-            compute: This rank's share: tensors of one type and device.
-
-        Returns:
-            The sums, shaped like the share; bitwise identical on every rank.
+        ``call`` names the share (with a digest of its input), equal on every
+        rank; ``compute`` returns this rank's tensors (one type and device).
 
         Raises:
             DistributedError: If a rank failed (on the others), or a rank's call
@@ -75,14 +61,7 @@ class LockStep:
         ]
 
     def gather(self, call: object, compute: Callable[[], Share]) -> list[Share]:
-        """Every rank's share of a call, in rank order (small shares, pickled).
-
-        Args:
-            call: What the share is of, equal on every rank (see :meth:`sum`).
-            compute: This rank's share (picklable).
-
-        Returns:
-            Every rank's share, rank 0's first; identical on every rank.
+        """Every rank's (small, picklable) share of a call, in rank order.
 
         Raises:
             DistributedError: As for :meth:`sum`.
@@ -98,19 +77,15 @@ class LockStep:
         compute: Callable[[], Share],
         split: Callable[[Share], tuple[object, object]],
     ) -> tuple[Share, list[object]]:
-        """This rank's share, and every rank's handed part once the calls agree.
-
-        ``split`` divides a share into what must agree besides the call (the
-        shapes of a sum) and what every rank hands every rank (a gathered share).
-        """
+        """This rank's share, and every rank's handed part once all calls agree."""
         try:
             share = compute()
         except BaseException as error:
-            self._all_gather(RankFailure.of(self.rank, error))
+            gather_objects(self.group, RankFailure.of(self.rank, error), self.report)
             raise
         start = time.perf_counter()  # the round, not this rank's share
         agreed, handed = split(share)
-        gathered = self._all_gather(((call, agreed), handed))
+        gathered = gather_objects(self.group, ((call, agreed), handed), self.report)
         self.report.reduction_seconds += time.perf_counter() - start
         raise_failures(gathered, self.world_size)
         first = gathered[0][0]
@@ -130,12 +105,6 @@ class LockStep:
                 "eigensolver must take the same steps on every rank."
             )
         return share, [part for _, part in gathered]
-
-    def _all_gather(self, item: object) -> list[object]:
-        gathered: list[object] = [None] * self.world_size
-        dist.all_gather_object(gathered, item, group=self.group)
-        self.report.metadata_bytes += len(pickle.dumps(item))
-        return gathered
 
 
 def _described(call: object, agreed: object) -> str:

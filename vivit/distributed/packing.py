@@ -1,7 +1,4 @@
-"""A rank's part of the samples as one byte buffer and a description, and back.
-
-Bit for bit; the picklable description holds factor classes, batch context, slots.
-"""
+"""A rank's part of the samples as one byte buffer and a description, and back."""
 
 from __future__ import annotations
 
@@ -30,12 +27,7 @@ class _Slot:
 
 
 class Packer:
-    """Lays out tensors in one byte buffer and describes them by slots.
-
-    Attributes:
-        size: Bytes of the buffer so far (tensors aligned to :data:`ALIGNMENT`).
-        payload: Bytes of the tensors themselves.
-    """
+    """Lays out tensors in one byte buffer (``size`` bytes, aligned; ``payload``)."""
 
     def __init__(self) -> None:
         self._tensors: list[tuple[int, Tensor]] = []
@@ -65,18 +57,10 @@ def _unpack(slot: _Slot, buffer: Tensor) -> Tensor:
 
 
 def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> tuple:
-    """Describe factors by their class and attributes, tensors cast to ``dtype``.
+    """A picklable description of factors, their tensors to ``packer`` in ``dtype``.
 
     Held in ``gram_dtype`` but computed in the model's ``dtype``, they travel in
-    that exactly; stacked blocks (forms that differ by part) each describe themselves.
-
-    Args:
-        factors: One parameter's factors.
-        dtype: The type they were computed in.
-        packer: Receives their tensors.
-
-    Returns:
-        The picklable description :func:`unpack_factors` rebuilds them from.
+    that exactly; stacked blocks each describe themselves.
     """
     if isinstance(factors, StackedFactors):
         blocks = [pack_factors(block, dtype, packer) for block in factors.blocks]
@@ -91,12 +75,7 @@ def pack_factors(factors: ParamFactors, dtype: torch.dtype, packer: Packer) -> t
 
 
 def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
-    """The factors :func:`pack_factors` described, in the type they were held in.
-
-    Args:
-        description: What :func:`pack_factors` returned.
-        buffer: The filled byte buffer (the factors view it where no cast is needed).
-    """
+    """The factors :func:`pack_factors` described (viewing ``buffer`` if not cast)."""
     cls, held_dtype, state = description
     if cls is StackedFactors:  # (cls, blocks, scales)
         blocks = [unpack_factors(block, buffer) for block in held_dtype]
@@ -112,10 +91,7 @@ def unpack_factors(description: tuple, buffer: Tensor) -> ParamFactors:
 
 
 def pack_shard(block: PartResult, packer: Packer) -> dict:
-    """Describe a rank's block (its groups' factors and batch contexts, its loss).
-
-    Its tensors go to ``packer``; :func:`unpack_shard` rebuilds it from the result.
-    """
+    """Describe a rank's block (factors, batch contexts, loss); tensors to packer."""
     groups = []
     for curvature in block.curvature:
         dtype = curvature.factor_dtype
@@ -159,10 +135,7 @@ def unpack_shard(
 def shard_gradient(
     grad_factors: ParamFactors, batch: BatchInfo, device: torch.device
 ) -> Tensor:
-    """``∇L_b = R_b Σ_n ∇ℓ_n`` of a parameter from its per-sample gradient factors.
-
-    The gradient needs no exchange (``docs/math.rst``, "Several processes").
-    """
+    """``∇L_b = R_b Σ_n ∇ℓ_n`` from per-sample gradient factors (no exchange)."""
     ones = torch.full(
         (1, grad_factors.num_rows),
         batch.reduction_factor(),

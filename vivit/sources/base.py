@@ -1,7 +1,6 @@
-"""What the results layer asks of a source of curvature, per parameter group.
+"""What the results layer (:mod:`vivit.results`) asks of a source of curvature.
 
-:mod:`vivit.results` computes every result once, over this protocol; each source
-answers it its own way. Shapes follow ``docs/math.rst``.
+Each source answers per parameter group, its own way; shapes follow ``docs/math.rst``.
 """
 
 from __future__ import annotations
@@ -22,21 +21,14 @@ class GroupSource(Protocol):
     """One parameter group's curvature, as a source answers it.
 
     Attributes:
-        index: Position of the group.
-        params: The group's parameters.
-        gradient: The gradient of the loss, one tensor per parameter.
-        batch: Batch context of the Gram matrix (all samples of the source).
-        factor_dtype: Type the engine computed the factors in (the model's).
-        dtype: Type of the Gram-space products (``gram_dtype`` or the factors').
-        device: Device of the products.
-        num_rows: Side length ``N·C`` of the Gram matrix.
-        products: ``V·u``, ``Vᵀ·w`` and ``G̃·U`` of the group.
-        solvers: The solvers it runs.
+        batch: Batch context of the Gram matrix ``[num_rows, num_rows]``.
+        factor_dtype: Type the engine computed the factors in (the model's);
+            ``dtype``: of the Gram-space products (``gram_dtype`` or the factors').
         keeps_directions: Whether parameter-space eigenvectors are worth keeping
             between calls (each product is a pass over the data).
         parameter_space: Whether the eigenpairs are computed on ``G`` in parameter
-            space (a :class:`ParameterGroupSource`; its "Gram eigenvectors" are
-            the eigenvectors, flat columns ``[D, K]``).
+            space (a :class:`ParameterGroupSource`: "Gram eigenvectors" are flat
+            columns ``[D, K]``).
     """
 
     index: int
@@ -90,11 +82,8 @@ class GroupSource(Protocol):
 class ParameterGroupSource(GroupSource, Protocol):
     """A group whose products are ``G v`` in parameter space (no ``V``, no Gram).
 
-    ``num_rows`` counts its curvature samples' output entries; :meth:`form_gram`
-    refuses.
-
-    Attributes:
-        num_params: ``D``, the group's parameters.
+    ``num_rows`` counts its curvature samples' output entries; ``num_params`` is
+    ``D``; :meth:`form_gram` refuses.
     """
 
     num_params: int
@@ -119,17 +108,18 @@ class ParameterGroupSource(GroupSource, Protocol):
 class CurvatureSource:
     """The curvature of a loss on a set of samples: a :class:`GroupSource` per group.
 
-    Attributes:
-        param_groups: The parameter groups.
-        loss: The loss on all samples (detached).
-        engine: Name of the engine that computed the factors.
-        groups: Each group's source, in group order.
+    ``loss``: on all samples (detached); ``engine``: the engine's name.
     """
 
     param_groups: list[list[Parameter]]
     loss: Tensor
     engine: str
     groups: list[GroupSource]
+
+    @property
+    def passes(self) -> int:
+        """Passes over this process's data made so far (sources that pass again)."""
+        return self._data.passes
 
     def group(self, index: int) -> GroupSource:
         """The curvature of group ``index``.
@@ -139,3 +129,21 @@ class CurvatureSource:
         """
         check_group_index(index, len(self.param_groups))
         return self.groups[index]
+
+
+class PassGroup:
+    """A group whose every product is a pass over the data (no Gram matrix kept)."""
+
+    keeps_directions = True
+
+    def __init__(self, source: CurvatureSource, index: int):
+        self._source, self.index = source, index
+        self.params = source.param_groups[index]
+        self.gradient = source.gradients[index]
+        self.batch = source.union
+        self.device = self.params[0].device
+        self.num_rows = source.num_rows
+        self.products = self
+
+    def formed_gram(self) -> Tensor | None:  # noqa: D102
+        return None

@@ -29,17 +29,14 @@ def iterate_batches(
     """The batches of a data loader, each checked like a mini-batch.
 
     Raises:
-        InvalidArgumentError: If ``data`` is neither a mini-batch nor an iterable of
-            them, or a batch is malformed (the message names the batch).
+        InvalidArgumentError: If ``data`` is not an iterable of batches, or a batch
+            is malformed (the message names the batch).
     """
     if isinstance(data, Mapping | Tensor | str | bytes) or not isinstance(
         data, Iterable
     ):
-        got = (
-            _dict_summary(data)
-            if isinstance(data, Mapping)
-            else f"got {type(data).__name__}"
-        )
+        mapping = isinstance(data, Mapping)
+        got = _dict_summary(data) if mapping else f"got {type(data).__name__}"
         raise InvalidArgumentError(
             "data must be a pair (inputs, targets) of tensors or an iterable of such "
             f"batches (e.g. a DataLoader), {got}."
@@ -78,10 +75,7 @@ _SAMPLE_DIMS = {Linear: 1, Conv1d: 2, Conv2d: 3, Conv3d: 4}
 
 
 def check_batched(batch: object, model: Module) -> None:
-    """Refuse inputs that are one unbatched sample of the model's first layer.
-
-    The first Linear or convolution layer tells: inputs with one sample's
-    dimensions whose first axis is its input features.
+    """Refuse inputs that are one unbatched sample of the first Linear or conv layer.
 
     Raises:
         InvalidArgumentError: For an unbatched sample, saying what to pass.

@@ -1,9 +1,4 @@
-"""The sink of every engine: parameter contributions into each group's curvature.
-
-A :class:`GroupCollector` adds each contribution's Gram block to its group's and
-keeps the factors where later products need them; a complete group's
-:class:`GroupCurvature` goes to a callback.
-"""
+"""The sink of every engine: parameter contributions into each group's curvature."""
 
 from __future__ import annotations
 
@@ -15,11 +10,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._param_groups import param_group_lists
-from vivit._validation import (
-    check_model,
-    check_params,
-    check_subsampling,
-)
+from vivit._validation import check_model, check_params, check_subsampling
 from vivit.engines.base import BatchInfo, ParamContribution
 from vivit.gram import ParamFactors
 from vivit.losses import check_loss_function
@@ -30,8 +21,6 @@ class GroupCurvature:
     """What a backward pass leaves for one parameter group.
 
     Attributes:
-        params: The group's parameters, in the group's order.
-        batch: Batch context (reduction, samples, columns per sample).
         factor_dtype: Type the engine computed ``V``'s factors in (the model's).
         gram: ``Vᵀ V``, ``[N·C, N·C]``, sample-major, in the collector's
             ``gram_dtype`` (``None``: not formed).
@@ -50,11 +39,7 @@ class GroupCurvature:
     _vt_grads: dict = field(default_factory=dict, repr=False)
 
     def gradient_products(self, samples: Sequence[int] | None) -> Tensor:
-        """``Vᵀ∇ℓ_n`` ``[N·C, N_grad]`` of the gradient samples, cached per samples.
-
-        Args:
-            samples: Positions in the mini-batch (checked; ``None``: all).
-        """
+        """``Vᵀ∇ℓ_n`` ``[N·C, N_grad]`` of ``samples`` (``None``: all), cached."""
         key = None if samples is None else tuple(samples)
         if key not in self._vt_grads:
             self._vt_grads[key] = sum(
@@ -74,13 +59,6 @@ def in_param_dtypes(
     """Parameter-space results (eigenvectors, a step) in their parameters' dtypes.
 
     Always copies: what a caller receives is not a cache of the library's.
-
-    Args:
-        tensors: One tensor per parameter, possibly in a wider ``gram_dtype``.
-        params: The parameters.
-
-    Returns:
-        The tensors, each in its parameter's dtype.
     """
     return [t.to(p.dtype, copy=True) for t, p in zip(tensors, params, strict=True)]
 
@@ -105,23 +83,19 @@ class _Partial:
 class GroupCollector:
     """Sums Gram blocks per parameter group: the sink of every engine.
 
+    A complete group goes to ``on_complete(index, curvature)`` and is reset (one
+    collector serves any number of passes); other or repeated parameters are ignored.
+
     Args:
         groups: Parameter groups (disjoint lists of parameters).
-        on_complete: Called with ``(group_index, curvature)`` once all of a group's
-            parameters have contributed.
-        keep_factors: Keep every parameter's factors of ``V`` for later products.
-        keep_gradient_factors: Keep every parameter's per-sample-gradient factors.
-        keep_gram: Form the group's Gram matrix; without it the caller forms it
-            from the kept factors when (and if) it is needed.
-        vt_grads: Accumulate ``Vᵀ∇ℓ_n`` during the backward pass.
-        gradient_samples: Samples (positions in the mini-batch) whose gradients
-            enter ``vt_grads``; ``None`` for all.
+        keep_factors: Keep every parameter's factors of ``V`` (and, with
+            ``keep_gradient_factors``, its per-sample-gradient factors).
+        keep_gram: Form the group's Gram matrix (else the caller may, from factors).
+        vt_grads: Accumulate ``Vᵀ∇ℓ_n`` of ``gradient_samples`` (positions in
+            the mini-batch; ``None``: all) during the backward pass.
         gram_dtype: Type of the Gram matrix, ``Vᵀ∇ℓ_n`` and every later product
             with the kept factors (``None``: the factors'; ``docs/math.rst``,
             "Precision and the numerical zero").
-
-    A complete group is reset, so one collector serves any number of backward
-    passes; contributions of other parameters, or repeated ones, are ignored.
     """
 
     def __init__(
@@ -172,11 +146,8 @@ class GroupCollector:
                 self._gradient_samples, partial.batch.batch_size, "subsampling_grad"
             )
             vt_grads = gradient_cross_gram(ggn, grad, samples)
-            partial.vt_grads = (
-                vt_grads
-                if partial.vt_grads is None
-                else partial.vt_grads.add_(vt_grads)
-            )
+            old = partial.vt_grads
+            partial.vt_grads = vt_grads if old is None else old.add_(vt_grads)
         if self._keep_factors:
             partial.ggn[id(param)] = ggn
         if self._keep_gradient_factors:
@@ -211,15 +182,9 @@ class GroupCollector:
 def checked_param_groups(
     model: Module, loss_func: Module, param_groups: object
 ) -> tuple[list[list[Parameter]], dict[int, str]]:
-    """Check the model and the loss function; the parameter groups as lists.
+    """Check the model and the loss; the groups as lists, each parameter's name.
 
-    Args:
-        model: The network.
-        loss_func: The loss module.
-        param_groups: Lists of parameters (``None``: every trainable one).
-
-    Returns:
-        The groups, and each parameter's name in the model (by ``id``).
+    ``param_groups=None``: every trainable parameter; names are keyed by ``id``.
 
     Raises:
         VivitError: For a model or loss function the library cannot use, or

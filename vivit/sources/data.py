@@ -1,14 +1,14 @@
 """The caller's data, checked once, and every pass over it, part by part.
 
-A *part* is what an engine or a product runs on together: a mini-batch, a chunk
-of it (``chunk_size``), a loader's batch or a chunk of one. The parts' losses are
-combined into the union's (``docs/math.rst``, "Data sets and processes").
+A *part* runs together: a mini-batch, a loader's batch, or a chunk of either
+(``chunk_size``); their losses combine (``docs/math.rst``, "Data sets and processes").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,15 +49,10 @@ class Part:
     Attributes:
         index: Position of the part in the pass.
         batch: The loader's batch it belongs to (``None``: one mini-batch).
-        inputs: Its inputs (views of the caller's).
-        targets: Its targets.
-        subsampling: Its curvature samples, positions in the part (``None``: all;
-            ``[0]`` for a part without any, whose columns are dropped).
-        has_curvature: Whether any of its samples is a curvature sample.
-        samples: Its positions in the mini-batch, for a chunk of one.
+        subsampling: Its curvature samples in the part (``None``: all; ``[0]``
+            without any, ``has_curvature`` false); ``samples``: a chunk's in the batch.
         loss_func: The caller's loss, or the summed one where ``weightless``
-            (:func:`part_loss`).
-        weightless: Whether it carries no weight in the loss on all samples.
+            (no weight in the loss on all samples; :func:`part_loss`).
     """
 
     index: int
@@ -78,11 +73,6 @@ class Part:
             mask[self.subsampling or slice(None)] = True
         return mask
 
-    @property
-    def caller_tensors(self) -> list[Tensor]:
-        """The caller's tensors the part reads (whose memory results must not share)."""
-        return [*input_tensors(self.inputs), self.targets]
-
 
 #: Handles one part; returns its batch context and loss and gradient (or ``None``).
 Visit = Callable[[Part], "tuple[BatchInfo, EngineOutput] | None"]
@@ -93,14 +83,7 @@ class Data:
 
     Walks it part by part (:meth:`walk`): the caller's random state forked (or a
     fixed start), gradients on, a progress bar, errors naming the loader's batch.
-
-    Args:
-        model: The network (its parameters give the inputs' type and device).
-        loss_func: The loss module.
-        data: ``(inputs, targets)``, or an iterable of such batches.
-        options: The checked options.
-        grouped: Whether the process is a rank of a group (its parts are
-            combined with the other ranks').
+    ``grouped``: the process is a rank of a group (its parts combine with others').
 
     Raises:
         InvalidArgumentError: For a malformed mini-batch, or a subsampling with a
@@ -142,10 +125,7 @@ class Data:
         """Let a source pass more than once (called before its first pass).
 
         Every pass then starts from the random state of now, and the batches and
-        the model are checked against the first pass's.
-
-        Args:
-            front: The front door's name, for messages.
+        the model are checked against the first pass's; ``front`` names the caller.
 
         Raises:
             InvalidArgumentError: For an iterator or generator.
@@ -178,8 +158,7 @@ class Data:
     def batch_sizes(self) -> tuple[list[int], str]:
         """The samples of each batch (a loader's first's for the others), and in words.
 
-        Returns:
-            The sizes, and what they are in words (``""`` for a mini-batch).
+        The words are ``""`` for a mini-batch.
         """
         if self.single:
             return [num_samples(self._data[0][0])], ""
@@ -216,10 +195,7 @@ class Data:
     def walk(self, visit: Visit, description: str) -> UnionOutput:
         """One pass: ``visit`` every part in order; the union of what they returned.
 
-        Args:
-            visit: Runs one part; returns its batch context, loss and gradient,
-                or ``None``.
-            description: What the pass computes (its progress bar's text).
+        ``description``: what the pass computes (its progress bar's text).
 
         Raises:
             ModelChangedError: On a later pass (``reread``), if the model changed.
@@ -229,9 +205,13 @@ class Data:
         if self._reread is not None and self.passes:
             self._check_model_unchanged()
         self.passes += 1
-        union = UnionOutput()
-        index = 0
-        batches = self._batches()
+        union, indices = UnionOutput(), itertools.count()
+        if self.single:
+            batches = iter(self._data)
+        else:
+            batches = iterate_batches(
+                self._data, self._model, self._options.max_batches
+            )
         if self._reread is not None:
             batches = self._fingerprinted(batches)
         if not self.single:
@@ -249,18 +229,12 @@ class Data:
                 if self.sample_shape is None:
                     self.sample_shape = tuple(batch[1].shape[1:])
                 for part in self._parts(batch, None if self.single else batch_index):
-                    part = dataclasses.replace(part, index=index)
-                    index += 1
+                    part = dataclasses.replace(part, index=next(indices))
                     with naming_batch(part.batch):
                         result = visit(part)
                     if result is not None:
                         union.add(*result)
         return union
-
-    def _batches(self) -> Iterator[tuple[ModelInputs, Tensor]]:
-        if self.single:
-            return iter(self._data)
-        return iterate_batches(self._data, self._model, self._options.max_batches)
 
     def _parts(self, batch: tuple[ModelInputs, Tensor], batch_index: int | None):
         inputs, targets = batch
@@ -273,9 +247,8 @@ class Data:
             samples = None if whole else range(start, stop)
             part_inputs = inputs if whole else take_samples(inputs, slice(start, stop))
             part_targets = targets if whole else targets[start:stop]
-            if subsampling is None:
-                local = None
-            else:
+            local = None
+            if subsampling is not None:
                 local = [n - start for n in subsampling if start <= n < stop]
             # a lone mini-batch run whole: its loss is the union's
             combined = not self.single or samples is not None or self._grouped
@@ -294,18 +267,13 @@ class Data:
 
     def _fingerprinted(self, batches: Iterable) -> Iterator:
         """The batches of a pass, each checked against the first pass's."""
-        first = self.passes == 1
-        count = 0
+        first, known, count = self.passes == 1, len(self._digests), 0
         for index, (inputs, targets) in enumerate(batches):
             digest = fingerprint([*input_tensors(inputs), targets])
             if first:
                 self._digests.append(digest)
-            elif index >= len(self._digests) or digest != self._digests[index]:
-                extra = (
-                    f" (pass 1 had only {len(self._digests)} batches)"
-                    if index >= len(self._digests)
-                    else ""
-                )
+            elif index >= known or digest != self._digests[index]:
+                extra = f" (pass 1 had only {known} batches)" if index >= known else ""
                 raise NondeterministicDataError(
                     f"Batch {index} of the data loader differs between pass 1 and "
                     f"pass {self.passes}{extra}: {self._reread} combines every batch "
@@ -318,10 +286,10 @@ class Data:
                 )
             count += 1
             yield inputs, targets
-        if not first and count != len(self._digests):
+        if not first and count != known:
             raise NondeterministicDataError(
                 f"The data loader yielded {count} batches in pass {self.passes} but "
-                f"{len(self._digests)} in pass 1; {self._reread} needs the same "
+                f"{known} in pass 1; {self._reread} needs the same "
                 "batches in every pass."
             )
 
@@ -345,9 +313,8 @@ def part_loss(
 ) -> tuple[Module, bool]:
     """The loss a part runs with, and whether it carries no weight.
 
-    A part combined with others whose every target a mean cross-entropy ignores
-    has the loss ``0/0`` alone but no weight in the union's: it runs with the
-    summed loss (``0``) and its samples weigh ``0`` (:func:`weightless`).
+    A combined part whose every target a mean cross-entropy ignores (loss ``0/0``
+    alone) runs with the summed loss (``0``) and weight ``0`` (:func:`weightless`).
     """
     ignored = (
         isinstance(loss_func, CrossEntropyLoss)
@@ -373,7 +340,7 @@ def weightless(batch: BatchInfo) -> BatchInfo:
 
 
 def _random_devices(params: Iterable[Tensor]) -> list[torch.device]:
-    """The CUDA device of the parameters (at most one), else none."""
+    """The parameters' CUDA device (at most one)."""
     return [p.device for p in params if p.device.type == "cuda"][:1]
 
 
@@ -402,8 +369,8 @@ def progress_bar(
 ) -> Iterable:
     """The batches of a pass, shown as a progress bar on stderr.
 
-    ``progress=None`` shows it on a terminal after :data:`PROGRESS_DELAY`
-    seconds, and a pass of unknown length after the delay in any case.
+    ``progress=None``: after :data:`PROGRESS_DELAY` seconds, on a terminal only
+    unless the pass's length is unknown.
     """
     if progress is False:
         return batches

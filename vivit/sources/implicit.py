@@ -1,9 +1,7 @@
-"""Implicit curvature: GGN-vector products in parameter space, no ``V`` at all.
+"""Implicit curvature (``route="implicit"``): ``G v`` in parameter space, no ``V``.
 
-The source of ``LowRankGGN(..., route="implicit")``: every product ``G v`` is one
-pass over the data, a JVP, the loss-Hessian products and a VJP per part; block
-Krylov on ``G`` gives the leading eigenpairs (``docs/math.rst``, "Implicit
-GGN-vector products", "Implicit products on several processes").
+Every product is one pass (JVP, loss Hessian, VJP per part); block Krylov on ``G``
+gives the leading pairs (``docs/math.rst``, "Implicit GGN-vector products").
 """
 
 from __future__ import annotations
@@ -23,56 +21,39 @@ from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import PartFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
 from vivit.errors import InvalidArgumentError
-from vivit.gram.memory import PARTIAL_FRACTION
+from vivit.gram.memory import PARTIAL_FRACTION as MANY_PAIRS_FRACTION
 from vivit.loss_hessians import LossHessianProducts
 from vivit.model_inputs import call_model
 from vivit.options import CurvatureOptions
-from vivit.sources.base import CurvatureSource
+from vivit.sources.base import CurvatureSource, PassGroup
 from vivit.sources.data import Data, Part, fingerprint, weightless
 from vivit.sources.union import (
     UnionOutput,
+    add_into,
     per_group,
     union_batch,
     unnormalizing_scale,
 )
 
-#: The implicit route refuses more leading pairs than this fraction of the at
-#: most ``min(D, N·C·T)`` non-zero ones (and than :data:`FEW_PAIRS`): a Gram
-#: route's dense solver gives them for less (``solver="auto"``'s limit too).
-MANY_PAIRS_FRACTION = PARTIAL_FRACTION
-#: So many pairs the implicit route always computes (a basis of ``3·128`` vectors).
+#: So many pairs the implicit route always computes (a basis of ``3·128`` vectors);
+#: beyond, at most ``MANY_PAIRS_FRACTION`` (``solver="auto"``'s limit) of the
+#: ``min(D, N·C·T)`` non-zero ones: a Gram route's dense solver gives more for less.
 FEW_PAIRS = 128
 
 
-class ImplicitGroup:
-    """One group's curvature by implicit products (a parameter-space source).
+class ImplicitGroup(PassGroup):
+    """One group's curvature by implicit products (a ``ParameterGroupSource``).
 
-    A :class:`~vivit.sources.base.ParameterGroupSource`; it also answers
-    :meth:`ggn_matmul` and :meth:`pinv_matmul` of the operator.
-
-    Args:
-        source: The implicit source.
-        index: Position of the group.
+    It also answers :meth:`ggn_matmul` and :meth:`pinv_matmul` of the operator.
     """
 
     solvers = ("ggn_krylov",)
-    keeps_directions = True
     parameter_space = True
 
     def __init__(self, source: ImplicitFactors, index: int):
-        self._source = source
-        self.index = index
-        self.params = source.param_groups[index]
-        self.gradient = source.gradients[index]
-        self.batch = source.union
+        super().__init__(source, index)
         self.factor_dtype = self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
-        self.num_rows = source.num_rows
         self.num_params = sum(p.numel() for p in self.params)
-        self.products = self
-
-    def formed_gram(self) -> Tensor | None:  # noqa: D102
-        return None
 
     def form_gram(self, workspace_bytes: int) -> Tensor:  # noqa: D102
         raise InvalidArgumentError(
@@ -93,10 +74,7 @@ class ImplicitGroup:
             )
 
     def ggn_matmul(self, vectors: Sequence[Tensor]) -> list[Tensor]:
-        """``G v`` for one tensor ``[K, *p.shape]`` per parameter: one pass.
-
-        Under a process group, the sum over every rank's shard (identical on all).
-        """
+        """``G v`` for ``[K, *p.shape]`` per parameter: one pass (every rank's sum)."""
         return self._source.lockstep.sum(
             self._call("G·v", vectors), lambda: self._shard_products(vectors)
         )
@@ -117,11 +95,7 @@ class ImplicitGroup:
                 piece[0] if len(piece) == 1 else torch.cat(piece)
                 for piece in zip(*pieces, strict=True)
             ]
-            if not result:
-                result.extend(products)
-            else:
-                for total, product in zip(result, products, strict=True):
-                    total.add_(product)
+            add_into(result, products)
 
         self._source.run_pass(self.index, "G·v", visit)
         return result
@@ -130,10 +104,8 @@ class ImplicitGroup:
         """Krylov basis columns the memory allows for ``top_k`` pairs (or ``None``).
 
         Raises:
-            InvalidArgumentError: If ``top_k`` is a large part of the spectrum
-                (:func:`check_few_pairs`).
-            ProductsTooLargeError: If not even the smallest basis fits
-                (:meth:`ImplicitFactors.check_fits`).
+            InvalidArgumentError: If ``top_k`` is a large part of the spectrum.
+            ProductsTooLargeError: If not even the smallest basis fits.
         """
         check_few_pairs(top_k, min(self.num_rows, self.num_params))
         return self._source.check_fits(top_k)
@@ -149,11 +121,7 @@ class ImplicitGroup:
         ]
 
     def directional_derivatives(self, evecs: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """``γ [N, K]`` of every sample and ``λ [N_ggn, K]`` along ``evecs``: one pass.
-
-        ``λ`` in the subsampling's order; under a process group every rank's
-        samples in rank order.
-        """
+        """``γ [N, K]``, ``λ [N_ggn, K]`` (subsampling, then rank order): one pass."""
         device = evecs[0].device
         shares = self._source.lockstep.gather(
             self._call("γ, λ", evecs), lambda: self._shard_derivatives(evecs)
@@ -202,12 +170,7 @@ class ImplicitGroup:
 
 
 def check_few_pairs(top_k: int, rank: int) -> None:
-    """Refuse a ``top_k`` that is a large part of the spectrum on the implicit route.
-
-    Raises:
-        InvalidArgumentError: If ``top_k`` exceeds both :data:`FEW_PAIRS` and
-            :data:`MANY_PAIRS_FRACTION` of ``rank`` (``min(D, N·C·T)``).
-    """
+    """Refuse a ``top_k`` beyond :data:`FEW_PAIRS` and that fraction of ``rank``."""
     if top_k > max(FEW_PAIRS, MANY_PAIRS_FRACTION * rank):
         raise InvalidArgumentError(
             f"top_k={top_k} asks for a large part of the GGN's at most {rank} "
@@ -229,26 +192,16 @@ def flatten_rows(rows: Sequence[Tensor]) -> Tensor:
 class ImplicitFactors(CurvatureSource):
     """The curvature of a loss by implicit GGN-vector products (a source).
 
-    The construction makes one pass (loss, gradient, each part's normalization,
-    the checks of the model and the targets); every product makes another.
-    Under a process group each rank passes over its own shard, and every product,
-    ``γ``/``λ`` pass and memory check after the construction is a call all ranks
-    make together, in the same order (:class:`~vivit.distributed.lockstep.LockStep`).
+    The construction makes one pass (loss, gradient, normalization, checks);
+    every product makes another. Under a process group each rank passes over its
+    shard, and every later product, pass and memory check is a call all ranks
+    make together (:class:`~vivit.distributed.lockstep.LockStep`).
 
-    Args:
-        model: The network (a ``DistributedDataParallel``'s ``.module``).
-        loss_func: The loss module.
-        data: The checked data (this rank's shard under a process group).
-        param_groups: The checked parameter groups.
-        options: The checked options (``route="implicit"``).
-        shards: The exchange of the process group; ``None`` runs locally.
-        plan: The request's plan (:class:`~vivit.memory.plan.Plan`): vectors per
-            pass and the Krylov basis that fit (``None``: all vectors in one
-            pass, the default basis).
+    ``data`` is this rank's shard under a process group (``shards``; ``None``:
+    local); ``plan`` (:class:`~vivit.memory.plan.Plan`) gives the vectors per
+    pass and the Krylov basis that fit (``None``: all in one pass, the default).
 
     Attributes:
-        loss: The loss on all samples (detached; of every rank's shards).
-        engine: ``"implicit"`` (no engine runs).
         shards: Where each rank's samples sit in the union.
         communication: Bytes and time of the exchanges between the ranks.
         lockstep: The calls the ranks make together (local in one process).
@@ -280,23 +233,13 @@ class ImplicitFactors(CurvatureSource):
         self._data, self._model, self._options, self._plan = data, model, options, plan
         self._basis_columns: dict[int, int | None] = {}
         self.lockstep = LockStep(shards.group, shards.report)
+        shape, grouped = data.sample_shape, shards.group is not None
         fingerprint = run_fingerprint(
-            model,
-            loss_func,
-            param_groups,
-            options,
-            "implicit",
-            data.sample_shape,
-            shards.group is not None,
+            model, loss_func, param_groups, options, "implicit", shape, grouped
         )
         shards.agree(fingerprint, None)
         self._first_pass(shards)
         self.groups = [ImplicitGroup(self, g) for g in range(len(self.param_groups))]
-
-    @property
-    def passes(self) -> int:
-        """Passes over this process's data made so far."""
-        return self._data.passes
 
     def vector_chunks(self, vectors: Sequence[Tensor]) -> Iterator[list[Tensor]]:
         """The vectors ``[K, *p.shape]`` of a product in the vmapped passes that fit."""
@@ -317,14 +260,11 @@ class ImplicitFactors(CurvatureSource):
             yield hessian, output, tangents, hessian.hessian_matmul(tangents)
 
     def check_fits(self, top_k: int) -> int | None:
-        """The Krylov basis columns that fit for ``top_k`` pairs (``None``: default).
-
-        Under a process group the fewest any rank allows; checked once per ``top_k``.
+        """Krylov basis columns that fit for ``top_k`` pairs, the fewest of any rank.
 
         Raises:
             ProductsTooLargeError: If not even the smallest basis fits (on a
-                rank that refuses; :class:`~vivit.errors.DistributedError` on
-                the others).
+                rank that refuses; ``DistributedError`` on the others).
         """
         if top_k not in self._basis_columns:
             allowed = self.lockstep.gather(
@@ -344,22 +284,16 @@ class ImplicitFactors(CurvatureSource):
             ModelChangedError: If the model changed since construction.
             NondeterministicDataError: If the loader yields other batches.
         """
-        params = self.param_groups[group]
-
-        def visit_part(part: Part) -> None:
-            visit(
-                part,
-                PartFunction(self._model, params, part.inputs, self._options.output),
-            )
-
-        self._data.walk(visit_part, description)
+        params, selector = self.param_groups[group], self._options.output
+        self._data.walk(
+            lambda part: visit(
+                part, PartFunction(self._model, params, part.inputs, selector)
+            ),
+            description,
+        )
 
     def _first_pass(self, shards: ShardExchange) -> None:
-        """Loss, gradient, each part's normalization; samples checked independent.
-
-        Under a process group the ranks then exchange their shards' contexts and
-        losses, and sum their gradients rescaled to the union's ``R``.
-        """
+        """Loss, gradient, each part's normalization; samples checked independent."""
         params = [p for group in self.param_groups for p in group]
         selector = self._options.output
         model = self._model
@@ -378,11 +312,9 @@ class ImplicitFactors(CurvatureSource):
                     output.detach(),
                 )
             loss = part.loss_func(output, part.targets)
-            gradients = torch.autograd.grad(loss, params, allow_unused=True)
-            gradients = [
-                torch.zeros_like(p) if g is None else g
-                for p, g in zip(params, gradients, strict=True)
-            ]
+            gradients = torch.autograd.grad(
+                loss, params, allow_unused=True, materialize_grads=True
+            )
             batch = BatchInfo(
                 normalization=hessian.normalization,
                 ggn_samples=tuple(part.ggn_mask.nonzero().flatten().tolist()),

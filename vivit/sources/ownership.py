@@ -1,9 +1,4 @@
-"""Stored factors own their memory: no later result reads a tensor of the caller.
-
-An engine may keep the caller's inputs, parameters or buffers (or views of them)
-as factors of ``V``; :class:`CallerMemory` replaces exactly those by copies, each
-storage view once (``docs/guide.rst``, "Results are computed from copies").
-"""
+"""Stored factors own their memory: no later result reads a tensor of the caller."""
 
 from __future__ import annotations
 
@@ -52,13 +47,7 @@ class CallerMemory:
     def note(
         self, curvature: Sequence[GroupCurvature], caller: Sequence[Tensor] | None
     ) -> None:
-        """Note the factor tensors of one block that share memory with the caller's.
-
-        Args:
-            curvature: The block's curvature, one per group, factors kept.
-            caller: The caller's tensors the block read (``None``: unknown, every
-                factor tensor is noted).
-        """
+        """Note the factor tensors sharing memory with ``caller`` (``None``: all)."""
         owned = None if caller is None else {_storage(t) for t in caller}
         for tensor in _factor_tensors(curvature):
             storage = _storage(tensor)
@@ -80,13 +69,8 @@ class CallerMemory:
             storage = _storage(tensor)
             if storage not in aliased:
                 return tensor
-            key = (
-                storage,
-                tensor.storage_offset(),
-                tensor.shape,
-                tensor.stride(),
-                tensor.dtype,
-            )
+            offset, stride = tensor.storage_offset(), tensor.stride()
+            key = (storage, offset, tensor.shape, stride, tensor.dtype)
             if key not in copies:
                 copies[key] = tensor.clone(memory_format=torch.contiguous_format)
             return copies[key]

@@ -28,11 +28,7 @@ PartRun = Callable[[ContributionSink], EngineOutput]
 
 @dataclass
 class PartResult:
-    """What an engine leaves for one part of the samples.
-
-    ``curvature``: each group's, factors kept; ``output``: the loss on the part
-    alone and its gradient.
-    """
+    """Each group's curvature (factors kept), the part's own loss and gradient."""
 
     curvature: list[GroupCurvature]
     output: EngineOutput
@@ -96,16 +92,13 @@ def run_engine(
 ) -> EngineOutput:
     """Run the engine on one part (the request's subsampling becomes the part's).
 
-    A part without curvature samples hands on no columns of ``V``; one without
-    weight hands on samples of weight ``0`` (:func:`~vivit.sources.data.part_loss`).
-
     Raises:
         InvalidTargetsError: For malformed targets of a chunk, naming its samples.
     """
     if not part.has_curvature:
-        sink = _WithoutCurvature(sink)
+        sink = _Changing(sink, _without_curvature)
     if part.weightless:
-        sink = _Weightless(sink)
+        sink = _Changing(sink, _weightless)
     request = dataclasses.replace(request, subsampling=part.subsampling)
     try:
         return engine.run(
@@ -120,24 +113,23 @@ def run_engine(
         ) from None
 
 
-class _Weightless:
-    """Passes contributions on as those of samples of weight ``0`` (mean)."""
+class _Changing:
+    """Passes contributions on, each changed by ``change``."""
 
-    def __init__(self, sink: ContributionSink):
-        self._sink = sink
-
-    def add(self, param: Parameter, contribution: ParamContribution) -> None:
-        batch = weightless(contribution.batch)
-        self._sink.add(param, dataclasses.replace(contribution, batch=batch))
-
-
-class _WithoutCurvature:
-    """Passes contributions on with no columns of ``V`` (no curvature samples)."""
-
-    def __init__(self, sink: ContributionSink):
-        self._sink = sink
+    def __init__(self, sink: ContributionSink, change: Callable):
+        self._sink, self._change = sink, change
 
     def add(self, param: Parameter, contribution: ParamContribution) -> None:
-        batch = dataclasses.replace(contribution.batch, ggn_samples=())
-        ggn = contribution.ggn.select([])
-        self._sink.add(param, dataclasses.replace(contribution, ggn=ggn, batch=batch))
+        self._sink.add(param, self._change(contribution))
+
+
+def _without_curvature(contribution: ParamContribution) -> ParamContribution:
+    """The contribution with no columns of ``V`` (no curvature samples)."""
+    batch = dataclasses.replace(contribution.batch, ggn_samples=())
+    ggn = contribution.ggn.select([])
+    return dataclasses.replace(contribution, ggn=ggn, batch=batch)
+
+
+def _weightless(contribution: ParamContribution) -> ParamContribution:
+    """The contribution of samples of weight ``0`` (mean)."""
+    return dataclasses.replace(contribution, batch=weightless(contribution.batch))

@@ -1,14 +1,7 @@
-"""Stored factors: one pass keeps every part's factors of ``V``.
-
-The source of :class:`~vivit.LowRankGGN`: each part (a mini-batch, a chunk, a
-loader's batch, a rank's shard) runs through the engine and the parts are
-combined into their union's curvature (:mod:`vivit.sources.union`); every later
-product runs on the kept factors without another pass.
-"""
+"""Stored factors (:class:`~vivit.LowRankGGN`'s): one pass keeps every part's ``V``."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 from torch import Tensor
@@ -23,6 +16,7 @@ from vivit.engines.base import BatchInfo, CurvatureRequest, Engine, EngineOutput
 from vivit.errors import GramTooLargeError, InvalidArgumentError
 from vivit.gram.memory import check_gram_fits
 from vivit.linalg.group_products import FactorProducts, group_gram
+from vivit.model_inputs import input_tensors
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource
 from vivit.sources.collector import GroupCurvature
@@ -94,13 +88,9 @@ class StoredGroup:
 class StoredFactors(CurvatureSource):
     """The stored factors of every parameter group (a curvature source).
 
-    Built by :meth:`run` (a model, a loss function and data) or :meth:`from_loss`
-    (a loss computed through BackPACK-extended modules).
+    Built by :meth:`run` (model, loss function, data) or :meth:`from_loss` (a loss).
 
     Attributes:
-        param_groups: The parameter groups.
-        loss: The loss on all samples (detached).
-        engine: Name of the engine that ran.
         shards: Where each rank's samples sit in the union.
         communication: Bytes and time of the exchange between the ranks.
     """
@@ -140,10 +130,9 @@ class StoredFactors(CurvatureSource):
         self.communication = shards.report
         self.loss = loss
         self.groups = []
+        gradients = per_group(gradients, param_groups)
         for index, (group, part, gradient) in enumerate(
-            zip(
-                param_groups, curvature, per_group(gradients, param_groups), strict=True
-            )
+            zip(param_groups, curvature, gradients, strict=True)
         ):
             for param, tensor in zip(group, gradient, strict=True):
                 name = names.get(id(param), f"parameter of shape {tuple(param.shape)}")
@@ -158,11 +147,7 @@ class StoredFactors(CurvatureSource):
             self._form_grams_together(shards)
 
     def _form_grams_together(self, shards: ShardExchange) -> None:
-        """Form the Gram matrices now, split over the ranks, where they fit on all.
-
-        So no later call needs a collective; one that does not fit on some rank
-        is formed on demand.
-        """
+        """Form now, together, the Gram matrices that fit on every rank."""
         fits = []
         for group in self.groups:
             try:
@@ -189,34 +174,16 @@ class StoredFactors(CurvatureSource):
     ) -> StoredFactors:
         """Run the engine on every part of the data, and combine the parts.
 
-        Args:
-            model: The network (a ``DistributedDataParallel``'s ``.module``).
-            loss_func: The loss module.
-            data: The checked data.
-            param_groups: The checked parameter groups.
-            names: The parameters' names (by ``id``), for messages.
-            options: The checked options.
-            shards: The exchange of the process group.
-            engine: The engine.
-            plan: The request's plan (:class:`~vivit.memory.plan.Plan`): samples per
-                pass, a loader's memory watched (``None``: neither).
+        ``names``: the parameters' (by ``id``); ``plan``: samples per pass and a
+        loader's memory watched (``None``: neither).
         """
-        request = dataclasses.replace(
-            _request(param_groups, options),
-            samples_per_pass=None if plan is None else plan.samples_per_pass,
-        )
+        per_pass = None if plan is None else plan.samples_per_pass
+        request = _request(param_groups, options, samples_per_pass=per_pass)
         fingerprint = run_fingerprint(
-            model,
-            loss_func,
-            param_groups,
-            options,
-            engine.name,
-            data.sample_shape,
-            shards.group is not None,
-            mc_samples=options.mc_samples,
-            mc_per=options.mc_per,
-            gram_dtype=options.gram_dtype,
-        )
+            model, loss_func, param_groups, options, engine.name, data.sample_shape,
+            shards.group is not None, mc_samples=options.mc_samples,
+            mc_per=options.mc_per, gram_dtype=options.gram_dtype,
+        )  # fmt: skip
         requests = part_requests(request, lambda seed: shards.agree(fingerprint, seed))
         parts: list[list[GroupCurvature]] = []
         caller_memory = CallerMemory()
@@ -232,7 +199,8 @@ class StoredFactors(CurvatureSource):
                 param_groups,
                 options.gram_dtype,
             )
-            caller_memory.note(result.curvature, [*part.caller_tensors, *model_memory])
+            caller = [*input_tensors(part.inputs), part.targets, *model_memory]
+            caller_memory.note(result.curvature, caller)
             if part.batch is not None:  # a loader may refill its tensors next batch
                 caller_memory.own(result.curvature)
             parts.append(result.curvature)
@@ -242,16 +210,9 @@ class StoredFactors(CurvatureSource):
 
         union = data.walk(visit, "")
         return cls(
-            param_groups,
-            options,
-            engine.name,
-            names,
-            parts,
-            union,
-            caller_memory,
-            shards=shards,
-            sample_shape=data.sample_shape,
-        )
+            param_groups, options, engine.name, names, parts, union, caller_memory,
+            shards=shards, sample_shape=data.sample_shape,
+        )  # fmt: skip
 
     @classmethod
     def from_loss(
@@ -261,13 +222,7 @@ class StoredFactors(CurvatureSource):
         options: CurvatureOptions,
         engine: Engine,
     ) -> StoredFactors:
-        """Run an engine that starts from a computed loss (BackPACK's ``run_loss``).
-
-        Args:
-            loss: The mini-batch loss, or a function that computes it.
-            param_groups: Lists of parameters, one GGN block each.
-            options: The checked options.
-            engine: An engine with ``run_loss``.
+        """Run an engine with ``run_loss`` (BackPACK's) on a loss or a loss function.
 
         Raises:
             InvalidArgumentError: If ``loss`` is neither a tensor nor a callable.
@@ -302,12 +257,13 @@ class StoredFactors(CurvatureSource):
 
 
 def _request(
-    param_groups: list[list[Parameter]], options: CurvatureOptions
+    param_groups: list[list[Parameter]], options: CurvatureOptions, **fields: object
 ) -> CurvatureRequest:
     """What the engine must compute."""
     return curvature_request(
         param_groups,
         options,
+        **fields,
         subsampling=None if options.subsampling is None else list(options.subsampling),
         compute_gradients=True,
         # the dense solver needs every Gram: refuse before the backward pass;

@@ -1,6 +1,5 @@
-"""Streamed factors: every product recomputes the factors in passes over a loader.
+"""Streamed factors (:class:`~vivit.StreamingGGN`'s): none kept, recomputed per pass.
 
-The source of :class:`~vivit.StreamingGGN`: no factors of ``V`` are kept, and
 ``G̃ U = Vᵀ (V U)`` takes two passes (``docs/math.rst``, "Data sets and processes").
 """
 
@@ -21,12 +20,13 @@ from vivit.errors import InvalidArgumentError
 from vivit.gram import ParamFactors
 from vivit.linalg.group_products import v_matmul, vt_matmul
 from vivit.options import CurvatureOptions, check_streaming_solver
-from vivit.sources.base import CurvatureSource
+from vivit.sources.base import CurvatureSource, PassGroup
 from vivit.sources.collector import checked_param_groups
 from vivit.sources.data import Data, Part
 from vivit.sources.runs import PartResult, curvature_request, run_engine, run_part
 from vivit.sources.union import (
     UnionOutput,
+    add_into,
     part_requests,
     part_scales,
     per_group,
@@ -34,34 +34,16 @@ from vivit.sources.union import (
 )
 
 
-class StreamedGroup:
-    """One group's products by passes (a :class:`~vivit.sources.base.GroupSource`).
-
-    Its :attr:`products` are the group itself: ``V·u`` and ``Vᵀ·w`` one pass each.
-
-    Args:
-        source: The streamed source.
-        index: Position of the group.
-    """
+class StreamedGroup(PassGroup):
+    """One group's products by passes: ``V·u`` and ``Vᵀ·w`` one pass each."""
 
     solvers = ("factor_krylov",)
-    keeps_directions = True
     parameter_space = False
 
     def __init__(self, source: StreamedFactors, index: int):
-        self._source = source
-        self.index = index
-        self.params = source.param_groups[index]
-        self.gradient = source.gradients[index]
-        self.batch = source.union
+        super().__init__(source, index)
         self.factor_dtype = source.factor_dtypes[index]
         self.dtype = source.dtypes[index]
-        self.device = self.params[0].device
-        self.num_rows = source.num_rows
-        self.products = self
-
-    def formed_gram(self) -> Tensor | None:  # noqa: D102
-        return None
 
     def form_gram(self, workspace_bytes: int) -> Tensor:  # noqa: D102
         raise InvalidArgumentError(
@@ -101,12 +83,7 @@ class StreamedGroup:
 
         def visit(index: int, factors: list[ParamFactors]) -> None:
             rows = coefficients[:, bounds[index] : bounds[index + 1]]
-            products = v_matmul(factors, rows)
-            if not result:
-                result.extend(products)
-            else:
-                for total, product in zip(result, products, strict=True):
-                    total.add_(product)
+            add_into(result, v_matmul(factors, rows))
 
         self._factors_pass(visit, "V·u")
         return result
@@ -140,14 +117,7 @@ class StreamedFactors(CurvatureSource):
     """Factors recomputed in every pass over a re-iterable loader (a source).
 
     The construction makes one pass (loss, gradient, each part's normalization);
-    every product makes more.
-
-    Args:
-        model: The network.
-        loss_func: The loss module.
-        data: A re-iterable loader of ``(inputs, targets)`` batches, or one batch.
-        param_groups: Lists of parameters (``None``: every trainable one).
-        options: The checked options.
+    every product makes more. ``param_groups=None``: every trainable parameter.
 
     Raises:
         InvalidArgumentError: For an iterator or generator (passed over once).
@@ -189,11 +159,6 @@ class StreamedFactors(CurvatureSource):
         self.groups = [StreamedGroup(self, g) for g in range(len(self.param_groups))]
 
     @property
-    def passes(self) -> int:
-        """Passes over the data made so far."""
-        return self._data.passes
-
-    @property
     def num_rows(self) -> int:
         """Side length ``N·C`` (``N·M`` with MC) of the Gram matrix, all batches."""
         return self.bounds[-1]
@@ -204,12 +169,7 @@ class StreamedFactors(CurvatureSource):
         description: str,
         gradients: bool = False,
     ) -> UnionOutput:
-        """One pass: the engine on every part, its index and result to ``visit``.
-
-        Args:
-            visit: Called with each part's index and result.
-            description: What the pass computes (its progress bar's text).
-            gradients: Keep the parts' per-sample-gradient factors.
+        """One pass: the engine on every part (``gradients``: theirs kept) to ``visit``.
 
         Raises:
             GradientContextError: Inside ``torch.inference_mode()``.

@@ -1,9 +1,6 @@
-"""Parts of the samples combined into the curvature of their union.
+"""Parts of the samples (batches, chunks, shards) combined into their union's curvature.
 
-Each part (a loader's batch, a chunk, a rank's shard) ran with the loss on its
-own samples: its columns of ``V`` are rescaled by ``√(R_union / R_part)``, its
-loss and gradient weighted by ``R_union / R_part``, and its Monte-Carlo samples
-drawn from its own stream (``docs/math.rst``, "Data sets and processes").
+Rescalings and Monte-Carlo streams: ``docs/math.rst``, "Data sets and processes".
 """
 
 from __future__ import annotations
@@ -17,12 +14,7 @@ from torch import Tensor
 
 from vivit.engines.base import BatchInfo, CurvatureRequest, EngineOutput
 from vivit.errors import InvalidArgumentError, InvalidTargetsError
-from vivit.gram import (
-    DenseFactors,
-    OuterProductFactors,
-    ParamFactors,
-    StackedFactors,
-)
+from vivit.gram import DenseFactors, OuterProductFactors, ParamFactors, StackedFactors
 from vivit.losses import LossNormalization
 from vivit.sources.collector import GroupCurvature
 
@@ -38,11 +30,7 @@ def part_scales(union: BatchInfo, batches: Sequence[BatchInfo]) -> list[float]:
 
 
 def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
-    """The batch context of several blocks' samples together, in block order.
-
-    Args:
-        batches: Each block's context (same reduction, columns and MC samples).
-    """
+    """The batch context of blocks' samples (same reduction, columns, MC) in order."""
     weights: list[float] = []
     ggn_samples: list[int] = []
     for batch in batches:
@@ -58,19 +46,7 @@ def union_batch(batches: Sequence[BatchInfo]) -> BatchInfo:
 
 
 def _concatenated(parts: Sequence[GroupCurvature]) -> GroupCurvature:
-    """One group's curvature on the union of blocks: ``V`` rescaled and stacked.
-
-    Per-sample gradients ``∇ℓ_n`` do not depend on ``R``: stacked as they are.
-
-    Args:
-        parts: The group's curvature of every block, in sample order, factors kept.
-
-    Returns:
-        The group's curvature on the union, its Gram matrix not formed.
-
-    Raises:
-        ValueError: If the blocks disagree in reduction, columns or MC samples.
-    """
+    """One group's curvature on the union of blocks: ``V`` rescaled, all stacked."""
     first = parts[0]
     if len(parts) == 1:
         return first
@@ -114,16 +90,7 @@ def combine_curvatures(blocks: list[list[GroupCurvature]]) -> list[GroupCurvatur
 def merged_parts(
     blocks: list[list[GroupCurvature]], subsampling: Sequence[int] | None
 ) -> list[GroupCurvature]:
-    """Every group's curvature on one process's blocks, one set of factors each.
-
-    Later products then run as on one batch (:func:`merged_chunks`).
-
-    Args:
-        blocks: Every block's curvature (one per group), in sample order;
-            emptied, so that each block's factors are released once merged.
-        subsampling: The mini-batch's curvature subsampling (``None``: all, or a
-            loader's batches).
-    """
+    """Every group's curvature on one process's blocks (emptied), one set of factors."""
     combined = combine_curvatures(blocks)
     several = len(blocks) > 1
     blocks.clear()
@@ -135,17 +102,7 @@ def merged_parts(
 def merged_chunks(
     curvature: GroupCurvature, subsampling: Sequence[int] | None
 ) -> GroupCurvature:
-    """A group's curvature combined over chunks, as if computed in one piece.
-
-    Each parameter's blocks are concatenated, one parameter at a time (a
-    weight's ``V`` and per-sample gradients keep sharing their inputs); chunks
-    without curvature samples are left out, and the rows put into the
-    subsampling's order.
-
-    Args:
-        curvature: Combined over the chunks; its factor lists are replaced in place.
-        subsampling: The mini-batch's curvature subsampling (``None``: all).
-    """
+    """A group's curvature over chunks as if computed in one piece (lists in place)."""
     inputs_cache: list = []  # V and gradients of a weight share their inputs
     for factors in (curvature.ggn_factors, curvature.grad_factors or []):
         for index, blocks in enumerate(factors):
@@ -176,20 +133,16 @@ def _merged(factors: ParamFactors, inputs_cache: list) -> ParamFactors:
     kind = type(blocks[0])
     if len(blocks) == 1:
         return blocks[0] if scales[0] == 1.0 else blocks[0].scaled(scales[0])
-    if not all(type(block) is kind for block in blocks):
-        return StackedFactors(blocks, scales)
-    if kind is OuterProductFactors:
-        return OuterProductFactors.concatenate(blocks, scales, inputs_cache)
-    if kind is DenseFactors:
-        return DenseFactors.concatenate(blocks, scales)
+    if all(type(block) is kind for block in blocks):
+        if kind is OuterProductFactors:
+            return OuterProductFactors.concatenate(blocks, scales, inputs_cache)
+        if kind is DenseFactors:
+            return DenseFactors.concatenate(blocks, scales)
     return StackedFactors(blocks, scales)
 
 
 class UnionOutput:
-    """The loss and gradient on all samples, ``Σ_b (R_union / R_b) L_b``, summed.
-
-    Holds one loss and one gradient, whatever the number of blocks.
-    """
+    """The loss and gradient on all samples, ``Σ_b (R_union / R_b) L_b`` (one sum)."""
 
     def __init__(self) -> None:
         self.batches: list[BatchInfo] = []
@@ -211,11 +164,7 @@ class UnionOutput:
         )
 
     def result(self, part: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """The loss and gradient on all samples (one block's as they are).
-
-        Args:
-            part: The samples are part of a larger union (a rank's shard), which
-                may carry the weight these samples lack.
+        """The loss and gradient on all samples (``part``: of a rank's shard).
 
         Raises:
             InvalidArgumentError: If no block was added.
@@ -257,22 +206,12 @@ def part_requests(
     request: CurvatureRequest,
     agree: Callable[[int | None], int | None] | None = None,
 ) -> Callable[[int], CurvatureRequest]:
-    """The request of each part of the samples: its own MC stream (exact: as is).
+    """``index ↦`` the request of part ``index``: its own MC stream (exact: as is).
 
-    Draws the base seed (:func:`base_seed`) once, so every pass draws the same
-    samples.
-
-    Args:
-        request: The caller's request (its parameters' device is the samples').
-        agree: Maps this process's seed (``None`` for the exact GGN) to the one
-            all ranks use (a collective: every rank calls it, MC or not).
-
-    Returns:
-        ``index ↦`` the request of block ``index``.
+    The base seed is drawn once, so every pass draws the same samples; ``agree``
+    maps it (``None`` for the exact GGN) to the one all ranks use (a collective).
     """
-    seed = None
-    if request.mc_samples:
-        seed = base_seed(request.generator)
+    seed = base_seed(request.generator) if request.mc_samples else None
     if agree is not None:
         seed = agree(seed)
     if request.mc_samples == 0:
@@ -295,12 +234,17 @@ def base_seed(generator: torch.Generator | None) -> int:
 def part_generator(
     seed: int, block: int, device: torch.device | str
 ) -> torch.Generator:
-    """A fresh generator of block ``block``'s MC samples, seeded ``seed + block``.
-
-    Under a process group of ``W`` ranks, the ``i``-th batch of rank ``r`` is
-    block ``r + W·i`` (``docs/math.rst``, "Several processes").
-    """
+    """A fresh generator of block ``block``'s MC samples, seeded ``seed + block``."""
     return torch.Generator(device=device).manual_seed((seed + block) % 2**63)
+
+
+def add_into(total: list[Tensor], terms: Sequence[Tensor]) -> None:
+    """Add ``terms`` to ``total`` in place (an empty ``total`` takes them)."""
+    if not total:
+        total.extend(terms)
+        return
+    for kept, term in zip(total, terms, strict=True):
+        kept.add_(term)
 
 
 def per_group(
