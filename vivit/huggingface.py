@@ -23,13 +23,11 @@ IGNORE_INDEX = -100
 def token_logits(output: object) -> Tensor:
     """The ``logits`` ``[N, T, C]`` of a model's ``output`` as ``[N, C, T]`` (a view).
 
-    ``CrossEntropyLoss`` wants the classes on dim 1: pass
-    ``output=vivit.huggingface.token_logits``.
+    For ``CrossEntropyLoss``: pass ``output=vivit.huggingface.token_logits``.
 
     Raises:
-        InvalidArgumentError: If the output has no ``logits`` (naming its fields),
-            or the logits have no position axis (a sequence classifier's
-            ``[N, C]`` logits are selected with ``output="logits"``).
+        InvalidArgumentError: If the output has no ``logits`` or they have no
+            position axis (``[N, C]`` logits take ``output="logits"``).
     """
     logits = select_output(output, "logits")
     if logits.dim() < 3:
@@ -48,14 +46,12 @@ def causal_lm_targets(
 ) -> Tensor:
     """Next-token targets of a causal language model, padding excluded.
 
-    ``targets[:, t] = input_ids[:, t+1]`` where both tokens are real
-    (``attention_mask`` 1), else ``ignore_index`` (the last position too), which
-    ``CrossEntropyLoss`` leaves out of the loss and the GGN exactly.
+    ``targets[:, t] = input_ids[:, t+1]`` where both tokens are real, else
+    ``ignore_index`` (the last position too).
 
     Args:
         input_ids: Token ids ``[N, T]``.
-        attention_mask: ``[N, T]``, 1 for real tokens and 0 for padding (either
-            side); ``None``: every token is real.
+        attention_mask: ``[N, T]``, 0 for padding (either side); ``None``: none.
         ignore_index: The loss's ``ignore_index``.
 
     Returns:
@@ -95,17 +91,14 @@ def split_batch(
 ) -> tuple[dict[str, Tensor], Tensor]:
     """A Hugging Face batch dict as ``(inputs, targets)``: the labels taken out.
 
-    ``shift`` has no default because a wrong choice gives the curvature of another
-    loss without an error (the guide, "Hugging Face models").
+    ``shift`` has no default: a wrong choice silently gives another loss's
+    curvature (the guide, "Hugging Face models").
 
     Args:
         batch: The collator's batch: the model's keyword inputs and the labels.
-        shift: ``True`` for a causal language model's labels ``[N, T]``, which
-            the model shifts inside: ``targets[:, t] = labels[:, t + 1]``, the
-            last position ``ignore_index``, so the loss is the model's own
-            ``model(**batch).loss``. ``False`` for labels already aligned with
-            the logits (a classifier's ``[N]``, a token classifier's or masked
-            language model's ``[N, T]``), used as they are.
+        shift: ``True`` for a causal language model's labels ``[N, T]``, shifted
+            as the model does inside (``targets[:, t] = labels[:, t + 1]``).
+            ``False`` for labels aligned with the logits (``[N]`` or ``[N, T]``).
         key: The labels' key in the batch.
         ignore_index: The loss's ``ignore_index``.
 
@@ -140,8 +133,7 @@ def split_batch(
 class SplitLabels:
     """A re-iterable loader of Hugging Face batch dicts as ``(inputs, targets)``.
 
-    Each batch of ``loader`` (a ``DataLoader`` with a Hugging Face collator) goes
-    through :func:`split_batch` with the keyword arguments as it is drawn.
+    Each batch of ``loader`` goes through :func:`split_batch` as it is drawn.
 
     Raises:
         InvalidArgumentError: If ``shift`` is not a bool.

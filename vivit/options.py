@@ -1,8 +1,7 @@
 """Every option of a curvature request, checked once where it enters the library.
 
-A front door builds one :class:`CurvatureOptions` from its keyword arguments; the
-sources, engines and solvers receive it checked. Checks that need the model or the
-data run where those are first seen (:mod:`vivit.sources.stored`).
+Checks that need the model or the data run where those are first seen
+(:mod:`vivit.sources.stored`).
 """
 
 from __future__ import annotations
@@ -33,18 +32,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CurvatureOptions:
-    """The options of a curvature request, checked when the object is built.
-
-    Every front door takes these keyword arguments, described here once; the
-    user guide has the details.
+    """The options of every front door, checked when the object is built.
 
     Attributes:
         mc_samples: ``0`` (default): the exact GGN; ``M > 0``: its unbiased
             Monte-Carlo estimate, ``M`` samples per datum ("Cheap approximations").
         mc_per: An MC draw of a sequence output ``[N, C, *T]`` gives ``"token"``
             (default) a column per position, ``"sequence"`` one per sample.
-        subsampling: Indices of the samples whose curvature is used (default
-            ``None``: all); not with a data loader. Stored as a tuple.
+        subsampling: Samples whose curvature is used (default ``None``: all; a
+            tuple); not with a data loader.
         generator: Generator of the MC samples (default ``None``: torch's global
             one); a loader's batch ``b`` draws from one seeded ``s + b``.
         gram_dtype: Type of the Gram matrix, the products with ``V`` and Gram-space
@@ -55,8 +51,7 @@ class CurvatureOptions:
             the Gram route, ``"dense"``, ``"gram_krylov"``, ``"factor_krylov"``.
         solver_tol: Relative residual bound ``‖G̃ũ − λũ‖ ≤ tol·λ_max`` of the
             iterative solvers (default ``None``: ``max(100·ε, 1e-12)``).
-        solver_seed: Seed of the iterative solvers' random start block (default
-            ``0``); results are deterministic for a given seed.
+        solver_seed: Seed of the iterative solvers' start block (default ``0``).
         engine: What computes the layer factors: ``"auto"`` (default, logged),
             ``"backpack"``, ``"func"`` or an engine instance ("Engines: any model").
         progress: Progress bar of a pass over a loader: ``True``, ``False``, or
@@ -68,15 +63,13 @@ class CurvatureOptions:
         output: What the loss is computed from: default ``None`` (the model's
             tensor), a key or attribute, or a function ("Structured model outputs").
         max_batches: Most batches of a loader a pass reads (default ``None``:
-            until it ends); bounds a stream that never ends.
-        group: The resolved process group (``None``: this process alone); not
-            an argument.
+            until it ends).
+        group: The resolved process group (``None``: this process); not given.
 
     Raises:
-        VivitError: When built, for the first option that is malformed
+        VivitError: For the first malformed option
             (:class:`~vivit.InvalidArgumentError`,
-            :class:`~vivit.InvalidSubsamplingError`), or for options that do not
-            go together.
+            :class:`~vivit.InvalidSubsamplingError`), or options that conflict.
     """
 
     mc_samples: int = 0
@@ -163,10 +156,7 @@ class CurvatureOptions:
 
 
 def derived(options: CurvatureOptions, **changes: object) -> CurvatureOptions:
-    """A copy of checked ``options`` with valid ``changes`` (not checked again).
-
-    ``process_group=False`` also clears the resolved group.
-    """
+    """``options`` with valid ``changes``, unchecked (``process_group=False``: none)."""
     copy = object.__new__(CurvatureOptions)
     copy.__dict__.update(options.__dict__, **changes)
     if changes.get("process_group", True) is False:
@@ -243,11 +233,7 @@ def check_streaming_solver(solver: str) -> None:
 
 
 def check_streaming(options: CurvatureOptions) -> None:
-    """Refuse the options :class:`~vivit.StreamingGGN` cannot honour, naming them.
-
-    Raises:
-        InvalidArgumentError: For a Gram solver, route, subsampling or group.
-    """
+    """Refuse a Gram solver, implicit route, subsampling or group (StreamingGGN)."""
     check_streaming_solver(options.solver)
     if options.route == "implicit":
         raise InvalidArgumentError(

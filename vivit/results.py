@@ -1,9 +1,7 @@
 """Every result of the GGN's low-rank structure, written once over a source.
 
-For stored factors (:class:`~vivit.LowRankGGN`) or factors recomputed by passes
-(:class:`~vivit.StreamingGGN`): picks the eigensolver, caches what it computed and
-maps Gram-space results to parameter space (``docs/math.rst``, "The Gram matrix
-and exact eigenpairs", "Directional derivatives and curvature noise").
+Picks the eigensolver, caches what it computed and maps Gram-space results to
+parameter space (``docs/math.rst``, "The Gram matrix and exact eigenpairs").
 """
 
 from __future__ import annotations
@@ -45,10 +43,7 @@ from vivit.sources.collector import in_param_dtypes
 
 
 class CurvatureResults:
-    """The results of a curvature ``source`` under checked ``options``.
-
-    The base of the front doors; ``options`` give the default solver, its tolerance
-    and seed.
+    """The front doors' base: the results of a ``source`` under checked ``options``.
 
     Attributes:
         loss: The loss on all samples (detached).
@@ -64,7 +59,6 @@ class CurvatureResults:
         self.engine = source.engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}
         self._leading: dict[tuple, tuple[Tensor, Tensor, SolverReport]] = {}
-        # parameter-space sources: the numerical zero of each group's latest pairs
         self._residual_zeros: dict[int, float] = {}
         self._auto_solvers: dict[tuple, str] = {}
         self._directions_in_params: dict[tuple, list[Tensor]] = {}
@@ -76,9 +70,8 @@ class CurvatureResults:
         """The Gram matrix ``Vᵀ V`` of parameter group ``group`` (formed once).
 
         Returns:
-            ``[N·C, N·C]`` (``N·M`` with MC), rows and columns ordered sample-major:
-            entry ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
-            A copy: changing it changes no later result.
+            A copy, ``[N·C, N·C]`` (``N·M`` with MC), ordered sample-major: entry
+            ``n·C + c`` is output ``c`` of sample ``n`` (of the subsampling).
 
         Raises:
             GramTooLargeError: If it and its copy would not fit into memory.
@@ -100,21 +93,18 @@ class CurvatureResults:
         """All eigenvalues of the group's Gram matrix: the GGN's non-zero spectrum.
 
         Returns:
-            ``[N·C]`` eigenvalues, ascending (those below the numerical-zero
-            tolerance are zeros of the GGN); a copy, as every result.
+            ``[N·C]`` eigenvalues, ascending (at or below :meth:`zero_tolerance`: zero).
         """
         return self._gram_eigh(group)[0].clone()
 
     def zero_tolerance(self, group: int = 0) -> float:
         """The group's eigenvalues at or below this value are numerically zero.
 
-        That of its Gram matrix (``gram_dtype``); with ``route="implicit"`` the
-        residual bound of its latest leading pairs (``docs/math.rst``, "Precision
-        and the numerical zero", "Without the Gram matrix: the residual bound").
+        With ``route="implicit"``: the residual bound of its latest leading pairs
+        (``docs/math.rst``, "Precision and the numerical zero").
 
         Raises:
-            InvalidArgumentError: With ``route="implicit"``, before any
-                request with ``top_k``.
+            InvalidArgumentError: With ``route="implicit"``, before any ``top_k``.
         """
         source = self._source.group(group)
         if source.parameter_space:
@@ -134,9 +124,8 @@ class CurvatureResults:
         """How the latest leading eigenpairs of group ``group`` were computed.
 
         Returns:
-            The solver, its relative residual and tolerance, iterations and any
-            fallback; ``None`` before the first request with ``top_k``. Pairs
-            taken from the full decomposition report ``"dense"``.
+            ``None`` before the first request with ``top_k``; ``"dense"`` for pairs
+            of the full decomposition.
         """
         self._source.group(group)
         return self._reports.get(group)
@@ -174,13 +163,11 @@ class CurvatureResults:
                 self._leading[(group, chosen, tol, seed)] = leading
                 if solver == "auto":
                     self._auto_solvers[(group, tol, seed)] = chosen
-                # directions kept from the pairs replaced here would mix two
-                # solves (their signs may differ)
+                # directions kept from replaced pairs could differ in sign
                 self._directions_in_params = {
                     k: v for k, v in self._directions_in_params.items() if k[0] != group
                 }
             evals, evecs, report = leading
-            # the report of the pairs returned, also where they were kept
             self._reports[group] = report
             if source.parameter_space:  # the numerical zero: the residual bound
                 zero = residual_zero_tolerance(evals, report.residual, report.rounding)
@@ -254,9 +241,8 @@ class CurvatureResults:
         """Leading eigenpairs of the GGN.
 
         Args:
-            top_k: Number of leading eigenpairs; ``None`` keeps every eigenvalue
-                above the numerical-zero tolerance. Fewer are returned if fewer
-                are non-zero; no eigenvector is formed for a numerically zero one.
+            top_k: Number of leading eigenpairs (fewer if fewer are non-zero);
+                ``None``: every one above the numerical-zero tolerance.
             group: Index of the parameter group.
             solver: Eigensolver for ``top_k`` pairs (``None``: the constructor's).
             tol: The iterative solvers' residual bound (``None``: ``solver_tol``).
@@ -271,7 +257,6 @@ class CurvatureResults:
         key = (group, top_k, solver, tol, seed)
         evecs = self._param_directions(source, evals, gram_evecs, key)
         if source.keeps_directions:
-            # views of kept results: the caller gets copies
             return evals, in_param_dtypes(evecs, source.params)
         # formed for this call (V ũ, as large as top_k models): not copied again
         return evals, [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
@@ -279,14 +264,8 @@ class CurvatureResults:
     def operator(self, group: int = 0) -> GGNOperator:
         """The GGN of group ``group`` as a linear operator, never formed.
 
-        Example::
-
-            from scipy.sparse.linalg import eigsh
-
-            op = ggn.operator()
-            Gv = op.matvec(v)                   # v: [D] over the group's parameters
-            step = op.pinv_matvec(g, top_k=10)  # G⁺ on the top-10 eigenspace
-            evals = eigsh(op.to_scipy(), k=3, return_eigenvectors=False)
+        Example: ``ggn.operator().pinv_matvec(g, top_k=10)`` (user guide, "The GGN
+        as an operator").
 
         Returns:
             The operator, of shape ``(D, D)`` with ``D`` the group's parameters.
@@ -381,21 +360,18 @@ class CurvatureResults:
     ) -> NewtonStep:
         """The directionally damped Newton step with its ingredients.
 
-        ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over the directions that
-        :meth:`directional_derivatives` takes for the same arguments, scaled by
-        ``lr``. ``damping`` is a constant ``δ ≥ 0`` or a callable ``(evals,
-        gram_evecs, gammas, lambdas) → [K]`` (:mod:`vivit.optim.damping`);
-        ``max_decrease`` bounds the loss decrease the quadratic model may predict
-        for the step by raising the dampings (``docs/math.rst``, "Trust region of
-        a Newton step"; ``None``: no bound). A step to which no direction
-        contributes is zero and warns (:class:`~vivit.ZeroStepWarning`).
+        ``lr · Δθ`` over the directions of :meth:`directional_derivatives` for the
+        same arguments (``docs/math.rst``, "Damped Newton step in the eigenspace").
+        ``damping``: a constant ``δ ≥ 0`` or a callable ``(evals, gram_evecs,
+        gammas, lambdas) → [K]`` (:mod:`vivit.optim.damping`). ``max_decrease``
+        bounds the model's predicted decrease by raising the dampings ("Trust
+        region of a Newton step"). A zero step warns (:class:`~vivit.ZeroStepWarning`).
 
         Returns:
             The step, the directional derivatives and the dampings used.
 
         Raises:
-            InvalidArgumentError: If ``lr``, ``max_decrease`` or the damping is
-                invalid.
+            InvalidArgumentError: For an invalid ``lr``, ``max_decrease`` or damping.
         """
         check_damping(damping)
         check_lr(lr)

@@ -23,9 +23,8 @@ from vivit.gram.memory import check_gram_fits
 from vivit.losses import LossCurvature, LossNormalization
 from vivit.model_inputs import ModelInputs
 
-#: What picks the tensor the loss is computed from out of a model's output:
-#: ``None`` (the model returns that tensor), the key, attribute or position of a
-#: structured output (``"logits"``, ``0``), or a function applied to the output.
+#: Picks the loss's input from a model's output: ``None`` (the output itself), a
+#: key, attribute or position (``"logits"``, ``0``), or a function of the output.
 OutputSelector = str | int | Callable[[object], Tensor] | None
 
 
@@ -50,9 +49,8 @@ def select_output(output: object, selector: OutputSelector = None) -> Tensor:
     """The tensor the loss is computed from, out of what the model returned.
 
     Raises:
-        InvalidArgumentError: If there is no selector and ``output`` is not a tensor
-            (naming its type and fields), the selector names no field of it, or
-            the selection is not a tensor.
+        InvalidArgumentError: If ``output`` (without selector) or the selection is
+            not a tensor, or the selector names no field of it.
     """
     if selector is None:
         if isinstance(output, Tensor):
@@ -169,11 +167,7 @@ class BatchInfo:
     def of(
         cls, curvature: LossCurvature, output: Tensor, request: CurvatureRequest
     ) -> BatchInfo:
-        """The batch of a loss on ``output``, once the request's Gram matrices fit.
-
-        Raises:
-            GramTooLargeError: If they do not.
-        """
+        """The batch of a loss on ``output`` (GramTooLargeError unless Grams fit)."""
         mc, subsampling = request.mc_samples, request.subsampling
         samples = tuple(range(output.shape[0]) if subsampling is None else subsampling)
         columns = curvature.columns_per_sample(mc, request.mc_per)
@@ -225,11 +219,10 @@ class CurvatureRequest:
             of :class:`~vivit.options.CurvatureOptions`.
         output: Selects the output tensor (:func:`select_output`).
         compute_gradients: Also hand out per-sample-gradient factors.
-        num_grams: Gram matrices of side ``N·C`` the caller forms right after the
-            backward pass (``None``: one per group); refused before it if they
-            cannot fit.
-        samples_per_pass: Most samples per backward pass of an engine that splits
-            a part (``None``: all at once), from :attr:`Engine.memory_budget`.
+        num_grams: Gram matrices the caller forms after the backward pass
+            (``None``: one per group); refused before it if they cannot fit.
+        samples_per_pass: Most samples per backward pass (``None``: all), from
+            :attr:`Engine.memory_budget`.
     """
 
     param_groups: list[list[Parameter]]
@@ -263,10 +256,7 @@ class ContributionSink(Protocol):
 
 @dataclass
 class EngineOutput:
-    """What a run leaves besides the contributions: the loss (detached) and ``∇L``.
-
-    ``gradients`` are in request order, zeros where the loss does not depend on one.
-    """
+    """The loss (detached) and ``∇L`` in request order (zero where unused)."""
 
     loss: Tensor
     gradients: list[Tensor]
@@ -291,8 +281,7 @@ class Engine(ABC):
         request: CurvatureRequest,
         sink: ContributionSink,
     ) -> EngineOutput:
-        """Evaluate ``loss_func(model(inputs), targets)`` and its curvature factors.
+        """Evaluate the loss of ``data`` and pass each parameter's factors to ``sink``.
 
-        ``data`` is ``(inputs, targets)``; ``sink`` receives every requested
-        parameter's contribution; the parameters' ``.grad`` are left as they were.
+        The parameters' ``.grad`` are left as they were.
         """

@@ -46,14 +46,12 @@ if TYPE_CHECKING:
 class DampedNewton(Optimizer):
     """Newton steps on the GGN's eigenspace, damped per direction, in a trust region.
 
-    Each :meth:`step` evaluates the loss of a fresh mini-batch, runs one backward
-    pass for the GGN of every parameter group and updates each group by
-    ``lr · Δθ``, ``Δθ = −Σ_k γ̄_k / (λ_k + δ_k) e_k`` over its ``top_k`` leading
-    eigenvectors (user guide, "Damped Newton steps"). A mini-batch comes as
-    ``step(data=(inputs, targets))`` for an optimizer built with ``model`` and
-    ``loss_func`` (any engine), or as a closure that returns the loss without
-    calling ``backward`` (BackPACK-extended model and loss function; always the
-    BackPACK engine on the Gram route, one process, no chunks)::
+    Each :meth:`step` runs one backward pass on a fresh mini-batch and updates each
+    parameter group by ``lr · Δθ`` over its ``top_k`` leading eigenvectors (user
+    guide, "Damped Newton steps"). A mini-batch comes as ``step(data=(inputs,
+    targets))`` (built with ``model`` and ``loss_func``; any engine) or as a closure
+    returning the loss without ``backward`` (BackPACK-extended modules; the
+    BackPACK engine, Gram route, one process, no chunks)::
 
         optimizer = DampedNewton(
             model.parameters(), top_k=10, model=model, loss_func=CrossEntropyLoss()
@@ -61,13 +59,10 @@ class DampedNewton(Optimizer):
         for inputs, targets in loader:
             optimizer.step(data=(inputs, targets))
 
-    ``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction``
-    may differ between parameter groups (each one block of a block-diagonal GGN
-    with its own trust region); they are checked when a group is added and at
-    every step. BatchNorm's running statistics are never updated. Under a process
-    group every rank calls ``step(data=its_shard)`` and takes the step of the
-    union. The other keyword arguments are options of
-    :class:`~vivit.options.CurvatureOptions`, for every group.
+    ``lr``, ``damping``, ``top_k``, ``subsampling_grad`` and ``trust_fraction`` may
+    differ between groups (one GGN block and trust region each). BatchNorm's running
+    statistics are never updated. Under a process group each rank passes its shard.
+    The other keyword arguments are :class:`~vivit.options.CurvatureOptions`.
 
     Args:
         params: Parameters or parameter groups.
@@ -76,25 +71,21 @@ class DampedNewton(Optimizer):
             lambdas) → [K]`` such as :class:`~vivit.optim.damping.BootstrapDamping`.
         top_k: Number of leading eigendirections (``None``: every non-zero one).
         subsampling_grad: Samples whose gradients give ``γ`` (``None``: all).
-        trust_fraction: Largest loss decrease the quadratic model may predict for
-            a step, as a fraction of the (then non-negative) mini-batch loss;
-            ``None``: the dampings unchanged, and a step promising more than the
-            loss warns (:class:`~vivit.UnboundedStepWarning`).
+        trust_fraction: Largest predicted loss decrease per step, as a fraction of
+            the (non-negative) loss; ``None``: no bound, and a step promising more
+            than the loss warns (:class:`~vivit.UnboundedStepWarning`).
         keep_directions: Keep the last step's eigenvectors in parameter space.
         model: The network, for steps given ``data``.
         loss_func: The loss module, for steps given ``data``.
 
     Attributes:
-        last_steps: One :class:`~vivit.directional.NewtonStep` per group of the
-            last step (the dampings used after the trust region, the step).
-        last_directions: With ``keep_directions``, the last step's eigenpairs
-            per group.
+        last_steps: The last step's :class:`~vivit.directional.NewtonStep` per group.
+        last_directions: With ``keep_directions``, its eigenpairs per group.
 
     Raises:
-        InvalidArgumentError: For an argument of the wrong type or value, or only
-            one of ``model`` and ``loss_func``.
-        ParamGroupError: If ``params`` is empty or holds something other than
-            parameters or dicts of parameters.
+        InvalidArgumentError: For an invalid argument, or only one of ``model``
+            and ``loss_func``.
+        ParamGroupError: If ``params`` is empty or not parameters or dicts of them.
         UnsupportedDtypeError: For 16-bit parameters.
         NonFiniteError: For parameters with NaN or infinite entries.
     """
@@ -137,8 +128,7 @@ class DampedNewton(Optimizer):
             "subsampling_grad": subsampling_grad,
             "trust_fraction": trust_fraction,
         }
-        check_group_settings(defaults)  # also where every group overrides them
-        # add_param_group checks each group
+        check_group_settings(defaults)  # add_param_group checks each group
         super().__init__(optimizer_param_groups(params), defaults)
         self.keep_directions = keep_directions
         self.model, self.loss_func = model, loss_func
@@ -149,8 +139,7 @@ class DampedNewton(Optimizer):
         """Add a group ``{"params": ..., "lr": ..., ...}`` (unset: the defaults).
 
         Raises:
-            VivitError: As the constructor, for its parameters or a setting (the
-                group is then not added).
+            VivitError: As the constructor (the group is then not added).
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -179,14 +168,12 @@ class DampedNewton(Optimizer):
             The mini-batch loss (detached).
 
         Raises:
-            InvalidArgumentError: If not exactly one of ``closure`` and ``data``
-                is given, ``data`` without ``model``, a closure the options or
-                engine cannot serve or that calls ``backward()``, or a negative
-                loss while a group has a ``trust_fraction``.
-            NonFiniteError: If the loss, the curvature or a step is not finite
-                (the parameters are then unchanged).
-            DistributedError: Under a process group, if another rank failed or
-                asks for a different step (the parameters are then unchanged).
+            InvalidArgumentError: Unless exactly one of ``closure`` and ``data``
+                (with ``model``) is given; for a closure the options or engine
+                cannot serve; for a negative loss under a ``trust_fraction``.
+            NonFiniteError: If the loss, curvature or step is not finite.
+            DistributedError: If another rank failed or asks for another step.
+                On either error the parameters are unchanged.
         """
         if (closure is None) == (data is None) or (
             closure is not None and not callable(closure)
@@ -287,8 +274,8 @@ def check_group_settings(group: dict, index: int | None = None) -> None:
     """Check the step settings of parameter group ``index`` (``None``: defaults).
 
     Raises:
-        InvalidArgumentError: If a setting has the wrong type or value.
-        InvalidSubsamplingError: If ``subsampling_grad`` is invalid.
+        VivitError: For an invalid setting (:class:`~vivit.InvalidSubsamplingError`
+            for ``subsampling_grad``).
     """
     try:
         check_lr(group["lr"])
