@@ -96,9 +96,7 @@ class ApproximationAudit:
     Attributes:
         top_k: Number of compared eigenpairs (fewer if the GGN has fewer non-zero).
         damping: ``δ`` of every damped Newton step.
-        exact_eigenvalues: The exact top-k eigenvalues, descending.
         exact_step_norm: ``‖s‖`` of the exact damped Newton step.
-        exact_time_s: Seconds for the exact eigenpairs and step.
     """
 
     top_k: int
@@ -199,8 +197,7 @@ def audit_approximations(
         progress: Show a progress bar over the approximations.
 
     Raises:
-        InvalidArgumentError: For an unknown approximation, a ``top_k``, ``damping``
-            or ``mc_samples`` that is not positive.
+        InvalidArgumentError: For an unknown approximation or a non-positive number.
         ParamGroupError: If ``param_groups`` do not partition the parameters.
         VivitError: What :class:`~vivit.LowRankGGN` raises for the model or data.
     """

@@ -42,8 +42,7 @@ class CurvatureMonitor:
         damping: ``δ ≥ 0`` or a rule, of the Newton step whose angle is recorded.
         params: The parameters monitored (``None``: every trainable one).
         seed: Seed of the Monte-Carlo generator (unless ``options`` name one).
-        tensorboard: TensorBoard log directory (``None``: none; without
-            TensorBoard, a :class:`~vivit.MissingPackageWarning`).
+        tensorboard: TensorBoard log directory (``None``: none); warns if missing.
         **options: Options of :class:`~vivit.options.CurvatureOptions`.
 
     Attributes:
