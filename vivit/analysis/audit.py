@@ -1,7 +1,4 @@
-"""Which approximation of the GGN can I trust on my model? One table answers.
-
-``docs/math.rst``, "Approximation audit", defines every number of the table.
-"""
+"""Which approximation of the GGN can I trust on my model? One table answers."""
 
 from __future__ import annotations
 
@@ -43,18 +40,14 @@ class AuditRow:
     Only ``"ok"`` rows carry numbers; a step number is ``None`` for a zero gradient.
 
     Attributes:
-        name: Key of the approximation (``"mc-1"``, ``"subsampled"``, ...).
-        label: Its description (``"MC (1 sample)"``, ...).
-        status: ``"ok"``, ``"not installed"`` (curvlinops missing) or
-            ``"unsupported"`` (curvlinops refuses the model).
+        name: Key (``"mc-1"``, ``"subsampled"``, ...); ``label``: its description.
+        status: ``"ok"``, ``"not installed"`` or ``"unsupported"`` (by curvlinops).
         reason: Why a row has no numbers (``None`` for ``"ok"``).
         eigenvalues: Its top eigenvalues, descending (fewer if fewer are non-zero).
         relative_errors: ``|λ̂_i − λ_i| / λ_i`` for the exact top ``k``.
-        principal_cosines: ``cos θ_i`` of the principal angles, descending.
-        principal_sines: ``sin θ_i``, ascending.
+        principal_cosines: ``cos θ_i`` descending; ``principal_sines``: ascending.
         step_cosine: ``cos(s, ŝ)`` of the damped Newton steps.
-        step_norm_ratio: ``‖ŝ‖ / ‖s‖``.
-        time_s: Seconds to compute it.
+        step_norm_ratio: ``‖ŝ‖ / ‖s‖``; ``time_s``: seconds to compute the row.
     """
 
     name: str
@@ -103,12 +96,7 @@ class ApproximationAudit:
     Attributes:
         top_k: Number of compared eigenpairs (fewer if the GGN has fewer non-zero).
         damping: ``δ`` of every damped Newton step.
-        num_parameters: ``D``.
-        num_samples: ``N``.
-        exact_eigenvalues: The exact top-k eigenvalues, descending.
         exact_step_norm: ``‖s‖`` of the exact damped Newton step.
-        exact_time_s: Seconds for the exact eigenpairs and step.
-        rows: One row per approximation.
     """
 
     top_k: int
@@ -188,11 +176,9 @@ def audit_approximations(
 ) -> ApproximationAudit:
     """Audit approximations of a mini-batch's GGN against the exact one.
 
-    Each approximation's top-k eigenpairs and damped Newton step are compared with
-    the exact ones of :class:`~vivit.LowRankGGN` (``docs/math.rst``, "Approximation
-    audit"). The KFAC and EKFAC rows need curvlinops (``pip install
-    'vivit[audit]'``): without it they say ``"not installed"``, and for parameters
-    outside ``Linear`` and ``Conv2d`` layers ``"unsupported"``.
+    Compares top-k eigenpairs and damped Newton steps (``docs/math.rst``,
+    "Approximation audit"). KFAC and EKFAC need curvlinops (extra ``vivit[audit]``):
+    else ``"not installed"``; ``"unsupported"`` beyond ``Linear`` and ``Conv2d``.
 
     Args:
         model: The network (BatchNorm and dropout in eval mode).
@@ -202,21 +188,18 @@ def audit_approximations(
         damping: ``δ > 0`` of every damped Newton step.
         approximations: Which rows, from :data:`APPROXIMATIONS`.
         mc_samples: Monte-Carlo samples per datum, one ``"mc"`` row each.
-        subsampling: Sample indices of ``"subsampled"`` (default: the first half
-            of the batch, at least one sample).
+        subsampling: Sample indices of ``"subsampled"`` (default: first half, ≥ 1).
         param_groups: Blocks of ``"block_diagonal"``, partitioning the trainable
             parameters (default: one block per module that owns parameters).
         seed: Seed of the Monte-Carlo samples.
-        engine: The option of :class:`~vivit.options.CurvatureOptions`.
-        gram_dtype: The option of :class:`~vivit.options.CurvatureOptions`.
+        engine: As in :class:`~vivit.options.CurvatureOptions`.
+        gram_dtype: As in :class:`~vivit.options.CurvatureOptions`.
         progress: Show a progress bar over the approximations.
 
     Raises:
-        InvalidArgumentError: For an unknown approximation, a ``top_k``, ``damping``
-            or ``mc_samples`` that is not positive.
+        InvalidArgumentError: For an unknown approximation or a non-positive number.
         ParamGroupError: If ``param_groups`` do not partition the parameters.
-        VivitError: Whatever :class:`~vivit.LowRankGGN` raises for the model, the
-            loss or the data.
+        VivitError: What :class:`~vivit.LowRankGGN` raises for the model or data.
     """
     names = _sequence(approximations, "approximations", f"names from {APPROXIMATIONS}")
     unknown = [a for a in names if a not in APPROXIMATIONS]

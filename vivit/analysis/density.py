@@ -1,7 +1,4 @@
-"""Spectral density of a symmetric PSD operator by stochastic Lanczos quadrature.
-
-From products ``A·X`` alone, with its Wasserstein-1 error bound (``docs/math.rst``).
-"""
+"""Spectral density of a symmetric PSD operator by stochastic Lanczos quadrature."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ class SpectralDensity:
     """The quadrature measure of stochastic Lanczos quadrature; it counts eigenvalues.
 
     Attributes:
-        nodes: ``[n_v, k]`` Ritz values of each probe (zero-weight padding where
-            its Krylov space ended early).
+        nodes: ``[n_v, k]`` Ritz values per probe (zero-weight padding past its end).
         weights: ``[n_v, k]`` their weights, summing to ``dim``.
         dim: Side length ``n`` of the operator.
         lanczos_steps: Lanczos steps ``k`` per probe.
@@ -75,18 +71,17 @@ def spectral_density(
 ) -> SpectralDensity:
     """The spectral measure of a symmetric PSD operator by stochastic Lanczos.
 
-    All probes run at once, fully reorthogonalized (memory ``k·n·n_v`` numbers).
+    All probes at once, fully reorthogonalized (``docs/math.rst``, "Spectral density
+    by stochastic Lanczos quadrature"); memory ``k·n·n_v`` numbers.
 
     Args:
-        operator: A symmetric ``[n, n]`` tensor; any object with ``matvec`` on
-            ``[n, b]`` blocks and ``shape``, ``dtype``, ``device`` (such as
-            :meth:`vivit.LowRankGGN.operator`'s); or a callable on ``[n, b]``
-            blocks (then ``dim`` is required).
+        operator: A symmetric ``[n, n]`` tensor, an object with ``matvec`` on
+            ``[n, b]`` blocks, ``shape``, ``dtype`` and ``device`` (e.g.
+            :meth:`vivit.LowRankGGN.operator`'s), or a callable on ``[n, b]`` blocks.
         lanczos_steps: Lanczos steps ``k`` per probe (at most ``n`` run).
-        probes: Number ``n_v`` of probes uniform on the unit sphere, or an
-            ``[n, n_v]`` tensor of probes (each normalized).
+        probes: Number ``n_v`` of random unit probes, or an ``[n, n_v]`` tensor.
         seed: Seed of the random probes.
-        dim: ``n`` for a callable operator.
+        dim: ``n``, required for a callable operator.
         dtype: Type of the probes for a callable (default: torch's default).
         device: Device of the probes for a callable (default: CPU).
 
@@ -210,7 +205,7 @@ def wasserstein_distance(density: SpectralDensity, eigenvalues: Tensor) -> float
         eigenvalues: All ``n`` eigenvalues of the operator.
 
     Returns:
-        The distance, in units of the eigenvalues.
+        The distance, in the eigenvalues' units.
 
     Raises:
         InvalidArgumentError: If the number of eigenvalues is not ``dim``.
@@ -248,7 +243,6 @@ def wasserstein_bound(
         probes: ``n_v``.
         spread: ``λ_max − λ_min`` or an upper bound (``λ_max`` if PSD).
         failure_probability: ``η``.
-
     """
     quadrature = 0.0 if lanczos_steps >= dim else 12 / (2 * lanczos_steps - 1)
     sampling = math.sqrt(math.log(2 * dim / failure_probability) / ((dim + 2) * probes))

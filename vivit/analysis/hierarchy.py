@@ -1,8 +1,4 @@
-"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix alone.
-
-Each part is ``V A Aᵀ Vᵀ`` for a Gram-space matrix ``A``: no product with ``V`` and
-no further backward pass (``docs/math.rst``, "Hierarchy of the spectrum").
-"""
+"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix alone."""
 
 from __future__ import annotations
 
@@ -23,12 +19,11 @@ PARTS = ("class_means", "cross_class", "within_class")
 
 @dataclass(frozen=True)
 class SpectrumPart:
-    """The non-zero spectrum and eigenvectors of one part of the GGN.
+    """The non-zero eigenpairs of one part of the GGN.
 
     Attributes:
         eigenvalues: ``[K]`` eigenvalues above the numerical-zero tolerance, descending.
-        coefficients: ``[N·C, K]``: eigenvector ``k`` is ``V @ coefficients[:, k]``
-            (unit norm), ``V`` the GGN's ``[D, N·C]`` square root.
+        coefficients: ``[N·C, K]``; unit eigenvector ``k``: ``V @ coefficients[:, k]``.
     """
 
     eigenvalues: Tensor
@@ -44,10 +39,8 @@ class Hierarchy:
         class_means: ``G_class``, rank at most ``C``.
         cross_class: ``G_cross``, rank at most ``C(C−1)``.
         within_class: ``G_within``, the deviations from the pair means.
-        group_spectra: Every eigenvalue of each analysed group's own GGN block,
-            ascending.
-        zero_tolerance: Eigenvalues at or below it are numerically zero (the full
-            Gram matrix's, for every part).
+        group_spectra: All eigenvalues of each analysed group's GGN block, ascending.
+        zero_tolerance: The full Gram matrix's numerical zero, used for every part.
         gram: The full ``[N·C, N·C]`` Gram matrix ``G̃ = Vᵀ V``.
     """
 
@@ -83,13 +76,12 @@ class Hierarchy:
     def overlap(self, name: str, top_k: int, full_top_k: int | None = None) -> float:
         """Share of a part's top eigenspace in the GGN's, ``‖E_fullᵀ E_part‖_F² / k``.
 
+        In ``[0, 1]``; 0 without non-zero eigenvalues.
+
         Args:
             name: The part (see :meth:`part`).
             top_k: Leading eigenvectors of the part; fewer if fewer are non-zero.
             full_top_k: Leading eigenvectors of the full GGN (default: ``top_k``).
-
-        Returns:
-            The overlap in ``[0, 1]`` (0 also without non-zero eigenvalues).
 
         Raises:
             InvalidArgumentError: For a count that is not a positive integer.
@@ -113,21 +105,17 @@ def hierarchy(
 ) -> Hierarchy:
     """Split a cross-entropy GGN into Papyan's class, cross-class and within parts.
 
-    Needs the exact loss-Hessian roots (``mc_samples=0``) of a loss with one class
-    axis (``docs/math.rst``, "Hierarchy of the spectrum"). The GGN analysed is that
-    of all ``groups`` together; memory: about five ``N·C × N·C`` matrices.
+    Of all ``groups`` together, from exact loss-Hessian roots (``mc_samples=0``), in
+    about five ``N·C × N·C`` matrices (``docs/math.rst``, "Hierarchy of the spectrum").
 
     Args:
         ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
-        labels: ``[N]`` integer labels ``y_n`` in ``[0, C)`` of the GGN's samples
-            (of its subsampling), in the order of the Gram rows.
+        labels: ``[N]`` int labels in ``[0, C)`` of the GGN's (subsampled) samples.
         groups: Indices of the (disjoint) parameter groups analysed (default: all).
-        probabilities: ``[N, C]`` softmax probabilities ``p_nc``: Papyan's
-            probability-weighted means. ``None``: plain means per label.
+        probabilities: ``[N, C]`` softmax outputs weighting the means (``None``: plain).
 
     Raises:
-        InvalidArgumentError: For labels or probabilities that do not match the
-            Gram matrix, or an empty ``groups``.
+        InvalidArgumentError: For mismatched labels or probabilities, or no ``groups``.
     """
     indices = list(range(len(ggn.param_groups))) if groups is None else list(groups)
     if not indices:
@@ -207,10 +195,7 @@ def _column_weights(
 
 
 def _pair_means(labels: Tensor, classes: int, weights: Tensor) -> tuple[Tensor, Tensor]:
-    """Unit columns of the weights on the rows ``(n, c)`` with ``y_n = a``, per pair.
-
-    Pairs ``c = a``, then ``c ≠ a``; pairs without weight are left out.
-    """
+    """Unit weight columns of the non-empty pairs ``(y_n, c)``, ``c = y_n`` first."""
     rows = torch.arange(labels.numel() * classes, device=labels.device)
     pair = labels.repeat_interleave(classes) * classes + rows % classes
     member = torch.zeros(rows.numel(), classes * classes, dtype=weights.dtype)

@@ -1,7 +1,4 @@
-"""CurvatureMonitor: the GGN's curvature every ``k`` steps of a training loop.
-
-Also as a Lightning or Hugging Face Trainer callback (optional, imported on use).
-"""
+"""The GGN's curvature every ``k`` training steps, also as Lightning or HF callbacks."""
 
 from __future__ import annotations
 
@@ -32,26 +29,20 @@ class CurvatureMonitor:
     """Records the GGN's curvature every ``every`` training steps.
 
     Call :meth:`step` after each ``optimizer.step()``; every ``every``-th call
-    records the fields of :data:`vivit.analysis.monitor_record.FIELDS` of a
-    :class:`~vivit.LowRankGGN` at the current parameters, in evaluation mode.
-    ``.grad``, training flags, torch's global generators and hooks are left as
-    they were.
+    records :data:`vivit.analysis.monitor_record.FIELDS` in evaluation mode, leaving
+    ``.grad``, training flags, torch's global generators and hooks as they were.
 
     Args:
         model: The network being trained.
-        loss_func: Its loss module (as for :class:`~vivit.LowRankGGN`).
+        loss_func: Its loss module.
         every: Steps between two records.
         top_k: Number of leading eigendirections recorded.
         path: JSON lines file the records are appended to (``None``: none).
-        batch: A fixed monitoring batch or loader (any ``data`` of
-            :class:`~vivit.LowRankGGN`); ``None``: the batch passed to each
-            :meth:`step`.
-        damping: Of the Newton step whose angle is recorded: ``δ ≥ 0`` or a
-            rule (see :meth:`vivit.LowRankGGN.newton`).
+        batch: A fixed monitoring batch or loader (``None``: each :meth:`step`'s).
+        damping: ``δ ≥ 0`` or a rule, of the Newton step whose angle is recorded.
         params: The parameters monitored (``None``: every trainable one).
         seed: Seed of the Monte-Carlo generator (unless ``options`` name one).
-        tensorboard: TensorBoard log directory (``None``: none); one
-            :class:`~vivit.MissingPackageWarning` if it is not installed.
+        tensorboard: TensorBoard log directory (``None``: none); warns if missing.
         **options: Options of :class:`~vivit.options.CurvatureOptions`.
 
     Attributes:
@@ -101,15 +92,13 @@ class CurvatureMonitor:
 
         Args:
             batch: The batch the step trained on (``None`` with a fixed one).
-            index: The step's index (e.g. a trainer's global step); ``None``:
-                the number of calls so far, this one included.
+            index: The step's index (``None``: the calls so far, this one included).
 
         Returns:
             The record if this step was monitored, else ``None``.
 
         Raises:
-            InvalidArgumentError: For a missing or superfluous batch, or an index
-                that is not an integer ``≥ 0``.
+            InvalidArgumentError: For a missing or superfluous batch, or an index < 0.
         """
         if index is None:
             index = self._steps + 1
@@ -198,10 +187,9 @@ def _kept_copy(batch: object) -> object:
 
 
 def lightning_callback(monitor: CurvatureMonitor) -> Any:
-    """A Lightning ``Callback`` that steps ``monitor`` after each optimizer step.
+    """A Lightning ``Callback``: steps ``monitor`` at each new ``global_step``.
 
-    At the trainer's ``global_step``, with the training batch unless the monitor
-    has a fixed one; closes it at the end.
+    With the training batch unless the monitor has a fixed one; closes it at the end.
 
     Args:
         monitor: The monitor; its ``model`` is the network whose output
@@ -217,8 +205,6 @@ def lightning_callback(monitor: CurvatureMonitor) -> Any:
     pl = import_optional("lightning.pytorch", "lightning", "The Lightning adapter")
 
     class CurvatureMonitorCallback(pl.Callback):
-        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during ``fit``."""
-
         def __init__(self) -> None:
             self.monitor, self._last = monitor, None
 
@@ -244,8 +230,7 @@ def huggingface_callback(monitor: CurvatureMonitor) -> Any:
     """A Hugging Face ``TrainerCallback``: steps ``monitor`` at each ``global_step``.
 
     Args:
-        monitor: A monitor with a fixed monitoring batch (the ``Trainer`` hands
-            no batches to callbacks).
+        monitor: A monitor with a fixed batch (the ``Trainer`` gives callbacks none).
 
     Returns:
         A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``.
@@ -265,8 +250,6 @@ def huggingface_callback(monitor: CurvatureMonitor) -> Any:
         )
 
     class CurvatureMonitorCallback(transformers.TrainerCallback):
-        """Steps a :class:`~vivit.analysis.CurvatureMonitor` during training."""
-
         def __init__(self) -> None:
             self.monitor = monitor
 
