@@ -227,3 +227,18 @@ def test_bound_is_chen_trogdon_ubarus_theorem(t):
     assert wasserstein_bound(n, n, probes, 1.0, ETA) <= t / 2  # k = n: exact
     assert wasserstein_bound(n, n, probes - 1, 1.0, ETA) > t / 2
     assert wasserstein_bound(n, steps, probes, 2.0, ETA) <= 2 * t
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ((200, 10, 0, 1.0), "probes"),
+        ((200, 0, 5, 1.0), "lanczos_steps"),
+        ((0, 10, 5, 1.0), "dim"),
+        ((200, 10, 5, 1.0, 0.0), "failure_probability"),
+    ],
+)
+def test_the_bound_refuses_counts_it_cannot_use(args, says):
+    """A zero count would divide by zero or give a bound that holds for nothing."""
+    with pytest.raises(InvalidArgumentError, match=says):
+        wasserstein_bound(*args)

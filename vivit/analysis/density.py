@@ -243,7 +243,20 @@ def wasserstein_bound(
         probes: ``n_v``.
         spread: ``λ_max − λ_min`` or an upper bound (``λ_max`` if PSD).
         failure_probability: ``η``.
+
+    Raises:
+        InvalidArgumentError: If a count is not a positive int or ``η`` not in (0, 1).
     """
+    for value, name in (
+        (dim, "dim"),
+        (lanczos_steps, "lanczos_steps"),
+        (probes, "probes"),
+    ):
+        check_positive_int(value, name)
+    if not 0 < failure_probability < 1:
+        raise InvalidArgumentError(
+            f"failure_probability must lie in (0, 1), got {failure_probability!r}."
+        )
     quadrature = 0.0 if lanczos_steps >= dim else 12 / (2 * lanczos_steps - 1)
     sampling = math.sqrt(math.log(2 * dim / failure_probability) / ((dim + 2) * probes))
     return spread * (quadrature + sampling)

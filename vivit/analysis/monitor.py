@@ -205,6 +205,8 @@ def lightning_callback(monitor: CurvatureMonitor) -> Any:
     pl = import_optional("lightning.pytorch", "lightning", "The Lightning adapter")
 
     class CurvatureMonitorCallback(pl.Callback):
+        """Steps the monitor after each optimizer step (not while accumulating)."""
+
         def __init__(self) -> None:
             self.monitor, self._last = monitor, None
 
@@ -250,6 +252,8 @@ def huggingface_callback(monitor: CurvatureMonitor) -> Any:
         )
 
     class CurvatureMonitorCallback(transformers.TrainerCallback):
+        """Steps the monitor after every optimizer step."""
+
         def __init__(self) -> None:
             self.monitor = monitor
 
