@@ -179,8 +179,9 @@ def test_misuse():
             ggn.eigh(top_k=2, seed=seed)
     # seed=None: the constructor's solver_seed (0), as LowRankGGN's calls
     torch.testing.assert_close(ggn.eigh(top_k=2, seed=None)[0], ggn.eigh(2, seed=0)[0])
-    with pytest.raises(GroupIndexError):
-        ggn.eigh(top_k=1, group=1)
+    for group in [1, False]:  # a bool is not taken for a group index
+        with pytest.raises(GroupIndexError):
+            ggn.eigh(top_k=1, group=group)
     with (
         torch.inference_mode(),
         pytest.raises(GradientContextError, match="inside torch.inference_mode"),

@@ -129,7 +129,7 @@ def check_max_decrease(max_decrease: object) -> None:
 
 def check_group_index(group: object, num_groups: int) -> None:
     """Raise GroupIndexError unless ``group`` indexes one of ``num_groups`` groups."""
-    if not isinstance(group, int) or not 0 <= group < num_groups:
+    if not _is_int(group) or not 0 <= group < num_groups:
         raise GroupIndexError(
             f"group must be an index in [0, {num_groups}), got {group!r}."
         )

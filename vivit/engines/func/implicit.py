@@ -149,7 +149,7 @@ def check_modes_agree(function: PartFunction, params: Sequence[Parameter]) -> No
     backward = function.vjp(cotangent)
     forward_side = (cotangent * forward).sum().item()
     backward_side = sum((g * t).sum() for g, t in zip(backward, tangents, strict=True))
-    backward_side = float(backward_side)
+    backward_side = float(backward_side.detach())
 
     def size(tensors: Sequence[Tensor]) -> float:
         return torch.stack([t.norm() for t in tensors]).norm().item()
