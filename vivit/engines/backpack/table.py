@@ -62,7 +62,8 @@ MAX_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Set torch's default dtype inside (BackPACK builds AvgPool's kernels in it)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -77,11 +78,11 @@ def dtype_safe(derivatives: type[BaseDerivatives]) -> type[BaseDerivatives]:
 
     class DtypeSafe(derivatives):
         def jac_t_mat_prod(self, module, g_inp, g_out, mat: Tensor, **kwargs):
-            with _default_dtype(mat.dtype):
+            with default_dtype(mat.dtype):
                 return super().jac_t_mat_prod(module, g_inp, g_out, mat, **kwargs)
 
         def param_mjp(self, param_str, module, g_inp, g_out, mat: Tensor, **kwargs):
-            with _default_dtype(mat.dtype):
+            with default_dtype(mat.dtype):
                 return super().param_mjp(param_str, module, g_inp, g_out, mat, **kwargs)
 
     DtypeSafe.__name__ = DtypeSafe.__qualname__ = f"DtypeSafe{derivatives.__name__}"
