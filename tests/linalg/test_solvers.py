@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import vivit.eigenpairs
+import vivit.sources.stored
 from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
