@@ -262,6 +262,8 @@ def test_the_estimate_leaves_the_model_its_hooks_and_generators_alone():
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).eval()
     fired, inputs = [], torch.randn(1, 4)
     model[0].register_forward_hook(lambda *args: fired.append(1))
+    model[2].weight.register_hook(lambda grad: fired.append(2))  # a tensor hook
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: fired.append(3))
     state = torch.get_rng_state()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     estimate_memory(model, inputs, 8, mc_samples=1)
@@ -390,7 +392,9 @@ def test_meta_models_are_estimated_and_refused_by_the_computation():
     inputs = torch.randn(1, 6)
     real = estimate_memory(model, inputs, 64)
     meta_model = mlp(6, 5, 3).to("meta")
+    state = torch.get_rng_state()
     meta = estimate_memory(meta_model, inputs.to("meta"), 64)
+    assert torch.equal(state, torch.get_rng_state())  # values drawn on a fork
     for part in ("passes", "kept", "solver", "num_rows"):
         assert getattr(meta, part) == getattr(real, part), part
     targets = torch.randint(0, 3, (4,))

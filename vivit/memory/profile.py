@@ -151,9 +151,11 @@ class Profile:
         subsampled: bool,
     ):
         self._device = param_groups[0][0].device
-        self._twin, self._groups, batch = _twin(model, param_groups, batch)
-        if batch[1] is None:
-            batch = (batch[0], _targets(self._twin, loss_func, batch[0], options))
+        with engine_context([p for group in param_groups for p in group]):
+            self._twin, self._groups, batch = _twin(model, param_groups, batch)
+            if batch[1] is None:
+                targets = _targets(self._twin, loss_func, batch[0], options)
+                batch = (batch[0], targets)
         self._loss_func, self._batch, self._subsampled = loss_func, batch, subsampled
         # the caller's generator is not drawn from: its samples are the run's
         self._options = derived(
@@ -334,22 +336,26 @@ def _twin(
     param_groups: list[list[Parameter]],
     batch: tuple[ModelInputs, Tensor],
 ) -> tuple[Module, list[list[Parameter]], tuple[ModelInputs, Tensor]]:
-    """A copy of the model without hooks sharing its parameters (meta: on the CPU)."""
+    """A copy of the model without hooks (meta: its values drawn on the CPU).
+
+    Its parameters alias the model's: their storage, not their tensor hooks.
+    """
     params = list(model.parameters())
     if not any(p.is_meta for p in params):
-        # shared: the parameters, and tensors kept as attributes (BackPACK's)
+        # shared: tensors kept as attributes (BackPACK's); aliased: the parameters
         shared = [v for m in model.modules() for v in vars(m).values()]
-        memo = {id(v): v for v in [*params, *shared] if isinstance(v, Tensor)}
+        memo = {id(v): v for v in shared if isinstance(v, Tensor)}
+        memo |= {id(p): Parameter(p.detach(), p.requires_grad) for p in params}
         twin = copy.deepcopy(model, memo)
     else:
         twin = copy.deepcopy(model).to_empty(device="cpu")
         with torch.no_grad():
             for param in twin.parameters():
                 param.normal_(std=0.02)
-        index = {id(p): i for i, p in enumerate(params)}
-        twins = list(twin.parameters())
-        param_groups = [[twins[index[id(p)]] for p in group] for group in param_groups]
         batch = tuple(None if b is None else map_inputs(b, _on_cpu) for b in batch)
+    index = {id(p): i for i, p in enumerate(params)}
+    twins = list(twin.parameters())
+    param_groups = [[twins[index[id(p)]] for p in group] for group in param_groups]
     for module in twin.modules():
         for name, value in vars(module).items():
             if name.endswith("hooks") and isinstance(value, dict):
