@@ -41,8 +41,10 @@ class CurvatureOptions:
             (default) a column per position, ``"sequence"`` one per sample.
         subsampling: Samples whose curvature is used (default ``None``: all; a
             tuple); not with a data loader.
-        generator: Generator of the MC samples (default ``None``: torch's global
-            one); a loader's batch ``b`` draws from one seeded ``s + b``.
+        generator: Generator of the MC samples (default ``None``: one seed ``s``
+            drawn from torch's global one, which it advances: ``docs/guide.rst``,
+            "The observer's contract"); a loader's batch ``b`` draws from one
+            seeded ``s + b``.
         gram_dtype: Type of the Gram matrix, the products with ``V`` and Gram-space
             results (default ``None``: the parameters'); float64 resolves more.
         route: ``"gram"`` (factors of ``V``), ``"implicit"`` (GGN-vector products)

@@ -36,10 +36,10 @@ class StreamingGGN(CurvatureResults):
     (:class:`~vivit.InvalidArgumentError`): :meth:`gram`, :meth:`eigvalsh`,
     :meth:`zero_tolerance` and ``top_k=None``.
 
-    The loader must yield the same batches every time (``shuffle=False``; checked
-    batch by batch); every pass starts from the random state at construction, and
-    a pass after the model's parameters or buffers changed raises
-    :class:`~vivit.ModelChangedError`.
+    The loader must yield the same batches every time (checked batch by batch);
+    every pass starts from the random state at construction (a shuffled loader's
+    order repeats), and a pass after the model's parameters or buffers changed
+    raises :class:`~vivit.ModelChangedError`.
 
     Example::
 

@@ -7,7 +7,6 @@ model; each quantity is a plane in the sizes the math scales it with
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import logging
@@ -26,6 +25,7 @@ from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, itemsize
 from vivit.losses import LossCurvature
 from vivit.memory.counter import Usage, measure
+from vivit.model_copy import probe_copy
 from vivit.model_inputs import (
     ModelInputs,
     call_model,
@@ -336,30 +336,18 @@ def _twin(
     param_groups: list[list[Parameter]],
     batch: tuple[ModelInputs, Tensor],
 ) -> tuple[Module, list[list[Parameter]], tuple[ModelInputs, Tensor]]:
-    """A copy of the model without hooks (meta: its values drawn on the CPU).
-
-    Its parameters alias the model's: their storage, not their tensor hooks.
-    """
+    """The model's probe copy (meta: its values drawn on the CPU); its groups."""
     params = list(model.parameters())
-    if not any(p.is_meta for p in params):
-        # shared: tensors kept as attributes (BackPACK's); aliased: the parameters
-        shared = [v for m in model.modules() for v in vars(m).values()]
-        memo = {id(v): v for v in shared if isinstance(v, Tensor)}
-        memo |= {id(p): Parameter(p.detach(), p.requires_grad) for p in params}
-        twin = copy.deepcopy(model, memo)
-    else:
-        twin = copy.deepcopy(model).to_empty(device="cpu")
+    twin, twins = probe_copy(model)
+    if any(p.is_meta for p in params):
+        twin = twin.to_empty(device="cpu")
+        twins = list(twin.parameters())
         with torch.no_grad():
-            for param in twin.parameters():
+            for param in twins:
                 param.normal_(std=0.02)
         batch = tuple(None if b is None else map_inputs(b, _on_cpu) for b in batch)
     index = {id(p): i for i, p in enumerate(params)}
-    twins = list(twin.parameters())
     param_groups = [[twins[index[id(p)]] for p in group] for group in param_groups]
-    for module in twin.modules():
-        for name, value in vars(module).items():
-            if name.endswith("hooks") and isinstance(value, dict):
-                value.clear()
     return twin, param_groups, batch
 
 

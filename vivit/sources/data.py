@@ -81,9 +81,12 @@ Visit = Callable[[Part], "tuple[BatchInfo, EngineOutput] | None"]
 class Data:
     """The caller's data: one mini-batch or an iterable of batches, checked.
 
-    Walks it part by part (:meth:`walk`): the caller's random state forked (or a
-    fixed start), gradients on, a progress bar, errors naming the loader's batch.
-    ``grouped``: the process is a rank of a group (its parts combine with others').
+    Walks it part by part (:meth:`walk`): gradients on, a progress bar, errors
+    naming the loader's batch, and every pass (and :meth:`peek`) from the random
+    state of construction, forked: the global generators and a loader's own are
+    left as they were, and each pass yields the same batches (``docs/guide.rst``,
+    "The observer's contract"). ``grouped``: the process is a rank of a group
+    (its parts combine with others').
 
     Raises:
         InvalidArgumentError: For a malformed mini-batch, or a subsampling with a
@@ -120,12 +123,13 @@ class Data:
         self._reread: str | None = None
         self._digests: list[str] = []
         self._first: tuple[ModelInputs, Tensor] | None = None
+        self._start = RandomState(model.parameters(), data)
 
     def reread(self, front: str) -> None:
         """Let a source pass more than once (called before its first pass).
 
-        Every pass then starts from the random state of now, and the batches and
-        the model are checked against the first pass's; ``front`` names the caller.
+        The batches and the model of every pass are then checked against the first
+        pass's; ``front`` names the caller.
 
         Raises:
             InvalidArgumentError: For an iterator or generator.
@@ -137,7 +141,6 @@ class Data:
                 "pass a list of batches or a DataLoader."
             )
         self._reread = front
-        self._start = random_state(self._model.parameters())
         self._model_state = self._model_fingerprint()
 
     @property
@@ -150,7 +153,8 @@ class Data:
         if self.single:
             return self._data[0]
         if self._first is None:
-            self._first = next(iterate_batches(self._data, self._model, 1), None)
+            with self._start.forked():
+                self._first = next(iterate_batches(self._data, self._model, 1), None)
             if isinstance(self._data, Iterator) and self._first is not None:
                 self._data = chain([self._first], self._data)
         return self._first
@@ -223,8 +227,7 @@ class Data:
                 self._options.progress,
                 f"{name}: {pass_name} ({description})",
             )
-        start = self._start if self._reread is not None else None
-        with engine_context(self._model.parameters(), start):
+        with self._start.forked(), torch.enable_grad():
             for batch_index, batch in enumerate(batches):
                 if self.sample_shape is None:
                     self.sample_shape = tuple(batch[1].shape[1:])
@@ -278,11 +281,13 @@ class Data:
                     f"Batch {index} of the data loader differs between pass 1 and "
                     f"pass {self.passes}{extra}: {self._reread} combines every batch "
                     "of every pass, so the loader must yield the same batches in "
-                    "the same order each time. Use DataLoader(..., shuffle=False) "
-                    "without random transforms (or a fixed list of batches), and "
-                    "do not change its tensors in place after construction "
-                    "(normalise or augment a copy): a batch changed in place since "
-                    "pass 1 is refused, never used."
+                    "the same order each time. Every pass starts from the random "
+                    "state of construction (shuffling and transforms drawn from "
+                    "torch repeat), but not Python's random or NumPy's: draw "
+                    "random transforms from torch (or pass a fixed list of "
+                    "batches), and do not change its tensors in place after "
+                    "construction (normalise or augment a copy): a batch changed "
+                    "in place since pass 1 is refused, never used."
                 )
             count += 1
             yield inputs, targets
@@ -339,29 +344,54 @@ def weightless(batch: BatchInfo) -> BatchInfo:
     return dataclasses.replace(batch, normalization=LossNormalization("mean", weights))
 
 
-def _random_devices(params: Iterable[Tensor]) -> list[torch.device]:
-    """The parameters' CUDA device (at most one)."""
-    return [p.device for p in params if p.device.type == "cuda"][:1]
+class RandomState:
+    """The random state every pass starts from, as it was when this was built.
+
+    Torch's global generators (the CPU's, the parameters' CUDA device's) and a
+    loader's own (``DataLoader(generator=...)``, its sampler's).
+    """
+
+    def __init__(self, params: Iterable[Tensor], data: object = None):
+        self._devices = [p.device for p in params if p.device.type == "cuda"][:1]
+        self._cpu = torch.get_rng_state()
+        self._cuda = [torch.cuda.get_rng_state(d) for d in self._devices]
+        self._loader = [(g, g.get_state()) for g in _loader_generators(data)]
+
+    @contextmanager
+    def forked(self) -> Iterator[None]:
+        """Every generator set to this state, and put back as it was on exit."""
+        loader = [(g, g.get_state()) for g, _ in self._loader]
+        with torch.random.fork_rng(devices=self._devices):
+            torch.set_rng_state(self._cpu)
+            for device, state in zip(self._devices, self._cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            for generator, state in self._loader:
+                generator.set_state(state)
+            try:
+                yield
+            finally:
+                for generator, state in loader:
+                    generator.set_state(state)
 
 
-def random_state(params: Iterable[Tensor]) -> tuple[Tensor, list]:
-    """The random state of the CPU and of the parameters' CUDA device."""
-    cuda = [(d, torch.cuda.get_rng_state(d)) for d in _random_devices(params)]
-    return torch.get_rng_state(), cuda
+def _loader_generators(data: object) -> list[torch.Generator]:
+    """The generators a loader draws its order from (its own, its samplers')."""
+    sampler = getattr(data, "sampler", None)
+    batch_sampler = getattr(data, "batch_sampler", None)
+    owners = [data, sampler, batch_sampler, getattr(batch_sampler, "sampler", None)]
+    found = {}
+    for owner in owners:
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found[id(generator)] = generator
+    return list(found.values())
 
 
 @contextmanager
-def engine_context(
-    params: Iterable[Tensor], start: tuple[Tensor, list] | None = None
-) -> Iterator[None]:
-    """Random state forked (set to ``start``, else the caller's), gradients on."""
-    with torch.random.fork_rng(devices=_random_devices(params)):
-        if start is not None:
-            torch.set_rng_state(start[0])
-            for device, state in start[1]:
-                torch.cuda.set_rng_state(state, device)
-        with torch.enable_grad():
-            yield
+def engine_context(params: Iterable[Tensor]) -> Iterator[None]:
+    """The caller's random state forked (left as it was), gradients on."""
+    with RandomState(params).forked(), torch.enable_grad():
+        yield
 
 
 def progress_bar(

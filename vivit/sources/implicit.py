@@ -23,6 +23,7 @@ from vivit.engines.func.independence import check_layers, check_samples_independ
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION as MANY_PAIRS_FRACTION
 from vivit.loss_hessians import LossHessianProducts
+from vivit.model_copy import probe_copy
 from vivit.model_inputs import call_model
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, PassGroup
@@ -299,9 +300,12 @@ class ImplicitFactors(CurvatureSource):
         model = self._model
 
         def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
-            if part.index == 0:
+            if part.index == 0:  # on a copy: the caller's model runs once here
+                copy, copies = probe_copy(model)
+                copied = dict(zip(map(id, model.parameters()), copies, strict=True))
                 for group in self.param_groups:
-                    function = PartFunction(model, group, part.inputs, selector)
+                    group = [copied[id(p)] for p in group]
+                    function = PartFunction(copy, group, part.inputs, selector)
                     check_modes_agree(function, group)
             output = select_output(call_model(model, part.inputs), selector)
             hessian = LossHessianProducts(part.loss_func, output.detach(), part.targets)

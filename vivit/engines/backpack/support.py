@@ -20,7 +20,7 @@ from backpack.custom_module.graph_utils import (
     convert_module_to_backpack,
 )
 from backpack.utils.module_classification import is_no_op
-from torch.fx import Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import _get_qualified_name
 from torch.nn import Module, Sequential
 from torch.nn.utils.parametrize import is_parametrized
@@ -36,6 +36,7 @@ from vivit.engines.backpack.obstacles import (
 from vivit.engines.backpack.table import supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
 from vivit.losses import SUPPORTED_LOSSES as LOSSES
+from vivit.model_copy import probe_copy
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: The library's own frames (its tracer) are not the user's call site either.
@@ -44,10 +45,16 @@ _VIVIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 @dataclass
 class Analysis:
-    """A model's obstacles (shared weights first) and whether to convert it."""
+    """A model's obstacles (shared weights first) and whether to convert it.
+
+    ``traced``: the traced forward over the caller's layers (``None``: a
+    ``Sequential``, not traced), what BackPACK's converter converts instead of
+    tracing the caller's forward again.
+    """
 
     obstacles: list[Obstacle] = field(default_factory=list)
     needs_conversion: bool = False
+    traced: GraphModule | None = None
 
 
 def analyse(model: Module, loss_func: Module | None = None) -> Analysis:
@@ -65,9 +72,10 @@ def analyse(model: Module, loss_func: Module | None = None) -> Analysis:
         return _analyse_calls(model, [(name, "") for name in chain], changes)
     tracer = _GradModeTracer()
     tracer.record_stack_traces = True  # the call site of each node
+    copy, _ = probe_copy(model)  # the caller's forward and attributes untouched
     try:
         with torch.enable_grad():  # the forward's own grad mode is recorded
-            graph = tracer.trace(model)
+            graph = tracer.trace(copy)
     except Exception as error:  # torch.fx raises many kinds of errors
         message = (
             f"its forward cannot be traced by torch.fx ({type(error).__name__}: "
@@ -106,7 +114,28 @@ def analyse(model: Module, loss_func: Module | None = None) -> Analysis:
         not is_no_op(m) and type(m) not in supported_types()
         for m in [model, *map(model.get_submodule, traced_through)]
     )
+    analysis.traced = _over_the_callers_layers(graph, model, copy)
     return analysis
+
+
+def _over_the_callers_layers(graph: Graph, model: Module, copy: Module) -> GraphModule:
+    """The graph traced on ``copy``, over ``model``'s layers (constants: the copy's)."""
+    root = {}
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            try:
+                value = _attribute(model, node.target)
+            except AttributeError:  # a constant the tracer kept on the copy
+                value = _attribute(copy, node.target)
+            root[node.target] = value
+    return GraphModule(root, graph)
+
+
+def _attribute(module: Module, target: str) -> object:
+    """The attribute at a dotted path."""
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
 
 
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
@@ -133,7 +162,9 @@ def runnable_model(model: Module, loss_func: Module | None = None) -> Module:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            converted = convert_module_to_backpack(model, debug=False)
+            converted = convert_module_to_backpack(
+                analysis.traced or model, debug=False
+            )
         left = [w for w in caught if str(w.message).startswith(_NODE_LEFT)]
         for warning in caught:
             if warning not in left:
