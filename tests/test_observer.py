@@ -295,3 +295,33 @@ def _monitor(fixed_batch, **options):
 )
 def test_training_with_measurements_is_bit_identical(measure):
     assert torch.equal(_train(measure), _train(None))
+
+
+def _newton_training(step_with_optimizer, steps=6):
+    """Damped Newton steps over a shuffled loader, inputs jittered by the global RNG."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, 6), nn.Tanh(), nn.Linear(6, C))
+    inputs, targets = torch.randn(24, D_IN), torch.randint(0, C, (24,))
+    loader = DataLoader(TensorDataset(inputs, targets), batch_size=8, shuffle=True)
+    loss_func = nn.CrossEntropyLoss()
+    optimizer = DampedNewton(
+        model.parameters(), top_k=K, model=model, loss_func=loss_func
+    )
+    epochs = (batch for _ in range(steps) for batch in loader)
+    for _, (x, y) in zip(range(steps), epochs, strict=False):
+        x = x + 0.01 * torch.randn_like(x)  # the training's own draws
+        if step_with_optimizer:
+            optimizer.step(data=(x, y))
+            continue
+        with torch.random.fork_rng():  # the measurement counted out by hand
+            ggn = LowRankGGN(model, loss_func, (x, y))
+            step = ggn.newton(K, max_decrease=0.25 * float(ggn.loss)).step
+        with torch.no_grad():
+            for param, update in zip(model.parameters(), step, strict=True):
+                param.add_(update)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_damped_newton_training_draws_nothing_of_its_own():
+    """The optimizer's measurement draws none of the training's random numbers."""
+    assert torch.equal(_newton_training(True), _newton_training(False))
