@@ -10,14 +10,12 @@ from tests.fixtures.problems import Problem, problem_ids, select
 from tests.fixtures.reference import (
     dense_ggn,
     dense_gradient,
-    dense_output_jacobian,
+    dense_mc_ggn,
     eigh_reference,
 )
 from vivit import InvalidArgumentError, ParamGroupError
 from vivit.analysis import audit as audit_module
 from vivit.analysis import audit_approximations
-from vivit.losses import LossCurvature
-from vivit.sources.union import base_seed, part_generator
 
 RTOL = EIGVAL_RTOL[torch.float64]
 TOP_K, DAMPING, SEED, MC = 3, 0.1, 7, 2
@@ -34,20 +32,6 @@ def _spectrum(G: torch.Tensor, k: int):
     evals, evecs = evals.flip(0), evecs.flip(1)
     gap = (evals[k - 1] - evals[k]).item()
     return evals[:k], evecs[:, :k].T, evals[0].item(), gap
-
-
-def _dense_mc_ggn(model, loss_func, inputs, targets, samples, seed):
-    """Σ_n J_nᵀ S_n S_nᵀ J_n from the sampled roots a seeded generator draws."""
-    output, J = dense_output_jacobian(model, inputs)
-    # the stream of the batch's one block (docs/math.rst, "Data sets and processes")
-    base = base_seed(torch.Generator().manual_seed(seed))
-    generator = part_generator(base, 0, "cpu")
-    roots = LossCurvature(loss_func, output, targets).sqrt_hessian(
-        None, samples, generator
-    )  # [M, N, *out]
-    V = torch.einsum("nkd,mnk->dmn", J, roots.reshape(samples, len(inputs), -1))
-    V = V.reshape(J.shape[-1], -1)
-    return V @ V.T
 
 
 def _block_mask(model, D):
@@ -130,7 +114,7 @@ def test_every_row_matches_dense_matrices(problem: Problem, engine: str):
         atol=RTOL * lam_max,
     )
     dense = {
-        f"mc-{MC}": _dense_mc_ggn(model, loss_func, inputs, targets, MC, SEED),
+        f"mc-{MC}": dense_mc_ggn(model, loss_func, [(inputs, targets)], MC, SEED),
         "subsampled": dense_ggn(
             model, loss_func, inputs, targets, subsampling=subsampling
         ),

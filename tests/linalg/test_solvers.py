@@ -646,19 +646,30 @@ def test_auto_falls_back_to_dense(monkeypatch):
 
 
 def test_leading_eigenpairs_reports_dense_residual():
-    A = psd_matrix(torch.logspace(0, -3, 50, dtype=torch.float64))
-    evals, _, report = leading_eigenpairs(
+    """The dense solver reports the residual of the pairs it returns, at most
+    ``N·C·ε·λ_max`` relative to ``λ_max`` (``docs/math.rst``, "Precision and the
+    numerical zero", "Without the Gram matrix": LAPACK is backward stable)."""
+    size = 50
+    spectrum = torch.logspace(0, -3, size, dtype=torch.float64)
+    A = psd_matrix(spectrum)
+    evals, evecs, report = leading_eigenpairs(
         [],
         3,
         "dense",
         lambda: A,
-        size=50,
+        size=size,
         requested="dense",
         dtype=torch.float64,
         device=torch.device("cpu"),
     )
-    assert report.residual < 1e-14 and report.tolerance is None
-    assert evals.numel() == 3
+    assert report.tolerance is None and evals.numel() == 3
+    assert_top_eigvals(evals, spectrum.flip(0), EIGVAL_RTOL[torch.float64])
+    bound = size * torch.finfo(torch.float64).eps
+    assert 0 <= report.residual <= bound
+    # the report is the returned pairs' residual: the same products and norms of
+    # the same numbers, bit for bit
+    residual = (A @ evecs - evecs * evals).norm(dim=0).max() / evals.max()
+    assert report.residual == residual.item()
 
 
 # Misuse -----------------------------------------------------------------------
