@@ -55,6 +55,11 @@ NEEDS_CLASSIFIER = (
     "The hierarchy needs a classifier with outputs [N, C] and one label per sample"
 )
 PARTS = ("class_means", "cross_class", "within_class")
+#: What the summary calls each ``--weighting``.
+WEIGHTING_NAMES = {
+    "probabilities": "Papyan's parts (probability-weighted means)",
+    "plain": "plain-mean parts (a variant, not Papyan's decomposition)",
+}
 #: Eigenvalue counts above these fractions of the largest, SLQ against exact.
 COUNT_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4)
 
@@ -213,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
         gram_dtype=gram_dtype,
         progress=False if args.no_progress else None,
     )
-    probabilities = None
+    probabilities = "plain"
     if args.weighting == "probabilities":
         with eval_mode(model), torch.no_grad():
             probabilities = call_model(model, inputs).softmax(dim=1)
@@ -230,7 +235,7 @@ def run(args: argparse.Namespace) -> dict:
         "num_classes": classes,
         "num_parameters": sum(p.numel() for _, g in layers for p in g),
         "gram_dtype": str(gram_dtype).removeprefix("torch."),
-        "weighting": args.weighting,
+        "weighting": parts.weighting,
         "training": training,
         "metrics": metrics,
         "zero_tolerance": parts.zero_tolerance,
@@ -272,8 +277,8 @@ def summarize(results: dict, args: argparse.Namespace) -> list[str]:
     density, classes = results["density"], results["num_classes"]
     lines = [
         model_summary("Hierarchy", results, args),
-        f"GGN of a mini-batch of {results['num_samples']} ({results['weighting']} "
-        f"means), C = {classes}:",
+        f"GGN of a mini-batch of {results['num_samples']}, C = {classes}: "
+        f"{WEIGHTING_NAMES[results['weighting']]}:",
         f"{'part':<14} {'non-zero':>8} {'largest':>9} {'trace':>9} "
         f"{'in top C':>9} {'in top C²':>10}",
     ]

@@ -6,7 +6,7 @@ eigenvalues, the gradient's share in their span, the SNRs of ``γ`` and ``λ`` p
 direction and the angle between the damped Newton step and ``−∇L``, on the
 current batch or a fixed monitoring batch (``--monitor-batch``), into
 ``records.jsonl``; the summary says what the monitor cost per step.
-``--plot FILE`` only draws the records of a JSON lines file.
+``--plot FILE`` only draws the records of a JSON lines file (of its last run).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from studies.plots import monitor_figure, save
 from studies.report import number, write
 from studies.training import evaluate_splits, gradient_step
 from vivit import InvalidArgumentError
-from vivit.analysis import CurvatureMonitor, read_records
+from vivit.analysis import CurvatureMonitor, read_records, runs
 
 STUDY = "monitor"
 RECORDS_FILE = "records.jsonl"
@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="Only draw the records of FILE (a monitor's JSON lines) into "
-        "FILE with the suffix .png; nothing is trained.",
+        help="Only draw the records of FILE (a monitor's JSON lines; its last "
+        "run) into FILE with the suffix .png; nothing is trained.",
     )
     return parser
 
@@ -189,7 +189,12 @@ def plot(path: Path) -> Path:
         raise StudyError(f"{path} holds no records to plot.")
     target = path.with_suffix(".png")
     save(monitor_figure(records), target)
-    print(f"Figure:  {target} ({len(records)} records)")
+    others = len(runs(path)) - 1
+    earlier = f"; {others} earlier run(s) in the file not drawn" if others else ""
+    print(
+        f"Figure:  {target} ({len(records)} records of run {records[0]['run']}"
+        f"{earlier})"
+    )
     return target
 
 

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from tests.fixtures.checks import EIGVAL_RTOL
 from tests.fixtures.optional_packages import installed
@@ -16,6 +17,11 @@ from tests.fixtures.reference import (
 from vivit import InvalidArgumentError, ParamGroupError
 from vivit.analysis import audit as audit_module
 from vivit.analysis import audit_approximations
+from vivit.analysis.approximations import (
+    NAMED_LAYERS,
+    refusal_reason,
+    unsupported_layers,
+)
 
 RTOL = EIGVAL_RTOL[torch.float64]
 TOP_K, DAMPING, SEED, MC = 3, 0.1, 7, 2
@@ -225,3 +231,54 @@ def test_bad_arguments_say_what_is_wrong(kwargs, error, message):
     model, loss_func, inputs, targets = select(architecture="mlp_tanh")[0].build()
     with pytest.raises(error, match=message):
         audit_approximations(model, loss_func, (inputs, targets), **kwargs)
+
+
+class _MixedLayers(nn.Module):
+    """Embedding, Conv1d, affine LayerNorm and LSTM before a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.conv = nn.Conv1d(4, 4, 1)
+        self.norm = nn.LayerNorm(4)
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, tokens):
+        hidden = self.conv(self.embed(tokens).transpose(1, 2)).transpose(1, 2)
+        out, _ = self.lstm(self.norm(hidden))
+        return self.head(out[:, -1])
+
+
+def test_kronecker_factored_rows_name_the_layers_curvlinops_refuses():
+    """Skipped, naming every unsupported layer and its parameters; frozen, computed."""
+    installed("curvlinops")
+    torch.manual_seed(0)
+    model = _MixedLayers().double()
+    data = (torch.randint(0, 7, (4, 3)), torch.randint(0, 3, (4,)))
+    loss_func = nn.CrossEntropyLoss()
+    kinds = ("kfac", "ekfac")
+    audit = audit_approximations(model, loss_func, data, top_k=2, approximations=kinds)
+    for row in audit.rows:
+        assert row.status == "unsupported" and row.eigenvalues is None
+        for layer in (
+            "embed (Embedding: weight)",
+            "conv (Conv1d: weight, bias)",
+            "norm (LayerNorm: weight, bias)",
+            "lstm (LSTM: weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0)",
+        ):
+            assert layer in row.reason
+        assert "head" not in row.reason and "skipped" in row.reason
+    for name in ("embed", "conv", "norm", "lstm"):
+        getattr(model, name).requires_grad_(False)
+    audit = audit_approximations(model, loss_func, data, top_k=2, approximations=kinds)
+    assert [row.status for row in audit.rows] == ["ok", "ok"]
+
+
+def test_a_refusal_counts_the_layers_it_does_not_name():
+    layers = nn.Sequential(*[nn.LayerNorm(2) for _ in range(NAMED_LAYERS + 2)])
+    named = unsupported_layers((nn.Linear,), layers, list(layers.parameters()))
+    assert named[0] == "0 (LayerNorm: weight, bias)" and len(named) == len(layers)
+    reason = refusal_reason("kfac", (nn.Linear,), named)
+    assert f"{NAMED_LAYERS - 1} (LayerNorm" in reason
+    assert f"{NAMED_LAYERS} (LayerNorm" not in reason and "and 2 more" in reason

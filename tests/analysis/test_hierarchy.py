@@ -71,7 +71,7 @@ def case(name: str, weighting: str, subsampling: tuple[int, ...] | None = None) 
         X, y = X[list(subsampling)], y[list(subsampling)]
     columns, p = dense_columns(model, loss_func, X, y)
     probabilities = p if weighting == "probabilities" else None
-    parts = hierarchy(ggn, y, probabilities=probabilities)
+    parts = hierarchy(ggn, y, probabilities="plain" if probabilities is None else p)
     return Case(
         setup,
         ggn,
@@ -201,7 +201,7 @@ def test_groups_select_the_analysed_parameters():
     """``groups=[g]`` analyses that group's GGN block alone."""
     c = case("mlp_tanh-ce-sum", "plain")
     _, _, _, y = c.setup
-    first = hierarchy(c.ggn, y, groups=[0])
+    first = hierarchy(c.ggn, y, probabilities="plain", groups=[0])
     assert_within(first.gram, c.ggn.gram(0), 0.0)
     assert_within(
         first.full.eigenvalues.flip(0),
@@ -213,18 +213,26 @@ def test_groups_select_the_analysed_parameters():
 def test_bad_input_is_refused():
     c = case("mlp_tanh-ce-mean", "plain")
     _, _, _, y = c.setup
+    plain = functools.partial(hierarchy, c.ggn, probabilities="plain")
     with pytest.raises(InvalidArgumentError, match="1-d integer"):
-        hierarchy(c.ggn, y.double())
+        plain(y.double())
     with pytest.raises(InvalidArgumentError, match="not C rows for each of the 4"):
-        hierarchy(c.ggn, y[:4])
+        plain(y[:4])
     with pytest.raises(InvalidArgumentError, match=r"must lie in \[0, 3\)"):
-        hierarchy(c.ggn, y + 3)
-    with pytest.raises(InvalidArgumentError, match="shape"):
-        hierarchy(c.ggn, y, probabilities=torch.ones(len(y), 2))
-    with pytest.raises(InvalidArgumentError, match="non-negative"):
-        hierarchy(c.ggn, y, probabilities=-torch.ones(len(y), 3))
+        plain(y + 3)
     with pytest.raises(InvalidArgumentError, match="groups is empty"):
-        hierarchy(c.ggn, y, groups=[])
+        plain(y, groups=[])
+    with pytest.raises(InvalidArgumentError, match="softmax.*'plain'"):  # no default
+        hierarchy(c.ggn, y)
+    for wrong, match in [
+        (torch.ones(len(y), 2), "shape"),
+        ("papyan", "or 'plain'"),
+        (None, "or 'plain'"),
+        (-torch.ones(len(y), 3), "non-negative"),
+        (torch.rand(len(y), 3).softmax(0), "sum to 1"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            hierarchy(c.ggn, y, probabilities=wrong)
     with pytest.raises(InvalidArgumentError, match="No part 'class'"):
         c.parts.part("class")
     with pytest.raises(InvalidArgumentError, match="top_k must be a positive"):
@@ -246,7 +254,7 @@ def test_float32_model(weighting):
     c = case("mlp_relu-ce-sum", weighting)
     model, loss_func, X, y = prepare(get_problem("mlp_relu-ce-sum"), torch.float32)
     ggn = LowRankGGN(model, loss_func, (X, y), param_groups=layer_groups(model))
-    probabilities = None if c.probabilities is None else c.probabilities.float()
+    probabilities = "plain" if c.probabilities is None else c.probabilities.float()
     parts = hierarchy(ggn, y, probabilities=probabilities)
     assert parts.gram.dtype == torch.float32
     lam_max = c.parts.full.eigenvalues[0].item()
@@ -256,3 +264,29 @@ def test_float32_model(weighting):
         reference = torch.linalg.eigvalsh(dense)
         evals = parts.part(name).eigenvalues.flip(0)
         assert_top_eigvals(evals, reference, rtol * lam_max / reference.abs().max())
+
+
+def test_papyan_weighting_on_an_imbalanced_batch():
+    """Labels 4 : 1 : 1: the parts with ``probabilities=p`` are Papyan's (dense,
+    ``tests/analysis/dense.py``), the ``"plain"`` ones the plain-mean variant's,
+    and the result names its weighting. The two class parts differ by far more
+    than the tolerance (``EIGVAL_RTOL``, "Hierarchy of the spectrum", Precision):
+    which of them a result holds matters."""
+    model, loss_func, X, _ = prepare(get_problem("mlp_relu-ce-sum"), torch.float64)
+    y = torch.tensor([0, 0, 0, 0, 1, 2])
+    ggn = LowRankGGN(model, loss_func, (X, y), param_groups=layer_groups(model))
+    columns, p = dense_columns(model, loss_func, X, y)
+    G = dense_ggn(model, loss_func, X, y)
+    lam_max = torch.linalg.eigvalsh(G)[-1].item()
+    largest = {}
+    for weighting, probabilities in (("probabilities", p), ("plain", None)):
+        parts = hierarchy(ggn, y, probabilities="plain" if probabilities is None else p)
+        assert parts.weighting == weighting
+        dense = dense_parts(columns, y, probabilities)
+        for name in PARTS:
+            reference = torch.linalg.eigvalsh(dense[name])
+            evals = parts.part(name).eigenvalues.flip(0)
+            assert_top_eigvals(evals, reference, RTOL * lam_max / reference.abs().max())
+        largest[weighting] = parts.class_means.eigenvalues[0].item()
+    gap = abs(largest["probabilities"] - largest["plain"])
+    assert gap > 1e3 * RTOL * lam_max, largest

@@ -187,10 +187,11 @@ def test_json_lines_schema_and_reading_back(tmp_path):
             assert len(parsed[key]) == K
         assert 0 <= parsed["newton_angle_deg"] <= 90
     assert read_records(path) == monitor.records
-    # appended to, not overwritten: a resumed run continues the file
+    # appended to, not overwritten: the new monitor's run follows the first
     with CurvatureMonitor(model, loss_func, every=1, top_k=K, path=path) as monitor:
         monitor.step(_data(1)[0])
-    assert len(read_records(path)) == 4
+    assert len(read_records(path, run="all")) == 4
+    assert read_records(path) == monitor.records
 
 
 @pytest.mark.parametrize(

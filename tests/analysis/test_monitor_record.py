@@ -12,10 +12,14 @@ the library. Tolerances are the named bounds of tests/fixtures/checks.py
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import re
 
 import pytest
 import torch
+from torch import nn
 
 from tests.fixtures.checks import (
     DIRECTION_REL,
@@ -33,8 +37,9 @@ from tests.fixtures.reference import (
     per_sample_ggns,
     per_sample_gradients,
 )
-from vivit.analysis import CurvatureMonitor
-from vivit.analysis.monitor_record import newton_angle_deg
+from vivit import InvalidArgumentError
+from vivit.analysis import CurvatureMonitor, read_records, runs
+from vivit.analysis.monitor_record import RecordWriter, newton_angle_deg
 
 K = 2
 DAMPING = 0.5
@@ -134,3 +139,71 @@ def test_newton_angle_of_known_vectors():
     diagonal = newton_angle_deg(torch.tensor([-1.0, 1.0]).double(), gradient)
     assert diagonal == pytest.approx(45.0, rel=rounding_rel(8))
     assert newton_angle_deg(torch.zeros(2).double(), gradient) is None
+
+
+def _small_monitor(path=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    return CurvatureMonitor(model, nn.CrossEntropyLoss(), every=1, top_k=1, path=path)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 4, generator=g).double(), torch.randint(0, 3, (5,))
+
+
+def test_two_monitors_writing_one_file_are_told_apart(tmp_path):
+    """Two monitors appending to one file (interleaved): each read back alone."""
+    path = tmp_path / "records.jsonl"
+    first, second = _small_monitor(path), _small_monitor(path)
+    for seed, monitor in enumerate([first, second, first, second, second]):
+        monitor.step(_batch(seed))
+    first.close(), second.close()
+    first_id, second_id = first.records[0]["run"], second.records[0]["run"]
+    assert first_id != second_id
+    assert {r["run"] for r in first.records} == {first_id}
+    assert {r["run"] for r in second.records} == {second_id}
+    assert runs(path) == [first_id, second_id]
+    assert read_records(path) == second.records  # the run started last
+    assert read_records(path, run="last") == second.records
+    assert read_records(path, run=first_id) == first.records
+    everything = read_records(path, run="all")
+    assert [r["run"] for r in everything] == [first_id, second_id] + [
+        first_id,
+        second_id,
+        second_id,
+    ]
+    with pytest.raises(InvalidArgumentError, match="no records of run 'other'"):
+        read_records(path, run="other")
+    with pytest.raises(InvalidArgumentError, match="run must be"):
+        read_records(path, run=1)
+
+
+def test_a_file_without_run_ids_still_reads(tmp_path):
+    """Records written before run ids: one run ``None``, read by default."""
+    path = tmp_path / "old.jsonl"
+    monitor = _small_monitor()
+    old = [monitor.record(_batch(seed)) for seed in range(2)]
+    for record in old:
+        del record["run"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    expected = [{**r, "run": None} for r in old]
+    assert runs(path) == [None]
+    assert read_records(path) == expected
+    with _small_monitor(path) as rerun:  # a rerun appends a new run after them
+        rerun.step(_batch(5))
+    assert runs(path) == [None, rerun.records[0]["run"]]
+    assert read_records(path) == rerun.records
+    assert read_records(path, run=None) == expected
+
+
+def test_run_ids_leave_the_global_generators_alone():
+    """Ids are fresh per writer, from the OS's source, not torch's or Python's."""
+    torch.manual_seed(3)
+    random.seed(3)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    ids = [RecordWriter(None, None).run for _ in range(3)]
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert random.getstate() == python_state
+    assert len(set(ids)) == 3
+    assert all(re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{12}", i) for i in ids)

@@ -30,6 +30,7 @@ from tests.fixtures.checks import (
     EIGVAL_RTOL,
     EIGVEC_PRODUCT_REL,
     REORDERED_REL,
+    assert_differs,
     assert_eigenpairs,
     assert_rel,
     assert_top_eigvals,
@@ -302,7 +303,7 @@ def test_monte_carlo_stream_per_block(monkeypatch):
 
     first, again = mc(batches), mc(batches)
     torch.testing.assert_close(first.gram(), again.gram(), rtol=0, atol=0)
-    assert not torch.allclose(first.gram(), mc(batches, seed=8).gram())
+    assert_differs(first.gram(), mc(batches, seed=8).gram(), REORDERED_REL)
     assert_same_ggn(mc([(X, y)]), mc((X, y)))
 
     # with the base seed pinned to S, block b's samples are those of batch b alone

@@ -27,6 +27,7 @@ from tests.fixtures.checks import (
     assert_rel,
     assert_top_eigvals,
     flat_evecs,
+    rounding_rel,
 )
 from tests.fixtures.func_problems import (
     FUNC_PROBLEMS,
@@ -505,7 +506,8 @@ def _assert_resolved_pairs(ggn, top_k, evals, evecs, G, zero):
     rounding = report.rounding
     assert zero == ggn.zero_tolerance()
     assert report.residual <= report.tolerance
-    assert zero == pytest.approx((report.residual + rounding) * evals.max().item())
+    expected = (report.residual + rounding) * evals.max().item()
+    assert zero == pytest.approx(expected, rel=rounding_rel(3))  # ("Few operations")
     assert (evals > zero).all()
     reference = torch.linalg.eigvalsh(G)
     assert_top_eigvals(evals, reference, zero / reference.max().item())

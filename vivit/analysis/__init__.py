@@ -22,7 +22,7 @@ from vivit.analysis.monitor import (
     huggingface_callback,
     lightning_callback,
 )
-from vivit.analysis.monitor_record import read_records
+from vivit.analysis.monitor_record import read_records, runs
 
 __all__ = [
     "APPROXIMATIONS",
@@ -37,6 +37,7 @@ __all__ = [
     "huggingface_callback",
     "lightning_callback",
     "read_records",
+    "runs",
     "spectral_density",
     "wasserstein_bound",
     "wasserstein_distance",

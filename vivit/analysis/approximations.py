@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import Conv2d, Linear, Module, Parameter
 
 from vivit.errors import ZeroStepWarning
 from vivit.linalg.iterative import block_krylov_eigh
@@ -22,6 +22,13 @@ from vivit.sources.implicit import flatten_rows
 
 #: The Kronecker-factored approximations and curvlinops' class of each.
 KRONECKER_FACTORED = {"kfac": "KFACLinearOperator", "ekfac": "EKFACLinearOperator"}
+
+#: The layers whose parameters curvlinops' KFAC and EKFAC support (in curvlinops
+#: 3; an operator class's own ``_SUPPORTED_MODULES`` takes precedence).
+KRONECKER_FACTORED_LAYERS = (Linear, Conv2d)
+
+#: How many unsupported layers a refusal names before it counts the rest.
+NAMED_LAYERS = 6
 
 #: What a row says when curvlinops is missing.
 NOT_INSTALLED = "pip install 'vivit[audit]' (curvlinops-for-pytorch) for this row"
@@ -129,6 +136,48 @@ class CurvlinopsRefusalError(Exception):
     """curvlinops cannot build the approximation for this model (its reason)."""
 
 
+def unsupported_layers(
+    supported: tuple[type[Module], ...], model: Module, params: Sequence[Parameter]
+) -> list[str]:
+    """``"name (Type: weight, bias)"`` of the layers curvlinops would refuse.
+
+    Each module owning audited parameters that no ``supported`` module holds
+    (curvlinops' test: any supported module, submodules included, holding it).
+    """
+    covered = {
+        id(p)
+        for module in model.modules()
+        if isinstance(module, supported)
+        for p in module.parameters()
+    }
+    outside = {id(p) for p in params} - covered
+    layers = []
+    for name, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if id(p) in outside]
+        if own:
+            layers.append(
+                f"{name or 'the model itself'} ({type(module).__name__}: "
+                f"{', '.join(own)})"
+            )
+    return layers
+
+
+def refusal_reason(
+    kind: str, supported: tuple[type[Module], ...], layers: list[str]
+) -> str:
+    """Why ``kind``'s row is skipped: the layers curvlinops would leave out."""
+    named = "; ".join(layers[:NAMED_LAYERS])
+    rest = len(layers) - NAMED_LAYERS
+    more = f"; and {rest} more layer(s)" if rest > 0 else ""
+    return (
+        f"curvlinops' {kind.upper()} supports parameters of "
+        f"{' and '.join(t.__name__ for t in supported)} layers only, so the row is "
+        f"skipped rather than cover part of the model; not supported: {named}"
+        f"{more}. Freeze those parameters (requires_grad_(False)) to audit the "
+        "other layers alone"
+    )
+
+
 def kronecker_factored_curvature(
     kind: str,
     model: Module,
@@ -144,18 +193,22 @@ def kronecker_factored_curvature(
     Type-2 Fisher (the GGN), exactly damped inverse; ``gradient`` ``[D]`` of ``data``.
 
     Raises:
-        CurvlinopsRefusalError: If curvlinops refuses the model.
+        CurvlinopsRefusalError: If curvlinops refuses the model, naming the layers
+            it does not support.
     """
     import curvlinops
 
     operator_class = getattr(curvlinops, KRONECKER_FACTORED[kind])
+    supported = getattr(operator_class, "_SUPPORTED_MODULES", KRONECKER_FACTORED_LAYERS)
+    layers = unsupported_layers(supported, model, params)
+    if layers:
+        raise CurvlinopsRefusalError(refusal_reason(kind, supported, layers))
     options = {"fisher_type": curvlinops.FisherType.TYPE2, "check_deterministic": False}
     try:
         operator = operator_class(model, loss_func, list(params), [data], **options)
-    except NotImplementedError as error:
+    except NotImplementedError as error:  # a refusal the check above did not foresee
         raise CurvlinopsRefusalError(
-            f"curvlinops' {kind.upper()} supports parameters of Linear and Conv2d "
-            f"layers only ({error})"
+            f"curvlinops refuses {kind.upper()} for this model ({error})"
         ) from None
     reference, size = params[0], sum(p.numel() for p in params)
     like = {"dtype": reference.dtype, "device": reference.device}

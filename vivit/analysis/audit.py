@@ -41,7 +41,8 @@ class AuditRow:
 
     Attributes:
         name: Key (``"mc-1"``, ``"subsampled"``, ...); ``label``: its description.
-        status: ``"ok"``, ``"not installed"`` or ``"unsupported"`` (by curvlinops).
+        status: ``"ok"``, ``"not installed"`` or ``"unsupported"`` (by curvlinops:
+            the reason names the layers it does not support).
         reason: Why a row has no numbers (``None`` for ``"ok"``).
         eigenvalues: Its top eigenvalues, descending (fewer if fewer are non-zero).
         relative_errors: ``|λ̂_i − λ_i| / λ_i`` for the exact top ``k``.
@@ -178,7 +179,8 @@ def audit_approximations(
 
     Compares top-k eigenpairs and damped Newton steps (``docs/math.rst``,
     "Approximation audit"). KFAC and EKFAC need curvlinops (extra ``vivit[audit]``):
-    else ``"not installed"``; ``"unsupported"`` beyond ``Linear`` and ``Conv2d``.
+    else ``"not installed"``; ``"unsupported"`` (skipped, the reason naming the
+    layers) where audited parameters lie outside ``Linear`` and ``Conv2d`` layers.
 
     Args:
         model: The network (BatchNorm and dropout in eval mode).

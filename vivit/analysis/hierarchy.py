@@ -1,4 +1,8 @@
-"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix alone."""
+"""Papyan's three levels of a cross-entropy GGN, from its Gram matrix alone.
+
+Papyan's means are weighted by the softmax probabilities, which the GGN does not
+keep: the caller passes them, or asks for the plain-mean variant by name.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ class Hierarchy:
     """The GGN split exactly into class means, cross-class means and within-class.
 
     Attributes:
+        weighting: ``"probabilities"``: Papyan's parts (probability-weighted means);
+            ``"plain"``: the plain-mean variant (``docs/math.rst``, "Hierarchy of
+            the spectrum").
         full: The GGN of all analysed groups together.
         class_means: ``G_class``, rank at most ``C``.
         cross_class: ``G_cross``, rank at most ``C(C−1)``.
@@ -44,6 +51,7 @@ class Hierarchy:
         gram: The full ``[N·C, N·C]`` Gram matrix ``G̃ = Vᵀ V``.
     """
 
+    weighting: str
     full: SpectrumPart
     class_means: SpectrumPart
     cross_class: SpectrumPart
@@ -100,23 +108,36 @@ def hierarchy(
     ggn: CurvatureResults,
     labels: Tensor,
     *,
+    probabilities: Tensor | str | None = None,
     groups: Sequence[int] | None = None,
-    probabilities: Tensor | None = None,
 ) -> Hierarchy:
     """Split a cross-entropy GGN into Papyan's class, cross-class and within parts.
 
     Of all ``groups`` together, from exact loss-Hessian roots (``mc_samples=0``), in
     about five ``N·C × N·C`` matrices (``docs/math.rst``, "Hierarchy of the spectrum").
+    Papyan weights the means by the softmax probabilities, which the GGN does not
+    keep: pass them for his decomposition, or ``"plain"`` for the plain-mean variant
+    (the result's ``weighting`` says which).
 
     Args:
         ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
         labels: ``[N]`` int labels in ``[0, C)`` of the GGN's (subsampled) samples.
+        probabilities: ``[N, C]`` softmax outputs of those samples,
+            ``model(X).softmax(1)`` (Papyan's decomposition), or ``"plain"``.
         groups: Indices of the (disjoint) parameter groups analysed (default: all).
-        probabilities: ``[N, C]`` softmax outputs weighting the means (``None``: plain).
 
     Raises:
-        InvalidArgumentError: For mismatched labels or probabilities, or no ``groups``.
+        InvalidArgumentError: Without ``probabilities``; for mismatched labels or
+            probabilities, or no ``groups``.
     """
+    if probabilities is None:
+        raise InvalidArgumentError(
+            "hierarchy needs the weighting of the class means: pass "
+            "probabilities=model(X).softmax(1) (the [N, C] softmax outputs of the "
+            "GGN's samples) for Papyan's decomposition, or probabilities='plain' "
+            "for the plain-mean variant (not Papyan's: its class part differs on "
+            "an imbalanced batch)."
+        )
     indices = list(range(len(ggn.param_groups))) if groups is None else list(groups)
     if not indices:
         raise InvalidArgumentError("groups is empty; name at least one group index.")
@@ -136,6 +157,7 @@ def hierarchy(
     # one group: its spectrum is the one just computed from the same Gram matrix
     spectra = [ggn.eigvalsh(g) for g in indices] if indices[1:] else [evals.clone()]
     return Hierarchy(
+        weighting="plain" if isinstance(probabilities, str) else "probabilities",
         full=full,
         class_means=_part(gram, class_means, tolerance),
         cross_class=_part(gram, cross_class, tolerance),
@@ -176,20 +198,29 @@ def _check_labels(labels: object, num_rows: int) -> int:
 
 
 def _column_weights(
-    labels: Tensor, classes: int, probabilities: Tensor | None, dtype: torch.dtype
+    labels: Tensor, classes: int, probabilities: Tensor | str, dtype: torch.dtype
 ) -> Tensor:
     """``[N·C]`` weights of the columns in their pair's mean: 1 or ``√p_nc``."""
     shape = (labels.numel(), classes)
-    if probabilities is None:
+    if isinstance(probabilities, str) and probabilities == "plain":
         return torch.ones(shape[0] * classes, dtype=dtype)
     if not isinstance(probabilities, Tensor) or tuple(probabilities.shape) != shape:
         raise InvalidArgumentError(
-            f"probabilities must be a tensor of shape {list(shape)} (samples, "
-            f"classes), got {getattr(probabilities, 'shape', probabilities)!r}."
+            f"probabilities must be the softmax outputs, a tensor of shape "
+            f"{list(shape)} (samples, classes), for Papyan's decomposition, or "
+            f"'plain' for plain means; got "
+            f"{getattr(probabilities, 'shape', probabilities)!r}."
         )
     if not probabilities.isfinite().all() or (probabilities < 0).any():
         raise InvalidArgumentError(
             "probabilities must be finite and non-negative (softmax outputs)."
+        )
+    # C entries, each rounded once in the softmax, summed: at most 2C roundings
+    rounding = 2 * classes * torch.finfo(probabilities.dtype).eps
+    if ((probabilities.sum(1) - 1).abs() > rounding).any():
+        raise InvalidArgumentError(
+            "probabilities must sum to 1 over the classes (dim 1) for each "
+            "sample: pass model(X).softmax(1), not logits or a softmax over dim 0."
         )
     return probabilities.detach().to(dtype).sqrt().flatten().cpu()
 

@@ -47,6 +47,7 @@ class CurvatureMonitor:
 
     Attributes:
         records: Every record taken, in order.
+        run: This monitor's run id, in each record (``read_records(path, run=...)``).
         uses_fixed_batch: Whether a fixed monitoring batch was given.
 
     Raises:
@@ -84,6 +85,7 @@ class CurvatureMonitor:
         self.records: list[dict[str, object]] = []
         self._steps = 0
         self._writer = RecordWriter(path, tensorboard)
+        self.run = self._writer.run
 
     def step(
         self, batch: Batch | None = None, *, index: int | None = None
@@ -143,6 +145,7 @@ class CurvatureMonitor:
             "time": time.time(),
             "overhead_s": time.perf_counter() - start,
             "batch": "fixed" if self.uses_fixed_batch else "current",
+            "run": self.run,
             **curvature,
         }
         self.records.append(record)

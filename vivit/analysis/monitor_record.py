@@ -1,12 +1,17 @@
 """One monitoring record from a LowRankGGN; where records go, and reading them back.
 
 Fields: :data:`FIELDS`, defined in ``docs/math.rst``, "Curvature during training".
+Each monitor (its :class:`RecordWriter`) has its own run id, in its records, so
+the runs that appended to one file are told apart (:func:`runs`,
+:func:`read_records`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import secrets
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +27,11 @@ from vivit.lowrank import LowRankGGN
 #: directions by descending eigenvalue; ``null`` in them (and for the scalars
 #: marked so) stands for a value JSON cannot hold or that does not exist.
 FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "run": (
+        (str, type(None)),
+        "id of the monitor that wrote the record, one per CurvatureMonitor "
+        "(null: written before records had run ids)",
+    ),
     "step": (int, "index of the training step (the monitor's count or the caller's)"),
     "time": (float, "wall-clock time of the record, seconds since the epoch"),
     "overhead_s": (float, "seconds spent computing this record (writing excluded)"),
@@ -42,6 +52,22 @@ FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
         "(null: the step or the gradient is zero)",
     ),
 }
+
+
+#: What :func:`read_records` selects by default: the run started last.
+LAST = "last"
+#: What selects every run of a file, in the file's order.
+ALL = "all"
+
+
+def new_run_id() -> str:
+    """A fresh run id: the UTC start time and 48 random bits, ``20250101T120000Z-…``.
+
+    The bits come from :mod:`secrets` (the operating system's source): torch's and
+    Python's global random generators are left as they were.
+    """
+    started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{started}-{secrets.token_hex(6)}"
 
 
 def _finite_or_none(values: Tensor) -> list[float | None]:
@@ -80,12 +106,16 @@ def curvature_record(
 
 
 def check_record(record: object, where: str) -> dict[str, object]:
-    """``record`` (parsed JSON from ``where``) if it has :data:`FIELDS`; else raise."""
+    """``record`` (parsed JSON from ``where``) if it has :data:`FIELDS`; else raise.
+
+    A record without ``run`` (written before run ids) gets ``run: None``.
+    """
     if not isinstance(record, dict):
         raise InvalidArgumentError(
             f"{where} is not a monitoring record (a JSON object), got "
             f"{type(record).__name__}."
         )
+    record.setdefault("run", None)
     missing = sorted(set(FIELDS) - set(record))
     if missing:
         raise InvalidArgumentError(
@@ -104,19 +134,8 @@ def check_record(record: object, where: str) -> dict[str, object]:
     return record
 
 
-def read_records(path: str | Path) -> list[dict[str, object]]:
-    """The records of a monitor's JSON lines file, each checked.
-
-    Args:
-        path: The file :class:`~vivit.analysis.CurvatureMonitor` wrote.
-
-    Returns:
-        One dict per non-empty line, in the file's order.
-
-    Raises:
-        InvalidArgumentError: If the file does not exist, a line is not JSON or
-            not a record (naming the line).
-    """
+def _all_records(path: str | Path) -> list[dict[str, object]]:
+    """Every record of a monitor's JSON lines file, each checked, in its order."""
     path = Path(path)
     if not path.is_file():
         raise InvalidArgumentError(f"No monitoring records at {path}: not a file.")
@@ -133,14 +152,83 @@ def read_records(path: str | Path) -> list[dict[str, object]]:
     return records
 
 
+def _run_ids(records: list[dict[str, object]]) -> list[str | None]:
+    """The records' run ids, in the order of their first records."""
+    return list(dict.fromkeys(record["run"] for record in records))
+
+
+def runs(path: str | Path) -> list[str | None]:
+    """The runs that wrote a monitor's JSON lines file, in the order they began.
+
+    Args:
+        path: The file :class:`~vivit.analysis.CurvatureMonitor` wrote.
+
+    Returns:
+        The run ids, ordered by the line of each run's first record; ``None`` stands
+        for the records written before records had run ids (one run, or several
+        that cannot be told apart).
+
+    Raises:
+        InvalidArgumentError: As :func:`read_records`.
+    """
+    return _run_ids(_all_records(path))
+
+
+def read_records(path: str | Path, run: str | None = LAST) -> list[dict[str, object]]:
+    """The records of one run (by default the last) of a monitor's JSON lines file.
+
+    A monitor appends to its file, so a rerun (or a resumed training, whose new
+    monitor is a new run) adds a run to the file; every record carries its run's
+    id in ``run`` (:func:`runs` lists them). The default reads the run started
+    last, the records a rerun just wrote; ``run="all"`` reads every run.
+
+    Args:
+        path: The file :class:`~vivit.analysis.CurvatureMonitor` wrote.
+        run: ``"last"``: the run whose first record comes last; ``"all"``: every
+            record; a run id from :func:`runs`: that run's; ``None``: the records
+            written before records had run ids.
+
+    Returns:
+        One dict per non-empty line of the run(s), in the file's order; a record
+        without an id has ``run: None``.
+
+    Raises:
+        InvalidArgumentError: If the file does not exist, a line is not JSON or
+            not a record (naming the line), or the file holds no run ``run``.
+    """
+    if run is not None and not isinstance(run, str):
+        raise InvalidArgumentError(
+            f"run must be 'last', 'all', a run id (a string) or None, got {run!r}."
+        )
+    records = _all_records(path)
+    ids = _run_ids(records)
+    if run == ALL:
+        return records
+    if run == LAST:
+        if not ids:
+            return []
+        run = ids[-1]
+    elif run not in ids:
+        raise InvalidArgumentError(
+            f"{path} holds no records of run {run!r}; its runs are {ids} (None: "
+            "records without a run id). Pass one of them, 'last' or 'all'."
+        )
+    return [record for record in records if record["run"] == run]
+
+
 class RecordWriter:
     """Appends records to a JSON lines file and writes their numbers to TensorBoard.
 
-    ``path`` (``None``: none) is created with its folders, or appended to (a resumed
-    run continues it); ``tensorboard`` is a log directory (``None``: none).
+    ``path`` (``None``: none) is created with its folders, or appended to (a rerun
+    or a resumed training adds its run to the file); ``tensorboard`` is a log
+    directory (``None``: none).
+
+    Attributes:
+        run: This writer's run id (:func:`new_run_id`), for its records' ``run``.
     """
 
     def __init__(self, path: str | Path | None, tensorboard: str | Path | None):
+        self.run = new_run_id()
         self._file = self._summary = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
