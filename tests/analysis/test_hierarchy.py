@@ -227,7 +227,6 @@ def test_bad_input_is_refused():
     for wrong, match in [
         (torch.ones(len(y), 2), "shape"),
         ("papyan", "or 'plain'"),
-        (None, "or 'plain'"),
         (-torch.ones(len(y), 3), "non-negative"),
         (torch.rand(len(y), 3).softmax(0), "sum to 1"),
     ]:
