@@ -133,6 +133,16 @@ def _cases():
                 (N, 2, 2),
                 normal((N, 2, 2)),
             ),
+            # one output per sample, [N]: no axis past the samples
+            (f"mse-per-sample-{red}", nn.MSELoss(reduction=red), (N,), normal((N,))),
+            (
+                f"bce-per-sample-{red}",
+                nn.BCEWithLogitsLoss(
+                    reduction=red, pos_weight=torch.tensor([3.0], dtype=torch.float64)
+                ),
+                (N,),
+                probs((N,)),
+            ),
         ]
     return cases
 

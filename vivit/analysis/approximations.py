@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Module, Parameter
+from torch.nn import CrossEntropyLoss, Module, Parameter
 
 from vivit.errors import ZeroStepWarning
 from vivit.linalg.iterative import block_krylov_eigh
@@ -129,6 +129,17 @@ class CurvlinopsRefusalError(Exception):
     """curvlinops cannot build the approximation for this model (its reason)."""
 
 
+class _OutputAxis(Module):
+    """``model`` with an output axis of one, ``[N]`` to ``[N, 1]``."""
+
+    def __init__(self, model: Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: object) -> Tensor:  # noqa: D102
+        return self.model(inputs).unsqueeze(1)
+
+
 def kronecker_factored_curvature(
     kind: str,
     model: Module,
@@ -149,6 +160,9 @@ def kronecker_factored_curvature(
     import curvlinops
 
     operator_class = getattr(curvlinops, KRONECKER_FACTORED[kind])
+    if data[1].dim() == 1 and not isinstance(loss_func, CrossEntropyLoss):
+        # curvlinops reads the last axis as the outputs: [N] is [N, 1] (one column)
+        model, data = _OutputAxis(model), (data[0], data[1].unsqueeze(1))
     options = {"fisher_type": curvlinops.FisherType.TYPE2, "check_deterministic": False}
     try:
         operator = operator_class(model, loss_func, list(params), [data], **options)
