@@ -36,6 +36,7 @@ from tests.fixtures.problems import mlp
 from tests.fixtures.reference import dense_ggn, dense_gradient
 from vivit import LowRankGGN
 from vivit.analysis import audit_approximations
+from vivit.errors import UnsupportedLossError
 from vivit.optim import DampedNewton
 
 pytestmark = pytest.mark.filterwarnings(
@@ -234,3 +235,14 @@ def test_image_outputs_match_dense(loss, engine, reduction):
     G = dense_ggn(model, loss_func, X, y)
     assert_rel(_ggn_matrix(ggn, model), G, REORDERED_REL)
     assert_top_eigvals(ggn.eigvalsh(), torch.linalg.eigvalsh(G), EIGVAL_RTOL[G.dtype])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nll_loss_points_to_cross_entropy(engine):
+    """``NLLLoss`` after ``log_softmax``: the refusal names the loss on logits."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LogSoftmax(dim=1))
+    data = (torch.randn(N, 3), torch.randint(0, 4, (N,)))
+    with pytest.raises(UnsupportedLossError) as info:
+        LowRankGGN(model, nn.NLLLoss(), data, engine=engine)
+    for words in ("log_softmax", "logits", "torch.nn.CrossEntropyLoss"):
+        assert words in str(info.value)
