@@ -105,8 +105,11 @@ def exact_columns(kind: str, output: Tensor) -> _Columns:
         return _softmax_columns(probs.reshape(*probs.shape[:2], -1), output)
     if kind == "bce":
         sigma = wide.sigmoid()
-        return _diagonal_columns((sigma * (1 - sigma)).sqrt().flatten(1), output)
-    return _diagonal_columns(torch.ones_like(wide).flatten(1), output)
+        values = (sigma * (1 - sigma)).sqrt()
+    else:
+        values = torch.ones_like(wide)
+    # [N, E]: an output [N] without axes past the samples has E = 1
+    return _diagonal_columns(values.reshape(len(wide), -1), output)
 
 
 def _diagonal_columns(values: Tensor, output: Tensor) -> _Columns:

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
+from torch.nn import (
+    BCELoss,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    Module,
+    MSELoss,
+    NLLLoss,
+)
 
 from vivit._validation import check_finite
 from vivit.errors import InvalidArgumentError, InvalidTargetsError, UnsupportedLossError
@@ -27,6 +34,22 @@ from vivit.loss_roots import (
 #: Loss modules whose GGN the library computes.
 SUPPORTED_LOSSES = (MSELoss, CrossEntropyLoss, BCEWithLogitsLoss)
 _SUPPORTED_NAMES = ", ".join(f"torch.nn.{cls.__name__}" for cls in SUPPORTED_LOSSES)
+
+
+#: Losses on probabilities whose supported twin takes the logits, and what to do.
+_ON_LOGITS = {
+    NLLLoss: (
+        " NLLLoss after log_softmax is CrossEntropyLoss on the logits: drop the "
+        "log_softmax (nn.LogSoftmax) and pass the logits to "
+        "torch.nn.CrossEntropyLoss, the same loss with the same weight, "
+        "ignore_index and reduction."
+    ),
+    BCELoss: (
+        " BCELoss after a sigmoid is BCEWithLogitsLoss on the logits: drop the "
+        "sigmoid and pass the logits to torch.nn.BCEWithLogitsLoss, the same loss "
+        "with the same weight and reduction."
+    ),
+}
 
 
 def check_loss_function(loss_func: object) -> None:
@@ -47,7 +70,8 @@ def check_loss_function(loss_func: object) -> None:
         )
     if type(loss_func) not in SUPPORTED_LOSSES:
         raise UnsupportedLossError(
-            f"The loss function {kind} is not supported; supported: {_SUPPORTED_NAMES}."
+            f"The loss function {kind} is not supported; supported: "
+            f"{_SUPPORTED_NAMES}.{_ON_LOGITS.get(type(loss_func), '')}"
         )
     if loss_func.reduction not in ("mean", "sum"):
         raise UnsupportedLossError(
@@ -109,7 +133,7 @@ class LossCurvature:
 
     Raises:
         UnsupportedLossError: If the loss module or an option is not supported.
-        InvalidArgumentError: If the output has no sample.
+        InvalidArgumentError: If the output has no sample, or no entry per sample.
         InvalidTargetsError: If the targets do not fit the output or the loss
             (shape, type, class range, negative probabilities, every target
             ignored).
@@ -126,6 +150,12 @@ class LossCurvature:
         if not isinstance(targets, Tensor):
             raise InvalidTargetsError(
                 f"targets must be a tensor, got {type(targets).__name__}."
+            )
+        if output[0].numel() == 0:
+            raise InvalidArgumentError(
+                f"The model output has shape {tuple(output.shape)}: no entries per "
+                "sample, so the loss has no curvature (its mean is 0/0). Return at "
+                "least one output per sample."
             )
         check_finite(output, "model output")
         self.loss_func = loss_func
@@ -209,10 +239,18 @@ def _uniform(reduction: str, batch_size: int) -> LossNormalization:
 def _check_same_shape(loss_func: Module, output: Tensor, targets: Tensor) -> None:
     name = type(loss_func).__name__
     if targets.shape != output.shape:
+        hint = (
+            " They hold as many entries: if they pair up one to one, pass "
+            "targets.view_as(output) (PyTorch would broadcast "
+            f"{tuple(targets.shape)} against {tuple(output.shape)}, pairing every "
+            "output with every target)."
+            if targets.numel() == output.numel()
+            else ""
+        )
         raise InvalidTargetsError(
             f"{name} got targets of shape {tuple(targets.shape)} for a model output "
             f"of shape {tuple(output.shape)}; they must have the same shape (no "
-            "broadcasting)."
+            f"broadcasting).{hint}"
         )
     if not targets.is_floating_point():
         raise InvalidTargetsError(
@@ -285,7 +323,11 @@ def _cross_entropy(
     if output.dim() < 2:
         raise InvalidTargetsError(
             f"CrossEntropyLoss needs a model output [N, C] or [N, C, *T] with a batch "
-            f"axis, got shape {tuple(output.shape)}."
+            f"axis, got shape {tuple(output.shape)}: PyTorch reads it as the logits "
+            "of one sample without a batch axis, which leaves no samples for the "
+            "GGN. Give it a batch axis (output.unsqueeze(0), targets.unsqueeze(0)); "
+            "for one logit per sample (a binary classifier) use "
+            "torch.nn.BCEWithLogitsLoss with float targets of the output's shape."
         )
     num_classes = output.shape[1]
     positions = output[0, 0].numel()
@@ -343,8 +385,8 @@ def _cross_entropy(
             f"CrossEntropyLoss got class-index targets of shape "
             f"{tuple(targets.shape)} for a model output of shape "
             f"{tuple(output.shape)}; expected {expected} (or probability targets "
-            f"of shape {tuple(output.shape)}).{_flattened_positions(output, targets)}"
-            f"{_classes_last(output, targets)}"
+            f"of shape {tuple(output.shape)}).{_unit_axes(targets, expected)}"
+            f"{_flattened_positions(output, targets)}{_classes_last(output, targets)}"
         )
     y = targets.cpu().long()
     counted = y != loss_func.ignore_index
@@ -380,9 +422,31 @@ def _cross_entropy(
     return "ce", kappa * mass, normalization
 
 
+def _unit_axes(targets: Tensor, expected: tuple[int, ...]) -> str:
+    """Advice for class indices with extra axes of size one (``[N, 1]`` for ``[N]``)."""
+    if targets.numel() != math.prod(expected) or [
+        size for size in targets.shape if size != 1
+    ] != [size for size in expected if size != 1]:
+        return ""
+    fix = (
+        "targets.squeeze(1) (or targets.view(-1))"
+        if tuple(targets.shape) == (*expected, 1) and len(expected) == 1
+        else f"targets.reshape({', '.join(map(str, expected))})"
+    )
+    return (
+        " The targets hold one class index per sample (and position), with an "
+        f"extra axis of size one: remove it, {fix}; the logits stay as they are."
+    )
+
+
 def _flattened_positions(output: Tensor, targets: Tensor) -> str:
     """Advice for logits ``[N·T, C]`` of sequences ``[N, T]`` (else ``""``)."""
-    if output.dim() != 2 or targets.dim() < 2 or targets.numel() != output.shape[0]:
+    if (
+        output.dim() != 2
+        or targets.dim() < 2
+        or targets.numel() != output.shape[0]
+        or targets.shape[1:].numel() == 1  # an axis of one: _unit_axes advises
+    ):
         return ""
     samples, positions = targets.shape[0], tuple(targets.shape[1:])
     sizes = ", ".join(map(str, positions))

@@ -282,3 +282,19 @@ def test_a_refusal_counts_the_layers_it_does_not_name():
     reason = refusal_reason("kfac", (nn.Linear,), named)
     assert f"{NAMED_LAYERS - 1} (LayerNorm" in reason
     assert f"{NAMED_LAYERS} (LayerNorm" not in reason and "and 2 more" in reason
+
+
+def test_a_refusal_at_curvlinops_first_product_is_a_row_not_a_crash():
+    """curvlinops' KFAC refuses soft BCE targets only when first multiplied."""
+    installed("curvlinops")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    data = (
+        torch.randn(6, 3, dtype=torch.float64),
+        torch.rand(6, 2, dtype=torch.float64),
+    )
+    loss_func = nn.BCEWithLogitsLoss()
+    kinds = ("kfac", "ekfac")
+    audit = audit_approximations(model, loss_func, data, top_k=2, approximations=kinds)
+    for row in audit.rows:
+        assert row.status == "unsupported" and "curvlinops refuses" in row.reason

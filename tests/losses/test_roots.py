@@ -18,6 +18,7 @@ from torch.func import hessian
 
 from tests.fixtures.checks import REORDERED_REL, assert_rel
 from vivit.errors import (
+    InvalidArgumentError,
     InvalidTargetsError,
     NonFiniteError,
     UnsupportedLossError,
@@ -133,6 +134,16 @@ def _cases():
                 (N, 2, 2),
                 normal((N, 2, 2)),
             ),
+            # one output per sample, [N]: no axis past the samples
+            (f"mse-per-sample-{red}", nn.MSELoss(reduction=red), (N,), normal((N,))),
+            (
+                f"bce-per-sample-{red}",
+                nn.BCEWithLogitsLoss(
+                    reduction=red, pos_weight=torch.tensor([3.0], dtype=torch.float64)
+                ),
+                (N,),
+                probs((N,)),
+            ),
         ]
     return cases
 
@@ -241,7 +252,11 @@ def test_all_targets_ignored(reduction):
     "loss_func, words",
     [
         (torch.nn.functional.cross_entropy, ["torch.nn loss module", "cross_entropy"]),
-        (nn.NLLLoss(), ["NLLLoss", "not supported", "CrossEntropyLoss"]),
+        (
+            nn.NLLLoss(),
+            ["NLLLoss", "not supported", "drop the log_softmax", "CrossEntropyLoss"],
+        ),
+        (nn.BCELoss(), ["BCELoss", "not supported", "drop the sigmoid", "WithLogits"]),
         (
             nn.CrossEntropyLoss(reduction="none"),
             ["reduction='none'", "'mean' or 'sum'"],
@@ -317,7 +332,28 @@ def test_refused_loss_functions(loss_func, words):
             torch.randn(4),
             torch.tensor(1),
             InvalidTargetsError,
-            ["batch axis"],
+            ["shape (4,)", "batch axis", "unsqueeze(0)", "BCEWithLogitsLoss"],
+        ),
+        (
+            nn.CrossEntropyLoss(),
+            torch.randn(3, 5, 4),
+            torch.randint(0, 5, (3, 4, 1)),
+            InvalidTargetsError,
+            ["shape (3, 4, 1)", "targets.reshape(3, 4)"],
+        ),
+        (
+            nn.MSELoss(),
+            torch.randn(3),
+            torch.randn(3, 1),
+            InvalidTargetsError,
+            ["shape (3, 1)", "same shape", "targets.view_as(output)", "broadcast"],
+        ),
+        (
+            nn.BCEWithLogitsLoss(),
+            torch.randn(3, 0),
+            torch.rand(3, 0),
+            InvalidArgumentError,
+            ["shape (3, 0)", "no entries per sample"],
         ),
         (
             nn.CrossEntropyLoss(),
@@ -377,3 +413,18 @@ def test_logits_flattened_over_positions_are_named(positions, reduction):
     # the advice is right: in that layout the targets fit
     logits = output.reshape(N, *positions, C).movedim(-1, 1)
     LossCurvature(nn.CrossEntropyLoss(reduction=reduction), logits, targets)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_class_indices_with_an_axis_of_one_are_named(reduction):
+    """Targets ``[N, 1]`` for logits ``[N, C]``: squeeze the targets, not the logits."""
+    output = torch.randn(4, 3, dtype=torch.float64)
+    targets = torch.randint(0, 3, (4, 1))
+    loss_func = nn.CrossEntropyLoss(reduction=reduction)
+    with pytest.raises(InvalidTargetsError) as error:
+        LossCurvature(loss_func, output, targets)
+    message = str(error.value)
+    assert "targets.squeeze(1)" in message and "targets.view(-1)" in message
+    assert "movedim" not in message and "logits.reshape" not in message
+    # the advice is right: the squeezed targets fit
+    LossCurvature(loss_func, output, targets.squeeze(1))

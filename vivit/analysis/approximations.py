@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.nn import Conv2d, Linear, Module, Parameter
+from torch.nn import Conv2d, CrossEntropyLoss, Linear, Module, Parameter
 
 from vivit.errors import ZeroStepWarning
 from vivit.linalg.iterative import block_krylov_eigh
@@ -178,6 +178,17 @@ def refusal_reason(
     )
 
 
+class _OutputAxis(Module):
+    """``model`` with an output axis of one, ``[N]`` to ``[N, 1]``."""
+
+    def __init__(self, model: Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: object) -> Tensor:  # noqa: D102
+        return self.model(inputs).unsqueeze(1)
+
+
 def kronecker_factored_curvature(
     kind: str,
     model: Module,
@@ -203,20 +214,25 @@ def kronecker_factored_curvature(
     layers = unsupported_layers(supported, model, params)
     if layers:
         raise CurvlinopsRefusalError(refusal_reason(kind, supported, layers))
+    if data[1].dim() == 1 and not isinstance(loss_func, CrossEntropyLoss):
+        # curvlinops reads the last axis as the outputs: [N] is [N, 1] (one column)
+        model, data = _OutputAxis(model), (data[0], data[1].unsqueeze(1))
     options = {"fisher_type": curvlinops.FisherType.TYPE2, "check_deterministic": False}
-    try:
+    reference, size = params[0], sum(p.numel() for p in params)
+    like = {"dtype": reference.dtype, "device": reference.device}
+    try:  # curvlinops refuses some inputs only at the first product (soft targets)
         operator = operator_class(model, loss_func, list(params), [data], **options)
+        values, vectors, _ = block_krylov_eigh(
+            lambda b: operator @ b, size, top_k, **like
+        )
+        inverse = curvlinops.KFACInverseLinearOperator(
+            operator, damping=damping, use_exact_damping=True
+        )
+        step = inverse @ gradient.to(reference.device, reference.dtype)
     except NotImplementedError as error:  # a refusal the check above did not foresee
         raise CurvlinopsRefusalError(
             f"curvlinops refuses {kind.upper()} for this model ({error})"
         ) from None
-    reference, size = params[0], sum(p.numel() for p in params)
-    like = {"dtype": reference.dtype, "device": reference.device}
-    values, vectors, _ = block_krylov_eigh(lambda b: operator @ b, size, top_k, **like)
-    inverse = curvlinops.KFACInverseLinearOperator(
-        operator, damping=damping, use_exact_damping=True
-    )
-    step = inverse @ gradient.to(reference.device, reference.dtype)
     return ApproximateCurvature(
         values=values.flip(0).double().cpu(),
         vectors=flat_rows([vectors.T.flip(0)]).cpu(),
