@@ -39,11 +39,29 @@ def _storages(tree: object) -> list[torch.UntypedStorage]:
     ]
 
 
-class Counter(TorchDispatchMode):
-    """Counts the storages, multiply-adds and operations of what runs under it."""
+class WorkExceeded(Exception):  # noqa: N818 (a stop, not an error)
+    """A measured call stopped where its work passed its budget (``cost``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cost: float):
+        super().__init__(f"stopped at a cost of {cost:.3g}")
+        self.cost = cost
+
+
+class Counter(TorchDispatchMode):
+    """Counts the storages, multiply-adds and operations of what runs under it.
+
+    Raises:
+        WorkExceeded: Once ``cost(multiply-adds, operations)`` passes ``budget``
+            (``None``: never).
+    """
+
+    def __init__(
+        self,
+        budget: float | None = None,
+        cost: Callable[[float, int], float] = lambda work, ops: work,
+    ) -> None:
         super().__init__()
+        self.budget, self._cost = budget, cost
         self.current = self.ops = 0
         self.work = 0.0
         self.trace: list[int] = []
@@ -56,6 +74,8 @@ class Counter(TorchDispatchMode):
         flops = flop_registry.get(func.overloadpacket)
         if flops is not None:
             self.work += flops(*args, **kwargs, out_val=out) / 2
+        if self.budget is not None and self._cost(self.work, self.ops) > self.budget:
+            raise WorkExceeded(self._cost(self.work, self.ops))
         new = [s for s in _storages(out) if s._cdata not in self._live]
         if new:
             inputs = {s._cdata for s in _storages((args, kwargs))}
@@ -76,8 +96,12 @@ class Counter(TorchDispatchMode):
         self.current += size
 
 
-def measure(call: Callable[[], object]) -> tuple[object, Usage]:
-    """Run ``call``; its result (kept alive, so ``kept`` counts it) and usage."""
-    with Counter() as counter:
+def measure(call: Callable[[], object], **budget: object) -> tuple[object, Usage]:
+    """Run ``call``; its result (kept alive, so ``kept`` counts it) and usage.
+
+    Raises:
+        WorkExceeded: Where ``budget`` (:class:`Counter`'s) is passed.
+    """
+    with Counter(**budget) as counter:
         result = call()
     return result, Usage(counter.trace, counter.current, counter.work, counter.ops)

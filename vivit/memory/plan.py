@@ -349,7 +349,14 @@ class Plan:
         )
 
     def _compare(self) -> tuple[str, str]:
-        """Memory first, then work: the route under ``"auto"``."""
+        """Memory first, then work: the route under ``"auto"``.
+
+        The Gram route's measurement stops once one of its passes costs more than
+        the implicit route's products: then that route is cheaper, unmeasured.
+        """
+        stopped = self._gram_stopped()
+        if stopped is not None:
+            return self._implicit_if_it_fits(stopped, self._available())
         if self.measured("gram") is None:
             return "gram", (
                 "the routes' memory and work could not be measured (the logger "
@@ -363,10 +370,10 @@ class Plan:
                 f"of V) need at least {format_bytes(gram.passes / ESTIMATE_FACTOR)}, "
                 f"but {format_bytes(available)} are available"
             )
-            return self._implicit_if_it_fits(gram, reason, available)
+            return self._implicit_if_it_fits(reason, available)
         if self.profile.gram.factors is None:
             return self._implicit_if_it_fits(
-                gram, "the Gram route's factors are too large to measure", available
+                "the Gram route's factors are too large to measure", available
             )
         costs = self.costs(measure=False)
         if costs["gram"] > costs["implicit"]:  # a lower bound: measure it
@@ -378,8 +385,50 @@ class Plan:
             f"route {at_least}{costs['implicit']:.2g} for {ROUTE_TOP_K} eigenpairs"
         )
         if costs["gram"] > costs["implicit"]:
-            return self._implicit_if_it_fits(gram, reason, available)
+            return self._implicit_if_it_fits(reason, available)
         return "gram", reason
+
+    def _gram_stopped(self) -> str | None:
+        """Why the Gram route costs more, where its measurement stopped (else None).
+
+        Its budget: the implicit route's work bounded from below (nothing else
+        measured), then, where a pass passed that, measured.
+        """
+        if self.profile is None:
+            return None
+        # a pass over fewer samples than a part costs less than the route's passes
+        samples = min(self.sizes.curvature, self.sizes.part)
+        cost = self.profile.gram_within(self._implicit_work(False), samples)
+        if not isinstance(cost, float) or self.measured("implicit") is None:
+            return None
+        implicit = self._implicit_work(True)
+        cost = self.profile.gram_within(implicit, samples)
+        if not isinstance(cost, float):
+            return None
+        return (
+            f"the Gram route costs more than {cost:.2g} multiply-adds (its "
+            f"measurement, a pass over at most {samples} samples, stopped there), "
+            f"the implicit route {implicit:.2g} for {ROUTE_TOP_K} eigenpairs"
+        )
+
+    def _implicit_work(self, measure: bool) -> float:
+        """The implicit route's products for :data:`ROUTE_TOP_K` pairs, multiply-adds.
+
+        ``measure=False``: a product of ``b`` vectors bounded from below by ``b``
+        plain passes.
+        """
+        part, parts = self.sizes.part, self.sizes.parts
+        implicit = self.measured("implicit") if measure else None
+        _, base_work, base_ops = self.profile.baseline
+        products = 0.0
+        for params in self.num_params:
+            width = solver_block_size("ggn_krylov", ROUTE_TOP_K, params)
+            if implicit is None:
+                work, ops = width * base_work(part), base_ops(part)
+            else:
+                work, ops = implicit.work(part, width), implicit.ops(part, width)
+            products += krylov_work(params, width, parts * pass_cost(work, ops))
+        return products
 
     def costs(self, measure: bool = True) -> dict[str, object]:
         """Both routes' expected work for :data:`ROUTE_TOP_K` pairs, multiply-adds.
@@ -401,28 +450,19 @@ class Plan:
                 formed = work["formation"] + min(work["dense"], work["gram_krylov"])
                 formed = min(formed, work["factor_krylov"])
             solve += formed
-        implicit = self.profile.implicit if measure else None
-        _, base_work, base_ops = self.profile.baseline
-        products = 0.0
-        for params in self.num_params:
-            width = solver_block_size("ggn_krylov", ROUTE_TOP_K, params)
-            if implicit is None:
-                work, ops = width * base_work(part), base_ops(part)
-            else:
-                work, ops = implicit.work(part, width), implicit.ops(part, width)
-            products += krylov_work(params, width, parts * pass_cost(work, ops))
+        implicit = self.measured("implicit") if measure else None
         return {"gram": passes + solve, "passes": passes, "solve": solve,
-                "implicit": products, "measured": implicit is not None}  # fmt: skip
+                "implicit": self._implicit_work(measure),
+                "measured": implicit is not None}  # fmt: skip
 
-    def _implicit_if_it_fits(
-        self, gram: MemoryEstimate, reason: str, available: int
-    ) -> tuple[str, str]:
+    def _implicit_if_it_fits(self, reason: str, available: int) -> tuple[str, str]:
         """The implicit route where its products fit, else the Gram route (or none)."""
         if self.profile.implicit is None:
             return "gram", f"{reason}; but the implicit route could not be measured"
         products = self.implicit_estimate(ROUTE_TOP_K, available)
         if products.total <= ESTIMATE_FACTOR * available:
             return "implicit", reason
+        gram = self.gram_estimate(ROUTE_TOP_K, "factor_krylov")
         if gram.passes <= ESTIMATE_FACTOR * available:
             return "gram", f"{reason}; but route='implicit' needs {products}"
         streaming = (

@@ -24,7 +24,8 @@ from vivit.engines.base import Engine, select_output
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, itemsize
 from vivit.losses import LossCurvature
-from vivit.memory.counter import Usage, measure
+from vivit.memory.costs import pass_cost
+from vivit.memory.counter import Usage, WorkExceeded, measure
 from vivit.model_copy import probe_copy
 from vivit.model_inputs import (
     ModelInputs,
@@ -190,24 +191,42 @@ class Profile:
         measured exceeds :data:`MEASURE_FRACTION` of the memory available, not
         measured: its memory is that floor and ``factors`` is ``None``.
         """
+        return self._gram_profile()
+
+    def gram_within(self, budget: float, samples: int) -> GramProfile | float | None:
+        """:attr:`gram`, or the cost at which its measurement stopped.
+
+        A pass over at most ``samples`` samples stops once its cost
+        (:func:`~vivit.memory.costs.pass_cost`) passes ``budget``: a lower bound
+        of the route's passes over ``samples`` (nothing is kept: :attr:`gram`
+        measures again).
+        """
+        if "gram" not in self.__dict__:
+            try:
+                self.__dict__["gram"] = self._gram_profile(budget, samples)
+            except WorkExceeded as stop:
+                return stop.cost
+        return self.gram
+
+    def _gram_profile(
+        self, budget: float | None = None, samples: int = 0
+    ) -> GramProfile | None:
         per_sample = self.columns * self.outputs * itemsize(self._dtype)
         if per_sample * _SAMPLES[-1] > MEASURE_FRACTION * available_bytes(self._device):
             line = Plane(torch.tensor([[0.0, float(per_sample)]], dtype=_F64))
             zero = Plane(torch.zeros(1, 2, dtype=_F64))
             return GramProfile(line, zero, line, zero, zero, zero, None,
                                self.columns, self._dtype)  # fmt: skip
-        return self._measured(self._gram)
+        with engine_context(self._params):
+            return _logged(self._gram, budget, samples)
 
     @functools.cached_property
     def implicit(self) -> Passes | None:
         """The implicit route's profile (``None`` where it cannot run on the copy)."""
-        return self._measured(self._implicit)
-
-    def _measured(self, measure_route: Callable[[], object]) -> object:
         with engine_context(self._params):
-            return _logged(measure_route)
+            return _logged(self._implicit)
 
-    def _gram(self) -> GramProfile:
+    def _gram(self, budget: float | None = None, samples: int = 0) -> GramProfile:
         model, loss_func, groups = self._twin, self._loss_func, self._groups
         small, large = _SAMPLES
         points = [(small, small), (large, large)]
@@ -225,7 +244,9 @@ class Profile:
             source, usage[n, curvature] = measure(
                 lambda d=data, o=run: StoredFactors.run(
                     model, loss_func, d, groups, {}, o, ShardExchange(None), o.engine
-                )
+                ),
+                budget=budget if n <= samples else None,
+                cost=pass_cost,
             )
             largest[n, curvature] = max(
                 _largest_bytes(g.curvature) for g in source.groups
@@ -316,6 +337,8 @@ def _logged(function: Callable, *args: object) -> object:
     """``function(*args)``, or ``None`` where it raises: an estimate never fails."""
     try:
         return function(*args)
+    except WorkExceeded:
+        raise
     except Exception as error:  # noqa: BLE001
         logger.info(
             "Cannot measure the request on a copy of the model (%s: %s); it runs "
