@@ -124,6 +124,7 @@ def test_a_request_is_measured_once_per_shape(monkeypatch):
 
 def test_memory_that_does_not_fit_runs_implicit(monkeypatch):
     """Gram factors beyond the memory, implicit products within it."""
+    monkeypatch.setattr(Plan, "_gram_stopped", lambda self: None)  # measured whole
     model, loss_func, X, y = _vocabulary_problem()
     products = estimate_memory(model, X, N, loss_func=loss_func, route="implicit")
     gram = estimate_memory(model, X, N, loss_func=loss_func, solver="factor_krylov")
@@ -418,6 +419,7 @@ def test_the_estimate_of_a_loader_takes_the_runs_route(monkeypatch):
 
 
 def test_memory_decides_for_the_estimate_as_for_the_run(monkeypatch):
+    monkeypatch.setattr(Plan, "_gram_stopped", lambda self: None)  # measured whole
     model, loss_func, X, y = _vocabulary_problem()
     products = estimate_memory(model, X, N, loss_func=loss_func, route="implicit")
     available(monkeypatch, products.total)

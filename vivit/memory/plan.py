@@ -349,10 +349,11 @@ class Plan:
         )
 
     def _compare(self) -> tuple[str, str]:
-        """Memory first, then work: the route under ``"auto"``.
+        """The route under ``"auto"``: memory first, then work.
 
-        The Gram route's measurement stops once one of its passes costs more than
-        the implicit route's products: then that route is cheaper, unmeasured.
+        Except where the Gram route's measurement stops, a pass of it costing more
+        than the implicit route's products: then that route is cheaper, and the
+        Gram route's memory is not measured.
         """
         stopped = self._gram_stopped()
         if stopped is not None:
