@@ -123,7 +123,8 @@ def hierarchy(
         ggn: The GGN (:class:`~vivit.LowRankGGN`; its Gram matrices are formed).
         labels: ``[N]`` int labels in ``[0, C)`` of the GGN's (subsampled) samples.
         probabilities: ``[N, C]`` softmax outputs of those samples,
-            ``model(X).softmax(1)`` (Papyan's decomposition), or ``"plain"``.
+            ``model(X).softmax(1)`` (Papyan's decomposition), or ``"plain"``; no
+            default (``None`` is refused).
         groups: Indices of the (disjoint) parameter groups analysed (default: all).
 
     Raises:
