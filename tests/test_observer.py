@@ -9,6 +9,8 @@ the loop gives bit-identical parameters to training without them.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -325,3 +327,33 @@ def _newton_training(step_with_optimizer, steps=6):
 def test_damped_newton_training_draws_nothing_of_its_own():
     """The optimizer's measurement draws none of the training's random numbers."""
     assert torch.equal(_newton_training(True), _newton_training(False))
+
+
+class Uncopyable(nn.Module):
+    """A model holding an attribute ``copy.deepcopy`` refuses (a lock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(D_IN, 6), nn.Tanh(), nn.Linear(6, C))
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize(
+    "options", [{"engine": "backpack"}, {"engine": "func"}, {"route": "implicit"}]
+)
+def test_a_model_that_cannot_be_copied_is_probed_as_it_is(options):
+    """Its probes run on the model itself; the results are those of its copy."""
+    _, loss_func, inputs, targets = _problem()
+    torch.manual_seed(0)
+    model = Uncopyable().double()
+    twin = Uncopyable().double()
+    twin.load_state_dict(model.state_dict())
+    del twin.lock  # the same model, copyable
+    evals, _ = LowRankGGN(model, loss_func, (inputs, targets), **options).eigh(top_k=K)
+    expected, _ = LowRankGGN(twin, loss_func, (inputs, targets), **options).eigh(
+        top_k=K
+    )
+    assert torch.equal(evals, expected)  # the same computation

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 from torch import Tensor
 from torch.nn import Module, Parameter
+
+logger = logging.getLogger("vivit")
 
 
 def probe_copy(model: Module) -> tuple[Module, list[Parameter]]:
@@ -19,6 +22,9 @@ def probe_copy(model: Module) -> tuple[Module, list[Parameter]]:
 
     Returns:
         The copy, and its parameters in the order of ``model.parameters()``.
+
+    Raises:
+        Exception: What ``copy.deepcopy`` raises for an attribute it cannot copy.
     """
     params = list(model.parameters())
     plain = [v for m in model.modules() for v in vars(m).values()]
@@ -30,3 +36,15 @@ def probe_copy(model: Module) -> tuple[Module, list[Parameter]]:
             if name.endswith("hooks") and isinstance(value, dict):
                 value.clear()
     return twin, [memo[id(p)] for p in params]
+
+
+def probe_copy_or_model(model: Module) -> tuple[Module, list[Parameter]]:
+    """:func:`probe_copy`, or the model itself where it cannot be copied (logged)."""
+    try:
+        return probe_copy(model)
+    except Exception as error:  # noqa: BLE001 (any attribute deepcopy refuses)
+        logger.info(
+            "Cannot copy the model (%s: %s): its probes run on the model itself, "
+            "whose forward runs for them.", type(error).__name__, error,
+        )  # fmt: skip
+        return model, list(model.parameters())

@@ -23,7 +23,7 @@ from vivit.engines.func.independence import check_layers, check_samples_independ
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION as MANY_PAIRS_FRACTION
 from vivit.loss_hessians import LossHessianProducts
-from vivit.model_copy import probe_copy
+from vivit.model_copy import probe_copy_or_model
 from vivit.model_inputs import call_model
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, PassGroup
@@ -301,7 +301,7 @@ class ImplicitFactors(CurvatureSource):
 
         def visit(part: Part) -> tuple[BatchInfo, EngineOutput]:
             if part.index == 0:  # on a copy: the caller's model runs once here
-                copy, copies = probe_copy(model)
+                copy, copies = probe_copy_or_model(model)
                 copied = dict(zip(map(id, model.parameters()), copies, strict=True))
                 for group in self.param_groups:
                     group = [copied[id(p)] for p in group]

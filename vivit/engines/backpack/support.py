@@ -36,7 +36,7 @@ from vivit.engines.backpack.obstacles import (
 from vivit.engines.backpack.table import supported_types
 from vivit.errors import SharedWeightError, UnsupportedLayerError
 from vivit.losses import SUPPORTED_LOSSES as LOSSES
-from vivit.model_copy import probe_copy
+from vivit.model_copy import probe_copy_or_model
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 #: The library's own frames (its tracer) are not the user's call site either.
@@ -72,7 +72,7 @@ def analyse(model: Module, loss_func: Module | None = None) -> Analysis:
         return _analyse_calls(model, [(name, "") for name in chain], changes)
     tracer = _GradModeTracer()
     tracer.record_stack_traces = True  # the call site of each node
-    copy, _ = probe_copy(model)  # the caller's forward and attributes untouched
+    copy, _ = probe_copy_or_model(model)  # the caller's forward untouched
     try:
         with torch.enable_grad():  # the forward's own grad mode is recorded
             graph = tracer.trace(copy)
