@@ -268,8 +268,10 @@ def _lowrank(data_of):
 
 
 def _monitor(fixed_batch, **options):
+    """The monitor on the current batch, or on a fixed ``"loader"`` or ``"batch"``."""
+
     def measure(model, loss_func, fixed):
-        batch = fixed if fixed_batch else None
+        batch = {"loader": fixed, "batch": fixed.dataset[:8]}.get(fixed_batch)
         monitor = CurvatureMonitor(
             model, loss_func, every=1, top_k=K, batch=batch, **options
         )
@@ -281,14 +283,16 @@ def _monitor(fixed_batch, **options):
 @pytest.mark.parametrize(
     "measure",
     [
-        _monitor(False),
-        _monitor(True),
-        _monitor(False, mc_samples=1),
+        _monitor(None),
+        _monitor("batch"),
+        _monitor("loader"),
+        _monitor(None, mc_samples=1),
         _lowrank(lambda batch, fixed: batch),
         _lowrank(lambda batch, fixed: fixed),
     ],
     ids=[
         "monitor-current",
+        "monitor-fixed-batch",
         "monitor-shuffled-loader",
         "monitor-mc",
         "lowrank-batch",
