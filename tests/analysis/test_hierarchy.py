@@ -289,3 +289,13 @@ def test_papyan_weighting_on_an_imbalanced_batch():
         largest[weighting] = parts.class_means.eigenvalues[0].item()
     gap = abs(largest["probabilities"] - largest["plain"])
     assert gap > 1e3 * RTOL * lam_max, largest
+
+
+def test_probabilities_of_a_float32_softmax_cast_up_are_accepted():
+    """Their sum carries float32 rounding, within ``2·C·ε₃₂`` of one."""
+    c = case("mlp_tanh-ce-mean", "plain")
+    model, _, X, y = c.setup
+    probabilities = model.float()(X.float()).softmax(1).double()
+    model.double()
+    parts = hierarchy(c.ggn, y, probabilities=probabilities)
+    assert parts.weighting == "probabilities"

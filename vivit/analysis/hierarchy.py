@@ -216,8 +216,10 @@ def _column_weights(
         raise InvalidArgumentError(
             "probabilities must be finite and non-negative (softmax outputs)."
         )
-    # C entries, each rounded once in the softmax, summed: at most 2C roundings
-    rounding = 2 * classes * torch.finfo(probabilities.dtype).eps
+    # C entries, each rounded once in the softmax, summed: at most 2C roundings,
+    # of float32 at least (a float32 model's softmax, cast up, keeps its rounding)
+    eps = max(torch.finfo(probabilities.dtype).eps, torch.finfo(torch.float32).eps)
+    rounding = 2 * classes * eps
     if ((probabilities.sum(1) - 1).abs() > rounding).any():
         raise InvalidArgumentError(
             "probabilities must sum to 1 over the classes (dim 1) for each "
