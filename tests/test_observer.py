@@ -85,7 +85,6 @@ def _state(model, data):
         ],
         "global_rng": torch.get_rng_state(),
         "loader_rng": None if generator is None else generator.get_state(),
-        "training_attribute": model.training,
     }
 
 

@@ -29,11 +29,11 @@ def test_a_budget_stops_the_call_where_its_cost_passes_it():
     operation whose cumulative cost passes it, and says that cost."""
     _, usage = measure(_products)
     whole = pass_cost(usage.work, usage.ops)
-    _, again = measure(_products, budget=whole, cost=pass_cost)
+    _, again = measure(_products, budget=whole)
     assert again.work == usage.work
     first = pass_cost(M * K * N, 1)
     with pytest.raises(WorkExceeded) as stop:
-        measure(_products, budget=first - 1, cost=pass_cost)
+        measure(_products, budget=first - 1)
     assert stop.value.cost == first  # the first product's
 
 

@@ -15,6 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from vivit.memory.costs import pass_cost
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -40,7 +42,7 @@ def _storages(tree: object) -> list[torch.UntypedStorage]:
 
 
 class WorkExceeded(Exception):  # noqa: N818 (a stop, not an error)
-    """A measured call stopped where its work passed its budget (``cost``)."""
+    """A measured call stopped where its cost passed its budget (:class:`Counter`)."""
 
     def __init__(self, cost: float):
         super().__init__(f"stopped at a cost of {cost:.3g}")
@@ -51,17 +53,14 @@ class Counter(TorchDispatchMode):
     """Counts the storages, multiply-adds and operations of what runs under it.
 
     Raises:
-        WorkExceeded: Once ``cost(multiply-adds, operations)`` passes ``budget``
-            (``None``: never).
+        WorkExceeded: Once the cost of what ran
+            (:func:`~vivit.memory.costs.pass_cost` of its multiply-adds and
+            operations) passes ``budget`` (``None``: never).
     """
 
-    def __init__(
-        self,
-        budget: float | None = None,
-        cost: Callable[[float, int], float] = lambda work, ops: work,
-    ) -> None:
+    def __init__(self, budget: float | None = None) -> None:
         super().__init__()
-        self.budget, self._cost = budget, cost
+        self.budget = budget
         self.current = self.ops = 0
         self.work = 0.0
         self.trace: list[int] = []
@@ -74,8 +73,10 @@ class Counter(TorchDispatchMode):
         flops = flop_registry.get(func.overloadpacket)
         if flops is not None:
             self.work += flops(*args, **kwargs, out_val=out) / 2
-        if self.budget is not None and self._cost(self.work, self.ops) > self.budget:
-            raise WorkExceeded(self._cost(self.work, self.ops))
+        if self.budget is not None:
+            cost = pass_cost(self.work, self.ops)
+            if cost > self.budget:
+                raise WorkExceeded(cost)
         new = [s for s in _storages(out) if s._cdata not in self._live]
         if new:
             inputs = {s._cdata for s in _storages((args, kwargs))}
@@ -96,12 +97,14 @@ class Counter(TorchDispatchMode):
         self.current += size
 
 
-def measure(call: Callable[[], object], **budget: object) -> tuple[object, Usage]:
+def measure(
+    call: Callable[[], object], budget: float | None = None
+) -> tuple[object, Usage]:
     """Run ``call``; its result (kept alive, so ``kept`` counts it) and usage.
 
     Raises:
-        WorkExceeded: Where ``budget`` (:class:`Counter`'s) is passed.
+        WorkExceeded: Where its cost passes ``budget`` (:class:`Counter`).
     """
-    with Counter(**budget) as counter:
+    with Counter(budget) as counter:
         result = call()
     return result, Usage(counter.trace, counter.current, counter.work, counter.ops)

@@ -24,7 +24,6 @@ from vivit.engines.base import Engine, select_output
 from vivit.gram import ParamFactors
 from vivit.gram.memory import available_bytes, itemsize
 from vivit.losses import LossCurvature
-from vivit.memory.costs import pass_cost
 from vivit.memory.counter import Usage, WorkExceeded, measure
 from vivit.model_copy import probe_copy
 from vivit.model_inputs import (
@@ -197,7 +196,7 @@ class Profile:
         """:attr:`gram`, or the cost at which its measurement stopped.
 
         A pass over at most ``samples`` samples stops once its cost
-        (:func:`~vivit.memory.costs.pass_cost`) passes ``budget``: a lower bound
+        (:class:`~vivit.memory.counter.Counter`) passes ``budget``: a lower bound
         of the route's passes over ``samples`` (nothing is kept: :attr:`gram`
         measures again).
         """
@@ -245,8 +244,7 @@ class Profile:
                 lambda d=data, o=run: StoredFactors.run(
                     model, loss_func, d, groups, {}, o, ShardExchange(None), o.engine
                 ),
-                budget=budget if n <= samples else None,
-                cost=pass_cost,
+                budget if n <= samples else None,
             )
             largest[n, curvature] = max(
                 _largest_bytes(g.curvature) for g in source.groups

@@ -124,18 +124,11 @@ def _over_the_callers_layers(graph: Graph, model: Module, copy: Module) -> Graph
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr"):
             try:
-                value = _attribute(model, node.target)
+                value = operator.attrgetter(node.target)(model)
             except AttributeError:  # a constant the tracer kept on the copy
-                value = _attribute(copy, node.target)
+                value = operator.attrgetter(node.target)(copy)
             root[node.target] = value
     return GraphModule(root, graph)
-
-
-def _attribute(module: Module, target: str) -> object:
-    """The attribute at a dotted path."""
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
 
 
 def unsupported_reason(model: Module, loss_func: Module | None = None) -> str | None:
