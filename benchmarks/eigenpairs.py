@@ -5,7 +5,10 @@
 of :data:`methods.METHODS`: a plain forward+backward pass (the baseline), this
 library (exact, MC-1, subsampled, per-layer groups), power iteration on GGN-vector
 products, ViViT 1.0.0 and curvlinops + scipy ``eigsh``. The peers run in a side
-environment the harness creates on first use (:mod:`peers`).
+environment the harness creates on first use (:mod:`peers`); their ``eigsh`` stops
+at this library's default tolerance, which the harness computes
+(:func:`peers.tolerances`, ``--peer-tol``). Methods that count their operator
+products (:class:`methods.Outcome`) get time per product columns.
 ``--before TREE`` also runs every method of this library from ``TREE``, a
 checkout of an earlier version, as ``<method>@before``, interleaved with this
 version's (a change's effect, side by side in one run).
@@ -77,7 +80,7 @@ from typing import Any
 import peers
 import torch
 from measure import OtherCpuLoad, PeakMemory
-from methods import BASELINE, METHODS, TOP_K
+from methods import BASELINE, METHODS, TOP_K, as_outcome
 from problems import PROBLEMS, make_problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,9 +104,11 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         args.problem, args.batch_size, args.seed, device
     )
     method = METHODS[args.method]
+    keywords = {"tol": args.tol} if method.takes_tol else {}
     others: list[float | None] = []
 
     cpu_times: list[float] = []
+    products: list[int | None] = []
 
     def call():
         model.zero_grad(set_to_none=True)
@@ -111,20 +116,24 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         with OtherCpuLoad() as monitor:
             cpu_start = time.process_time()
             start = time.perf_counter()
-            result = method.run(model, loss_func, X, y)
+            result = method.run(model, loss_func, X, y, **keywords)
             _sync(device)
             elapsed = time.perf_counter() - start
             cpu_times.append(time.process_time() - cpu_start)
         others.append(monitor.cores)
-        return result, elapsed
+        outcome = as_outcome(result)
+        products.append(outcome.products)
+        return outcome, elapsed
 
     with PeakMemory(device, prepare=False) as warmup_memory:
-        evals, warmup_time = call()
+        outcome, warmup_time = call()
+    evals = outcome.evals
     evals = None if evals is None else sorted(evals.detach().cpu().tolist())
     times = [call()[1] for _ in range(args.repeats - 1)]
     model.zero_grad(set_to_none=True)
     with PeakMemory(device) as memory:  # the last timed call also measures memory
         times.append(call()[1])
+    counted = [p for p in products[1:] if p is not None]  # of the timed calls
     return {
         "status": "ok",
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -140,6 +149,10 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
         "hwm_reset": memory.hwm_reset,
         "top_eigenvalues": evals,
         "other_cpu_cores_per_call": others,
+        "products_per_call": products[1:],
+        "products": statistics.median(counted) if counted else None,
+        "product_operator": outcome.operator,
+        "tol": args.tol if method.takes_tol else None,
     }
 
 
@@ -207,6 +220,8 @@ def run_case(
         f"--threads={args.threads}",
         f"--seed={args.seed}",
     ]
+    if METHODS[method].takes_tol:
+        command.append(f"--tol={args.peer_tolerances[problem]!r}")
     start = time.perf_counter()
     monitor = OtherCpuLoad()
     try:
@@ -322,6 +337,11 @@ def run_driver(args: argparse.Namespace) -> None:
     if args.before:
         methods = add_before_methods(methods, args.before)
     args.unavailable = {}
+    args.peer_tolerances = (
+        peers.tolerances(problems, args.peer_tol)
+        if any(METHODS[m].takes_tol for m in methods)
+        else {}
+    )
     if any(METHODS[m].env == "peers" for m in methods):
         if args.no_peers:
             args.unavailable["peers"] = "--no-peers"
@@ -353,7 +373,8 @@ def run_driver(args: argparse.Namespace) -> None:
             records.append(record)
             summary = (
                 f"median {record['median_time_s']:.4f} s, "
-                f"peak {record['peak_mib'] or 0:.1f} MiB"
+                f"peak {record['peak_mib'] or 0:.1f} MiB, "
+                f"products {record.get('products') or '–'}"
                 if record.get("status") == "ok"
                 else record["status"]
             )
@@ -373,6 +394,13 @@ def run_driver(args: argparse.Namespace) -> None:
     agreement = report.eigenvalue_agreement(summaries)
     busy = [r["other_cpu_cores"] for r in records if r.get("other_cpu_cores")]
     notes = [f"Total wall time: {total:.0f} s, {args.rounds} interleaved round(s)."]
+    if args.peer_tolerances:
+        values = ", ".join(f"{p} {t:.3g}" for p, t in args.peer_tolerances.items())
+        notes.append(
+            f"The peers' eigsh stopped at tol = {values} (--peer-tol "
+            f"{args.peer_tol}; ARPACK's criterion ‖r‖ ≤ tol·|θ_i| per Ritz value, "
+            "this library's ‖r‖ ≤ tol·θ_max)."
+        )
     if busy and max(busy) > 0.1:
         notes.append(
             f"Other processes kept up to {max(busy):.2f} cores busy during a case "
@@ -431,6 +459,8 @@ def run_driver(args: argparse.Namespace) -> None:
                     "seed": args.seed,
                     "quick": args.quick,
                     "timeout_s": args.timeout,
+                    "peer_tol": args.peer_tol,
+                    "peer_tolerances": args.peer_tolerances,
                     "memory": (
                         "peak RSS (VmHWM) increase during one extra call over VmRSS "
                         "just before it, after gc, malloc_trim and an HWM reset"
@@ -497,6 +527,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a checkout of an earlier version: every method of this library also "
         "runs from it, as <method>@before, side by side in this run",
     )
+    parser.add_argument(
+        "--peer-tol",
+        choices=("library", "zero"),
+        default="library",
+        help="stopping tolerance of curvlinops' eigsh: this library's default for "
+        "the parameters' data type (default), or 0, eigsh's machine precision",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
         "--threads",
@@ -513,6 +550,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     worker.add_argument("--problem", help=argparse.SUPPRESS)
     worker.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     worker.add_argument("--method", help=argparse.SUPPRESS)
+    worker.add_argument("--tol", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 2

@@ -1,8 +1,9 @@
 """The benchmarked methods: a registry of name -> :class:`Method`.
 
 Every method is a function ``(model, loss_func, X, y) -> eigenvalues | None`` that
-does all the work (building any curvature object included) and runs in a worker
-process of the Python environment it names:
+does all the work (building any curvature object included); a method that counts
+the operator products it needs returns an :class:`Outcome` instead. It runs in a
+worker process of the Python environment it names:
 
 - ``"main"``: the interpreter running the benchmark, with this repository's
   ``vivit`` first on the path;
@@ -34,7 +35,32 @@ TOP_K = 10
 POWER_RTOL = 1e-4
 POWER_MAX_ITERATIONS = 500
 
-Run = Callable[[nn.Module, nn.Module, Tensor, Tensor], Tensor | None]
+
+@dataclass(frozen=True)
+class Outcome:
+    """Eigenvalues and the operator products that computed them.
+
+    Attributes:
+        evals: The eigenvalues (``None`` for the baseline).
+        products: Vectors the operator was multiplied onto (a block of ``b``
+            vectors counts ``b``); ``None`` where the method has no such products
+            (a dense decomposition).
+        operator: What a product multiplies by: ``"GGN"`` (a GGN-vector product
+            in parameter space), ``"Gram"`` (the ``N·C × N·C`` Gram matrix) or
+            ``"V"`` (``V`` and ``Vᵀ``, the Gram matrix's factors).
+    """
+
+    evals: Tensor | None
+    products: int | None = None
+    operator: str | None = None
+
+
+Run = Callable[..., Tensor | Outcome | None]
+
+
+def as_outcome(result: Tensor | Outcome | None) -> Outcome:
+    """A method's return value as an :class:`Outcome` (eigenvalues alone: no count)."""
+    return result if isinstance(result, Outcome) else Outcome(result)
 
 
 @dataclass(frozen=True)
@@ -42,12 +68,16 @@ class Method:
     """A benchmarked method.
 
     Attributes:
-        run: ``(model, loss_func, X, y) -> eigenvalues | None``.
+        run: ``(model, loss_func, X, y) -> eigenvalues | Outcome | None``, with
+            the keyword ``tol`` if ``takes_tol``.
         description: One line for the table's legend.
         env: ``"main"`` or ``"peers"`` (see the module docstring).
         exact: Whether it computes the exact GGN's leading eigenvalues (those are
             compared across methods; MC, subsampled and per-layer results are not).
         baseline: Whether it is the forward+backward baseline ratios divide by.
+        takes_tol: Whether ``run`` takes ``tol``, a peer's stopping tolerance that
+            the harness sets to this library's default (``eigenpairs.py``'s
+            ``--peer-tol``).
     """
 
     run: Run
@@ -55,6 +85,7 @@ class Method:
     env: str = "main"
     exact: bool = True
     baseline: bool = False
+    takes_tol: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,7 +129,7 @@ def vivit_method(
     """
     eigh_kwargs = eigh_kwargs or {}
 
-    def run(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor) -> Tensor:
+    def run(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor) -> Outcome:
         from vivit import LowRankGGN
 
         kwargs = dict(ggn_kwargs)
@@ -119,7 +150,7 @@ def vivit_method(
                 evals = result.evals
             else:
                 evals, _ = ggn.eigh(top_k=TOP_K, group=group, **eigh_kwargs)
-        return evals
+        return Outcome(evals, *counted_products(ggn))
 
     options = {
         **ggn_kwargs,
@@ -130,9 +161,29 @@ def vivit_method(
     return Method(run, description, exact=exact, options=options)
 
 
+#: What a product of each of this library's iterative solvers multiplies by.
+SOLVER_OPERATORS = {"ggn_krylov": "GGN", "gram_krylov": "Gram", "factor_krylov": "V"}
+
+
+def counted_products(ggn: Any) -> tuple[int | None, str | None]:
+    """Products of the latest solve of every group of ``ggn``, and their operator.
+
+    From ``ggn.solver_report(group).products``. ``(None, None)`` unless every
+    group's pairs came from the same iterative solver: a dense decomposition has no
+    products (nor has the dense fallback of ``solver="auto"`` any left in its
+    report), and products with different operators do not add up.
+    """
+    reports = [ggn.solver_report(group) for group in range(len(ggn.param_groups))]
+    solvers = {None if report is None else report.solver for report in reports}
+    solver = solvers.pop() if len(solvers) == 1 else None
+    if solver not in SOLVER_OPERATORS:
+        return None, None
+    return sum(report.products for report in reports), SOLVER_OPERATORS[solver]
+
+
 def power_iteration(
     model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor
-) -> Tensor:
+) -> Outcome:
     """Leading GGN eigenvalue by power iteration on GGN-vector products.
 
     ``G v = Jᵀ (H (J v))`` with ``torch.func``: a forward-mode ``jvp`` through the
@@ -161,16 +212,17 @@ def power_iteration(
         k: torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype)
         for k, p in params.items()
     }
-    estimate = torch.tensor(0.0)
+    estimate, products = torch.tensor(0.0), 0
     for _ in range(POWER_MAX_ITERATIONS):
         norm = torch.sqrt(sum((t**2).sum() for t in v.values()))
         v = {k: t / norm for k, t in v.items()}
         gv = ggn_vector(v)
+        products += 1
         previous, estimate = estimate, sum((gv[k] * v[k]).sum() for k in v)
         if abs(estimate - previous) <= POWER_RTOL * abs(estimate):
             break
         v = gv
-    return estimate.reshape(1)
+    return Outcome(estimate.reshape(1), products, "GGN")
 
 
 # peers (side environment) ---------------------------------------------------------
@@ -203,13 +255,42 @@ def vivit_1(model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor) -> Ten
     return evals
 
 
+def counting_operator(operator: Any) -> Any:
+    """``operator`` (a scipy ``LinearOperator``) with a count of its products.
+
+    The count, attribute ``products``, adds 1 per ``matvec`` and the number of
+    columns per ``matmat``.
+    """
+    from scipy.sparse.linalg import LinearOperator
+
+    class Counting(LinearOperator):
+        def __init__(self) -> None:
+            super().__init__(operator.dtype, operator.shape)
+            self.products = 0
+
+        def _matvec(self, x: Any) -> Any:
+            self.products += 1
+            return operator.matvec(x)
+
+        def _matmat(self, X: Any) -> Any:
+            self.products += X.shape[1]
+            return operator.matmat(X)
+
+    return Counting()
+
+
 def curvlinops_eigsh(
-    model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor
-) -> Tensor:
+    model: nn.Module, loss_func: nn.Module, X: Tensor, y: Tensor, *, tol: float
+) -> Outcome:
     """curvlinops' ``GGNLinearOperator`` and ``scipy.sparse.linalg.eigsh`` (top-10).
 
-    Lanczos (ARPACK) with its default tolerance (machine precision), largest
-    algebraic eigenvalues.
+    Lanczos (ARPACK), largest algebraic eigenvalues, stopped at ``tol``: the harness
+    passes this library's default tolerance for the parameters' data type
+    (``vivit.linalg.iterative.default_tolerance``), or ``0`` (eigsh's default,
+    machine precision) with ``--peer-tol zero``. The same number, not the same
+    guarantee: ARPACK accepts a Ritz pair at ``‖r‖ ≤ tol·|θ_i|``, relative to its
+    own Ritz value, this library at ``‖r‖ ≤ tol·θ_max``, so ARPACK's criterion is
+    the stricter one for the smaller eigenvalues of the ten.
     """
     from curvlinops import GGNLinearOperator
     from scipy.sparse.linalg import eigsh
@@ -225,14 +306,18 @@ def curvlinops_eigsh(
     torch.backends.mkldnn.set_flags(False, None, None, None)
     try:
         with sdpa_kernel(SDPBackend.MATH):
-            operator = GGNLinearOperator(
-                model, loss_func, params, [(X, y)], check_deterministic=False
-            ).to_scipy()
-            evals = eigsh(operator, k=TOP_K, which="LA", return_eigenvectors=False)
+            operator = counting_operator(
+                GGNLinearOperator(
+                    model, loss_func, params, [(X, y)], check_deterministic=False
+                ).to_scipy()
+            )
+            evals = eigsh(
+                operator, k=TOP_K, which="LA", tol=tol, return_eigenvectors=False
+            )
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
         torch.backends.mkldnn.set_flags(onednn, None, None, None)
-    return torch.from_numpy(evals.copy())
+    return Outcome(torch.from_numpy(evals.copy()), operator.products, "GGN")
 
 
 #: Benchmarked methods: name -> :class:`Method`. Order = column order of the output.
@@ -301,8 +386,10 @@ METHODS: dict[str, Method] = {
     ),
     "curvlinops-eigsh": Method(
         curvlinops_eigsh,
-        "curvlinops GGNLinearOperator + scipy eigsh (Lanczos), top-10",
+        "curvlinops GGNLinearOperator + scipy eigsh (Lanczos), top-10, at this "
+        "library's default tolerance (--peer-tol)",
         env="peers",
+        takes_tol=True,
     ),
 }
 BASELINE = "forward+backward"

@@ -14,6 +14,9 @@ None of these packages is a dependency of this project.
 
 ViViT 1.0.0 calls ``Tensor.symeig``, which PyTorch removed in 2.0;
 :func:`apply_symeig_shim` puts it back on top of ``torch.linalg.eigh``.
+
+The peers' iterative solver (``scipy``'s ``eigsh``) stops at the tolerance that
+:func:`tolerances` computes with this library, in the harness's process.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
+from problems import PROBLEMS
 
+ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(__file__).resolve().parent / ".venvs" / "peers"
 PACKAGES = ("vivit-for-pytorch==1.0.0", "curvlinops-for-pytorch==3.0.1")
 
@@ -66,6 +71,34 @@ def ensure_env(log=print) -> str | None:
             shutil.rmtree(VENV, ignore_errors=True)  # no half-built environment
             return f"creating {VENV} failed: {' '.join(command[:4])} ...: {tail}"
     return None
+
+
+def tolerances(problems: list[str], choice: str) -> dict[str, float]:
+    """The stopping tolerance of the peers' iterative solvers, per problem.
+
+    Computed in the harness's process, which imports this library (the side
+    environment imports ViViT 1.0 as ``vivit``).
+
+    Args:
+        problems: Names in :data:`problems.PROBLEMS`.
+        choice: ``"library"``: this library's default for the data type of the
+            problem's parameters (``vivit.linalg.iterative.default_tolerance`` of
+            this repository, the copy the workers benchmark); ``"zero"``: ``0``
+            (machine precision in ``scipy``'s ``eigsh``).
+
+    Returns:
+        Problem name -> tolerance.
+    """
+    if choice == "zero":
+        return dict.fromkeys(problems, 0.0)
+    if str(ROOT) not in sys.path:  # the copy the workers import (their PYTHONPATH)
+        sys.path.insert(0, str(ROOT))
+    from vivit.linalg.iterative import default_tolerance
+
+    return {
+        problem: default_tolerance(next(PROBLEMS[problem].build().parameters()).dtype)
+        for problem in problems
+    }
 
 
 def apply_symeig_shim() -> None:

@@ -58,6 +58,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         times = [t for r in ok for t in r["times_s"]]
         cpu_times = [t for r in ok for t in r.get("cpu_times_s", [])]
         time_ratios, cpu_ratios, memory_ratios = [], [], []
+        product_ratios, cpu_product_ratios = [], []
         for r in ok:
             base = baseline_by_round.get((problem, batch_size, r["round"]))
             if base is None:
@@ -67,7 +68,12 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 cpu_ratios.append(r["median_cpu_s"] / base["median_cpu_s"])
             if (base["peak_mib"] or 0) > MIN_MEMORY_MIB and r["peak_mib"] is not None:
                 memory_ratios.append(r["peak_mib"] / base["peak_mib"])
+            if r.get("products"):
+                product_ratios.append(time_ratios[-1] / r["products"])
+                if r.get("median_cpu_s") and base.get("median_cpu_s"):
+                    cpu_product_ratios.append(cpu_ratios[-1] / r["products"])
         evals = ok[-1].get("top_eigenvalues")
+        products = _median([r.get("products") for r in ok])
         summary.update(
             status="ok",
             median_time_s=statistics.median(times),
@@ -80,6 +86,11 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             memory_ratio=_median(memory_ratios),
             top_eigenvalue=max(evals) if evals else None,
             other_cpu_cores=_median([r.get("other_cpu_cores") for r in ok]),
+            products=products,
+            product_operator=ok[-1].get("product_operator"),
+            s_per_product=statistics.median(times) / products if products else None,
+            product_ratio=_median(product_ratios),
+            cpu_product_ratio=_median(cpu_product_ratios),
         )
         summaries.append(summary)
     return summaries
@@ -89,18 +100,32 @@ def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _products(s: dict[str, Any]) -> str:
+    """Products and their operator, e.g. ``61 (GGN)``; ``–`` without a count."""
+    if not s.get("products"):
+        return "–"
+    operator = s.get("product_operator")
+    return f"{s['products']:g}" + (f" ({operator})" if operator else "")
+
+
 def format_table(summaries: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per (problem, N, method)."""
+    """Markdown table: one row per (problem, N, method).
+
+    The product columns divide the whole median time (construction included) by
+    the operator products the method counted.
+    """
     lines = [
         "| problem | N | method | median time [s] | min–max [s] | × f+b "
         "| CPU time [s] | × f+b | peak memory [MiB] | × f+b | top eigenvalue "
-        "| others' load [cores] |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| others' load [cores] | products | time / product [s] | × f+b "
+        "| CPU time / product × f+b |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+        "|---:|",
     ]
     for s in summaries:
         head = f"| {s['problem']} | {s['batch_size']} | {s['method']} "
         if s["status"] != "ok":
-            lines.append(head + f"| {s['status']} | | | | | | | | |")
+            lines.append(head + f"| {s['status']} |" + " |" * 12)
             continue
         lines.append(
             head
@@ -112,7 +137,11 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
             + f"| {_fmt(s['peak_mib'], '.1f')} "
             + f"| {_fmt(s['memory_ratio'], '.1f')} "
             + f"| {_fmt(s['top_eigenvalue'], '.6g')} "
-            + f"| {_fmt(s['other_cpu_cores'], '.2f')} |"
+            + f"| {_fmt(s['other_cpu_cores'], '.2f')} "
+            + f"| {_products(s)} "
+            + f"| {_fmt(s.get('s_per_product'), '.3g')} "
+            + f"| {_fmt(s.get('product_ratio'), '.2f')} "
+            + f"| {_fmt(s.get('cpu_product_ratio'), '.2f')} |"
         )
     return "\n".join(lines)
 
