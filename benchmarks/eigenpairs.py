@@ -162,6 +162,9 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
 def _worker_env(env: str, args: argparse.Namespace) -> tuple[str, Path, dict[str, str]]:
     """Interpreter, worker script and environment variables of a worker of ``env``."""
     variables = dict(os.environ)
+    # every worker's BLAS (numpy's, scipy's ARPACK) at the torch threads asked for
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        variables[name] = str(args.threads)
     if env == "peers":
         # ViViT 1.0 imports as `vivit`: keep this repository off the path
         variables.pop("PYTHONPATH", None)
@@ -539,7 +542,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=len(os.sched_getaffinity(0)),
-        help="torch.set_num_threads (default: usable CPU cores)",
+        help="torch.set_num_threads and every worker's BLAS threads (default: "
+        "usable CPU cores)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
