@@ -6,6 +6,7 @@ numerical zero").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -40,30 +41,32 @@ def compute_leading(
     seed: int,
 ) -> tuple[Tensor, Tensor, SolverReport]:
     """``top_k`` leading pairs by ``solver`` (on ``G`` itself without ``V``)."""
-    max_columns = None
+    max_columns, scope = None, contextlib.nullcontext()
     if source.parameter_space:  # block Krylov on G itself, D rows
         size, products = source.num_params, source.flat_ggn_matmul
         max_columns = source.basis_columns(top_k)  # refused if none fits
+        scope = source.linearized(top_k)
     else:
         size, products = source.num_rows, source.products.gram_matmul
     if solver == "dense":
         workspace = dense_workspace_bytes(size, top_k, source.dtype, source.device)
     else:
         workspace = iterative_workspace_bytes(size, top_k, source.dtype)
-    return leading_eigenpairs(
-        products,
-        top_k,
-        solver,
-        lambda: source.form_gram(workspace),
-        size=size,
-        # without a Gram matrix there is no dense solve to fall back to
-        requested=requested if "dense" in source.solvers else solver,
-        dtype=source.dtype,
-        device=source.device,
-        tol=tol,
-        seed=seed,
-        max_columns=max_columns,
-    )
+    with scope:
+        return leading_eigenpairs(
+            products,
+            top_k,
+            solver,
+            lambda: source.form_gram(workspace),
+            size=size,
+            # without a Gram matrix there is no dense solve to fall back to
+            requested=requested if "dense" in source.solvers else solver,
+            dtype=source.dtype,
+            device=source.device,
+            tol=tol,
+            seed=seed,
+            max_columns=max_columns,
+        )
 
 
 def gram_nonzero(

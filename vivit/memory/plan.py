@@ -283,6 +283,21 @@ class Plan:
             "(mc_samples=1)."
         )
 
+    def linearized_parts(self, top_k: int) -> int:
+        """Parts whose recorded forward pass a solve of ``top_k`` pairs keeps.
+
+        The first part's recording is in the measured pass; each further part's
+        adds the bytes a pass keeps (``docs/math.rst``, "Linearized products"),
+        as many as fit beside the solve's estimate. Unmeasured: a lone part.
+        """
+        implicit, parts = self.measured("implicit"), self.sizes.parts
+        if implicit is None:
+            return 1 if parts == 1 else 0
+        width = self.pass_width(min(top_k, max(self.num_params)))
+        room = self._available() - self.implicit_estimate(top_k).total
+        kept = max(implicit.kept(self.sizes.part, width), 1.0)
+        return int(min(parts, 1 + max(room, 0.0) // kept))
+
     def pass_width(self, vectors: int) -> int:
         """Vectors per vmapped implicit pass over a part: as many as fit."""
         implicit, part = self.measured("implicit"), self.sizes.part

@@ -134,6 +134,19 @@ class Passes(NamedTuple):
                      for n in ("trace", "work", "ops")))  # fmt: skip
 
 
+class ImplicitPasses(NamedTuple):
+    """A linearized product's peak bytes, multiply-adds, operations, kept bytes.
+
+    ``peak`` and ``kept``: of a part's first product (its recording included, kept
+    for the next); ``work`` and ``ops``: of a later one (the products of a solve).
+    """
+
+    peak: Plane
+    work: Plane
+    ops: Plane
+    kept: Plane
+
+
 class Profile:
     """What a request uses: a plain pass, and each route when first asked for.
 
@@ -220,7 +233,7 @@ class Profile:
             return _logged(self._gram, budget, samples)
 
     @functools.cached_property
-    def implicit(self) -> Passes | None:
+    def implicit(self) -> ImplicitPasses | None:
         """The implicit route's profile (``None`` where it cannot run on the copy)."""
         with engine_context(self._params):
             return _logged(self._implicit)
@@ -268,19 +281,26 @@ class Profile:
             dtype=source.groups[0].dtype,
         )
 
-    def _implicit(self) -> Passes:
-        usage: dict[tuple[int, int], Usage] = {}
+    def _implicit(self) -> ImplicitPasses:
+        first: dict[tuple[int, int], Usage] = {}
+        later: dict[tuple[int, int], Usage] = {}
         groups = self._groups
         index = max(range(len(groups)), key=lambda i: sum(p.numel() for p in groups[i]))
         options = derived(self._options, route="implicit", engine="auto")
         for n, vectors in itertools.product(_SAMPLES, _VECTORS):
             data = Data(self._twin, self._loss_func, _take(self._batch, n), options)
             source = ImplicitFactors(self._twin, self._loss_func, data, groups, options)
+            group = source.groups[index]
             values = [p.new_zeros(vectors, *p.shape) for p in groups[index]]
-            usage[n, vectors] = measure(
-                lambda s=source, v=values: s.groups[index].ggn_matmul(v)
-            )[1]
-        return Passes.fit(usage)
+            with group.linearized(vectors):  # as a solve runs them
+                for usage in (first, later):
+                    call = functools.partial(group.ggn_matmul, values)
+                    usage[n, vectors] = measure(call)[1]
+        peak, _, _ = Passes.fit(first)
+        _, work, ops = Passes.fit(later)
+        return ImplicitPasses(
+            peak, work, ops, Plane.fit({k: u.kept for k, u in first.items()})
+        )
 
 
 #: Profiles measured before, per model and request shape.

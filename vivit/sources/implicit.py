@@ -1,12 +1,15 @@
 """Implicit curvature (``route="implicit"``): ``G v`` in parameter space, no ``V``.
 
-Every product is one pass (JVP, loss Hessian, VJP per part); block Krylov on ``G``
+Every product is one pass (JVP, loss Hessian, VJP per part; within a solve from
+each part's recorded forward pass, "Linearized products"); block Krylov on ``G``
 gives the leading pairs (``docs/math.rst``, "Implicit GGN-vector products").
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -20,6 +23,7 @@ from vivit.distributed.lockstep import LockStep
 from vivit.engines.base import BatchInfo, EngineOutput, select_output
 from vivit.engines.func.implicit import PartFunction, check_modes_agree
 from vivit.engines.func.independence import check_layers, check_samples_independent
+from vivit.engines.func.linearized import LinearizedPart, check_linearization
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION as MANY_PAIRS_FRACTION
 from vivit.loss_hessians import LossHessianProducts
@@ -35,6 +39,8 @@ from vivit.sources.union import (
     union_batch,
     unnormalizing_scale,
 )
+
+logger = logging.getLogger("vivit")
 
 #: So many pairs the implicit route always computes (a basis of ``3·128`` vectors);
 #: beyond, at most ``MANY_PAIRS_FRACTION`` (``solver="auto"``'s limit) of the
@@ -100,6 +106,14 @@ class ImplicitGroup(PassGroup):
 
         self._source.run_pass(self.index, "G·v", visit)
         return result
+
+    def linearized(self, top_k: int) -> contextlib.AbstractContextManager[None]:
+        """Within: products reuse each part's recorded forward pass (a solve's scope).
+
+        ``docs/math.rst``, "Linearized products"; the plan says how many parts'
+        recordings fit beside the solve of ``top_k`` pairs.
+        """
+        return self._source.linearized(top_k)
 
     def basis_columns(self, top_k: int) -> int | None:
         """Krylov basis columns the memory allows for ``top_k`` pairs (or ``None``).
@@ -233,6 +247,10 @@ class ImplicitFactors(CurvatureSource):
         data.reread("LowRankGGN (route='implicit')")
         self._data, self._model, self._options, self._plan = data, model, options, plan
         self._basis_columns: dict[int, int | None] = {}
+        #: Per (group, part index) within :meth:`linearized`; ``None`` outside.
+        self._linearized: dict[tuple[int, int], LinearizedPart] | None = None
+        self._kept_parts = 0
+        self._unlinearizable: str | None = None  # why products run forward mode
         self.lockstep = LockStep(shards.group, shards.report)
         shape, grouped = data.sample_shape, shards.group is not None
         fingerprint = run_fingerprint(
@@ -276,8 +294,30 @@ class ImplicitFactors(CurvatureSource):
             self._basis_columns[top_k] = min(columns, default=None)
         return self._basis_columns[top_k]
 
+    @contextlib.contextmanager
+    def linearized(self, top_k: int) -> Iterator[None]:
+        """Within: the first parts' forward passes recorded once, for every product.
+
+        As many parts as the plan fits beside the solve of ``top_k`` pairs (all
+        without a plan); the others run forward mode in every pass. Not where an
+        operation's backward has no backward rule (the construction's check).
+        """
+        if self._unlinearizable is not None or self._linearized is not None:
+            yield
+            return
+        plan = self._plan
+        self._kept_parts = 2**62 if plan is None else plan.linearized_parts(top_k)
+        self._linearized = {}
+        try:
+            yield
+        finally:
+            self._linearized = None
+
     def run_pass(
-        self, group: int, description: str, visit: Callable[[Part, PartFunction], None]
+        self,
+        group: int,
+        description: str,
+        visit: Callable[[Part, PartFunction | LinearizedPart], None],
     ) -> None:
         """One pass: ``visit`` every part and its output as a function of a group.
 
@@ -286,12 +326,17 @@ class ImplicitFactors(CurvatureSource):
             NondeterministicDataError: If the loader yields other batches.
         """
         params, selector = self.param_groups[group], self._options.output
-        self._data.walk(
-            lambda part: visit(
-                part, PartFunction(self._model, params, part.inputs, selector)
-            ),
-            description,
-        )
+        kept = self._linearized
+
+        def function(part: Part) -> PartFunction | LinearizedPart:
+            function = PartFunction(self._model, params, part.inputs, selector)
+            if kept is None or part.index >= self._kept_parts:
+                return function
+            if (group, part.index) not in kept:
+                kept[group, part.index] = LinearizedPart(function)
+            return kept[group, part.index]
+
+        self._data.walk(lambda part: visit(part, function(part)), description)
 
     def _first_pass(self, shards: ShardExchange) -> None:
         """Loss, gradient, each part's normalization; samples checked independent."""
@@ -307,6 +352,15 @@ class ImplicitFactors(CurvatureSource):
                     group = [copied[id(p)] for p in group]
                     function = PartFunction(copy, group, part.inputs, selector)
                     check_modes_agree(function, group)
+                    self._unlinearizable = self._unlinearizable or (
+                        check_linearization(function)
+                    )
+                if self._unlinearizable is not None:
+                    logger.info(
+                        "route='implicit': every product runs the model's forward "
+                        "pass (forward mode), as %s.",
+                        self._unlinearizable,
+                    )
             output = select_output(call_model(model, part.inputs), selector)
             hessian = LossHessianProducts(part.loss_func, output.detach(), part.targets)
             with torch.no_grad():

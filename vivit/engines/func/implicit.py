@@ -23,7 +23,7 @@ from vivit.model_inputs import ModelInputs
 
 @contextmanager
 def forward_mode_kernels(model: Module) -> Iterator[None]:
-    """Kernels with forward-mode AD rules (no attention fast path, no oneDNN RNNs)."""
+    """Kernels with forward-mode and double-backward rules (no fast path, oneDNN)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fast_path = torch.backends.mha.get_fastpath_enabled()
@@ -75,8 +75,8 @@ class PartFunction:
     ):
         names = {id(p): name for name, p in model.named_parameters()}
         self._names = [names[id(p)] for p in params]
-        self._primals = tuple(p.detach() for p in params)
-        self._model = model
+        self.primals = tuple(p.detach() for p in params)
+        self.model = model
         self._inputs = inputs
         self._selector = selector
         self._pullback: Callable[[Tensor], tuple[Tensor, ...]] | None = None
@@ -88,7 +88,7 @@ class PartFunction:
         args, kwargs = (
             ((), dict(inputs)) if isinstance(inputs, Mapping) else ((inputs,), {})
         )
-        output = functional_call(self._model, params, args, kwargs)
+        output = functional_call(self.model, params, args, kwargs)
         return select_output(output, self._selector)
 
     def jvp(self, tangents: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -99,9 +99,9 @@ class PartFunction:
         """
 
         def single(*vector: Tensor) -> tuple[Tensor, Tensor]:
-            return jvp(self, self._primals, vector)
+            return jvp(self, self.primals, vector)
 
-        with _naming_unsupported(self._model, "J v (forward-mode AD, torch.func.jvp)"):
+        with _naming_unsupported(self.model, "J v (forward-mode AD, torch.func.jvp)"):
             return vmap(single, out_dims=(None, 0))(*tangents)
 
     def vjp(self, cotangents: Tensor) -> list[Tensor]:
@@ -110,9 +110,9 @@ class PartFunction:
         ``cotangents``: ``[K, N, *out]``. The forward pass recording the pullback
         runs once per block.
         """
-        with _naming_unsupported(self._model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
+        with _naming_unsupported(self.model, "Jᵀ w (reverse-mode AD, torch.func.vjp)"):
             if self._pullback is None:
-                _, self._pullback = vjp(self, *self._primals)
+                _, self._pullback = vjp(self, *self.primals)
             return list(vmap(self._pullback)(cotangents))
 
 
