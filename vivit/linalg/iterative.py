@@ -164,27 +164,21 @@ def block_krylov_eigh(
         start = torch.randn(size, width, generator=generator, dtype=torch.float64)
         # blocks are rows [b, size], as the basis: row-by-row products run faster
         block, _ = orthonormalize(None, start.T.contiguous().to(device))
-        image = following = rounding = None  # ρ: at the latest confirmation
+        rounding = None  # ρ: at the latest confirmation
         products, limit = 0, tol
         history: list[float] = []
-        # the images in the products' type, at least float32
-        image_dtype = torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
+        # the basis and its images in the products' type, at least float32
+        storage = torch.float64 if torch.finfo(dtype).bits > 32 else torch.float32
 
-        def apply(rows: Tensor, widen: bool = True) -> Tensor:
+        def apply(rows: Tensor) -> Tensor:
             """``(A Uᵀ)ᵀ`` for a block of rows ``U``: the operator takes columns."""
             nonlocal products
             products += rows.shape[0]
-            images = matmul(rows.to(dtype).T).T
-            if not widen:  # a confirmation's: read once, in chunks
-                return images
-            return images.to(torch.float64, memory_format=torch.contiguous_format)
+            return matmul(rows.to(dtype).T).T
 
+        krylov = KrylovBasis(capacity, size, storage, device)
+        krylov.append(block, apply(block))
         for cycle in range(1, cycles + 1):
-            image = apply(block) if image is None else image
-            krylov = KrylovBasis(block, image, capacity, image_dtype)
-            block = image = None  # copied into the basis
-            if following is not None:  # thick restart: go on from the last remainder
-                krylov.append(following, apply(following))
             while True:
                 # the kept Ritz pairs (a restart's), the leading k of them the result's
                 theta, restart_coefficients = krylov.rayleigh_ritz(kept)
@@ -195,8 +189,8 @@ def block_krylov_eigh(
                 # a narrow block confirms once the basis holds top_k Ritz pairs
                 ready = residual <= limit and theta.numel() == top_k
                 if ready or not fits:  # confirm, or the last chance
-                    ritz, stored_images = krylov.ritz_vectors(coefficients, widen=False)
-                    ritz_images = apply(ritz, widen=False)
+                    ritz, stored_images = krylov.ritz_vectors(coefficients)
+                    ritz_images = apply(ritz)
                     # the residual from fresh images, ρ from the same products
                     residual = relative_norm(theta, ritz_images, ritz, theta)
                     rounding = relative_norm(theta, ritz_images, stored_images)
@@ -230,11 +224,12 @@ def block_krylov_eigh(
                 break
             if min(history) < min(history[-stagnation:], default=0.0):
                 break
-            # the last chance confirmed the leading k of the kept Ritz vectors: their
-            # fresh images replace the ones combined from the basis' images
-            block, image = krylov.ritz_vectors(restart_coefficients)
-            image[-ritz_images.shape[0] :] = ritz_images
-            following, krylov = new, None  # the next basis replaces this one
+            # the last chance confirmed the leading k of the kept Ritz vectors: they
+            # and their fresh images replace the ones combined from the basis'
+            krylov.restart(restart_coefficients, ritz, ritz_images)
+            del ritz, ritz_images  # copied into the basis
+            if new is not None:  # thick restart: go on from the last remainder
+                krylov.append(new, apply(new))
         raise SolverNotConvergedError(
             f"The iterative eigensolver did not reach the relative residual "
             f"{_unreached(tol, limit, rounding, rounding_floor)} "

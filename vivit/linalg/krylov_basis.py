@@ -1,9 +1,14 @@
-"""The block Krylov solver's basis: orthonormal rows, their images and ``Qᵀ A Q``.
+"""The block Krylov solver's basis: its rows, their images, ``Qᵀ A Q`` and ``Qᵀ Q``.
 
 The parts of :mod:`vivit.linalg.iterative` that touch vectors of the operator's side.
+The rows are stored in the products' type (at least float32); every inner product
+and combination of them accumulates in float64, a chunk of entries at a time
+(``docs/math.rst``, "Implicit GGN-vector products", "Linear algebra").
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -15,8 +20,33 @@ DROP_TOLERANCE = 1e-13
 #: normalization (SVQB) leaves the block orthonormal within ``100·ε``, and the
 #: third projection is skipped (``docs/math.rst``, "Implicit GGN-vector products").
 SINGLE_SVQB_CONDITION = 100.0
-#: Entries per row of a float64 chunk: no temporary has the operator's side length.
-NORM_ROWS = 2**16
+#: Bytes of a chunk's float64 rows: converted, they stay in the cache for the product.
+CHUNK_BYTES = 2**21
+#: Fewest entries a chunk has, however many rows.
+MIN_CHUNK = 256
+
+
+def chunks(rows: int, size: int) -> Iterator[slice]:
+    """Slices of the ``size`` entries whose ``rows`` float64 rows fill a chunk."""
+    step = max(MIN_CHUNK, CHUNK_BYTES // (8 * max(rows, 1)))
+    return (slice(start, start + step) for start in range(0, size, step))
+
+
+def inner(rows: Tensor, *blocks: Tensor) -> Tensor:
+    """``rows · [blocks…]ᵀ`` ``[n, Σ b]`` in float64: one pass over ``rows``."""
+    width = sum(block.shape[0] for block in blocks)
+    result = rows.new_zeros(rows.shape[0], width, dtype=torch.float64)
+    for entries in chunks(rows.shape[0] + width, rows.shape[1]):
+        right = torch.cat([block[:, entries] for block in blocks])
+        result.addmm_(rows[:, entries].to(torch.float64), right.to(torch.float64).T)
+    return result
+
+
+def combine(coefficients: Tensor, rows: Tensor, out: Tensor) -> Tensor:
+    """``out = coefficientsᵀ · rows`` in float64; ``out`` may be rows of ``rows``."""
+    for entries in chunks(rows.shape[0], rows.shape[1]):
+        out[:, entries] = coefficients.T @ rows[:, entries].to(torch.float64)
+    return out
 
 
 def relative_norm(
@@ -27,8 +57,7 @@ def relative_norm(
     if scale == 0:
         return 0.0
     squares = first.new_zeros(first.shape[0], dtype=torch.float64)
-    for start in range(0, first.shape[1], NORM_ROWS):
-        entries = slice(start, start + NORM_ROWS)
+    for entries in chunks(2 * first.shape[0], first.shape[1]):
         part = second[:, entries].to(torch.float64)
         if scales is not None:
             part = part * scales.unsqueeze(1)
@@ -37,32 +66,61 @@ def relative_norm(
 
 
 class KrylovBasis:
-    """An orthonormal basis ``Q`` of ``[X, A X, A² X, …]``, its image and ``Qᵀ A Q``.
+    """A basis ``Q`` of ``[X, A X, A² X, …]``, its image, ``Qᵀ A Q`` and ``Qᵀ Q``.
 
-    One vector per row (``[m, R]``, at most ``capacity``): a new block writes only
-    its rows. The basis is float64, the images ``dtype`` (the products' type, at
-    least float32). ``block``: the orthonormal start ``X`` ``[b, R]``, ``image`` ``AX``.
+    One vector per row (``[m, size]``, at most ``capacity``), stored in ``dtype``
+    (the products' type, at least float32): a new block writes only its rows. Stored
+    rows are orthonormal up to their rounding; Rayleigh-Ritz takes their Gram
+    matrix into account (``docs/math.rst``, "Implicit GGN-vector products",
+    "Linear algebra").
     """
 
-    def __init__(self, block: Tensor, image: Tensor, capacity: int, dtype: torch.dtype):
-        size = block.shape[1]
-        self._basis_rows = block.new_empty(capacity, size)
-        self._image_rows = block.new_empty(capacity, size, dtype=dtype)
-        self._projected = block.new_empty(capacity, capacity)
+    def __init__(
+        self, capacity: int, size: int, dtype: torch.dtype, device: torch.device
+    ):
+        self._basis_rows = torch.empty(capacity, size, dtype=dtype, device=device)
+        self._image_rows = torch.empty_like(self._basis_rows)
+        self._projected = torch.zeros(
+            capacity, capacity, dtype=torch.float64, device=device
+        )
+        self._gram = torch.zeros_like(self._projected)
         self._filled = 0
         self._last = slice(0, 0)
-        self._last_image = image
-        self.append(block, image)
 
     def append(self, block: Tensor, image: Tensor) -> None:
         """Add orthonormal rows (orthogonal to the basis) and their image ``A`` rows."""
         new = slice(self._filled, self._filled + block.shape[0])
         self._basis_rows[new] = block
         self._image_rows[new] = image
-        self._filled, self._last, self._last_image = new.stop, new, image
-        coupling = self._basis_rows[: new.stop] @ image.T
-        self._projected[: new.stop, new] = coupling
-        self._projected[new, : new.stop] = coupling.T
+        self._couple(new)
+
+    def restart(self, coefficients: Tensor, leading: Tensor, images: Tensor) -> None:
+        """Keep the Ritz vectors ``Q s`` [m, r] only, as the basis' first rows.
+
+        Their images are combined from the stored ones, except the last: the
+        ``leading`` Ritz vectors (the last columns of ``s``) and their fresh
+        ``images``, as a confirmation multiplied them. In place, a chunk at a time.
+        """
+        m, kept = self._filled, coefficients.shape[1]
+        combined = slice(0, kept - leading.shape[0])
+        for rows in (self._basis_rows, self._image_rows):
+            combine(coefficients[:, combined], rows[:m], rows[combined])
+        self._basis_rows[combined.stop : kept] = leading
+        self._image_rows[combined.stop : kept] = images
+        self._couple(slice(0, kept))
+
+    def _couple(self, new: slice) -> None:
+        """``Qᵀ A Q`` and ``Qᵀ Q`` of the rows ``new`` with those up to them."""
+        rows = self._basis_rows[: new.stop]
+        coupling = inner(rows, self._image_rows[new], self._basis_rows[new])
+        width = new.stop - new.start
+        for matrix, part in (
+            (self._projected, coupling[:, :width]),
+            (self._gram, coupling[:, width:]),
+        ):
+            matrix[: new.stop, new] = part
+            matrix[new, : new.stop] = part.T
+        self._filled, self._last = new.stop, new
 
     @property
     def room(self) -> int:
@@ -73,20 +131,31 @@ class KrylovBasis:
         """The next block ``R = (I − Q Qᵀ) A Q_last``, orthonormalized, and ``Rᵀ R``.
 
         ``‖A Q s − θ Q s‖ = ‖R s_last‖``: ``Rᵀ R`` gives every residual without Ritz
-        vectors. The block is ``None`` where exhausted; it may not fit the basis.
+        vectors. The block (float64) is ``None`` where exhausted; it may not fit.
         """
         basis = self._basis_rows[: self._filled]
         coupling = self._projected[: self._filled, self._last]  # Qᵀ A Q_last
-        new, residual_gram = orthonormalize(basis, self._last_image, coupling)
+        image = self._image_rows[self._last]
+        new, residual_gram = orthonormalize(basis, image, coupling)
         return (new if new.shape[0] > 0 else None), residual_gram
 
     def rayleigh_ritz(self, count: int) -> tuple[Tensor, Tensor]:
-        """``count`` leading Ritz values of ``T`` (ascending), their ``s`` [m, c]."""
+        """``count`` leading Ritz values, their ``s`` [m, c]: ``sᵀQᵀQs = I``.
+
+        ``T s = θ Qᵀ Q s`` through the Cholesky factor ``L`` of ``Qᵀ Q``: the
+        eigenpairs ``(θ, v)`` of ``L⁻¹ T L⁻ᵀ``, ``s = L⁻ᵀ v``.
+        """
         m = self._filled
-        projected = self._projected[:m, :m]
-        theta, coefficients = torch.linalg.eigh((projected + projected.T) / 2)
+        projected, gram = self._projected[:m, :m], self._gram[:m, :m]
+        factor = torch.linalg.cholesky((gram + gram.T) / 2)
+        half = torch.linalg.solve_triangular(factor, projected, upper=False)
+        reduced = torch.linalg.solve_triangular(factor, half.T, upper=False)
+        theta, vectors = torch.linalg.eigh((reduced + reduced.T) / 2)
         keep = min(count, m)
-        return theta[-keep:], coefficients[:, -keep:]
+        coefficients = torch.linalg.solve_triangular(
+            factor.T, vectors[:, -keep:], upper=True
+        )
+        return theta[-keep:], coefficients
 
     def estimated_residual(
         self, theta: Tensor, coefficients: Tensor, residual_gram: Tensor
@@ -97,34 +166,26 @@ class KrylovBasis:
         squares = ((residual_gram @ last) * last).sum(dim=0).clamp(min=0)
         return squares.max().sqrt().item() / scale if scale > 0 else 0.0
 
-    def ritz_vectors(
-        self, coefficients: Tensor, widen: bool = True
-    ) -> tuple[Tensor, Tensor]:
-        """Ritz vectors ``Q s`` and images ``A Q s`` (float64 if ``widen``), rows."""
-        m = self._filled
-        basis, images = self._basis_rows[:m], self._image_rows[:m]
-        if images.dtype == torch.float64:
-            combined = coefficients.T @ images
-        else:  # in float64, a chunk of entries at a time: one rounding at the end
-            combined = basis.new_empty(coefficients.shape[1], images.shape[1])
-            for start in range(0, images.shape[1], NORM_ROWS):
-                entries = slice(start, start + NORM_ROWS)
-                part = images[:, entries].to(torch.float64)
-                torch.mm(coefficients.T, part, out=combined[:, entries])
-            if not widen:
-                combined = combined.to(images.dtype)
-        return coefficients.T @ basis, combined
+    def ritz_vectors(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
+        """Ritz vectors ``Q s`` and images ``A Q s``, rows in the basis' type."""
+        m, count = self._filled, coefficients.shape[1]
+        return tuple(
+            combine(coefficients, rows[:m], rows.new_empty(count, rows.shape[1]))
+            for rows in (self._basis_rows, self._image_rows)
+        )
 
 
 def orthonormalize(
     basis: Tensor | None, block: Tensor, coefficients: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Orthonormal rows ``[b', R]`` spanning ``block`` minus its part in the basis.
+    """Orthonormal float64 rows ``[b', R]``: ``block`` minus its part in the basis.
 
     Classical Gram-Schmidt twice, then SVQB, all again where ill-conditioned; drops
     vanishing directions. ``coefficients``: ``basis · blockᵀ`` where known. Also
     returns the block's Gram matrix ``[b, b]`` after the first projection.
     """
+    # a copy, projected in place
+    block = block.to(torch.float64, memory_format=torch.contiguous_format, copy=True)
     residual_gram = block.new_zeros(block.shape[0], block.shape[0])
     scale = block.norm(dim=1).max()
     if scale == 0:
@@ -134,9 +195,10 @@ def orthonormalize(
         if basis is not None:
             for _ in range(projections):
                 if coefficients is None:
-                    coefficients = basis @ block.T
-                # block − coefficientsᵀ·basis in one pass, no temporary
-                block = torch.addmm(block, coefficients.T, basis, alpha=-1)
+                    coefficients = inner(basis, block)
+                for entries in chunks(basis.shape[0], basis.shape[1]):
+                    part = basis[:, entries].to(torch.float64)
+                    block[:, entries].addmm_(coefficients.T, part, alpha=-1)
                 coefficients = None
         gram = block @ block.T
         if projections == 2:

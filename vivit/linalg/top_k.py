@@ -23,7 +23,6 @@ from vivit.linalg.iterative import (
     block_krylov_eigh,
     default_block_size,
     minimum_capacity,
-    restart_size,
 )
 from vivit.linalg.solvers import check_top_k, gram_eigh_top
 
@@ -82,19 +81,20 @@ def iterative_workspace_bytes(
 ) -> int:
     """Bytes of the iterative solvers' workspace besides the ``size²`` Gram matrix.
 
-    The float64 basis (``columns``, default ``basis_capacity``), its images and
-    projection, the Ritz vectors a restart keeps and their images, three blocks of
-    ``max(b, k)`` and two in ``dtype`` (``D = params`` long too for the matrix-free
-    solver). ``solver`` defaults to ``"gram_krylov"`` without ``params``, else to
-    ``"factor_krylov"``.
+    In the products' type (at least float32): the basis (``columns``, default
+    ``basis_capacity``), its images, a confirmation's Ritz vectors and their
+    combined images (``max(b, k)`` each); in float64: three blocks of ``b`` being
+    orthogonalized, ``Qᵀ A Q`` and ``Qᵀ Q``; two blocks of ``max(b, k)`` in
+    ``dtype`` (``D = params`` long too for the matrix-free solver). ``solver``
+    defaults to ``"gram_krylov"`` without ``params``, else to ``"factor_krylov"``.
     """
     solver, width = _block_of(solver, top_k, size, params)
     wide = max(width, min(top_k, size))
     if columns is None:
         columns = basis_capacity(width, size, top_k=top_k)
-    kept = restart_size(top_k, width, columns)
-    workspace = ((columns + 2 * kept + 3 * wide) * size + columns**2) * 8  # float64
-    workspace += columns * size * max(itemsize(dtype), 4)  # the images
+    stored = max(itemsize(dtype), 4)  # the basis' type
+    workspace = 2 * (columns + wide) * size * stored
+    workspace += (3 * width * size + 2 * columns**2) * 8  # float64
     return workspace + 2 * wide * (size + (params or 0)) * itemsize(dtype)
 
 
