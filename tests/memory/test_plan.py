@@ -87,6 +87,27 @@ def test_large_vocabulary_runs_implicit_and_is_exact():
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
 
 
+def test_a_stopped_measurement_is_kept_for_the_same_request(monkeypatch):
+    """The same request again gets the stop without measuring; a larger one
+    (a larger budget) measures again."""
+    model, loss_func, X, y = _vocabulary_problem()
+    first = LowRankGGN(model, loss_func, (X, y)).plan
+    measured = []
+    profile_type = type(first.profile)
+    original = profile_type._gram_profile
+
+    def counted(self, *args):
+        measured.append(args)
+        return original(self, *args)
+
+    monkeypatch.setattr(profile_type, "_gram_profile", counted)
+    again = LowRankGGN(model, loss_func, (X, y)).plan
+    assert again.profile is first.profile and not measured
+    assert again.route == "implicit" and again.reason == first.reason
+    LowRankGGN(model, loss_func, (torch.cat([X, X]), torch.cat([y, y])))
+    assert measured  # a pass over more samples may cost more: measured again
+
+
 @pytest.mark.parametrize("name", ["transformer-ce-mean", "lstm-ce-sum"])
 def test_few_columns_run_the_gram_route(name):
     s = PROBLEMS[name].setup()

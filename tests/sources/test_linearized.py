@@ -210,16 +210,22 @@ def test_a_model_that_records_checks_without_a_reason():
 
 
 def test_the_plan_keeps_the_recordings_that_fit(monkeypatch):
-    """Beside the solve's estimate, as many parts as their measured recordings fit."""
+    """Beside the solve's basis, as many parts as their measured recordings fit;
+    the estimate holds them."""
     model, loss_func = Counting().double(), nn.CrossEntropyLoss()
     inputs, targets = _data(3)
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=4)
     plan = LowRankGGN(model, loss_func, loader, route="implicit").plan
     assert plan.linearized_parts(TOP_K) == 3
-    total = plan.implicit_estimate(TOP_K).total
     width = plan.pass_width(TOP_K)
     kept = plan.measured("implicit").kept(plan.sizes.part, width)
     assert kept > 0  # the recording: activations and the pullback's graph
+    every = plan.implicit_estimate(TOP_K)
+    alone = every.total - int(2 * kept)  # the first part's recording is a pass's
     for room, parts in [(0, 1), (1.5 * kept, 2), (2 * kept, 3)]:
-        available(monkeypatch, int(total + room))
+        available(monkeypatch, int(alone + room))
         assert plan.linearized_parts(TOP_K) == parts
+        estimate = plan.implicit_estimate(TOP_K)
+        assert estimate.basis_columns == every.basis_columns  # the basis first
+        recorded = every.passes - 2 * kept + (parts - 1) * kept
+        assert abs(estimate.passes - recorded) <= 1  # whole bytes

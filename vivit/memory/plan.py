@@ -185,20 +185,39 @@ class Plan:
     def implicit_estimate(
         self, top_k: int, available: int | None = None
     ) -> MemoryEstimate:
-        """The implicit route's peak for ``top_k`` pairs, its basis cut to fit."""
+        """The implicit route's peak for ``top_k`` pairs, its basis cut to fit.
+
+        Its passes hold the recordings of :meth:`linearized_parts` parts.
+        """
+        size, solver = max(self.num_params), "ggn_krylov"
+        passes, columns, krylov, recordings = self._implicit_parts(top_k, available)
+        block = solver_block_size(solver, top_k, size)
+        return MemoryEstimate(
+            "implicit", self.reason, "implicit", solver, self.sizes.curvature,
+            int(passes + recordings[1]), 0, int(krylov), columns,
+            basis_capacity(block, size, top_k=top_k),
+        )  # fmt: skip
+
+    def _implicit_parts(
+        self, top_k: int, available: int | None
+    ) -> tuple[float, int, int, tuple[int, float]]:
+        """The implicit route's memory: a pass, the basis, the recordings.
+
+        Returns a pass's peak, the basis' columns and bytes, and the parts
+        recorded with the bytes of all but the first one's recordings: first the
+        basis, then as many recordings as fit (``docs/math.rst``, "Linearized
+        products").
+        """
         implicit, part = self.profile.implicit, self.sizes.part
         size, solver = max(self.num_params), "ggn_krylov"
         width = self.pass_width(min(top_k, size))
         passes = max(implicit.peak(part, width), self.profile.baseline.peak(part))
-        budget = self._available(available) - passes
-        columns = fitting_basis_columns(size, top_k, self.dtype, budget, 0, solver)
+        room = self._available(available) - passes
+        columns = fitting_basis_columns(size, top_k, self.dtype, room, 0, solver)
         krylov = iterative_workspace_bytes(size, top_k, self.dtype, 0, columns, solver)
-        block = solver_block_size(solver, top_k, size)
-        return MemoryEstimate(
-            "implicit", self.reason, "implicit", solver, self.sizes.curvature,
-            int(passes), 0, int(krylov), columns,
-            basis_capacity(block, size, top_k=top_k),
-        )  # fmt: skip
+        kept = max(implicit.kept(part, width), 1.0)  # the first is in passes
+        later = int(min(self.sizes.parts - 1, max(room - krylov, 0.0) // kept))
+        return passes, columns, krylov, (1 + later, later * kept)
 
     def check(self, solver: str = "auto") -> None:
         """Refuse a Gram route whose passes cannot fit, before they run.
@@ -287,16 +306,12 @@ class Plan:
         """Parts whose recorded forward pass a solve of ``top_k`` pairs keeps.
 
         The first part's recording is in the measured pass; each further part's
-        adds the bytes a pass keeps (``docs/math.rst``, "Linearized products"),
-        as many as fit beside the solve's estimate. Unmeasured: a lone part.
+        adds the bytes a first product keeps, as many as fit beside the solve
+        (``docs/math.rst``, "Linearized products"). Unmeasured: a lone part.
         """
-        implicit, parts = self.measured("implicit"), self.sizes.parts
-        if implicit is None:
-            return 1 if parts == 1 else 0
-        width = self.pass_width(min(top_k, max(self.num_params)))
-        room = self._available() - self.implicit_estimate(top_k).total
-        kept = max(implicit.kept(self.sizes.part, width), 1.0)
-        return int(min(parts, 1 + max(room, 0.0) // kept))
+        if self.measured("implicit") is None:
+            return 1 if self.sizes.parts == 1 else 0
+        return self._implicit_parts(top_k, None)[3][0]
 
     def pass_width(self, vectors: int) -> int:
         """Vectors per vmapped implicit pass over a part: as many as fit."""

@@ -134,6 +134,31 @@ class Passes(NamedTuple):
                      for n in ("trace", "work", "ops")))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PerVector:
+    """A quantity of products of ``y`` vectors run one after another, by ``x``.
+
+    ``lines``: :class:`Plane` s in ``x`` (traces of one length: one line per
+    operation) at each of :data:`_VECTORS`, linear in ``y`` between and beyond.
+    """
+
+    lines: tuple[Plane, Plane]
+
+    def __call__(self, x: float, y: float) -> float:
+        """The value for ``x`` samples and ``y`` vectors, at least 0."""
+        (low, high), (fewer, more) = _VECTORS, self.lines
+        step = (more(x) - fewer(x)) / (high - low)
+        return max(0.0, fewer(x) + (y - low) * step)
+
+    @classmethod
+    def fit(cls, points: dict[tuple[int, int], list[float] | float]) -> PerVector:
+        """Through ``{(x, y): trace or value}`` at :data:`_VECTORS`."""
+        return cls(tuple(
+            Plane.fit({k: v for k, v in points.items() if k[1] == vectors})
+            for vectors in _VECTORS
+        ))  # fmt: skip
+
+
 class ImplicitPasses(NamedTuple):
     """A linearized product's peak bytes, multiply-adds, operations, kept bytes.
 
@@ -141,10 +166,10 @@ class ImplicitPasses(NamedTuple):
     for the next); ``work`` and ``ops``: of a later one (the products of a solve).
     """
 
-    peak: Plane
+    peak: PerVector
     work: Plane
     ops: Plane
-    kept: Plane
+    kept: PerVector
 
 
 class Profile:
@@ -194,6 +219,8 @@ class Profile:
         self.baseline = Passes.fit(usage)
         self.outputs, self.columns = shape
         self._dtype = options.gram_dtype or params[0].dtype
+        #: Where :meth:`gram_within` stopped: cost, and the samples asked for.
+        self._gram_stop: tuple[float, int] | None = None
 
     @functools.cached_property
     def gram(self) -> GramProfile | None:
@@ -210,14 +237,20 @@ class Profile:
 
         A pass over at most ``samples`` samples stops once its cost
         (:class:`~vivit.memory.counter.Counter`) passes ``budget``: a lower bound
-        of the route's passes over ``samples`` (nothing is kept: :attr:`gram`
-        measures again).
+        of the route's passes over ``samples`` or more. A stop is kept: a later
+        request of no larger budget over as many samples or more gets it again
+        without measuring (:attr:`gram` measures whole).
         """
-        if "gram" not in self.__dict__:
-            try:
-                self.__dict__["gram"] = self._gram_profile(budget, samples)
-            except WorkExceeded as stop:
-                return stop.cost
+        if "gram" in self.__dict__:
+            return self.gram
+        stop = self._gram_stop
+        if stop is not None and budget <= stop[0] and samples >= stop[1]:
+            return stop[0]
+        try:
+            self.__dict__["gram"] = self._gram_profile(budget, samples)
+        except WorkExceeded as stopped:
+            self._gram_stop = (stopped.cost, samples)
+            return stopped.cost
         return self.gram
 
     def _gram_profile(
@@ -296,10 +329,13 @@ class Profile:
                 for usage in (first, later):
                     call = functools.partial(group.ggn_matmul, values)
                     usage[n, vectors] = measure(call)[1]
-        peak, _, _ = Passes.fit(first)
+        # one vector after another: traces of one length per number of vectors
         _, work, ops = Passes.fit(later)
         return ImplicitPasses(
-            peak, work, ops, Plane.fit({k: u.kept for k, u in first.items()})
+            PerVector.fit({k: u.trace for k, u in first.items()}),
+            work,
+            ops,
+            PerVector.fit({k: u.kept for k, u in first.items()}),
         )
 
 

@@ -28,7 +28,7 @@ from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import PARTIAL_FRACTION as MANY_PAIRS_FRACTION
 from vivit.loss_hessians import LossHessianProducts
 from vivit.model_copy import probe_copy_or_model
-from vivit.model_inputs import call_model
+from vivit.model_inputs import call_model, take_samples
 from vivit.options import CurvatureOptions
 from vivit.sources.base import CurvatureSource, PassGroup
 from vivit.sources.data import Data, Part, fingerprint, weightless
@@ -41,6 +41,9 @@ from vivit.sources.union import (
 )
 
 logger = logging.getLogger("vivit")
+
+#: Samples of the first part the construction's checks of the rules run on.
+CHECK_SAMPLES = 2
 
 #: So many pairs the implicit route always computes (a basis of ``3·128`` vectors);
 #: beyond, at most ``MANY_PAIRS_FRACTION`` (``solver="auto"``'s limit) of the
@@ -348,9 +351,11 @@ class ImplicitFactors(CurvatureSource):
             if part.index == 0:  # on a copy: the caller's model runs once here
                 copy, copies = probe_copy_or_model(model)
                 copied = dict(zip(map(id, model.parameters()), copies, strict=True))
+                # the rules of the model's operations: a few samples show them
+                inputs = take_samples(part.inputs, slice(0, CHECK_SAMPLES))
                 for group in self.param_groups:
                     group = [copied[id(p)] for p in group]
-                    function = PartFunction(copy, group, part.inputs, selector)
+                    function = PartFunction(copy, group, inputs, selector)
                     check_modes_agree(function, group)
                     self._unlinearizable = self._unlinearizable or (
                         check_linearization(function)
