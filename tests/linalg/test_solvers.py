@@ -640,9 +640,18 @@ def test_auto_falls_back_to_dense(monkeypatch):
         torch.linalg.eigvalsh(dense_ggn(model, loss_func, X, y)),
         EIGVAL_RTOL[torch.float64],
     )
+    # a named solver never falls back: it stops at the products' rounding floor
+    # (twice ρ, with a warning), or raises where its residual stays above that
     explicit = LowRankGGN(model, loss_func, (X, y), solver_tol=1e-300)
-    with pytest.raises(SolverNotConvergedError):
-        explicit.eigh(top_k=TOP_K, solver="gram_krylov")
+    try:
+        with pytest.warns(RoundingFloorWarning):
+            explicit.eigh(top_k=TOP_K, solver="gram_krylov")
+    except SolverNotConvergedError as error:
+        assert "did not reach" in str(error)
+    else:
+        report = explicit.solver_report()
+        assert report.solver == "gram_krylov" and report.fallback is None
+        assert report.residual <= report.tolerance == 2 * report.rounding
 
 
 def test_leading_eigenpairs_reports_dense_residual():

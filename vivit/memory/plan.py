@@ -38,6 +38,9 @@ from vivit.memory.profile import Profile
 ESTIMATE_FACTOR = 1.5
 #: Leading eigenpairs the route is chosen for.
 ROUTE_TOP_K = 10
+#: Most of the memory available the recordings of a loader's later parts take
+#: (``docs/math.rst``, "Linearized products"): a large data set's are not all kept.
+RECORDING_FRACTION = 1 / 4
 #: Bytes of the tangents one vmapped implicit pass over a part may hold.
 PASS_BYTES = 2**29
 
@@ -212,11 +215,13 @@ class Plan:
         size, solver = max(self.num_params), "ggn_krylov"
         width = self.pass_width(min(top_k, size))
         passes = max(implicit.peak(part, width), self.profile.baseline.peak(part))
-        room = self._available(available) - passes
+        available = self._available(available)
+        room = available - passes
         columns = fitting_basis_columns(size, top_k, self.dtype, room, 0, solver)
         krylov = iterative_workspace_bytes(size, top_k, self.dtype, 0, columns, solver)
         kept = max(implicit.kept(part, width), 1.0)  # the first is in passes
-        later = int(min(self.sizes.parts - 1, max(room - krylov, 0.0) // kept))
+        room = min(room - krylov, RECORDING_FRACTION * available)
+        later = int(min(self.sizes.parts - 1, max(room, 0.0) // kept))
         return passes, columns, krylov, (1 + later, later * kept)
 
     def check(self, solver: str = "auto") -> None:
