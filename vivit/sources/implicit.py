@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -252,7 +253,7 @@ class ImplicitFactors(CurvatureSource):
         self._basis_columns: dict[int, int | None] = {}
         #: Per (group, part index) within :meth:`linearized`; ``None`` outside.
         self._linearized: dict[tuple[int, int], LinearizedPart] | None = None
-        self._kept_parts = 0
+        self._kept_parts: float = 0
         self._unlinearizable: str | None = None  # why products run forward mode
         self.lockstep = LockStep(shards.group, shards.report)
         shape, grouped = data.sample_shape, shards.group is not None
@@ -309,7 +310,7 @@ class ImplicitFactors(CurvatureSource):
             yield
             return
         plan = self._plan
-        self._kept_parts = 2**62 if plan is None else plan.linearized_parts(top_k)
+        self._kept_parts = math.inf if plan is None else plan.linearized_parts(top_k)
         self._linearized = {}
         try:
             yield

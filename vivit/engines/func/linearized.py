@@ -29,7 +29,8 @@ class LinearizedPart:
 
     def __init__(self, function: PartFunction):
         with forward_mode_kernels(function.model):
-            self._leaves = tuple(p.clone().requires_grad_() for p in function.primals)
+            # the parameters' storage, as leaves of their own
+            self._leaves = tuple(p.detach().requires_grad_() for p in function.primals)
             output = function(*self._leaves)
             placeholder = torch.zeros_like(output, requires_grad=True)
             pulled = torch.autograd.grad(
