@@ -253,6 +253,7 @@ class ImplicitFactors(CurvatureSource):
         self._basis_columns: dict[int, int | None] = {}
         #: Per (group, part index) within :meth:`linearized`; ``None`` outside.
         self._linearized: dict[tuple[int, int], LinearizedPart] | None = None
+        self._hessians: dict[int, LossHessianProducts] = {}  # of the recorded parts
         self._kept_parts: float = 0
         self._unlinearizable: str | None = None  # why products run forward mode
         self.lockstep = LockStep(shards.group, shards.report)
@@ -272,14 +273,23 @@ class ImplicitFactors(CurvatureSource):
             yield [v[start : start + width] for v in vectors]
 
     def hessian_products(
-        self, part: Part, function: PartFunction, vectors: Sequence[Tensor]
+        self,
+        part: Part,
+        function: PartFunction | LinearizedPart,
+        vectors: Sequence[Tensor],
     ) -> Iterator[tuple[LossHessianProducts, Tensor, Tensor, Tensor]]:
-        """Per chunk of the vectors: the loss Hessian, output, ``J v`` and ``H J v``."""
-        hessian = None
+        """Per chunk of the vectors: the loss Hessian, output, ``J v`` and ``H J v``.
+
+        A recorded part's loss Hessian is kept with its recording.
+        """
+        recorded = isinstance(function, LinearizedPart)
+        hessians = self._hessians if recorded else {}
+        hessian = hessians.get(part.index)
         for chunk in self.vector_chunks(vectors):
             output, tangents = function.jvp(chunk)
             if hessian is None:  # the output of every chunk's primal pass
                 hessian = LossHessianProducts(part.loss_func, output, part.targets)
+                hessians[part.index] = hessian
             yield hessian, output, tangents, hessian.hessian_matmul(tangents)
 
     def check_fits(self, top_k: int) -> int | None:
@@ -315,7 +325,7 @@ class ImplicitFactors(CurvatureSource):
         try:
             yield
         finally:
-            self._linearized = None
+            self._linearized, self._hessians = None, {}
 
     def run_pass(
         self,
