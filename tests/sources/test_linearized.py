@@ -17,7 +17,11 @@ from torch.autograd.function import once_differentiable
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.fixtures.checks import EIGVAL_RTOL, REORDERED_REL, assert_top_eigvals
-from tests.fixtures.func_problems import FUNC_PROBLEMS, PADDED_PROBLEMS
+from tests.fixtures.func_problems import (
+    FUNC_PROBLEMS,
+    PADDED_PROBLEMS,
+    NoForwardMode,
+)
 from tests.fixtures.memory import available
 from tests.fixtures.reference import dense_ggn
 from vivit import LowRankGGN
@@ -130,18 +134,8 @@ class OnceDifferentiableTanh(_Tanh):
         return grad * (1 - output**2)
 
 
-class NoDoubleBackward(torch.autograd.Function):
+class NoDoubleBackward(NoForwardMode):
     """``g ↦ g`` whose backward raises, as an aten backward without a derivative."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(grad):
-        return grad.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
     @staticmethod
     def backward(ctx, grad):
