@@ -193,23 +193,22 @@ class Plan:
         Its passes hold the recordings of :meth:`linearized_parts` parts.
         """
         size, solver = max(self.num_params), "ggn_krylov"
-        passes, columns, krylov, recordings = self._implicit_parts(top_k, available)
+        passes, columns, krylov, _ = self._implicit_parts(top_k, available)
         block = solver_block_size(solver, top_k, size)
         return MemoryEstimate(
             "implicit", self.reason, "implicit", solver, self.sizes.curvature,
-            int(passes + recordings[1]), 0, int(krylov), columns,
+            int(passes), 0, int(krylov), columns,
             basis_capacity(block, size, top_k=top_k),
         )  # fmt: skip
 
     def _implicit_parts(
         self, top_k: int, available: int | None
-    ) -> tuple[float, int, int, tuple[int, float]]:
-        """The implicit route's memory: a pass, the basis, the recordings.
+    ) -> tuple[float, int, int, int]:
+        """The implicit route's passes, basis columns and bytes, parts recorded.
 
-        Returns a pass's peak, the basis' columns and bytes, and the parts
-        recorded with the bytes of all but the first one's recordings: first the
-        basis, then as many recordings as fit (``docs/math.rst``, "Linearized
-        products").
+        The passes: a pass's peak (the first part's recording in it) and the
+        recordings of the further parts that fit once the basis does
+        (``docs/math.rst``, "Linearized products").
         """
         implicit, part = self.profile.implicit, self.sizes.part
         size, solver = max(self.num_params), "ggn_krylov"
@@ -222,7 +221,7 @@ class Plan:
         kept = max(implicit.kept(part, width), 1.0)  # the first is in passes
         room = min(room - krylov, RECORDING_FRACTION * available)
         later = int(min(self.sizes.parts - 1, max(room, 0.0) // kept))
-        return passes, columns, krylov, (1 + later, later * kept)
+        return passes + later * kept, columns, krylov, 1 + later
 
     def check(self, solver: str = "auto") -> None:
         """Refuse a Gram route whose passes cannot fit, before they run.
@@ -316,7 +315,7 @@ class Plan:
         """
         if self.measured("implicit") is None:
             return 1 if self.sizes.parts == 1 else 0
-        return self._implicit_parts(top_k, None)[3][0]
+        return self._implicit_parts(top_k, None)[3]
 
     def pass_width(self, vectors: int) -> int:
         """Vectors per vmapped implicit pass over a part: as many as fit."""
