@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
-from vivit.distributed import ShardExchange, local_module, resolve_group
+from vivit.distributed import ParamPlacement, ShardExchange, local_view, resolve_group
 from vivit.engines.base import Engine, OutputSelector
 from vivit.memory.plan import Plan
 from vivit.memory.request import agreed_plan, asked, plan_request
@@ -136,10 +136,12 @@ class LowRankGGN(CurvatureResults):
     ) -> None:
         """Run ``options()`` and the source in the exchange: refusals reach all."""
         with ShardExchange(group) as shards:
+            module, placement = local_view(model)  # a collective for FSDP2
             check_grad_mode("LowRankGGN")
             checked = options()
-            module = local_module(model)
-            groups, names = checked_param_groups(module, loss_func, param_groups)
+            groups, names = checked_param_groups(
+                module, loss_func, placement.groups(param_groups)
+            )
             data = Data(module, loss_func, data, checked, grouped=group is not None)
             plan = plan_request(module, loss_func, data, groups, checked)
             # under a group every rank runs one route, decided from every shard's
@@ -156,7 +158,7 @@ class LowRankGGN(CurvatureResults):
                     module, loss_func, data, groups, names, checked, shards,
                     plan.engine, plan,
                 )  # fmt: skip
-        self._init(source, checked, plan)
+        self._init(source, checked, plan, placement)
 
     def _group(self, group: int) -> GroupCurvature:
         """The stored curvature of a group: its factors and batch context."""
@@ -167,8 +169,9 @@ class LowRankGGN(CurvatureResults):
         source: StoredFactors | ImplicitFactors,
         options: CurvatureOptions,
         plan: Plan | None,
+        placement: ParamPlacement | None = None,
     ) -> None:
-        super().__init__(source, options)
+        super().__init__(source, options, placement)
         self.plan = plan
         self.shards = source.shards
         self.communication = source.communication

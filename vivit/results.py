@@ -25,6 +25,7 @@ from vivit.directional.gram_space import (
     newton_coefficients_damped,
 )
 from vivit.directional.results import DirectionalDerivatives, NewtonStep
+from vivit.distributed.sharded import ParamPlacement, gathered
 from vivit.eigenpairs import auto_solver, compute_leading, gram_nonzero, resolved
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import dense_workspace_bytes, itemsize
@@ -51,9 +52,16 @@ class CurvatureResults:
         engine: Name of the engine that ran (``"backpack"`` or ``"func"``).
     """
 
-    def __init__(self, source: CurvatureSource, options: CurvatureOptions):
+    def __init__(
+        self,
+        source: CurvatureSource,
+        options: CurvatureOptions,
+        placement: ParamPlacement | None = None,
+    ):
         self._source = source
         self._options = options
+        # an FSDP2 model's parameter-space results are sharded like its parameters
+        self._placement = placement or ParamPlacement()
         self.param_groups = source.param_groups
         self.loss = source.loss
         self.engine = source.engine
@@ -257,9 +265,10 @@ class CurvatureResults:
         key = (group, top_k, solver, tol, seed)
         evecs = self._param_directions(source, evals, gram_evecs, key)
         if source.keeps_directions:
-            return evals, in_param_dtypes(evecs, source.params)
-        # formed for this call (V ũ, as large as top_k models): not copied again
-        return evals, [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
+            evecs = in_param_dtypes(evecs, source.params)
+        else:  # formed for this call (V ũ, as large as top_k models): not copied again
+            evecs = [e.to(p.dtype) for e, p in zip(evecs, source.params, strict=True)]
+        return evals, self._placement.place(evecs, source.params, leading=1)
 
     def operator(self, group: int = 0) -> GGNOperator:
         """The GGN of group ``group`` as a linear operator, never formed.
@@ -276,6 +285,10 @@ class CurvatureResults:
             products if source.parameter_space else GramSpaceProducts(products),
             source.params,
             lambda top_k, solver: self._directions(top_k, group, solver),
+            gather=gathered,
+            place=lambda tensors, leading: self._placement.place(
+                tensors, source.params, leading
+            ),
         )
 
     # Gradient and directional derivatives -----------------------------------
@@ -285,7 +298,10 @@ class CurvatureResults:
         Returns:
             One tensor per parameter of group ``group``, shaped like it; copies.
         """
-        return [g.clone() for g in self._source.group(group).gradient]
+        source = self._source.group(group)
+        return self._placement.place(
+            [g.clone() for g in source.gradient], source.params
+        )
 
     def _directional(
         self,
@@ -393,7 +409,9 @@ class CurvatureResults:
         return NewtonStep(
             directional=directional,
             dampings=dampings,
-            step=in_param_dtypes(step, source.params),
+            step=self._placement.place(
+                in_param_dtypes(step, source.params), source.params
+            ),
         )
 
     def newton_step(

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 
 from vivit._validation import check_grad_mode
+from vivit.distributed import local_view
 from vivit.engines.base import Engine, OutputSelector
 from vivit.errors import InvalidArgumentError
 from vivit.options import check_streaming, options_from
@@ -91,8 +92,11 @@ class StreamingGGN(CurvatureResults):
         check_grad_mode("StreamingGGN")
         options = options_from(locals())
         check_streaming(options)
-        self._stream = StreamedFactors(model, loss_func, data, param_groups, options)
-        super().__init__(self._stream, options)
+        module, placement = local_view(model)  # a collective for FSDP2
+        self._stream = StreamedFactors(
+            module, loss_func, data, placement.groups(param_groups), options
+        )
+        super().__init__(self._stream, options, placement)
 
     @property
     def passes(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.nn import Conv2d, CrossEntropyLoss, Linear, Module, Parameter
 
+from vivit.distributed.sharded import gathered
 from vivit.errors import ZeroStepWarning
 from vivit.linalg.iterative import block_krylov_eigh
 from vivit.lowrank import LowRankGGN
@@ -51,8 +52,11 @@ class ApproximateCurvature:
 
 
 def flat_rows(tensors: Sequence[Tensor]) -> Tensor:
-    """Tensors ``[K, *p.shape]`` (one per parameter) as float64 ``[K, D]``."""
-    return flatten_rows(tensors).detach().double()
+    """Tensors ``[K, *p.shape]`` (one per parameter) as float64 ``[K, D]``.
+
+    An FSDP2 model's (``DTensor``) are gathered first.
+    """
+    return flatten_rows([gathered(t) for t in tensors]).detach().double()
 
 
 def flat(tensors: Sequence[Tensor]) -> Tensor:

@@ -12,19 +12,21 @@ from vivit.distributed.agreement import (
 )
 from vivit.distributed.exchange import ShardExchange
 from vivit.distributed.gram import gram_block_owners
-from vivit.distributed.group import local_module, resolve_group
+from vivit.distributed.group import resolve_group
 from vivit.distributed.layout import ExchangeReport, ShardLayout
 from vivit.distributed.packing import ALIGNMENT
+from vivit.distributed.sharded import ParamPlacement, local_view
 
 __all__ = [
     "ALIGNMENT",
     "SAMPLE_SHAPE",
     "ExchangeReport",
+    "ParamPlacement",
     "ShardExchange",
     "ShardLayout",
     "agree_across_ranks",
     "gram_block_owners",
-    "local_module",
+    "local_view",
     "request_fingerprint",
     "resolve_group",
 ]

@@ -1,10 +1,8 @@
-"""Which process group a construction exchanges over, and which module it runs."""
+"""Which process group a construction exchanges over."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
-from torch.nn import Module
 
 from vivit.errors import InvalidArgumentError
 
@@ -50,14 +48,3 @@ def resolve_group(process_group: object) -> dist.ProcessGroup | None:
             "belongs to, or process_group=False."
         )
     return group if dist.get_world_size(group) > 1 else None
-
-
-def local_module(model: Module) -> Module:
-    """The module to run the engines on: a ``DistributedDataParallel``'s ``.module``.
-
-    DDP's forward pass prepares a gradient all-reduce that the curvature's
-    backward pass must not trigger; the wrapped module holds the same parameters.
-    """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return model.module
-    return model

@@ -67,7 +67,9 @@ class GGNOperator:
     group's order), ``[D]`` or ``[D, K]``, or one tensor per parameter, ``p.shape``
     or ``[K, *p.shape]``. From :meth:`vivit.LowRankGGN.operator` or
     :meth:`vivit.StreamingGGN.operator` (``products``, the group's ``params`` and
-    ``eigenpairs`` for :meth:`pinv_matvec`).
+    ``eigenpairs`` for :meth:`pinv_matvec`). For a model sharded with FSDP2,
+    ``DTensor`` vectors are gathered and their results sharded alike (``gather``,
+    ``place``: ``docs/math.rst``, "Models sharded with FSDP2").
 
     Attributes:
         shape: ``(D, D)``.
@@ -81,8 +83,11 @@ class GGNOperator:
         products: OperatorProducts,
         params: Sequence[Parameter],
         eigenpairs: Eigenpairs,
+        gather: Callable[[Tensor], Tensor] | None = None,
+        place: Callable[[list[Tensor], int], list[Tensor]] | None = None,
     ):
         self._products = products
+        self._gather, self._place = gather, place
         self._shapes = [p.shape for p in params]
         self._eigenpairs = eigenpairs
         size = sum(p.numel() for p in params)
@@ -175,7 +180,10 @@ class GGNOperator:
                 return flat.squeeze(1) if single else flat
 
         else:
-            rows = [torch.as_tensor(v).to(self.dtype) for v in vectors]
+            given = [torch.as_tensor(v) for v in vectors]
+            whole = [v if self._gather is None else self._gather(v) for v in given]
+            sharded = any(w is not v for w, v in zip(whole, given, strict=True))
+            rows = [v.to(self.dtype) for v in whole]
             shapes = [tuple(v.shape) for v in rows]
             batched = [s[1:] for s in shapes] == expected
             if shapes == expected:
@@ -189,4 +197,9 @@ class GGNOperator:
                     f"{expected} (optionally with a leading axis K), got {shapes}."
                 )
         rows = [row.to(self._products.dtype) for row in rows]
+        if not isinstance(vectors, Tensor) and sharded:  # as sharded as they came
+            leading = int(shapes != expected)
+            return rows, lambda result: self._place(
+                restore([r.to(self.dtype) for r in result]), leading
+            )
         return rows, lambda result: restore([r.to(self.dtype) for r in result])
