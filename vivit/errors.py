@@ -55,6 +55,10 @@ class ProductsTooLargeError(VivitError, MemoryError):
     """The implicit route's GGN-vector products and Krylov basis would not fit."""
 
 
+class ModelTooLargeError(VivitError, MemoryError):
+    """An FSDP2 model would not fit gathered whole on a rank."""
+
+
 class NondeterministicDataError(VivitError, RuntimeError):
     """A data loader yielded different batches in two passes over it."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +22,7 @@ from tests.distributed.jobs import failure_results
 from tests.distributed.spawn import run_rank
 from vivit import LowRankGGN, StreamingGGN
 from vivit.analysis import CurvatureMonitor
+from vivit.memory import estimate_memory
 from vivit.optim import DampedNewton
 
 #: Leading eigenpairs of every scenario.
@@ -221,11 +223,36 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     model, loss_func, inputs, targets = build("mlp")
     model = sharded(model, [model[0], model[2]])
     x, y = shard_of(inputs, targets, rank, world_size)
-    if rank == world_size - 1:
-        y = y + 10
-    return failure_results(
-        {"bad targets": lambda: LowRankGGN(model, loss_func, (x, y), route="gram")}
+    last = rank == world_size - 1
+    small = mock.patch(  # the last rank has 16 bytes free
+        "vivit.distributed.sharded.available_bytes",
+        return_value=16 if last else 2**40,
     )
+
+    def too_large() -> None:
+        with small:
+            LowRankGGN(model, loss_func, (x, y), route="gram")
+
+    bad = y + 10 if last else y
+    return failure_results(
+        {
+            "bad targets": lambda: LowRankGGN(model, loss_func, (x, bad), route="gram"),
+            "too large": too_large,
+        }
+    )
+
+
+def estimate(rank: int, world_size: int) -> dict[str, int]:
+    """``estimate_memory`` of the sharded MLP: the gathered bytes, and the total."""
+    model, loss_func, inputs, _ = build("mlp")
+    model = sharded(model, [model[0], model[2]])
+    result = estimate_memory(model, inputs[:2], 8, loss_func=loss_func, top_k=TOP_K)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    return {
+        "gathered": result.gathered,
+        "total": result.total,
+        "expected": 8 * (sum(p.numel() for p in model.parameters()) - local),
+    }
 
 
 def job_results(job: int, rank: int, world_size: int) -> dict:
@@ -238,6 +265,7 @@ def job_results(job: int, rank: int, world_size: int) -> dict:
         "training": training(rank, world_size),
         "streaming": streaming(rank, world_size),
         "failures": failures(rank, world_size),
+        "estimate": estimate(rank, world_size),
     }
 
 

@@ -106,3 +106,23 @@ def test_an_error_on_one_rank_raises_on_every_rank(jobs, world_size):
     assert_raised_on_every_rank(
         results, {"bad targets": "InvalidTargetsError"}, world_size - 1
     )
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_model_too_large_to_gather_is_refused_on_every_rank(jobs, world_size):
+    """Before any gather, with the short rank's numbers (16 bytes free there)."""
+    for result in jobs[world_size]:
+        kind, message = result["failures"]["too large"]
+        assert kind == "ModelTooLargeError", message
+        assert f"rank {world_size - 1} needs" in message
+        assert "16 B available" in message
+        assert "rank 0 needs" not in message
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_estimate_holds_the_gathered_model(jobs, world_size):
+    """``gathered``: the D entries beyond the rank's shards, 8 bytes each."""
+    for result in jobs[world_size]:
+        estimate = result["estimate"]
+        assert estimate["gathered"] == estimate["expected"] > 0
+        assert estimate["total"] > estimate["gathered"]

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module, Parameter
 
-from vivit.errors import InvalidArgumentError
+from vivit.errors import InvalidArgumentError, ModelTooLargeError
+from vivit.gram.memory import available_bytes, format_bytes
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -129,6 +131,7 @@ class GatheredModel:
     def __init__(self, model: Module):
         self._twins: dict[int, Parameter] = {}
         callers = []
+        check_gathered_fits(model)
         for param in model.parameters():  # the collectives, in one order everywhere
             if is_sharded(param) and id(param) not in self._twins:
                 twin = Parameter(param.full_tensor().detach(), param.requires_grad)
@@ -173,6 +176,44 @@ class GatheredModel:
         }
         twin.__dict__.update(state)
         return twin
+
+
+def gathered_bytes(model: Module) -> int:
+    """Bytes a rank adds by gathering ``model``'s sharded parameters whole."""
+    params = {id(p): p for p in model.parameters() if is_sharded(p)}.values()
+    return sum((p.numel() - p.to_local().numel()) * p.element_size() for p in params)
+
+
+def check_gathered_fits(model: Module) -> None:
+    """Refuse, on every rank of the model's mesh, a model too large to gather.
+
+    One ``all_gather_object`` of each rank's need and available bytes.
+
+    Raises:
+        ModelTooLargeError: If the gathered parameters exceed a rank's available
+            memory (:func:`vivit.gram.memory.available_bytes`).
+    """
+    sharded = [p for p in model.parameters() if is_sharded(p)]
+    mesh = sharded[0].device_mesh
+    group = mesh.get_group() if mesh.ndim == 1 else None
+    need = gathered_bytes(model)
+    mine = (need, available_bytes(sharded[0].device))
+    every: list[tuple[int, int]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    short = [
+        f"rank {rank} needs {format_bytes(need)} with {format_bytes(free)} available"
+        for rank, (need, free) in enumerate(every)
+        if need > free
+    ]
+    if short:
+        raise ModelTooLargeError(
+            "The curvature of a model sharded with FSDP2 runs on a copy gathered "
+            f"whole on every rank (docs/math.rst, 'Models sharded with FSDP2'): "
+            f"{'; '.join(short)}. Free memory on those ranks (e.g. delete the "
+            "optimizer's state first), run fewer ranks per machine so that each "
+            "has room for the whole model, or ask for the curvature of a smaller "
+            "model."
+        )
 
 
 def local_view(model: Module) -> tuple[Module, ParamPlacement]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from torch.nn import Module, Parameter
@@ -16,6 +17,7 @@ from vivit._validation import (
     check_positive_int,
     check_subsampling,
 )
+from vivit.distributed.sharded import gathered_bytes, local_view
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import available_bytes, resident_bytes
 from vivit.linalg.top_k import check_solver
@@ -238,7 +240,9 @@ def _estimate(
     sizes: Sizes,
     top_k: int | None,
 ) -> MemoryEstimate:
-    groups = _checked_groups(model, example_inputs, param_groups)
+    gathered = gathered_bytes(model)
+    model, placement = local_view(model)  # a collective for FSDP2
+    groups = _checked_groups(model, example_inputs, placement.groups(param_groups))
     check_solver(options.solver, top_k)
     plan = sized_plan(model, example_inputs, loss_func, groups, options, sizes)
     if plan.route == "implicit" and top_k is None:
@@ -253,8 +257,10 @@ def _estimate(
             "inputs (the logger 'vivit' says why, level INFO)."
         )
     if plan.route == "implicit":
-        return plan.implicit_estimate(top_k)
-    return plan.gram_estimate(top_k, options.solver)
+        estimate = plan.implicit_estimate(top_k)
+    else:
+        estimate = plan.gram_estimate(top_k, options.solver)
+    return dataclasses.replace(estimate, gathered=gathered)
 
 
 def _checked_groups(

@@ -79,6 +79,8 @@ class MemoryEstimate:
             basis (closed forms).
         basis_columns: Columns of the implicit route's Krylov basis, and
             ``default_columns`` those of its default one (memory may cut it).
+        gathered: An FSDP2 model's parameters gathered whole on the rank,
+            beyond its shards (``docs/math.rst``, "Models sharded with FSDP2").
     """
 
     route: str
@@ -91,13 +93,14 @@ class MemoryEstimate:
     solve: int
     basis_columns: int | None = None
     default_columns: int | None = None
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        """Peak bytes: the passes, or the kept factors with the solve."""
+        """Peak bytes: the passes, or the kept factors with the solve; gathered."""
         if self.route == "implicit":
-            return self.passes + self.solve
-        return max(self.passes, self.kept + self.solve)
+            return self.gathered + self.passes + self.solve
+        return self.gathered + max(self.passes, self.kept + self.solve)
 
     def __str__(self) -> str:
         cut = ""
@@ -110,6 +113,8 @@ class MemoryEstimate:
             else f"passes {format_bytes(self.passes)}, factors "
             f"{format_bytes(self.kept)}, {self.solver} solve {format_bytes(self.solve)}"
         )
+        if self.gathered:
+            parts += f", the gathered model {format_bytes(self.gathered)}"
         return f"{format_bytes(self.total)} on the {self.route} route ({parts})"
 
 
