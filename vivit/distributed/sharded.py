@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 #: Where FSDP2's classes and hooks are defined (what the twin leaves out).
 FSDP_MODULE = "torch.distributed.fsdp"
+#: The prefixes of the attributes FSDP2 sets on a module (its state, its flags).
+FSDP_STATE = ("__composable_api_state_key", "_fsdp", "_is_fsdp")
 
 
 def _dtensor_type() -> type | None:
@@ -151,7 +153,7 @@ class GatheredModel:
         memo[id(module)] = twin
         state = {}
         for name, value in vars(module).items():
-            if name.startswith("__composable_api_state_key") or "fsdp" in name:
+            if name.startswith(FSDP_STATE):
                 continue
             if name.endswith("hooks") and isinstance(value, dict):
                 value = type(value)(
