@@ -122,8 +122,9 @@ class GatheredModel:
 
     Its modules are new objects of the original classes sharing the caller's
     buffers, unsharded parameters and other attributes; the caller's own hooks
-    stay. Building it is a collective (one all-gather per sharded parameter, in the
-    order of ``model.parameters()``): every rank of the model's mesh builds it.
+    stay. Building it is a collective (:func:`check_gathered_fits`, then one
+    all-gather per sharded parameter in the order of ``model.parameters()``):
+    every rank of the model's mesh builds it.
 
     Attributes:
         module: The twin.
@@ -176,6 +177,9 @@ class GatheredModel:
             name: None if child is None else self._twin(child, memo)
             for name, child in module._modules.items()
         }
+        # the same buffers in its own registry: what the twin registers stays its own
+        state["_buffers"] = dict(module._buffers)
+        state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
         twin.__dict__.update(state)
         return twin
 
