@@ -55,6 +55,7 @@ from tests.fixtures.reference import (
     per_sample_gradients,
 )
 from vivit.errors import DistributedError
+from vivit.linalg.top_k import IMPLICIT_BLOCK
 from vivit.memory.plan import Plan, Sizes
 from vivit.memory.request import agreed_plan, fixed_route
 from vivit.options import CurvatureOptions
@@ -237,7 +238,7 @@ def test_an_error_on_one_rank_raises_on_every_rank(jobs, world_size):
         "top_k": "make different calls: rank {last} computes the memory check "
         "for top_k=4, rank 0 the memory check for top_k=3",
         "seed": "make different calls: rank {last} computes G·v of group 0 along "
-        "3 vectors (digest",
+        f"{min(TOP_K, IMPLICIT_BLOCK)} vectors (digest",  # the first block
         "directions": "make different calls: rank {last} computes γ, λ of group 0 "
         "along 2 vectors",
         "solver": "rank {last} asks for route='implicit', rank 0 for solver='auto'",

@@ -47,7 +47,7 @@ from vivit.linalg.iterative import (
     default_tolerance,
 )
 from vivit.linalg.krylov_basis import orthonormalize
-from vivit.linalg.top_k import leading_eigenpairs
+from vivit.linalg.top_k import IMPLICIT_BLOCK, leading_eigenpairs
 
 ITERATIVE = ["gram_krylov", "factor_krylov"]
 TOP_K = 3
@@ -290,7 +290,7 @@ def test_a_narrow_block_finds_every_copy_of_a_multiple_eigenvalue(case, width):
 def test_a_narrow_block_alone_misses_copies(monkeypatch, case):
     """Without the check, a block of 2 converges to eigenpairs that are not the
     leading ones: smaller eigenvalues take the place of unseen copies."""
-    monkeypatch.setattr(iterative, "narrow_block_doubt", lambda *args: None)
+    monkeypatch.setattr(iterative, "cluster_doubt", lambda *args: None)
     evals, top_k = MULTIPLE[case]
     A = psd_matrix(evals.double())
     found, vectors, report = block_krylov_eigh(
@@ -302,20 +302,72 @@ def test_a_narrow_block_alone_misses_copies(monkeypatch, case):
     assert (found.flip(0) - expected).abs().max() >= 0.5  # not the leading
 
 
+def test_a_converged_cluster_widens_at_once(monkeypatch):
+    """Three copies of the leading eigenvalue converge long before the rest: a
+    block of 2 stops once two of them have converged above smaller Ritz values
+    and widens at once, not after its own solve (``docs/math.rst``, "Narrow
+    blocks"); the pairs are the reference's within ``tol·λ_max``."""
+    evals = torch.cat(
+        [
+            torch.full((3,), 2.0, dtype=torch.float64),
+            torch.linspace(1, 0, 297, dtype=torch.float64),
+        ]
+    )
+    A = psd_matrix(evals)
+    found, _, report = block_krylov_eigh(
+        A.__matmul__, 300, 6, dtype=torch.float64, block_size=2
+    )
+    assert report.block_size == 6 and "2 Ritz values from 2 to 2" in report.widened
+    assert_top_eigvals(found, evals.flip(0), report.tolerance)
+    _, _, wide = block_krylov_eigh(A.__matmul__, 300, 6, dtype=torch.float64)
+    narrow = report.products - wide.products
+    # only the final check: the narrow solve runs to its end before widening
+    final = iterative.cluster_doubt
+    monkeypatch.setattr(
+        iterative,
+        "cluster_doubt",
+        lambda theta, bound, width, converged=None: (
+            None if converged is not None else final(theta, bound, width)
+        ),
+    )
+    _, _, late = block_krylov_eigh(
+        A.__matmul__, 300, 6, dtype=torch.float64, block_size=2
+    )
+    assert late.widened is not None
+    assert narrow < (late.products - wide.products) / 2
+
+
+@pytest.mark.parametrize(
+    ("converged", "doubt"),
+    [(None, True), ([True] * 4, True), ([False, True, True, True], True),
+     ([True, False, True, True], False), ([True, True, True, False], True)],
+)  # fmt: skip
+def test_cluster_doubt_counts_converged_clusters_only(converged, doubt):
+    """During a solve, only a cluster whose pairs have all converged counts;
+    those below it need not have converged."""
+    theta = torch.tensor([1.0, 2.0, 2.0, 4.0], dtype=torch.float64)
+    mask = None if converged is None else torch.tensor(converged)
+    found = iterative.cluster_doubt(theta, 1e-8, 2, mask)
+    assert (found is not None) == doubt
+
+
 def test_a_narrow_block_needs_fewer_products_on_a_simple_spectrum():
-    """Distinct eigenvalues: nothing to doubt, the narrow block's pairs are
-    returned, after fewer products than with ``b = k``."""
+    """Distinct eigenvalues: nothing to doubt, the narrow blocks' pairs are
+    returned, after fewer products the narrower the block (``IMPLICIT_BLOCK``
+    = 2 against 3 and ``b = k``; ``docs/math.rst``, "Narrow blocks")."""
     evals = torch.linspace(1, 0, 300, dtype=torch.float64) ** 3
     A = psd_matrix(evals)
-    found, vectors, report = block_krylov_eigh(
-        A.__matmul__, 300, 10, dtype=torch.float64, block_size=3
-    )
-    assert report.widened is None and report.block_size == 3
-    assert_top_eigvals(found, evals.flip(0), report.tolerance)
-    residual = (A @ vectors - vectors * found).norm(dim=0).max()
-    assert residual <= report.tolerance * found.max()
-    _, _, wide = block_krylov_eigh(A.__matmul__, 300, 10, dtype=torch.float64)
-    assert report.products < wide.products
+    products = []
+    for width in (IMPLICIT_BLOCK, 3, None):
+        found, vectors, report = block_krylov_eigh(
+            A.__matmul__, 300, 10, dtype=torch.float64, block_size=width
+        )
+        assert report.widened is None and report.block_size == (width or 10)
+        assert_top_eigvals(found, evals.flip(0), report.tolerance)
+        residual = (A @ vectors - vectors * found).norm(dim=0).max()
+        assert residual <= report.tolerance * found.max()
+        products.append(report.products)
+    assert products == sorted(set(products))  # strictly fewer, narrower
 
 
 def test_a_multiple_eigenvalue_at_the_bottom_needs_no_wider_block():

@@ -51,6 +51,7 @@ from vivit.errors import (
 )
 from vivit.linalg.iterative import SolverReport
 from vivit.linalg.solvers import numerical_zero_tolerance
+from vivit.linalg.top_k import IMPLICIT_BLOCK
 from vivit.memory import estimate_memory
 from vivit.memory.plan import ESTIMATE_FACTOR
 from vivit.optim import DampedNewton
@@ -94,14 +95,14 @@ def test_eigenpairs_match_dense(name):
 
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_narrow_blocks_match_dense(name):
-    """Top 8 in blocks of 3 (``IMPLICIT_BLOCK``): every problem's spectrum is
+    """Top 8 in blocks of ``IMPLICIT_BLOCK``: every problem's spectrum is
     certain without a wider block (``docs/math.rst``, "Narrow blocks")."""
     s = PROBLEMS[name].setup()
     ggn = LowRankGGN(s.model, s.loss_func, (s.inputs, s.targets), route="implicit")
     G = dense_ggn(s.model, s.loss_func, s.inputs, s.targets)
     evals, evecs = ggn.eigh(top_k=8)
     report = ggn.solver_report()
-    assert report.block_size == 3 and report.widened is None
+    assert report.block_size == IMPLICIT_BLOCK and report.widened is None
     assert_top_eigvals(evals, torch.linalg.eigvalsh(G), EIGVAL_RTOL[torch.float64])
     nc = ggn._source.group(0).num_rows
     assert_eigenpairs(evals, evecs, G, nc, tol=report.tolerance)
@@ -142,8 +143,9 @@ def test_one_group_per_layer_matches_the_blocks_of_dense(name):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
     """A linear layer under MSE: ``G = c Σ x̃ x̃ᵀ ⊗ I₃``, every eigenvalue three
-    times. Blocks of 3 see clusters of 3 above smaller eigenvalues, so the top 7
-    are solved again with ``b = 7`` and match the reference."""
+    times. Blocks of ``b = IMPLICIT_BLOCK ≤ 3`` see clusters of ``b`` above smaller
+    eigenvalues, so the top 7 are solved again with ``b = 7`` and match the
+    reference."""
     generator = torch.Generator().manual_seed(0)
     model = nn.Linear(4, 3).double()
     X = torch.randn(6, 4, dtype=torch.float64, generator=generator)
@@ -153,7 +155,8 @@ def test_copies_of_multiple_eigenvalues_are_all_found(reduction):
     G = dense_ggn(model, loss_func, X, y)
     evals, evecs = ggn.eigh(top_k=7)
     report = ggn.solver_report()
-    assert report.block_size == 7 and "3 Ritz values" in report.widened
+    assert report.block_size == 7
+    assert f"{IMPLICIT_BLOCK} Ritz values" in report.widened
     reference = torch.linalg.eigvalsh(G)
     # the two leading eigenvalues, three copies each (the reference's own D·ε)
     triples = reference[-6:].view(2, 3)

@@ -97,8 +97,9 @@ def block_krylov_eigh(
     Every returned pair has ``‖A u − θ u‖ ≤ tolerance · θ_max``: ``tol``, or twice
     the products' measured rounding where that is larger. Deterministic for a
     given ``seed``. Where :func:`narrow_block_doubt` doubts a narrow block's pairs,
-    the solve runs again with ``b = top_k`` (or the widest block ``max_columns``
-    allows); the report's ``widened`` says why.
+    or :func:`cluster_doubt` its converged Ritz pairs during the solve, the solve
+    runs again with ``b = top_k`` (or the widest block ``max_columns`` allows);
+    the report's ``widened`` says why.
 
     Args:
         matmul: ``U ↦ A U`` for ``U`` ``[size, b]``.
@@ -139,8 +140,12 @@ def block_krylov_eigh(
     width = default_block_size(top_k, size) if block_size is None else block_size
     width = min(size, max(width, 1))
 
-    def solve(width: int) -> tuple[Tensor, Tensor, SolverReport]:
-        """One solve with block size ``width``."""
+    def solve(width: int) -> tuple[Tensor, Tensor, SolverReport, str | None]:
+        """One solve with block size ``width``, and why its pairs are in doubt.
+
+        A solve that a converged cluster puts in doubt stops there: its pairs are
+        ``None`` and its report (not converged) counts the products.
+        """
         capacity = basis_capacity(width, size, depth, top_k)
         cut = None
         cycles, stagnation = max_restarts + 1, STAGNATION_CYCLES
@@ -176,6 +181,23 @@ def block_krylov_eigh(
             products += rows.shape[0]
             return matmul(rows.to(dtype).T).T
 
+        def report(cycle: int, residual: float, converged: bool) -> SolverReport:
+            """The report of this solve."""
+            return SolverReport(
+                solver="gram_krylov",
+                requested="gram_krylov",
+                residual=residual,
+                tolerance=limit,
+                converged=converged,
+                cycles=cycle,
+                products=products,
+                rounding=rounding,
+                requested_tolerance=tol,
+                basis_columns=capacity,
+                basis_cut=cut,
+                block_size=width,
+            )
+
         krylov = KrylovBasis(capacity, size, storage, device)
         krylov.append(block, apply(block))
         for cycle in range(1, cycles + 1):
@@ -185,7 +207,15 @@ def block_krylov_eigh(
                 theta, coefficients = theta[-top_k:], restart_coefficients[:, -top_k:]
                 new, residual_gram = krylov.expansion()
                 fits = new is not None and new.shape[0] <= krylov.room
-                residual = krylov.estimated_residual(theta, coefficients, residual_gram)
+                residuals = krylov.estimated_residuals(
+                    theta, coefficients, residual_gram
+                )
+                residual = residuals.max().item()
+                if width < top_k and theta.numel() == top_k:
+                    # copies found now stay (docs/math.rst, "Narrow blocks")
+                    doubt = cluster_doubt(theta, limit, width, residuals <= limit)
+                    if doubt is not None:
+                        return None, None, report(cycle, residual, False), doubt
                 # a narrow block confirms once the basis holds top_k Ritz pairs
                 ready = residual <= limit and theta.numel() == top_k
                 if ready or not fits:  # confirm, or the last chance
@@ -201,21 +231,9 @@ def block_krylov_eigh(
                     if residual <= limit:
                         if limit > tol:
                             _warn_rounding_floor(tol, limit, residual, rounding, dtype)
-                        report = SolverReport(
-                            solver="gram_krylov",
-                            requested="gram_krylov",
-                            residual=residual,
-                            tolerance=limit,
-                            converged=True,
-                            cycles=cycle,
-                            products=products,
-                            rounding=rounding,
-                            requested_tolerance=tol,
-                            basis_columns=capacity,
-                            basis_cut=cut,
-                            block_size=width,
-                        )
-                        return theta.to(dtype), ritz.to(dtype).T, report
+                        found = report(cycle, residual, True)
+                        doubt = narrow_block_doubt(theta, found, width, top_k)
+                        return theta.to(dtype), ritz.to(dtype).T, found, doubt
                 if not fits:
                     break
                 krylov.append(new, apply(new))
@@ -245,9 +263,8 @@ def block_krylov_eigh(
 
     total_products, widened = 0, None
     while True:
-        theta, vectors, report = solve(width)
+        theta, vectors, report, doubt = solve(width)
         total_products += report.products
-        doubt = narrow_block_doubt(theta, report, width, top_k)
         if doubt is None:
             break
         widened = widened or doubt
@@ -286,14 +303,31 @@ def narrow_block_doubt(
             f"{report.tolerance:.1e}, above the {report.requested_tolerance:.1e} "
             "asked for"
         )
+    return cluster_doubt(theta, report.tolerance, width)
+
+
+def cluster_doubt(
+    theta: Tensor, bound: float, width: int, converged: Tensor | None = None
+) -> str | None:
+    """A cluster of at least ``width`` Ritz values above smaller ones, or ``None``.
+
+    Values within ``CLUSTER_FACTOR · bound · θ_max`` of their neighbours form a
+    cluster; with ``converged`` (a mask, during a solve) only one whose pairs all
+    have residuals within ``bound`` counts (``docs/math.rst``, "Narrow blocks").
+    """
     scale = theta.abs().max().item()
-    close = (theta.diff() <= CLUSTER_FACTOR * report.tolerance * scale).tolist()
+    close = (theta.diff() <= CLUSTER_FACTOR * bound * scale).tolist()
     start = 0
     for index, joined in enumerate([*close, False]):
         if not joined:
             size = index + 1 - start
-            if size >= width and start > 0:
-                values = theta[start : index + 1]
+            members = slice(start, index + 1)
+            if (
+                size >= width
+                and start > 0
+                and (converged is None or bool(converged[members].all()))
+            ):
+                values = theta[members]
                 return (
                     f"{size} Ritz values from {values.min().item():.6g} to "
                     f"{values.max().item():.6g} agree within the residual bound, "

@@ -157,14 +157,14 @@ class KrylovBasis:
         )
         return theta[-keep:], coefficients
 
-    def estimated_residual(
+    def estimated_residuals(
         self, theta: Tensor, coefficients: Tensor, residual_gram: Tensor
-    ) -> float:
-        """``max ‖A u − θ u‖ / max |θ|`` from ``‖R s_last‖`` (:meth:`expansion`)."""
+    ) -> Tensor:
+        """Each ``‖A u − θ u‖ / max |θ|`` from ``‖R s_last‖`` (:meth:`expansion`)."""
         scale = theta.abs().max().item()
         last = coefficients[self._last]
         squares = ((residual_gram @ last) * last).sum(dim=0).clamp(min=0)
-        return squares.max().sqrt().item() / scale if scale > 0 else 0.0
+        return squares.sqrt() / scale if scale > 0 else torch.zeros_like(squares)
 
     def ritz_vectors(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
         """Ritz vectors ``Q s`` and images ``A Q s``, rows in the basis' type."""

@@ -34,9 +34,10 @@ RENAMED = {
     "matrix_free": "solver='factor_krylov'",
     "implicit": "a route: route='implicit', chosen at construction",
 }
-#: Block size of the implicit route's products (at most ``top_k``): thinner blocks
-#: take fewer products (``benchmarks/README.md``, "Narrow blocks").
-IMPLICIT_BLOCK = 3
+#: Block size of the implicit route's products (at most ``top_k``): products run one
+#: vector at a time, and thinner blocks take fewer of them; a single vector cannot
+#: tell copies of an eigenvalue apart (``docs/math.rst``, "Narrow blocks").
+IMPLICIT_BLOCK = 2
 #: Extra columns of the block of Gram products beyond ``top_k``.
 GRAM_OVERSAMPLING = 8
 
