@@ -10,6 +10,7 @@ results gathered (``full_tensor``) and with their local shards.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from unittest import mock
@@ -22,6 +23,7 @@ from tests.distributed.jobs import failure_results
 from tests.distributed.spawn import run_rank
 from vivit import LowRankGGN, StreamingGGN
 from vivit.analysis import CurvatureMonitor
+from vivit.huggingface import causal_lm_targets, token_logits
 from vivit.memory import estimate_memory
 from vivit.optim import DampedNewton
 
@@ -31,6 +33,8 @@ TOP_K = 3
 TOL = 1e-12
 #: Samples of each rank's shard (uneven).
 SHARDS = {2: (3, 5), 3: (2, 4, 3)}
+#: Whether ``transformers`` (the test extra) is installed: GPT-2's scenarios.
+HF = importlib.util.find_spec("transformers") is not None
 #: Tokens per sequence of the attention block, and its vocabulary.
 TOKENS, VOCAB = 5, 11
 
@@ -52,7 +56,7 @@ class CausalBlock(nn.Module):
         return self.head(self.norm(x + mixed)).transpose(1, 2)
 
 
-def build(name: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+def build(name: str) -> tuple[nn.Module, nn.Module, Tensor | dict, Tensor]:
     """Model (float64, seed 0), loss and the union's data."""
     torch.manual_seed(0)
     if name == "mlp":
@@ -65,12 +69,22 @@ def build(name: str) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
         )
         inputs, targets = torch.randn(12, 1, 5, 5), torch.randn(12, 4)
         loss = nn.MSELoss(reduction="sum")
+    elif name == "gpt2":  # Hugging Face's, its head tied to the token embedding
+        from tests.fixtures.hf_models import VOCAB as GPT2_VOCAB
+        from tests.fixtures.hf_models import gpt2
+
+        model = gpt2().eval()
+        tokens = torch.randint(0, GPT2_VOCAB, (12, TOKENS))
+        inputs = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}
+        targets = causal_lm_targets(**inputs)
+        loss = nn.CrossEntropyLoss()
     else:
         model = CausalBlock()
         inputs = torch.randint(0, VOCAB, (12, TOKENS))
         targets = torch.randint(0, VOCAB, (12, TOKENS))
         loss = nn.CrossEntropyLoss()
-    inputs = inputs.double() if inputs.is_floating_point() else inputs
+    if isinstance(inputs, Tensor) and inputs.is_floating_point():
+        inputs = inputs.double()
     return model.double(), loss, inputs, targets.double() if name == "cnn" else targets
 
 
@@ -79,7 +93,8 @@ class Scenario:
     """One request on one FSDP2-sharded problem.
 
     Attributes:
-        model: ``"mlp"``, ``"cnn"`` or ``"attention"`` (:class:`CausalBlock`).
+        model: ``"mlp"``, ``"cnn"``, ``"attention"`` (:class:`CausalBlock`) or
+            ``"gpt2"`` (Hugging Face's, ``tests/fixtures/hf_models.py``).
         units: Every layer its own ``fully_shard`` unit and the root (else the
             root alone).
         route: ``"gram"`` (``solver="dense"``) or ``"implicit"``.
@@ -105,6 +120,11 @@ SCENARIOS = {
         ("attention", True, "gram", False),
         ("attention", True, "implicit", False),
     ]
+    + (
+        [("gpt2", True, "gram", False), ("gpt2", False, "implicit", False)]
+        if HF
+        else []
+    )
 }
 
 
@@ -112,7 +132,10 @@ def shard_of(inputs: Tensor, targets: Tensor, rank: int, world_size: int):
     """This rank's samples (``SHARDS``, in rank order)."""
     sizes = SHARDS[world_size]
     start = sum(sizes[:rank])
-    return inputs[start : start + sizes[rank]], targets[start : start + sizes[rank]]
+    rows = slice(start, start + sizes[rank])
+    if isinstance(inputs, dict):
+        return {key: value[rows] for key, value in inputs.items()}, targets[rows]
+    return inputs[rows], targets[rows]
 
 
 def sharded(model: nn.Module, units: list[nn.Module] | None) -> nn.Module:
@@ -151,18 +174,20 @@ def run_scenario(scenario: Scenario, rank: int, world_size: int) -> dict:
     if scenario.loader:
         half = len(data[0]) // 2
         data = [(data[0][:half], data[1][:half]), (data[0][half:], data[1][half:])]
-    units = {"mlp": [0, 2], "cnn": [0, 3]}.get(scenario.model)
-    modules = (
-        [model[i] for i in units]
-        if units
-        else [model.embed, model.attend, model.norm, model.head]
-    )
+    if scenario.model == "gpt2":
+        modules = list(model.transformer.h)
+    elif scenario.model == "attention":
+        modules = [model.embed, model.attend, model.norm, model.head]
+    else:
+        modules = [model[i] for i in {"mlp": [0, 2], "cnn": [0, 3]}[scenario.model]]
     model = sharded(model, modules if scenario.units else None)
     options = (
         {"route": "gram", "solver": "dense"}
         if scenario.route == "gram"
         else {"route": "implicit", "solver_tol": TOL}
     )
+    if scenario.model == "gpt2":
+        options["output"] = token_logits
     fsdp = LowRankGGN(model, loss_func, data, **options)
     reference = LowRankGGN(plain, loss_func, data, **options)
     return {

@@ -111,10 +111,19 @@ class ParamPlacement:
     def groups(
         self, param_groups: Sequence[Sequence[Tensor]] | None
     ) -> list[list[Tensor]] | None:
-        """The caller's parameter groups in the twin's parameters (``None`` stays)."""
-        if param_groups is None:
-            return None
-        return [[self._twins.get(id(p), p) for p in group] for group in param_groups]
+        """The caller's parameter groups in the twin's parameters.
+
+        Anything but a sequence of lists or tuples stays as it is, for the checks
+        of the groups to name (``None``: every parameter).
+        """
+        if not self._twins or not isinstance(param_groups, list | tuple):
+            return param_groups
+        return [
+            [self._twins.get(id(p), p) for p in group]
+            if isinstance(group, list | tuple)
+            else group
+            for group in param_groups
+        ]
 
 
 class GatheredModel:
@@ -200,6 +209,8 @@ def check_gathered_fits(model: Module) -> None:
             memory (:func:`vivit.gram.memory.available_bytes`).
     """
     sharded = [p for p in model.parameters() if is_sharded(p)]
+    if not sharded:  # every parameter left unsharded (FSDP's ignored_params)
+        return
     mesh = sharded[0].device_mesh
     group = mesh.get_group() if mesh.ndim == 1 else None
     need = gathered_bytes(model)

@@ -240,6 +240,7 @@ def _estimate(
     sizes: Sizes,
     top_k: int | None,
 ) -> MemoryEstimate:
+    check_model(model)  # before the gather reads its parameters
     gathered = gathered_bytes(model)
     model, placement = local_view(model)  # a collective for FSDP2
     groups = _checked_groups(model, example_inputs, placement.groups(param_groups))
