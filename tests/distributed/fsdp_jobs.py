@@ -17,7 +17,9 @@ from unittest import mock
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 from tests.distributed.jobs import failure_results
 from tests.distributed.spawn import run_rank
@@ -244,7 +246,8 @@ def streaming(rank: int, world_size: int) -> dict[str, Tensor]:
 
 
 def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
-    """The last rank's targets out of range: every rank raises, none hangs."""
+    """Every rank raises, none hangs: the last rank's targets out of range, or its
+    memory short of the gathered model; DTensor parameters without FSDP2."""
     model, loss_func, inputs, targets = build("mlp")
     model = sharded(model, [model[0], model[2]])
     x, y = shard_of(inputs, targets, rank, world_size)
@@ -258,11 +261,19 @@ def failures(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
         with small:
             LowRankGGN(model, loss_func, (x, y), route="gram")
 
+    def tensor_parallel() -> None:  # DTensor parameters without fully_shard
+        plain, _, _, _ = build("mlp")
+        mesh = init_device_mesh("cpu", (world_size,))
+        weight = plain[2].weight.detach()
+        plain[2].weight = nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
+        LowRankGGN(plain, loss_func, (x, y), route="gram")
+
     bad = y + 10 if last else y
     return failure_results(
         {
             "bad targets": lambda: LowRankGGN(model, loss_func, (x, bad), route="gram"),
             "too large": too_large,
+            "tensor parallel": tensor_parallel,
         }
     )
 

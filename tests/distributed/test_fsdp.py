@@ -131,6 +131,14 @@ def test_a_model_too_large_to_gather_is_refused_on_every_rank(jobs, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_dtensor_parameters_without_fsdp2_are_refused_by_name(jobs, world_size):
+    for result in jobs[world_size]:
+        kind, message = result["failures"]["tensor parallel"]
+        assert kind == "InvalidArgumentError", message
+        assert "no module wrapped by torch.distributed.fsdp.fully_shard" in message
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_the_estimate_holds_the_gathered_model(jobs, world_size):
     """``gathered``: the D entries beyond the rank's shards, 8 bytes each."""
     for result in jobs[world_size]:
