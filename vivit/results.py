@@ -62,7 +62,7 @@ class CurvatureResults:
         self._options = options
         # an FSDP2 model's parameter-space results are sharded like its parameters
         self._placement = placement or ParamPlacement()
-        self.param_groups = source.param_groups
+        self.param_groups = self._placement.callers(source.param_groups)
         self.loss = source.loss
         self.engine = source.engine
         self._decompositions: dict[int, tuple[Tensor, Tensor]] = {}

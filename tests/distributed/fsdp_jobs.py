@@ -192,6 +192,9 @@ def run_scenario(scenario: Scenario, rank: int, world_size: int) -> dict:
         options["output"] = token_logits
     fsdp = LowRankGGN(model, loss_func, data, **options)
     reference = LowRankGGN(plain, loss_func, data, **options)
+    # the caller's parameters, not the gathered twin's
+    callers = zip(fsdp.param_groups[0], model.parameters(), strict=True)
+    assert all(p is q for p, q in callers)
     return {
         "fsdp": results(fsdp, lambda t: t.full_tensor()),
         "plain": results(reference, lambda t: t),

@@ -108,6 +108,12 @@ class ParamPlacement:
             )
         return placed
 
+    def callers(self, param_groups: Sequence[Sequence[Tensor]]) -> list[list[Tensor]]:
+        """The twin's parameter groups in the caller's parameters (:meth:`groups`'s)."""
+        return [
+            [self._caller_of.get(id(p), p) for p in group] for group in param_groups
+        ]
+
     def groups(
         self, param_groups: Sequence[Sequence[Tensor]] | None
     ) -> list[list[Tensor]] | None:
