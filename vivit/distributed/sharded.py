@@ -69,9 +69,12 @@ class ParamPlacement:
         self,
         twins: dict[int, Parameter] | None = None,
         callers: Sequence[DTensor] = (),
+        gathered: int = 0,
     ):
         self._twins = twins or {}  # id(caller's parameter) -> the twin's
         self._caller_of = {id(self._twins[id(p)]): p for p in callers}
+        #: Bytes the gather added beyond the rank's shards.
+        self.gathered = gathered
 
     @property
     def sharded(self) -> bool:
@@ -149,13 +152,13 @@ class GatheredModel:
     def __init__(self, model: Module):
         self._twins: dict[int, Parameter] = {}
         callers = []
-        check_gathered_fits(model)
+        gathered = check_gathered_fits(model)
         for param in model.parameters():  # the collectives, in one order everywhere
             if is_sharded(param) and id(param) not in self._twins:
                 twin = Parameter(param.full_tensor().detach(), param.requires_grad)
                 self._twins[id(param)] = twin
                 callers.append(param)
-        self.placement = ParamPlacement(self._twins, callers)
+        self.placement = ParamPlacement(self._twins, callers, gathered)
         self.module = self._twin(model, {})
 
     def _twin(self, module: Module, memo: dict[int, Module]) -> Module:
@@ -205,10 +208,11 @@ def gathered_bytes(model: Module) -> int:
     return sum((p.numel() - p.to_local().numel()) * p.element_size() for p in params)
 
 
-def check_gathered_fits(model: Module) -> None:
-    """Refuse, on every rank of the model's mesh, a model too large to gather.
+def check_gathered_fits(model: Module) -> int:
+    """The bytes gathering ``model`` adds to a rank, checked on every rank.
 
-    One ``all_gather_object`` of each rank's need and available bytes.
+    One ``all_gather_object`` of each rank's need and available bytes; where one
+    rank lacks them, every rank of the model's mesh raises.
 
     Raises:
         ModelTooLargeError: If the gathered parameters exceed a rank's available
@@ -216,7 +220,7 @@ def check_gathered_fits(model: Module) -> None:
     """
     sharded = [p for p in model.parameters() if is_sharded(p)]
     if not sharded:  # every parameter left unsharded (FSDP's ignored_params)
-        return
+        return 0
     mesh = sharded[0].device_mesh
     group = mesh.get_group() if mesh.ndim == 1 else None
     need = gathered_bytes(model)
@@ -237,6 +241,7 @@ def check_gathered_fits(model: Module) -> None:
             "has room for the whole model, or ask for the curvature of a smaller "
             "model."
         )
+    return need
 
 
 def local_view(model: Module) -> tuple[Module, ParamPlacement]:

@@ -164,6 +164,7 @@ class GGNOperator:
         """Rows ``[K, *p.shape]`` in the products' type, and the way back."""
         size = self.shape[0]
         expected = [tuple(shape) for shape in self._shapes]
+        sharded = False  # DTensor rows (an FSDP2 model's), gathered
         if isinstance(vectors, Tensor):
             if vectors.ndim not in (1, 2) or vectors.shape[0] != size:
                 raise InvalidArgumentError(
@@ -197,7 +198,7 @@ class GGNOperator:
                     f"{expected} (optionally with a leading axis K), got {shapes}."
                 )
         rows = [row.to(self._products.dtype) for row in rows]
-        if not isinstance(vectors, Tensor) and sharded:  # as sharded as they came
+        if sharded:  # as sharded as they came
             leading = int(shapes != expected)
             return rows, lambda result: self._place(
                 restore([r.to(self.dtype) for r in result]), leading

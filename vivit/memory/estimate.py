@@ -17,7 +17,7 @@ from vivit._validation import (
     check_positive_int,
     check_subsampling,
 )
-from vivit.distributed.sharded import gathered_bytes, local_view
+from vivit.distributed.sharded import local_view
 from vivit.errors import InvalidArgumentError
 from vivit.gram.memory import available_bytes, resident_bytes
 from vivit.linalg.top_k import check_solver
@@ -44,6 +44,8 @@ def estimate_memory(
     The request runs on a copy of the model on one and two of the example
     samples; its memory is extrapolated to ``batch_size`` samples and the
     route the request would take (``docs/math.rst``, "Memory of a request").
+    For an FSDP2 model it is a collective, as the request is: every rank calls it
+    ("Models sharded with FSDP2").
 
     Example::
 
@@ -240,8 +242,7 @@ def _estimate(
     sizes: Sizes,
     top_k: int | None,
 ) -> MemoryEstimate:
-    check_model(model)  # before the gather reads its parameters
-    gathered = gathered_bytes(model)
+    check_model(model)  # before the gather reads its modules
     model, placement = local_view(model)  # a collective for FSDP2
     groups = _checked_groups(model, example_inputs, placement.groups(param_groups))
     check_solver(options.solver, top_k)
@@ -261,7 +262,7 @@ def _estimate(
         estimate = plan.implicit_estimate(top_k)
     else:
         estimate = plan.gram_estimate(top_k, options.solver)
-    return dataclasses.replace(estimate, gathered=gathered)
+    return dataclasses.replace(estimate, gathered=placement.gathered)
 
 
 def _checked_groups(
